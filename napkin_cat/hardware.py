@@ -1,0 +1,257 @@
+"""Hardware models: GPUs as data (FAN §4–5; REFERENCE §1.3–1.4).
+
+A :class:`Hardware` is a frozen record of a GPU's memory hierarchy (:class:`Memory` per level, each with
+its capacity and the bandwidth *into* it from the next outer level), its compute rates by dtype, and the
+per-SM limits the performance model needs. Derived figures (clock, bandwidth along a path) are computed
+from those constants, never typed in.
+
+>>> H100.sms, H100.memory(SMEM).capacity, H100.smem_per_block
+(132, 233472, 232448)
+>>> round(H100.clock / 1e9, 3)                    # REFERENCE §1.3: 1979e12 / (132 · 8192)
+1.83
+>>> H100.bandwidth(SMEM)                          # L2 → SMEM (FAN: 6.0e12 values/s at 2 B)
+12000000000000.0
+>>> H100.bandwidth(SMEM, outer=HBM)              # HBM → SMEM is limited by its slowest link
+3350000000000.0
+>>> H200.bandwidth(L2), H200.memory(HBM).capacity == 141 * 10**9
+(4800000000000.0, True)
+>>> from napkin_cat.dtypes import bf16, f16, fp8_e4m3
+>>> A100.flops(f16) / 1e12, H100.flops(fp8_e4m3) / 1e12
+(312.0, 1979.0)
+
+A user-defined model is the same record; :func:`dataclasses.replace` derives variants:
+
+>>> from dataclasses import replace
+>>> slow = replace(A100, name="A100-40GB", memories=A100.with_bandwidth(L2, 1.555e12))
+>>> slow.bandwidth(SMEM, outer=HBM)
+1555000000000.0
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from napkin_cat.dtypes import Dtype
+from napkin_cat.errors import CostError
+from napkin_cat.levels import HBM, L2, REG, SMEM, Level
+
+KiB = 1024
+MiB = 1024 * KiB
+GB = 10**9
+
+
+@dataclass(frozen=True)
+class Memory:
+    """One memory level of a GPU.
+
+    ``capacity`` is in bytes, per SM when ``per_sm`` (SMEM, registers) and device-wide otherwise (HBM, L2).
+    ``bandwidth`` is bytes/s moved into this level from the next outer level of the hardware, summed over
+    the whole device; ``None`` for the outermost level.
+
+    >>> Memory(SMEM, 228 * KiB, per_sm=True, bandwidth=12e12).capacity
+    233472
+    """
+
+    level: Level
+    capacity: int
+    per_sm: bool
+    bandwidth: float | None
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """A GPU model: memory levels (outermost first), compute rates and per-SM limits.
+
+    ``flop_rates`` are dense peak FLOP/s by dtype name (tensor cores for 16- and 8-bit types, CUDA cores
+    for f32); ``flop_per_clk`` are per-SM FLOP per clock for the tensor-core dtypes, from which the clock
+    is derived. ``exp_per_clk`` is the SFU rate (exponentials per SM per clock), ``alu16_per_clk`` the
+    non-tensor FP16 rate (FLOP per SM per clock), ``smem_bytes_per_clk`` the SMEM → register bandwidth
+    per SM.
+
+    >>> [m.level for m in H100.memories]
+    [HBM, L2, SMEM, REG]
+    """
+
+    name: str
+    sms: int
+    memories: tuple[Memory, ...]
+    flop_rates: tuple[tuple[str, float], ...]
+    flop_per_clk: tuple[tuple[str, int], ...]
+    exp_per_clk: int
+    alu16_per_clk: int
+    smem_per_block: int
+    l1_smem_per_sm: int
+    max_warps_per_sm: int
+    max_regs_per_thread: int
+    warp_size: int = 32
+
+    def memory(self, level: Level) -> Memory:
+        """The :class:`Memory` at ``level``; a :class:`CostError` naming the level if there is none.
+
+        >>> H100.memory(REG).capacity
+        262144
+        >>> from napkin_cat.levels import TC
+        >>> H100.memory(TC)
+        Traceback (most recent call last):
+        ...
+        napkin_cat.errors.CostError: hardware H100 has no memory level TC; its levels: HBM, L2, SMEM, REG
+        """
+        for m in self.memories:
+            if m.level == level:
+                return m
+        levels = ", ".join(m.level.name for m in self.memories)
+        raise CostError(f"hardware {self.name} has no memory level {level.name}; its levels: {levels}")
+
+    def capacity(self, level: Level) -> int:
+        """Bytes available at ``level`` to one SM (per-SM levels) or to the device (HBM, L2).
+
+        >>> A100.capacity(SMEM) // KiB
+        164
+        """
+        return self.memory(level).capacity
+
+    def bandwidth(self, inner: Level, outer: Level | None = None) -> float:
+        """Bytes/s between ``outer`` (default: the next outer level) and ``inner``, device-wide.
+
+        A move that skips levels is limited by the slowest link it crosses.
+
+        >>> H100.bandwidth(REG) > H100.bandwidth(SMEM) > H100.bandwidth(L2)
+        True
+        """
+        self.memory(inner)
+        if outer is not None:
+            self.memory(outer)
+        if outer is not None and outer >= inner:
+            raise CostError(f"bandwidth from {outer.name} to {inner.name}: {outer.name} is not outside {inner.name}")
+        links = [m for m in self.memories if (outer is None or m.level > outer) and m.level <= inner]
+        if outer is None:
+            links = links[-1:]
+        if any(m.bandwidth is None for m in links):
+            raise CostError(f"hardware {self.name} has no level outside {inner.name} to transfer from")
+        return min(m.bandwidth for m in links)
+
+    def flops(self, dtype: Dtype) -> float:
+        """Dense peak FLOP/s for operands of ``dtype``.
+
+        >>> from napkin_cat.dtypes import fp8_e4m3
+        >>> A100.flops(fp8_e4m3)
+        Traceback (most recent call last):
+        ...
+        napkin_cat.errors.CostError: hardware A100 has no compute rate for fp8_e4m3; rates for: f16, bf16, f32
+        """
+        rates = dict(self.flop_rates)
+        if dtype.name not in rates:
+            raise CostError(
+                f"hardware {self.name} has no compute rate for {dtype.name}; rates for: {', '.join(rates)}"
+            )
+        return rates[dtype.name]
+
+    def flops_per_clk(self, dtype: Dtype) -> int:
+        """Tensor-core FLOP per SM per clock for ``dtype`` (REFERENCE §1.3 row 15).
+
+        >>> from napkin_cat.dtypes import bf16, fp8_e4m3
+        >>> H100.flops_per_clk(fp8_e4m3), H100.flops_per_clk(bf16)
+        (8192, 4096)
+        """
+        per_clk = dict(self.flop_per_clk)
+        if dtype.name not in per_clk:
+            raise CostError(f"hardware {self.name} has no per-clock tensor rate for {dtype.name}")
+        return per_clk[dtype.name]
+
+    @property
+    def clock(self) -> float:
+        """Tensor-core clock in Hz: the fastest dense rate ÷ (SMs × FLOP per SM per clock).
+
+        >>> round(A100.clock / 1e9, 2)
+        1.41
+        """
+        name, per_clk = max(self.flop_per_clk, key=lambda item: dict(self.flop_rates)[item[0]])
+        return dict(self.flop_rates)[name] / (self.sms * per_clk)
+
+    def with_bandwidth(self, level: Level, bandwidth: float) -> tuple[Memory, ...]:
+        """The memories with the bandwidth into ``level`` replaced (for :func:`dataclasses.replace`).
+
+        >>> H100.with_bandwidth(L2, 4.8e12)[1].bandwidth
+        4800000000000.0
+        """
+        self.memory(level)
+        return tuple(replace(m, bandwidth=bandwidth) if m.level == level else m for m in self.memories)
+
+    def with_capacity(self, level: Level, capacity: int) -> tuple[Memory, ...]:
+        """The memories with the capacity of ``level`` replaced (for :func:`dataclasses.replace`).
+
+        >>> H100.with_capacity(HBM, 141 * GB)[0].capacity
+        141000000000
+        """
+        self.memory(level)
+        return tuple(replace(m, capacity=capacity) if m.level == level else m for m in self.memories)
+
+
+# --- NVIDIA A100 SXM4 80GB -------------------------------------------------------------------------
+# Sources: NVIDIA A100 datasheet (80GB SXM) and "NVIDIA A100 Tensor Core GPU Architecture" whitepaper
+# (2020); CUDA C++ Programming Guide, compute capability 8.0 table; REFERENCE §1.4.
+_A100_FP16 = 312e12  # datasheet: FP16/BF16 tensor, dense
+_A100_CLOCK = _A100_FP16 / (108 * 2048)  # whitepaper: 1024 dense FP16 FMA/clk/SM → 1.41 GHz boost
+A100 = Hardware(
+    name="A100",
+    sms=108,  # whitepaper: 108 SMs enabled on A100
+    memories=(
+        Memory(HBM, 80 * GB, per_sm=False, bandwidth=None),  # datasheet: 80 GB HBM2e
+        Memory(L2, 40 * MiB, per_sm=False, bandwidth=2.039e12),  # datasheet: 2,039 GB/s HBM; 40 MB L2
+        # whitepaper: L2 read bandwidth 5120 B/clk
+        Memory(SMEM, 164 * KiB, per_sm=True, bandwidth=5120 * _A100_CLOCK),  # CUDA guide cc 8.0: 164 KB/SM
+        # CUDA guide: 64K 32-bit registers/SM; SMEM delivers 32 banks × 4 B per clock per SM
+        Memory(REG, 256 * KiB, per_sm=True, bandwidth=128 * 108 * _A100_CLOCK),
+    ),
+    flop_rates=(("f16", _A100_FP16), ("bf16", _A100_FP16), ("f32", 19.5e12)),  # datasheet (f32: CUDA cores)
+    flop_per_clk=(("f16", 2048), ("bf16", 2048)),  # whitepaper: 1024 dense FP16 FMA per SM per clock
+    exp_per_clk=16,  # whitepaper: 4 SFUs per SM sub-partition × 4 sub-partitions
+    alu16_per_clk=512,  # datasheet: 78 TFLOP/s non-tensor FP16 = 108 × 512 × 1.41 GHz
+    smem_per_block=163 * KiB,  # CUDA guide cc 8.0: 163 KB max per block (opt-in)
+    l1_smem_per_sm=192 * KiB,  # whitepaper: 192 KB combined L1/shared memory per SM
+    max_warps_per_sm=64,  # CUDA guide cc 8.0: 2048 threads per SM
+    max_regs_per_thread=255,  # CUDA guide: 255 registers per thread
+)
+
+# --- NVIDIA H100 SXM5 80GB -------------------------------------------------------------------------
+# Sources: NVIDIA H100 datasheet (SXM5) and "NVIDIA H100 Tensor Core GPU Architecture" whitepaper (2022);
+# CUDA C++ Programming Guide, compute capability 9.0 table; FAN §4–5 (REFERENCE §1.3 rows 13–15).
+_H100_FP8 = 1979e12  # datasheet: FP8 tensor, dense (3,958 with sparsity)
+_H100_CLOCK = _H100_FP8 / (132 * 8192)  # REFERENCE §1.3: 1.830 GHz
+H100 = Hardware(
+    name="H100",
+    sms=132,  # whitepaper: 132 SMs on H100 SXM5
+    memories=(
+        Memory(HBM, 80 * GB, per_sm=False, bandwidth=None),  # datasheet: 80 GB HBM3
+        Memory(L2, 50 * MiB, per_sm=False, bandwidth=3.35e12),  # datasheet: 3.35 TB/s HBM; 50 MB L2
+        Memory(SMEM, 228 * KiB, per_sm=True, bandwidth=12.0e12),  # CUDA guide cc 9.0; FAN: 6.0e12 values/s × 2 B
+        Memory(REG, 256 * KiB, per_sm=True, bandwidth=128 * 132 * _H100_CLOCK),  # 64K regs; 128 B/clk SMEM
+    ),
+    flop_rates=(
+        ("f16", 989e12),  # datasheet: FP16/BF16 tensor 1,979 TFLOP/s with sparsity, dense half
+        ("bf16", 989e12),
+        ("fp8_e4m3", _H100_FP8),
+        ("fp8_e5m2", _H100_FP8),
+        ("f32", 67e12),  # datasheet: FP32 (CUDA cores)
+    ),
+    flop_per_clk=(("f16", 4096), ("bf16", 4096), ("fp8_e4m3", 8192), ("fp8_e5m2", 8192)),  # FAN row 15
+    exp_per_clk=16,  # FAN (REFERENCE §1.3 row 15): SFU exp 16/clk per SM
+    alu16_per_clk=512,  # FAN (REFERENCE §1.3 row 15): FP16 ALU 512/clk per SM
+    smem_per_block=227 * KiB,  # CUDA guide cc 9.0: 227 KB max per block (REFERENCE §2: 232,448 B)
+    l1_smem_per_sm=256 * KiB,  # whitepaper: 256 KB combined L1/shared memory per SM
+    max_warps_per_sm=64,  # CUDA guide cc 9.0: 2048 threads per SM
+    max_regs_per_thread=255,  # CUDA guide: 255 registers per thread
+)
+
+# --- NVIDIA H200 SXM 141GB -------------------------------------------------------------------------
+# Same GH100 die as H100 SXM5 (compute, SMs, caches); datasheet: 141 GB HBM3e at 4.8 TB/s.
+# REFERENCE §1.4 lists a 60 MB L2; the GH100 die carries 50 MB, which we keep (no number here uses it).
+H200 = replace(
+    H100,
+    name="H200",
+    memories=H100.with_capacity(HBM, 141 * GB)[:1] + H100.with_bandwidth(L2, 4.8e12)[1:],
+)
+
+HARDWARE = (A100, H100, H200)
+
+__all__ = ["A100", "GB", "H100", "H200", "HARDWARE", "Hardware", "KiB", "Memory", "MiB"]
