@@ -22,8 +22,10 @@ from those constants, never typed in.
 A user-defined model is the same record; :func:`dataclasses.replace` derives variants:
 
 >>> from dataclasses import replace
->>> slow = replace(A100, name="A100-40GB", memories=A100.with_bandwidth(L2, 1.555e12))
->>> slow.bandwidth(SMEM, outer=HBM)
+>>> slow = replace(H100, name="H100-slow", memories=H100.with_bandwidth(L2, 2e12))
+>>> slow.bandwidth(SMEM, outer=HBM), slow.clock == H100.clock
+(2000000000000.0, True)
+>>> A100_40GB.bandwidth(L2)
 1555000000000.0
 """
 
@@ -252,6 +254,13 @@ H200 = replace(
     memories=H100.with_capacity(HBM, 141 * GB)[:1] + H100.with_bandwidth(L2, 4.8e12)[1:],
 )
 
-HARDWARE = (A100, H100, H200)
+# --- NVIDIA A100 SXM4 40GB: the 80GB model with its datasheet HBM2 (40 GB at 1,555 GB/s) ---------------
+A100_40GB = replace(
+    A100,
+    name="A100-40GB",
+    memories=A100.with_capacity(HBM, 40 * GB)[:1] + A100.with_bandwidth(L2, 1.555e12)[1:],
+)
 
-__all__ = ["A100", "GB", "H100", "H200", "HARDWARE", "Hardware", "KiB", "Memory", "MiB"]
+HARDWARE = (A100, A100_40GB, H100, H200)
+
+__all__ = ["A100", "A100_40GB", "GB", "H100", "H200", "HARDWARE", "Hardware", "KiB", "Memory", "MiB"]
