@@ -1,0 +1,58 @@
+"""napkin-cat: string diagrams for deep learning, verified relabellings, sympy costs, Pallas kernels.
+
+>>> import napkin_cat as nc
+>>> q, x, d = nc.axes("q x d")
+>>> attn = nc.library.attention(q, x, d)
+>>> print(attn.dom, "→", attn.cod)
+q×d ⊗ x×d ⊗ x×d → q×d
+"""
+
+from napkin_cat import library
+from napkin_cat.axes import Axis, axes
+from napkin_cat.diagram import Array, Box, Diagram, Template, Ty, copy, discard, id, swap  # noqa: A004
+from napkin_cat.dtypes import Dtype, bf16, f16, f32, fp8_e4m3, fp8_e5m2
+from napkin_cat.errors import AxisError, CompositionError, CostError, EvaluationError, NapkinError
+from napkin_cat.generators import (
+    Context,
+    Generator,
+    add,
+    cast,
+    causal_mask,
+    contract,
+    divide,
+    elementwise,
+    exp,
+    gelu,
+    log,
+    mask,
+    merge,
+    move,
+    multiply,
+    normalised_contract,
+    reduce_max,
+    reduce_min,
+    reduce_sum,
+    relu,
+    rsqrt,
+    scale,
+    score_mod,
+    silu,
+    softmax,
+    softmax_contract,
+    split,
+    sqrt,
+    square,
+    subtract,
+    tanh,
+)
+from napkin_cat.levels import HBM, L2, REG, SMEM, TC, Level
+from napkin_cat.semantics import to_jax
+
+__all__ = [
+    "HBM", "L2", "REG", "SMEM", "TC", "Array", "Axis", "AxisError", "Box", "CompositionError", "Context",
+    "CostError", "Diagram", "Dtype", "EvaluationError", "Generator", "Level", "NapkinError", "Template", "Ty",
+    "add", "axes", "bf16", "cast", "causal_mask", "contract", "copy", "discard", "divide", "elementwise", "exp",
+    "f16", "f32", "fp8_e4m3", "fp8_e5m2", "gelu", "id", "library", "log", "mask", "merge", "move", "multiply",
+    "normalised_contract", "reduce_max", "reduce_min", "reduce_sum", "relu", "rsqrt", "scale", "score_mod",
+    "silu", "softmax", "softmax_contract", "split", "sqrt", "square", "subtract", "swap", "tanh", "to_jax",
+]

@@ -1,0 +1,127 @@
+"""Axes: the wires of neural circuit diagrams.
+
+An :class:`Axis` has a name and a size, a sympy expression (a positive integer symbol by default).
+It may carry FAN's partition labels: a *group* size ``g`` (tiling, a → (a/g) × g, one group per core)
+and a *stream* size ``s`` (streaming, the axis is visited in chunks of ``s``). Relabellings only change
+these labels; the size stays the whole axis, ``(a/g)·g``.
+
+>>> q, x, d = axes("q x d")
+>>> q
+Axis('q')
+>>> q.size
+q
+>>> axes("n d", d=64)[1].size
+64
+>>> t = q.tiled(128); t.groups, t.local_size
+(q/128, 128)
+>>> x.streamed(64)
+Axis('x', stream=64)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import sympy
+
+from napkin_cat.errors import AxisError
+
+
+def _size(name: str, size) -> sympy.Expr:
+    if size is None:
+        return sympy.Symbol(name, positive=True, integer=True)
+    if isinstance(size, int | sympy.Integer) and int(size) <= 0:
+        raise AxisError(f"axis {name!r}: size must be positive, got {size}")
+    return sympy.sympify(size)
+
+
+@dataclass(frozen=True, init=False)
+class Axis:
+    """A named array axis with a sympy size and optional FAN partition labels.
+
+    >>> Axis("d", 64) == Axis("d", 64)
+    True
+    >>> Axis("d", 64) == Axis("d")
+    False
+    """
+
+    name: str
+    size: sympy.Expr
+    group: sympy.Expr | None = None
+    stream: sympy.Expr | None = None
+
+    def __init__(self, name: str, size=None, *, group=None, stream=None):
+        if not isinstance(name, str) or not name.isidentifier():
+            raise AxisError(f"axis name must be an identifier, got {name!r}")
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "size", _size(name, size))
+        for label, value in (("group", group), ("stream", stream)):
+            if value is not None:
+                value = sympy.sympify(value)
+                if value.is_number and (value <= 0 or not value.is_integer):
+                    raise AxisError(f"axis {name!r}: {label} size must be a positive integer, got {value}")
+                if value.is_number and self.size.is_number and value > self.size:
+                    raise AxisError(f"axis {name!r}: {label} size {value} exceeds the axis size {self.size}")
+            object.__setattr__(self, label, value)
+
+    def __repr__(self) -> str:
+        args = [repr(self.name)]
+        if self.size != sympy.Symbol(self.name, positive=True, integer=True):
+            args.append(str(self.size) if self.size.is_number else f"sympy.sympify({str(self.size)!r})")
+        args += [f"{k}={v}" for k, v in (("group", self.group), ("stream", self.stream)) if v is not None]
+        return f"Axis({', '.join(args)})"
+
+    def __str__(self) -> str:
+        labels = "".join(f"{m}{v}" for m, v in (("/", self.group), ("~", self.stream)) if v is not None)
+        return self.name + labels
+
+    @property
+    def is_symbolic(self) -> bool:
+        return not self.size.is_number
+
+    @property
+    def local_size(self) -> sympy.Expr:
+        """The extent one core holds at a time: ``s`` if streamed, else ``g`` if tiled, else the size."""
+        return self.stream if self.stream is not None else self.group if self.group is not None else self.size
+
+    @property
+    def groups(self) -> sympy.Expr:
+        """Number of groups (tiles) ``a/g``; 1 for an untiled axis."""
+        return self.size / self.group if self.group is not None else sympy.Integer(1)
+
+    @property
+    def chunks(self) -> sympy.Expr:
+        """Number of stream chunks ``a/s`` (within one group when also tiled); 1 if not streamed."""
+        outer = self.group if self.group is not None else self.size
+        return outer / self.stream if self.stream is not None else sympy.Integer(1)
+
+    def tiled(self, g) -> Axis:
+        """This axis relabelled with group size ``g`` (FAN's group partition)."""
+        return Axis(self.name, self.size, group=g, stream=self.stream)
+
+    def streamed(self, s) -> Axis:
+        """This axis relabelled with stream size ``s`` (FAN's stream partition)."""
+        return Axis(self.name, self.size, group=self.group, stream=s)
+
+    def unlabelled(self) -> Axis:
+        """This axis without partition labels."""
+        return replace(self, group=None, stream=None) if self.group or self.stream else self
+
+    def resized(self, size) -> Axis:
+        """This axis with a concrete (or other symbolic) size, labels kept."""
+        return Axis(self.name, size, group=self.group, stream=self.stream)
+
+
+def axes(names: str, **sizes) -> tuple[Axis, ...]:
+    """Axes from a space-separated string of names; keyword arguments give sizes.
+
+    >>> b, n = axes("b n", n=128)
+    >>> (b.size, n.size)
+    (b, 128)
+    """
+    out = tuple(Axis(n, sizes.pop(n, None)) for n in names.split())
+    if sizes:
+        raise AxisError(f"sizes given for axes not named in {names!r}: {sorted(sizes)}")
+    if len({a.name for a in out}) != len(out):
+        raise AxisError(f"repeated axis name in {names!r}")
+    return out

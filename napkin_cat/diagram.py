@@ -1,0 +1,346 @@
+"""The adapter to discopy: arrays are objects, generators are boxes, diagrams are ``discopy.markov`` diagrams.
+
+This is the only module that imports discopy. Objects are :class:`Array` types (axes, dtype, memory
+level); a wire carries one array. Composition ``>>`` and tensor ``@`` are discopy's, with typed errors
+that name the offending wires. Diagrams compare equal up to interchange, swaps and copies: two
+diagrams are equal when they compute the same terms from their inputs.
+
+>>> from napkin_cat.axes import axes
+>>> q, d = axes("q d")
+>>> A = Array(q, d)
+>>> A
+Array(Axis('q'), Axis('d'))
+>>> print(A)
+q×d
+>>> A @ A
+Ty(Array(Axis('q'), Axis('d')), Array(Axis('q'), Axis('d')))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import sympy
+from discopy import cat, markov, monoidal
+from discopy.cat import factory
+
+from napkin_cat.axes import Axis
+from napkin_cat.dtypes import Dtype, f32
+from napkin_cat.dtypes import dtype as as_dtype
+from napkin_cat.errors import AxisError, CompositionError
+from napkin_cat.levels import HBM, Level
+from napkin_cat.levels import level as as_level
+
+
+class Array(cat.Ob):
+    """An array type: named axes, a dtype and a memory level (the wire's colour).
+
+    >>> from napkin_cat.axes import Axis
+    >>> from napkin_cat.dtypes import bf16
+    >>> Array(Axis("n", 8), dtype=bf16).shape
+    (8,)
+    """
+
+    def __init__(self, *axes: Axis, dtype: Dtype | str = f32, level: Level | str = HBM):
+        names = [a.name for a in axes]
+        for a in axes:
+            if not isinstance(a, Axis):
+                raise AxisError(f"Array axes must be Axis objects, got {a!r}")
+        if len(set(names)) != len(names):
+            raise AxisError(f"repeated axis in array {'×'.join(names)}")
+        self.axes, self.dtype, self.level = tuple(axes), as_dtype(dtype), as_level(level)
+        super().__init__("×".join(str(a) for a in axes) or "scalar")
+
+    def __eq__(self, other):
+        return isinstance(other, Array) and (self.axes, self.dtype, self.level) == (other.axes, other.dtype, other.level)
+
+    def __hash__(self):
+        return hash((self.axes, self.dtype, self.level))
+
+    def __repr__(self):
+        extra = "".join(
+            f", {k}={v}" for k, v, default in (("dtype", self.dtype, f32), ("level", self.level, HBM)) if v != default
+        )
+        return f"Array({', '.join(map(repr, self.axes))}{extra})"
+
+    def __str__(self):
+        return self.name
+
+    def __matmul__(self, other):
+        return Ty(self) @ other
+
+    def describe(self) -> str:
+        """Axes, dtype and level, for error messages: ``q×d:bf16@HBM``."""
+        return f"{self.name}:{self.dtype}@{self.level}"
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.axes)
+
+    @property
+    def shape(self) -> tuple:
+        """Sizes of the axes (sympy expressions; ints where concrete)."""
+        return tuple(int(a.size) if a.size.is_number else a.size for a in self.axes)
+
+    @property
+    def size(self) -> sympy.Expr:
+        """Number of elements, a sympy expression."""
+        return sympy.Mul(*(a.size for a in self.axes))
+
+    @property
+    def local_size(self) -> sympy.Expr:
+        """Elements one core holds at a time: tiled axes count ``g``, streamed axes ``s``."""
+        return sympy.Mul(*(a.local_size for a in self.axes))
+
+    def axis(self, name: str) -> Axis:
+        for a in self.axes:
+            if a.name == name:
+                return a
+        raise AxisError(f"array {self.describe()} has no axis {name!r}")
+
+    def has(self, name: str) -> bool:
+        return name in self.names
+
+    def with_(self, *, axes: Iterable[Axis] | None = None, dtype=None, level=None) -> Array:
+        """A copy with some of axes, dtype and level replaced."""
+        return Array(
+            *(self.axes if axes is None else axes),
+            dtype=self.dtype if dtype is None else dtype,
+            level=self.level if level is None else level,
+        )
+
+
+@factory
+class Ty(monoidal.Ty):
+    """A tuple of arrays (the monoidal product)."""
+
+    ob_factory = Array
+
+    def __repr__(self):
+        return f"Ty({', '.join(map(repr, self.inside))})"
+
+    def __str__(self):
+        return " ⊗ ".join(map(str, self.inside)) or "Ty()"
+
+    def __matmul__(self, other):
+        return self.tensor(Ty(other) if isinstance(other, Array) else other)
+
+
+def as_ty(x) -> Ty:
+    """Coerce an :class:`Array`, a :class:`Ty` or an iterable of arrays to a :class:`Ty`."""
+    if isinstance(x, Ty):
+        return x
+    if isinstance(x, Array):
+        return Ty(x)
+    return Ty(*x)
+
+
+def _mismatch(left: Ty, right: Ty) -> str:
+    if len(left) != len(right):
+        return f"{len(left)} wires ({left}) cannot feed {len(right)} wires ({right})"
+    lines = []
+    for i, (a, b) in enumerate(zip(left.inside, right.inside, strict=True)):
+        if a == b:
+            continue
+        why = []
+        if a.names != b.names:
+            why.append(f"axes {a.name} ≠ {b.name}")
+        elif a.axes != b.axes:
+            why += [f"axis {x.name}: {x!r} ≠ {y!r}" for x, y in zip(a.axes, b.axes, strict=True) if x != y]
+        if a.dtype != b.dtype:
+            why.append(f"dtype {a.dtype} ≠ {b.dtype}")
+        if a.level != b.level:
+            why.append(f"level {a.level} ≠ {b.level}")
+        lines.append(f"wire {i}: {a.describe()} → {b.describe()} ({'; '.join(why)})")
+    return "; ".join(lines)
+
+
+@factory
+class Diagram(markov.Diagram):
+    """A string diagram of array operations.
+
+    >>> from napkin_cat import library, axes
+    >>> q, x, d = axes("q x d")
+    >>> attn = library.attention(q, x, d)
+    >>> print(attn.dom)
+    q×d ⊗ x×d ⊗ x×d
+    >>> attn == library.attention(q, x, d)
+    True
+    """
+
+    ty_factory = Ty
+
+    def then(self, *others):
+        cod, resolved = self.cod, []
+        for other in others:
+            other = other(cod) if isinstance(other, Template) else other
+            if not isinstance(other, Diagram):
+                raise CompositionError(f"cannot compose a diagram with {other!r}")
+            if cod != other.dom:
+                raise CompositionError(f"cannot compose: {_mismatch(cod, other.dom)}")
+            resolved.append(other)
+            cod = other.cod
+        return super().then(*resolved)
+
+    def __rshift__(self, other):
+        return self.then(other)
+
+    def tensor(self, other=None, *others):
+        if isinstance(other, Array | Ty):
+            other = Diagram.id(as_ty(other))
+        return super().tensor(other, *others) if other is not None else self
+
+    def __matmul__(self, other):
+        return self.tensor(other)
+
+    # --- functors on objects: the relabellings are built from this one map --------------------
+    def map_arrays(self, f: Callable[[Array], Array]) -> Diagram:
+        """The diagram with every wire's array replaced by ``f(array)``, boxes retyped to match.
+
+        A flat, linear-time walk over the layers (discopy's functor is quadratic).
+        """
+        def ty(t):
+            return Ty(*map(f, t.inside))
+
+        layers = tuple(
+            monoidal.Layer(ty(left), _retype(box, ty), ty(right)) for left, box, right in self.inside
+        )
+        return Diagram(layers, ty(self.dom), ty(self.cod), _scan=False)
+
+    def weave(self, *axes: Axis) -> Diagram:
+        """Broadcast the diagram over new leading axes (NCD's weaving; ``jax.vmap``).
+
+        >>> from napkin_cat import library, axes
+        >>> h, q, x, d = axes("h q x d")
+        >>> print(library.attention(q, x, d).weave(h).cod)
+        h×q×d
+        """
+        for a in axes:
+            if not isinstance(a, Axis):
+                raise AxisError(f"weave takes Axis objects, got {a!r}")
+        names = {a.name for a in axes}
+        for wire in set(self.dom.inside) | set(self.cod.inside) | {o for b in self.boxes for o in b.dom.inside}:
+            clash = names & set(wire.names)
+            if clash:
+                raise AxisError(f"cannot weave over {sorted(clash)}: wire {wire.describe()} already has it")
+        return self.map_arrays(lambda a: a.with_(axes=(*axes, *a.axes)))
+
+    # --- equality up to interchange, swaps and copies ----------------------------------------
+    def terms(self) -> tuple:
+        """The output terms: each output as the nested application of boxes to input positions."""
+        stack: list = [("in", i) for i in range(len(self.dom))]
+        for left, box, _ in self.inside:
+            n = len(left)
+            ins = stack[n : n + len(box.dom)]
+            stack[n : n + len(box.dom)] = _term_step(box, ins)
+        return tuple(stack)
+
+    def __eq__(self, other):
+        if not isinstance(other, Diagram):
+            return False
+        return (self.dom, self.cod) == (other.dom, other.cod) and (
+            self.inside == other.inside or self.terms() == other.terms()
+        )
+
+    def __hash__(self):
+        return hash((self.dom, self.cod, self.terms()))
+
+    def __str__(self):
+        return " >> ".join(_layer_str(layer) for layer in self.inside) or f"Id({self.dom})"
+
+
+def _layer_str(layer) -> str:
+    box = layer[1]
+    return f"{box.name}[{box.dom} → {box.cod}]"
+
+
+def _term_step(box, ins: list) -> list:
+    if isinstance(box, markov.Swap):
+        return ins[::-1]
+    if isinstance(box, markov.Copy):  # Discard is a Copy with n = 0
+        return ins * len(box.cod)
+    key = (box.name, box.dom, box.cod, box.data, tuple(ins))
+    return [(key, i) for i in range(len(box.cod))]
+
+
+def _retype(box, ty):
+    if isinstance(box, markov.Swap):
+        return Swap(ty(box.left), ty(box.right))
+    if isinstance(box, markov.Copy):
+        return Copy(ty(box.dom), len(box.cod))
+    return box.retyped(ty(box.dom), ty(box.cod))
+
+
+class Box(markov.Box, Diagram):
+    """A box whose parameters are a hashable tuple in ``data``; subclasses are the generators."""
+
+    __ambiguous_inheritance__ = (markov.Box,)
+
+    def retyped(self, dom: Ty, cod: Ty) -> Box:
+        """The same generator on other wires (used by weaving and the relabellings)."""
+        return type(self)(self.name, dom, cod, data=self.data)
+
+
+class Copy(markov.Copy, Box):
+    """Copy a wire ``n`` times (``n = 0`` discards it)."""
+
+    __ambiguous_inheritance__ = (markov.Copy,)
+
+    def __init__(self, x, n: int = 2):
+        markov.Copy.__init__(self, as_ty(x), n)
+
+
+class Discard(markov.Discard, Box):
+    __ambiguous_inheritance__ = (markov.Discard,)
+
+
+class Merge(markov.Merge, Box):
+    __ambiguous_inheritance__ = (markov.Merge,)
+
+
+class Swap(markov.Swap, Box):
+    __ambiguous_inheritance__ = (markov.Swap,)
+
+
+Diagram.copy_factory, Diagram.merge_factory = Copy, Merge
+Diagram.braid_factory, Diagram.discard_factory = Swap, Discard
+
+
+def id(x=()) -> Diagram:  # noqa: A001 - the identity, as in the mathematics
+    """The identity on an array or tuple of arrays."""
+    return Diagram.id(as_ty(x))
+
+
+def copy(x, n: int = 2) -> Diagram:
+    """Copy an array ``n`` times."""
+    return Copy(as_ty(x), n)
+
+
+def discard(x) -> Diagram:
+    """Discard an array."""
+    return Copy(as_ty(x), 0)
+
+
+def swap(x, y) -> Diagram:
+    """Swap two arrays."""
+    return Diagram.swap(as_ty(x), as_ty(y))
+
+
+class Template:
+    """A generator waiting for the array it acts on: ``d >> nc.softmax(x)`` instantiates it on ``d.cod``.
+
+    >>> from napkin_cat import axes, softmax, Array
+    >>> q, x = axes("q x")
+    >>> print((id(Array(q, x)) >> softmax(x)).cod)
+    q×x
+    """
+
+    def __init__(self, make: Callable, *args, **kwargs):
+        self.make, self.args, self.kwargs = make, args, kwargs
+
+    def __call__(self, ty) -> Diagram:
+        ty = as_ty(ty)
+        return self.make(*ty.inside, *self.args, **self.kwargs)
+
+    def __repr__(self):
+        return f"{self.make.__name__}(…, {', '.join(map(repr, self.args))})"

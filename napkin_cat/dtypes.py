@@ -1,0 +1,71 @@
+"""Element types of the arrays on wires.
+
+A :class:`Dtype` is data: a name, a width in bits, and the JAX dtype it stands for.
+
+>>> bf16.bytes, f32.bytes, fp8_e4m3.bytes
+(2, 4, 1)
+>>> bf16
+bf16
+>>> dtype('float16') is f16
+True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+
+
+@dataclass(frozen=True)
+class Dtype:
+    """An element type: ``name`` (short), ``bits``, ``jax_name`` (the ``jnp`` attribute)."""
+
+    name: str
+    bits: int
+    jax_name: str
+
+    @property
+    def bytes(self) -> int:
+        return self.bits // 8
+
+    @property
+    def jnp(self):
+        """The JAX dtype, e.g. ``jnp.bfloat16``."""
+        return getattr(jnp, self.jax_name)
+
+    @property
+    def is_low_precision(self) -> bool:
+        """True for 16-bit and 8-bit types (they accumulate in f32)."""
+        return self.bits < 32
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+f32 = Dtype("f32", 32, "float32")
+bf16 = Dtype("bf16", 16, "bfloat16")
+f16 = Dtype("f16", 16, "float16")
+fp8_e4m3 = Dtype("fp8_e4m3", 8, "float8_e4m3fn")
+fp8_e5m2 = Dtype("fp8_e5m2", 8, "float8_e5m2")
+i32 = Dtype("i32", 32, "int32")
+bool_ = Dtype("bool", 8, "bool_")
+
+DTYPES = (f32, bf16, f16, fp8_e4m3, fp8_e5m2, i32, bool_)
+
+
+def dtype(x) -> Dtype:
+    """The :class:`Dtype` for a name, a JAX/numpy dtype, or a :class:`Dtype` itself.
+
+    >>> dtype(jnp.bfloat16)
+    bf16
+    """
+    if isinstance(x, Dtype):
+        return x
+    name = jnp.dtype(x).name if not isinstance(x, str) or x not in {d.name for d in DTYPES} else x
+    for d in DTYPES:
+        if name in (d.name, d.jax_name):
+            return d
+    from napkin_cat.errors import NapkinError
+
+    raise NapkinError(f"unknown dtype {x!r}; known: {', '.join(d.name for d in DTYPES)}")

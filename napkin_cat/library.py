@@ -1,0 +1,161 @@
+"""The architecture library: common computations as diagrams.
+
+Every entry is checked against an independent JAX implementation in ``tests/test_library.py``.
+
+>>> from napkin_cat import axes
+>>> q, x, d = axes("q x d")
+>>> print(attention(q, x, d))  # doctest: +NORMALIZE_WHITESPACE
+q d, x d → q x[q×d ⊗ x×d → q×x] >> softmax x[q×x → q×x] >> q x, x d → q d[q×x ⊗ x×d → q×d]
+"""
+
+from __future__ import annotations
+
+import sympy
+
+from napkin_cat import generators as g
+from napkin_cat.axes import Axis
+from napkin_cat.diagram import Array, Diagram, Ty
+from napkin_cat.diagram import id as identity
+from napkin_cat.dtypes import Dtype, f32
+from napkin_cat.errors import AxisError
+
+
+def _scale(d: Axis, scale):
+    return 1 / sympy.sqrt(d.size) if scale is None else scale
+
+
+def attention(
+    q: Axis, x: Axis, d: Axis, *, scale=None, causal: bool = False, mask=None, score_mod=None,
+    dtype: Dtype | str = f32, batch: tuple[Axis, ...] = (), kv_batch: tuple[Axis, ...] | None = None,
+) -> Diagram:
+    """Naive attention ``softmax(Q Kᵀ · scale) V``: ``Q[q,d] ⊗ K[x,d] ⊗ V[x,d] → O[q,d]``.
+
+    ``scale`` defaults to ``1/√d`` (as ``jax.nn.dot_product_attention``); ``causal`` masks keys after
+    the query; ``mask(q=, x=)`` (FlexAttention's ``mask_mod``) and ``score_mod(s, q=, x=)`` read indices.
+    ``batch`` axes index the queries; ``kv_batch`` (default: the same) the keys and values, so
+    grouped-query attention has ``batch=(h_kv, g)``, ``kv_batch=(h_kv,)``. Scores and the softmax are
+    f32; the output has the inputs' ``dtype``.
+
+    >>> from napkin_cat import axes
+    >>> q, x, d = axes("q x d")
+    >>> print(attention(q, x, d, causal=True).boxes[1].name)
+    mask causal(q ≥ x)
+    """
+    kv_batch = batch if kv_batch is None else kv_batch
+    names = [a.name for a in (*batch, q, x, d)]
+    if len(set(names)) != len(names):
+        raise AxisError(f"attention: axes must be distinct, got {names}")
+    for a in kv_batch:
+        if a not in batch:
+            raise AxisError(f"attention: key/value batch axis {a.name!r} must also index the queries")
+    Q, K, V = Array(*batch, q, d, dtype=dtype), Array(*kv_batch, x, d, dtype=dtype), Array(*kv_batch, x, d, dtype=dtype)
+    S = Array(*batch, q, x)
+    scores = g.contract(
+        f"{' '.join(a.name for a in (*batch, q, d))}, {' '.join(a.name for a in (*kv_batch, x, d))} -> "
+        f"{' '.join(a.name for a in (*batch, q, x))}",
+        *batch, q, x, d, scale=_scale(d, scale), dtype=dtype, out_dtype=f32,
+    )
+    d_ = scores @ identity(V)
+    mods = []
+    if score_mod is not None:
+        mods.append(g.score_mod(S, score_mod))
+    if causal:
+        mods.append(g.causal_mask(S, q, x))
+    if mask is not None:
+        mods.append(g.mask(S, mask))
+    for m in mods:
+        d_ = d_ >> (m @ identity(V))
+    out = g.contract(
+        f"{' '.join(a.name for a in (*batch, q, x))}, {' '.join(a.name for a in (*kv_batch, x, d))} -> "
+        f"{' '.join(a.name for a in (*batch, q, d))}",
+        *batch, q, x, d, dtype=(f32, dtype), out_dtype=dtype,
+    )
+    return d_ >> (g.softmax(S, x) @ identity(V)) >> out
+
+
+def multi_head_attention(h: Axis, q: Axis, x: Axis, d: Axis, *, batch: tuple[Axis, ...] = (), **kw) -> Diagram:
+    """Attention weaved over heads ``h`` (and leading ``batch`` axes): ``Q[*batch,h,q,d] ⊗ K ⊗ V → O``.
+
+    >>> from napkin_cat import axes
+    >>> b, h, q, x, d = axes("b h q x d")
+    >>> print(multi_head_attention(h, q, x, d, batch=(b,)).cod)
+    b×h×q×d
+    """
+    return attention(q, x, d, **kw).weave(*batch, h)
+
+
+def grouped_query_attention(hk: Axis, g_: Axis, q: Axis, x: Axis, d: Axis, *, batch: tuple[Axis, ...] = (), **kw):
+    """Grouped-query attention: ``hk`` key/value heads, each shared by ``g_`` query heads.
+
+    ``Q[*batch,hk,g,q,d] ⊗ K[*batch,hk,x,d] ⊗ V[*batch,hk,x,d] → O[*batch,hk,g,q,d]``.
+    """
+    return attention(q, x, d, batch=(hk, g_), kv_batch=(hk,), **kw).weave(*batch)
+
+
+def multi_query_attention(h: Axis, q: Axis, x: Axis, d: Axis, *, batch: tuple[Axis, ...] = (), **kw):
+    """Multi-query attention: ``h`` query heads share one key/value head.
+
+    ``Q[*batch,h,q,d] ⊗ K[*batch,x,d] ⊗ V[*batch,x,d] → O[*batch,h,q,d]``.
+    """
+    return attention(q, x, d, batch=(h,), kv_batch=(), **kw).weave(*batch)
+
+
+def softmax(n: Axis, x: Axis, *, dtype: Dtype | str = f32) -> Diagram:
+    """Softmax of ``S[n, x]`` over ``x``."""
+    return g.softmax(Array(n, x, dtype=dtype), x)
+
+
+def matmul(a: Axis, b: Axis, c: Axis, *, dtype: Dtype | str = f32) -> Diagram:
+    """``A[a,b] ⊗ B[b,c] → C[a,c]``."""
+    return g.contract(f"{a.name} {b.name}, {b.name} {c.name} -> {a.name} {c.name}", a, b, c, dtype=dtype)
+
+
+def _normalise(n: Axis, d: Axis, eps: float, dtype, centre: bool) -> Diagram:
+    X = Array(n, d, dtype=dtype)
+    Xf, row = Array(n, d), Array(n)
+    up = g.cast(X, f32) if dtype != f32 else identity(Xf)
+    if centre:
+        mean = g.reduce_sum(Xf, d) >> g.scale(row, 1 / d.size)
+        centred = Diagram.copy(Ty(Xf)) >> (identity(Xf) @ mean) >> g.subtract(Xf, row)
+        up = up >> centred
+    var = g.square(Xf) >> g.reduce_sum(Xf, d) >> g.scale(row, 1 / d.size) >> g.elementwise("add", row, const=eps)
+    inv = var >> g.rsqrt(row)
+    return up >> Diagram.copy(Ty(Xf)) >> (identity(Xf) @ inv) >> g.multiply(Xf, row)
+
+
+def layer_norm(n: Axis, d: Axis, *, eps: float = 1e-5, dtype: Dtype | str = f32) -> Diagram:
+    """Layer norm over ``d`` with scale ``γ[d]`` and bias ``β[d]``: ``X[n,d] ⊗ γ ⊗ β → Y[n,d]``."""
+    Y = Array(n, d)
+    norm = _normalise(n, d, eps, dtype, centre=True)
+    return (norm @ identity(Array(d)) @ identity(Array(d))) >> (g.multiply(Y, Array(d)) @ identity(Array(d))) >> g.add(
+        Y, Array(d)
+    ) >> _cast_back(Y, dtype)
+
+
+def rms_norm(n: Axis, d: Axis, *, eps: float = 1e-6, dtype: Dtype | str = f32) -> Diagram:
+    """RMS norm over ``d`` with scale ``γ[d]``: ``X[n,d] ⊗ γ[d] → Y[n,d]``."""
+    Y = Array(n, d)
+    norm = _normalise(n, d, eps, dtype, centre=False)
+    return (norm @ identity(Array(d))) >> g.multiply(Y, Array(d)) >> _cast_back(Y, dtype)
+
+
+def _cast_back(Y: Array, dtype) -> Diagram:
+    from napkin_cat.dtypes import dtype as as_dtype
+
+    return identity(Y) if as_dtype(dtype) == f32 else g.cast(Y, dtype)
+
+
+def mlp(n: Axis, i: Axis, h: Axis, o: Axis, *, activation: str = "gelu", dtype: Dtype | str = f32) -> Diagram:
+    """Two-layer perceptron ``act(X W₁ + b₁) W₂ + b₂``: ``X[n,i] ⊗ W₁[i,h] ⊗ b₁[h] ⊗ W₂[h,o] ⊗ b₂[o] → Y[n,o]``."""
+    H, O = Array(n, h, dtype=dtype), Array(n, o, dtype=dtype)
+    first = g.contract(f"{n.name} {i.name}, {i.name} {h.name} -> {n.name} {h.name}", n, i, h, dtype=dtype)
+    second = g.contract(f"{n.name} {h.name}, {h.name} {o.name} -> {n.name} {o.name}", n, h, o, dtype=dtype)
+    act = g.elementwise(activation, H)
+    rest = identity(Array(h, o, dtype=dtype)) @ identity(Array(o, dtype=dtype))
+    return (
+        (first @ identity(Array(h, dtype=dtype)) @ rest)
+        >> (g.add(H, Array(h, dtype=dtype)) @ rest)
+        >> (act @ rest)
+        >> (second @ identity(Array(o, dtype=dtype)))
+        >> g.add(O, Array(o, dtype=dtype))
+    )
