@@ -143,9 +143,7 @@ class Hardware:
         """
         rates = dict(self.flop_rates)
         if dtype.name not in rates:
-            raise CostError(
-                f"hardware {self.name} has no compute rate for {dtype.name}; rates for: {', '.join(rates)}"
-            )
+            raise CostError(f"hardware {self.name} has no compute rate for {dtype.name}; rates for: {', '.join(rates)}")
         return rates[dtype.name]
 
     def flops_per_clk(self, dtype: Dtype) -> int:

@@ -51,17 +51,17 @@ def matmul_threshold(
     82.4
     >>> round(matmul_threshold(H100, SMEM, memory=H100.l1_smem_per_sm))   # row 13: 151 at 256 KiB
     151
-    >>> matmul_threshold(H100, L2, memory=256 * KiB)
+    >>> matmul_threshold(H100, L2, memory=256 * KiB)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    napkin_cat.errors.CostError: matmul at L2 of H100 cannot be compute-bound with 262144 B (131072 values of f16): needs more than 348629 values (M ≥ 1/r²)
+    napkin_cat.errors.CostError: matmul at L2 of H100 is never compute-bound with 262144 B: needs M > 1/r² = 348629 ...
     """
     r = values_per_flop(hw, inner, dtype, outer)
     tiles = 0.0 if memory is None else (memory / dtype.bytes) ** -0.5
     if tiles >= r:
         raise CostError(
-            f"matmul at {inner.name} of {hw.name} cannot be compute-bound with {memory} B "
-            f"({memory // dtype.bytes} values of {dtype.name}): needs more than {math.ceil(r**-2)} values (M ≥ 1/r²)"
+            f"matmul at {inner.name} of {hw.name} is never compute-bound with {memory} B: "
+            f"needs M > 1/r² = {math.ceil(r**-2)} {dtype.name} values"
         )
     return 1 / (2 * (r - tiles))
 

@@ -71,7 +71,8 @@ def test_bandwidth_thresholds():  # rows 11–13
 
 
 def test_matmul_threshold_refuses_too_little_memory():
-    with pytest.raises(CostError, match=r"matmul at L2 of H100 cannot be compute-bound with 614400 B .*348629 values"):
+    message = "matmul at L2 of H100 is never compute-bound with 614400 B: needs M > 1/r² = 348629 f16 values"
+    with pytest.raises(CostError, match=message):
         opt.matmul_threshold(H100, L2, memory=600 * KiB)
     assert opt.matmul_threshold(H100, L2, memory=700 * KiB) > 295
 
