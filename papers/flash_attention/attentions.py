@@ -258,8 +258,9 @@ def mosaic_fa3(spec: Spec) -> Impl:
 def napkin(spec: Spec) -> Impl:
     """The napkin-cat kernel: naive attention, derived with ``tile(q, 128), stream(x, 64)``, lowered.
 
-    ``nc.library.attention`` gets ``scale=`` when it takes one; otherwise Q is pre-scaled. If the
-    lowered kernel does not accept [B, H, N, D] directly it is vmapped over batch and heads.
+    The diagram is woven over batch and heads (``batch=(b, h)``) so the kernel takes [B, H, N, D];
+    if the library's ``attention`` lacks ``batch`` (or the kernel refuses rank-4 arrays) it is vmapped.
+    It gets ``scale=`` and ``dtype=`` where it takes them; without ``scale``, Q is pre-scaled.
     """
     try:
         import napkin_cat as nc
@@ -276,13 +277,13 @@ def napkin(spec: Spec) -> Impl:
 
 @functools.cache
 def _napkin_kernel(nc, lower, derive, tile, stream, spec: Spec):
-    q, x, d = nc.axes("q x d")
-    kwargs = {"causal": spec.causal}
-    scaled = "scale" in inspect.signature(nc.library.attention).parameters
-    if scaled:
-        kwargs["scale"] = spec.scale
+    b, h, q, x, d = nc.axes("b h q x d")
+    accepts = inspect.signature(nc.library.attention).parameters
+    wanted = {"causal": spec.causal, "scale": spec.scale, "batch": (b, h),
+              "dtype": {"bfloat16": nc.bf16, "float16": nc.f16, "float32": nc.f32}[jnp.dtype(spec.dtype).name]}
+    kwargs = {k: v for k, v in wanted.items() if k in accepts}
     flash = derive(nc.library.attention(q, x, d, **kwargs), tile(q, 128), stream(x, 64))
-    return lower(flash), scaled
+    return lower(flash), "scale" in kwargs
 
 
 def _over_batch_and_heads(kernel: Callable) -> Callable:

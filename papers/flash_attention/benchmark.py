@@ -62,7 +62,7 @@ class Config:
     """One benchmarked problem; ``flops`` is the forward count (4·B·H·N²·D, halved when causal).
 
     >>> Config("bf16", batch=2, heads=16, seq=8192, head_dim=128, causal=True).flops / 1e12
-    0.274877906944
+    0.549755813888
     """
 
     dtype: str

@@ -11,7 +11,7 @@ configuration, each with a record per implementation (``status``, ``tflops``, ``
 ...          "speedup": {"mha": 2.0}}
 >>> print(forward_table([entry]))
 | dtype | D | N | B | causal | candidate | mha | cand. err | cand. ÷ mha |
-|---|---|---|---|---|---|---|---|---|
+| --- | --- | --- | --- | --- | --- | --- | --- | --- |
 | bf16 | 128 | 8192 | 2 | no | 400 | 200 | 2.0e-03 | 2.00× |
 <BLANKLINE>
 Not run here: cudnn (needs a CUDA GPU).

@@ -1,0 +1,106 @@
+"""The GPU benchmark harness, run at tiny sizes on CPU (Pallas kernels in interpret mode).
+
+It checks the JSON schema, that errors against the f32 reference are computed, that GPU-only
+baselines are recorded as unavailable rather than crashing, and the README rendering.
+"""
+
+import doctest
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `papers` is a namespace package
+
+from papers.flash_attention import attentions as at  # noqa: E402
+from papers.flash_attention import benchmark, report  # noqa: E402
+
+TINY = ["--quick", "--candidate=mha", "--dtypes=bf16", "--seq-lens=32", "--long-start=32", "--long-max=64"]
+RECORD_KEYS = {"status", "time_ms", "tflops", "max_rel_err", "temp_bytes", "peak_bytes"}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("results")
+    res = benchmark.main([*TINY, f"--out-dir={out}"])
+    return res, out
+
+
+def test_json_schema(run):
+    res, out = run
+    saved = json.loads((out / "cpu_quick.json").read_text())
+    assert saved["schema"] == 1 and saved["quick"] and saved["device"]["platform"] == "cpu"
+    assert saved["candidate"] == {"requested": "mha", "used": "mha", "note": None}
+    assert [e["config"]["causal"] for e in saved["forward"]] == [False, True]
+    assert len(saved["forward_backward"]) == 2 and saved["longest"]["max_tried"] == 64
+    assert (out / "cpu_quick.png").stat().st_size > 0
+
+
+def test_forward_records_error_and_speed(run):
+    res, _ = run
+    for entry in res["forward"]:
+        for name in ("candidate", "naive", "mha"):
+            r = entry["results"][name]
+            assert set(r) == RECORD_KEYS and r["status"] == "ok", (name, r)
+            assert math.isfinite(r["tflops"]) and r["tflops"] > 0
+            assert 0 < r["max_rel_err"] < 2e-2, (name, r["max_rel_err"])  # bf16 inputs
+        assert set(entry["speedup"]) == {"naive", "mha"}
+        assert entry["flops"] == benchmark.Config(**entry["config"]).flops
+
+
+def test_gpu_only_baselines_are_unavailable_on_cpu(run):
+    res, _ = run
+    if at.on_gpu():
+        pytest.skip("on a GPU the baselines run")
+    for entry in res["forward"]:
+        for name in ("cudnn", "mgpu"):
+            assert entry["results"][name]["status"] == "unavailable"
+    assert res["longest"]["results"]["cudnn"]["max_n"] is None
+
+
+def test_forward_backward_checks_gradients(run):
+    res, _ = run
+    for entry in res["forward_backward"]:
+        assert set(entry["results"]) == {"candidate", "cudnn", "mha"}
+        cand = entry["results"]["candidate"]
+        assert cand["status"] == "ok" and 0 < cand["max_rel_err"] < 2e-2
+        assert entry["flops"] == pytest.approx(3.5 * benchmark.Config(**entry["config"]).flops)
+
+
+def test_longest_sequence(run):
+    res, _ = run
+    naive = res["longest"]["results"]["naive"]
+    assert naive["max_n"] == 64 and [r["N"] for r in naive["runs"]] == [32, 64]
+    assert all(r["max_rel_err"] < 2e-2 for r in naive["runs"])
+
+
+def test_readme_section(run, tmp_path):
+    _, out = run
+    readme = tmp_path / "README.md"
+    readme.write_text("# intro\n")
+    report.write_readme(readme, out)
+    report.write_readme(readme, out)  # idempotent: the section is replaced, not appended again
+    text = readme.read_text()
+    assert text.count("<!-- benchmark-results:begin -->") == 1
+    assert "| bf16 | 16 | 32 | 4 | no |" in text and "cpu_quick.png" in text
+    assert "None" not in text and "nan" not in text
+
+
+def test_napkin_candidate_falls_back_with_a_warning(monkeypatch, capsys):
+    monkeypatch.setitem(at.CANDIDATES, "napkin", lambda spec: at.Impl.missing("napkin", "not lowered yet"))
+    impl = benchmark.candidate(at.jnp.float32, True, 16, choice="napkin", interpret=True)
+    assert impl.name == "mha" and impl.unavailable is None
+    assert "not lowered yet" in capsys.readouterr().err
+
+
+def test_failure_classifies_out_of_memory():
+    assert benchmark.failure(RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating"))["status"] == "oom"
+    assert benchmark.failure(ValueError("bad block"))["status"] == "error"
+
+
+@pytest.mark.parametrize("module", [at, report, benchmark])
+def test_doctests(module):
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0
