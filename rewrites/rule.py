@@ -1,0 +1,48 @@
+"""Rules: relabellings as functions from diagrams to diagrams, with their side conditions.
+
+A :class:`Rule` is a frozen value (printable, hashable); applying it to a diagram checks its side
+conditions and returns the relabelled diagram or raises :class:`RewriteError` naming the rule, the
+box, the axis and the condition that failed.
+"""
+
+from __future__ import annotations
+
+from napkin_cat.diagram import Diagram
+from napkin_cat.errors import NapkinError
+
+
+class RewriteError(NapkinError, ValueError):
+    """A rewrite's side condition or verification failed.
+
+    >>> str(RewriteError("stream(x, 64)", "x is reduced nowhere", box="softmax x", axis="x"))
+    "stream(x, 64): box 'softmax x', axis 'x': x is reduced nowhere"
+    """
+
+    def __init__(self, rule: str, condition: str, *, box: str | None = None, axis: str | None = None):
+        self.rule, self.condition, self.box, self.axis = rule, condition, box, axis
+        where = "".join(f"{k} {v!r}, " for k, v in (("box", box), ("axis", axis)) if v is not None)
+        super().__init__(f"{rule}: {where.rstrip(', ')}{': ' if where else ''}{condition}")
+
+
+class Rule:
+    """A relabelling. Subclasses implement :meth:`apply` (side conditions, then the new diagram)."""
+
+    def apply(self, d: Diagram) -> Diagram:
+        raise NotImplementedError
+
+    def __call__(self, d: Diagram) -> Diagram:
+        return self.apply(d)
+
+    def fail(self, condition: str, **where) -> RewriteError:
+        return RewriteError(repr(self), condition, **where)
+
+
+def axis_names(d: Diagram) -> set[str]:
+    """Every axis name on some wire of ``d``."""
+    wires = [*d.dom.inside, *d.cod.inside, *(w for b in d.boxes for w in (*b.dom.inside, *b.cod.inside))]
+    return {n for w in wires for n in w.names}
+
+
+def relabel_axis(d: Diagram, name: str, f) -> Diagram:
+    """Apply ``f`` to the axis called ``name`` on every wire (a functor on objects)."""
+    return d.map_arrays(lambda a: a.with_(axes=[f(x) if x.name == name else x for x in a.axes]) if a.has(name) else a)

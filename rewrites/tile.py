@@ -1,0 +1,65 @@
+"""The group partition (FAN relabelling 1): ``tile(a, g)``.
+
+rewrite: a diagram weaved over ``a``  →  the same diagram with ``a`` relabelled ``(a/g) × g``.
+
+One group of ``g`` runs per core; inputs not indexed by ``a`` are re-read by every group, which the
+cost functor sees as their transfers multiplied by ``a/g``. Side conditions: ``a`` is on some wire,
+no box removes ``a`` (the diagram is weaved over it), no reshape touches it, and ``0 < g ≤ a`` where
+``a`` is concrete. Sizes that ``g`` does not divide are handled exactly: the last group is ragged.
+
+>>> import napkin_cat as nc
+>>> q, x, d = nc.axes("q x d")
+>>> tiled = tile(q, 128)(nc.library.attention(q, x, d))
+>>> print(tiled.cod)
+q/128×d
+>>> tile(d, 16)(nc.library.attention(q, x, d))
+Traceback (most recent call last):
+...
+rewrites.rule.RewriteError: tile(d, 16): box 'q d, x d → q x', axis 'd': the box removes d, so the diagram is not weaved over it
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+
+from napkin_cat.axes import Axis
+from napkin_cat.diagram import Diagram
+from napkin_cat.generators import Generator, Reshape
+from rewrites.rule import Rule, axis_names, relabel_axis
+
+
+@dataclass(frozen=True)
+class tile(Rule):  # noqa: N801 - rules are named as verbs, like functions
+    """Group-partition axis ``axis`` into tiles of ``g``."""
+
+    axis: Axis | str
+    g: int
+
+    @property
+    def name(self) -> str:
+        return getattr(self.axis, "name", self.axis)
+
+    def __repr__(self):
+        return f"tile({self.name}, {self.g})"
+
+    def apply(self, d: Diagram) -> Diagram:
+        a = self.name
+        if a not in axis_names(d):
+            raise self.fail(f"no wire has axis {a}; axes here: {', '.join(sorted(axis_names(d)))}", axis=a)
+        if not isinstance(self.g, int | sympy.Integer) or self.g <= 0:
+            raise self.fail(f"group size must be a positive integer, got {self.g!r}", axis=a)
+        for box in d.boxes:
+            if isinstance(box, Reshape) and any(w.has(a) for w in (*box.dom.inside, *box.cod.inside)):
+                raise self.fail(f"a reshape touches {a}", box=box.name, axis=a)
+            if isinstance(box, Generator) and a in box.reduced:
+                raise self.fail(f"the box removes {a}, so the diagram is not weaved over it", box=box.name, axis=a)
+        size = next(x.size for w in (*d.dom.inside, *d.cod.inside) for x in w.axes if x.name == a)
+        if size.is_number and self.g > size:
+            raise self.fail(f"group size {self.g} exceeds the axis size {size}", axis=a)
+        for w in (*d.dom.inside, *d.cod.inside):
+            for x in w.axes:
+                if x.name == a and x.group is not None:
+                    raise self.fail(f"{a} is already tiled by {x.group}", axis=a)
+        return relabel_axis(d, a, lambda x: x.tiled(self.g))
