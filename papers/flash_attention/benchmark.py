@@ -51,9 +51,11 @@ CHECK_ROWS = 64  # queries checked against the f32 reference in the longest-N sw
 
 # Default repetitions fit the whole GPU run in ~5 minutes: compiling (~1-2 s per kernel, ~150 kernels)
 # dominates; at B·N = 16k one call takes 0.5-10 ms, so 20 timed calls cost < 0.2 s per kernel.
+# Forward + backward compiles three kernels per implementation, so by default it runs at D = 128 only.
 FULL = dict(dtypes="bf16,fp16", tokens=16384, heads=16, head_dims="64,128", seq_lens="2048,8192",
-            warmup=3, reps=20, long_heads=8, long_dim=128, long_start=4096, long_max=131072)
-QUICK = dict(dtypes="bf16,fp16", tokens=128, heads=2, head_dims="16", seq_lens="32,64",
+            fwdbwd_head_dims="128", warmup=3, reps=20, long_heads=8, long_dim=128, long_start=4096,
+            long_max=131072)
+QUICK = dict(dtypes="bf16,fp16", tokens=128, heads=2, head_dims="16", seq_lens="32,64", fwdbwd_head_dims="16",
              warmup=1, reps=2, long_heads=2, long_dim=16, long_start=32, long_max=128)
 
 
@@ -324,16 +326,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return opts
 
 
-def grid(opts) -> list[Config]:
+def grid(opts, head_dims: str | None = None) -> list[Config]:
     """Every (dtype, D, N, causal) with B = tokens // N.
 
-    >>> len(grid(parse_args([])))
-    16
+    >>> opts = parse_args([])
+    >>> len(grid(opts)), len(grid(opts, opts.fwdbwd_head_dims))
+    (16, 8)
     """
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[opts.causal]
     return [Config(dt, max(1, opts.tokens // n), opts.heads, n, d, c)
             for dt in opts.dtype_list
-            for d in map(int, opts.head_dims.split(","))
+            for d in map(int, (head_dims or opts.head_dims).split(","))
             for n in map(int, opts.seq_lens.split(","))
             for c in causals]
 
@@ -375,7 +378,7 @@ def run(opts) -> dict:
         res["longest"] = longest_sequence(opts, clock)
         report.save_json(res, path)
     if "fwdbwd" in opts.section_list:
-        for cfg in grid(opts):
+        for cfg in grid(opts, opts.fwdbwd_head_dims):
             impls = implementations(cfg, opts.candidate, names=GRAD_NAMES[1:])
             res["forward_backward"].append(forward_entry(cfg, impls, opts, clock, backward=True))
             report.save_json(res, path)

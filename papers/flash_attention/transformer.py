@@ -1,0 +1,304 @@
+"""A small decoder-only transformer in plain JAX whose attention is pluggable (NCD §transformer).
+
+Character-level language model on ``corpus.txt`` (Shakespeare's sonnets and the opening of *Alice's
+Adventures in Wonderland*, both public domain): token + position embeddings, pre-norm blocks of causal
+multi-head attention and a GELU MLP, RMS norms, tied unembedding; Adam written out (no optax). The
+attention is any ``f(q, k, v)`` on [B, H, N, D] arrays computing causal ``softmax(QKᵀ/√D)·V``:
+``reference`` is ``jax.nn.dot_product_attention``, ``napkin`` the lowered napkin-cat kernel, ``mha``
+jax's Pallas Triton kernel. Training both on the same data from the same initialisation, the loss
+curves should agree to within the attention's rounding.
+
+>>> cfg = ModelConfig(vocab=len(VOCAB), d_model=32, heads=2, layers=1, seq=16)
+>>> params = init(jax.random.key(0), cfg)
+>>> tokens = encode(CORPUS[:33])[None]
+>>> logits = jax.jit(forward, static_argnums=(2, 3))(params, tokens[:, :16], cfg, attention("reference"))
+>>> logits.shape == (1, 16, len(VOCAB))
+True
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from papers.flash_attention import attentions as at
+from papers.flash_attention import report
+
+HERE = Path(__file__).resolve().parent
+CORPUS = (HERE / "corpus.txt").read_text()
+VOCAB = sorted(set(CORPUS))
+
+
+def encode(text: str) -> jnp.ndarray:
+    """Characters → token ids.
+
+    >>> decode(encode("Alice"))
+    'Alice'
+    """
+    index = {c: i for i, c in enumerate(VOCAB)}
+    return jnp.array([index[c] for c in text], jnp.int32)
+
+
+def decode(tokens) -> str:
+    return "".join(VOCAB[int(t)] for t in tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Sizes of the model; ``d_model`` is split evenly over ``heads``."""
+
+    vocab: int
+    d_model: int = 256
+    heads: int = 4
+    layers: int = 4
+    seq: int = 256
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.heads
+
+
+# --- the model --------------------------------------------------------------------------------
+
+
+def init(key, cfg: ModelConfig) -> dict:
+    """Parameters as a pytree of f32 arrays (scaled normal initialisation)."""
+    keys = iter(jax.random.split(key, 2 + 4 * cfg.layers))
+    d = cfg.d_model
+
+    def dense(n_in, n_out):
+        return jax.random.normal(next(keys), (n_in, n_out)) * n_in**-0.5
+
+    def block():
+        return {"norm1": jnp.ones(d), "qkv": dense(d, 3 * d), "out": dense(d, d) / (2 * cfg.layers) ** 0.5,
+                "norm2": jnp.ones(d), "up": dense(d, 4 * d), "down": dense(4 * d, d) / (2 * cfg.layers) ** 0.5}
+
+    return {"embed": jax.random.normal(next(keys), (cfg.vocab, d)) * 0.02,
+            "pos": jax.random.normal(next(keys), (cfg.seq, d)) * 0.02,
+            "blocks": [block() for _ in range(cfg.layers)], "norm": jnp.ones(d)}
+
+
+def rms_norm(x, gain):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * gain
+
+
+def _heads(x, cfg: ModelConfig):
+    """[B, N, H·D] → [B, H, N, D]."""
+    b, n, _ = x.shape
+    return x.reshape(b, n, cfg.heads, cfg.head_dim).transpose(0, 2, 1, 3)
+
+
+def attend(p: dict, x, cfg: ModelConfig, attention: Callable):
+    """Multi-head causal self-attention; ``attention`` sees [B, H, N, D] arrays."""
+    q, k, v = (_heads(a, cfg) for a in jnp.split(x @ p["qkv"], 3, axis=-1))
+    o = attention(q, k, v).astype(x.dtype)
+    return o.transpose(0, 2, 1, 3).reshape(x.shape) @ p["out"]
+
+
+def forward(params: dict, tokens, cfg: ModelConfig, attention: Callable):
+    """Logits [B, N, vocab] for tokens [B, N]."""
+    x = params["embed"][tokens] + params["pos"][: tokens.shape[1]]
+    for p in params["blocks"]:
+        x = x + attend(p, rms_norm(x, p["norm1"]), cfg, attention)
+        x = x + jax.nn.gelu(rms_norm(x, p["norm2"]) @ p["up"]) @ p["down"]
+    return rms_norm(x, params["norm"]) @ params["embed"].T
+
+
+def loss_fn(params: dict, batch, cfg: ModelConfig, attention: Callable):
+    """Mean next-character cross-entropy over a batch [B, N + 1]."""
+    logits = forward(params, batch[:, :-1], cfg, attention)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, batch[:, 1:, None], axis=-1))
+
+
+# --- Adam, by hand (Kingma & Ba, Algorithm 1) --------------------------------------------------
+
+
+def adam_init(params) -> dict:
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    return {"m": zeros, "v": zeros, "t": jnp.zeros((), jnp.int32)}
+
+
+def adam_update(grads, state: dict, params, lr: float, b1=0.9, b2=0.999, eps=1e-8):
+    """One Adam step; returns (params, state).
+
+    >>> p = {"w": jnp.array(3.0)}
+    >>> s = adam_init(p)
+    >>> for _ in range(200):
+    ...     p, s = adam_update(jax.grad(lambda p: p["w"] ** 2)(p), s, p, lr=0.1)
+    >>> bool(abs(p["w"]) < 0.1)
+    True
+    """
+    t = state["t"] + 1
+    m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state["m"], grads)
+    v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state["v"], grads)
+    step = lr * jnp.sqrt(1 - b2**t) / (1 - b1**t)
+    params = jax.tree.map(lambda p, m, v: p - step * m / (jnp.sqrt(v) + eps), params, m, v)
+    return params, {"m": m, "v": v, "t": t}
+
+
+# --- attention choices and training -----------------------------------------------------------
+
+
+def attention(name: str, dtype=jnp.float32, head_dim: int = 64) -> Callable:
+    """The causal attention ``name`` on [B, H, N, D], computing in ``dtype``; raises if unavailable."""
+    spec = at.Spec(dtype, causal=True, head_dim=head_dim, interpret=not at.on_gpu())
+    impl = {"reference": at.xla_dpa, "napkin": at.napkin, "mha": at.pallas_mha}[name](spec)
+    if impl.unavailable:
+        raise RuntimeError(f"attention {name!r} unavailable: {impl.unavailable}")
+
+    def run(q, k, v):
+        return impl.run(*(a.astype(dtype) for a in (q, k, v)))
+
+    return run
+
+
+def batches(key, data, batch: int, seq: int):
+    """Random windows of ``seq + 1`` characters, [batch, seq + 1]."""
+    starts = jax.random.randint(key, (batch,), 0, data.shape[0] - seq - 1)
+    return jax.vmap(lambda s: jax.lax.dynamic_slice(data, (s,), (seq + 1,)))(starts)
+
+
+def train(cfg: ModelConfig, attn: Callable, *, steps: int, batch: int, lr: float, seed: int = 0,
+          log: Callable = print) -> dict:
+    """Train from a seed-fixed initialisation on seed-fixed batches; losses per step and held-out."""
+    data = encode(CORPUS)
+    split = int(0.9 * data.shape[0])
+    train_data, held_out = data[:split], data[split:]
+    params = init(jax.random.key(seed), cfg)
+    state = adam_init(params)
+
+    @jax.jit
+    def step(params, state, key):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batches(key, train_data, batch, cfg.seq), cfg, attn)
+        return *adam_update(grads, state, params, lr), loss
+
+    evaluate = jax.jit(functools.partial(loss_fn, cfg=cfg, attention=attn))
+    eval_batch = batches(jax.random.key(seed + 1), held_out, batch, cfg.seq)
+    losses, held = [], []
+    t0 = time.perf_counter()
+    for i, key in enumerate(jax.random.split(jax.random.key(seed + 2), steps)):
+        params, state, loss = step(params, state, key)
+        losses.append(float(loss))
+        if i % max(1, steps // 10) == 0 or i == steps - 1:
+            held.append((i, float(evaluate(params, eval_batch))))
+            log(f"step {i:4d}  loss {losses[-1]:.3f}  held-out {held[-1][1]:.3f}")
+    return {"status": "ok", "losses": losses, "held_out": held, "seconds": time.perf_counter() - t0}
+
+
+def compare(runs: dict) -> dict:
+    """Largest per-step loss difference between the first run and each other one that finished."""
+    ok = {k: r["losses"] for k, r in runs.items() if r["status"] == "ok"}
+    if len(ok) < 2:
+        return {}
+    (first, base), *rest = ok.items()
+    return {f"{name} - {first}": float(np.max(np.abs(np.subtract(ls, base)))) for name, ls in rest}
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, r in res["runs"].items():
+        if r["status"] == "ok":
+            ax.plot(r["losses"], label=f"{name} (train)", alpha=0.8)
+            ax.plot(*zip(*r["held_out"], strict=True), "o--", label=f"{name} (held out)")
+    ax.set(xlabel="step", ylabel="cross-entropy (nats/char)", title=f"char transformer on {res['device']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def summary(res: dict) -> str:
+    """A markdown table of the final losses, for the README.
+
+    >>> print(summary({"device": "cpu", "config": {"steps": 2}, "diff": {},
+    ...     "runs": {"reference": {"status": "ok", "losses": [4.0, 3.5], "held_out": [(1, 3.6)],
+    ...     "seconds": 1.0}}}).splitlines()[-1])
+    | reference | ok | 3.500 | 3.600 | 1.0 |
+    """
+    lines = [f"Trained on {res['device']}, {res['config']['steps']} steps "
+             f"(`{' '.join(res.get('argv', []))}`).", "",
+             "| attention | status | final train loss | final held-out loss | seconds |",
+             "| --- | --- | --- | --- | --- |"]
+    for name, r in res["runs"].items():
+        if r["status"] == "ok":
+            lines.append(f"| {name} | ok | {r['losses'][-1]:.3f} | {r['held_out'][-1][1]:.3f} | {r['seconds']:.1f} |")
+        else:
+            lines.append(f"| {name} | {r['status']}: {r['error'][:80]} | – | – | – |")
+    lines += [f"\nLargest per-step loss difference, {k}: {v:.2e}." for k, v in res["diff"].items()]
+    return "\n".join(lines)
+
+
+# --- the command line -------------------------------------------------------------------------
+
+FULL = dict(steps=300, batch=32, seq=256, d_model=256, heads=4, layers=4, lr=2e-3)
+QUICK = dict(steps=20, batch=4, seq=32, d_model=32, heads=2, layers=1, lr=1e-2)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--attention", choices=("both", "reference", "napkin", "mha"), default="both",
+                   help="both = reference and napkin, on the same data and initialisation")
+    p.add_argument("--quick", action="store_true", help="tiny model, few steps (CPU smoke test)")
+    for name, value in FULL.items():
+        p.add_argument("--" + name.replace("_", "-"), type=type(value), default=None)
+    p.add_argument("--dtype", choices=("f32", "bf16", "fp16"), default=None,
+                   help="attention inputs (default bf16 on GPU, f32 on CPU)")
+    p.add_argument("--out-dir", type=Path, default=HERE / "results")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--write-readme", action="store_true")
+    p.add_argument("--readme", type=Path, default=HERE / "README.md")
+    opts = p.parse_args(argv)
+    for name, value in (QUICK if opts.quick else FULL).items():
+        if getattr(opts, name) is None:
+            setattr(opts, name, value)
+    opts.dtype = opts.dtype or ("bf16" if at.on_gpu() else "f32")
+    return opts
+
+
+def main(argv=None) -> dict:
+    """Train with each chosen attention, write ``results/transformer.json`` and ``.png``."""
+    opts = parse_args(argv)
+    cfg = ModelConfig(len(VOCAB), opts.d_model, opts.heads, opts.layers, opts.seq)
+    dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}[opts.dtype]
+    names = ("reference", "napkin") if opts.attention == "both" else (opts.attention,)
+    runs = {}
+    for name in names:
+        print(f"== attention = {name}", flush=True)
+        try:
+            attn = attention(name, dtype, cfg.head_dim)
+            runs[name] = train(cfg, attn, steps=opts.steps, batch=opts.batch, lr=opts.lr)
+        except Exception as e:  # noqa: BLE001 - an attention that cannot train is a result to record
+            runs[name] = {"status": "error", "error": f"{type(e).__name__}: {e}".splitlines()[0][:400]}
+            print(f"   {runs[name]['error']}", file=sys.stderr, flush=True)
+    res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "argv": sys.argv[1:] if argv is None
+           else list(argv), "config": {**dataclasses.asdict(cfg), **{k: getattr(opts, k) for k in FULL},
+                                       "dtype": opts.dtype}, "runs": runs, "diff": compare(runs)}
+    stem = "transformer" + ("_quick" if opts.quick else "")
+    report.save_json(res, opts.out_dir / f"{stem}.json")
+    if not opts.no_plot:
+        plot(res, opts.out_dir / f"{stem}.png")
+    print(summary(res), flush=True)
+    if opts.write_readme:
+        text = opts.readme.read_text() if opts.readme.exists() else ""
+        image = f"\n\n![loss curves](results/{stem}.png)" if not opts.no_plot else ""
+        opts.readme.write_text(report.replace_section(text, "transformer-results", summary(res) + image))
+    return res
+
+
+if __name__ == "__main__":
+    main()
