@@ -1,0 +1,416 @@
+"""The cost semantics: a functor from diagrams to cost records of sympy expressions (FAN §2–4).
+
+A :class:`Cost` holds FLOPs, transcendentals, the values (and bytes) moved between memory levels, and the
+peak values resident at each level. Records form a monoidal category: sequential composition adds the
+work and transfers and takes the larger memory (memory is the largest column); parallel composition adds
+everything. :func:`cost` sends each layer of a diagram to ``id(left) ⊗ F(box) ⊗ id(right)`` and composes
+them, in one flat walk over the layers.
+
+FAN's rules (REFERENCE §1.1–1.2):
+
+* a colour change (a :class:`~napkin_cat.generators.Move` box) moves the array's full size, times
+  ``a/g_a`` for every tiled axis ``a`` of its kernel that does not index the array (an input not indexed
+  by ``a`` is re-read by every group); streaming moves nothing more, since arrays not indexed by a
+  streamed axis are hoisted out of the stream loop;
+* a box whose wires sit in HBM is a kernel of its own: it reads its HBM inputs into ``onchip`` memory and
+  writes its HBM outputs back, with the same re-read rule for its tiled axes (the unscheduled cost);
+* memory at a level is the largest column: on per-SM levels a tiled axis counts ``g`` and a streamed axis
+  ``s``; inside a stream loop the loop-invariant inputs and the accumulated outputs stay resident.
+
+>>> import napkin_cat as nc
+>>> from napkin_cat.hardware import H100
+>>> q, x, d = nc.axes("q x d")
+>>> naive = cost(nc.library.attention(q, x, d), H100)
+>>> naive.transfers[SMEM]                       # REFERENCE §1.3 row 7: S and P written and read once
+2*d*q + 2*d*x + 4*q*x
+>>> naive.flops
+4*d*q*x + 5*q*x
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+
+import sympy
+from discopy import markov
+
+from napkin_cat.diagram import Array, Diagram
+from napkin_cat.dtypes import Dtype, f32
+from napkin_cat.errors import CostError
+from napkin_cat.generators import Contract, Generator, Move, NormalisedContract, SoftmaxContract
+from napkin_cat.hardware import Hardware
+from napkin_cat.levels import HBM, L2, SMEM, Level
+
+Expr = sympy.Expr
+ZERO = sympy.Integer(0)
+
+
+def _add(*maps: Mapping) -> dict:
+    out: dict = {}
+    for m in maps:
+        for k, v in m.items():
+            out[k] = out.get(k, ZERO) + v
+    return out
+
+
+def _max(*maps: Mapping) -> dict:
+    keys = dict.fromkeys(k for m in maps for k in m)
+    return {k: sympy.Max(*{m[k] for m in maps if k in m}) for k in keys}
+
+
+@dataclass(frozen=True)
+class Cost:
+    """A cost record on ``hardware``: sympy expressions in the axis and partition sizes.
+
+    ``moves`` maps ``(outer, inner)`` level pairs to values moved between them (both directions);
+    ``memory`` maps a level to the peak values resident there. ``tensor_flops`` are the contraction FLOPs
+    by the narrowest operand dtype (they run on tensor cores); the remaining FLOPs run on CUDA cores.
+
+    >>> from napkin_cat.hardware import H100
+    >>> c = Cost(H100, flops=sympy.Integer(10), memory={SMEM: sympy.Integer(3)})
+    >>> (c >> c).flops, (c >> c).memory[SMEM], (c @ c).memory[SMEM]
+    (20, 3, 6)
+    """
+
+    hardware: Hardware | None
+    flops: Expr = ZERO
+    transcendentals: Expr = ZERO
+    tensor_flops: Mapping[Dtype, Expr] = field(default_factory=dict)
+    moves: Mapping[tuple[Level, Level], Expr] = field(default_factory=dict)
+    move_bytes: Mapping[tuple[Level, Level], Expr] = field(default_factory=dict)
+    memory: Mapping[Level, Expr] = field(default_factory=dict)
+    memory_bytes: Mapping[Level, Expr] = field(default_factory=dict)
+
+    # --- the category ----------------------------------------------------------------------------
+    @classmethod
+    def sequence(cls, hardware: Hardware | None, records: Iterable[Cost]) -> Cost:
+        """``r₁ >> r₂ >> …`` in one step: work and transfers add, memory is the largest column."""
+        records = list(records)
+        return cls(
+            hardware,
+            flops=sympy.Add(*(r.flops for r in records)),
+            transcendentals=sympy.Add(*(r.transcendentals for r in records)),
+            tensor_flops=_add(*(r.tensor_flops for r in records)),
+            moves=_add(*(r.moves for r in records)),
+            move_bytes=_add(*(r.move_bytes for r in records)),
+            memory=_max(*(r.memory for r in records)),
+            memory_bytes=_max(*(r.memory_bytes for r in records)),
+        )
+
+    def then(self, other: Cost) -> Cost:
+        """Sequential composition (the cost of ``f >> g``)."""
+        return Cost.sequence(self.hardware, (self, other))
+
+    def tensor(self, other: Cost) -> Cost:
+        """Parallel composition (the cost of ``f @ g``): both run, both are resident at once."""
+        return replace(
+            Cost.sequence(self.hardware, (self, other)),
+            memory=_add(self.memory, other.memory),
+            memory_bytes=_add(self.memory_bytes, other.memory_bytes),
+        )
+
+    __rshift__, __matmul__ = then, tensor
+
+    # --- derived figures -------------------------------------------------------------------------
+    @property
+    def transfers(self) -> dict[Level, Expr]:
+        """Values moved between each level and the levels outside it, keyed by the inner level."""
+        return _add(*({inner: v} for (_, inner), v in self.moves.items()))
+
+    @property
+    def bytes(self) -> dict[Level, Expr]:
+        """Bytes moved between each level and the levels outside it, keyed by the inner level."""
+        return _add(*({inner: v} for (_, inner), v in self.move_bytes.items()))
+
+    @property
+    def hbm_transfers(self) -> Expr:
+        """Values read from or written to HBM."""
+        return sympy.Add(*(v for (outer, _), v in self.moves.items() if outer == HBM))
+
+    @property
+    def hbm_bytes(self) -> Expr:
+        """Bytes read from or written to HBM."""
+        return sympy.Add(*(v for (outer, _), v in self.move_bytes.items() if outer == HBM))
+
+    @property
+    def intensity(self) -> Expr:
+        """Arithmetic intensity: FLOPs per byte of HBM traffic."""
+        return self.flops / self.hbm_bytes
+
+    @property
+    def link_bytes(self) -> dict[Level, Expr]:
+        """Bytes crossing each of the hardware's links, keyed by the link's inner level.
+
+        A move from HBM to SMEM also crosses the HBM → L2 link: both share its bandwidth.
+        """
+        out: dict = {}
+        for (outer, inner), b in self.move_bytes.items():
+            for m in self._hardware("link bytes").memories:
+                if outer < m.level <= inner:
+                    out[m.level] = out.get(m.level, ZERO) + b
+        return out
+
+    @property
+    def times(self) -> dict[str, Expr]:
+        """Seconds each resource needs at peak: tensor cores, CUDA cores, SFU, and each link."""
+        hw = self._hardware("times")
+        tensor = sympy.Add(*(f / sympy.Float(hw.flops(t)) for t, f in self.tensor_flops.items()))
+        vector = (self.flops - sympy.Add(*self.tensor_flops.values())) / sympy.Float(hw.flops(f32))
+        sfu = self.transcendentals / sympy.Float(hw.exp_per_clk * hw.sms * hw.clock)
+        out = {"tensor": tensor, "vector": vector, "sfu": sfu}
+        for level, b in self.link_bytes.items():
+            out[f"→{level.name}"] = b / sympy.Float(hw.bandwidth(level))
+        return out
+
+    @property
+    def time(self) -> Expr:
+        """The roofline lower bound in seconds: the busiest resource's time."""
+        return sympy.Max(*self.times.values())
+
+    def _hardware(self, what: str) -> Hardware:
+        if self.hardware is None:
+            raise CostError(f"{what} need a hardware model: cost(diagram, hardware)")
+        return self.hardware
+
+    # --- numbers ---------------------------------------------------------------------------------
+    def subs(self, **sizes) -> Cost:
+        """The record with sizes bound by symbol name (``q=4096, g_q=128``).
+
+        >>> import napkin_cat as nc
+        >>> from napkin_cat.hardware import H100
+        >>> m = cost(nc.library.matmul(*nc.axes("a b c"), dtype=nc.bf16), H100)
+        >>> m.subs(a=1024, b=1024, c=1024).hbm_bytes
+        6291456
+        """
+
+        def sub(e):
+            bind = {s: sizes[s.name] for s in e.free_symbols if s.name in sizes}
+            return e.xreplace({s: sympy.sympify(v) for s, v in bind.items()}) if bind else e
+
+        def sub_map(m):
+            return {k: sub(v) for k, v in m.items()}
+
+        return Cost(
+            self.hardware,
+            flops=sub(self.flops),
+            transcendentals=sub(self.transcendentals),
+            tensor_flops=sub_map(self.tensor_flops),
+            moves=sub_map(self.moves),
+            move_bytes=sub_map(self.move_bytes),
+            memory=sub_map(self.memory),
+            memory_bytes=sub_map(self.memory_bytes),
+        )
+
+    def number(self, what: str, **sizes) -> float:
+        """A figure (an attribute name: ``"time"``, ``"flops"``, ``"hbm_bytes"``…) as a float.
+
+        >>> import napkin_cat as nc
+        >>> from napkin_cat.hardware import H100
+        >>> m = cost(nc.library.matmul(*nc.axes("a b c"), dtype=nc.bf16), H100)
+        >>> m.number("time", a=8192, b=8192)
+        Traceback (most recent call last):
+        ...
+        napkin_cat.errors.CostError: time on H100 needs sizes for c (bound: a, b)
+        """
+        value = getattr(self.subs(**sizes), what)
+        if not value.is_number:
+            missing = ", ".join(sorted(s.name for s in value.free_symbols))
+            on = f" on {self.hardware.name}" if self.hardware is not None else ""
+            raise CostError(f"{what}{on} needs sizes for {missing} (bound: {', '.join(sizes)})")
+        return float(value)
+
+    def check(self, **sizes) -> Cost:
+        """Raise a :class:`CostError` if the peak memory of a level exceeds the hardware's capacity.
+
+        Per-SM levels are checked against one block's share (SMEM: the per-block limit). Levels whose
+        memory stays symbolic after binding ``sizes`` are not checked.
+        """
+        bound = self.subs(**sizes)
+        hw = self._hardware("memory checks")
+        for level, needed in bound.memory_bytes.items():
+            limit = _capacity(hw, level)
+            if needed.is_number and needed > limit:
+                raise CostError(
+                    f"memory at {level.name}: {int(needed)} B needed ({self.memory[level]} values) exceeds "
+                    f"{hw.name}'s {limit} B"
+                )
+        return bound
+
+    def __str__(self) -> str:
+        parts = [f"flops {self.flops}", f"transcendentals {self.transcendentals}"]
+        parts += [f"transfers {inner.name} {v}" for inner, v in self.transfers.items()]
+        parts += [f"memory {level.name} {v}" for level, v in self.memory.items()]
+        return "; ".join(parts)
+
+
+def _capacity(hw: Hardware, level: Level) -> int:
+    return hw.smem_per_block if level == SMEM else hw.capacity(level)
+
+
+# --- the functor: a flat walk over the layers ------------------------------------------------------
+
+
+def _tensor_flops(box: Generator) -> Expr:
+    """The FLOPs of a box that run on tensor cores: its contraction (FAN: 2·k per output element)."""
+    if not isinstance(box, Contract | SoftmaxContract | NormalisedContract):
+        return ZERO
+    sizes = {a.name: a.size for w in (*box.dom.inside, *box.cod.inside) for a in w.axes}
+    operands = max(len(box.dom) - 1, 1) if isinstance(box, Contract) else 1
+    return 2 * sympy.Mul(*sizes.values()) * operands
+
+
+def _groups(array: Array, tiled: Mapping[str, object]) -> Expr:
+    """FAN's re-read factor: ``a/g_a`` for every tiled axis ``a`` not indexing ``array``."""
+    return sympy.Mul(*(a.groups for name, a in tiled.items() if not array.has(name)))
+
+
+class _Walk:
+    """Wires of a diagram named by integer ids, with kernels as connected on-chip regions."""
+
+    def __init__(self, d: Diagram):
+        self.arrays: list[Array] = []
+        self.parent: list[int] = []
+        stack = [self._new(w) for w in d.dom.inside]
+        self.layers = []
+        for left, box, _ in d.inside:
+            n, k = len(left), len(box.dom)
+            ins = stack[n : n + k]
+            if isinstance(box, markov.Swap):
+                outs = ins[::-1]
+            elif isinstance(box, markov.Copy):  # copies alias their input; a discard ends it
+                outs = ins * (len(box.cod) // max(k, 1))
+            else:
+                outs = [self._new(w) for w in box.cod.inside]
+                self._join([i for i in ins + outs if self.arrays[i].level > HBM])
+            self.layers.append((stack[:n] + stack[n + k :], box, ins, outs))
+            stack[n : n + k] = outs
+
+    def _new(self, array: Array) -> int:
+        self.arrays.append(array)
+        self.parent.append(len(self.parent))
+        return len(self.arrays) - 1
+
+    def root(self, i: int) -> int:
+        while self.parent[i] != i:
+            self.parent[i] = self.parent[self.parent[i]]
+            i = self.parent[i]
+        return i
+
+    def _join(self, ids: list[int]):
+        for i in ids[1:]:
+            self.parent[self.root(i)] = self.root(ids[0])
+
+    def labelled(self, ids: Iterable[int], label: str) -> dict:
+        """Axes carrying ``label`` ("group" or "stream") on the given wires, by name."""
+        return {a.name: a for i in ids for a in self.arrays[i].axes if getattr(a, label) is not None}
+
+
+def cost(d: Diagram, hardware: Hardware | None = None, *, onchip: Level = SMEM) -> Cost:
+    """The cost of ``d`` on ``hardware``; boxes on HBM wires run as kernels through ``onchip`` memory.
+
+    Without ``hardware`` the record has work, transfers and memory but no times, and levels deeper
+    than L2 count as per-SM. With it, every level the diagram uses must exist on the hardware, and a
+    numeric peak memory over the hardware's capacity raises :class:`CostError`.
+
+    >>> import napkin_cat as nc
+    >>> from napkin_cat.hardware import H100
+    >>> a, b, c = nc.axes("a b c")
+    >>> tiled = nc.library.matmul(a, b, c).map_arrays(
+    ...     lambda w: w.with_(axes=[{"a": a.tiled("g_a"), "b": b.streamed("s_b"), "c": c.tiled("g_c")}[x.name]
+    ...                              for x in w.axes]))
+    >>> t = cost(tiled, H100)
+    >>> sympy.expand(t.transfers[SMEM])            # REFERENCE §1.3 row 1
+    a*b*c/g_c + a*b*c/g_a + a*c
+    >>> t.memory[SMEM]
+    g_a*g_c + g_a*s_b + g_c*s_b
+    """
+    walk = _Walk(d)
+    if hardware is not None:
+        for level in sorted({w.level for w in walk.arrays} | {onchip}):
+            hardware.memory(level)
+    kernels = _kernels(walk)
+    records = [_layer(walk, kernels, hardware, onchip, layer) for layer in walk.layers]
+    if not records:  # an identity: only its wires' memory
+        records = [_column(walk, hardware, range(len(walk.arrays)), ())]
+    total = Cost.sequence(hardware, records)
+    if hardware is not None:
+        total.check()
+    return total
+
+
+def _kernels(walk: _Walk) -> dict:
+    """Per kernel (root id): its tiled axes, its streamed axes, and the wires resident in its stream loop."""
+    members: dict[int, list[int]] = {}
+    for i, a in enumerate(walk.arrays):
+        if a.level > HBM:
+            members.setdefault(walk.root(i), []).append(i)
+    kernels = {r: (walk.labelled(ids, "group"), walk.labelled(ids, "stream"), set()) for r, ids in members.items()}
+    for _, _, ins, outs in walk.layers:
+        wires = [i for i in ins + outs if walk.arrays[i].level > HBM]
+        if not wires:
+            continue
+        _, streamed, resident = kernels[walk.root(wires[0])]
+        if any(walk.arrays[i].has(s) for i in wires for s in streamed):  # a box inside the stream loop
+            resident |= {i for i in wires if not any(walk.arrays[i].has(s) for s in streamed)}
+    return kernels
+
+
+def _footprint(hw: Hardware | None, array: Array) -> Expr:
+    """Values of ``array`` resident at its level: one group's or chunk's share on per-SM levels."""
+    per_sm = hw.memory(array.level).per_sm if hw is not None else array.level > L2
+    return array.local_size if per_sm else array.size
+
+
+def _column(walk: _Walk, hw: Hardware | None, ids: Iterable[int], extra: Iterable[tuple[Level, Expr, Expr]]) -> Cost:
+    memory: dict = {}
+    memory_bytes: dict = {}
+    for i in dict.fromkeys(ids):
+        a = walk.arrays[i]
+        n = _footprint(hw, a)
+        memory[a.level] = memory.get(a.level, ZERO) + n
+        memory_bytes[a.level] = memory_bytes.get(a.level, ZERO) + n * a.dtype.bytes
+    for level, n, b in extra:
+        memory[level] = memory.get(level, ZERO) + n
+        memory_bytes[level] = memory_bytes.get(level, ZERO) + b
+    return Cost(hw, memory=memory, memory_bytes=memory_bytes)
+
+
+def _layer(walk: _Walk, kernels: dict, hw: Hardware | None, onchip: Level, layer) -> Cost:
+    """``id(left) ⊗ F(box) ⊗ id(right)``: the box's work and transfers, the column's memory."""
+    whiskers, box, ins, outs = layer
+    column = whiskers + ins + outs
+    wires = [i for i in ins + outs if walk.arrays[i].level > HBM]
+    if wires:
+        _, streamed, resident = kernels[walk.root(wires[0])]
+        if any(walk.arrays[i].has(s) for i in wires for s in streamed):
+            column = column + sorted(resident)
+    if not isinstance(box, Generator):
+        return _column(walk, hw, column, ())
+    moves: list[tuple[Level, Level, Array, Expr]] = []
+    extra = []
+    if isinstance(box, Move):
+        src, dst = walk.arrays[ins[0]], walk.arrays[outs[0]]
+        inner = max(src.level, dst.level)
+        tiled = kernels[walk.root(outs[0] if dst.level == inner else ins[0])][0]
+        moves.append((min(src.level, dst.level), inner, src, _groups(src, tiled)))
+    elif any(walk.arrays[i].level == HBM for i in ins + outs):  # a kernel of its own
+        tiled = walk.labelled(ins + outs, "group")
+        scheduled = tiled or walk.labelled(ins + outs, "stream")
+        for i in ins + outs:
+            a = walk.arrays[i]
+            if a.level == HBM:
+                moves.append((HBM, onchip, a, _groups(a, tiled)))
+                if scheduled:  # an unscheduled kernel's on-chip working set is not ours to know
+                    extra.append((onchip, a.local_size, a.local_size * a.dtype.bytes))
+    record = _column(walk, hw, column, extra)
+    tensor = _tensor_flops(box)
+    narrowest = min((w.dtype for w in box.dom.inside), key=lambda t: t.bits, default=f32)
+    return replace(
+        record,
+        flops=sympy.sympify(box.flops()),
+        transcendentals=sympy.sympify(box.transcendentals()),
+        tensor_flops={narrowest: tensor} if tensor != 0 else {},
+        moves=_add(*({(o, i): a.size * k} for o, i, a, k in moves)),
+        move_bytes=_add(*({(o, i): a.size * k * a.dtype.bytes} for o, i, a, k in moves)),
+    )

@@ -1,0 +1,222 @@
+"""The cost functor against FAN's formulas (REFERENCE §1.3 rows 1, 4, 6, 7) and XLA's own counts."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+import sympy
+
+import napkin_cat as nc
+from napkin_cat.cost import Cost, cost
+from napkin_cat.diagram import Array, Ty
+from napkin_cat.diagram import id as identity
+from napkin_cat.generators import Contract, SoftmaxContract, move
+from napkin_cat.hardware import A100, H100, KiB
+
+g_q, s_x, g_a, g_c, s_b = sympy.symbols("g_q s_x g_a g_c s_b", positive=True, integer=True)
+
+
+def relabel(d, **labels):
+    """Relabel axes by name: ``q=("group", g)`` tiles q by g, ``x=("stream", s)`` streams x by s."""
+
+    def axis(a):
+        if a.name not in labels:
+            return a
+        kind, size = labels[a.name]
+        return a.tiled(size) if kind == "group" else a.streamed(size)
+
+    return d.map_arrays(lambda w: w.with_(axes=[axis(a) for a in w.axes]))
+
+
+def flash(q, x, d, dtype=nc.bf16):
+    """FAN's FlashAttention at the SMEM level: Q, K, V, O in SMEM, the score chunk in registers."""
+    Q, K, V = Array(q, d, dtype=dtype), Array(x, d, dtype=dtype), Array(x, d, dtype=dtype)
+    sm = lambda a: a.with_(level=nc.SMEM)
+    S = Array(q, x, level=nc.REG)
+    out = Array(q, d, dtype=dtype, level=nc.SMEM)
+    qk = Contract("q d, x d → q x", Ty(sm(Q), sm(K)), Ty(S), data=(("scale", 1 / sympy.sqrt(d.size)),))
+    pv = SoftmaxContract("softmax·contract x", Ty(S, sm(V)), Ty(out), data=(("axis", "x"),))
+    loads = move(Q, nc.SMEM) @ move(K, nc.SMEM) @ move(V, nc.SMEM)
+    return loads >> (qk @ identity(sm(V))) >> pv >> move(out, nc.HBM)
+
+
+def test_naive_attention_row_7():
+    q, x, d = nc.axes("q x d")
+    c = cost(nc.library.attention(q, x, d, dtype=nc.bf16), H100)
+    assert sympy.expand(c.transfers[nc.SMEM] - (2 * q.size * d.size + 2 * x.size * d.size + 4 * q.size * x.size)) == 0
+    # S and P are f32 (4 B), Q, K, V, O bf16 (2 B)
+    assert sympy.expand(c.hbm_bytes - (4 * q.size * d.size + 4 * x.size * d.size + 16 * q.size * x.size)) == 0
+    assert sympy.expand(c.flops - (4 * q.size * x.size * d.size + 5 * q.size * x.size)) == 0
+    assert c.transcendentals == q.size * x.size
+    assert c.tensor_flops == {nc.bf16: 4 * q.size * x.size * d.size}  # P·V runs at V's dtype
+
+
+def test_tiled_matmul_row_1():
+    a, b, c_ = nc.axes("a b c")
+    m = relabel(nc.library.matmul(a, b, c_), a=("group", g_a), b=("stream", s_b), c=("group", g_c))
+    k = cost(m, H100)
+    A, B, C = a.size, b.size, c_.size
+    assert sympy.simplify(k.transfers[nc.SMEM] - (A * B * C * (1 / g_a + 1 / g_c) + A * C)) == 0
+    assert sympy.expand(k.memory[nc.SMEM] - (g_a * g_c + g_a * s_b + s_b * g_c)) == 0
+    # row 2: unlimited memory (one group each way) reads every input once
+    assert sympy.expand(k.subs(g_a=A, g_c=C).transfers[nc.SMEM] - (A * B + B * C + A * C)) == 0
+
+
+def test_flash_attention_row_4():
+    q, x, d = nc.axes("q x d")
+    c = cost(relabel(flash(q, x, d), q=("group", g_q), x=("stream", s_x)), H100)
+    Q, X, D = q.size, x.size, d.size
+    assert sympy.simplify(c.transfers[nc.SMEM] - (2 * Q * D + 2 * X * D * Q / g_q)) == 0
+    assert sympy.expand(c.memory[nc.SMEM] - (2 * g_q * D + 2 * s_x * D)) == 0
+    assert c.memory[nc.REG] == g_q * s_x
+    # row 5: with g_q = M/2d (the stream chunk negligible), H = 2qd + 4xqd²/M
+    M = sympy.Symbol("M", positive=True)
+    assert sympy.simplify(c.transfers[nc.SMEM].subs(g_q, M / (2 * D)) - (2 * Q * D + 4 * X * Q * D**2 / M)) == 0
+
+
+def test_flash_attention_diagram_means_attention(key):
+    q, x, d = nc.axes("q x d")
+    Q, K, V = (jax.random.normal(k, (8, 4)) for k in jax.random.split(key, 3))
+    ours = nc.to_jax(flash(q, x, d, dtype=nc.f32))(Q, K, V)
+    ref = nc.to_jax(nc.library.attention(q, x, d))(Q, K, V)
+    assert jnp.allclose(ours, ref, atol=1e-5)
+
+
+def test_multi_head_row_6():
+    h, q, x, d = nc.axes("h q x d")
+    one = relabel(flash(q, x, d), q=("group", g_q), x=("stream", s_x))
+    c = cost(relabel(one.weave(h), h=("group", 1)), H100)  # heads are a grid axis: one head per group
+    H, Q, X, D = h.size, q.size, x.size, d.size
+    assert sympy.simplify(c.transfers[nc.SMEM] - (2 * H * Q * D + 2 * H * X * D * Q / g_q)) == 0
+    assert sympy.expand(c.memory[nc.SMEM] - (2 * g_q * D + 2 * s_x * D)) == 0
+
+
+def test_streaming_moves_nothing_more_and_tiling_rereads():
+    q, x, d = nc.axes("q x d")
+    plain = cost(flash(q, x, d), H100).transfers[nc.SMEM]
+    assert cost(relabel(flash(q, x, d), x=("stream", s_x)), H100).transfers[nc.SMEM] == plain
+    tiled = cost(relabel(flash(q, x, d), q=("group", g_q)), H100).transfers[nc.SMEM]
+    assert sympy.simplify(tiled - plain - 2 * x.size * d.size * (q.size / g_q - 1)) == 0
+
+
+def test_composition_is_functorial():
+    q, x, d = nc.axes("q x d")
+    attn = nc.library.attention(q, x, d)
+    scores, rest = attn[:1], attn[1:]
+    whole, parts = cost(attn, H100), cost(scores, H100) >> cost(rest, H100)
+    assert sympy.expand(whole.flops - parts.flops) == 0
+    assert whole.moves == parts.moves
+    assert sympy.simplify(whole.memory[nc.HBM] - parts.memory[nc.HBM]) == 0
+    side = cost(attn @ attn, H100)
+    assert side.moves == (cost(attn, H100) @ cost(attn, H100)).moves
+
+
+def test_identity_costs_only_its_memory():
+    (n,) = nc.axes("n")
+    c = cost(identity(Array(n)), H100)
+    assert (c.flops, c.moves, c.memory) == (0, {}, {nc.HBM: n.size})
+
+
+def test_roofline_time():
+    q, x, d = nc.axes("q x d", d=128)
+    c = cost(relabel(flash(q, x, d), q=("group", 128), x=("stream", 64)), H100)
+    t = c.subs(q=8192, x=8192)
+    flops = 4 * 8192 * 8192 * 128
+    assert float(t.times["tensor"]) == pytest.approx(flops / 989e12, rel=1e-9)
+    # g_q = 128 < 295: bandwidth-bound on H100 (REFERENCE §1.3 row 11)
+    assert float(t.time) == pytest.approx(float(t.times["→L2"]), rel=1e-9)
+    assert float(t.time) > float(t.times["tensor"])
+    big = cost(relabel(flash(q, x, d), q=("group", 384), x=("stream", 64)), H100).subs(q=8192, x=8192)
+    assert float(big.time) == pytest.approx(float(big.times["tensor"]), rel=1e-9)
+
+
+def test_unknown_sizes_for_a_number():
+    q, x, d = nc.axes("q x d")
+    c = cost(nc.library.attention(q, x, d), H100)
+    with pytest.raises(nc.CostError, match=r"time on H100 needs sizes for d, x \(bound: q\)"):
+        c.number("time", q=1024)
+    assert c.number("flops", q=2, x=3, d=4) == 4 * 2 * 3 * 4 + 5 * 2 * 3
+
+
+def test_missing_level_and_dtype_rate():
+    (n,) = nc.axes("n")
+    with pytest.raises(nc.CostError, match="hardware H100 has no memory level TC"):
+        cost(move(Array(n), nc.TC), H100)
+    a, b, c_ = nc.axes("a b c")
+    fp8 = cost(nc.library.matmul(a, b, c_, dtype=nc.fp8_e4m3), A100)
+    with pytest.raises(nc.CostError, match="hardware A100 has no compute rate for fp8_e4m3"):
+        fp8.time  # noqa: B018
+
+
+def test_memory_over_capacity():
+    q, x, d = nc.axes("q x d", d=128)
+    fits = relabel(flash(q, x, d), q=("group", 384), x=("stream", 64))
+    assert cost(fits, H100).memory_bytes[nc.SMEM] == (2 * 384 * 128 + 2 * 64 * 128) * 2
+    too_big = relabel(flash(q, x, d), q=("group", 1024), x=("stream", 128))
+    with pytest.raises(nc.CostError, match=r"memory at SMEM: 589824 B needed .* exceeds H100's 232448 B"):
+        cost(too_big, H100)
+    symbolic = cost(relabel(flash(q, x, d), q=("group", g_q), x=("stream", 64)), H100)
+    with pytest.raises(nc.CostError, match="memory at SMEM"):
+        symbolic.check(g_q=1024)
+    assert symbolic.check(g_q=128).memory_bytes[nc.SMEM] <= 227 * KiB
+
+
+def test_without_hardware():
+    q, x, d = nc.axes("q x d")
+    c = cost(relabel(flash(q, x, d), q=("group", g_q)))
+    # no stream loop, so Q's tile is freed before O's is made: the largest column is Q ⊗ K ⊗ V
+    assert c.memory[nc.SMEM] == g_q * d.size + 2 * x.size * d.size
+    with pytest.raises(nc.CostError, match="times need a hardware model"):
+        c.time  # noqa: B018
+
+
+def test_cost_records_form_a_category():
+    one = Cost(H100, flops=sympy.Integer(1), memory={nc.HBM: sympy.Integer(5)})
+    two = Cost(H100, flops=sympy.Integer(2), memory={nc.HBM: sympy.Integer(7)})
+    assert ((one >> two) >> one).flops == (one >> (two >> one)).flops == 4
+    assert (one >> two).memory == {nc.HBM: 7} and (one @ two).memory == {nc.HBM: 12}
+
+
+# --- XLA's own counts (REFERENCE §2: cost_analysis) ---------------------------------------------
+
+
+def xla(d, *shapes):
+    args = [jnp.zeros(s, jnp.float32) for s in shapes]
+    return jax.jit(nc.to_jax(d)).lower(*args).compile().cost_analysis()
+
+
+def test_matmul_agrees_with_xla_exactly():
+    a, b, c_ = nc.axes("a b c")
+    ours = cost(nc.library.matmul(a, b, c_), H100).subs(a=256, b=512, c=128)
+    theirs = xla(nc.library.matmul(a, b, c_), (256, 512), (512, 128))
+    assert (int(ours.flops), int(ours.hbm_bytes)) == (theirs["flops"], theirs["bytes accessed"])
+
+
+def test_attention_against_xla():
+    """Where we differ from XLA, and why.
+
+    FLOPs: the contractions agree (4qxd); the elementwise terms differ by O(qx): we count 5 per score
+    (the scale, and max, subtract, sum, divide), XLA also counts the safe-softmax selects (−inf rows).
+    Bytes: we cost the softmax as one kernel (read S, write P). XLA on CPU runs it as four passes over
+    the scores (max; subtract-exp, written out; sum; normalise), and the scale as a pass of its own, so
+    it moves whole extra multiples of the q×x f32 score matrix, plus row vectors.
+    """
+    q, x, d = nc.axes("q x d")
+    sizes = dict(q=256, x=512, d=64)
+    ours = cost(nc.library.attention(q, x, d), H100).subs(**sizes)
+    theirs = xla(nc.library.attention(q, x, d), (256, 64), (512, 64), (512, 64))
+    qx = sizes["q"] * sizes["x"]
+    assert theirs["transcendentals"] == int(ours.transcendentals) == qx
+    assert abs(theirs["flops"] - int(ours.flops)) <= 2 * qx + 4 * sizes["q"]
+    assert theirs["flops"] == pytest.approx(float(ours.flops), rel=0.01)
+    extra = theirs["bytes accessed"] - float(ours.hbm_bytes)
+    passes, rows = divmod(extra, 4 * qx)
+    assert 2 <= passes <= 8 and rows <= 16 * 4 * sizes["q"]
+
+
+def test_softmax_against_xla():
+    q, x = nc.axes("q x")
+    ours = cost(nc.library.softmax(q, x), H100).subs(q=256, x=512)
+    theirs = xla(nc.library.softmax(q, x), (256, 512))
+    assert ours.hbm_bytes == 2 * 4 * 256 * 512  # one read of S, one write of P
+    passes, rows = divmod(theirs["bytes accessed"], 4 * 256 * 512)  # XLA: 6 passes over the scores
+    assert passes == 3 * 2 and rows <= 16 * 4 * 256
