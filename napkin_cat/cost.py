@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 import sympy
 from discopy import markov
 
+from napkin_cat.convolution import Conv
 from napkin_cat.diagram import Array, Diagram
 from napkin_cat.dtypes import Dtype, f32
 from napkin_cat.errors import CostError
@@ -251,13 +252,24 @@ def _capacity(hw: Hardware, level: Level) -> int:
 # --- the functor: a flat walk over the layers ------------------------------------------------------
 
 
-def _tensor_flops(box: Generator) -> Expr:
-    """The FLOPs of a box that run on tensor cores: its contraction (FAN: 2·k per output element)."""
-    if not isinstance(box, Contract | SoftmaxContract | NormalisedContract):
-        return ZERO
+def _contraction(box: Generator) -> Expr:
+    """FAN: a contraction costs 2·k FLOPs per output element, i.e. twice the product of its axis sizes."""
     sizes = {a.name: a.size for w in (*box.dom.inside, *box.cod.inside) for a in w.axes}
-    operands = max(len(box.dom) - 1, 1) if isinstance(box, Contract) else 1
-    return 2 * sympy.Mul(*sizes.values()) * operands
+    return 2 * sympy.Mul(*sizes.values())
+
+
+# The FLOPs of each generator class that run on tensor cores; the rest of ``flops()`` runs on CUDA cores.
+TENSOR_FLOPS = {
+    Contract: lambda box: _contraction(box) * max(len(box.dom) - 1, 1),
+    SoftmaxContract: _contraction,
+    NormalisedContract: _contraction,
+    Conv: lambda box: box.flops(),
+}
+
+
+def _tensor_flops(box: Generator) -> Expr:
+    rule = next((r for cls, r in TENSOR_FLOPS.items() if isinstance(box, cls)), None)
+    return sympy.sympify(rule(box)) if rule is not None else ZERO
 
 
 def _groups(array: Array, tiled: Mapping[str, object]) -> Expr:

@@ -16,9 +16,14 @@ compute-bound at a level when its transfers per FLOP stay below ``r``.
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+import sympy
+
+from napkin_cat.cost import ZERO, Cost
 from napkin_cat.dtypes import Dtype, f16, f32, fp8_e4m3
 from napkin_cat.errors import CostError
 from napkin_cat.hardware import Hardware, KiB
@@ -297,3 +302,50 @@ def ampere_warps(hw: Hardware, d: int = 128, dtype: Dtype = f16, rows_per_warp: 
         flash=flash_rows // rows_per_warp,
         register_limit=registers // (hw.max_regs_per_thread * hw.warp_size),
     )
+
+
+def best_tiles(
+    c: Cost, choices: Mapping[str, Iterable[int]], level: Level = SMEM, capacity: float | None = None, **sizes
+) -> tuple[dict[str, int], Cost]:
+    """FAN's tile choice: the labels that fit ``level``'s memory with the fewest transfers into it.
+
+    ``c`` is a cost with symbolic partition sizes; ``choices`` lists candidate values per symbol name;
+    ``capacity`` is in bytes (default: the hardware's, per block for SMEM); ``sizes`` bind the other
+    sizes. Ties go to the larger memory (the largest group that fits). Returns the labels and the
+    bound cost.
+
+    >>> import sympy, napkin_cat as nc
+    >>> from napkin_cat.cost import cost
+    >>> from napkin_cat.hardware import H100
+    >>> q, x, d = nc.axes("q x d", d=128)
+    >>> g = sympy.Symbol("g", positive=True, integer=True)
+    >>> kernel = nc.library.attention(q, x, d, dtype=nc.bf16).map_arrays(
+    ...     lambda w: w.with_(axes=[a.tiled(g) if a.name == "q" else a.streamed(64) if a.name == "x" else a
+    ...                             for a in w.axes]))
+    >>> labels, bound = best_tiles(cost(kernel, H100), {"g": [64, 128, 256, 512]}, q=8192, x=8192)
+    >>> labels, int(bound.memory_bytes[SMEM])
+    ({'g': 256}, 147456)
+    """
+    bound = c.subs(**sizes)
+    names = list(choices)
+    symbols = [sympy.Symbol(n, positive=True, integer=True) for n in names]
+    hw = bound.hardware
+    if capacity is None:
+        if hw is None:
+            raise CostError("best_tiles needs a capacity in bytes or a cost with a hardware model")
+        capacity = hw.smem_per_block if level == SMEM else hw.capacity(level)
+    memory = bound.memory_bytes.get(level, ZERO)
+    transfers = bound.transfers.get(level, ZERO)
+    free = (memory.free_symbols | transfers.free_symbols) - set(symbols)
+    if free:
+        raise CostError(f"best_tiles at {level.name}: bind the sizes {', '.join(sorted(map(str, free)))}")
+    mem, moved = sympy.lambdify(symbols, memory), sympy.lambdify(symbols, transfers)
+    fits = [v for v in itertools.product(*choices.values()) if mem(*v) <= capacity]
+    if not fits:
+        smallest = min(mem(*v) for v in itertools.product(*choices.values()))
+        raise CostError(
+            f"no tiles fit {level.name}: the smallest candidate needs {smallest:.0f} B, capacity {capacity:.0f} B"
+        )
+    best = min(fits, key=lambda v: (moved(*v), -mem(*v)))
+    labels = dict(zip(names, map(int, best), strict=True))
+    return labels, bound.subs(**labels)
