@@ -34,6 +34,9 @@ class Accumulator:
         """Which of the box's inputs are indexed by the streamed axis (chunked in the loop)."""
         return tuple(w.has(self.axis) for w in self.box.dom.inside)
 
+    #: per input, the value that padding along the streamed axis must hold to contribute nothing
+    padding: tuple = ()
+
     def partial(self, ins, ctx):
         raise NotImplementedError
 
@@ -60,6 +63,7 @@ class Monoid(Accumulator):
     def __init__(self, box, axis, fn, unit):
         super().__init__(box, axis)
         self.fn, self.unit = fn, unit
+        self.padding = (unit,)
 
     def partial(self, ins, ctx):
         i = self.box.dom.inside[0].names.index(self.axis)
@@ -78,10 +82,14 @@ class Monoid(Accumulator):
 class ContractionSum(Accumulator):
     """A contraction over the streamed axis (split-K): the state is the partial sum, in f32."""
 
+    @property
+    def padding(self):
+        return (0.0,) * len(self.box.dom)
+
     def partial(self, ins, ctx):
         from napkin_cat.generators import einsum_spec
 
-        return jnp.einsum(einsum_spec(self.box.dom, self.box.out), *ins, preferred_element_type=jnp.float32)
+        return ctx.einsum(einsum_spec(self.box.dom, self.box.out), *ins)
 
     def combine(self, a, b):
         return a + b
@@ -116,6 +124,8 @@ class OnlineSoftmax(Accumulator):
     Fully masked rows (``m = −∞``) keep ``l = 0`` and finalize to 0, never NaN.
     """
 
+    padding = (-jnp.inf, 0.0)
+
     def _rows(self):
         s = self.box.dom.inside[0]
         return s.with_(axes=[a for a in s.axes if a.name != self.axis])
@@ -129,9 +139,9 @@ class OnlineSoftmax(Accumulator):
         s = s.astype(jnp.float32)
         i = self.box.dom.inside[0].names.index(self.axis)
         m = jnp.max(s, axis=i)
-        p = jnp.exp(s - _expand(_safe(m), self.box, self.axis))
+        p = ctx.exp(s - _expand(_safe(m), self.box, self.axis))
         dom = Ty(self.box.dom.inside[0].with_(dtype=f32), self.box.dom.inside[1])
-        o = jnp.einsum(einsum_spec(dom, self.box.out), p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        o = ctx.einsum(einsum_spec(dom, self.box.out), p.astype(v.dtype), v)
         return m, jnp.sum(p, axis=i), o
 
     def combine(self, a, b):
@@ -152,10 +162,10 @@ class OnlineSoftmax(Accumulator):
         s = s.astype(jnp.float32)
         i = self.box.dom.inside[0].names.index(self.axis)
         m_new = jnp.maximum(m, jnp.max(s, axis=i))
-        delta = jnp.exp(m - _safe(m_new))
-        p = jnp.exp(s - _expand(_safe(m_new), self.box, self.axis))
+        delta = ctx.exp(m - _safe(m_new))
+        p = ctx.exp(s - _expand(_safe(m_new), self.box, self.axis))
         dom = Ty(self.box.dom.inside[0].with_(dtype=f32), self.box.dom.inside[1])
-        pv = jnp.einsum(einsum_spec(dom, self.box.out), p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        pv = ctx.einsum(einsum_spec(dom, self.box.out), p.astype(v.dtype), v)
         return m_new, l * delta + jnp.sum(p, axis=i), o * _to_out(delta, self._rows(), self.box.out) + pv
 
     def finalize(self, state, ctx):

@@ -49,6 +49,16 @@ class Context:
 
     sizes: dict = field(default_factory=dict)
     offsets: dict = field(default_factory=dict)
+    einsum: Callable = field(default=None)
+    exp: Callable = field(default=jnp.exp)
+
+    def __post_init__(self):
+        if self.einsum is None:
+            self.einsum = lambda spec, *xs: jnp.einsum(spec, *xs, preferred_element_type=jnp.float32)
+
+    def at(self, **offsets) -> Context:
+        """This context with some block offsets replaced."""
+        return Context(self.sizes, {**self.offsets, **offsets}, self.einsum, self.exp)
 
     def number(self, expr) -> float:
         value = sympy.sympify(expr).subs(self.sizes)
@@ -107,6 +117,11 @@ class Generator(Box):
         kept = {n for w in self.cod.inside for n in w.names}
         return tuple(dict.fromkeys(n for w in self.dom.inside for n in w.names if n not in kept))
 
+    @property
+    def mixes(self) -> tuple[str, ...]:
+        """Axes along which this box combines elements (it needs them whole unless it streams them)."""
+        return self.reduced
+
     def evaluate(self, ins: list, ctx: Context) -> list:
         raise NotImplementedError(type(self).__name__)
 
@@ -132,8 +147,7 @@ class Contract(Generator):
 
     def evaluate(self, ins, ctx):
         scale = self.params.get("scale")
-        spec = einsum_spec(self.dom, self.out)
-        acc = jnp.einsum(spec, *ins, preferred_element_type=jnp.float32)
+        acc = ctx.einsum(einsum_spec(self.dom, self.out), *ins)
         if scale is not None:
             acc = acc * ctx.number(scale)
         return [acc.astype(self.out.dtype.jnp)]
@@ -469,6 +483,10 @@ def _safe_softmax(v, i):
 class Softmax(Generator):
     """Softmax over one axis, in f32. Not streamable alone: its output keeps the axis."""
 
+    @property
+    def mixes(self):
+        return (self.params["axis"],)
+
     def evaluate(self, ins, ctx):
         (v,) = ins
         i = self.dom.inside[0].names.index(self.params["axis"])
@@ -512,8 +530,7 @@ class SoftmaxContract(Generator):
         p = _safe_softmax(s.astype(jnp.float32), self.dom.inside[0].names.index(axis))
         p = p.astype(v.dtype) if v.dtype != jnp.float32 else p
         dom = Ty(self.dom.inside[0].with_(dtype=f32), self.dom.inside[1])
-        out = jnp.einsum(einsum_spec(dom, self.out), p, v, preferred_element_type=jnp.float32)
-        return [out.astype(self.out.dtype.jnp)]
+        return [ctx.einsum(einsum_spec(dom, self.out), p, v).astype(self.out.dtype.jnp)]
 
     def flops(self):
         s, v = self.dom.inside
@@ -573,6 +590,10 @@ def normalised_contract(s: Array, v: Array, axis: Axis | str, out: Array, *, a1,
 
 class Reshape(Generator):
     """Split one axis into two (row-major) or merge two adjacent axes into one."""
+
+    @property
+    def mixes(self):
+        return tuple(dict.fromkeys(n for w in (*self.dom.inside, *self.cod.inside) for n in w.names))
 
     def evaluate(self, ins, ctx):
         (v,) = ins

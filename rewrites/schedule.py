@@ -62,33 +62,43 @@ def _run_tiled(d: Diagram, values: list, ctx: Context, tiles: list, streams: dic
     for start in range(0, n, g):
         stop = min(start + g, n)
         sub = [_slice(v, w, a, start, stop) for v, w in zip(values, d.dom.inside, strict=True)]
-        pieces.append(_run_tiled(d, sub, Context(ctx.sizes, {**ctx.offsets, a: ctx.offsets.get(a, 0) + start}), rest, streams))
+        pieces.append(_run_tiled(d, sub, ctx.at(**{a: ctx.offsets.get(a, 0) + start}), rest, streams))
     return [
         jnp.concatenate([p[k] for p in pieces], axis=w.names.index(a)) if w.has(a) else pieces[0][k]
         for k, w in enumerate(d.cod.inside)
     ]
 
 
-def _walk(d: Diagram, values: list, ctx: Context, axis: str, phase: str, states: dict) -> list:
-    """One pass over the layers. ``phase`` "chunk" folds a chunk into the accumulators; "final"
-    finalizes them and evaluates the boxes after the reductions. ``None`` marks a wire not computed."""
+def _fold(acc, state, ins, ctx):
+    return acc.partial(ins, ctx) if state is None else acc.step(state, ins, ctx)
+
+
+def walk(d: Diagram, values: list, ctx: Context, axis: str, phase: str, states: dict, *,
+         fold: Callable = _fold, skip: Callable = lambda box: False) -> list:
+    """One pass over the layers of a diagram streamed along ``axis``.
+
+    ``phase`` "chunk" folds a chunk into the accumulators of the boxes removing ``axis`` (``states``
+    maps their layer index to their state); "final" finalizes them and evaluates the boxes after the
+    reductions. ``None`` marks a wire not computed in this pass. Boxes for which ``skip(box)`` holds
+    pass their inputs through (a kernel uses it to drop masks on blocks it knows are unmasked).
+    """
     stack = list(values)
     for i, (left, box, _) in enumerate(d.inside):
         n, k = len(left), len(box.dom)
         ins = stack[n : n + k]
-        streamed = [w.has(axis) for w in box.dom.inside]
-        reducing = isinstance(box, Generator) and any(streamed) and not any(w.has(axis) for w in box.cod.inside)
+        reducing = (isinstance(box, Generator) and any(w.has(axis) for w in box.dom.inside)
+                    and not any(w.has(axis) for w in box.cod.inside))
         if reducing:
+            acc = box.accumulator(axis)
             if phase == "chunk":
-                acc = box.accumulator(axis)
-                states[i] = acc.partial(ins, ctx) if i not in states else acc.step(states[i], ins, ctx)
+                states[i] = fold(acc, states.get(i), ins, ctx)
                 out = [None] * len(box.cod)
             else:
-                out = box.accumulator(axis).finalize(states[i], ctx)
+                out = acc.finalize(states[i], ctx)
         elif any(v is None for v in ins):  # downstream of a pending reduction, or a chunk in the final pass
             out = [None] * len(box.cod)
         else:
-            out = apply(box, ins, ctx)
+            out = ins if skip(box) else apply(box, ins, ctx)
         stack[n : n + k] = out
     return stack
 
@@ -103,9 +113,9 @@ def _run_streamed(d: Diagram, values: list, ctx: Context, streams: dict) -> list
     states: dict = {}
     for start in range(0, n, s):
         chunk = [_slice(v, w, x, start, min(start + s, n)) for v, w in zip(values, d.dom.inside, strict=True)]
-        _walk(d, chunk, Context(ctx.sizes, {**ctx.offsets, x: ctx.offsets.get(x, 0) + start}), x, "chunk", states)
+        walk(d, chunk, ctx.at(**{x: ctx.offsets.get(x, 0) + start}), x, "chunk", states)
     final = [None if w.has(x) else v for v, w in zip(values, d.dom.inside, strict=True)]
-    return _walk(d, final, ctx, x, "final", states)
+    return walk(d, final, ctx, x, "final", states)
 
 
 def execute(d: Diagram) -> Callable:

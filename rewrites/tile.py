@@ -53,8 +53,9 @@ class tile(Rule):  # noqa: N801 - rules are named as verbs, like functions
         for box in d.boxes:
             if isinstance(box, Reshape) and any(w.has(a) for w in (*box.dom.inside, *box.cod.inside)):
                 raise self.fail(f"a reshape touches {a}", box=box.name, axis=a)
-            if isinstance(box, Generator) and a in box.reduced:
-                raise self.fail(f"the box removes {a}, so the diagram is not weaved over it", box=box.name, axis=a)
+            if isinstance(box, Generator) and a in box.mixes:
+                how = "removes" if a in box.reduced else "combines elements along"
+                raise self.fail(f"the box {how} {a}, so the diagram is not weaved over it", box=box.name, axis=a)
         size = next(x.size for w in (*d.dom.inside, *d.cod.inside) for x in w.axes if x.name == a)
         if size.is_number and self.g > size:
             raise self.fail(f"group size {self.g} exceeds the axis size {size}", axis=a)
