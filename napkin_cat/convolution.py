@@ -111,7 +111,8 @@ def _padding(padding, ks: tuple[Axis, ...], strides: tuple[int, ...]) -> tuple[t
 
 
 def _output_axis(x: Axis, k: Axis, stride: int, lo, hi, out: Axis | None) -> Axis:
-    size = sympy.floor((x.size + lo + hi - k.size) / stride) + 1
+    span = x.size + lo + hi - k.size
+    size = (span if stride == 1 else sympy.floor(span / stride)) + 1  # no floor: x/2 is not known to be an integer
     if out is None:
         return x if sympy.simplify(size - x.size) == 0 else Axis(f"{x.name}_out", size)
     if sympy.simplify(out.size - size) != 0:
