@@ -315,6 +315,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", type=Path, default=HERE / "results")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--write-readme", action="store_true", help="render results/*.json into README.md")
+    p.add_argument("--readme-only", action="store_true", help="run nothing; only --write-readme")
     p.add_argument("--readme", type=Path, default=HERE / "README.md")
     opts = p.parse_args(argv)
     profile = QUICK if opts.quick else FULL
@@ -394,8 +395,8 @@ def run(opts) -> dict:
 def main(argv=None) -> dict | None:
     """Run the benchmark (and/or rewrite the README's results section); returns the results."""
     opts = parse_args(argv)
-    res = run(opts) if opts.section_list != [""] else None
-    if opts.write_readme:
+    res = None if opts.readme_only else run(opts)
+    if opts.write_readme or opts.readme_only:
         report.write_readme(opts.readme, opts.out_dir)
     return res
 

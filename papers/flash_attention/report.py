@@ -31,6 +31,7 @@ NAMES = {
     "mha": "jax's Pallas Triton `mha` (default blocks)",
     "mgpu": "jax's Pallas Mosaic GPU `attention_mgpu` (FA3-style, fp16)",
 }
+COLOURS = dict(zip(ORDER, ("tab:blue", "tab:gray", "tab:green", "tab:orange", "tab:purple"), strict=True))
 BEGIN, END = "<!-- {}:begin -->", "<!-- {}:end -->"
 
 
@@ -77,7 +78,7 @@ def forward_table(entries: list) -> str:
                            f"{err:.1e}" if err is not None else "–",
                            *(f"{e['speedup'][n]:.2f}×" if n in e["speedup"] else "–" for n in others)]))
     if absent:
-        lines += ["", "Not run here: " + "; ".join(f"{n} ({why})" for n, why in absent.items()) + "."]
+        lines += ["", "Not run here: " + "; ".join(f"{n} — {why}" for n, why in absent.items()) + "."]
     return "\n".join(lines)
 
 
@@ -163,7 +164,7 @@ def _tflops_bars(ax, entries: list) -> None:
     width = 0.8 / max(1, len(ran))
     for i, name in enumerate(ran):
         ys = [e["results"].get(name, {}).get("tflops", 0) or 0 for e in entries]
-        ax.bar([x + i * width for x in range(len(entries))], ys, width, label=name)
+        ax.bar([x + i * width for x in range(len(entries))], ys, width, label=name, color=COLOURS[name])
     labels = [f"{c['dtype']} D{c['head_dim']}\nN{c['seq']}{' c' if c['causal'] else ''}"
               for c in (e["config"] for e in entries)]
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(entries))], labels, fontsize=7)
@@ -173,9 +174,33 @@ def _tflops_bars(ax, entries: list) -> None:
 
 def _longest_bars(ax, longest: dict) -> None:
     names = [n for n in ORDER if longest["results"].get(n, {}).get("max_n")]
-    ax.bar(names, [longest["results"][n]["max_n"] for n in names])
+    ax.bar(names, [longest["results"][n]["max_n"] for n in names], color=[COLOURS[n] for n in names])
     ax.set_yscale("log", base=2)
     ax.set_ylabel("longest N that ran")
+
+
+def transformer_summary(res: dict) -> str:
+    """A markdown table of the final losses, for the README.
+
+    >>> print(transformer_summary({"device": "cpu", "config": {"steps": 2, "d_model": 8, "layers": 1, "heads": 2,
+    ...     "seq": 4, "batch": 2, "dtype": "f32"}, "diff": {},
+    ...     "runs": {"reference": {"status": "ok", "losses": [4.0, 3.5], "held_out": [(1, 3.6)],
+    ...     "seconds": 1.0}}}).splitlines()[-1])
+    | reference | ok | 3.500 | 3.600 | 1.0 |
+    """
+    c = res["config"]
+    lines = [f"{res['device']}: {c['layers']} layers, d_model {c['d_model']}, {c['heads']} heads, "
+             f"context {c['seq']}, batch {c['batch']}, {c['dtype']} attention inputs, {c['steps']} Adam steps "
+             f"(`{' '.join(res.get('argv', []))}`).", "",
+             "| attention | status | final train loss | final held-out loss | seconds |",
+             "| --- | --- | --- | --- | --- |"]
+    for name, r in res["runs"].items():
+        if r["status"] == "ok":
+            lines.append(f"| {name} | ok | {r['losses'][-1]:.3f} | {r['held_out'][-1][1]:.3f} | {r['seconds']:.1f} |")
+        else:
+            lines.append(f"| {name} | {r['status']}: {r['error'][:80].replace('|', '/')} | – | – | – |")
+    lines += [f"\nLargest per-step loss difference, {k}: {v:.2e}." for k, v in res["diff"].items()]
+    return "\n".join(lines)
 
 
 def replace_section(text: str, name: str, body: str) -> str:
@@ -205,8 +230,21 @@ def benchmark_section(results_dir: Path, relative_to: Path) -> str:
     return "\n\n".join(render(res, image) for res, image in chosen)
 
 
+def transformer_section(results_dir: Path, relative_to: Path) -> str | None:
+    """The transformer's loss table and curve (the quick run only when there is no full one)."""
+    for stem in ("transformer", "transformer_quick"):
+        path = results_dir / f"{stem}.json"
+        if path.exists():
+            png = path.with_suffix(".png")
+            image = f"\n\n![loss curves]({os.path.relpath(png, relative_to)})" if png.exists() else ""
+            return transformer_summary(json.loads(path.read_text())) + image
+    return None
+
+
 def write_readme(readme: Path, results_dir: Path) -> None:
-    """Regenerate the README's benchmark section from the JSON files in ``results_dir``."""
+    """Regenerate the README's results sections from the JSON files in ``results_dir``."""
     text = readme.read_text() if readme.exists() else ""
-    body = benchmark_section(results_dir, readme.parent)
-    readme.write_text(replace_section(text, "benchmark-results", body))
+    text = replace_section(text, "benchmark-results", benchmark_section(results_dir, readme.parent))
+    if (body := transformer_section(results_dir, readme.parent)) is not None:
+        text = replace_section(text, "transformer-results", body)
+    readme.write_text(text)

@@ -131,10 +131,11 @@ def adam_init(params) -> dict:
 def adam_update(grads, state: dict, params, lr: float, b1=0.9, b2=0.999, eps=1e-8):
     """One Adam step; returns (params, state).
 
-    >>> p = {"w": jnp.array(3.0)}
+    >>> p = {"w": jnp.array(1.0)}
     >>> s = adam_init(p)
-    >>> for _ in range(200):
-    ...     p, s = adam_update(jax.grad(lambda p: p["w"] ** 2)(p), s, p, lr=0.1)
+    >>> update = jax.jit(lambda p, s: adam_update(jax.grad(lambda p: p["w"] ** 2)(p), s, p, lr=0.1))
+    >>> for _ in range(50):
+    ...     p, s = update(p, s)
     >>> bool(abs(p["w"]) < 0.1)
     True
     """
@@ -222,27 +223,6 @@ def plot(res: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def summary(res: dict) -> str:
-    """A markdown table of the final losses, for the README.
-
-    >>> print(summary({"device": "cpu", "config": {"steps": 2}, "diff": {},
-    ...     "runs": {"reference": {"status": "ok", "losses": [4.0, 3.5], "held_out": [(1, 3.6)],
-    ...     "seconds": 1.0}}}).splitlines()[-1])
-    | reference | ok | 3.500 | 3.600 | 1.0 |
-    """
-    lines = [f"Trained on {res['device']}, {res['config']['steps']} steps "
-             f"(`{' '.join(res.get('argv', []))}`).", "",
-             "| attention | status | final train loss | final held-out loss | seconds |",
-             "| --- | --- | --- | --- | --- |"]
-    for name, r in res["runs"].items():
-        if r["status"] == "ok":
-            lines.append(f"| {name} | ok | {r['losses'][-1]:.3f} | {r['held_out'][-1][1]:.3f} | {r['seconds']:.1f} |")
-        else:
-            lines.append(f"| {name} | {r['status']}: {r['error'][:80]} | – | – | – |")
-    lines += [f"\nLargest per-step loss difference, {k}: {v:.2e}." for k, v in res["diff"].items()]
-    return "\n".join(lines)
-
-
 # --- the command line -------------------------------------------------------------------------
 
 FULL = dict(steps=300, batch=32, seq=256, d_model=256, heads=4, layers=4, lr=2e-3)
@@ -292,11 +272,9 @@ def main(argv=None) -> dict:
     report.save_json(res, opts.out_dir / f"{stem}.json")
     if not opts.no_plot:
         plot(res, opts.out_dir / f"{stem}.png")
-    print(summary(res), flush=True)
+    print(report.transformer_summary(res), flush=True)
     if opts.write_readme:
-        text = opts.readme.read_text() if opts.readme.exists() else ""
-        image = f"\n\n![loss curves](results/{stem}.png)" if not opts.no_plot else ""
-        opts.readme.write_text(report.replace_section(text, "transformer-results", summary(res) + image))
+        report.write_readme(opts.readme, opts.out_dir)
     return res
 
 
