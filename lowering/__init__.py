@@ -1,0 +1,18 @@
+"""Lowering: scheduled diagrams become JAX Pallas kernels.
+
+>>> import jax, jax.numpy as jnp
+>>> import napkin_cat as nc
+>>> from rewrites import derive, tile, stream
+>>> q, x, d = nc.axes("q x d")
+>>> attn = nc.library.attention(q, x, d)
+>>> kernel = lower(derive(attn, tile(q, 16), stream(x, 16)))
+>>> Q, K, V = (jax.random.normal(jax.random.key(i), (40, 32)) for i in range(3))
+>>> bool(jnp.allclose(kernel(Q, K, V), nc.to_jax(attn)(Q, K, V), atol=1e-4))
+True
+"""
+
+from lowering.api import lower
+from lowering.plan import NotLowerable, Plan, plan
+from lowering.triton import Config, Lowered
+
+__all__ = ["Config", "Lowered", "NotLowerable", "Plan", "lower", "plan"]

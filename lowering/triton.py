@@ -1,0 +1,265 @@
+"""The Triton backend: a scheduled diagram becomes one ``pl.pallas_call``.
+
+The functor on objects is :mod:`lowering.plan` (grid, blocks, loop); on boxes it is the reference
+semantics itself, run on blocks inside the kernel: the same generators evaluate tile-sized values,
+with ``Context`` supplying the block offsets (for masks and score modifiers), 2-D ``jnp.dot`` for
+contractions (f32 accumulation) and ``exp2`` for exponentials. The streamed axis becomes a
+``fori_loop`` folding the accumulators (FAN §3); causal masks split that loop into unmasked chunks
+and diagonal chunks, and the chunks after the diagonal are never visited.
+
+Ragged sizes are padded to whole blocks in the wrapper and masked: padded chunk elements take the
+accumulator's neutral value (``-inf`` scores, zero values), so fully masked rows give 0, not NaN.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from napkin_cat.generators import Causal, Context, Mask
+from napkin_cat.semantics import bind
+from lowering.plan import NotLowerable, Plan, next_pow2, padding_neutral
+
+LOG2E = math.log2(math.e)
+
+
+@dataclass(frozen=True)
+class Config:
+    """Tuning knobs of the Triton backend (tile sizes come from the diagram's labels)."""
+
+    num_warps: int = 4
+    num_stages: int = 2
+
+    @classmethod
+    def get_default(cls, p: Plan, sizes: dict) -> Config:
+        g = max(p.tiles.values(), default=64)
+        whole = max((next_pow2(int(sizes.get(_sym(p, a), 0) or 0)) for a in p.whole), default=64)
+        return cls(num_warps=8 if g * whole >= 128 * 128 else 4, num_stages=2 if whole > 64 else 3)
+
+
+def _sym(p: Plan, name: str):
+    for w in p.diagram.dom.inside:
+        for a in w.axes:
+            if a.name == name:
+                return a.size
+    return None
+
+
+def block_einsum(spec: str, *xs):
+    """A two-operand contraction of 2-D (or 1-D) blocks as one ``jnp.dot`` with f32 accumulation."""
+    ins, out = spec.split("->")
+    terms = ins.split(",")
+    if len(xs) != 2 or any(len(t) != 2 for t in terms) or len(out) != 2:
+        raise NotLowerable(f"in-kernel contraction {spec!r} is not a 2-D matrix product")
+    (a, b), (c, e) = terms
+    shared = set(terms[0]) & set(terms[1])
+    if len(shared) != 1:
+        raise NotLowerable(f"in-kernel contraction {spec!r} must contract exactly one axis")
+    (k,) = shared
+    x = xs[0] if b == k else xs[0].T
+    y = xs[1] if c == k else xs[1].T
+    rows, cols = (a if b == k else b), (e if c == k else c)
+    prod = jnp.dot(x, y, preferred_element_type=jnp.float32)
+    return prod if out == rows + cols else prod.T
+
+
+def _exp(v):
+    return jnp.exp2(v * LOG2E)
+
+
+def _block_axes(p: Plan, wire) -> list:
+    return [a for a in wire.axes if a.name not in p.batch]
+
+
+class Lowered:
+    """A kernel for a scheduled diagram: call it with arrays in the diagram's axis order."""
+
+    def __init__(self, p: Plan, *, interpret: bool | None = None, config: Config | None = None):
+        self.plan, self.config = p, config
+        self.interpret = (jax.default_backend() != "gpu") if interpret is None else interpret
+        self.__name__ = "napkin_kernel"
+
+    # -- the wrapper: bind sizes, pad to whole blocks, launch, slice -----------------------------
+    def __call__(self, *arrays):
+        p, d = self.plan, self.plan.diagram
+        arrays = [jnp.asarray(a) for a in arrays]
+        sizes = bind(d.dom, arrays)
+        extent = {a.name: int(a.size.subs(sizes)) for w in d.dom.inside for a in w.axes}
+        padded = dict(extent)
+        for a, g in p.tiles.items():
+            padded[a] = -(-extent[a] // g) * g
+        if p.stream:
+            x, s = p.stream
+            padded[x] = -(-extent[x] // s) * s
+        for a in p.whole:
+            want = max(next_pow2(extent[a]), 16)
+            if want != extent[a]:
+                if not padding_neutral(d, a):
+                    raise NotLowerable(f"axis {a!r} of size {extent[a]} is not a power of two ≥ 16, and a box "
+                                       "other than a contraction combines elements along it, so it cannot be padded")
+                padded[a] = want
+        arrays = [_pad(v, w, padded) for v, w in zip(arrays, d.dom.inside, strict=True)]
+        config = self.config or Config.get_default(p, sizes)
+        outs = self._call(arrays, sizes, extent, padded, config)
+        outs = [o[tuple(slice(0, extent[a.name]) for a in w.axes)] for o, w in zip(outs, d.cod.inside, strict=True)]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _grid(self, padded):
+        p = self.plan
+        tiles = [padded[a] // g for a, g in p.tiles.items()]
+        batch = math.prod(padded[a] for a in p.batch)
+        return (*tiles, batch)
+
+    def _index_map(self, wire, padded):
+        p = self.plan
+        tile_pos = {a: i for i, a in enumerate(p.tiles)}
+        nb = len(p.tiles)
+        strides, acc = {}, 1
+        for a in reversed(p.batch):
+            strides[a] = acc
+            acc *= padded[a]
+
+        def index_map(*ids):
+            idx = []
+            for a in wire.axes:
+                if a.name in p.batch:
+                    idx.append(lax.rem(lax.div(ids[nb], strides[a.name]), padded[a.name]))
+                elif a.name in tile_pos:
+                    idx.append(ids[tile_pos[a.name]])
+                else:
+                    idx.append(0)
+            return tuple(idx)
+
+        return index_map
+
+    def _spec(self, wire, padded):
+        p = self.plan
+        shape = []
+        for a in wire.axes:
+            if a.name in p.batch:
+                shape.append(None)
+            elif a.name in p.tiles:
+                shape.append(p.tiles[a.name])
+            else:
+                shape.append(padded[a.name])
+        return pl.BlockSpec(tuple(shape), self._index_map(wire, padded))
+
+    def _call(self, arrays, sizes, extent, padded, config):
+        p, d = self.plan, self.plan.diagram
+        kernel = functools.partial(_kernel, p, sizes, extent, padded)
+        out_shape = [jax.ShapeDtypeStruct(tuple(padded[a.name] for a in w.axes), w.dtype.jnp) for w in d.cod.inside]
+        call = pl.pallas_call(
+            kernel,
+            grid=self._grid(padded),
+            in_specs=[self._spec(w, padded) for w in d.dom.inside],
+            out_specs=[self._spec(w, padded) for w in d.cod.inside],
+            out_shape=out_shape,
+            compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+            interpret=self.interpret,
+            name="napkin_kernel",
+        )
+        return call(*arrays)
+
+    @property
+    def source(self) -> str:
+        """The kernel's launch description: grid axes, block shapes, loop and accumulators."""
+        from lowering.source import describe
+
+        return describe(self)
+
+
+def _pad(v, wire, padded):
+    widths = [(0, padded[a.name] - v.shape[i]) for i, a in enumerate(wire.axes)]
+    return jnp.pad(v, widths) if any(w for _, w in widths) else v
+
+
+def unweave(d, axes: tuple):
+    """The per-block diagram: ``d`` with the grid's squeezed axes removed from every wire."""
+    return d.map_arrays(lambda w: w.with_(axes=[a for a in w.axes if a.name not in axes]))
+
+
+def _kernel(p: Plan, sizes, extent, padded, *refs):
+    from rewrites.schedule import walk
+
+    d = unweave(p.diagram, p.batch)
+    n_in = len(d.dom)
+    in_refs, out_refs = refs[:n_in], refs[n_in:]
+    offsets = {a: pl.program_id(i) * g for i, (a, g) in enumerate(p.tiles.items())}
+    ctx = Context(sizes=sizes, offsets=offsets, einsum=block_einsum, exp=_exp)
+    if p.stream is None:
+        outs = walk(d, [r[...] for r in in_refs], ctx, "", "final", {})
+        for r, v in zip(out_refs, outs, strict=True):
+            r[...] = v.astype(r.dtype)
+        return
+    x, s = p.stream
+    carried = [w.has(x) for w in d.dom.inside]
+    resident = [None if c else r[...] for r, c in zip(in_refs, carried, strict=True)]
+
+    def chunk_values(c):
+        vals = []
+        for r, w, v in zip(in_refs, d.dom.inside, resident, strict=True):
+            if v is None:
+                pos = w.names.index(x)
+                v = r[tuple(pl.ds(c * s, s) if i == pos else slice(None) for i in range(len(w.axes)))]
+            vals.append(v)
+        return vals
+
+    ragged = extent[x] != padded[x]
+
+    def fold(acc, state, ins, cctx):
+        if ragged:
+            ins = [_mask_padding(v, w, x, cctx.offsets[x], extent[x], pad) if w.has(x) and pad is not None else v
+                   for v, w, pad in zip(ins, acc.box.dom.inside, acc.padding, strict=True)]
+        return acc.step(state, ins, cctx)
+
+    causal = [b for b in d.boxes if isinstance(b, Mask) and isinstance(b.params["mask"], Causal)
+              and b.params["mask"].x == x and b.params["mask"].q in p.tiles]
+
+    # The accumulators' states start at their identity, shaped by one abstract chunk.
+    def probe(*vals):
+        shapes: dict = {}
+        walk(d, list(vals), ctx.at(**{x: 0}), x, "chunk", shapes, fold=lambda acc, st, ins, c: acc.partial(ins, c))
+        return shapes
+
+    def block_shape(w):
+        return tuple(s if a.name == x else p.tiles.get(a.name, padded[a.name]) for a in w.axes)
+
+    like = jax.eval_shape(probe, *(jax.ShapeDtypeStruct(block_shape(w), w.dtype.jnp) for w in d.dom.inside))
+    keys = sorted(like)
+    init = tuple(d.inside[i][1].accumulator(x).identity(like[i]) for i in keys)
+
+    def body(skip_causal):
+        def run(c, carry):
+            states = dict(zip(keys, carry, strict=True))
+            walk(d, chunk_values(c), ctx.at(**{x: c * s}), x, "chunk", states, fold=fold,
+                 skip=lambda box: skip_causal and box in causal)
+            return tuple(states[i] for i in keys)
+        return run
+
+    n_chunks = padded[x] // s
+    if causal:
+        q = causal[0].params["mask"].q
+        g, q_start = p.tiles[q], offsets[q]
+        needed = jnp.minimum(lax.div(q_start + g + s - 1, s), n_chunks)  # later chunks are fully masked: skipped
+        visible = jnp.minimum(lax.div(q_start + 1, s), needed)  # chunks wholly below the diagonal: no mask
+        carry = lax.fori_loop(0, visible, body(True), init)
+        carry = lax.fori_loop(visible, needed, body(False), carry)
+    else:
+        carry = lax.fori_loop(0, n_chunks, body(False), init)
+    states = dict(zip(keys, carry, strict=True))
+    final = [None if c else v for v, c in zip(resident, carried, strict=True)]
+    outs = walk(d, final, ctx, x, "final", states)
+    for r, v in zip(out_refs, outs, strict=True):
+        r[...] = v.astype(r.dtype)
+
+
+def _mask_padding(v, wire, x, start, length, pad):
+    idx = lax.broadcasted_iota(jnp.int32, v.shape, wire.names.index(x)) + start
+    return jnp.where(idx < length, v, jnp.asarray(pad, v.dtype))
