@@ -14,7 +14,7 @@ configuration, each with a record per implementation (``status``, ``tflops``, ``
 | --- | --- | --- | --- | --- | --- | --- | --- | --- |
 | bf16 | 128 | 8192 | 2 | no | 400 | 200 | 2.0e-03 | 2.00× |
 <BLANKLINE>
-Not run here: cudnn (needs a CUDA GPU).
+Not run here: cudnn — needs a CUDA GPU.
 """
 
 from __future__ import annotations
