@@ -18,7 +18,7 @@ and TikZ. Pictures side by side make rewrites' before/after figures and derivati
 >>> tmp = pathlib.Path(tempfile.mkdtemp())
 >>> _ = draw(attn, tmp / "attention.svg", title="attention")
 >>> svg = (tmp / "attention.svg").read_text()
->>> all(label in svg for label in ("q×d", "q×x", "softmax x", "HBM"))
+>>> all(label in svg for label in (wire_label(attn.cod.inside[0]), "softmax x", "HBM"))
 True
 >>> print(draw(attn, to_tikz=True).splitlines()[1])
 \\begin{tikzpicture}[x=1in, y=-1in]
@@ -71,7 +71,6 @@ WIRE_FONT, BOX_FONT, SMALL_FONT, TITLE_FONT, SYMBOL_FONT = 8.0, 8.5, 6.5, 10.0, 
 FONT = "DejaVu Sans"  # ships with matplotlib, so every machine measures and renders the same
 DPI = 150
 SUFFIXES = (".png", ".svg", ".pdf", ".tex")
-THIN = "\u2009"  # thin space
 
 
 # --- the display list ---------------------------------------------------------------------------
@@ -253,14 +252,14 @@ def _next_heights(prev: list[float], n: int, box) -> list[float]:
 def wire_label(a: Array) -> str:
     """Axes with their partition labels, and the dtype where it is not f32.
 
-    Thin spaces set the product sign apart from axes named ``x``.
+    Axes are joined by ``·``, not ``×``, which is hard to tell from an axis named ``x``.
 
     >>> from napkin_cat import axes, Array, bf16
     >>> q, x, d = axes("q x d")
-    >>> wire_label(Array(q.tiled(128), x.streamed(64), d, dtype=bf16)).replace(THIN, " ")
-    'q/128 × x~64 × d [bf16]'
+    >>> wire_label(Array(q.tiled(128), x.streamed(64), d, dtype=bf16))
+    'q/128·x~64·d [bf16]'
     """
-    axes_ = f"{THIN}×{THIN}".join(map(str, a.axes)) or "scalar"
+    axes_ = "·".join(map(str, a.axes)) or "scalar"
     return axes_ if a.dtype == f32 else f"{axes_} [{a.dtype}]"
 
 
@@ -271,23 +270,15 @@ def _is_new(out: Array, box) -> bool:
     return all((out.axes, out.dtype) != (a.axes, a.dtype) for a in box.dom.inside)
 
 
-def _labels(d: Diagram) -> list[dict[int, str]]:
-    """Per slice, the wires labelled there: inputs, new box outputs, and every output at the end."""
-    slices = [{i: wire_label(a) for i, a in enumerate(d.dom.inside)}]
-    for left, box, _ in d.inside:
-        n = len(left)
-        slices.append({n + j: wire_label(a) for j, a in enumerate(box.cod.inside) if _is_new(a, box)})
-    slices[-1].update({i: wire_label(a) for i, a in enumerate(d.cod.inside)})
-    return slices
-
-
 def _box_label(box) -> str:
-    scale = getattr(box, "params", {}).get("scale") if isinstance(box, Contract) else None
+    scale = box.params.get("scale") if isinstance(box, Contract) else None
     name = str(box.name)
     return name if scale is None else f"{name}\n× {_pretty(scale)}"
 
 
 def _pretty(expr) -> str:
+    if expr.is_number:
+        return f"{float(expr):.6g}" if not expr.is_Rational or expr.q > 1000 else str(expr)
     return re.sub(r"sqrt\((\w+)\)", r"√\1", str(expr)).replace("sqrt", "√").replace("**", "^")
 
 
@@ -298,6 +289,69 @@ def _box_width(box) -> float:
     if kind in ("copy", "merge", "discard", "swap"):
         return 0.45
     return max(0.5, text_size(_box_label(box), BOX_FONT)[0] + 0.24)
+
+
+@dataclass
+class Walk:
+    """The flat walk over a diagram's layers: each wire gets an id; per slice, the ids top to bottom
+    and their heights; per layer, the ids its box consumes and produces."""
+
+    ids: list[list[int]]
+    heights: list[dict[int, float]]
+    wires: dict[int, Array]
+    ins: list[list[int]]
+    outs: list[list[int]]
+
+
+def walk(d: Diagram) -> Walk:
+    """Heights of every wire slice by slice: outputs centred on their inputs, neighbours pushed apart."""
+    ids = [list(range(len(d.dom)))]
+    heights = [{i: i * GAP for i in ids[0]}]
+    w = Walk(ids, heights, dict(enumerate(d.dom.inside)), [], [])
+    for left, box, _ in d.inside:
+        n, k, prev = len(left), len(box.dom), ids[-1]
+        outs = list(range(len(w.wires), len(w.wires) + len(box.cod)))
+        w.wires.update(zip(outs, box.cod.inside, strict=True))
+        w.ins.append(prev[n : n + k])
+        w.outs.append(outs)
+        ids.append(prev[:n] + outs + prev[n + k :])
+        ys = _next_heights([heights[-1][i] for i in prev], n, box)
+        heights.append(dict(zip(ids[-1], ys, strict=True)))
+    return w
+
+
+def _columns(w: Walk, boxes: Sequence) -> list[list[int]]:
+    """Layers grouped into columns: a layer joins the column before it when it is independent of it
+    and fits beside its boxes without moving any wire (tensored loads share one column)."""
+    groups: list[list[int]] = []
+    for k in range(len(boxes)):
+        if not (groups and _fits(w, boxes, groups[-1], k)):
+            groups.append([])
+        groups[-1].append(k)
+    return groups
+
+
+def _span(w: Walk, box, ins: list[int], outs: list[int], start: int, end: int) -> tuple[float, float]:
+    ys = [w.heights[start][i] for i in ins] + [w.heights[end][o] for o in outs]
+    return min(ys) - PAD - 0.1, max(ys) + PAD + 0.1
+
+
+def _fits(w: Walk, boxes: Sequence, group: list[int], k: int) -> bool:
+    start, before, after = group[0], w.heights[k], w.heights[k + 1]
+    made = {o for j in group for o in w.outs[j]}
+    if not w.ins[k] or made & set(w.ins[k]):
+        return False
+    if any(after[i] != y for i, y in before.items() if i in after) or any(
+        before[i] != w.heights[start][i] for i in w.ins[k]
+    ):
+        return False
+    lo, hi = _span(w, boxes[k], w.ins[k], w.outs[k], start, k + 1)
+    for j in group:
+        a, b = _span(w, boxes[j], w.ins[j], w.outs[j], start, k + 1)
+        if a < hi and lo < b:
+            return False
+    passing = [i for i in after if i in w.heights[start] and i not in w.outs[k]]
+    return all(not lo < y < hi for i in passing for y in (w.heights[start][i], after[i]))
 
 
 @dataclass(frozen=True)
@@ -323,46 +377,44 @@ def layout(d: Diagram) -> Picture:
     >>> sorted(lv.name for lv in pic.levels), sum(isinstance(i, Shape) for i in pic.items)
     (['HBM'], 3)
     """
-    heights = [[i * GAP for i in range(len(d.dom))]]
-    for left, box, _ in d.inside:
-        heights.append(_next_heights(heights[-1], len(left), box))
-    labels = _labels(d)
-    types = [d.dom.inside] + [(*left.inside, *box.cod.inside, *right.inside) for left, box, right in d.inside]
+    boxes = [box for _, box, _ in d.inside]
+    w = walk(d)
+    born = {i: None for i in w.ids[0]} | {o: box for box, outs in zip(boxes, w.outs, strict=True) for o in outs}
     items: list[Item] = []
-    x = 0.0
-    for s, (ys, wires) in enumerate(zip(heights, types, strict=True)):
-        x = _slice(items, x, ys, wires, labels[s])
-        if s < len(d.inside):
-            x = _column(items, x, d.inside[s], heights[s], ys_next=heights[s + 1])
-    arrays = [*d.dom.inside, *(a for box in d.boxes for a in (*box.dom.inside, *box.cod.inside))]
+    x = _slice(items, 0.0, w, 0, born, final=not boxes)
+    groups = _columns(w, boxes)
+    for g, group in enumerate(groups):
+        start, end = group[0], group[-1] + 1
+        x = _column(items, x, w, [(boxes[k], w.ins[k], w.outs[k]) for k in group], start, end)
+        x = _slice(items, x, w, end, born, final=g == len(groups) - 1, fresh={o for k in group for o in w.outs[k]})
+    arrays = list(w.wires.values())
     partitioned = any(ax.group is not None or ax.stream is not None for a in arrays for ax in a.axes)
     return Picture(tuple(items), frozenset(a.level for a in arrays), partitioned)
 
 
-def _slice(items: list, x: float, ys: list[float], wires, labels: dict[int, str]) -> float:
-    """Straight wires between two columns, labelled above; returns the slice's right end."""
+def _slice(items: list, x: float, w: Walk, s: int, born: dict, *, final: bool, fresh: set | None = None) -> float:
+    """Straight wires between two columns, new ones labelled; returns the slice's right end."""
+    def labelled(i):
+        return final or fresh is None or (i in fresh and _is_new(w.wires[i], born[i]))
+
+    labels = {i: wire_label(w.wires[i]) for i in w.ids[s] if labelled(i)}
     width = max([0.4, *(text_size(t, WIRE_FONT)[0] + 0.2 for t in labels.values())])
-    for i, (y, a) in enumerate(zip(ys, wires, strict=True)):
-        items.append(Stroke(((x, y), (x + width, y)), a.level.colour))
+    for i in w.ids[s]:
+        y = w.heights[s][i]
+        items.append(Stroke(((x, y), (x + width, y)), w.wires[i].level.colour))
         if i in labels:
             items.append(Label(x + 0.07, y - 0.11, labels[i], WIRE_FONT, anchor="west"))
     return x + width
 
 
-def _column(items: list, x: float, layer, ys: list[float], ys_next: list[float]) -> float:
-    """One box and the wires passing it; returns the column's right end."""
-    left, box, right = layer
-    n, k, m = len(left), len(box.dom), len(box.cod)
-    x1 = x + _box_width(box) + 0.24
-    passing = [(i, i, a) for i, a in enumerate(left.inside)]
-    passing += [(n + k + j, n + m + j, a) for j, a in enumerate(right.inside)]
-    items.extend(_curve((x, ys[i]), (x1, ys_next[j]), a.level.colour) for i, j, a in passing)
-    spot = Spot(
-        box, x, x1,
-        tuple(zip(ys[n : n + k], box.dom.inside, strict=True)),
-        tuple(zip(ys_next[n : n + m], box.cod.inside, strict=True)),
-    )
-    items.extend(DRAWERS.get(family(box), _shape)(spot))
+def _column(items: list, x: float, w: Walk, members: list, start: int, end: int) -> float:
+    """Boxes side by side in one column and the wires passing them; returns the column's right end."""
+    x1 = x + max(_box_width(box) for box, _, _ in members) + 0.24
+    y0, y1 = w.heights[start], w.heights[end]
+    items.extend(_curve((x, y0[i]), (x1, y1[i]), w.wires[i].level.colour) for i in w.ids[end] if i in y0)
+    for box, ins, outs in members:
+        spot = Spot(box, x, x1, tuple((y0[i], w.wires[i]) for i in ins), tuple((y1[o], w.wires[o]) for o in outs))
+        items.extend(DRAWERS.get(family(box), _shape)(spot))
     return x1
 
 
@@ -550,7 +602,7 @@ _TEX = {
     "×": r"$\times$", "→": r"$\to$", "≥": r"$\geq$", "≤": r"$\leq$", "√": r"$\surd$", "·": r"$\cdot$",
     "~": r"$\sim$", "⊗": r"$\otimes$", "Σ": r"$\Sigma$", "⟹": r"$\Longrightarrow$", "⇒": r"$\Rightarrow$",
     "_": r"\_", "&": r"\&", "%": r"\%", "#": r"\#", "$": r"\$", "{": r"\{", "}": r"\}", "^": r"\^{}",
-    "\\": r"\textbackslash{}", THIN: r"\,",
+    "\\": r"\textbackslash{}",
 }
 
 
