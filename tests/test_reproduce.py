@@ -1,0 +1,80 @@
+"""The FAN reproduction (papers/flash_attention_on_a_napkin) and FlashAttention's IO complexity."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+PAPERS = Path(__file__).resolve().parent.parent / "papers"
+
+
+def load(path: Path, name: str):
+    """Import a paper's script by path (the papers folders are scripts, not packages)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def fan():
+    return load(PAPERS / "flash_attention_on_a_napkin" / "reproduce.py", "fan_reproduce")
+
+
+@pytest.fixture(scope="module")
+def reproduced(fan, tmp_path_factory):
+    out = tmp_path_factory.mktemp("fan")
+    return out, fan.main(out)
+
+
+def test_every_paper_number_agrees_within_its_tolerance(reproduced):
+    _, rows = reproduced
+    misses = [f"row {r.key}: {r.quantity}: paper {r.paper}, ours {r.computed}" for r in rows if r.agrees is False]
+    assert not misses, misses
+    assert sum(r.agrees is True for r in rows) >= 40
+
+
+def test_rows_without_a_paper_number_say_why(reproduced):
+    _, rows = reproduced
+    unmatched = [r for r in rows if r.agrees is None]
+    assert {r.key for r in unmatched} == {"9", "17", "18", "19", "v1"}
+    assert all(r.note for r in unmatched)
+
+
+def test_every_row_of_reference_1_3_is_covered(reproduced):
+    _, rows = reproduced
+    assert {str(k) for k in range(1, 20)} <= {r.key for r in rows}
+
+
+@pytest.mark.parametrize(
+    "quantity, value, tol",
+    [
+        ("H100: attention compute-bound for g_q ≥", 295.2, 0.05),
+        ("N_max by SMEM = (227 KiB − M_TB)/M_WG", 3.729, 0.001),
+        ("compute per KV chunk (QKᵀ fp8, PV fp16)", 1.259, 0.001),
+        ("attainable throughput", 1.319, 0.001),
+        ("A100-40GB (1.555 TB/s): warps per SM to be compute-bound", 13, 0),
+    ],
+)
+def test_selected_values(reproduced, quantity, value, tol):
+    _, rows = reproduced
+    (row,) = [r for r in rows if r.quantity == quantity]
+    assert float(row.computed) == pytest.approx(value, abs=tol)
+
+
+def test_outputs_are_written_and_the_readme_is_current(fan, reproduced):
+    out, rows = reproduced
+    for name in ("table.md", "transfers_vs_memory.png", "attention_roofline.png"):
+        assert (out / name).stat().st_size > 1000
+    readme = (PAPERS / "flash_attention_on_a_napkin" / "README.md").read_text()
+    assert fan.table(rows) in readme, "README table is stale: rerun reproduce.py"
+    for figure in ("transfers_vs_memory.png", "attention_roofline.png"):
+        assert f"]({figure})" in readme
+
+
+def test_a_wrong_paper_number_is_caught(fan):
+    assert fan.Row("x", "q", 295, 300.0, 0.5).agrees is False
+    assert fan.Row("x", "q", 66, 65.9, 1, truncated=True).agrees is False
+    assert "**no**" in fan.table([fan.Row("x", "q", 295, 300.0, 0.5)])
