@@ -78,3 +78,25 @@ def test_a_wrong_paper_number_is_caught(fan):
     assert fan.Row("x", "q", 295, 300.0, 0.5).agrees is False
     assert fan.Row("x", "q", 66, 65.9, 1, truncated=True).agrees is False
     assert "**no**" in fan.table([fan.Row("x", "q", 295, 300.0, 0.5)])
+
+
+@pytest.fixture(scope="module")
+def io():
+    return load(PAPERS / "flash_attention" / "io_complexity.py", "fa_io_complexity")
+
+
+def test_io_complexity_formulas(io):
+    standard, flash = io.formulas()
+    N, d, M = io.N, io.d.size, io.M
+    assert standard == 4 * N * d + 4 * N**2  # Θ(Nd + N²)
+    assert flash == 2 * N * d + 8 * N**2 * d**2 / M  # Θ(N²d²/M)
+
+
+def test_io_complexity_exponents(io, tmp_path):
+    fits = io.main(tmp_path)
+    assert fits["standard_N_d64"] == pytest.approx(2, abs=0.05)  # the N² term dominates at large N
+    assert fits["flash_N_d64"] == pytest.approx(2, abs=0.01) and fits["flash_N_d128"] == pytest.approx(2, abs=0.01)
+    assert fits["flash_M"] == pytest.approx(-1, abs=0.05)  # 1/M
+    assert (tmp_path / "io_complexity.png").stat().st_size > 1000
+    standard, flash, _ = io.hbm_accesses(4096, 64, 100 * 1024)
+    assert flash < standard / 5
