@@ -509,12 +509,15 @@ DRAWERS: dict[str, Callable[[Spot], list[Item]]] = {
 # --- figures: pictures side by side, titles, the legend of level colours --------------------------
 
 
-def _arrange(pictures: Sequence[Picture], titles: Sequence[str] | None, symbol: str) -> Picture:
-    """Pictures in a row, centred on one horizontal line, ``symbol`` between them, titles on top."""
+def _arrange(pictures: Sequence[Picture], titles: Sequence[str] | None, symbol: str, lead: bool = False) -> Picture:
+    """Pictures in a row, centred on one horizontal line, ``symbol`` between them (and first, if ``lead``),
+    titles on top."""
     bounds = [p.bounds() for p in pictures]
     top = -max(b[3] - b[1] for b in bounds) / 2 - 0.3
     items: list[Item] = []
-    x = 0.0
+    x = 0.8 if lead else 0.0
+    if lead:
+        items.append(Label(0.4, 0.0, symbol, SYMBOL_FONT))
     for i, (pic, (x0, y0, x1, y1)) in enumerate(zip(pictures, bounds, strict=True)):
         items += pic.shifted(x - x0, -(y0 + y1) / 2).items
         if titles:
@@ -525,6 +528,18 @@ def _arrange(pictures: Sequence[Picture], titles: Sequence[str] | None, symbol: 
             x += 0.8
     levels = frozenset().union(*(p.levels for p in pictures))
     return Picture(tuple(items), levels, any(p.partitioned for p in pictures))
+
+
+def _rows(pictures: Sequence[Picture], titles: Sequence[str] | None, symbol: str, per_row: int) -> Picture:
+    """Rows of at most ``per_row`` pictures, one under the other; later rows open with ``symbol``."""
+    rows, y = [], 0.0
+    for r in range(0, len(pictures), per_row):
+        row = _arrange(pictures[r : r + per_row], titles and titles[r : r + per_row], symbol, lead=r > 0)
+        x0, y0, _, y1 = row.bounds()
+        rows.append(row.shifted(-x0, y - y0))
+        y += y1 - y0 + 0.4
+    items = tuple(item for row in rows for item in row.items)
+    return Picture(items, frozenset().union(*(p.levels for p in rows)), any(p.partitioned for p in rows))
 
 
 def _legend(pic: Picture, x: float, y: float) -> list[Item]:
@@ -766,8 +781,11 @@ def _fallback(diagram, target: Path | None, to_tikz: bool, err: Exception):
 def draw_sequence(
     diagrams: Iterable[Diagram], path: str | Path | None = None, *, titles: Sequence[str] | None = None,
     symbol: str = "→", title: str | None = None, to_tikz: bool = False, legend: bool = True,
+    per_row: int | None = None,
 ) -> Figure | str:
     """Diagrams side by side with ``symbol`` between them: the steps of a derivation.
+
+    ``per_row`` wraps long derivations into rows of that many pictures.
 
     >>> import pathlib, tempfile
     >>> from napkin_cat import axes, library
@@ -785,7 +803,9 @@ def draw_sequence(
         raise NapkinError("draw_sequence: no diagrams to draw")
     if titles is not None and len(titles) != len(diagrams):
         raise NapkinError(f"draw_sequence: {len(titles)} titles for {len(diagrams)} diagrams")
-    pic = _arrange([layout(d) for d in diagrams], titles, symbol)
+    if per_row is not None and (not isinstance(per_row, int) or per_row < 1):
+        raise NapkinError(f"draw_sequence: per_row must be a positive integer, got {per_row!r}")
+    pic = _rows([layout(d) for d in diagrams], titles, symbol, per_row or len(diagrams))
     return _output(_framed(pic, title, legend), target, to_tikz)
 
 

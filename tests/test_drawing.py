@@ -214,3 +214,24 @@ def test_fallback_is_loud(tmp_path, monkeypatch):
     with pytest.warns(RuntimeWarning, match="drawing it with discopy instead"):
         draw(DIAGRAMS["attention"], tmp_path / "a.png")
     assert (tmp_path / "a.png").stat().st_size > 1000
+
+
+def test_long_derivations_wrap_into_rows(tmp_path):
+    attn = DIAGRAMS["attention"]
+    steps = [attn, attn.map_arrays(partitioned), scheduled(), attn]
+    one = draw_sequence(steps, titles=["a", "b", "c", "d"])
+    two = draw_sequence(steps, titles=["a", "b", "c", "d"], per_row=2)
+    (w1, h1), (w2, h2) = one.get_size_inches(), two.get_size_inches()
+    assert w2 < w1 * 0.7 and h2 > h1 * 1.5
+    with pytest.raises(NapkinError, match="per_row must be a positive integer"):
+        draw_sequence(steps, per_row=0)
+
+
+def test_identities_and_twenty_boxes_draw(tmp_path):
+    S = nc.Array(q, x)
+    chain = nc.id(S)
+    for i in range(20):
+        chain = chain >> (g.exp(S) if i % 2 else g.scale(S, i + 1))
+    for i, diagram in enumerate((nc.id(S), nc.id(), chain)):
+        draw(diagram, tmp_path / f"{i}.png")
+        assert (tmp_path / f"{i}.png").exists()
