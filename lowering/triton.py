@@ -53,21 +53,27 @@ def _sym(p: Plan, name: str):
 
 
 def block_einsum(spec: str, *xs):
-    """A two-operand contraction of 2-D (or 1-D) blocks as one ``jnp.dot`` with f32 accumulation."""
+    """A contraction of blocks: one ``jnp.dot`` (f32 accumulation) for a 2-D matrix product, else a
+    broadcast product summed over the contracted axes (matrix-vector and other small cases)."""
     ins, out = spec.split("->")
     terms = ins.split(",")
-    if len(xs) != 2 or any(len(t) != 2 for t in terms) or len(out) != 2:
-        raise NotLowerable(f"in-kernel contraction {spec!r} is not a 2-D matrix product")
-    (a, b), (c, e) = terms
-    shared = set(terms[0]) & set(terms[1])
-    if len(shared) != 1:
-        raise NotLowerable(f"in-kernel contraction {spec!r} must contract exactly one axis")
-    (k,) = shared
-    x = xs[0] if b == k else xs[0].T
-    y = xs[1] if c == k else xs[1].T
-    rows, cols = (a if b == k else b), (e if c == k else c)
-    prod = jnp.dot(x, y, preferred_element_type=jnp.float32)
-    return prod if out == rows + cols else prod.T
+    shared = set(terms[0]) & set(terms[1]) - set(out) if len(terms) == 2 else set()
+    if len(terms) == 2 and all(len(t) == 2 for t in terms) and len(out) == 2 and len(shared) == 1:
+        (k,) = shared
+        (a, b), (c, _) = terms
+        x = xs[0] if b == k else xs[0].T
+        y = xs[1] if c == k else xs[1].T
+        rows = a if b == k else b
+        prod = jnp.dot(x, y, preferred_element_type=jnp.float32)
+        return prod if out[0] == rows else prod.T
+    letters = "".join(dict.fromkeys(out + "".join(terms)))
+    acc = None
+    for t, v in zip(terms, xs, strict=True):
+        v = jnp.transpose(v.astype(jnp.float32), [t.index(c) for c in letters if c in t])
+        v = jnp.expand_dims(v, [i for i, c in enumerate(letters) if c not in t])
+        acc = v if acc is None else acc * v
+    summed = [i for i, c in enumerate(letters) if c not in out]
+    return jnp.sum(acc, axis=tuple(summed)) if summed else acc
 
 
 def _exp(v):

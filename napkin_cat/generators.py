@@ -352,7 +352,7 @@ class IndexMap(Generator):
     def evaluate(self, ins, ctx):
         (v,) = ins
         fn = self.params["fn"]
-        idx = ctx.indices(self.dom.inside[0], v.shape)
+        idx = _wanted(fn, ctx.indices(self.dom.inside[0], v.shape))
         return [fn(v.astype(jnp.float32), **idx).astype(self.out.dtype.jnp)]
 
     def flops(self):
@@ -364,11 +364,24 @@ class Mask(Generator):
 
     def evaluate(self, ins, ctx):
         (v,) = ins
-        keep = self.params["mask"](**ctx.indices(self.dom.inside[0], v.shape))
+        keep = self.params["mask"](**_wanted(self.params["mask"], ctx.indices(self.dom.inside[0], v.shape)))
         return [jnp.where(keep, v, -jnp.inf).astype(self.out.dtype.jnp)]
 
     def flops(self):
         return self.out.size
+
+
+def _wanted(fn, indices: dict) -> dict:
+    """The indices ``fn`` asks for by name (all of them if it takes ``**kwargs``), so weaving adds none."""
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return indices
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return indices
+    return {k: v for k, v in indices.items() if k in params}
 
 
 @dataclass(frozen=True)
@@ -380,6 +393,12 @@ class Causal:
 
     def __call__(self, **idx):
         return idx[self.x] <= idx[self.q]
+
+    @property
+    def __signature__(self):
+        import inspect
+
+        return inspect.Signature([inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY) for n in (self.q, self.x)])
 
     @property
     def __name__(self):
