@@ -98,6 +98,7 @@ def main(out: Path = HERE) -> dict[str, float]:
     label = f"FlashAttention − 2Nd (fit slope {fits['flash_M']:.2f})"
     right.loglog(memories, by_memory, "o-", color="tab:blue", label=label)
     right.loglog(memories, [by_memory[0] * memories[0] / m for m in memories], ":", color="grey", label="∝ 1/M")
+    right.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     right.set_xlabel("SRAM size M (values)")
     right.set_ylabel(f"HBM accesses above 2Nd (N = {n}, d = {head})")
     right.legend(fontsize=8)
