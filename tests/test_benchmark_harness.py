@@ -104,3 +104,14 @@ def test_failure_classifies_out_of_memory():
 def test_doctests(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_napkin_candidate_when_lowerable(tmp_path):
+    if at.napkin(at.Spec(at.jnp.bfloat16, False, 16, interpret=True)).unavailable:
+        pytest.skip("napkin-cat cannot lower attention yet")
+    res = benchmark.main(["--quick", "--candidate=napkin", "--dtypes=bf16", "--seq-lens=128", "--sections=fwd",
+                          "--no-plot", f"--out-dir={tmp_path}"])
+    assert res["candidate"]["used"] == "napkin"
+    for entry in res["forward"]:
+        cand = entry["results"]["candidate"]
+        assert cand["status"] == "ok" and cand["max_rel_err"] < 2e-2, cand

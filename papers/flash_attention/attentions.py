@@ -258,7 +258,8 @@ def mosaic_fa3(spec: Spec) -> Impl:
 def napkin(spec: Spec) -> Impl:
     """The napkin-cat kernel: naive attention, derived with ``tile(q, 128), stream(x, 64)``, lowered.
 
-    The diagram is woven over batch and heads (``batch=(b, h)``) so the kernel takes [B, H, N, D];
+    The derivation's steps are not re-verified here (the tests do that); the error column checks the
+    kernel. The diagram is woven over batch and heads (``batch=(b, h)``) so the kernel takes [B, H, N, D];
     if the library's ``attention`` lacks ``batch`` (or the kernel refuses rank-4 arrays) it is vmapped.
     It gets ``scale=`` and ``dtype=`` where it takes them; without ``scale``, Q is pre-scaled.
     """
@@ -282,7 +283,10 @@ def _napkin_kernel(nc, lower, derive, tile, stream, spec: Spec):
     wanted = {"causal": spec.causal, "scale": spec.scale, "batch": (b, h),
               "dtype": {"bfloat16": nc.bf16, "float16": nc.f16, "float32": nc.f32}[jnp.dtype(spec.dtype).name]}
     kwargs = {k: v for k, v in wanted.items() if k in accepts}
-    flash = derive(nc.library.attention(q, x, d, **kwargs), tile(q, 128), stream(x, 64))
+    # Verifying the derivation's steps takes ~20 s per diagram on CPU; the tests verify them, and the
+    # benchmark checks the lowered kernel itself against the f32 reference.
+    quick = {"verify": False} if "verify" in inspect.signature(derive).parameters else {}
+    flash = derive(nc.library.attention(q, x, d, **kwargs), tile(q, 128), stream(x, 64), **quick)
     return lower(flash), "scale" in kwargs
 
 

@@ -174,9 +174,9 @@ def device_memory() -> dict:
 
 def failure(e: BaseException) -> dict:
     """A failed measurement: ``oom`` when the device ran out of memory, else ``error``."""
-    text = f"{type(e).__name__}: {e}"
-    oom = any(s in text for s in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory"))
-    return {"status": "oom" if oom else "error", "error": text.strip().splitlines()[0][:400]}
+    text = report.describe_error(e)
+    oom = any(s in str(e) for s in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory"))
+    return {"status": "oom" if oom else "error", "error": text}
 
 
 def measure(fn: Callable, args, check: Callable, flops: float, *, warmup: int, reps: int) -> dict:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import traceback
 from pathlib import Path
 
 ORDER = ("candidate", "naive", "cudnn", "mha", "mgpu")
@@ -33,6 +34,19 @@ NAMES = {
 }
 COLOURS = dict(zip(ORDER, ("tab:blue", "tab:gray", "tab:green", "tab:orange", "tab:purple"), strict=True))
 BEGIN, END = "<!-- {}:begin -->", "<!-- {}:end -->"
+
+
+def describe_error(e: BaseException) -> str:
+    """The first line of an exception, with where it was raised when it says nothing else.
+
+    >>> describe_error(ValueError("bad block\\nmore"))
+    'ValueError: bad block'
+    """
+    first = f"{type(e).__name__}: {e}".strip().splitlines()[0]
+    if first.endswith(":") and e.__traceback__:  # e.g. a bare assertion
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        first += f" at {Path(frame.filename).name}:{frame.lineno}"
+    return first[:400]
 
 
 def save_json(res: dict, path: Path) -> None:
@@ -185,20 +199,23 @@ def transformer_summary(res: dict) -> str:
     >>> print(transformer_summary({"device": "cpu", "config": {"steps": 2, "d_model": 8, "layers": 1, "heads": 2,
     ...     "seq": 4, "batch": 2, "dtype": "f32"}, "diff": {},
     ...     "runs": {"reference": {"status": "ok", "losses": [4.0, 3.5], "held_out": [(1, 3.6)],
-    ...     "seconds": 1.0}}}).splitlines()[-1])
-    | reference | ok | 3.500 | 3.600 | 1.0 |
+    ...     "seconds": 1.0, "forward": {"loss": 4.0, "max_abs_logit_diff": 0.0}}}}).splitlines()[-1])
+    | reference | 0.0e+00 | ok | 3.500 | 3.600 | 1.0 |
     """
     c = res["config"]
     lines = [f"{res['device']}: {c['layers']} layers, d_model {c['d_model']}, {c['heads']} heads, "
              f"context {c['seq']}, batch {c['batch']}, {c['dtype']} attention inputs, {c['steps']} Adam steps "
              f"(`{' '.join(res.get('argv', []))}`).", "",
-             "| attention | status | final train loss | final held-out loss | seconds |",
-             "| --- | --- | --- | --- | --- |"]
+             "| attention | forward under jit: max abs Δlogits vs reference | training | final train loss "
+             "| final held-out loss | seconds |", "| --- | --- | --- | --- | --- | --- |"]
     for name, r in res["runs"].items():
+        fwd = r.get("forward")
+        cells = [name, f"{fwd['max_abs_logit_diff']:.1e}" if fwd else "–"]
         if r["status"] == "ok":
-            lines.append(f"| {name} | ok | {r['losses'][-1]:.3f} | {r['held_out'][-1][1]:.3f} | {r['seconds']:.1f} |")
+            cells += ["ok", f"{r['losses'][-1]:.3f}", f"{r['held_out'][-1][1]:.3f}", f"{r['seconds']:.1f}"]
         else:
-            lines.append(f"| {name} | {r['status']}: {r['error'][:80].replace('|', '/')} | – | – | – |")
+            cells += [f"{r['status']}: {r['error'][:80].replace('|', '/')}", "–", "–", "–"]
+        lines.append(_row(cells))
     lines += [f"\nLargest per-step loss difference, {k}: {v:.2e}." for k, v in res["diff"].items()]
     return "\n".join(lines)
 

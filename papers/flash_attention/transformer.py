@@ -196,6 +196,29 @@ def train(cfg: ModelConfig, attn: Callable, *, steps: int, batch: int, lr: float
     return {"status": "ok", "losses": losses, "held_out": held, "seconds": time.perf_counter() - t0}
 
 
+def forward_check(cfg: ModelConfig, attn: Callable, reference: Callable, *, batch: int, seed: int = 0) -> dict:
+    """The initial model's loss under ``jax.jit`` with ``attn``, and its largest logit difference from
+    the same model with ``reference`` attention: the forward pass runs even where training cannot.
+
+    >>> cfg = ModelConfig(vocab=len(VOCAB), d_model=32, heads=2, layers=1, seq=16)
+    >>> ref = attention("reference")
+    >>> forward_check(cfg, ref, ref, batch=2)["max_abs_logit_diff"]
+    0.0
+    """
+    params = init(jax.random.key(seed), cfg)
+    tokens = batches(jax.random.key(seed + 1), encode(CORPUS), batch, cfg.seq)
+    run = jax.jit(forward, static_argnums=(2, 3))
+    logits, expected = run(params, tokens[:, :-1], cfg, attn), run(params, tokens[:, :-1], cfg, reference)
+    loss = jax.jit(loss_fn, static_argnums=(2, 3))(params, tokens, cfg, attn)
+    return {"loss": float(loss), "max_abs_logit_diff": float(jnp.max(jnp.abs(logits - expected)))}
+
+
+def _error(e: BaseException) -> dict:
+    error = report.describe_error(e)
+    print(f"   {error}", file=sys.stderr, flush=True)
+    return {"status": "error", "error": error}
+
+
 def compare(runs: dict) -> dict:
     """Largest per-step loss difference between the first run and each other one that finished."""
     ok = {k: r["losses"] for k, r in runs.items() if r["status"] == "ok"}
@@ -256,15 +279,20 @@ def main(argv=None) -> dict:
     cfg = ModelConfig(len(VOCAB), opts.d_model, opts.heads, opts.layers, opts.seq)
     dtype = {"f32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}[opts.dtype]
     names = ("reference", "napkin") if opts.attention == "both" else (opts.attention,)
+    reference = attention("reference", dtype, cfg.head_dim)
     runs = {}
     for name in names:
         print(f"== attention = {name}", flush=True)
         try:
             attn = attention(name, dtype, cfg.head_dim)
-            runs[name] = train(cfg, attn, steps=opts.steps, batch=opts.batch, lr=opts.lr)
-        except Exception as e:  # noqa: BLE001 - an attention that cannot train is a result to record
-            runs[name] = {"status": "error", "error": f"{type(e).__name__}: {e}".splitlines()[0][:400]}
-            print(f"   {runs[name]['error']}", file=sys.stderr, flush=True)
+        except Exception as e:  # noqa: BLE001 - an unavailable attention is a result to record
+            runs[name] = _error(e)
+            continue
+        runs[name] = {"forward": forward_check(cfg, attn, reference, batch=opts.batch)}
+        try:
+            runs[name].update(train(cfg, attn, steps=opts.steps, batch=opts.batch, lr=opts.lr))
+        except Exception as e:  # noqa: BLE001 - e.g. no backward pass yet: recorded, forward still shown
+            runs[name].update(_error(e))
     res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "argv": sys.argv[1:] if argv is None
            else list(argv), "config": {**dataclasses.asdict(cfg), **{k: getattr(opts, k) for k in FULL},
                                        "dtype": opts.dtype}, "runs": runs, "diff": compare(runs)}
