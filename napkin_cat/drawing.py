@@ -43,6 +43,7 @@ from matplotlib.patches import Circle, FancyBboxPatch, PathPatch, Polygon
 from matplotlib.path import Path as MplPath
 from matplotlib.textpath import TextToPath
 
+from napkin_cat.convolution import Concat, Conv, Rename
 from napkin_cat.diagram import Array, Diagram
 from napkin_cat.dtypes import f32
 from napkin_cat.errors import NapkinError
@@ -178,6 +179,7 @@ def text_size(text: str, size: float) -> tuple[float, float]:
 
 FAMILIES: dict[type, str] = {
     Contract: "contraction",
+    Conv: "contraction",
     Elementwise: "elementwise",
     Reduce: "reduction",
     Softmax: "reduction",
@@ -187,6 +189,8 @@ FAMILIES: dict[type, str] = {
     IndexMap: "mask",
     Cast: "relabel",
     Reshape: "relabel",
+    Concat: "relabel",
+    Rename: "relabel",
     Move: "move",
     markov.Swap: "swap",
     markov.Merge: "merge",
@@ -310,8 +314,12 @@ def walk(d: Diagram) -> Walk:
     w = Walk(ids, heights, dict(enumerate(d.dom.inside)), [], [])
     for left, box, _ in d.inside:
         n, k, prev = len(left), len(box.dom), ids[-1]
-        outs = list(range(len(w.wires), len(w.wires) + len(box.cod)))
-        w.wires.update(zip(outs, box.cod.inside, strict=True))
+        if family(box) == "swap":  # the same wires, crossed
+            a = len(box.left)
+            outs = prev[n + a : n + k] + prev[n : n + a]
+        else:
+            outs = list(range(len(w.wires), len(w.wires) + len(box.cod)))
+            w.wires.update(zip(outs, box.cod.inside, strict=True))
         w.ins.append(prev[n : n + k])
         w.outs.append(outs)
         ids.append(prev[:n] + outs + prev[n + k :])
@@ -337,6 +345,9 @@ def _span(w: Walk, box, ins: list[int], outs: list[int], start: int, end: int) -
 
 
 def _fits(w: Walk, boxes: Sequence, group: list[int], k: int) -> bool:
+    swaps = [family(boxes[j]) == "swap" for j in (*group, k)]
+    if any(swaps):
+        return all(swaps)  # a run of swaps is one permutation
     start, before, after = group[0], w.heights[k], w.heights[k + 1]
     made = {o for j in group for o in w.outs[j]}
     if not w.ins[k] or made & set(w.ins[k]):
@@ -386,7 +397,8 @@ def layout(d: Diagram) -> Picture:
     for g, group in enumerate(groups):
         start, end = group[0], group[-1] + 1
         x = _column(items, x, w, [(boxes[k], w.ins[k], w.outs[k]) for k in group], start, end)
-        x = _slice(items, x, w, end, born, final=g == len(groups) - 1, fresh={o for k in group for o in w.outs[k]})
+        fresh = {o for k in group if family(boxes[k]) != "swap" for o in w.outs[k]}
+        x = _slice(items, x, w, end, born, final=g == len(groups) - 1, fresh=fresh)
     arrays = list(w.wires.values())
     partitioned = any(ax.group is not None or ax.stream is not None for a in arrays for ax in a.axes)
     return Picture(tuple(items), frozenset(a.level for a in arrays), partitioned)
@@ -409,8 +421,9 @@ def _slice(items: list, x: float, w: Walk, s: int, born: dict, *, final: bool, f
 
 def _column(items: list, x: float, w: Walk, members: list, start: int, end: int) -> float:
     """Boxes side by side in one column and the wires passing them; returns the column's right end."""
-    x1 = x + max(_box_width(box) for box, _, _ in members) + 0.24
     y0, y1 = w.heights[start], w.heights[end]
+    steepest = max([abs(y1[i] - y0[i]) for i in w.ids[end] if i in y0] or [0.0])
+    x1 = x + max(max(_box_width(box) for box, _, _ in members) + 0.24, 0.5 * steepest)
     items.extend(_curve((x, y0[i]), (x1, y1[i]), w.wires[i].level.colour) for i in w.ids[end] if i in y0)
     for box, ins, outs in members:
         spot = Spot(box, x, x1, tuple((y0[i], w.wires[i]) for i in ins), tuple((y1[o], w.wires[o]) for o in outs))
@@ -494,11 +507,7 @@ def _discard(spot: Spot) -> list[Item]:
 
 
 def _swap(spot: Spot) -> list[Item]:
-    a = len(spot.box.left)
-    b = len(spot.ins) - a
-    target = [j + b if j < a else j - a for j in range(len(spot.ins))]
-    return [_curve((spot.x0, y), (spot.x1, spot.outs[t][0]), w.level.colour)
-            for (y, w), t in zip(spot.ins, target, strict=True)]
+    return []  # a swap keeps its wires, so they cross as wires passing its column (see walk)
 
 
 DRAWERS: dict[str, Callable[[Spot], list[Item]]] = {
