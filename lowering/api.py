@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from napkin_cat.diagram import Diagram
 from lowering.plan import NotLowerable, plan
 from lowering.triton import Config, Lowered
+from napkin_cat.diagram import Diagram
 
 
 def lower(scheduled, backend: str = "triton", interpret: bool | None = None, config: Config | None = None) -> Lowered:

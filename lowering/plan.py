@@ -75,7 +75,8 @@ def plan(d: Diagram) -> Plan:
         if not _pow2(g) or g < 16:
             raise NotLowerable(f"axis {a!r}: Triton blocks need a power-of-two tile ≥ 16, got g = {g}")
     if stream is not None and (not _pow2(stream[1]) or stream[1] < 16):
-        raise NotLowerable(f"axis {stream[0]!r}: Triton blocks need a power-of-two stream size ≥ 16, got s = {stream[1]}")
+        raise NotLowerable(
+            f"axis {stream[0]!r}: Triton blocks need a power-of-two stream size ≥ 16, got s = {stream[1]}")
     streamed = {stream[0]} if stream else set()
     batch = tuple(n for n in names if n not in mixed and n not in tiles and n not in streamed)
     whole = tuple(n for n in names if n in mixed and n not in streamed and n not in tiles)

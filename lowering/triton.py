@@ -23,9 +23,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from lowering.plan import NotLowerable, Plan, next_pow2, padding_neutral
 from napkin_cat.generators import Causal, Context, Mask
 from napkin_cat.semantics import bind
-from lowering.plan import NotLowerable, Plan, next_pow2, padding_neutral
 
 LOG2E = math.log2(math.e)
 
@@ -186,6 +186,46 @@ def _pad(v, wire, padded):
     return jnp.pad(v, widths) if any(w for _, w in widths) else v
 
 
+def _producer(d, j: int, pos: int):
+    """The layer index of the box producing the wire at ``pos`` entering layer ``j``."""
+    for i in range(j - 1, -1, -1):
+        left, box, _ = d.inside[i]
+        n = len(left)
+        if pos >= n + len(box.cod):
+            pos += len(box.dom) - len(box.cod)
+        elif pos >= n:
+            return i
+    return None
+
+
+def base2(d):
+    """Fold log₂e into the scale of the contraction feeding each online softmax, which then uses exp2.
+
+    rewrite: S = Q·Kᵀ·c ; [masks] ; softmax·contract  →  S = Q·Kᵀ·(c·log₂e) ; [masks] ; softmax₂·contract.
+    Sound because softmax(s) = softmax₂(s·log₂e) and masks send scores to −∞ in either base; it applies
+    only when nothing but masks lies between the two boxes (a score modifier would see the wrong base).
+    """
+    from discopy.monoidal import Layer
+
+    from napkin_cat.diagram import Diagram
+    from napkin_cat.generators import Contract, SoftmaxContract
+
+    layers = list(d.inside)
+    for j, (left, box, right) in enumerate(d.inside):
+        if not isinstance(box, SoftmaxContract) or box.params.get("base"):
+            continue
+        i = _producer(d, j, len(left))
+        while i is not None and isinstance(d.inside[i][1], Mask):
+            i = _producer(d, i, len(d.inside[i][0]))
+        if i is None or not isinstance(d.inside[i][1], Contract):
+            continue
+        l2, c, r2 = d.inside[i]
+        scale = c.params.get("scale", 1) * LOG2E
+        layers[i] = Layer(l2, type(c)(c.name, c.dom, c.cod, data=(("scale", scale),)), r2)
+        layers[j] = Layer(left, type(box)(box.name, box.dom, box.cod, data=(*box.data, ("base", 2))), right)
+    return Diagram(tuple(layers), d.dom, d.cod, _scan=False)
+
+
 def unweave(d, axes: tuple):
     """The per-block diagram: ``d`` with the grid's squeezed axes removed from every wire."""
     return d.map_arrays(lambda w: w.with_(axes=[a for a in w.axes if a.name not in axes]))
@@ -194,7 +234,7 @@ def unweave(d, axes: tuple):
 def _kernel(p: Plan, sizes, extent, padded, *refs):
     from rewrites.schedule import walk
 
-    d = unweave(p.diagram, p.batch)
+    d = base2(unweave(p.diagram, p.batch))
     n_in = len(d.dom)
     in_refs, out_refs = refs[:n_in], refs[n_in:]
     offsets = {a: pl.program_id(i) * g for i, (a, g) in enumerate(p.tiles.items())}

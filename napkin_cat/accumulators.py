@@ -126,6 +126,10 @@ class OnlineSoftmax(Accumulator):
 
     padding = (-jnp.inf, 0.0)
 
+    def _exp(self, ctx):
+        """``exp``, or ``exp2`` when the scores are in base 2 (a kernel folds log₂e into their scale)."""
+        return jnp.exp2 if self.box.params.get("base") == 2 else ctx.exp
+
     def _rows(self):
         s = self.box.dom.inside[0]
         return s.with_(axes=[a for a in s.axes if a.name != self.axis])
@@ -139,7 +143,7 @@ class OnlineSoftmax(Accumulator):
         s = s.astype(jnp.float32)
         i = self.box.dom.inside[0].names.index(self.axis)
         m = jnp.max(s, axis=i)
-        p = ctx.exp(s - _expand(_safe(m), self.box, self.axis))
+        p = self._exp(ctx)(s - _expand(_safe(m), self.box, self.axis))
         dom = Ty(self.box.dom.inside[0].with_(dtype=f32), self.box.dom.inside[1])
         o = ctx.einsum(einsum_spec(dom, self.box.out), p.astype(v.dtype), v)
         return m, jnp.sum(p, axis=i), o
@@ -162,8 +166,9 @@ class OnlineSoftmax(Accumulator):
         s = s.astype(jnp.float32)
         i = self.box.dom.inside[0].names.index(self.axis)
         m_new = jnp.maximum(m, jnp.max(s, axis=i))
-        delta = ctx.exp(m - _safe(m_new))
-        p = ctx.exp(s - _expand(_safe(m_new), self.box, self.axis))
+        exp = self._exp(ctx)
+        delta = exp(m - _safe(m_new))
+        p = exp(s - _expand(_safe(m_new), self.box, self.axis))
         dom = Ty(self.box.dom.inside[0].with_(dtype=f32), self.box.dom.inside[1])
         pv = ctx.einsum(einsum_spec(dom, self.box.out), p.astype(v.dtype), v)
         return m_new, l * delta + jnp.sum(p, axis=i), o * _to_out(delta, self._rows(), self.box.out) + pv

@@ -546,7 +546,8 @@ class SoftmaxContract(Generator):
     def evaluate(self, ins, ctx):
         s, v = ins
         axis = self.params["axis"]
-        p = _safe_softmax(s.astype(jnp.float32), self.dom.inside[0].names.index(axis))
+        s = s.astype(jnp.float32) * (jnp.log(2.0) if self.params.get("base") == 2 else 1.0)
+        p = _safe_softmax(s, self.dom.inside[0].names.index(axis))
         p = p.astype(v.dtype) if v.dtype != jnp.float32 else p
         dom = Ty(self.dom.inside[0].with_(dtype=f32), self.dom.inside[1])
         return [ctx.einsum(einsum_spec(dom, self.out), p, v).astype(self.out.dtype.jnp)]

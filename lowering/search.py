@@ -1,0 +1,84 @@
+"""A small measured search over tile sizes, warps and stages, cached on disk (GPU only).
+
+The cost model picks the tile (FAN: the largest that fits); this refines warps, stages and the
+stream size by timing a few candidates, as Triton's autotuner would. Results are cached in
+``~/.cache/napkin_cat/search.json`` keyed by the diagram, the sizes and the device.
+
+Run: ``python -m lowering.search`` on a GPU prints the table for attention and the best choice.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+CACHE = Path(os.environ.get("NAPKIN_CACHE", Path.home() / ".cache" / "napkin_cat")) / "search.json"
+
+
+def median_time(fn, *args, reps: int = 20) -> float:
+    """Median wall time of ``fn(*args)`` in seconds, after a warm-up, with ``block_until_ready``."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def search(make, args, *, tiles=((64, 64), (128, 64), (128, 128)), warps=(4, 8), stages=(2, 3),
+           key: str | None = None, log=print) -> dict:
+    """Time ``make(g, s, config)`` over the grid and return the fastest choice (cached by ``key``)."""
+    from lowering.triton import Config
+
+    cache = json.loads(CACHE.read_text()) if CACHE.exists() else {}
+    if key and key in cache:
+        return cache[key]
+    best = None
+    for (g, s), w, st in itertools.product(tiles, warps, stages):
+        try:
+            fn = jax.jit(make(g, s, Config(num_warps=w, num_stages=st)))
+            t = median_time(fn, *args)
+        except Exception as e:  # noqa: BLE001 - a configuration that does not compile is skipped, and said so
+            log(f"  g={g:4d} s={s:4d} warps={w} stages={st}: failed ({type(e).__name__})")
+            continue
+        log(f"  g={g:4d} s={s:4d} warps={w} stages={st}: {t * 1e3:8.3f} ms")
+        if best is None or t < best["seconds"]:
+            best = {"g": g, "s": s, "num_warps": w, "num_stages": st, "seconds": t}
+    if key and best:
+        CACHE.parent.mkdir(parents=True, exist_ok=True)
+        CACHE.write_text(json.dumps({**cache, key: best}, indent=1))
+    return best
+
+
+def main():
+    import napkin_cat as nc
+    from lowering import lower
+    from rewrites import derive, stream, tile
+
+    for D in (64, 128):
+        for causal in (False, True):
+            B, H, N = 4, 16, 4096
+            b, h, q, x, d = nc.axes("b h q x d")
+            attn = nc.library.attention(q, x, d, batch=(b, h), causal=causal, dtype=nc.bf16)
+            ks = jax.random.split(jax.random.key(0), 3)
+            args = [jax.random.normal(k, (B, H, N, D), jnp.bfloat16) for k in ks]
+            print(f"attention bf16 B={B} H={H} N={N} D={D} causal={causal} on {jax.devices()[0].device_kind}")
+
+            def make(g, s, config, attn=attn, q=q, x=x):
+                return lower(derive(attn, tile(q, g), stream(x, s), verify=False), config=config)
+
+            best = search(make, args)
+            flops = 4 * B * H * N * N * D / (2 if causal else 1)
+            print(f"best: {best} → {flops / best['seconds'] / 1e12:.0f} TFLOP/s")
+
+
+if __name__ == "__main__":
+    main()
