@@ -200,10 +200,11 @@ def self_attention(n: Axis, d: Axis, h: Axis, k: Axis, *, causal: bool = False, 
     m = Axis(f"{n.name}_kv", n.size)
     c = Circuit(X=Array(n, d), Wq=Array(d, h, k), Wk=Array(d, h, k), Wv=Array(d, h, k), Wo=Array(h, k, d))
     c.let("Xm", rename(Array(n, d), n, m), "X")
-    c.let("Q", g.contract("n d, d h k -> h n k".replace("n", n.name), n, d, h, k), "X", "Wq")
-    for proj in "KV":
-        c.let(proj, g.contract(f"{m.name} {d.name}, {d.name} {h.name} {k.name} -> {h.name} {m.name} {k.name}",
-                               m, d, h, k), "Xm", f"W{proj.lower()}")
+    project = lambda s: g.contract(f"{s.name} {d.name}, {d.name} {h.name} {k.name} -> {h.name} {s.name} {k.name}",
+                                   s, d, h, k)  # noqa: E731
+    c.let("Q", project(n), "X", "Wq")
+    c.let("K", project(m), "Xm", "Wk")
+    c.let("V", project(m), "Xm", "Wv")
     c.let("O", library.multi_head_attention(h, n, m, k, causal=causal), "Q", "K", "V")
     c.let("Y", g.contract(f"{h.name} {n.name} {k.name}, {h.name} {k.name} {d.name} -> {n.name} {d.name}",
                           h, n, k, d), "O", "Wo")
