@@ -18,7 +18,7 @@ from papers.flash_attention import attentions as at  # noqa: E402
 from papers.flash_attention import benchmark, report  # noqa: E402
 
 TINY = ["--quick", "--candidate=mha", "--dtypes=bf16", "--seq-lens=32", "--long-start=32", "--long-max=64"]
-RECORD_KEYS = {"status", "time_ms", "tflops", "max_rel_err", "temp_bytes", "peak_bytes"}
+RECORD_KEYS = {"impl", "status", "time_ms", "tflops", "max_rel_err", "temp_bytes", "peak_bytes"}
 
 
 @pytest.fixture(scope="module")

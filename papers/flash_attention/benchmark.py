@@ -230,7 +230,8 @@ def forward_entry(cfg: Config, impls: dict, opts, clock: Clock, backward: bool =
     flops = cfg.flops * (FWD_BWD_FACTOR if backward else 1)
     results = {}
     for name, impl in impls.items():
-        results[name] = unrunnable(impl, clock) or _measure_impl(impl, (q, k, v), ref, flops, opts, backward)
+        results[name] = {"impl": impl.name,
+                         **(unrunnable(impl, clock) or _measure_impl(impl, (q, k, v), ref, flops, opts, backward))}
         _log_result(clock, f"{'fwd+bwd' if backward else 'fwd'} {cfg.label()}", name, impl, results[name])
     del q, k, v, ref
     gc.collect()
@@ -273,7 +274,7 @@ def longest_sequence(opts, clock: Clock) -> dict:
         for name, impl in list(alive.items()):
             check = _rows_check(impl, ref, rows)
             r = measure(impl.fn, impl.prepare(q, k, v), check, cfg.flops, warmup=1, reps=1)
-            runs[name].append({"N": n, **r})
+            runs[name].append({"N": n, "impl": impl.name, **r})
             _log_result(clock, f"longest {cfg.label()}", name, impl, r)
             if r["status"] != "ok":
                 del alive[name]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import traceback
+from collections import Counter
 from pathlib import Path
 
 ORDER = ("candidate", "naive", "cudnn", "mha", "mgpu")
@@ -93,6 +94,9 @@ def forward_table(entries: list) -> str:
                            *(f"{e['speedup'][n]:.2f}×" if n in e["speedup"] else "–" for n in others)]))
     if absent:
         lines += ["", "Not run here: " + "; ".join(f"{n} — {why}" for n, why in absent.items()) + "."]
+    failures = Counter((n, r.get("error", "")[:160].replace("|", "/")) for e in entries for n in ran
+                       if (r := e["results"].get(n, {})).get("status") in ("error", "oom"))
+    lines += [f"\nFailed, {n} ({count} rows): `{msg}`" for (n, msg), count in failures.items()]
     return "\n".join(lines)
 
 
@@ -132,6 +136,10 @@ def _stopped_by(s: dict, longest: dict) -> str:
     return s.get("status", "time budget") + (f": {s['error'][:60]}" if s.get("error") else "")
 
 
+def _label(c: dict) -> str:
+    return f"{c['dtype']} D={c['head_dim']} N={c['seq']}{' causal' if c['causal'] else ''}"
+
+
 def render(res: dict, image: str | None = None) -> str:
     """Markdown for one run: heading, forward, longest-N and forward + backward tables."""
     dev, cand = res["device"], res["candidate"]
@@ -141,6 +149,10 @@ def render(res: dict, image: str | None = None) -> str:
              f"Candidate: `{cand['used']}`"
              + (f" standing in for `{cand['requested']}` ({cand.get('note', 'unavailable')})." if stand_in
                 else ".")]
+    mixed = [_label(e["config"]) for e in res["forward"] + res["forward_backward"]
+             if e["results"].get("candidate", {}).get("impl", cand["used"]) != cand["used"]]
+    if mixed:
+        parts.append(f"The candidate was not `{cand['used']}` in: {', '.join(mixed)} (see the JSON).")
     if image:
         parts.append(f"![benchmark plot]({image})")
     if res["forward"]:
