@@ -225,15 +225,18 @@ def speedups(results: dict) -> dict:
 
 def forward_entry(cfg: Config, impls: dict, opts, clock: Clock, backward: bool = False) -> dict:
     """Time and check every implementation on one config: forward, or forward + backward."""
-    q, k, v = inputs(cfg)
-    ref = (at.reference_grads if backward else at.reference)(q, k, v, causal=cfg.causal)
     flops = cfg.flops * (FWD_BWD_FACTOR if backward else 1)
+    qkv = ref = None
     results = {}
     for name, impl in impls.items():
-        results[name] = {"impl": impl.name,
-                         **(unrunnable(impl, clock) or _measure_impl(impl, (q, k, v), ref, flops, opts, backward))}
-        _log_result(clock, f"{'fwd+bwd' if backward else 'fwd'} {cfg.label()}", name, impl, results[name])
-    del q, k, v, ref
+        if (record := unrunnable(impl, clock)) is None:
+            if ref is None:  # inputs and reference only once something will run
+                qkv = inputs(cfg)
+                ref = (at.reference_grads if backward else at.reference)(*qkv, causal=cfg.causal)
+            record = _measure_impl(impl, qkv, ref, flops, opts, backward)
+        results[name] = {"impl": impl.name, **record}
+        _log_result(clock, f"{'fwd+bwd' if backward else 'fwd'} {cfg.label()}", name, impl, record)
+    del qkv, ref
     gc.collect()
     return {"config": dataclasses.asdict(cfg), "flops": flops, "results": results, "speedup": speedups(results)}
 
