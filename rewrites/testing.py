@@ -128,8 +128,8 @@ def _grow(draw, d: Diagram, r: Axis, c: Axis, k: Axis) -> Diagram:
         return d >> (nc.reduce_sum if kind == "sum" else nc.reduce_max)(main, c)
     if kind == "softmax":
         return d >> nc.softmax(main, c)
-    if kind == "mask":
-        return d >> nc.causal_mask(main, r, c) if main.has("r") else d
+    if kind == "mask":  # followed by a softmax, so that no −∞ reaches an output
+        return d >> nc.causal_mask(main, r, c) >> nc.softmax(main, c)
     names = " ".join(main.names)
     out = " ".join(n for n in main.names if n != "c") + " k"
     W = Array(c, k)
