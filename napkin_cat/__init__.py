@@ -7,9 +7,12 @@
 q×d ⊗ x×d ⊗ x×d → q×d
 """
 
-from napkin_cat import library
+from napkin_cat import hardware, library, optimize
 from napkin_cat.axes import Axis, axes
+from napkin_cat.convolution import concat, conv, rename
+from napkin_cat.cost import Cost, cost
 from napkin_cat.diagram import Array, Box, Diagram, Template, Ty, copy, discard, id, swap  # noqa: A004
+from napkin_cat.drawing import draw, draw_equation, draw_sequence
 from napkin_cat.dtypes import Dtype, bf16, f16, f32, fp8_e4m3, fp8_e5m2
 from napkin_cat.errors import AxisError, CompositionError, CostError, EvaluationError, NapkinError
 from napkin_cat.generators import (
@@ -49,6 +52,7 @@ from napkin_cat.levels import HBM, L2, REG, SMEM, TC, Level
 from napkin_cat.semantics import to_jax
 
 __all__ = [
+    "Cost", "concat", "conv", "cost", "draw", "draw_equation", "draw_sequence", "hardware", "optimize", "rename",
     "HBM", "L2", "REG", "SMEM", "TC", "Array", "Axis", "AxisError", "Box", "CompositionError", "Context",
     "CostError", "Diagram", "Dtype", "EvaluationError", "Generator", "Level", "NapkinError", "Template", "Ty",
     "add", "axes", "bf16", "cast", "causal_mask", "contract", "copy", "discard", "divide", "elementwise", "exp",

@@ -151,10 +151,7 @@ def _weave_box(box, dom: Ty, flags: list[bool], axes) -> tuple[Diagram, list[boo
         return (copy(dom, n) if n else Discard(dom)), flags * n
     flag = any(flags)
     cod = Ty(*(_woven(c, axes, flag) for c in box.cod.inside))
-    data = box.data
-    if isinstance(box, g.Reshape) and "at" in box.params and flag:  # merge indexes by position
-        data = (("at", box.params["at"] + len(axes)),)
-    return type(box)(box.name, dom, cod, data=data), [flag] * len(cod)
+    return type(box)(box.name, dom, cod, data=box.data), [flag] * len(cod)
 
 
 def _shared(d: Diagram, batch: tuple[Axis, ...]) -> Diagram:

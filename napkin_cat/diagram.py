@@ -290,7 +290,9 @@ class Copy(markov.Copy, Box):
         markov.Copy.__init__(self, as_ty(x), n)
 
 
-class Discard(markov.Discard, Box):
+class Discard(markov.Discard, Copy):
+    """Discard a wire (a copy into zero wires)."""
+
     __ambiguous_inheritance__ = (markov.Discard,)
 
 
@@ -318,7 +320,7 @@ def copy(x, n: int = 2) -> Diagram:
 
 def discard(x) -> Diagram:
     """Discard an array."""
-    return Copy(as_ty(x), 0)
+    return Discard(as_ty(x))
 
 
 def swap(x, y) -> Diagram:

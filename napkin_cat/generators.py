@@ -613,7 +613,9 @@ class Reshape(Generator):
 
     @property
     def mixes(self):
-        return tuple(dict.fromkeys(n for w in (*self.dom.inside, *self.cod.inside) for n in w.names))
+        """The axes split or merged, and the ones they become."""
+        dom, cod = self.dom.inside[0].names, self.out.names
+        return tuple(n for n in (*dom, *cod) if (n in dom) != (n in cod))
 
     def evaluate(self, ins, ctx):
         (v,) = ins
@@ -622,7 +624,7 @@ class Reshape(Generator):
             i = self.dom.inside[0].names.index(p["axis"])
             inner = int(ctx.number(self.out.axes[i + 1].size))
             return [v.reshape(*v.shape[:i], -1, inner, *v.shape[i + 1 :])]
-        i = p["at"]
+        i = self.dom.inside[0].names.index(p["merge"])
         return [v.reshape(*v.shape[:i], v.shape[i] * v.shape[i + 1], *v.shape[i + 2 :])]
 
 
@@ -645,7 +647,7 @@ def merge(a: Array, first: Axis | str, second: Axis | str, into: Axis) -> Reshap
     if sympy.simplify(a.axes[i].size * a.axes[i + 1].size - into.size) != 0:
         raise AxisError(f"merge {f},{s}: sizes multiply to {a.axes[i].size * a.axes[i + 1].size}, not {into.size}")
     axes_ = [*a.axes[:i], into, *a.axes[i + 2 :]]
-    return Reshape(f"merge {f}·{s}", Ty(a), Ty(a.with_(axes=axes_)), data=(("at", i),))
+    return Reshape(f"merge {f}·{s}", Ty(a), Ty(a.with_(axes=axes_)), data=(("merge", f),))
 
 
 class Move(Generator):

@@ -159,3 +159,23 @@ def mlp(n: Axis, i: Axis, h: Axis, o: Axis, *, activation: str = "gelu", dtype: 
         >> (second @ identity(Array(o, dtype=dtype)))
         >> g.add(O, Array(o, dtype=dtype))
     )
+
+
+# The Neural Circuit Diagrams architectures live in their own module; the library re-exports them.
+from napkin_cat.architectures import (  # noqa: E402
+    conv1d,
+    conv2d,
+    patch_embedding,
+    resnet_block,
+    self_attention,
+    transformer_block,
+    unet,
+    vision_transformer,
+    vit_encoder_block,
+)
+
+__all__ = [
+    "attention", "conv1d", "conv2d", "grouped_query_attention", "layer_norm", "matmul", "mlp",
+    "multi_head_attention", "multi_query_attention", "patch_embedding", "resnet_block", "rms_norm",
+    "self_attention", "softmax", "transformer_block", "unet", "vision_transformer", "vit_encoder_block",
+]

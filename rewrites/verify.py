@@ -83,7 +83,12 @@ def random_inputs(d: Diagram, sizes: dict, key) -> list:
 
 def relative_error(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30)) if a.size else 0.0
+    if not a.size:
+        return 0.0
+    same = a == b  # equal infinities (masked scores) agree exactly
+    diff = np.where(same, 0.0, np.abs(a - b))
+    scale = np.max(np.abs(np.where(np.isfinite(b), b, 0.0)), initial=1e-30)
+    return float(np.max(diff) / max(scale, 1e-30))
 
 
 def check(reference: Diagram, candidate: Diagram, *, seed: int | None = None, sizes: dict | None = None,

@@ -100,8 +100,8 @@ BAD = [
     (lambda: stream(x, 4)(nc.library.softmax(q, x)),
      "stream(x, 4): box 'softmax x', axis 'x': output wire 0 (q×x:f32@HBM) carries x out of the stream unreduced "
      "(softmax alone is not streamable; follow it by a contraction over x)"),
-    (lambda: tile(n, 2)(nc.split(nc.Array(n, nc.Axis("k", 6)), "k", *nc.axes("k1 k2", k1=2, k2=3))),
-     "tile(n, 2): box 'split k', axis 'n': a reshape touches n"),
+    (lambda: tile("k", 2)(nc.split(nc.Array(n, nc.Axis("k", 6)), "k", *nc.axes("k1 k2", k1=2, k2=3))),
+     "tile(k, 2): box 'split k', axis 'k': a reshape splits or merges k"),
     (lambda: tile("z", 4)(ATTN), "tile(z, 4): axis 'z': no wire has axis z; axes here: d, q, x"),
     (lambda: stream("z", 4)(ATTN), "stream(z, 4): axis 'z': no wire has axis z; axes here: d, q, x"),
 ]
