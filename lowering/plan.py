@@ -76,7 +76,8 @@ def plan(d: Diagram) -> Plan:
             raise NotLowerable(f"axis {a!r}: Triton blocks need a power-of-two tile ≥ 16, got g = {g}")
     if stream is not None and (not _pow2(stream[1]) or stream[1] < 16):
         raise NotLowerable(
-            f"axis {stream[0]!r}: Triton blocks need a power-of-two stream size ≥ 16, got s = {stream[1]}")
+            f"axis {stream[0]!r}: Triton blocks need a power-of-two stream size ≥ 16, got s = {stream[1]}"
+        )
     streamed = {stream[0]} if stream else set()
     batch = tuple(n for n in names if n not in mixed and n not in tiles and n not in streamed)
     whole = tuple(n for n in names if n in mixed and n not in streamed and n not in tiles)
@@ -96,7 +97,8 @@ def padding_neutral(d: Diagram, axis: str) -> bool:
     """Zero padding along ``axis`` changes nothing: only contractions combine elements along it."""
     return all(
         isinstance(box, Contract | SoftmaxContract) or axis not in box.mixes
-        for box in d.boxes if isinstance(box, Generator)
+        for box in d.boxes
+        if isinstance(box, Generator)
     )
 
 

@@ -33,8 +33,16 @@ def median_time(fn, *args, reps: int = 20) -> float:
     return statistics.median(times)
 
 
-def search(make, args, *, tiles=((64, 64), (128, 64), (128, 128)), warps=(4, 8), stages=(2, 3),
-           key: str | None = None, log=print) -> dict:
+def search(
+    make,
+    args,
+    *,
+    tiles=((64, 64), (128, 64), (128, 128)),
+    warps=(4, 8),
+    stages=(2, 3),
+    key: str | None = None,
+    log=print,
+) -> dict:
     """Time ``make(g, s, config)`` over the grid and return the fastest choice (cached by ``key``)."""
     from lowering.triton import Config
 

@@ -100,8 +100,10 @@ class Lowered:
             want = max(next_pow2(extent[a]), 16)
             if want != extent[a]:
                 if not padding_neutral(d, a):
-                    raise NotLowerable(f"axis {a!r} of size {extent[a]} is not a power of two ≥ 16, and a box "
-                                       "other than a contraction combines elements along it, so it cannot be padded")
+                    raise NotLowerable(
+                        f"axis {a!r} of size {extent[a]} is not a power of two ≥ 16, and a box "
+                        "other than a contraction combines elements along it, so it cannot be padded"
+                    )
                 padded[a] = want
         arrays = [_pad(v, w, padded) for v, w in zip(arrays, d.dom.inside, strict=True)]
         config = self.config or Config.get_default(p, sizes)
@@ -253,12 +255,20 @@ def _kernel(p: Plan, sizes, extent, padded, *refs):
 
     def fold(acc, state, ins, cctx):
         if ragged:
-            ins = [_mask_padding(v, w, x, cctx.offsets[x], extent[x], pad) if w.has(x) and pad is not None else v
-                   for v, w, pad in zip(ins, acc.box.dom.inside, acc.padding, strict=True)]
+            ins = [
+                _mask_padding(v, w, x, cctx.offsets[x], extent[x], pad) if w.has(x) and pad is not None else v
+                for v, w, pad in zip(ins, acc.box.dom.inside, acc.padding, strict=True)
+            ]
         return acc.step(state, ins, cctx)
 
-    causal = [b for b in d.boxes if isinstance(b, Mask) and isinstance(b.params["mask"], Causal)
-              and b.params["mask"].x == x and b.params["mask"].q in p.tiles]
+    causal = [
+        b
+        for b in d.boxes
+        if isinstance(b, Mask)
+        and isinstance(b.params["mask"], Causal)
+        and b.params["mask"].x == x
+        and b.params["mask"].q in p.tiles
+    ]
 
     # The accumulators' states start at their identity, shaped by one abstract chunk.
     def probe(*vals):
@@ -276,9 +286,18 @@ def _kernel(p: Plan, sizes, extent, padded, *refs):
     def body(skip_causal):
         def run(c, carry):
             states = dict(zip(keys, carry, strict=True))
-            walk(d, chunk_values(c), ctx.at(**{x: c * s}), x, "chunk", states, fold=fold,
-                 skip=lambda box: skip_causal and box in causal)
+            walk(
+                d,
+                chunk_values(c),
+                ctx.at(**{x: c * s}),
+                x,
+                "chunk",
+                states,
+                fold=fold,
+                skip=lambda box: skip_causal and box in causal,
+            )
             return tuple(states[i] for i in keys)
+
         return run
 
     n_chunks = padded[x] // s

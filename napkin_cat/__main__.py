@@ -66,8 +66,10 @@ def main(argv=None):
     Q, K, V = (jax.random.normal(k, (B, H, N, D), jnp.float32).astype(dtype.jnp) for k in ks)
     t = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731 - jax.nn wants [b, n, h, d]
     want = t(jax.nn.dot_product_attention(*(t(a.astype(jnp.float32)) for a in (Q, K, V))))
-    _say(f"2. reference semantics vs jax.nn.dot_product_attention at B={B} H={H} N={N} D={D} ({dtype}): "
-         f"rel. error {_rel(nc.to_jax(attn)(Q, K, V), want):.1e}")
+    _say(
+        f"2. reference semantics vs jax.nn.dot_product_attention at B={B} H={H} N={N} D={D} ({dtype}): "
+        f"rel. error {_rel(nc.to_jax(attn)(Q, K, V), want):.1e}"
+    )
 
     g, s = 128, (128 if D > 64 else 64)
     _say(f"3. derivation: tile(q, {g}), stream(x, {s}), level(SMEM) — each step verified on random ragged sizes")
@@ -88,8 +90,11 @@ def main(argv=None):
         flops = 4 * B * H * N * N * D
         naive = jax.jit(nc.to_jax(attn))
         cudnn = jax.jit(lambda a, k_, v: t(jax.nn.dot_product_attention(t(a), t(k_), t(v), implementation="cudnn")))
-        times = {"napkin": _time(jax.jit(kernel), Q, K, V), "naive XLA": _time(naive, Q, K, V),
-                 "cuDNN": _time(cudnn, Q, K, V)}
+        times = {
+            "napkin": _time(jax.jit(kernel), Q, K, V),
+            "naive XLA": _time(naive, Q, K, V),
+            "cuDNN": _time(cudnn, Q, K, V),
+        }
         _say("6. speed (TFLOP/s, same run):")
         for name, sec in times.items():
             _say(f"     {name:<10} {flops / sec / 1e12:7.1f}   napkin ÷ this: {sec / times['napkin']:.2f}×")

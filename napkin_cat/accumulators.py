@@ -180,7 +180,11 @@ class OnlineSoftmax(Accumulator):
 
     def identity(self, like):
         m, l, o = like
-        return jnp.full(m.shape, -jnp.inf, jnp.float32), jnp.zeros(l.shape, jnp.float32), jnp.zeros(o.shape, jnp.float32)
+        return (
+            jnp.full(m.shape, -jnp.inf, jnp.float32),
+            jnp.zeros(l.shape, jnp.float32),
+            jnp.zeros(o.shape, jnp.float32),
+        )
 
 
 def _safe(m):

@@ -52,7 +52,11 @@ class Array(cat.Ob):
         super().__init__("×".join(str(a) for a in axes) or "scalar")
 
     def __eq__(self, other):
-        return isinstance(other, Array) and (self.axes, self.dtype, self.level) == (other.axes, other.dtype, other.level)
+        return isinstance(other, Array) and (self.axes, self.dtype, self.level) == (
+            other.axes,
+            other.dtype,
+            other.level,
+        )
 
     def __hash__(self):
         return hash((self.axes, self.dtype, self.level))
@@ -199,12 +203,11 @@ class Diagram(markov.Diagram):
 
         A flat, linear-time walk over the layers (discopy's functor is quadratic).
         """
+
         def ty(t):
             return Ty(*map(f, t.inside))
 
-        layers = tuple(
-            monoidal.Layer(ty(left), _retype(box, ty), ty(right)) for left, box, right in self.inside
-        )
+        layers = tuple(monoidal.Layer(ty(left), _retype(box, ty), ty(right)) for left, box, right in self.inside)
         return Diagram(layers, ty(self.dom), ty(self.cod), _scan=False)
 
     def weave(self, *axes: Axis) -> Diagram:

@@ -197,7 +197,9 @@ def contract(spec: str, *axes: Axis, scale=None, dtype: Dtype | str = f32, out_d
     dtypes = dtype if isinstance(dtype, tuple | list) else (dtype,) * len(operands)
     if len(dtypes) != len(operands):
         raise NapkinError(f"contract {spec!r}: {len(dtypes)} dtypes for {len(operands)} inputs")
-    dom = Ty(*(Array(*(by_name[n] for n in names), dtype=t, level=level) for names, t in zip(operands, dtypes, strict=True)))
+    dom = Ty(
+        *(Array(*(by_name[n] for n in names), dtype=t, level=level) for names, t in zip(operands, dtypes, strict=True))
+    )
     cod = Ty(Array(*(by_name[n] for n in result), dtype=out_dtype or dtypes[0], level=level))
     name = ", ".join(" ".join(o) for o in operands) + " → " + " ".join(result)
     data = (("scale", sympy.sympify(scale)),) if scale is not None else ()
@@ -266,7 +268,9 @@ def elementwise(fn: str | Callable, *arrays: Array, const=None, out: Array | Non
     for a in arrays:
         for ax in a.axes:
             if ax not in out.axes:
-                raise AxisError(f"{_fname(fn)}: input {a.describe()} has axis {ax!r} that the output {out.describe()} lacks")
+                raise AxisError(
+                    f"{_fname(fn)}: input {a.describe()} has axis {ax!r} that the output {out.describe()} lacks"
+                )
     data = (("fn", fn),) + ((("const", sympy.sympify(const)),) if const is not None else ())
     name = _fname(fn) + (f" {const}" if const is not None else "")
     return Elementwise(name, Ty(*arrays), Ty(out), data=data)

@@ -25,8 +25,17 @@ def _scale(d: Axis, scale):
 
 
 def attention(
-    q: Axis, x: Axis, d: Axis, *, scale=None, causal: bool = False, mask=None, score_mod=None,
-    dtype: Dtype | str = f32, batch: tuple[Axis, ...] = (), kv_batch: tuple[Axis, ...] | None = None,
+    q: Axis,
+    x: Axis,
+    d: Axis,
+    *,
+    scale=None,
+    causal: bool = False,
+    mask=None,
+    score_mod=None,
+    dtype: Dtype | str = f32,
+    batch: tuple[Axis, ...] = (),
+    kv_batch: tuple[Axis, ...] | None = None,
 ) -> Diagram:
     """Naive attention ``softmax(Q Kᵀ · scale) V``: ``Q[q,d] ⊗ K[x,d] ⊗ V[x,d] → O[q,d]``.
 
@@ -48,12 +57,22 @@ def attention(
     for a in kv_batch:
         if a not in batch:
             raise AxisError(f"attention: key/value batch axis {a.name!r} must also index the queries")
-    Q, K, V = Array(*batch, q, d, dtype=dtype), Array(*kv_batch, x, d, dtype=dtype), Array(*kv_batch, x, d, dtype=dtype)
+    _Q, _K, V = (
+        Array(*batch, q, d, dtype=dtype),
+        Array(*kv_batch, x, d, dtype=dtype),
+        Array(*kv_batch, x, d, dtype=dtype),
+    )
     S = Array(*batch, q, x)
     scores = g.contract(
         f"{' '.join(a.name for a in (*batch, q, d))}, {' '.join(a.name for a in (*kv_batch, x, d))} -> "
         f"{' '.join(a.name for a in (*batch, q, x))}",
-        *batch, q, x, d, scale=_scale(d, scale), dtype=dtype, out_dtype=f32,
+        *batch,
+        q,
+        x,
+        d,
+        scale=_scale(d, scale),
+        dtype=dtype,
+        out_dtype=f32,
     )
     d_ = scores @ identity(V)
     mods = []
@@ -68,7 +87,12 @@ def attention(
     out = g.contract(
         f"{' '.join(a.name for a in (*batch, q, x))}, {' '.join(a.name for a in (*kv_batch, x, d))} -> "
         f"{' '.join(a.name for a in (*batch, q, d))}",
-        *batch, q, x, d, dtype=(f32, dtype), out_dtype=dtype,
+        *batch,
+        q,
+        x,
+        d,
+        dtype=(f32, dtype),
+        out_dtype=dtype,
     )
     return d_ >> (g.softmax(S, x) @ identity(V)) >> out
 
@@ -127,9 +151,12 @@ def layer_norm(n: Axis, d: Axis, *, eps: float = 1e-5, dtype: Dtype | str = f32)
     """Layer norm over ``d`` with scale ``γ[d]`` and bias ``β[d]``: ``X[n,d] ⊗ γ ⊗ β → Y[n,d]``."""
     Y = Array(n, d)
     norm = _normalise(n, d, eps, dtype, centre=True)
-    return (norm @ identity(Array(d)) @ identity(Array(d))) >> (g.multiply(Y, Array(d)) @ identity(Array(d))) >> g.add(
-        Y, Array(d)
-    ) >> _cast_back(Y, dtype)
+    return (
+        (norm @ identity(Array(d)) @ identity(Array(d)))
+        >> (g.multiply(Y, Array(d)) @ identity(Array(d)))
+        >> g.add(Y, Array(d))
+        >> _cast_back(Y, dtype)
+    )
 
 
 def rms_norm(n: Axis, d: Axis, *, eps: float = 1e-6, dtype: Dtype | str = f32) -> Diagram:
@@ -147,17 +174,17 @@ def _cast_back(Y: Array, dtype) -> Diagram:
 
 def mlp(n: Axis, i: Axis, h: Axis, o: Axis, *, activation: str = "gelu", dtype: Dtype | str = f32) -> Diagram:
     """Two-layer perceptron ``act(X W₁ + b₁) W₂ + b₂``: ``X[n,i] ⊗ W₁[i,h] ⊗ b₁[h] ⊗ W₂[h,o] ⊗ b₂[o] → Y[n,o]``."""
-    H, O = Array(n, h, dtype=dtype), Array(n, o, dtype=dtype)
+    hidden, out = Array(n, h, dtype=dtype), Array(n, o, dtype=dtype)
     first = g.contract(f"{n.name} {i.name}, {i.name} {h.name} -> {n.name} {h.name}", n, i, h, dtype=dtype)
     second = g.contract(f"{n.name} {h.name}, {h.name} {o.name} -> {n.name} {o.name}", n, h, o, dtype=dtype)
-    act = g.elementwise(activation, H)
+    act = g.elementwise(activation, hidden)
     rest = identity(Array(h, o, dtype=dtype)) @ identity(Array(o, dtype=dtype))
     return (
         (first @ identity(Array(h, dtype=dtype)) @ rest)
-        >> (g.add(H, Array(h, dtype=dtype)) @ rest)
+        >> (g.add(hidden, Array(h, dtype=dtype)) @ rest)
         >> (act @ rest)
         >> (second @ identity(Array(o, dtype=dtype)))
-        >> g.add(O, Array(o, dtype=dtype))
+        >> g.add(out, Array(o, dtype=dtype))
     )
 
 
@@ -175,7 +202,22 @@ from napkin_cat.architectures import (  # noqa: E402
 )
 
 __all__ = [
-    "attention", "conv1d", "conv2d", "grouped_query_attention", "layer_norm", "matmul", "mlp",
-    "multi_head_attention", "multi_query_attention", "patch_embedding", "resnet_block", "rms_norm",
-    "self_attention", "softmax", "transformer_block", "unet", "vision_transformer", "vit_encoder_block",
+    "attention",
+    "conv1d",
+    "conv2d",
+    "grouped_query_attention",
+    "layer_norm",
+    "matmul",
+    "mlp",
+    "multi_head_attention",
+    "multi_query_attention",
+    "patch_embedding",
+    "resnet_block",
+    "rms_norm",
+    "self_attention",
+    "softmax",
+    "transformer_block",
+    "unet",
+    "vision_transformer",
+    "vit_encoder_block",
 ]

@@ -11,7 +11,8 @@ loops they describe).
 >>> q, x, d = axes("q x d")
 >>> f = to_jax(library.attention(q, x, d))
 >>> Q, K, V = (jax.random.normal(jax.random.key(i), (4, 8)) for i in range(3))
->>> bool(jnp.allclose(f(Q, K, V), jax.nn.dot_product_attention(Q[None, :, None], K[None, :, None], V[None, :, None])[0, :, 0], atol=1e-5))
+>>> ref = jax.nn.dot_product_attention(Q[None, :, None], K[None, :, None], V[None, :, None])[0, :, 0]
+>>> bool(jnp.allclose(f(Q, K, V), ref, atol=1e-5))
 True
 """
 
@@ -55,12 +56,16 @@ def bind(dom: Ty, arrays, *, check_dtype: bool = True) -> dict:
             size = axis.size
             if isinstance(size, sympy.Symbol):
                 if sizes.setdefault(size, n) != n:
-                    raise EvaluationError(f"{where}: axis {axis.name!r} has size {n}, but {size} = {sizes[size]} elsewhere")
+                    raise EvaluationError(
+                        f"{where}: axis {axis.name!r} has size {n}, but {size} = {sizes[size]} elsewhere"
+                    )
     for i, (wire, value) in enumerate(zip(dom.inside, arrays, strict=True)):
         for axis, n in zip(wire.axes, value.shape, strict=True):
             expected = axis.size.subs(sizes)
             if expected.is_number and int(expected) != n:
-                raise EvaluationError(f"input {i} ({wire.describe()}): axis {axis.name!r} has size {n}, expected {expected}")
+                raise EvaluationError(
+                    f"input {i} ({wire.describe()}): axis {axis.name!r} has size {n}, expected {expected}"
+                )
     return sizes
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax.numpy as jnp
+
 from napkin_cat.diagram import Diagram
 from napkin_cat.generators import Context, Generator
 from napkin_cat.semantics import apply, bind
@@ -73,8 +74,17 @@ def _fold(acc, state, ins, ctx):
     return acc.partial(ins, ctx) if state is None else acc.step(state, ins, ctx)
 
 
-def walk(d: Diagram, values: list, ctx: Context, axis: str, phase: str, states: dict, *,
-         fold: Callable = _fold, skip: Callable = lambda box: False) -> list:
+def walk(
+    d: Diagram,
+    values: list,
+    ctx: Context,
+    axis: str,
+    phase: str,
+    states: dict,
+    *,
+    fold: Callable = _fold,
+    skip: Callable = lambda box: False,
+) -> list:
     """One pass over the layers of a diagram streamed along ``axis``.
 
     ``phase`` "chunk" folds a chunk into the accumulators of the boxes removing ``axis`` (``states``
@@ -86,8 +96,11 @@ def walk(d: Diagram, values: list, ctx: Context, axis: str, phase: str, states: 
     for i, (left, box, _) in enumerate(d.inside):
         n, k = len(left), len(box.dom)
         ins = stack[n : n + k]
-        reducing = (isinstance(box, Generator) and any(w.has(axis) for w in box.dom.inside)
-                    and not any(w.has(axis) for w in box.cod.inside))
+        reducing = (
+            isinstance(box, Generator)
+            and any(w.has(axis) for w in box.dom.inside)
+            and not any(w.has(axis) for w in box.cod.inside)
+        )
         if reducing:
             acc = box.accumulator(axis)
             if phase == "chunk":

@@ -91,8 +91,9 @@ def relative_error(a, b) -> float:
     return float(np.max(diff) / max(scale, 1e-30))
 
 
-def check(reference: Diagram, candidate: Diagram, *, seed: int | None = None, sizes: dict | None = None,
-          rule: str = "verify") -> Verification:
+def check(
+    reference: Diagram, candidate: Diagram, *, seed: int | None = None, sizes: dict | None = None, rule: str = "verify"
+) -> Verification:
     """Compare the scheduled semantics of ``candidate`` with the reference semantics of ``reference``.
 
     Raises :class:`RewriteError` if they differ beyond the dtype's tolerance.

@@ -13,7 +13,7 @@ TOL = {nc.f32: 2e-5, nc.bf16: 2e-2, nc.f16: 4e-3}
 
 def rand(key, *shapes, dtype=nc.f32):
     keys = jax.random.split(key, len(shapes))
-    return [jax.random.normal(k, s, jnp.float32).astype(dtype.jnp) for k, s in zip(keys, shapes)]
+    return [jax.random.normal(k, s, jnp.float32).astype(dtype.jnp) for k, s in zip(keys, shapes, strict=False)]
 
 
 def close(a, b, dtype=nc.f32):
@@ -52,8 +52,13 @@ def test_attention_mask_fully_masked_rows_are_zero(key):
     out = nc.to_jax(attn)(Q, K, V)
     assert not jnp.isnan(out).any()
     close(out[0], jnp.zeros(8))
-    ref = jax.nn.dot_product_attention(Q[None, 1:, None], K[None, :, None], V[None, :, None], is_causal=False,
-                                       mask=(jnp.arange(4)[None, :] <= jnp.arange(1, 4)[:, None])[None, None])
+    ref = jax.nn.dot_product_attention(
+        Q[None, 1:, None],
+        K[None, :, None],
+        V[None, :, None],
+        is_causal=False,
+        mask=(jnp.arange(4)[None, :] <= jnp.arange(1, 4)[:, None])[None, None],
+    )
     close(out[1:], ref[0, :, 0])
 
 
@@ -65,7 +70,9 @@ def test_grouped_and_multi_query_attention(key, dtype):
     ours = nc.to_jax(gqa)(Q, K, V)
     # jax.nn layout [b, n, heads, d]: query heads are hk·g, kv heads hk
     Qj = jnp.transpose(Q.reshape(6, 5, 16), (1, 0, 2))[None]
-    ref = jax.nn.dot_product_attention(Qj, jnp.transpose(K, (1, 0, 2))[None], jnp.transpose(V, (1, 0, 2))[None], is_causal=True)
+    ref = jax.nn.dot_product_attention(
+        Qj, jnp.transpose(K, (1, 0, 2))[None], jnp.transpose(V, (1, 0, 2))[None], is_causal=True
+    )
     close(ours, jnp.transpose(ref[0], (1, 0, 2)).reshape(2, 3, 5, 16), dtype)
 
     h = nc.Axis("h")

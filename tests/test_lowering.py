@@ -19,7 +19,7 @@ TOL = {nc.f32: 2e-3, nc.bf16: 2e-2, nc.f16: 5e-3}  # f32 dots may run as TF32 on
 
 def rand(key, shapes, dtype):
     keys = jax.random.split(key, len(shapes))
-    return [jax.random.normal(k, s, jnp.float32).astype(dtype.jnp) for k, s in zip(keys, shapes)]
+    return [jax.random.normal(k, s, jnp.float32).astype(dtype.jnp) for k, s in zip(keys, shapes, strict=False)]
 
 
 def rel_err(a, b):
@@ -40,8 +40,11 @@ def dpa(Q, K, V, causal):
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
-    nq=st.integers(1, 70), nx=st.integers(1, 70), dim=st.sampled_from([8, 16, 24, 64]),
-    dtype=st.sampled_from([nc.f32, nc.bf16, nc.f16]), causal=st.booleans(),
+    nq=st.integers(1, 70),
+    nx=st.integers(1, 70),
+    dim=st.sampled_from([8, 16, 24, 64]),
+    dtype=st.sampled_from([nc.f32, nc.bf16, nc.f16]),
+    causal=st.booleans(),
     tiles=st.sampled_from([(16, 16), (32, 16), (16, 32)]),
 )
 def test_attention_matches_reference_and_jax(key, nq, nx, dim, dtype, causal, tiles):
