@@ -1,8 +1,9 @@
 """Attention benchmark: the napkin-cat kernel against XLA, cuDNN and jax's Pallas kernels, one run.
 
 For every configuration (dtype, head dim D, sequence length N with B·N tokens fixed, causal or not)
-it times the candidate and each baseline (median of ``--reps`` calls after ``--warmup``, everything
-jitted and compiled ahead of time, ``block_until_ready`` around each call), converts to TFLOP/s
+it times the candidate and each baseline (compiled ahead of time, ``--warmup`` calls, then
+``--batches`` batches of ``--reps`` calls dispatched back to back with one ``block_until_ready`` per
+batch; the median over batches of batch time / reps, inputs laid out beforehand), converts to TFLOP/s
 (4·B·H·N²·D forward, halved when causal; 3.5× that forward + backward, REFERENCE §2), and checks
 each output against an f32 reference computed on the same device. It then doubles N at B = 1 until
 each implementation fails (out of memory, or any error), and writes
@@ -48,15 +49,16 @@ BASELINE_NAMES = ("naive", "cudnn", "mha", "mgpu")
 GRAD_NAMES = ("candidate", "cudnn", "mha")
 FWD_BWD_FACTOR = 3.5  # backward ≈ 2.5× forward matmul work (REFERENCE §2)
 CHECK_ROWS = 64  # queries checked against the f32 reference in the longest-N sweep
+LONG_REPS = 3  # back-to-back calls timed (one batch) per N in the longest-N sweep: 0.1-200 ms each
 
 # Default repetitions fit the whole GPU run in ~5 minutes: compiling (~1-2 s per kernel, ~150 kernels)
-# dominates; at B·N = 16k one call takes 0.5-10 ms, so 20 timed calls cost < 0.2 s per kernel.
+# dominates; at B·N = 16k one call takes 0.3-30 ms, so 5 batches of 20 timed calls cost < 3 s per kernel.
 # Forward + backward compiles three kernels per implementation, so by default it runs at D = 128 only.
 FULL = dict(dtypes="bf16,fp16", tokens=16384, heads=16, head_dims="64,128", seq_lens="2048,8192",
-            fwdbwd_head_dims="128", warmup=3, reps=20, long_heads=8, long_dim=128, long_start=4096,
+            fwdbwd_head_dims="128", warmup=3, reps=20, batches=5, long_heads=8, long_dim=128, long_start=4096,
             long_max=131072)
 QUICK = dict(dtypes="bf16,fp16", tokens=128, heads=2, head_dims="16", seq_lens="32,64", fwdbwd_head_dims="16",
-             warmup=1, reps=2, long_heads=2, long_dim=16, long_start=32, long_max=128)
+             warmup=1, reps=2, batches=2, long_heads=2, long_dim=16, long_start=32, long_max=128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,19 +152,34 @@ def grad_of_sum(fn: Callable) -> Callable:
     return jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
 
 
-def time_calls(f: Callable, args, warmup: int, reps: int) -> list[float]:
-    """Seconds per call for ``reps`` calls after ``warmup`` calls, each waited on.
+def time_calls(f: Callable, args, warmup: int, reps: int, batches: int = 1) -> list[float]:
+    """Seconds per call, one value per batch: ``reps`` calls dispatched back to back, one wait at the end.
 
-    >>> len(time_calls(jnp.sin, (jnp.ones(4),), warmup=1, reps=3))
-    3
+    The calls are queued on the device without waiting for each (jax dispatches asynchronously), so
+    the device runs them back to back and the per-call host round trip (launch, ``block_until_ready``,
+    ~0.7 ms on the H200 VM) is paid once per batch instead of once per call. The caller takes the
+    median over the batches. Warns on stderr when the host took about as long to dispatch the calls as
+    the device to run them (then the number is a host bound, not a device time).
+
+    >>> len(time_calls(jnp.sin, (jnp.ones(4),), warmup=1, reps=3, batches=2))
+    2
     """
     for _ in range(warmup):
         jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(reps):
+    times, host_bound = [], 0
+    for _ in range(batches):
+        out = None
         t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t0)
+        for _ in range(reps):
+            out = f(*args)  # the previous output is dropped, not waited on
+        t_dispatched = time.perf_counter()
+        jax.block_until_ready(out)
+        t1 = time.perf_counter()
+        times.append((t1 - t0) / reps)
+        host_bound += reps > 1 and (t_dispatched - t0) > 0.9 * (t1 - t0)
+    if host_bound > batches // 2 and at.on_gpu():
+        print(f"WARNING: dispatch took ≥ 90% of the batch time in {host_bound}/{batches} batches: "
+              "the time is host-bound", file=sys.stderr, flush=True)
     return times
 
 
@@ -179,15 +196,18 @@ def failure(e: BaseException) -> dict:
     return {"status": "oom" if oom else "error", "error": text}
 
 
-def measure(fn: Callable, args, check: Callable, flops: float, *, warmup: int, reps: int) -> dict:
-    """Compile ``fn`` ahead of time, time it, and check its output; failures become records.
+def measure(fn: Callable, args, check: Callable, flops: float, *, warmup: int, reps: int, batches: int = 1) -> dict:
+    """Compile ``fn`` ahead of time, time it (:func:`time_calls`, median over batches), check its output.
+
+    ``args`` are already in the implementation's layout (``Impl.prepare``), so the timed calls are
+    the compiled function alone; failures become records.
 
     ``check(out) -> float`` is the error against the reference. ``temp_bytes`` is XLA's
     compiled scratch beyond inputs and outputs; ``peak_bytes`` the process-wide allocator peak.
     """
     try:
         compiled = jax.jit(fn).lower(*args).compile()
-        seconds = statistics.median(time_calls(compiled, args, warmup, reps))
+        seconds = statistics.median(time_calls(compiled, args, warmup, reps, batches))
         err = float(check(compiled(*args)))
     except Exception as e:  # noqa: BLE001 - a failing implementation is a result, not a crash
         return failure(e)
@@ -250,7 +270,8 @@ def _measure_impl(impl: at.Impl, qkv, ref, flops: float, opts, backward: bool) -
         fn = impl.fn
         def check(out):
             return at.max_rel_err(impl.to_bhnd(out), ref)
-    return measure(fn, impl.prepare(*qkv), check, flops, warmup=opts.warmup, reps=opts.reps)
+    return measure(fn, impl.prepare(*qkv), check, flops, warmup=opts.warmup, reps=opts.reps,
+                   batches=opts.batches)
 
 
 def _log_result(clock: Clock, what: str, name: str, impl: at.Impl, r: dict) -> None:
@@ -276,7 +297,7 @@ def longest_sequence(opts, clock: Clock) -> dict:
         ref = at.reference_rows(q, k, v, rows=rows, causal=cfg.causal)
         for name, impl in list(alive.items()):
             check = _rows_check(impl, ref, rows)
-            r = measure(impl.fn, impl.prepare(q, k, v), check, cfg.flops, warmup=1, reps=1)
+            r = measure(impl.fn, impl.prepare(q, k, v), check, cfg.flops, warmup=1, reps=LONG_REPS)
             runs[name].append({"N": n, "impl": impl.name, **r})
             _log_result(clock, f"longest {cfg.label()}", name, impl, r)
             if r["status"] != "ok":
@@ -372,6 +393,7 @@ def run(opts) -> dict:
     probe = candidate(spec.dtype, False, 64, opts.candidate, spec.interpret)
     res = {"schema": 1, "device": dev, "jax": jax.__version__, "quick": opts.quick,
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv[1:],
+           "timing": {"method": "batched", "warmup": opts.warmup, "reps": opts.reps, "batches": opts.batches},
            "candidate": {"requested": opts.candidate, "used": probe.name, "note": wanted.unavailable},
            "forward": [], "forward_backward": [], "longest": None}
     clock.log(f"device {dev['kind']} ({dev['platform']}), candidate = {probe.name}, results → {path}")

@@ -153,6 +153,9 @@ def render(res: dict, image: str | None = None) -> str:
              if e["results"].get("candidate", {}).get("impl", cand["used"]) != cand["used"]]
     if mixed:
         parts.append(f"The candidate was not `{cand['used']}` in: {', '.join(mixed)} (see the JSON).")
+    if "timing" not in res:  # runs before batched timing waited on every call
+        parts.append("**Old timing method**: each call was waited on separately, so every time includes the "
+                     "host round trip (~0.7 ms on the H200 VM); absolute TFLOP/s are low, ratios same-run.")
     if image:
         parts.append(f"![benchmark plot]({image})")
     if res["forward"]:
