@@ -11,8 +11,8 @@
 True
 """
 
-from lowering.api import lower
+from lowering.api import Kernel, lower
 from lowering.plan import NotLowerable, Plan, plan
 from lowering.triton import Config, Lowered
 
-__all__ = ["Config", "Lowered", "NotLowerable", "Plan", "lower", "plan"]
+__all__ = ["Config", "Kernel", "Lowered", "NotLowerable", "Plan", "lower", "plan"]

@@ -266,8 +266,7 @@ def _kernel(p: Plan, sizes, extent, padded, *refs):
         for b in d.boxes
         if isinstance(b, Mask)
         and isinstance(b.params["mask"], Causal)
-        and b.params["mask"].x == x
-        and b.params["mask"].q in p.tiles
+        and (b.params["mask"].x, b.params["mask"].q) in {(x, t) for t in p.tiles} | {(t, x) for t in p.tiles}
     ]
 
     # The accumulators' states start at their identity, shaped by one abstract chunk.
@@ -301,13 +300,20 @@ def _kernel(p: Plan, sizes, extent, padded, *refs):
         return run
 
     n_chunks = padded[x] // s
-    if causal:
+    if causal and causal[0].params["mask"].x == x:  # stream keys of a query tile: stop at the diagonal
         q = causal[0].params["mask"].q
         g, q_start = p.tiles[q], offsets[q]
         needed = jnp.minimum(lax.div(q_start + g + s - 1, s), n_chunks)  # later chunks are fully masked: skipped
         visible = jnp.minimum(lax.div(q_start + 1, s), needed)  # chunks wholly below the diagonal: no mask
         carry = lax.fori_loop(0, visible, body(True), init)
         carry = lax.fori_loop(visible, needed, body(False), carry)
+    elif causal:  # stream queries of a key tile (the backward's dK, dV): start at the diagonal
+        k = causal[0].params["mask"].x
+        g, k_start = p.tiles[k], offsets[k]
+        first = lax.div(k_start, s)  # earlier query chunks see none of these keys: skipped
+        visible = jnp.clip(lax.div(k_start + g + s - 2, s), first, n_chunks)  # chunks past the diagonal: no mask
+        carry = lax.fori_loop(first, visible, body(False), init)
+        carry = lax.fori_loop(visible, n_chunks, body(True), carry)
     else:
         carry = lax.fori_loop(0, n_chunks, body(False), init)
     states = dict(zip(keys, carry, strict=True))

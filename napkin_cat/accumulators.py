@@ -174,9 +174,14 @@ class OnlineSoftmax(Accumulator):
         return m_new, l * delta + jnp.sum(p, axis=i), o * _to_out(delta, self._rows(), self.box.out) + pv
 
     def finalize(self, state, ctx):
-        _, l, o = state
-        l = _to_out(l, self._rows(), self.box.out)
-        return [(o / jnp.where(l == 0, 1.0, l)).astype(self.box.out.dtype.jnp)]
+        m, l, o = state
+        safe = _to_out(jnp.where(l == 0, 1.0, l), self._rows(), self.box.out)
+        out = [(o / safe).astype(self.box.out.dtype.jnp)]
+        if len(self.box.cod) == 2:  # the log-sum-exp residual for the backward pass; +inf on empty rows
+            base2 = self.box.params.get("base") == 2
+            lse = (m + jnp.log2(l)) * jnp.log(2.0) if base2 else m + jnp.log(l)
+            out.append(jnp.where(l == 0, jnp.inf, lse))
+        return out
 
     def identity(self, like):
         m, l, o = like

@@ -551,10 +551,15 @@ class SoftmaxContract(Generator):
         s, v = ins
         axis = self.params["axis"]
         s = s.astype(jnp.float32) * (jnp.log(2.0) if self.params.get("base") == 2 else 1.0)
-        p = _safe_softmax(s, self.dom.inside[0].names.index(axis))
+        i = self.dom.inside[0].names.index(axis)
+        p = _safe_softmax(s, i)
         p = p.astype(v.dtype) if v.dtype != jnp.float32 else p
         dom = Ty(self.dom.inside[0].with_(dtype=f32), self.dom.inside[1])
-        return [ctx.einsum(einsum_spec(dom, self.out), p, v).astype(self.out.dtype.jnp)]
+        out = [ctx.einsum(einsum_spec(dom, self.out), p, v).astype(self.out.dtype.jnp)]
+        if len(self.cod) == 2:  # with the log-sum-exp residual; +inf on fully masked rows
+            lse = jax.nn.logsumexp(s, axis=i)
+            out.append(jnp.where(jnp.isneginf(lse), jnp.inf, lse))
+        return out
 
     def flops(self):
         s, v = self.dom.inside

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax.numpy as jnp
+from discopy import markov
 
 from napkin_cat.diagram import Diagram
 from napkin_cat.generators import Context, Generator
@@ -108,6 +109,8 @@ def walk(
                 out = [None] * len(box.cod)
             else:
                 out = acc.finalize(states[i], ctx)
+        elif isinstance(box, markov.Swap | markov.Copy):  # structure moves pending (None) wires as it is
+            out = apply(box, ins, ctx)
         elif any(v is None for v in ins):  # downstream of a pending reduction, or a chunk in the final pass
             out = [None] * len(box.cod)
         else:
