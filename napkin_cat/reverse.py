@@ -39,7 +39,7 @@ import sympy
 
 from napkin_cat import generators as g
 from napkin_cat.convolution import Rename, rename
-from napkin_cat.diagram import Array, Copy, Diagram, Swap, Ty, copy, discard, swap
+from napkin_cat.diagram import Array, Copy, Diagram, Swap, Ty, copy, discard
 from napkin_cat.diagram import id as identity
 from napkin_cat.dtypes import f32
 from napkin_cat.errors import NapkinError
@@ -261,13 +261,15 @@ def _wire(types: dict, inputs: list[str], steps: list, outs: list[str]) -> Diagr
                 start, p = start + (j > 0 and p < start), p + 1
             if j == 0:
                 start = p
-            elif p > start + j:
-                put(start + j, p + 1, swap(ty(wires[start + j : p]), types[name]))
-                wires[start + j : p + 1] = [name, *wires[start + j : p]]
-            elif p < start:
-                put(p, start + j, swap(types[name], ty(wires[p + 1 : start + j])))
-                wires[p : start + j] = [*wires[p + 1 : start + j], name]
+            elif p < start:  # move it right, past the wires between, to the end of the gathered arguments
+                for q in range(p, start + j - 1):
+                    put(q, q + 2, Swap(Ty(types[name]), Ty(types[wires[q + 1]])))
+                    wires[q], wires[q + 1] = wires[q + 1], wires[q]
                 start -= 1
+            else:  # move it left, to the end of the gathered arguments
+                for q in range(p, start + j, -1):
+                    put(q - 1, q + 1, Swap(Ty(types[wires[q - 1]]), Ty(types[name])))
+                    wires[q - 1], wires[q] = wires[q], wires[q - 1]
         if box is not None:
             put(start, start + len(ins), box)
             wires[start : start + len(ins)] = made
