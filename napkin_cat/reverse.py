@@ -5,7 +5,9 @@ output, its outputs the cotangents of ``d``'s inputs (in their dtypes; cotangent
 Each generator class declares its derivative as a small diagram in :data:`DERIVATIVES` (contractions
 transpose to contractions, softmax's backward is elementwise maps and a row sum, masks and score
 modifiers differentiate through their index functions); copies become sums, swaps swap, discards give
-zero cotangents. Forward values the backward needs are recomputed from the primal inputs.
+zero cotangents. Forward values the backward needs are recomputed from the primal inputs. A box
+without a rule (today ``Conv`` and ``Concat``: their backward needs slicing or flipped kernels, which
+no generator expresses) raises :class:`NoDerivative` naming it.
 
 >>> import jax, jax.numpy as jnp
 >>> import napkin_cat as nc
@@ -60,17 +62,29 @@ def _cot(a: Array) -> Array:
 
 
 def broadcast(v, like):
-    """``v`` broadcast to the shape of ``like`` (the backward of a sum; ``like`` is read for its shape)."""
+    """``v`` broadcast to the shape of ``like`` (the backward of a sum; ``like`` is read for its shape).
+
+    >>> broadcast(jnp.ones((2, 1)), jnp.zeros((2, 3))).shape
+    (2, 3)
+    """
     return jnp.broadcast_to(v, jnp.broadcast_shapes(jnp.shape(v), jnp.shape(like)))
 
 
 def zeros(like):
-    """Zeros shaped as ``like``: the cotangent of an input no output depends on."""
+    """Zeros shaped as ``like``: the cotangent of an input no output depends on.
+
+    >>> zeros(jnp.full((2,), jnp.inf)).tolist()
+    [0.0, 0.0]
+    """
     return jnp.zeros(jnp.shape(like), jnp.float32)
 
 
 def attains(v, extremum):
-    """1 where ``v`` attains the row's ``extremum`` (a max or min), else 0."""
+    """1 where ``v`` attains the row's ``extremum`` (a max or min), else 0.
+
+    >>> attains(jnp.array([1.0, 3.0, 3.0]), jnp.float32(3.0)).tolist()
+    [0.0, 1.0, 1.0]
+    """
     return (v == extremum).astype(jnp.float32)
 
 
@@ -285,7 +299,18 @@ DERIVATIVES: dict[type, Rule] = {}
 
 
 def derivative(cls: type) -> Callable[[Rule], Rule]:
-    """Register the derivative rule of a generator class (subclasses inherit it)."""
+    """Register the derivative rule of a generator class (subclasses inherit it).
+
+    >>> import napkin_cat as nc
+    >>> class Double(g.Generator):
+    ...     def evaluate(self, ins, ctx): return [2 * ins[0]]
+    >>> @derivative(Double)
+    ... def _(t, box, ins, outs, cts): return [t.ew("multiply", cts[0], const=2)]
+    >>> A = nc.Array(*nc.axes("n"))
+    >>> print(reverse(Double("double", Ty(A), Ty(A))))
+    Copy(n, 0)[n → Ty()] >> multiply 2[n → n]
+    >>> del DERIVATIVES[Double]
+    """
 
     def register(rule: Rule) -> Rule:
         DERIVATIVES[cls] = rule
