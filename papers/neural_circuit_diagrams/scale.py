@@ -1,0 +1,47 @@
+"""How building and evaluating big diagrams scales: ``python -m papers.neural_circuit_diagrams.scale``.
+
+Builds chains of n boxes (a residual MLP-like block repeated) with ``Diagram.then(*parts)``, then times
+``to_jax`` tracing and evaluation (eager and under ``jax.jit``). Prints a table; discopy's ``>>`` in a
+Python loop and its stock functor are quadratic, which this library avoids (REFERENCE §4).
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+
+import napkin_cat as nc
+
+
+def chain(n_boxes: int) -> nc.Diagram:
+    b, d = nc.axes("b d", b=8, d=16)
+    a = nc.Array(b, d)
+    parts = [nc.elementwise(("tanh", "add", "square", "exp")[i % 4], a, *((a,) if i % 4 == 1 else ()))
+             if i % 4 != 1 else nc.copy(a) >> nc.add(a, a) for i in range(n_boxes)]
+    return nc.Diagram.then(*parts)
+
+
+def main():
+    print(f"{'boxes':>6} {'build s':>9} {'eval s':>9} {'jit trace+run s':>16} {'jit run ms':>11}")
+    for n in (250, 500, 1000, 2000, 4000):
+        t = time.perf_counter()
+        d = chain(n)
+        build = time.perf_counter() - t
+        f = nc.to_jax(d)
+        x = jnp.full((8, 16), 0.1)
+        t = time.perf_counter()
+        jax.block_until_ready(f(x))
+        ev = time.perf_counter() - t
+        g = jax.jit(f)
+        t = time.perf_counter()
+        jax.block_until_ready(g(x))
+        first = time.perf_counter() - t
+        t = time.perf_counter()
+        jax.block_until_ready(g(x))
+        print(f"{len(d.boxes):>6} {build:>9.3f} {ev:>9.3f} {first:>16.3f} {1e3 * (time.perf_counter() - t):>11.3f}")
+
+
+if __name__ == "__main__":
+    main()
