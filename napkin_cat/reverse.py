@@ -170,11 +170,13 @@ class Tape:
         return name
 
     def input(self, a: Array, prefix: str = "x") -> str:
+        """Declare one more input wire of type ``a``; its name."""
         name = self._fresh(a, prefix)
         self.inputs[name] = a
         return name
 
     def ty(self, name: str) -> Array:
+        """The array type of the wire ``name``."""
         return self.types[name]
 
     def apply(self, box: Diagram, *ins: str) -> tuple[str, ...]:
@@ -225,6 +227,7 @@ class Tape:
         return acc
 
     def cast(self, name: str, to) -> str:
+        """The wire ``name`` cast to dtype ``to`` (itself if it has that dtype)."""
         a = self.ty(name)
         return name if a.dtype == to else self(g.cast(a, to), name)
 
