@@ -49,10 +49,11 @@ from napkin_cat.generators import (
     tanh,
 )
 from napkin_cat.levels import HBM, L2, REG, SMEM, TC, Level
+from napkin_cat.reverse import reverse
 from napkin_cat.semantics import to_jax
 
 __all__ = [
-    "Cost", "concat", "conv", "cost", "draw", "draw_equation", "draw_sequence", "hardware", "optimize", "rename",
+    "Cost", "reverse", "concat", "conv", "cost", "draw", "draw_equation", "draw_sequence", "hardware", "optimize", "rename",
     "HBM", "L2", "REG", "SMEM", "TC", "Array", "Axis", "AxisError", "Box", "CompositionError", "Context",
     "CostError", "Diagram", "Dtype", "EvaluationError", "Generator", "Level", "NapkinError", "Template", "Ty",
     "add", "axes", "bf16", "cast", "causal_mask", "contract", "copy", "discard", "divide", "elementwise", "exp",
