@@ -53,7 +53,8 @@ from napkin_cat.reverse import reverse
 from napkin_cat.semantics import to_jax
 
 __all__ = [
-    "Cost", "reverse", "concat", "conv", "cost", "draw", "draw_equation", "draw_sequence", "hardware", "optimize", "rename",
+    "Cost", "reverse", "concat", "conv", "cost", "draw", "draw_equation", "draw_sequence", "hardware", "optimize",
+    "rename",
     "HBM", "L2", "REG", "SMEM", "TC", "Array", "Axis", "AxisError", "Box", "CompositionError", "Context",
     "CostError", "Diagram", "Dtype", "EvaluationError", "Generator", "Level", "NapkinError", "Template", "Ty",
     "add", "axes", "bf16", "cast", "causal_mask", "contract", "copy", "discard", "divide", "elementwise", "exp",
