@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import jax
 
-from napkin_cat.diagram import Diagram
-from napkin_cat.semantics import to_jax
 from lowering.plan import NotLowerable, plan
 from lowering.triton import Config, Lowered
+from napkin_cat.diagram import Diagram
+from napkin_cat.semantics import to_jax
 
 
 class Kernel:

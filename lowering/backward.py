@@ -21,10 +21,10 @@ import jax.numpy as jnp
 from discopy.monoidal import Layer
 
 import napkin_cat as nc
+from lowering.plan import NotLowerable
 from napkin_cat.architectures import Circuit
 from napkin_cat.diagram import Array, Diagram, Ty
 from napkin_cat.generators import Contract, IndexMap, Mask, SoftmaxContract
-from lowering.plan import NotLowerable
 
 
 @dataclass(frozen=True)
@@ -162,13 +162,13 @@ def attention_vjp(fwd_res, dq_kernel, dkv_kernel, p: AttentionParts):
         return fwd_res(Q, K, V)[0]
 
     def f_fwd(Q, K, V):
-        O, L = fwd_res(Q, K, V)
-        return O, (Q, K, V, O, L)
+        out, L = fwd_res(Q, K, V)
+        return out, (Q, K, V, out, L)
 
     def f_bwd(res, dO):
-        Q, K, V, O, L = res
+        Q, K, V, out, L = res
         dO = dO.astype(Q.dtype)
-        delta = jnp.sum(dO.astype(jnp.float32) * O.astype(jnp.float32), axis=p.Q.names.index(d))
+        delta = jnp.sum(dO.astype(jnp.float32) * out.astype(jnp.float32), axis=p.Q.names.index(d))
         dQ = dq_kernel(Q, K, V, dO, L, delta)
         dK, dV = dkv_kernel(Q, K, V, dO, L, delta)
         if group:

@@ -94,7 +94,8 @@ def test_random_diagrams_match_jnp(key, ops, sizes):
             ref = (lambda r: lambda v: jax.nn.softmax(r(v), axis=-1))(ref)
         else:
             parts.append(nc.reduce_sum(wire, m) if op == "sum" else nc.reduce_max(wire, m))
-            ref = (lambda r, op: lambda v: (jnp.sum if op == "sum" else jnp.max)(r(v), axis=-1))(ref, op)
+            red = jnp.sum if op == "sum" else jnp.max
+            ref = (lambda r, f: lambda v: f(r(v), axis=-1))(ref, red)
             break
     d = nc.id(nc.Array(n, m)).then(*parts)
     v = jax.random.normal(key, sizes)
