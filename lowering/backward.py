@@ -45,17 +45,6 @@ def _plain(a: Array) -> Array:
     return a.with_(axes=[x.unlabelled() for x in a.axes], level=nc.HBM)
 
 
-def _producer(d: Diagram, j: int, pos: int):
-    for i in range(j - 1, -1, -1):
-        left, box, _ = d.inside[i]
-        n = len(left)
-        if pos >= n + len(box.cod):
-            pos += len(box.dom) - len(box.cod)
-        elif pos >= n:
-            return i, pos - n
-    return None, pos
-
-
 def attention_parts(d: Diagram) -> AttentionParts:
     """Find ``Q·Kᵀ → masks → softmax·contract(·, V)`` in ``d``, whose inputs must be ``Q, K, V``."""
     found = [j for j, (_, b, _) in enumerate(d.inside) if isinstance(b, SoftmaxContract)]
@@ -63,13 +52,13 @@ def attention_parts(d: Diagram) -> AttentionParts:
         raise NotLowerable(f"no lowered backward: expected one softmax·contract box, found {len(found)}")
     j = found[0]
     left, sc, _ = d.inside[j]
-    masks, (i, _) = [], _producer(d, j, len(left))
+    masks, (i, _) = [], d.producer(j, len(left))
     while i is not None and isinstance(d.inside[i][1], Mask | IndexMap):
         box = d.inside[i][1]
         if isinstance(box, IndexMap):
             raise NotLowerable(f"no lowered backward through score modifier {box.name!r}; pass backward='reference'")
         masks.append(box.params["mask"])
-        i, _ = _producer(d, i, len(d.inside[i][0]))
+        i, _ = d.producer(i, len(d.inside[i][0]))
     if i is None or not isinstance(d.inside[i][1], Contract):
         raise NotLowerable("no lowered backward: the scores of the softmax·contract are not a contraction Q·Kᵀ")
     qk = d.inside[i][1]

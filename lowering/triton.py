@@ -180,18 +180,6 @@ def _pad(v, wire, padded):
     return jnp.pad(v, widths) if any(w for _, w in widths) else v
 
 
-def _producer(d, j: int, pos: int):
-    """The layer index of the box producing the wire at ``pos`` entering layer ``j``."""
-    for i in range(j - 1, -1, -1):
-        left, box, _ = d.inside[i]
-        n = len(left)
-        if pos >= n + len(box.cod):
-            pos += len(box.dom) - len(box.cod)
-        elif pos >= n:
-            return i
-    return None
-
-
 def base2(d):
     """Fold log₂e into the scale of the contraction feeding each online softmax, which then uses exp2.
 
@@ -208,9 +196,9 @@ def base2(d):
     for j, (left, box, right) in enumerate(d.inside):
         if not isinstance(box, SoftmaxContract) or box.params.get("base"):
             continue
-        i = _producer(d, j, len(left))
+        i, _ = d.producer(j, len(left))
         while i is not None and isinstance(d.inside[i][1], Mask):
-            i = _producer(d, i, len(d.inside[i][0]))
+            i, _ = d.producer(i, len(d.inside[i][0]))
         if i is None or not isinstance(d.inside[i][1], Contract):
             continue
         l2, c, r2 = d.inside[i]

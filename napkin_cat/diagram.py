@@ -228,6 +228,18 @@ class Diagram(markov.Diagram):
                 raise AxisError(f"cannot weave over {sorted(clash)}: wire {wire.describe()} already has it")
         return self.map_arrays(lambda a: a.with_(axes=(*axes, *a.axes)))
 
+    def producer(self, j: int, pos: int) -> tuple[int | None, int]:
+        """The layer index and output port of the box producing the wire at ``pos`` entering layer ``j``
+        (``j = len(self.inside)`` for the outputs); ``(None, i)`` when it is the input wire ``i``."""
+        for i in range(j - 1, -1, -1):
+            left, box, _ = self.inside[i]
+            n = len(left)
+            if pos >= n + len(box.cod):
+                pos += len(box.dom) - len(box.cod)
+            elif pos >= n:
+                return i, pos - n
+        return None, pos
+
     # --- equality up to interchange, swaps and copies ----------------------------------------
     def terms(self) -> tuple:
         """The output terms: each output as the nested application of boxes to input positions."""

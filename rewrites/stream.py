@@ -131,17 +131,16 @@ def streamability(d: Diagram, axis: str, rule: str = "stream") -> list:
 
 
 def _producer(d: Diagram, pos: int) -> str:
-    for left, box, _ in reversed(d.inside):
-        n = len(left)
-        if pos >= n + len(box.cod):
-            pos += len(box.dom) - len(box.cod)
-        elif pos >= n:
-            return box.name if not isinstance(box, markov.Copy | markov.Swap) else _producer_before(d, box)
-    return "input"
-
-
-def _producer_before(d, box):
-    return type(box).__name__
+    """The name of the box producing output wire ``pos``, looking through copies and swaps."""
+    j = len(d.inside)
+    while True:
+        i, port = d.producer(j, pos)
+        if i is None:
+            return "input"
+        left, box, _ = d.inside[i]
+        if not isinstance(box, markov.Copy | markov.Swap):
+            return box.name
+        j, pos = i, len(left) + (len(box.dom) - 1 - port if isinstance(box, markov.Swap) else 0)
 
 
 @dataclass(frozen=True)
