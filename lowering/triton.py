@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from lowering.plan import NotLowerable, Plan, next_pow2, padding_neutral
+from lowering.plan import SMEM_LIMIT, NotLowerable, Plan, next_pow2, padding_neutral, smem_bytes
 from napkin_cat.generators import Causal, Context, Mask
 from napkin_cat.semantics import bind
 
@@ -107,6 +107,11 @@ class Lowered:
                 padded[a] = want
         arrays = [_pad(v, w, padded) for v, w in zip(arrays, d.dom.inside, strict=True)]
         config = self.config or Config.get_default(p, sizes)
+        smem = smem_bytes(p, {**sizes, **{_symbol(d, a): n for a, n in padded.items()}}, config.num_stages)
+        if smem > SMEM_LIMIT:
+            raise NotLowerable(f"the kernel would hold {smem:,} B of shared memory (resident blocks plus "
+                               f"{config.num_stages} stages of each chunk), over the {SMEM_LIMIT:,} B a block may use; "
+                               "choose smaller tiles or stream sizes")
         outs = self._call(arrays, sizes, extent, padded, config)
         outs = [o[tuple(slice(0, extent[a.name]) for a in w.axes)] for o, w in zip(outs, d.cod.inside, strict=True)]
         return outs[0] if len(outs) == 1 else tuple(outs)
@@ -173,6 +178,10 @@ class Lowered:
         from lowering.source import describe
 
         return describe(self)
+
+
+def _symbol(d, name: str):
+    return next(a.size for w in d.dom.inside for a in w.axes if a.name == name)
 
 
 def _pad(v, wire, padded):

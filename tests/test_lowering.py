@@ -136,3 +136,12 @@ def test_compiled_attention_on_gpu(key, dtype, causal):
     out = jax.jit(kernel)(Q, K, V)
     f32 = [a.astype(jnp.float32) for a in (Q, K, V)]
     assert rel_err(out, dpa(*f32, causal)) <= TOL[dtype]
+
+
+def test_shared_memory_guard(key):
+    q, x, d = nc.axes("q x d")
+    attn = nc.library.attention(q, x, d)
+    kernel = lower(derive(attn, tile(q, 128), stream(x, 128), verify=False))
+    Q = jnp.ones((128, 512))
+    with pytest.raises(NotLowerable, match=r"the kernel would hold 1,835,008 B of shared memory"):
+        kernel(Q, Q, Q)
