@@ -14,7 +14,7 @@ import sympy
 
 from napkin_cat import generators as g
 from napkin_cat.axes import Axis
-from napkin_cat.diagram import Array, Diagram, Ty
+from napkin_cat.diagram import Array, Diagram, Ty, swap
 from napkin_cat.diagram import id as identity
 from napkin_cat.dtypes import Dtype, f32
 from napkin_cat.errors import AxisError
@@ -186,6 +186,41 @@ def mlp(n: Axis, i: Axis, h: Axis, o: Axis, *, activation: str = "gelu", dtype: 
         >> (second @ identity(Array(o, dtype=dtype)))
         >> g.add(out, Array(o, dtype=dtype))
     )
+
+
+def cross_entropy(n: Axis, v: Axis) -> Diagram:
+    """``log Σ_v exp(X) − Σ_v X·Y`` for logits ``X[n,v]`` and one-hot labels ``Y[n,v]``: streamable over ``v``
+    (a large vocabulary), since log-sum-exp's sum and the label contraction both accumulate.
+
+    >>> from napkin_cat import axes
+    >>> print(cross_entropy(*axes("n v")).cod)
+    n
+    """
+    X, Y, row = Array(n, v), Array(n, v), Array(n)
+    lse = g.exp(X) >> g.reduce_sum(X, v) >> g.log(row)
+    picked = g.contract(f"{n.name} {v.name}, {n.name} {v.name} -> {n.name}", n, v)
+    return (Diagram.copy(Ty(X)) @ identity(Y)) >> (lse @ picked) >> g.subtract(row, row)
+
+
+def layer_norm_statistics(n: Axis, d: Axis, *, eps: float = 1e-5) -> Diagram:
+    """Mean and ``1/√(E[X²] − E[X]² + ε)`` of ``X[n,d]`` in one pass over ``d`` (streamable, unlike the
+    two-pass :func:`layer_norm`, whose centring needs the completed mean).
+
+    >>> from napkin_cat import axes
+    >>> print(layer_norm_statistics(*axes("n d")).cod)
+    n ⊗ n
+    """
+    X, row = Array(n, d), Array(n)
+    sums = Diagram.copy(Ty(X)) >> (g.reduce_sum(X, d) @ (g.square(X) >> g.reduce_sum(X, d)))
+    means = g.scale(row, 1 / d.size) @ g.scale(row, 1 / d.size)
+    var = (
+        (Diagram.copy(Ty(row)) @ identity(row))
+        >> (identity(row) @ g.square(row) @ identity(row))
+        >> (identity(row) @ swap(row, row))
+        >> (identity(row) @ g.subtract(row, row))
+    )
+    rstd = g.elementwise("add", row, const=eps) >> g.rsqrt(row)
+    return sums >> means >> var >> (identity(row) @ rstd)
 
 
 # The Neural Circuit Diagrams architectures live in their own module; the library re-exports them.

@@ -6,8 +6,6 @@ from pathlib import Path
 import pytest
 
 import napkin_cat as nc
-from napkin_cat.diagram import Diagram, Ty
-from napkin_cat.diagram import id as identity
 from rewrites import level, stream, tile
 from rewrites.pseudocode import pseudocode
 
@@ -23,25 +21,6 @@ def schedule(diagram, *rules):
     return diagram
 
 
-def cross_entropy() -> Diagram:
-    """``log Σ_v exp(X) − Σ_v X·Y`` for logits X[n,v] and one-hot labels Y[n,v]: streamable over v."""
-    X, Y, row = nc.Array(n, v), nc.Array(n, v), nc.Array(n)
-    lse = nc.exp(X) >> nc.reduce_sum(X, v) >> nc.log(row)
-    picked = nc.contract("n v, n v -> n", n, v)
-    return (Diagram.copy(Ty(X)) @ identity(Y)) >> (lse @ picked) >> nc.subtract(row, row)
-
-
-def layer_norm_statistics() -> Diagram:
-    """Mean and ``1/√(E[X²] − E[X]² + ε)`` of X[n,d] in one pass over d (streamable)."""
-    X, row = nc.Array(n, d), nc.Array(n)
-    sums = Diagram.copy(Ty(X)) >> (nc.reduce_sum(X, d) @ (nc.square(X) >> nc.reduce_sum(X, d)))
-    means = nc.scale(row, 1 / d.size) @ nc.scale(row, 1 / d.size)
-    var = (Diagram.copy(Ty(row)) @ identity(row)) >> (identity(row) @ nc.square(row) @ identity(row)) >> (
-        identity(row) @ nc.swap(row, row)) >> (identity(row) @ nc.subtract(row, row))
-    rstd = nc.elementwise("add", row, const=1e-5) >> nc.rsqrt(row)
-    return sums >> means >> var >> (identity(row) @ rstd)
-
-
 CASES = {
     "flash_attention": lambda: schedule(nc.library.attention(q, x, d), tile(q, 128), stream(x, 64), level(nc.SMEM)),
     "causal_attention": lambda: schedule(
@@ -52,9 +31,11 @@ CASES = {
         nc.library.grouped_query_attention(hk, g, q, x, d), tile(q, 128), stream(x, 64), level(nc.SMEM)),
     "tiled_matmul": lambda: schedule(nc.library.matmul(*nc.axes("a b c")), tile("a", 128), tile("c", 128),
                                      stream("b", 32), level(nc.SMEM)),
-    "cross_entropy": lambda: schedule(cross_entropy(), tile(n, 16), stream(v, 512), level(nc.SMEM)),
+    "cross_entropy": lambda: schedule(nc.library.cross_entropy(n, v), tile(n, 16), stream(v, 512), level(nc.SMEM)),
     "layer_norm": lambda: schedule(nc.library.layer_norm(n, d), tile(n, 16), level(nc.SMEM)),
-    "layer_norm_statistics": lambda: schedule(layer_norm_statistics(), tile(n, 16), stream(d, 128), level(nc.SMEM)),
+    "layer_norm_statistics": lambda: schedule(
+        nc.library.layer_norm_statistics(n, d), tile(n, 16), stream(d, 128), level(nc.SMEM)
+    ),
 }
 
 

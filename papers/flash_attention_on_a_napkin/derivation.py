@@ -16,8 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import napkin_cat as nc
-from napkin_cat.diagram import Diagram, Ty
-from napkin_cat.diagram import id as identity
+from napkin_cat.diagram import Diagram
 from rewrites import Rule, derive, fuse_softmax_contract, level, stream, tile
 from rewrites.proofs import prove_equivalent
 
@@ -46,25 +45,6 @@ class lemma(Rule):  # noqa: N801 - rules are named as verbs
 q, x, d, b, h, hk, g, n, v, a, k, c = nc.axes("q x d b h hk g n v a k c")
 
 
-def cross_entropy() -> Diagram:
-    """``log Σ_v exp(X) − Σ_v X·Y`` for logits X[n,v] and one-hot labels Y[n,v]: streamable over v."""
-    X, Y, row = nc.Array(n, v), nc.Array(n, v), nc.Array(n)
-    lse = nc.exp(X) >> nc.reduce_sum(X, v) >> nc.log(row)
-    picked = nc.contract("n v, n v -> n", n, v)
-    return (Diagram.copy(Ty(X)) @ identity(Y)) >> (lse @ picked) >> nc.subtract(row, row)
-
-
-def layer_norm_statistics() -> Diagram:
-    """Mean and ``1/√(E[X²] − E[X]² + ε)`` of X[n,d] in one pass over d (streamable)."""
-    X, row = nc.Array(n, d), nc.Array(n)
-    sums = Diagram.copy(Ty(X)) >> (nc.reduce_sum(X, d) @ (nc.square(X) >> nc.reduce_sum(X, d)))
-    means = nc.scale(row, 1 / d.size) @ nc.scale(row, 1 / d.size)
-    var = (Diagram.copy(Ty(row)) @ identity(row)) >> (identity(row) @ nc.square(row) @ identity(row)) >> (
-        identity(row) @ nc.swap(row, row)) >> (identity(row) @ nc.subtract(row, row))
-    rstd = nc.elementwise("add", row, const=1e-5) >> nc.rsqrt(row)
-    return sums >> means >> var >> (identity(row) @ rstd)
-
-
 # name: (naive diagram, rules, the same rules at proof scale, proof sizes)
 DERIVATIONS = {
     "flash_attention": (nc.library.attention(q, x, d), [lemma("x"), tile(q, 8), stream(x, 8), level(nc.SMEM)],
@@ -79,10 +59,10 @@ DERIVATIONS = {
                                 {"hk": 1, "g": 2, "q": 3, "x": 3, "d": 1}),
     "tiled_matmul": (nc.library.matmul(a, k, c), [tile(a, 8), tile(c, 8), stream(k, 8), level(nc.SMEM)],
                      [tile(a, 2), tile(c, 2), stream(k, 2)], {"a": 3, "k": 3, "c": 3}),
-    "cross_entropy": (cross_entropy(), [tile(n, 4), stream(v, 16), level(nc.SMEM)], [tile(n, 2), stream(v, 2)],
-                      {"n": 3, "v": 3}),
+    "cross_entropy": (nc.library.cross_entropy(n, v), [tile(n, 4), stream(v, 16), level(nc.SMEM)],
+                      [tile(n, 2), stream(v, 2)], {"n": 3, "v": 3}),
     "layer_norm": (nc.library.layer_norm(n, d), [tile(n, 4), level(nc.SMEM)], [tile(n, 2)], {"n": 3, "d": 3}),
-    "layer_norm_statistics": (layer_norm_statistics(), [tile(n, 4), stream(d, 16), level(nc.SMEM)],
+    "layer_norm_statistics": (nc.library.layer_norm_statistics(n, d), [tile(n, 4), stream(d, 16), level(nc.SMEM)],
                               [tile(n, 2), stream(d, 2)], {"n": 3, "d": 3}),
 }
 
