@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import sympy
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import napkin_cat as nc
@@ -239,7 +239,18 @@ def alibi_rc(s, r, c):
 @settings(max_examples=30, deadline=None)
 @given(d=dataflows(), seed=st.integers(0, 2**30))
 def test_random_dataflows(d, seed):
+    # A random mask can send −∞ into arithmetic (−∞·0, −∞ − −∞): the function itself is then undefined
+    # there, and JAX's own vjp is NaN too. Such examples say nothing about the backward functor.
+    assume(_reference_is_finite(d, seed))
     assert_reverse(d, {}, seed)
+
+
+def _reference_is_finite(d, seed: int) -> bool:
+    xs, cts = _random(d.dom.inside, {}, seed), _random(d.cod.inside, {}, seed + 1)
+    out, vjp = jax.vjp(nc.to_jax(d), *xs)
+    want = vjp(cts[0] if len(cts) == 1 else tuple(cts))
+    leaves = [*jax.tree.leaves(out), *want]
+    return all(bool(np.isfinite(np.asarray(v, np.float32)).all()) for v in leaves)
 
 
 @pytest.mark.parametrize("base", [None, 2])
