@@ -108,7 +108,7 @@ def backward_diagrams(p: AttentionParts) -> tuple[Diagram, Diagram]:
     d = V.names[-1]
     S = Array(*(axes[n] for n in (*bq, q, x)))
     rows = Array(*(axes[n] for n in (*bq, q)))
-    spec = lambda a, b, c: f"{a} -> {c}".replace("->", f", {b} ->")  # noqa: E731
+    spec = lambda a, b, c: f"{a}, {b} -> {c}"  # noqa: E731 - an einsum over named axes
     sq, sk = " ".join((*bq, q)), " ".join(K.names[:-2])
     qd, kd, qx = f"{sq} {d}", f"{sk} {x} {d}".strip(), f"{sq} {x}"
     ax = list(axes.values())

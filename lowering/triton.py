@@ -38,7 +38,7 @@ class Config:
     num_stages: int = 2
 
     @classmethod
-    def get_default(cls, p: Plan, sizes: dict) -> Config:
+    def get_default(cls, p: Plan) -> Config:
         """8 warps for 128-row tiles, else 4; 3 pipeline stages (measured on H200 by ``lowering.search``)."""
         g = max(p.tiles.values(), default=64)
         return cls(num_warps=8 if g >= 128 else 4, num_stages=3)
@@ -106,7 +106,7 @@ class Lowered:
                     )
                 padded[a] = want
         arrays = [_pad(v, w, padded) for v, w in zip(arrays, d.dom.inside, strict=True)]
-        config = self.config or Config.get_default(p, sizes)
+        config = self.config or Config.get_default(p)
         smem = smem_bytes(p, {**sizes, **{_symbol(d, a): n for a, n in padded.items()}}, config.num_stages)
         if smem > SMEM_LIMIT:
             raise NotLowerable(f"the kernel would hold {smem:,} B of shared memory (resident blocks plus "

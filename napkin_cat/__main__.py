@@ -9,41 +9,23 @@ speed against XLA and cuDNN.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 
 def _say(msg: str):
     print(msg, flush=True)
 
 
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
-
-
-def _time(fn, *args, reps=10, batches=5) -> float:
-    """Median over batches of ``reps`` back-to-back calls, one wait per batch (device time, not dispatch)."""
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(batches):
-        t = time.perf_counter()
-        for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t) / reps)
-    return statistics.median(ts)
-
-
 def main(argv=None):
     import napkin_cat as nc
     from lowering import lower
+    from lowering.search import median_time
     from rewrites import derive, level, stream, tile
+    from rewrites.verify import relative_error
 
     ap = argparse.ArgumentParser(prog="python -m napkin_cat", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="napkin_out", help="folder for pictures (default: napkin_out)")
@@ -71,7 +53,7 @@ def main(argv=None):
     want = t(jax.nn.dot_product_attention(*(t(a.astype(jnp.float32)) for a in (Q, K, V))))
     _say(
         f"2. reference semantics vs jax.nn.dot_product_attention at B={B} H={H} N={N} D={D} ({dtype}): "
-        f"rel. error {_rel(nc.to_jax(attn)(Q, K, V), want):.1e}"
+        f"rel. error {relative_error(nc.to_jax(attn)(Q, K, V), want):.1e}"
     )
 
     g, s = 128, (128 if D > 64 else 64)
@@ -88,15 +70,16 @@ def main(argv=None):
     kernel = lower(flash)
     got = jax.jit(kernel)(Q, K, V)
     mode = "compiled" if gpu else "interpreted on CPU"
-    _say(f"5. lowered Pallas kernel ({mode}) vs jax.nn.dot_product_attention: rel. error {_rel(got, want):.1e}")
+    err = relative_error(got, want)
+    _say(f"5. lowered Pallas kernel ({mode}) vs jax.nn.dot_product_attention: rel. error {err:.1e}")
     if gpu:
         flops = 4 * B * H * N * N * D
         naive = jax.jit(nc.to_jax(attn))
         cudnn = jax.jit(lambda a, k_, v: t(jax.nn.dot_product_attention(t(a), t(k_), t(v), implementation="cudnn")))
         times = {
-            "napkin": _time(jax.jit(kernel), Q, K, V),
-            "naive XLA": _time(naive, Q, K, V),
-            "cuDNN": _time(cudnn, Q, K, V),
+            "napkin": median_time(jax.jit(kernel), Q, K, V),
+            "naive XLA": median_time(naive, Q, K, V),
+            "cuDNN": median_time(cudnn, Q, K, V),
         }
         _say("6. speed (TFLOP/s, same run):")
         for name, sec in times.items():

@@ -100,6 +100,11 @@ def _align(value, wire: Array, target: Array):
     return jnp.expand_dims(value, [i for i, n in enumerate(target.names) if n not in wire.names])
 
 
+def contraction_size(*wires: Array) -> sympy.Expr:
+    """The product of the sizes of every distinct axis on ``wires``: the multiply-adds of a contraction."""
+    return sympy.Mul(*{a.name: a.size for w in wires for a in w.axes}.values())
+
+
 class Generator(Box):
     """Base class of the generators. ``data`` is a tuple of ``(key, value)`` parameters."""
 
@@ -153,8 +158,7 @@ class Contract(Generator):
         return [acc.astype(self.out.dtype.jnp)]
 
     def flops(self):
-        sizes = {a.name: a.size for w in (*self.dom.inside, self.out) for a in w.axes}
-        total = sympy.Mul(*sizes.values())
+        total = contraction_size(*self.dom.inside, self.out)
         extra = self.out.size if self.params.get("scale") is not None else 0
         return 2 * total * max(len(self.dom) - 1, 1) + extra
 
@@ -375,17 +379,23 @@ class Mask(Generator):
         return self.out.size
 
 
-def _wanted(fn, indices: dict) -> dict:
-    """The indices ``fn`` asks for by name (all of them if it takes ``**kwargs``), so weaving adds none."""
+def _index_names(fn) -> tuple[str, ...] | None:
+    """The parameter names of an index function, or None when it takes ``**kwargs`` (or hides them)."""
     import inspect
 
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
-        return indices
+        return None
     if any(p.kind == p.VAR_KEYWORD for p in params.values()):
-        return indices
-    return {k: v for k, v in indices.items() if k in params}
+        return None
+    return tuple(params)
+
+
+def _wanted(fn, indices: dict) -> dict:
+    """The indices ``fn`` asks for by name (all of them if it takes ``**kwargs``), so weaving adds none."""
+    names = _index_names(fn)
+    return indices if names is None else {k: v for k, v in indices.items() if k in names}
 
 
 @dataclass(frozen=True)
@@ -437,15 +447,10 @@ def causal_mask(a: Array, q: Axis | str, x: Axis | str) -> Mask:
 
 
 def _check_index_names(fn, a: Array, rule: str):
-    import inspect
-
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
+    names = _index_names(fn)
+    if names is None:
         return
-    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
-        return
-    wanted = list(params)[1:] if rule == "score_mod" else list(params)
+    wanted = names[1:] if rule == "score_mod" else names  # a score modifier's first argument is the score
     unknown = [n for n in wanted if n not in a.names]
     if unknown:
         raise AxisError(f"{rule} {_fname(fn)}: indices {unknown} are not axes of {a.describe()}")
@@ -563,8 +568,7 @@ class SoftmaxContract(Generator):
 
     def flops(self):
         s, v = self.dom.inside
-        sizes = {a.name: a.size for w in (s, v, self.out) for a in w.axes}
-        return 4 * s.size + 2 * sympy.Mul(*sizes.values())
+        return 4 * s.size + 2 * contraction_size(s, v, self.out)
 
     def transcendentals(self):
         return self.dom.inside[0].size
@@ -594,8 +598,7 @@ class NormalisedContract(Generator):
 
     def flops(self):
         s, v = self.dom.inside
-        sizes = {a.name: a.size for w in (s, v, self.out) for a in w.axes}
-        return 3 * s.size + 2 * sympy.Mul(*sizes.values())
+        return 3 * s.size + 2 * contraction_size(s, v, self.out)
 
     def transcendentals(self):
         return self.dom.inside[0].size

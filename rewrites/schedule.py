@@ -26,7 +26,7 @@ from discopy import markov
 
 from napkin_cat.diagram import Diagram
 from napkin_cat.generators import Context, Generator
-from napkin_cat.semantics import apply, bind
+from napkin_cat.semantics import apply, bind, run
 
 
 def partitions(d: Diagram) -> tuple[dict, dict]:
@@ -121,8 +121,6 @@ def walk(
 
 def _run_streamed(d: Diagram, values: list, ctx: Context, streams: dict) -> list:
     if not streams:
-        from napkin_cat.semantics import run
-
         return run(d, values, ctx)
     ((x, s),) = streams.items()
     n = _extent(d.dom.inside, values, x)
