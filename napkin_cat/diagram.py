@@ -323,6 +323,25 @@ Diagram.copy_factory, Diagram.merge_factory = Copy, Merge
 Diagram.braid_factory, Diagram.discard_factory = Swap, Discard
 
 
+def relabel(diagram: Diagram, **labels) -> Diagram:
+    """FAN's partition labels set by axis name, with no side conditions checked (the rules in ``rewrites``
+    check them): ``q=("group", g)`` tiles ``q`` by ``g``, ``x=("stream", s)`` streams ``x`` by ``s``.
+
+    >>> from napkin_cat import axes, library
+    >>> a, b, c = axes("a b c")
+    >>> print(relabel(library.matmul(a, b, c), a=("group", 64)).cod)
+    a/64×c
+    """
+
+    def axis(ax):
+        if ax.name not in labels:
+            return ax
+        kind, size = labels[ax.name]
+        return ax.tiled(size) if kind == "group" else ax.streamed(size)
+
+    return diagram.map_arrays(lambda w: w.with_(axes=[axis(ax) for ax in w.axes]))
+
+
 def id(x=()) -> Diagram:  # noqa: A001 - the identity, as in the mathematics
     """The identity on an array or tuple of arrays."""
     return Diagram.id(as_ty(x))

@@ -7,24 +7,12 @@ import sympy
 
 import napkin_cat as nc
 from napkin_cat.cost import Cost, cost
-from napkin_cat.diagram import Array, Ty
+from napkin_cat.diagram import Array, Ty, relabel
 from napkin_cat.diagram import id as identity
 from napkin_cat.generators import Contract, SoftmaxContract, move
 from napkin_cat.hardware import A100, H100, KiB
 
 g_q, s_x, g_a, g_c, s_b = sympy.symbols("g_q s_x g_a g_c s_b", positive=True, integer=True)
-
-
-def relabel(d, **labels):
-    """Relabel axes by name: ``q=("group", g)`` tiles q by g, ``x=("stream", s)`` streams x by s."""
-
-    def axis(a):
-        if a.name not in labels:
-            return a
-        kind, size = labels[a.name]
-        return a.tiled(size) if kind == "group" else a.streamed(size)
-
-    return d.map_arrays(lambda w: w.with_(axes=[axis(a) for a in w.axes]))
 
 
 def flash(q, x, d, dtype=nc.bf16):

@@ -28,7 +28,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import napkin_cat as nc  # noqa: E402
 from napkin_cat import optimize as opt  # noqa: E402
 from napkin_cat.cost import cost  # noqa: E402
-from napkin_cat.diagram import Array, Diagram, Ty  # noqa: E402
+from napkin_cat.diagram import Array, Diagram, Ty, relabel  # noqa: E402
 from napkin_cat.diagram import id as identity  # noqa: E402
 from napkin_cat.generators import Contract, SoftmaxContract, move  # noqa: E402
 from napkin_cat.hardware import A100, A100_40GB, H100, KiB  # noqa: E402
@@ -44,22 +44,6 @@ H_, Q_, X_, D_ = h.size, q.size, x.size, d.size
 
 
 # --- FAN's diagrams -------------------------------------------------------------------------------
-
-
-def relabel(diagram: Diagram, **labels) -> Diagram:
-    """FAN's relabellings on objects: ``q=("group", g)`` tiles ``q`` by ``g``, ``x=("stream", s)`` streams it.
-
-    >>> print(relabel(nc.library.matmul(a, b, c), a=("group", 64)).cod)
-    a/64×c
-    """
-
-    def axis(ax):
-        if ax.name not in labels:
-            return ax
-        kind, size = labels[ax.name]
-        return ax.tiled(size) if kind == "group" else ax.streamed(size)
-
-    return diagram.map_arrays(lambda w: w.with_(axes=[axis(ax) for ax in w.axes]))
 
 
 def matmul(dtype=nc.bf16, tiles=(g_a, s_b, g_c)) -> Diagram:
