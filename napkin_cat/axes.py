@@ -28,11 +28,22 @@ from napkin_cat.errors import AxisError
 
 
 def _size(name: str, size) -> sympy.Expr:
+    """A size symbol assumed a positive integer, or a given size; a number must be a positive integer.
+
+    Floats are refused even when whole (``2.5`` would truncate in evaluation and scale by ``1/√2.5``);
+    zero is refused too: an empty axis has nothing to compute.
+    """
     if size is None:
         return sympy.Symbol(name, positive=True, integer=True)
-    if isinstance(size, int | sympy.Integer) and int(size) <= 0:
-        raise AxisError(f"axis {name!r}: size must be positive, got {size}")
-    return sympy.sympify(size)
+    if isinstance(size, bool):
+        raise AxisError(f"axis {name!r}: size must be a positive integer, got {size!r}")
+    try:
+        value = sympy.sympify(size)
+    except (sympy.SympifyError, TypeError) as e:
+        raise AxisError(f"axis {name!r}: size must be a positive integer or a sympy expression, got {size!r}") from e
+    if value.is_number and not (value.is_integer and value.is_positive):
+        raise AxisError(f"axis {name!r}: size must be a positive integer, got {size!r}")
+    return value
 
 
 @dataclass(frozen=True, init=False)
@@ -43,6 +54,10 @@ class Axis:
     True
     >>> Axis("d", 64) == Axis("d")
     False
+    >>> Axis("d", 2.5)
+    Traceback (most recent call last):
+    ...
+    napkin_cat.errors.AxisError: axis 'd': size must be a positive integer, got 2.5
     """
 
     name: str

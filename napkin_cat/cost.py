@@ -40,7 +40,7 @@ from napkin_cat.diagram import Array, Diagram
 from napkin_cat.dtypes import Dtype, f32
 from napkin_cat.errors import CostError
 from napkin_cat.generators import Contract, Generator, Move, NormalisedContract, SoftmaxContract
-from napkin_cat.hardware import Hardware
+from napkin_cat.hardware import Hardware, lookup
 from napkin_cat.levels import HBM, L2, SMEM, Level
 
 Expr = sympy.Expr
@@ -213,7 +213,14 @@ class Cost:
         Traceback (most recent call last):
         ...
         napkin_cat.errors.CostError: time on H100 needs sizes for c (bound: a, b)
+        >>> m.number("time", a=8192, b=8192, c=-5)
+        Traceback (most recent call last):
+        ...
+        napkin_cat.errors.CostError: time: size c = -5 must be a positive integer
         """
+        for name, n in sizes.items():  # size symbols are positive integers: a negative size gives negative time
+            if isinstance(n, bool) or not ((v := sympy.sympify(n)).is_integer and v.is_positive):
+                raise CostError(f"{what}: size {name} = {n!r} must be a positive integer")
         value = getattr(self.subs(**sizes), what)
         if not value.is_number:
             missing = ", ".join(sorted(s.name for s in value.free_symbols))
@@ -318,12 +325,13 @@ class _Walk:
         return {a.name: a for i in ids for a in self.arrays[i].axes if getattr(a, label) is not None}
 
 
-def cost(d: Diagram, hardware: Hardware | None = None, *, onchip: Level = SMEM) -> Cost:
+def cost(d: Diagram, hardware: Hardware | str | None = None, *, onchip: Level = SMEM) -> Cost:
     """The cost of ``d`` on ``hardware``; boxes on HBM wires run as kernels through ``onchip`` memory.
 
     Without ``hardware`` the record has work, transfers and memory but no times, and levels deeper
     than L2 count as per-SM. With it, every level the diagram uses must exist on the hardware, and a
-    numeric peak memory over the hardware's capacity raises :class:`CostError`.
+    numeric peak memory over the hardware's capacity raises :class:`CostError`. ``hardware`` may be a
+    model's name (``"H100"``, see :data:`napkin_cat.hardware.HARDWARE`).
 
     >>> import napkin_cat as nc
     >>> from napkin_cat.hardware import H100
@@ -339,6 +347,7 @@ def cost(d: Diagram, hardware: Hardware | None = None, *, onchip: Level = SMEM) 
     """
     walk = _Walk(d)
     if hardware is not None:
+        hardware = lookup(hardware)
         for level in sorted({w.level for w in walk.arrays} | {onchip}):
             hardware.memory(level)
     kernels = _kernels(walk)

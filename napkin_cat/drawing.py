@@ -708,6 +708,14 @@ def _target(path, to_tikz: bool) -> Path | None:
         raise NapkinError(f"draw: cannot write {str(path)!r}: it is a directory")
     if not target.parent.is_dir():
         raise NapkinError(f"draw: cannot write {str(path)!r}: directory {str(target.parent)!r} does not exist")
+    existed = target.exists()
+    try:  # open it for writing before any drawing work; a new empty file is removed again
+        with open(target, "ab"):
+            pass
+    except OSError as e:
+        raise NapkinError(f"draw: cannot write {str(path)!r}: {e.strerror}") from e
+    if not existed:
+        target.unlink()
     return target
 
 

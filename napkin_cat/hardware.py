@@ -261,4 +261,54 @@ A100_40GB = replace(
 
 HARDWARE = (A100, A100_40GB, H100, H200)
 
-__all__ = ["A100", "A100_40GB", "GB", "H100", "H200", "HARDWARE", "Hardware", "KiB", "Memory", "MiB"]
+
+def lookup(hardware: Hardware | str) -> Hardware:
+    """A hardware model, given itself or its name (case-insensitive); a :class:`CostError` lists the known names.
+
+    >>> lookup("h100") is H100, lookup(A100) is A100
+    (True, True)
+    >>> lookup("B200")
+    Traceback (most recent call last):
+    ...
+    napkin_cat.errors.CostError: unknown hardware 'B200'; known: A100, A100-40GB, H100, H200 (or pass a Hardware)
+    """
+    if isinstance(hardware, Hardware):
+        return hardware
+    known = ", ".join(h.name for h in HARDWARE)
+    if isinstance(hardware, str):
+        for h in HARDWARE:
+            if h.name.lower() == hardware.lower():
+                return h
+        raise CostError(f"unknown hardware {hardware!r}; known: {known} (or pass a Hardware)")
+    raise CostError(f"hardware must be a Hardware or one of the names {known}, got {type(hardware).__name__}")
+
+
+def for_device(kind: str) -> Hardware | None:
+    """The model of a device from its kind string (``jax.devices()[0].device_kind``), or None if unknown.
+
+    The most specific model whose name's parts all appear in the kind wins (``A100-40GB`` over ``A100``).
+
+    >>> for_device("NVIDIA H100 80GB HBM3").name, for_device("NVIDIA A100-SXM4-40GB").name
+    ('H100', 'A100-40GB')
+    >>> for_device("cpu") is None
+    True
+    """
+    kind = kind.upper()
+    fits = [h for h in HARDWARE if all(part.upper() in kind for part in h.name.split("-"))]
+    return max(fits, key=lambda h: len(h.name), default=None)
+
+
+__all__ = [
+    "A100",
+    "A100_40GB",
+    "GB",
+    "H100",
+    "H200",
+    "HARDWARE",
+    "Hardware",
+    "KiB",
+    "Memory",
+    "MiB",
+    "for_device",
+    "lookup",
+]

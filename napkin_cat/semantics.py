@@ -41,6 +41,10 @@ def bind(dom: Ty, arrays, *, check_dtype: bool = True) -> dict:
     Traceback (most recent call last):
     ...
     napkin_cat.errors.EvaluationError: input 0 (n×d:f32@HBM): axis 'd' has size 5, expected 4
+    >>> bind(Ty(Array(n, d)), [jnp.zeros((0, 4))])
+    Traceback (most recent call last):
+    ...
+    napkin_cat.errors.EvaluationError: input 0 (n×d:f32@HBM): axis 'n' is empty (size 0); axis sizes must be positive
     """
     if len(arrays) != len(dom):
         raise EvaluationError(f"expected {len(dom)} arrays ({dom}), got {len(arrays)}")
@@ -53,6 +57,8 @@ def bind(dom: Ty, arrays, *, check_dtype: bool = True) -> dict:
         if check_dtype and as_dtype(value.dtype) != wire.dtype:
             raise EvaluationError(f"{where}: dtype {as_dtype(value.dtype)}, expected {wire.dtype}")
         for axis, n in zip(wire.axes, shape, strict=True):
+            if n == 0:  # axes are positive: an empty array has nothing to compute
+                raise EvaluationError(f"{where}: axis {axis.name!r} is empty (size 0); axis sizes must be positive")
             size = axis.size
             if isinstance(size, sympy.Symbol):
                 if sizes.setdefault(size, n) != n:
