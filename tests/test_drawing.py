@@ -1,15 +1,19 @@
-"""Drawing: files are produced, carry the level colours and axis labels, are deterministic; TikZ is well formed."""
+"""Drawing: files are produced, carry the level colours and axis labels, are deterministic; TikZ is well formed;
+the architectures of Neural Circuit Diagrams fit a page at a readable size."""
 
 import re
+import struct
 
 import pytest
 from matplotlib.colors import to_hex
 
 import napkin_cat as nc
 from napkin_cat import generators as g
+from napkin_cat import architectures as arch
 from napkin_cat import library
 from napkin_cat.diagram import Copy, Discard, Ty
-from napkin_cat.drawing import draw, draw_equation, draw_sequence, family, layout, walk, wire_label
+from napkin_cat.drawing import DPI, Shape, dataflow, draw, draw_equation, draw_sequence, family, layout, wire_label
+from napkin_cat.drawing._layout import rows
 from napkin_cat.errors import NapkinError
 from napkin_cat.levels import HBM, REG, SMEM
 
@@ -97,11 +101,30 @@ def test_structural_boxes_draw(tmp_path):
 
 
 def test_tensored_loads_share_a_column():
-    loads = DIAGRAMS["scheduled"]
-    pic = layout(loads)
-    markers = [i for i in pic.items if type(i).__name__ == "Shape" and len(i.points) == 3]
-    first = sorted({round(m.points[1][0], 3) for m in markers})
-    assert len(markers) == 6 and len(first) == 4  # three loads side by side, then three single moves
+    flow = dataflow(DIAGRAMS["scheduled"])
+    loads = [n.column for n in flow.nodes if n.kind == "move"]
+    assert loads[:3] == [0, 0, 0] and len(set(loads)) == 4  # three loads side by side, then three single moves
+
+
+def test_swaps_are_absorbed_and_copies_branch():
+    S, D = nc.Array(q, x), nc.Array(d)
+    crossed = (g.exp(S) @ nc.id(D)) >> nc.swap(S, D) >> nc.swap(D, S)
+    flow = dataflow(crossed)
+    assert [n.kind for n in flow.nodes] == ["elementwise"] and len(flow.nets) == 3
+    copied = nc.copy(S) >> (g.exp(S) @ nc.id(S))
+    flow = dataflow(copied)
+    assert [len(net.uses) for net in flow.nets] == [2, 1]  # one net, used twice
+    assert sum(type(i).__name__ == "Dot" for i in layout(copied).items) == 1
+
+
+def test_parameters_enter_from_above_and_weaving_stacks():
+    n, i_, h_, o = nc.axes("n i h o")
+    flow = dataflow(library.mlp(n, i_, h_, o))
+    assert {wire_label(flow.nets[p].array) for p in flow.parameters} >= {"i·h", "h·o"}
+    assert all(flow.nets[p].source is None for p in flow.parameters)
+    mha = library.multi_head_attention(h, q, x, d)
+    boxes = [i for i in layout(mha).items if isinstance(i, Shape) and len(i.points) == 4]
+    assert len(boxes) == 2 * 3 + 1  # two contractions, each a stack of three, and the softmax
 
 
 def test_svg_is_deterministic(tmp_path):
@@ -162,9 +185,9 @@ def test_twenty_boxes_layout_is_linear():
     for i in range(20):
         chain = chain >> (g.exp(S) if i % 2 else g.scale(S, i + 1))
     pic = layout(chain)
-    assert sum(type(i).__name__ == "Shape" for i in pic.items) == 20
-    heights = walk(chain).heights
-    assert all(set(hs.values()) == {0.0} for hs in heights)
+    assert sum(isinstance(i, Shape) and len(i.points) == 4 for i in pic.items) == 20  # and arrowheads at cuts
+    net_rows, node_rows = rows(dataflow(chain))
+    assert set(net_rows.values()) == set(node_rows.values()) == {0}  # a chain runs straight
 
 
 def test_wire_label():
@@ -235,3 +258,22 @@ def test_identities_and_twenty_boxes_draw(tmp_path):
     for i, diagram in enumerate((nc.id(S), nc.id(), chain)):
         draw(diagram, tmp_path / f"{i}.png")
         assert (tmp_path / f"{i}.png").exists()
+
+
+def png_width(path) -> int:
+    return struct.unpack(">II", path.read_bytes()[16:24])[0]
+
+
+ARCHITECTURES = {
+    "transformer block": lambda: arch.transformer_block(*nc.axes("n d h k f")),
+    "U-Net": lambda: arch.unet(*nc.axes("i w o"), nc.axes("x y"), depth=1),
+    "ViT encoder block": lambda: arch.vit_encoder_block(arch.tokens(nc.axes("x y"), 16), *nc.axes("d h k f")),
+}
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_architectures_fit_a_page_at_a_readable_size(tmp_path, name):
+    fig = draw(ARCHITECTURES[name](), tmp_path / "a.png", title=name)
+    assert png_width(tmp_path / "a.png") <= 2500  # was 13,334 px for the transformer block
+    smallest = min(t.get_fontsize() for t in fig.axes[0].texts) * DPI / 72
+    assert smallest >= 14  # pixels of type at the dpi the PNG is written at
