@@ -8,8 +8,8 @@ import pytest
 from matplotlib.colors import to_hex
 
 import napkin_cat as nc
-from napkin_cat import generators as g
 from napkin_cat import architectures as arch
+from napkin_cat import generators as g
 from napkin_cat import library
 from napkin_cat.diagram import Copy, Discard, Ty
 from napkin_cat.drawing import DPI, Shape, dataflow, draw, draw_equation, draw_sequence, family, layout, wire_label
@@ -84,8 +84,17 @@ def test_dtype_shown_where_not_f32(tmp_path):
 
 def test_families_have_distinct_shapes():
     S = nc.Array(q, x)
-    boxes = [g.contract("q x, x d -> q d", q, x, d), g.exp(S), g.softmax(S, x), g.causal_mask(S, q, x),
-             g.cast(S, "bf16"), g.move(S, SMEM), Copy(Ty(S), 2), Discard(Ty(S)), nc.swap(S, S).boxes[0]]
+    boxes = [
+        g.contract("q x, x d -> q d", q, x, d),
+        g.exp(S),
+        g.softmax(S, x),
+        g.causal_mask(S, q, x),
+        g.cast(S, "bf16"),
+        g.move(S, SMEM),
+        Copy(Ty(S), 2),
+        Discard(Ty(S)),
+        nc.swap(S, S).boxes[0],
+    ]
     kinds = [family(box) for box in boxes]
     assert kinds == ["contraction", "elementwise", "reduction", "mask", "relabel", "move", "copy", "discard", "swap"]
 
@@ -172,8 +181,10 @@ def test_equation_and_sequence(tmp_path):
     tiled = attn.map_arrays(partitioned)
     draw_equation(attn, tiled, tmp_path / "eq.png", titles=("before", "after"))
     assert (tmp_path / "eq.png").stat().st_size > 5000
-    svg = (draw_sequence([attn, tiled, scheduled()], tmp_path / "seq.svg", titles=["naive", "tiled", "loaded"]),
-           (tmp_path / "seq.svg").read_text(encoding="utf-8"))[1]
+    svg = (
+        draw_sequence([attn, tiled, scheduled()], tmp_path / "seq.svg", titles=["naive", "tiled", "loaded"]),
+        (tmp_path / "seq.svg").read_text(encoding="utf-8"),
+    )[1]
     assert all(t in svg for t in ("naive", "tiled", "loaded", "→", "q/128"))
     tex = draw_equation(attn, tiled, to_tikz=True, symbol="⇒")
     assert "\\Rightarrow" in tex and _balanced(tex)
