@@ -1,0 +1,192 @@
+"""The Mosaic GPU backend on Hopper: build, check and time it against napkin-cat's Triton kernel, cuDNN and
+tokamax's Mosaic GPU attention, in one process (issue 13).
+
+bf16, B·N = 16k tokens, H = 16, D ∈ {64, 128}, N ∈ {2048, 8192}, causal and not. Every implementation
+gets its inputs already in its own layout ([B, H, N, D] for napkin-cat, [B, N, H, D] for cuDNN and
+tokamax); each time is the median over batches of back-to-back calls; every output is checked against
+an f32 reference (batch 0, two heads) before it is timed (relative error ≤ 1e-2). Writes
+``results/mosaic_<GPU>.json`` and ``.png``.
+
+    python papers/flash_attention/mosaic_bench.py [--out DIR] [--only D,N,causal]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+import napkin_cat as nc
+from lowering import lower, plan
+from lowering.mosaic import MosaicConfig, MosaicLowered
+from rewrites import derive, stream, tile
+
+TOKENS, HEADS, TOLERANCE = 16384, 16, 1e-2
+CONFIGS = [(D, N, causal) for D in (128, 64) for N in (8192, 2048) for causal in (False, True)]
+#: napkin-cat Mosaic variants: (tile g, stream s, consumer warpgroups, ring stages)
+VARIANTS = [(128, 64, 2, 2), (128, 128, 2, 2), (128, 64, 2, 3), (256, 64, 2, 2)]
+
+
+def scheduled(D: int, causal: bool, g: int, s: int):
+    b, h, q, x, d = nc.axes("b h q x d", d=D)
+    attn = nc.library.multi_head_attention(h, q, x, d, batch=(b,), dtype="bf16", causal=causal)
+    return derive(attn, tile(q, g), stream(x, s), verify=False)
+
+
+def median_time(f, args, batches: int = 7, budget: float = 0.05) -> float:
+    """Seconds per call: the median over ``batches`` of back-to-back calls (≈ ``budget`` s each)."""
+    jax.block_until_ready(f(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    calls = max(3, min(100, int(budget / max(time.perf_counter() - t0, 1e-6))))
+    times = []
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            out = f(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / calls)
+    return statistics.median(times)
+
+
+def reference(q, k, v, causal: bool):
+    """f32 attention of [N, H', D] slices: einsum, softmax, einsum (written here, independently)."""
+    q, k, v = (a.astype(jnp.float32) for a in (q, k, v))
+    s = jnp.einsum("qhd,khd->hqk", q, k) / q.shape[-1] ** 0.5
+    if causal:
+        n = q.shape[0]
+        s = jnp.where(jnp.arange(n)[:, None] >= jnp.arange(n)[None, :], s, -jnp.inf)
+    return jnp.einsum("hqk,khd->qhd", jax.nn.softmax(s, axis=-1), v)
+
+
+def implementations(D: int, causal: bool):
+    """name → (function, layout) for one configuration; a failure to build is recorded, not raised."""
+    impls = {}
+    for g, s, consumers, stages in VARIANTS:
+        name = f"napkin mosaic g{g} s{s} c{consumers} k{stages}"
+        impls[name] = lambda g=g, s=s, c=consumers, k=stages: (
+            MosaicLowered(plan(scheduled(D, causal, g, s).diagram), interpret=False,
+                          config=MosaicConfig(consumers=c, stages=k)), "bhnd")
+    impls["napkin triton g128 s64"] = lambda: (lower(scheduled(D, causal, 128, 64), backend="triton"), "bhnd")
+    impls["cudnn"] = lambda: (
+        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn"), "bnhd")
+
+    def tokamax_attention():
+        import tokamax
+
+        return (lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=causal, implementation="mosaic"),
+                "bnhd")
+
+    impls["tokamax mosaic"] = tokamax_attention
+    return impls
+
+
+def run(D: int, N: int, causal: bool) -> list[dict]:
+    B = TOKENS // N
+    flops = 4 * B * HEADS * N * N * D / (2 if causal else 1)
+    keys = jax.random.split(jax.random.key(D * N + causal), 3)
+    bnhd = [jax.random.normal(k_, (B, N, HEADS, D), jnp.bfloat16) for k_ in keys]
+    bhnd = [jnp.swapaxes(a, 1, 2) for a in bnhd]
+    ref = reference(*(a[0, :, :2] for a in bnhd), causal)
+    rows = []
+    for name, build in implementations(D, causal).items():
+        row = {"impl": name, "D": D, "N": N, "B": B, "H": HEADS, "causal": causal}
+        try:
+            f, layout = build()
+            f = jax.jit(f)
+            args = bhnd if layout == "bhnd" else bnhd
+            out = f(*args)
+            got = (jnp.swapaxes(out, 1, 2) if layout == "bhnd" else out)[0, :, :2].astype(jnp.float32)
+            err = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+            row["rel_err"] = err
+            if not err <= TOLERANCE:
+                row["error"] = f"relative error {err:.3g} over {TOLERANCE}"
+            else:
+                t = median_time(f, args)
+                row["ms"], row["tflops"] = t * 1e3, flops / t / 1e12
+        except Exception as e:  # recorded per implementation: one failure must not hide the others
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+            traceback.print_exc(limit=3)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| D, N, causal | best napkin mosaic | napkin triton | cuDNN | tokamax | ×cuDNN | ×tokamax |",
+             "|---|---|---|---|---|---|---|"]
+    for D, N, causal in CONFIGS:
+        here = [r for r in rows if (r["D"], r["N"], r["causal"]) == (D, N, causal)]
+        if not here:
+            continue
+        tf = {r["impl"]: r.get("tflops") for r in here}
+        mos = [r for r in here if r["impl"].startswith("napkin mosaic") and r.get("tflops")]
+        best = max(mos, key=lambda r: r["tflops"], default=None)
+        bt = best["tflops"] if best else None
+
+        def cell(v):
+            return f"{v:.0f}" if v else "—"
+
+        def ratio(a, b):
+            return f"{a / b:.2f}" if a and b else "—"
+
+        name = best["impl"].removeprefix("napkin mosaic ") if best else ""
+        lines.append(f"| {D}, {N}, {'yes' if causal else 'no'} | {cell(bt)} ({name}) | "
+                     f"{cell(tf.get('napkin triton g128 s64'))} | {cell(tf.get('cudnn'))} | "
+                     f"{cell(tf.get('tokamax mosaic'))} | {ratio(bt, tf.get('cudnn'))} | "
+                     f"{ratio(bt, tf.get('tokamax mosaic'))} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], gpu: str, path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r["impl"] for r in rows))
+    labels = [f"D{D} N{N}{' c' if c else ''}" for D, N, c in CONFIGS]
+    fig, ax = plt.subplots(figsize=(13, 5))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        vals = []
+        for D, N, c in CONFIGS:
+            r = next((r for r in rows if (r["impl"], r["D"], r["N"], r["causal"]) == (name, D, N, c)), {})
+            vals.append(r.get("tflops") or 0)
+        ax.bar([j + i * width for j in range(len(CONFIGS))], vals, width, label=name)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(CONFIGS))], labels)
+    ax.set_ylabel("forward TFLOP/s")
+    ax.set_title(f"attention forward, bf16, B·N = 16k, H = 16 — {gpu}")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--only", default=None, help="one configuration 'D,N,causal', e.g. 128,8192,0")
+    args = ap.parse_args()
+    gpu = jax.devices()[0].device_kind
+    print(f"device: {gpu}; jax {jax.__version__}", flush=True)
+    configs = CONFIGS
+    if args.only:
+        D, N, c = (int(v) for v in args.only.split(","))
+        configs = [(D, N, bool(c))]
+    rows = [r for cfg in configs for r in run(*cfg)]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "mosaic_" + gpu.replace(" ", "_")
+    (out / f"{stem}.json").write_text(json.dumps({"gpu": gpu, "jax": jax.__version__, "rows": rows}, indent=1))
+    plot(rows, gpu, out / f"{stem}.png")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
