@@ -1,33 +1,95 @@
-"""``lower``: the functor from scheduled diagrams to Pallas kernels (the entry point)."""
+"""``lower``: the functor from scheduled diagrams to Pallas kernels (the entry point).
+
+What a kernel computes where the reference and ``jax.nn`` disagree (decided, and tested in
+``tests/test_bad_inputs.py``):
+
+* A row whose scores are all ``-inf`` (every key masked) gives 0, in the kernel and in ``nc.to_jax``,
+  where ``jax.nn.softmax`` gives NaN: FlashAttention's convention, so padding and masks never make NaN.
+* A NaN in a *key* (a row of ``K``) reaches only the rows that see that key: the mask replaces the
+  score before the softmax, in the kernel, ``nc.to_jax`` and ``jax.nn`` alike.
+* A NaN in a *value* (a row of ``V``) at key ``j`` that the mask hides: the reference (and
+  ``jax.nn``) give NaN in every row, as ``0 · NaN = NaN`` in the contraction. The kernel gives NaN in
+  the rows of every query tile that visits key ``j``'s chunk and finite values elsewhere: with the
+  causal mask, the tiles whose last query is at or after the start of ``j``'s chunk. Values must be
+  finite; making the kernel agree would mean visiting the blocks the mask lets it skip.
+"""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Literal
+
 import jax
 
+from lowering.backward import attention_parts, attention_vjp, backward_diagrams, with_residual
 from lowering.plan import NotLowerable, plan
-from lowering.triton import Config, Lowered
+from lowering.triton import Config, Lowered, launch
 from napkin_cat.diagram import Diagram
+from napkin_cat.errors import CostError, EvaluationError, NapkinError
+from napkin_cat.hardware import Hardware, lookup
 from napkin_cat.semantics import to_jax
+
+Differentiation = Literal["lowered", "reference", "none"]
+
+#: the backends ``lower`` can emit, and what ``backend="auto"`` chooses
+BACKENDS = ("triton",)
 
 
 class Kernel:
     """A lowered diagram: call it like ``nc.to_jax`` of the diagram; differentiable through ``jax.custom_vjp``.
 
-    ``forward`` is the forward :class:`Lowered` kernel; ``backward`` says how gradients are computed:
-    ``"lowered"`` (derived backward kernels), ``"reference"`` (``jax.vjp`` of the reference semantics,
-    asked for explicitly), or the reason there is none.
+    ``backend`` names the backend that emitted it; ``differentiation`` says how gradients are computed:
+    ``"lowered"`` (derived backward kernels, built when first differentiated), ``"reference"``
+    (``jax.vjp`` of the reference semantics, asked for explicitly) or ``"none"`` (differentiating
+    raises :class:`NotLowerable`); ``why_not`` says why there is no lowered backward, else None.
+
+    >>> import jax, jax.numpy as jnp
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> q, x, d = nc.axes("q x d")
+    >>> kernel = lower(derive(nc.library.attention(q, x, d), tile(q, 16), stream(x, 16), verify=False))
+    >>> kernel.backend, kernel.differentiation, kernel.why_not
+    ('triton', 'lowered', None)
+    >>> Q, K, V = (jax.random.normal(jax.random.key(i), (24, 16)) for i in range(3))
+    >>> dQ = jax.grad(lambda Q: kernel(Q, K, V).sum())(Q)
+    >>> bool(jnp.allclose(dQ, jax.grad(lambda Q: nc.to_jax(kernel.diagram)(Q, K, V).sum())(Q), atol=1e-4))
+    True
+    >>> kernel(Q, K)
+    Traceback (most recent call last):
+    ...
+    napkin_cat.errors.EvaluationError: kernel q/16×d ⊗ x~16×d ⊗ x~16×d → q/16×d: expected 3 arrays, got 2
     """
 
-    def __init__(self, forward: Lowered, fn, backward: str, kernels: tuple = ()):
-        self.forward, self.fn, self.backward, self.kernels = forward, fn, backward, kernels
+    def __init__(
+        self,
+        diagram: Diagram,
+        forward: Lowered,
+        fn: Callable,
+        *,
+        backend: str,
+        differentiation: Differentiation,
+        why_not: str | None = None,
+        backward: Callable[[], tuple[Lowered, ...]] | None = None,
+    ):
+        self.diagram, self.forward, self._fn, self.backend = diagram, forward, fn, backend
+        self.differentiation, self.why_not, self._backward = differentiation, why_not, backward
         self.__name__ = "napkin_kernel"
 
+    @property
+    def kernels(self) -> tuple[Lowered, ...]:
+        """The backward kernels (forward with its residual, then the gradients'), built on first use; else ()."""
+        return self._backward() if self._backward is not None else ()
+
     def __call__(self, *arrays):
-        return self.fn(*arrays)
+        dom = self.diagram.dom
+        if len(arrays) != len(dom):
+            raise EvaluationError(f"kernel {dom} → {self.diagram.cod}: expected {len(dom)} arrays, got {len(arrays)}")
+        return self._fn(*arrays)
 
     @property
     def source(self) -> str:
-        """The emitted kernels, described: the forward, then any backward kernels."""
+        """The emitted kernels, described: the forward, then any backward kernels (built if need be)."""
         return "\n\n".join(k.source for k in (self.forward, *self.kernels))
 
 
@@ -63,40 +125,119 @@ def _reference(f, d: Diagram):
     return g
 
 
-def lower(scheduled, backend: str = "triton", interpret: bool | None = None, config: Config | None = None,
-          backward: str = "lowered") -> Kernel:
+def _guard(k: Lowered) -> Lowered:
+    """Run a kernel's call-time shape guards now when the sizes they read (the axes kept whole) are known.
+
+    Tiled, streamed and batch axes enter the guards only through their block sizes, so one block of
+    each stands in for their unknown extent.
+    """
+    p = k.plan
+    size = {a.name: a.size for w in p.diagram.dom.inside for a in w.axes}
+    if all(size[a].is_number for a in p.whole):
+        extent = {a: int(n) if n.is_number else 1 for a, n in size.items()}
+        launch(p, extent, k.config or Config.get_default(p), k.hardware)
+    return k
+
+
+def _backend(backend: str) -> str:
+    if backend == "auto":
+        return BACKENDS[0]  # the only one implemented
+    if backend == "mosaic":
+        raise NotLowerable(
+            "backend 'mosaic': the Mosaic GPU backend is not implemented; only the Triton backend is implemented "
+            "('triton', or 'auto', which chooses it)"
+        )
+    if backend not in BACKENDS:
+        raise NotLowerable(f"backend {backend!r}: choose 'triton' or 'auto'; only the Triton backend is implemented")
+    return backend
+
+
+def lower(
+    scheduled,
+    backend: str = "auto",
+    interpret: bool | None = None,
+    config: Config | None = None,
+    backward: str = "lowered",
+    *,
+    hardware: Hardware | str | None = None,
+) -> Kernel:
     """A JAX-callable Pallas kernel for a scheduled diagram (a ``Derivation`` or its ``.diagram``).
 
     ``interpret=None`` interprets on CPU and compiles on GPU. Works under ``jax.jit``, ``jax.vmap`` and
-    ``jax.grad``; arrays are passed in the diagram's axis order. ``backward="lowered"`` differentiates
-    with lowered backward kernels where the diagram is attention (FlashAttention-2's split); where it is
-    not, differentiating raises :class:`NotLowerable` saying why, unless ``backward="reference"``.
-    Raises :class:`NotLowerable` naming the box or axis that the backend cannot handle; nothing falls back
-    to another algorithm silently.
+    ``jax.grad``; arrays are passed in the diagram's axis order. ``backend="auto"`` chooses Triton (the
+    only backend implemented; ``kernel.backend`` says so). ``config`` reaches every kernel built,
+    backward included. ``hardware`` (a :class:`~napkin_cat.hardware.Hardware` or its name) sets the
+    per-block shared-memory limit; by default the detected GPU's model, H100 when interpreting.
+
+    ``backward="lowered"`` differentiates with lowered backward kernels where the diagram is attention
+    (FlashAttention-2's split), built when first differentiated, so lowering never fails because of
+    them; where there are none, ``kernel.why_not`` says why and differentiating raises
+    :class:`NotLowerable`. ``backward="reference"`` differentiates the reference semantics instead.
+
+    The shape guards (power-of-two blocks ≥ 16, so every 16-bit dot has K ≥ 16; axes kept whole
+    padded only where that is neutral; the shared-memory footprint) raise :class:`NotLowerable` here
+    when the sizes they read are concrete, else at the first call, before anything is padded. Nothing
+    falls back to another algorithm silently. Where results differ from ``jax.nn`` on non-finite
+    inputs, see this module's docstring.
+
+    >>> import jax, jax.numpy as jnp
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> q, x = nc.axes("q x")
+    >>> flash = lambda d: derive(nc.library.attention(q, x, d), tile(q, 128), stream(x, 64), verify=False)
+    >>> kernel = lower(flash(nc.Axis("d", 64)), config=Config(num_warps=8, num_stages=2), hardware="A100")
+    >>> kernel.backend, kernel.forward.hardware.name
+    ('triton', 'A100')
+    >>> lower(flash(nc.Axis("d", 512)))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    lowering.plan.NotLowerable: the kernel would hold 1,048,576 B of shared memory ... over the 232,448 B ...
     """
     d = getattr(scheduled, "diagram", scheduled)
     if not isinstance(d, Diagram):
         raise NotLowerable(f"lower takes a Derivation or a Diagram, got {type(scheduled).__name__}")
-    if backend not in ("triton", "auto"):
-        raise NotLowerable(f"backend {backend!r}: only the Triton backend is implemented ('triton' or 'auto')")
+    if backend == "mosaic":  # Hopper (lowering/mosaic.py): forward kernels; gradients only by the reference
+        from lowering.mosaic import MosaicLowered
+
+        fwd, why = MosaicLowered(plan(d), interpret=interpret), "the Mosaic backend lowers no backward kernels yet"
+        if backward == "reference":
+            return Kernel(d, fwd, _reference(fwd, d), backend="mosaic", differentiation="reference")
+        return Kernel(d, fwd, _refuse(fwd, why), backend="mosaic", differentiation="none", why_not=why)
+    name = _backend(backend)
     if backward not in ("lowered", "reference"):
         raise NotLowerable(f"backward {backward!r}: choose 'lowered' or 'reference'")
-    forward = Lowered(plan(d), interpret=interpret, config=config)
-    if backward == "reference":
-        return Kernel(forward, _reference(forward, d), "reference")
-    from lowering.backward import attention_parts, attention_vjp, backward_diagrams, with_residual
-    from rewrites import derive, stream, tile
-
+    if config is not None and not isinstance(config, Config):
+        raise NotLowerable(f"config must be a lowering.Config, got {type(config).__name__}")
     try:
+        hw = None if hardware is None else lookup(hardware)
+    except CostError as e:
+        raise NotLowerable(f"lower: {e}") from e
+
+    def kernel(diagram: Diagram) -> Lowered:
+        return _guard(Lowered(plan(diagram), interpret=interpret, config=config, hardware=hw))
+
+    forward = kernel(d)
+    if backward == "reference":
+        return Kernel(d, forward, _reference(forward, d), backend=name, differentiation="reference")
+    try:  # the backward's diagrams now (cheap, and they say whether it exists); its kernels when needed
         parts = attention_parts(d)
-    except NotLowerable as e:
-        return Kernel(forward, _refuse(forward, str(e)), str(e))
-    res, _ = with_residual(d, parts)
-    fwd_res = Lowered(plan(res), interpret=interpret, config=config)
-    g = min(forward.plan.tiles[parts.q], 64)
-    s = min(forward.plan.stream[1], 64) if forward.plan.stream else 64
-    # The backward schedules are verified in tests/test_backward.py; here they are only relabelled.
-    dq, dkv = backward_diagrams(parts)
-    dq_k = Lowered(plan(derive(dq, tile(parts.q, g), stream(parts.x, s), verify=False).diagram), interpret=interpret)
-    dkv_k = Lowered(plan(derive(dkv, tile(parts.x, g), stream(parts.q, s), verify=False).diagram), interpret=interpret)
-    return Kernel(forward, attention_vjp(fwd_res, dq_k, dkv_k, parts), "lowered", (fwd_res, dq_k, dkv_k))
+        residual, (dq, dkv) = with_residual(d, parts), backward_diagrams(parts)
+    except NapkinError as e:
+        why = str(e)
+        return Kernel(d, forward, _refuse(forward, why), backend=name, differentiation="none", why_not=why)
+
+    @functools.cache
+    def build() -> tuple[Lowered, ...]:
+        from rewrites import derive, stream, tile
+
+        g = min(forward.plan.tiles[parts.q], 64)
+        s = min(forward.plan.stream[1], 64) if forward.plan.stream else 64
+        # The backward schedules are verified in tests/test_backward.py; here they are only relabelled.
+        return (
+            kernel(residual),
+            kernel(derive(dq, tile(parts.q, g), stream(parts.x, s), verify=False).diagram),
+            kernel(derive(dkv, tile(parts.x, g), stream(parts.q, s), verify=False).diagram),
+        )
+
+    fn = attention_vjp(forward, build, parts)
+    return Kernel(d, forward, fn, backend=name, differentiation="lowered", backward=build)

@@ -10,10 +10,22 @@ block and
 where ``dS = P ⊙ (dO·Vᵀ − Δ)``. Both are built here from the generators (contractions, elementwise
 maps, the forward's masks) and derived with ``tile``/``stream``, so they are verified and lowered like
 any other diagram. Grouped-query attention computes ``dK``, ``dV`` per query head and sums the group.
+The query/key head dim may differ from the value head dim (as in multi-head latent attention).
+
+>>> import napkin_cat as nc
+>>> from rewrites import derive, tile, stream
+>>> q, x, d = nc.axes("q x d")
+>>> parts = attention_parts(derive(nc.library.attention(q, x, d), tile(q, 16), stream(x, 16), verify=False).diagram)
+>>> parts.q, parts.x, [str(w) for w in (parts.Q, parts.K, parts.V, parts.O)]
+('q', 'x', ['q×d', 'x×d', 'x×d', 'q×d'])
+>>> dq, dkv = backward_diagrams(parts)
+>>> print(dq.dom, "→", dq.cod, "|", dkv.cod)
+q×d ⊗ x×d ⊗ x×d ⊗ q×d ⊗ q ⊗ q → q×d | x×d ⊗ x×d
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -29,16 +41,17 @@ from napkin_cat.generators import Contract, IndexMap, Mask, SoftmaxContract
 
 @dataclass(frozen=True)
 class AttentionParts:
-    """What the backward needs to know of a forward attention diagram."""
+    """What the backward needs to know of a forward attention diagram: its wires, axes, scale and masks."""
 
     Q: Array
     K: Array
     V: Array
+    O: Array  # noqa: E741 - the output, named as in the FlashAttention papers
     q: str
     x: str
     scale: object
     masks: tuple
-    layer: int  # the softmax·contract's layer
+    layer: int  # the softmax·contract's layer, the diagram's last
 
 
 def _plain(a: Array) -> Array:
@@ -46,12 +59,18 @@ def _plain(a: Array) -> Array:
 
 
 def attention_parts(d: Diagram) -> AttentionParts:
-    """Find ``Q·Kᵀ → masks → softmax·contract(·, V)`` in ``d``, whose inputs must be ``Q, K, V``."""
+    """Find ``Q·Kᵀ → masks → softmax·contract(·, V)`` in ``d``: inputs ``Q, K, V``, the one output its result.
+
+    Raises :class:`NotLowerable` naming what does not match (the lowered backward covers only this form).
+    """
     found = [j for j, (_, b, _) in enumerate(d.inside) if isinstance(b, SoftmaxContract)]
     if len(found) != 1:
         raise NotLowerable(f"no lowered backward: expected one softmax·contract box, found {len(found)}")
     j = found[0]
     left, sc, _ = d.inside[j]
+    if j != len(d.inside) - 1 or len(d.cod) != 1:  # a box after it would need its own derivative
+        after = ", ".join(repr(b.name) for _, b, _ in d.inside[j + 1 :]) or f"outputs {d.cod}"
+        raise NotLowerable(f"no lowered backward: the kernel's one output must be the softmax·contract's, got {after}")
     masks, (i, _) = [], d.producer(j, len(left))
     while i is not None and isinstance(d.inside[i][1], Mask | IndexMap):
         box = d.inside[i][1]
@@ -70,94 +89,89 @@ def attention_parts(d: Diagram) -> AttentionParts:
     tiled = [a.name for a in sc.dom.inside[0].axes if a.group is not None]
     if len(tiled) != 1:
         raise NotLowerable(f"no lowered backward: expected one tiled query axis in the scores, got {tiled}")
-    return AttentionParts(Q, K, V, tiled[0], x, qk.params.get("scale"), tuple(reversed(masks)), j)
+    return AttentionParts(
+        Q, K, V, _plain(d.cod.inside[0]), tiled[0], x, qk.params.get("scale"), tuple(reversed(masks)), j
+    )
 
 
-def with_residual(d: Diagram, parts: AttentionParts) -> tuple[Diagram, int]:
-    """The forward diagram whose softmax·contract also outputs the log-sum-exp ``L``, and L's position."""
+def with_residual(d: Diagram, parts: AttentionParts) -> Diagram:
+    """The forward diagram whose softmax·contract also outputs the log-sum-exp ``L``, its second output."""
     left, box, right = d.inside[parts.layer]
-    s, out = box.dom.inside[0], box.out
+    s = box.dom.inside[0]
     lse = s.with_(axes=[a for a in s.axes if a.name != parts.x], dtype=nc.f32)
-    fused = SoftmaxContract(box.name, box.dom, Ty(out, lse), data=box.data)
-    layers = list(d.inside[: parts.layer]) + [Layer(left, fused, right)]
-    pos = len(left) + 1  # where L is now
-    for l2, b2, r2 in d.inside[parts.layer + 1 :]:
-        n, k = len(l2), len(b2.dom)
-        if n + k <= pos:  # the box lies left of L
-            cut = pos - n - k
-            layers.append(Layer(l2, b2, r2[:cut] @ Ty(lse) @ r2[cut:]))
-            pos += len(b2.cod) - k
-        elif n >= pos:  # right of L
-            layers.append(Layer(l2[:pos] @ Ty(lse) @ l2[pos:], b2, r2))
-        else:
-            raise NotLowerable(f"the log-sum-exp residual cannot be routed past box {b2.name!r}")
-    cod = d.cod[:pos] @ Ty(lse) @ d.cod[pos:]
-    return Diagram(tuple(layers), d.dom, cod, _scan=False), pos
-
-
-def _names(a: Array, *drop: str) -> str:
-    return " ".join(n for n in a.names if n not in drop)
+    fused = SoftmaxContract(box.name, box.dom, Ty(box.out, lse), data=box.data)
+    return Diagram((*d.inside[: parts.layer], Layer(left, fused, right)), d.dom, Ty(box.out, lse), _scan=False)
 
 
 def backward_diagrams(p: AttentionParts) -> tuple[Diagram, Diagram]:
-    """The naive diagrams of ``dQ`` and of ``(dK, dV)`` per query head, from the generators."""
+    """The naive diagrams of ``dQ`` and of ``(dK, dV)`` per query head, from the generators.
+
+    Inputs of both: ``Q, K, V, dO, L, Δ``; ``e`` is the query/key head dim, ``d`` the value head dim.
+    """
     Q, K, V, q, x = p.Q, p.K, p.V, p.q, p.x
     dt = Q.dtype
-    axes = {a.name: a for w in (Q, K, V) for a in w.axes}
-    bq = [n for n in Q.names if n not in (q, V.names[-1])]
-    d = V.names[-1]
+    axes = {a.name: a for w in (Q, K, V, p.O) for a in w.axes}
+    e, d = Q.names[-1], V.names[-1]
+    bq = [n for n in Q.names if n not in (q, e)]
     S = Array(*(axes[n] for n in (*bq, q, x)))
     rows = Array(*(axes[n] for n in (*bq, q)))
     spec = lambda a, b, c: f"{a}, {b} -> {c}"  # noqa: E731 - an einsum over named axes
     sq, sk = " ".join((*bq, q)), " ".join(K.names[:-2])
-    qd, kd, qx = f"{sq} {d}", f"{sk} {x} {d}".strip(), f"{sq} {x}"
+    qe, ke, qx = f"{sq} {e}", f"{sk} {x} {e}".strip(), f"{sq} {x}"
+    od, vd = f"{sq} {d}", f"{sk} {x} {d}".strip()
     ax = list(axes.values())
 
     def scores(c: Circuit):
-        c.let("S", nc.contract(spec(qd, kd, qx), *ax, scale=p.scale, dtype=dt, out_dtype=nc.f32), "Q", "K")
+        c.let("S", nc.contract(spec(qe, ke, qx), *ax, scale=p.scale, dtype=dt, out_dtype=nc.f32), "Q", "K")
         name = "S"
         for i, m in enumerate(p.masks):
             c.let(f"S{i}", nc.mask(S, m), name)
             name = f"S{i}"
         c.let("E", nc.subtract(S, rows), name, "L")
         c.let("P", nc.exp(S), "E")
-        c.let("dP", nc.contract(spec(qd, kd, qx), *ax, dtype=dt, out_dtype=nc.f32), "dO", "V")
+        c.let("dP", nc.contract(spec(od, vd, qx), *ax, dtype=dt, out_dtype=nc.f32), "dO", "V")
         c.let("T", nc.subtract(S, rows), "dP", "D")
         c.let("dS", nc.multiply(S, S), "P", "T")
         c.let("dSc", nc.cast(S, dt), "dS")
 
-    inputs = dict(Q=Q, K=K, V=V, dO=Q, L=rows, D=rows)
+    inputs = dict(Q=Q, K=K, V=V, dO=p.O.with_(dtype=dt), L=rows, D=rows)
     c = Circuit(**inputs)
     scores(c)
-    c.let("dQ", nc.contract(spec(qx, kd, qd), *ax, scale=p.scale, dtype=dt, out_dtype=dt), "dSc", "K")
+    c.let("dQ", nc.contract(spec(qx, ke, qe), *ax, scale=p.scale, dtype=dt, out_dtype=dt), "dSc", "K")
     dq = c.diagram("dQ")
     c = Circuit(**inputs)
     scores(c)
     c.let("Pc", nc.cast(S, dt), "P")
-    xd = f"{' '.join(bq)} {x} {d}".strip()
-    c.let("dV", nc.contract(spec(qx, qd, xd), *ax, dtype=dt, out_dtype=nc.f32), "Pc", "dO")
-    c.let("dK", nc.contract(spec(qx, qd, xd), *ax, scale=p.scale, dtype=dt, out_dtype=nc.f32), "dSc", "Q")
+    xd, xe = (f"{' '.join(bq)} {x} {n}".strip() for n in (d, e))
+    c.let("dV", nc.contract(spec(qx, od, xd), *ax, dtype=dt, out_dtype=nc.f32), "Pc", "dO")
+    c.let("dK", nc.contract(spec(qx, qe, xe), *ax, scale=p.scale, dtype=dt, out_dtype=nc.f32), "dSc", "Q")
     return dq, c.diagram("dK", "dV")
 
 
-def attention_vjp(fwd_res, dq_kernel, dkv_kernel, p: AttentionParts):
-    """``f(Q, K, V)`` with a ``jax.custom_vjp`` whose backward runs the two lowered kernels."""
-    d = p.V.names[-1]
-    bq = [n for n in p.Q.names if n not in (p.q, d)]
+def attention_vjp(forward: Callable, kernels: Callable[[], tuple], p: AttentionParts) -> Callable:
+    """``forward(Q, K, V)`` with a ``jax.custom_vjp`` whose backward runs lowered kernels.
+
+    ``kernels()`` returns the forward with the log-sum-exp residual, the ``dQ`` kernel and the
+    ``dK, dV`` kernel; it is first called when the function is differentiated, so the forward never
+    waits for (or fails because of) the backward.
+    """
+    d = p.O.names[-1]
+    bq = [n for n in p.Q.names if n not in (p.q, p.Q.names[-1])]
     group = tuple(i for i, n in enumerate(bq) if n not in p.K.names)  # query-head axes K lacks
 
     @jax.custom_vjp
     def f(Q, K, V):
-        return fwd_res(Q, K, V)[0]
+        return forward(Q, K, V)
 
     def f_fwd(Q, K, V):
-        out, L = fwd_res(Q, K, V)
+        out, L = kernels()[0](Q, K, V)
         return out, (Q, K, V, out, L)
 
     def f_bwd(res, dO):
         Q, K, V, out, L = res
+        _, dq_kernel, dkv_kernel = kernels()
         dO = dO.astype(Q.dtype)
-        delta = jnp.sum(dO.astype(jnp.float32) * out.astype(jnp.float32), axis=p.Q.names.index(d))
+        delta = jnp.sum(dO.astype(jnp.float32) * out.astype(jnp.float32), axis=p.O.names.index(d))
         dQ = dq_kernel(Q, K, V, dO, L, delta)
         dK, dV = dkv_kernel(Q, K, V, dO, L, delta)
         if group:

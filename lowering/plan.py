@@ -25,9 +25,6 @@ from napkin_cat.diagram import Diagram
 from napkin_cat.errors import NapkinError
 from napkin_cat.generators import Contract, Generator, Move, SoftmaxContract
 
-#: shared memory per thread block on H100/H200 (REFERENCE §2), in bytes
-SMEM_LIMIT = 232_448
-
 
 class NotLowerable(NapkinError, ValueError):
     """The lowering cannot produce a kernel for this diagram; the message says which box or axis and why."""
@@ -102,8 +99,11 @@ def padding_neutral(d: Diagram, axis: str) -> bool:
     )
 
 
-def smem_bytes(p: Plan, sizes: dict, stages: int) -> int:
-    """Shared memory a kernel holds: its resident input blocks, plus ``stages`` buffers of each chunk."""
+def smem_bytes(p: Plan, padded: dict, stages: int) -> int:
+    """Shared memory a kernel holds: its resident input blocks, plus ``stages`` buffers of each chunk.
+
+    ``padded`` gives each axis's padded extent by name (blocks of whole axes span it).
+    """
     total = 0
     for w in p.diagram.dom.inside:
         n = 1
@@ -115,7 +115,7 @@ def smem_bytes(p: Plan, sizes: dict, stages: int) -> int:
             elif a.name in p.tiles:
                 n *= p.tiles[a.name]
             else:
-                n *= next_pow2(int(a.size.subs(sizes)))
+                n *= padded[a.name]
         streamed = p.stream is not None and w.has(p.stream[0])
         total += n * w.dtype.bytes * (stages if streamed else 1)
     return total

@@ -23,8 +23,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from lowering.plan import SMEM_LIMIT, NotLowerable, Plan, next_pow2, padding_neutral, smem_bytes
+from lowering.plan import NotLowerable, Plan, next_pow2, padding_neutral, smem_bytes
 from napkin_cat.generators import Causal, Context, Mask
+from napkin_cat.hardware import H100, HARDWARE, Hardware, for_device
 from napkin_cat.semantics import bind
 
 LOG2E = math.log2(math.e)
@@ -32,16 +33,118 @@ LOG2E = math.log2(math.e)
 
 @dataclass(frozen=True)
 class Config:
-    """Tuning knobs of the Triton backend (tile sizes come from the diagram's labels)."""
+    """Tuning knobs of the Triton backend (tile sizes come from the diagram's labels), checked when made.
+
+    ``num_warps`` is a power of two from 1 to 32 (Triton's range); ``num_stages`` ≥ 1 is how many
+    buffers of each streamed chunk the pipeline keeps, so it multiplies the shared-memory footprint.
+
+    >>> Config(num_warps=8, num_stages=3)
+    Config(num_warps=8, num_stages=3)
+    >>> Config(num_stages=-1)
+    Traceback (most recent call last):
+    ...
+    lowering.plan.NotLowerable: Config: num_stages must be an integer ≥ 1, got -1
+    >>> Config(num_warps=6)
+    Traceback (most recent call last):
+    ...
+    lowering.plan.NotLowerable: Config: num_warps must be one of 1, 2, 4, 8, 16, 32, got 6
+    """
 
     num_warps: int = 4
     num_stages: int = 2
 
+    def __post_init__(self):
+        def integer(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not integer(self.num_warps) or self.num_warps not in WARPS:
+            raise NotLowerable(f"Config: num_warps must be one of {', '.join(map(str, WARPS))}, got {self.num_warps!r}")
+        if not integer(self.num_stages) or self.num_stages < 1:
+            raise NotLowerable(f"Config: num_stages must be an integer ≥ 1, got {self.num_stages!r}")
+
     @classmethod
     def get_default(cls, p: Plan) -> Config:
-        """8 warps for 128-row tiles, else 4; 3 pipeline stages (measured on H200 by ``lowering.search``)."""
+        """8 warps for 128-row tiles, else 4; 3 pipeline stages (measured on H200 by ``lowering.search``).
+
+        >>> import napkin_cat as nc
+        >>> from rewrites import derive, tile, stream
+        >>> from lowering import plan
+        >>> q, x, d = nc.axes("q x d")
+        >>> flash = derive(nc.library.attention(q, x, d), tile(q, 128), stream(x, 64), verify=False)
+        >>> Config.get_default(plan(flash.diagram))
+        Config(num_warps=8, num_stages=3)
+        """
         g = max(p.tiles.values(), default=64)
         return cls(num_warps=8 if g >= 128 else 4, num_stages=3)
+
+
+#: the warp counts Triton accepts
+WARPS = (1, 2, 4, 8, 16, 32)
+
+
+def target_hardware(interpret: bool) -> Hardware:
+    """The hardware a kernel's guards assume: the detected GPU's model when compiling, H100 when interpreting.
+
+    >>> target_hardware(interpret=True).name
+    'H100'
+    """
+    if interpret:
+        return H100
+    kind = jax.devices()[0].device_kind
+    found = for_device(kind)
+    if found is None:
+        known = ", ".join(h.name for h in HARDWARE)
+        raise NotLowerable(
+            f"no hardware model for the device {kind!r} (known: {known}); pass lower(..., hardware=) "
+            "a napkin_cat.hardware.Hardware describing it"
+        )
+    return found
+
+
+def launch(p: Plan, extent: dict, config: Config, hardware: Hardware) -> dict:
+    """The padded extent of every axis of a launch, after the shape guards that need concrete sizes.
+
+    Tiled and streamed axes pad to whole blocks; an axis kept whole pads to a power of two ≥ 16 (so
+    every 16-bit dot has K ≥ 16), which needs only contractions to combine elements along it. The
+    blocks' shared-memory footprint must fit ``hardware.smem_per_block``. Nothing is allocated here,
+    so ``lower()`` runs it when sizes are concrete and every call runs it before padding.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> from lowering import plan
+    >>> q, x, d = nc.axes("q x d")
+    >>> p = plan(derive(nc.library.attention(q, x, d), tile(q, 128), stream(x, 128), verify=False).diagram)
+    >>> launch(p, {"q": 40, "x": 40, "d": 64}, Config(), H100)
+    {'q': 128, 'x': 128, 'd': 64}
+    >>> launch(p, {"q": 40, "x": 40, "d": 512}, Config(), H100)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    lowering.plan.NotLowerable: the kernel would hold 1,310,720 B of shared memory ... over the 232,448 B ...
+    """
+    d = p.diagram
+    padded = dict(extent)
+    for a, g in p.tiles.items():
+        padded[a] = -(-extent[a] // g) * g
+    if p.stream:
+        x, s = p.stream
+        padded[x] = -(-extent[x] // s) * s
+    for a in p.whole:
+        want = max(next_pow2(extent[a]), 16)
+        if want != extent[a]:
+            if not padding_neutral(d, a):
+                raise NotLowerable(
+                    f"axis {a!r} of size {extent[a]} is not a power of two ≥ 16, and a box "
+                    "other than a contraction combines elements along it, so it cannot be padded"
+                )
+            padded[a] = want
+    smem = smem_bytes(p, padded, config.num_stages)
+    if smem > hardware.smem_per_block:
+        raise NotLowerable(
+            f"the kernel would hold {smem:,} B of shared memory (resident blocks plus {config.num_stages} stages "
+            f"of each chunk), over the {hardware.smem_per_block:,} B a block may use on {hardware.name}; "
+            "choose smaller tiles or stream sizes"
+        )
+    return padded
 
 
 def block_einsum(spec: str, *xs):
@@ -79,9 +182,12 @@ def _block_axes(p: Plan, wire) -> list:
 class Lowered:
     """A kernel for a scheduled diagram: call it with arrays in the diagram's axis order."""
 
-    def __init__(self, p: Plan, *, interpret: bool | None = None, config: Config | None = None):
+    def __init__(
+        self, p: Plan, *, interpret: bool | None = None, config: Config | None = None, hardware: Hardware | None = None
+    ):
         self.plan, self.config = p, config
         self.interpret = (jax.default_backend() != "gpu") if interpret is None else interpret
+        self.hardware = target_hardware(self.interpret) if hardware is None else hardware
         self.__name__ = "napkin_kernel"
 
     # -- the wrapper: bind sizes, pad to whole blocks, launch, slice -----------------------------
@@ -90,28 +196,9 @@ class Lowered:
         arrays = [jnp.asarray(a) for a in arrays]
         sizes = bind(d.dom, arrays)
         extent = {a.name: int(a.size.subs(sizes)) for w in d.dom.inside for a in w.axes}
-        padded = dict(extent)
-        for a, g in p.tiles.items():
-            padded[a] = -(-extent[a] // g) * g
-        if p.stream:
-            x, s = p.stream
-            padded[x] = -(-extent[x] // s) * s
-        for a in p.whole:
-            want = max(next_pow2(extent[a]), 16)
-            if want != extent[a]:
-                if not padding_neutral(d, a):
-                    raise NotLowerable(
-                        f"axis {a!r} of size {extent[a]} is not a power of two ≥ 16, and a box "
-                        "other than a contraction combines elements along it, so it cannot be padded"
-                    )
-                padded[a] = want
-        arrays = [_pad(v, w, padded) for v, w in zip(arrays, d.dom.inside, strict=True)]
         config = self.config or Config.get_default(p)
-        smem = smem_bytes(p, {**sizes, **{_symbol(d, a): n for a, n in padded.items()}}, config.num_stages)
-        if smem > SMEM_LIMIT:
-            raise NotLowerable(f"the kernel would hold {smem:,} B of shared memory (resident blocks plus "
-                               f"{config.num_stages} stages of each chunk), over the {SMEM_LIMIT:,} B a block may use; "
-                               "choose smaller tiles or stream sizes")
+        padded = launch(p, extent, config, self.hardware)  # the guards, before padding allocates anything
+        arrays = [_pad(v, w, padded) for v, w in zip(arrays, d.dom.inside, strict=True)]
         outs = self._call(arrays, sizes, extent, padded, config)
         outs = [o[tuple(slice(0, extent[a.name]) for a in w.axes)] for o, w in zip(outs, d.cod.inside, strict=True)]
         return outs[0] if len(outs) == 1 else tuple(outs)
@@ -178,10 +265,6 @@ class Lowered:
         from lowering.source import describe
 
         return describe(self)
-
-
-def _symbol(d, name: str):
-    return next(a.size for w in d.dom.inside for a in w.axes if a.name == name)
 
 
 def _pad(v, wire, padded):
