@@ -234,18 +234,22 @@ class Canvas:
 
 
 def cuts(geo: Geometry, spans: list[tuple[float, float, Array]]) -> list[float]:
-    """Column starts where the picture is cut so each band is at most :data:`MAX_WIDTH` wide, preferring
-    the cut that fewest wires cross among the last third of those that fit."""
+    """Column starts where the picture is cut into bands of about equal width, each at most
+    :data:`MAX_WIDTH`, preferring among the cuts near the ideal one the cut that fewest wires cross."""
     found, start, lead = [], 0.0, 0.0
+    bands = -(-geo.end // (MAX_WIDTH - 1.0))
     while geo.end - start + lead > MAX_WIDTH:
+        target = start + (geo.end - start) / (bands - len(found)) if bands > len(found) else start + MAX_WIDTH
         options = [x for x in geo.starts if start < x and x - start + lead <= MAX_WIDTH]
         if not options:
             options = [x for x in geo.starts if x > start][:1]
             if not options:
                 break
-        late = [x for x in options if x - start >= (options[-1] - start) * 2 / 3]
-        across = {x: [a for x0, x1, a in spans if x0 < x < x1] for x in late}
-        cut = min(late, key=lambda x: (len(across[x]), -x))
+        near = [x for x in options if abs(x - target) <= 0.15 * (target - start)] or [
+            min(options, key=lambda x: abs(x - target))
+        ]
+        across = {x: [a for x0, x1, a in spans if x0 < x < x1] for x in near}
+        cut = min(near, key=lambda x: (len(across[x]), abs(x - target)))
         found.append(cut)
         start = cut
         lead = max([0.3, *(text_size(wire_label(a), WIRE_FONT)[0] + 0.25 for a in across[cut])])
