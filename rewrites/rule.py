@@ -7,6 +7,8 @@ box, the axis and the condition that failed.
 
 from __future__ import annotations
 
+import operator
+
 from napkin_cat.diagram import Diagram
 from napkin_cat.errors import NapkinError
 
@@ -25,16 +27,50 @@ class RewriteError(NapkinError, ValueError):
 
 
 class Rule:
-    """A relabelling. Subclasses implement :meth:`apply` (side conditions, then the new diagram)."""
+    """A relabelling. Subclasses implement :meth:`apply` (side conditions, then the new diagram).
+
+    >>> class identity(Rule):
+    ...     def __repr__(self): return "identity"
+    ...     def apply(self, d): return d
+    >>> import napkin_cat as nc
+    >>> attn = nc.library.attention(*nc.axes("q x d"))
+    >>> identity()(attn) is attn
+    True
+    >>> str(identity().fail("always", axis="q"))
+    "identity: axis 'q': always"
+    """
 
     def apply(self, d: Diagram) -> Diagram:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__}.apply")
 
     def __call__(self, d: Diagram) -> Diagram:
         return self.apply(d)
 
     def fail(self, condition: str, **where) -> RewriteError:
+        """The :class:`RewriteError` of this rule for a failed ``condition`` at ``box=``/``axis=``."""
         return RewriteError(repr(self), condition, **where)
+
+
+def positive_size(rule: str, what: str, value, axis: str) -> int:
+    """``value`` as an ``int`` if it is an integral number > 0 (Python, NumPy or sympy), else a :class:`RewriteError`.
+
+    >>> import numpy as np
+    >>> positive_size("tile(q, 16)", "group size", np.int64(16), "q")
+    16
+    >>> positive_size("tile(q, 2.5)", "group size", 2.5, "q")
+    Traceback (most recent call last):
+    ...
+    rewrites.rule.RewriteError: tile(q, 2.5): axis 'q': group size must be a positive integer, got 2.5
+    """
+    try:
+        n = operator.index(value)
+    except TypeError:
+        n = None
+    if n is None or isinstance(value, bool):
+        raise RewriteError(rule, f"{what} must be a positive integer, got {value!r}", axis=axis)
+    if n <= 0:
+        raise RewriteError(rule, f"{what} must be a positive integer, got {n}", axis=axis)
+    return n
 
 
 def axis_names(d: Diagram) -> set[str]:

@@ -2,12 +2,15 @@
 
 rewrite: a diagram streamable along ``x``  →  the same diagram with ``x`` relabelled to chunks of ``s``.
 
-A diagram is streamable along ``x`` (FAN §3) when every box that reads ``x`` either keeps it (it is
-weaved over ``x``: it runs per chunk) or removes it through an accumulator ``B(f(a), b) = f(a ⊕ b)``,
-and no wire carrying ``x`` leaves the diagram or reaches a box after the reduction. Composition and
-weaving preserve this (the Fusion Theorem), so the check is local to boxes and wires.
-Before checking, :func:`fuse_softmax_contract` applies FAN's lemma: a softmax over ``x`` whose only
-consumer contracts over ``x`` becomes one streamable box (online softmax).
+A diagram is streamable along ``x`` (FAN §3) when every box that reads ``x`` either keeps it and
+is weaved over it (it runs per chunk: it combines no elements along ``x``) or removes it through an
+accumulator ``B(f(a), b) = f(a ⊕ b)``, and no wire carrying ``x`` leaves the diagram or reaches a box
+after the reduction. Composition and weaving preserve this (the Fusion Theorem), so the check is local
+to boxes and wires; what it accepts is streamable by construction, what it refuses is named.
+
+Before checking, :func:`fuse_softmax_contract` applies FAN's softmax-contraction lemma: a softmax over
+``x`` whose output reaches a contraction over ``x`` becomes one streamable box (online softmax). A
+softmax that stays unfused would be normalised per chunk, so it is refused.
 
 >>> import napkin_cat as nc
 >>> q, x, d = nc.axes("q x d")
@@ -17,7 +20,7 @@ consumer contracts over ``x`` becomes one streamable box (online softmax).
 >>> stream(x, 64)(nc.library.softmax(q, x))  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
-rewrites.rule.RewriteError: stream(x, 64): box 'softmax x', axis 'x': output wire 0 (q×x:f32@HBM) carries x out of ...
+rewrites.rule.RewriteError: stream(x, 64): box 'softmax x', axis 'x': softmax over x is not followed by a ...
 """
 
 from __future__ import annotations
@@ -25,67 +28,162 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import sympy
-from discopy import markov
-from discopy.monoidal import Layer
 
 from napkin_cat.axes import Axis
-from napkin_cat.diagram import Diagram
-from napkin_cat.generators import Contract, Generator, Reshape, Softmax, SoftmaxContract
-from rewrites.rule import RewriteError, Rule, axis_names, relabel_axis
+from napkin_cat.diagram import Copy, Diagram, Swap
+from napkin_cat.diagram import id as identity
+from napkin_cat.diagram import swap as swap_wires
+from napkin_cat.generators import Contract, Elementwise, Generator, Reshape, Softmax, SoftmaxContract, cast, elementwise
+from rewrites.rule import RewriteError, Rule, axis_names, positive_size, relabel_axis
 
 
-def _consumer(d: Diagram, i: int, pos: int):
-    """The layer index and input port of the box consuming the wire at ``pos`` after layer ``i``."""
+def _linear_factor(box) -> sympy.Expr | None:
+    """The constant ``c`` when ``box`` is the pointwise linear map ``v ↦ c·v`` on one wire of one type, else None."""
+    if not isinstance(box, Elementwise) or len(box.dom) != 1 or box.dom != box.cod:
+        return None
+    p = box.params
+    if p["fn"] == "neg":
+        return sympy.Integer(-1)
+    if p["fn"] == "multiply" and "const" in p:
+        return p["const"]
+    if p["fn"] == "divide" and "const" in p:
+        return 1 / p["const"]
+    return None
+
+
+@dataclass(frozen=True)
+class _Path:
+    """Where the output of a box goes: through swaps and linear scales (layers ``scales``) to input
+    ``port`` of layer ``layer`` (None: it leaves the diagram at output ``port``)."""
+
+    layer: int | None
+    port: int
+    scales: tuple[int, ...]
+
+
+def _follow(d: Diagram, i: int, pos: int) -> _Path:
+    """Follow the wire at ``pos`` after layer ``i`` forward through swaps and constant scales."""
+    scales = []
     for j in range(i + 1, len(d.inside)):
         left, box, _ = d.inside[j]
         n = len(left)
         if pos < n:
             continue
-        if pos < n + len(box.dom):
-            return j, pos - n
-        pos += len(box.cod) - len(box.dom)
-    return None, pos
+        if pos >= n + len(box.dom):
+            pos += len(box.cod) - len(box.dom)
+            continue
+        port = pos - n
+        if isinstance(box, Swap):
+            k = len(box.left)
+            pos = n + (len(box.right) + port if port < k else port - k)
+        elif _linear_factor(box) is not None:
+            scales.append(j)
+        else:
+            return _Path(j, port, tuple(scales))
+    return _Path(None, pos, tuple(scales))
+
+
+def _fusable(d: Diagram, i: int, axis: str) -> _Path | None:
+    """The path from the softmax at layer ``i`` to a contraction the lemma covers, or None."""
+    left, _, _ = d.inside[i]
+    path = _follow(d, i, len(left))
+    if path.layer is None:
+        return None
+    consumer = d.inside[path.layer][1]
+    if not (isinstance(consumer, Contract) and axis in consumer.reduced and len(consumer.dom) == 2):
+        return None
+    return path if consumer.dom.inside[1 - path.port].has(axis) else None
+
+
+def _reached(d: Diagram, i: int) -> str:
+    """What the output of the box at layer ``i`` reaches after swaps and constant scales, for messages."""
+    left, _, _ = d.inside[i]
+    path = _follow(d, i, len(left))
+    if path.layer is None:
+        return f"its output leaves the diagram as output wire {path.port}"
+    box = d.inside[path.layer][1]
+    if isinstance(box, Copy):
+        return "its output is copied"
+    return f"its output reaches {box.name!r}"
+
+
+def _fuse_one(d: Diagram, i: int, path: _Path, axis: str) -> Diagram:
+    """Replace the softmax at layer ``i`` and the contraction at ``path.layer`` by one softmax·contract box."""
+    _, softmax, _ = d.inside[i]
+    l2, contraction, r2 = d.inside[path.layer]
+    s_in, p = softmax.dom.inside[0], softmax.cod.inside[0]
+    v = contraction.dom.inside[1 - path.port]
+    factor = sympy.Mul(*(_linear_factor(d.inside[j][1]) for j in path.scales))
+    if contraction.params.get("scale") is not None:
+        factor *= contraction.params["scale"]
+    out = contraction.cod.inside[0]
+    name = f"softmax·contract {axis}"
+    # The scores keep the softmax's place; the constant factor moves past the contraction, which is linear.
+    unscaled = out if factor == 1 else out.with_(dtype=p.dtype)
+    fused: Diagram = SoftmaxContract(name, p @ v, unscaled, data=(("axis", axis),))
+    if factor != 1:
+        fused = fused >> elementwise("multiply", fused.cod.inside[0], const=factor, out=out)
+    if path.port == 1:
+        fused = swap_wires(v, p) >> fused
+    replaced = {i: cast(s_in, p.dtype) if s_in != p else identity(p), path.layer: fused}
+    replaced |= {j: identity(d.inside[j][1].dom) for j in path.scales}
+    parts = [identity(left) @ replaced.get(j, box) @ identity(right) for j, (left, box, right) in enumerate(d.inside)]
+    return identity(d.dom).then(*parts)
 
 
 def fuse_softmax_contract(d: Diagram, axis: str) -> Diagram:
     """FAN's softmax-contraction lemma: ``softmax_x ; contract_x`` becomes one streamable box.
 
-    rewrite: softmax over x, then a contraction that removes x  →  softmax·contract x.
-    Applies wherever a softmax's output feeds exactly one box, a contraction removing ``axis``, as its
-    first input; elsewhere the diagram is unchanged.
+    rewrite: softmax over x, then swaps and constant scales, then a contraction removing x
+    →  softmax·contract x, then the product of the constants.
+
+    Side conditions: the softmax's output is read by nothing but swaps, pointwise maps ``v ↦ c·v``
+    (``scale``, ``neg``, division by a constant) and finally a two-operand contraction removing
+    ``axis`` whose other operand has ``axis``. The contraction is linear in the softmax, so the
+    constants move past it (the contraction's own scale joins them). Any other softmax over ``axis``
+    is left as it is (:func:`streamability` then refuses it by name).
+
+    >>> import napkin_cat as nc
+    >>> q, x, d = nc.axes("q x d")
+    >>> S, V = nc.Array(q, x), nc.Array(x, d)
+    >>> scaled = (nc.softmax(S, x) >> nc.scale(S, 2)) @ V >> nc.contract("q x, x d -> q d", q, x, d)
+    >>> [b.name for b in fuse_softmax_contract(scaled, "x").boxes]
+    ['softmax·contract x', 'multiply 2']
     """
-    layers = list(d.inside)
-    for i, (left, box, _) in enumerate(d.inside):
-        if not (isinstance(box, Softmax) and box.params["axis"] == axis):
-            continue
-        j, port = _consumer(d, i, len(left))
-        if j is None or port != 0:
-            continue
-        l2, consumer, r2 = d.inside[j]
-        if isinstance(consumer, Contract) and axis in consumer.reduced and len(consumer.dom) == 2:
-            if consumer.params.get("scale") is not None:
-                continue
-            fused = SoftmaxContract(f"softmax·contract {axis}", consumer.dom, consumer.cod, data=(("axis", axis),))
-            layers[i] = None
-            layers[j] = Layer(l2, fused, r2)
-    layers = tuple(layer for layer in layers if layer is not None)
-    return d if len(layers) == len(d.inside) else Diagram(layers, d.dom, d.cod, _scan=False)
+    while True:
+        for i, (_, box, _) in enumerate(d.inside):
+            if isinstance(box, Softmax) and box.params["axis"] == axis:
+                path = _fusable(d, i, axis)
+                if path is not None:
+                    d = _fuse_one(d, i, path, axis)
+                    break
+        else:
+            return d
 
 
 def streamability(d: Diagram, axis: str, rule: str = "stream") -> list:
     """Check the Fusion Theorem's conditions; return the accumulators of the boxes that remove ``axis``.
 
     Raises :class:`RewriteError` naming the box and the failed condition.
+
+    >>> import napkin_cat as nc
+    >>> q, x, d = nc.axes("q x d")
+    >>> [type(a).__name__ for a in streamability(nc.library.matmul(q, x, d), "x")]
+    ['ContractionSum']
+    >>> streamability(nc.library.layer_norm(q, x), "x")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    rewrites.rule.RewriteError: stream: box ..., axis 'x': it needs both a chunk of x and a completed reduction ...
     """
     carried = [w.has(axis) for w in d.dom.inside]  # wires carrying the axis (chunked)
     after = [False] * len(d.dom)  # wires computed from a completed reduction
     accumulators = []
-    for left, box, _ in d.inside:
+    for i, (left, box, _) in enumerate(d.inside):
         n, k = len(left), len(box.dom)
         ins_c, ins_a = carried[n : n + k], after[n : n + k]
-        if isinstance(box, markov.Swap):
+        if isinstance(box, Swap):
             out_c, out_a = ins_c[::-1], ins_a[::-1]
-        elif isinstance(box, markov.Copy):
+        elif isinstance(box, Copy):
             out_c, out_a = ins_c * len(box.cod), ins_a * len(box.cod)
         else:
             if any(ins_c) and any(ins_a):
@@ -99,6 +197,8 @@ def streamability(d: Diagram, axis: str, rule: str = "stream") -> list:
             if isinstance(box, Reshape) and any(ins_c):
                 raise RewriteError(rule, "a reshape of a streamed wire is not streamable", box=box.name, axis=axis)
             keeps = any(w.has(axis) for w in box.cod.inside)
+            if any(ins_c) and keeps and isinstance(box, Generator) and axis in box.mixes:
+                raise RewriteError(rule, _per_chunk(d, i, axis), box=box.name, axis=axis)
             if any(ins_c) and not keeps:
                 acc = box.accumulator(axis) if isinstance(box, Generator) else None
                 if acc is None:
@@ -113,21 +213,25 @@ def streamability(d: Diagram, axis: str, rule: str = "stream") -> list:
         carried[n : n + k], after[n : n + k] = out_c, out_a
     for i, (c, w) in enumerate(zip(carried, d.cod.inside, strict=True)):
         if c:
-            producer = _producer(d, i)
-            hint = (
-                (f" (softmax alone is not streamable; follow it by a contraction over {axis})")
-                if producer.startswith("softmax")
-                else ""
-            )
             raise RewriteError(
                 rule,
-                f"output wire {i} ({w.describe()}) carries {axis} out of the stream unreduced{hint}",
-                box=producer,
+                f"output wire {i} ({w.describe()}) carries {axis} out of the stream unreduced",
+                box=_producer(d, i),
                 axis=axis,
             )
     if not accumulators:
         raise RewriteError(rule, f"no box removes {axis}: there is nothing to accumulate", axis=axis)
     return accumulators
+
+
+def _per_chunk(d: Diagram, i: int, axis: str) -> str:
+    """Why the box at layer ``i``, which combines elements along ``axis`` and keeps it, cannot run per chunk."""
+    if isinstance(d.inside[i][1], Softmax):
+        return (
+            f"softmax over {axis} is not followed by a contraction over {axis} ({_reached(d, i)}; only swaps and "
+            f"constant scales may come between), so its normaliser would be computed per chunk"
+        )
+    return f"the box combines elements along {axis} and keeps it, so per chunk it would see only part of {axis}"
 
 
 def _producer(d: Diagram, pos: int) -> str:
@@ -138,17 +242,32 @@ def _producer(d: Diagram, pos: int) -> str:
         if i is None:
             return "input"
         left, box, _ = d.inside[i]
-        if not isinstance(box, markov.Copy | markov.Swap):
+        if not isinstance(box, Copy | Swap):
             return box.name
-        j, pos = i, len(left) + (len(box.dom) - 1 - port if isinstance(box, markov.Swap) else 0)
+        j, pos = i, len(left) + (len(box.dom) - 1 - port if isinstance(box, Swap) else 0)
 
 
 @dataclass(frozen=True)
 class stream(Rule):  # noqa: N801
-    """Stream-partition axis ``axis`` into chunks of ``s`` through the accumulators of the boxes removing it."""
+    """Stream-partition axis ``axis`` into chunks of ``s`` through the accumulators of the boxes removing it.
+
+    ``s`` is any integral number > 0 (``int``, ``numpy.int64``, ``sympy.Integer``); anything else is refused
+    when the rule is made.
+
+    >>> import numpy as np
+    >>> stream("x", np.int64(64))
+    stream(x, 64)
+    >>> stream("x", 0)
+    Traceback (most recent call last):
+    ...
+    rewrites.rule.RewriteError: stream(x, 0): axis 'x': stream size must be a positive integer, got 0
+    """
 
     axis: Axis | str
     s: int
+
+    def __post_init__(self):
+        object.__setattr__(self, "s", positive_size(repr(self), "stream size", self.s, self.name))
 
     @property
     def name(self) -> str:
@@ -161,8 +280,6 @@ class stream(Rule):  # noqa: N801
         x = self.name
         if x not in axis_names(d):
             raise self.fail(f"no wire has axis {x}; axes here: {', '.join(sorted(axis_names(d)))}", axis=x)
-        if not isinstance(self.s, int | sympy.Integer) or self.s <= 0:
-            raise self.fail(f"stream size must be a positive integer, got {self.s!r}", axis=x)
         for w in d.dom.inside:
             for a in w.axes:
                 if a.name == x and a.size.is_number and self.s > a.size:

@@ -22,20 +22,33 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import sympy
-
 from napkin_cat.axes import Axis
 from napkin_cat.diagram import Diagram
 from napkin_cat.generators import Generator, Reshape
-from rewrites.rule import Rule, axis_names, relabel_axis
+from rewrites.rule import Rule, axis_names, positive_size, relabel_axis
 
 
 @dataclass(frozen=True)
 class tile(Rule):  # noqa: N801 - rules are named as verbs, like functions
-    """Group-partition axis ``axis`` into tiles of ``g``."""
+    """Group-partition axis ``axis`` into tiles of ``g``.
+
+    ``g`` is any integral number > 0 (``int``, ``numpy.int64``, ``sympy.Integer``); anything else is refused
+    when the rule is made.
+
+    >>> import numpy as np
+    >>> tile("q", np.int64(16))
+    tile(q, 16)
+    >>> tile("q", 2.5)
+    Traceback (most recent call last):
+    ...
+    rewrites.rule.RewriteError: tile(q, 2.5): axis 'q': group size must be a positive integer, got 2.5
+    """
 
     axis: Axis | str
     g: int
+
+    def __post_init__(self):
+        object.__setattr__(self, "g", positive_size(repr(self), "group size", self.g, self.name))
 
     @property
     def name(self) -> str:
@@ -48,8 +61,6 @@ class tile(Rule):  # noqa: N801 - rules are named as verbs, like functions
         a = self.name
         if a not in axis_names(d):
             raise self.fail(f"no wire has axis {a}; axes here: {', '.join(sorted(axis_names(d)))}", axis=a)
-        if not isinstance(self.g, int | sympy.Integer) or self.g <= 0:
-            raise self.fail(f"group size must be a positive integer, got {self.g!r}", axis=a)
         for box in d.boxes:
             if isinstance(box, Reshape) and a in box.mixes:
                 raise self.fail(f"a reshape splits or merges {a}", box=box.name, axis=a)

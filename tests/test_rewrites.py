@@ -9,7 +9,9 @@ square commutes, or it is refused with a :class:`RewriteError`. Fixed small size
 import re
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
+import sympy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -98,8 +100,15 @@ BAD = [
     (lambda: tile("n", 8)(SMALL), "tile(n, 8): axis 'n': group size 8 exceeds the axis size 4"),
     (lambda: stream("x", 8)(SMALL), "stream(x, 8): axis 'x': stream size 8 exceeds the axis size 4"),
     (lambda: stream(x, 4)(nc.library.softmax(q, x)),
-     "stream(x, 4): box 'softmax x', axis 'x': output wire 0 (q×x:f32@HBM) carries x out of the stream unreduced "
-     "(softmax alone is not streamable; follow it by a contraction over x)"),
+     "stream(x, 4): box 'softmax x', axis 'x': softmax over x is not followed by a contraction over x (its output "
+     "leaves the diagram as output wire 0; only swaps and constant scales may come between), so its normaliser "
+     "would be computed per chunk"),
+    (lambda: tile(q, 2.5), "tile(q, 2.5): axis 'q': group size must be a positive integer, got 2.5"),
+    (lambda: tile(q, "16"), "tile(q, 16): axis 'q': group size must be a positive integer, got '16'"),
+    (lambda: tile(q, True), "tile(q, True): axis 'q': group size must be a positive integer, got True"),
+    (lambda: tile(q, np.int64(-3)), "tile(q, -3): axis 'q': group size must be a positive integer, got -3"),
+    (lambda: stream(x, 64.0), "stream(x, 64.0): axis 'x': stream size must be a positive integer, got 64.0"),
+    (lambda: stream(x, -1), "stream(x, -1): axis 'x': stream size must be a positive integer, got -1"),
     (lambda: tile("k", 2)(nc.split(nc.Array(n, nc.Axis("k", 6)), "k", *nc.axes("k1 k2", k1=2, k2=3))),
      "tile(k, 2): box 'split k', axis 'k': a reshape splits or merges k"),
     (lambda: tile("z", 4)(ATTN), "tile(z, 4): axis 'z': no wire has axis z; axes here: d, q, x"),
@@ -111,6 +120,13 @@ BAD = [
 def test_bad_input_message(bad, message):
     with pytest.raises(RewriteError, match=f"^{re.escape(message)}$"):
         bad()
+
+
+def test_integral_sizes_of_any_type_are_accepted():
+    for g in (np.int64(16), np.int32(16), sympy.Integer(16)):
+        assert tile(q, g) == tile(q, 16) and repr(tile(q, g)) == "tile(q, 16)"
+        assert stream(x, g) == stream(x, 16)
+    assert check(ATTN, stream(x, np.int64(3))(tile(q, np.int64(2))(ATTN)), seed=0).passed
 
 
 def test_two_pass_layer_norm_is_not_streamable_but_its_statistics_are():
