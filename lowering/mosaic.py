@@ -56,7 +56,9 @@ class MosaicConfig:
 
     ``interpretable`` keeps to what Mosaic's interpret mode runs: a register A operand is staged through
     shared memory, and a product is added to its accumulator after the ``wgmma`` instead of the ``wgmma``
-    accumulating in place. Compiled kernels use neither detour.
+    accumulating in place. Compiled kernels use neither detour. ``pingpong`` orders the two consumer
+    warpgroups' matrix products around a shared barrier so that one's softmax runs under the other's
+    ``wgmma`` (FA3's schedule).
 
     >>> MosaicConfig().registers()
     (232, 40)
@@ -64,6 +66,7 @@ class MosaicConfig:
 
     consumers: int = 2
     stages: int = 2
+    pingpong: bool = True
     interpretable: bool = False
     consumer_registers: int = 232
     producer_registers: int = 40
@@ -101,9 +104,15 @@ class Product:
 
     def into(self, acc):
         a, b = self.xp.operand_a(self.a), self.b.ready()
+        first = self.xp.issued == 0
+        self.xp.issued += 1
 
         def mma(acc_ref):
+            if not first:  # later products of a chunk wait for the other warpgroup's turn
+                self.xp.schedule()
             plgpu.wgmma(acc_ref, a, b)
+            if first:  # the first product of a chunk hands the tensor cores over once issued
+                self.xp.schedule()
 
         if acc is None or self.xp.staging is not None:
             fresh = pl.run_scoped(lambda r: (mma(r), r[...])[1], plgpu.ACC(self.shape, jnp.float32))
@@ -144,11 +153,19 @@ class MosaicArrays:
     """``ctx.xp`` inside a Mosaic GPU consumer warpgroup: :data:`~napkin_cat.generators.JAX` on register
     arrays, with contractions as ``wgmma`` and index grids in the wgmma register layout.
 
-    ``staging`` (when given) is a shared-memory buffer a register A operand is written to first.
+    ``staging`` (when given) is a shared-memory buffer a register A operand is written to first; ``turn``
+    (when given) the ping-pong barrier passed around each chunk's matrix products, ``issued`` of which
+    are counted per chunk.
     """
 
-    def __init__(self, staging=None):
-        self.staging = staging
+    def __init__(self, staging=None, turn=None):
+        self.staging, self.turn, self.issued = staging, turn, 0
+
+    def schedule(self):
+        """Pass the ping-pong barrier shared by the consumer warpgroups (when there is one)."""
+        if self.turn is not None:
+            plgpu.barrier_arrive(self.turn)
+            plgpu.barrier_wait(self.turn)
 
     def __getattr__(self, name):
         f = getattr(JAX, name)
@@ -268,6 +285,7 @@ class MosaicLowered:
                 f"multiples of wgmma's {WGMMA_M}"
             )
         self.rows = g // c
+        self.pingpong = self.config.pingpong and c == 2
         if self.s % WGMMA_M:
             raise NotLowerable(f"axis {self.x!r}: the stream size s = {self.s} must be a multiple of {WGMMA_M}")
         if c * 128 + 128 > 1024 or sum(self.config.registers()[:1]) * c * 128 + 128 * self.config.registers()[1] > REGISTERS:
@@ -354,6 +372,7 @@ class MosaicLowered:
             [plgpu.Barrier(num_arrivals=c.consumers, num_barriers=c.stages) for _ in streamed],
             [plgpu.Barrier(num_barriers=c.consumers) for _ in resident],
         ]
+        scratch.append([plgpu.Barrier(num_arrivals=c.consumers)] if self.pingpong else [])
         if c.interpretable:
             value_dtype = next(wires[i].dtype.jnp for i in streamed)
             scratch.append([smem((c.consumers, self.rows, self.s), value_dtype)])
@@ -406,7 +425,8 @@ class _Kernel:
         n_in, n_out = len(full.dom), len(full.cod)
         in_refs, out_refs, scratch = refs[:n_in], refs[n_in : n_in + n_out], refs[n_in + n_out :]
         rings, tiles, outs, loaded, consumed, arrived = scratch[:6]
-        staging = scratch[6][0] if len(scratch) > 6 else None
+        turn = scratch[6][0] if scratch[6] else None
+        staging = scratch[7][0] if len(scratch) > 7 else None
         wg, bid = lax.axis_index("wg"), lax.axis_index("batch")
         tile = lax.axis_index("tile")
         if self.causal:  # the longest rows first: the last tiles see the most keys
@@ -419,7 +439,8 @@ class _Kernel:
         @pl.when(wg < c.consumers)
         def _consumer():
             plgpu.set_max_registers(consumer_regs, action="increase")
-            self.consume(in_refs, out_refs, rings, tiles, outs, loaded, consumed, arrived, staging, wg, bid, tile, chunks)
+            self.consume(in_refs, out_refs, rings, tiles, outs, loaded, consumed, arrived, staging, turn, wg, bid, tile,
+                         chunks)
 
         @pl.when(wg == c.consumers)
         def _producer():
@@ -452,7 +473,8 @@ class _Kernel:
             for k in range(len(self.streamed)):
                 plgpu.barrier_wait(consumed[k].at[lax.rem(chunk, _i32(stages))])
 
-    def consume(self, in_refs, out_refs, rings, tiles, outs, loaded, consumed, arrived, staging, wg, bid, tile, chunks):
+    def consume(self, in_refs, out_refs, rings, tiles, outs, loaded, consumed, arrived, staging, turn, wg, bid, tile,
+                chunks):
         from rewrites.schedule import walk
 
         low, d, stages = self.low, self.low.d, self.low.config.stages
@@ -462,6 +484,7 @@ class _Kernel:
             view = in_refs[i].at[self._index(low.plan.diagram.dom.inside[i], bid, **{low.q: pl.ds(start, rows)})]
             plgpu.copy_gmem_to_smem(view, tiles[k].at[wg], arrived[k].at[wg])
         xp = MosaicArrays(staging.at[wg] if staging is not None else None)
+        pingpong = MosaicArrays(xp.staging, turn)
         ctx = Context(sizes=self.sizes, offsets={low.q: start}, xp=xp)
         resident = {i: Smem(tiles[k].at[wg], arrived[k].at[wg]) for k, i in enumerate(self.resident)}
         for v in resident.values():
@@ -501,7 +524,8 @@ class _Kernel:
             def run(chunk, carry):
                 states = dict(zip(keys, carry, strict=True))
                 vals, ring, slot = values(chunk)
-                traced(walk, d, vals, ctx.at(**{x: chunk * s}), x, "chunk", states,
+                pingpong.issued = 0
+                traced(walk, d, vals, Context(self.sizes, {low.q: start, x: chunk * s}, pingpong), x, "chunk", states,
                        fold=lambda acc, st, ins, cc: acc.step(st, ins, cc), skip=skipping(unmasked))
                 for k, i in enumerate(self.streamed):
                     ring[i].ready()  # an input no box read still completes its phase
@@ -509,6 +533,12 @@ class _Kernel:
                 return tuple(_value(states[i]) for i in keys)
 
             return run
+
+        if turn is not None:  # the second warpgroup starts one turn behind
+
+            @pl.when(wg == 1)
+            def _():
+                pingpong.schedule()
 
         if self.causal:
             needed = lax.div(start + rows + s - 1, _i32(s))
@@ -522,8 +552,16 @@ class _Kernel:
                 for k in range(len(self.streamed)):
                     plgpu.barrier_wait(loaded[k].at[slot])
                     plgpu.barrier_arrive(consumed[k].at[slot])
+                for _ in range(pingpong.issued):  # the turns the other warpgroup still takes
+                    pingpong.schedule()
         else:
             carry = lax.fori_loop(0, chunks, body(False), init)
+        if turn is not None:  # and the first one ends one turn later
+
+            @pl.when(wg == 0)
+            def _():
+                pingpong.schedule()
+
         states = dict(zip(keys, carry, strict=True))
         final = [None if w.has(x) else resident[i] for i, w in enumerate(wires)]
         results = traced(walk, d, final, ctx, x, "final", states, skip=skipping(False))

@@ -29,8 +29,9 @@ from rewrites import derive, stream, tile
 
 TOKENS, HEADS, TOLERANCE = 16384, 16, 1e-2
 CONFIGS = [(D, N, causal) for D in (128, 64) for N in (8192, 2048) for causal in (False, True)]
-#: napkin-cat Mosaic variants: (tile g, stream s, consumer warpgroups, ring stages)
-VARIANTS = [(128, 64, 2, 2), (128, 128, 2, 2), (128, 64, 2, 3), (256, 64, 2, 2)]
+#: napkin-cat Mosaic variants: (tile g, stream s, consumer warpgroups, ring stages, ping-pong)
+VARIANTS = [(256, 64, 2, 2, False), (256, 64, 2, 2, True), (128, 128, 2, 2, True), (256, 128, 2, 2, True),
+            (128, 64, 2, 2, True)]
 
 
 def scheduled(D: int, causal: bool, g: int, s: int):
@@ -68,11 +69,11 @@ def reference(q, k, v, causal: bool):
 def implementations(D: int, causal: bool):
     """name → (function, layout) for one configuration; a failure to build is recorded, not raised."""
     impls = {}
-    for g, s, consumers, stages in VARIANTS:
-        name = f"napkin mosaic g{g} s{s} c{consumers} k{stages}"
-        impls[name] = lambda g=g, s=s, c=consumers, k=stages: (
+    for g, s, consumers, stages, pingpong in VARIANTS:
+        name = f"napkin mosaic g{g} s{s} c{consumers} k{stages}{' pp' if pingpong else ''}"
+        impls[name] = lambda g=g, s=s, c=consumers, k=stages, pp=pingpong: (
             MosaicLowered(plan(scheduled(D, causal, g, s).diagram), interpret=False,
-                          config=MosaicConfig(consumers=c, stages=k)), "bhnd")
+                          config=MosaicConfig(consumers=c, stages=k, pingpong=pp)), "bhnd")
     impls["napkin triton g128 s64"] = lambda: (lower(scheduled(D, causal, 128, 64), backend="triton"), "bhnd")
     impls["cudnn"] = lambda: (
         lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn"), "bnhd")
