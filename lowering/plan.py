@@ -17,13 +17,15 @@ compilation, and raise :class:`NotLowerable`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from discopy import markov
-
-from napkin_cat.diagram import Diagram
+from napkin_cat.diagram import Diagram, is_structural
 from napkin_cat.errors import NapkinError
-from napkin_cat.generators import Contract, Generator, Move, SoftmaxContract
+from napkin_cat.generators import Generator
+from rewrites import partitions
+
+LOG2E = math.log2(math.e)
 
 
 class NotLowerable(NapkinError, ValueError):
@@ -49,8 +51,6 @@ class Plan:
 
 def plan(d: Diagram) -> Plan:
     """Classify the axes of a scheduled diagram and check the backend's guards."""
-    from rewrites.schedule import partitions
-
     tiles, streams = partitions(d)
     if len(streams) > 1:
         raise NotLowerable(f"one streamed axis per kernel, got {sorted(streams)}")
@@ -59,7 +59,7 @@ def plan(d: Diagram) -> Plan:
     stream = next(iter(streams.items()), None)
     mixed, names = set(), []
     for box in d.boxes:
-        if isinstance(box, markov.Copy | markov.Swap | Move):
+        if is_structural(box) or getattr(box, "transfers", False):
             continue
         if not isinstance(box, Generator):
             raise NotLowerable(f"box {box.name!r} is not a generator the lowering knows")
@@ -84,7 +84,7 @@ def plan(d: Diagram) -> Plan:
 
 def _check_contractions(d: Diagram, streamed: set):
     for box in d.boxes:
-        if isinstance(box, Contract | SoftmaxContract):
+        if not is_structural(box) and box.contracts:
             for a in box.reduced:
                 if a not in streamed and len([w for w in box.dom.inside if w.has(a)]) < 2:
                     raise NotLowerable(f"box {box.name!r}: a contraction over {a!r} must involve two operands")
@@ -92,11 +92,7 @@ def _check_contractions(d: Diagram, streamed: set):
 
 def padding_neutral(d: Diagram, axis: str) -> bool:
     """Zero padding along ``axis`` changes nothing: only contractions combine elements along it."""
-    return all(
-        isinstance(box, Contract | SoftmaxContract) or axis not in box.mixes
-        for box in d.boxes
-        if isinstance(box, Generator)
-    )
+    return all(box.contracts or axis not in box.mixes for box in d.boxes if not is_structural(box))
 
 
 def smem_bytes(p: Plan, padded: dict, stages: int) -> int:
@@ -119,3 +115,46 @@ def smem_bytes(p: Plan, padded: dict, stages: int) -> int:
         streamed = p.stream is not None and w.has(p.stream[0])
         total += n * w.dtype.bytes * (stages if streamed else 1)
     return total
+
+
+def base2(d: Diagram) -> Diagram:
+    """Fold log₂e into the scale of the box feeding each box that has a base-2 form, which then uses exp2.
+
+    rewrite: S = Q·Kᵀ·c ; [masks] ; softmax·contract  →  S = Q·Kᵀ·(c·log₂e) ; [masks] ; softmax₂·contract.
+    Sound because softmax(s) = softmax₂(s·log₂e) and masks send scores to −∞ in either base; it applies
+    only when nothing but boxes that commute with the scaling (``passes_base``) lies between a box with a
+    base-2 form (``in_base2``) and one that carries a scale (``scaled``): a score modifier would see the
+    wrong base.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import fuse_softmax_contract
+    >>> q, x, d = nc.axes("q x d")
+    >>> fused = base2(fuse_softmax_contract(nc.library.attention(q, x, d, causal=True), "x"))
+    >>> [b.params.get("base") or b.params.get("scale") for b in fused.boxes]
+    [1.44269504088896/sqrt(d), None, 2]
+    """
+    layers = list(d.inside)
+    for j, (left, box, right) in enumerate(d.inside):
+        folded = None if is_structural(box) else box.in_base2()
+        if folded is None:
+            continue
+        i, _ = d.producer(j, len(left))
+        while i is not None and not is_structural(d.inside[i][1]) and d.inside[i][1].passes_base():
+            i, _ = d.producer(i, len(d.inside[i][0]))
+        scaled = None if i is None or is_structural(d.inside[i][1]) else d.inside[i][1].scaled(LOG2E)
+        if scaled is None:
+            continue
+        layers[i] = (d.inside[i][0], scaled, d.inside[i][2])
+        layers[j] = (left, folded, right)
+    return d.with_layers(layers)
+
+
+def unweave(d: Diagram, axes: tuple) -> Diagram:
+    """The per-block diagram: ``d`` with the grid's squeezed axes removed from every wire.
+
+    >>> import napkin_cat as nc
+    >>> h, q, x, d = nc.axes("h q x d")
+    >>> print(unweave(nc.library.attention(q, x, d).weave(h), ("h",)).cod)
+    q×d
+    """
+    return d.map_arrays(lambda w: w.with_(axes=[a for a in w.axes if a.name not in axes]))

@@ -16,9 +16,8 @@ pallas_call napkin_kernel  (Triton backend)
 
 from __future__ import annotations
 
-from discopy import markov
-
-from lowering.plan import Plan
+from lowering.plan import Plan, base2, unweave
+from napkin_cat.diagram import is_copy, is_structural, is_swap
 
 
 def _block(p: Plan, wire) -> str:
@@ -36,9 +35,8 @@ def _block(p: Plan, wire) -> str:
 
 
 def describe(kernel) -> str:
-    """The launch, loop and body of a :class:`lowering.triton.Lowered` kernel, as text."""
-    from lowering.triton import base2, unweave
-
+    """The launch, loop and body of a :class:`lowering.triton.Lowered` kernel, as text (see the module's
+    docstring for an example)."""
     p: Plan = kernel.plan
     d = p.diagram
     tiles = ", ".join(f"cdiv({a}, {g})" for a, g in p.tiles.items())
@@ -54,14 +52,14 @@ def describe(kernel) -> str:
     body = base2(unweave(d, p.batch))
     if p.stream:
         x, s = p.stream
-        accs = [b for b in body.boxes if not isinstance(b, markov.Copy | markov.Swap) and b.accumulator(x)]
+        accs = [b for b in body.boxes if not is_structural(b) and b.accumulator(x)]
         lines.append(f"  loop: fori_loop over chunks of {x} (size {s}), carrying:")
         lines += [f"    {type(b.accumulator(x)).__name__} of {b.name!r}" for b in accs]
     lines.append("  body (per block, in order):")
     for _, box, _ in body.inside:
-        if isinstance(box, markov.Swap):
+        if is_swap(box):
             continue
-        name = "copy" if isinstance(box, markov.Copy) else box.name
+        name = "copy" if is_copy(box) else box.name
         extra = ", ".join(f"{k}={v}" for k, v in (box.data or ()) if k in ("scale", "base"))
         lines.append(f"    {name:<28} {box.dom} → {box.cod}" + (f"   [{extra}]" if extra else ""))
     return "\n".join(lines)

@@ -23,12 +23,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from lowering.plan import NotLowerable, Plan, next_pow2, padding_neutral, smem_bytes
-from napkin_cat.generators import Causal, Context, Mask
+from lowering.plan import LOG2E, NotLowerable, Plan, base2, next_pow2, padding_neutral, smem_bytes, unweave
+from lowering.source import describe
+from napkin_cat.diagram import is_structural
+from napkin_cat.generators import Context, Jax
 from napkin_cat.hardware import H100, HARDWARE, Hardware, for_device
 from napkin_cat.semantics import bind
-
-LOG2E = math.log2(math.e)
+from rewrites.schedule import walk
 
 
 @dataclass(frozen=True)
@@ -171,8 +172,18 @@ def block_einsum(spec: str, *xs):
     return jnp.sum(acc, axis=tuple(summed)) if summed else acc
 
 
-def _exp(v):
-    return jnp.exp2(v * LOG2E)
+class Blocks(Jax):
+    """The array namespace of a kernel body: 2-D ``jnp.dot`` for contractions, ``exp2`` for exponentials."""
+
+    einsum = staticmethod(block_einsum)
+
+    @staticmethod
+    def exp(v):
+        """``exp(v) = 2^(v·log₂e)``: the GPU's native ``exp2``."""
+        return jnp.exp2(v * LOG2E)
+
+
+BLOCKS = Blocks()
 
 
 def _block_axes(p: Plan, wire) -> list:
@@ -262,8 +273,6 @@ class Lowered:
     @property
     def source(self) -> str:
         """The kernel's launch description: grid axes, block shapes, loop and accumulators."""
-        from lowering.source import describe
-
         return describe(self)
 
 
@@ -272,47 +281,12 @@ def _pad(v, wire, padded):
     return jnp.pad(v, widths) if any(w for _, w in widths) else v
 
 
-def base2(d):
-    """Fold log₂e into the scale of the contraction feeding each online softmax, which then uses exp2.
-
-    rewrite: S = Q·Kᵀ·c ; [masks] ; softmax·contract  →  S = Q·Kᵀ·(c·log₂e) ; [masks] ; softmax₂·contract.
-    Sound because softmax(s) = softmax₂(s·log₂e) and masks send scores to −∞ in either base; it applies
-    only when nothing but masks lies between the two boxes (a score modifier would see the wrong base).
-    """
-    from discopy.monoidal import Layer
-
-    from napkin_cat.diagram import Diagram
-    from napkin_cat.generators import Contract, SoftmaxContract
-
-    layers = list(d.inside)
-    for j, (left, box, right) in enumerate(d.inside):
-        if not isinstance(box, SoftmaxContract) or box.params.get("base"):
-            continue
-        i, _ = d.producer(j, len(left))
-        while i is not None and isinstance(d.inside[i][1], Mask):
-            i, _ = d.producer(i, len(d.inside[i][0]))
-        if i is None or not isinstance(d.inside[i][1], Contract):
-            continue
-        l2, c, r2 = d.inside[i]
-        scale = c.params.get("scale", 1) * LOG2E
-        layers[i] = Layer(l2, type(c)(c.name, c.dom, c.cod, data=(("scale", scale),)), r2)
-        layers[j] = Layer(left, type(box)(box.name, box.dom, box.cod, data=(*box.data, ("base", 2))), right)
-    return Diagram(tuple(layers), d.dom, d.cod, _scan=False)
-
-
-def unweave(d, axes: tuple):
-    """The per-block diagram: ``d`` with the grid's squeezed axes removed from every wire."""
-    return d.map_arrays(lambda w: w.with_(axes=[a for a in w.axes if a.name not in axes]))
-
-
 def _kernel(p: Plan, sizes, extent, padded, *refs):
-    from rewrites.schedule import walk
-
     d = base2(unweave(p.diagram, p.batch))
     n_in = len(d.dom)
     in_refs, out_refs = refs[:n_in], refs[n_in:]
     offsets = {a: pl.program_id(i) * g for i, (a, g) in enumerate(p.tiles.items())}
-    ctx = Context(sizes=sizes, offsets=offsets, einsum=block_einsum, exp=_exp)
+    ctx = Context(sizes=sizes, offsets=offsets, xp=BLOCKS)
     if p.stream is None:
         outs = walk(d, [r[...] for r in in_refs], ctx, "", "final", {})
         for r, v in zip(out_refs, outs, strict=True):
@@ -341,13 +315,9 @@ def _kernel(p: Plan, sizes, extent, padded, *refs):
             ]
         return acc.step(state, ins, cctx)
 
-    causal = [
-        b
-        for b in d.boxes
-        if isinstance(b, Mask)
-        and isinstance(b.params["mask"], Causal)
-        and (b.params["mask"].x, b.params["mask"].q) in {(x, t) for t in p.tiles} | {(t, x) for t in p.tiles}
-    ]
+    # masks keeping a diagonal between the streamed axis and a tiled one: whole blocks skipped or unmasked
+    diagonal = {(x, t) for t in p.tiles} | {(t, x) for t in p.tiles}
+    causal = [b for b in d.boxes if not is_structural(b) and (b.diagonal() or ())[::-1] in diagonal]
 
     # The accumulators' states start at their identity, shaped by one abstract chunk.
     def probe(*vals):
@@ -360,7 +330,7 @@ def _kernel(p: Plan, sizes, extent, padded, *refs):
 
     like = jax.eval_shape(probe, *(jax.ShapeDtypeStruct(block_shape(w), w.dtype.jnp) for w in d.dom.inside))
     keys = sorted(like)
-    init = tuple(d.inside[i][1].accumulator(x).identity(like[i]) for i in keys)
+    init = tuple(d.inside[i][1].accumulator(x).identity(like[i], ctx) for i in keys)
 
     def body(skip_causal):
         def run(c, carry):
@@ -380,15 +350,15 @@ def _kernel(p: Plan, sizes, extent, padded, *refs):
         return run
 
     n_chunks = padded[x] // s
-    if causal and causal[0].params["mask"].x == x:  # stream keys of a query tile: stop at the diagonal
-        q = causal[0].params["mask"].q
+    if causal and causal[0].diagonal()[1] == x:  # stream keys of a query tile: stop at the diagonal
+        q = causal[0].diagonal()[0]
         g, q_start = p.tiles[q], offsets[q]
         needed = jnp.minimum(lax.div(q_start + g + s - 1, s), n_chunks)  # later chunks are fully masked: skipped
         visible = jnp.minimum(lax.div(q_start + 1, s), needed)  # chunks wholly below the diagonal: no mask
         carry = lax.fori_loop(0, visible, body(True), init)
         carry = lax.fori_loop(visible, needed, body(False), carry)
     elif causal:  # stream queries of a key tile (the backward's dK, dV): start at the diagonal
-        k = causal[0].params["mask"].x
+        k = causal[0].diagonal()[1]
         g, k_start = p.tiles[k], offsets[k]
         first = lax.div(k_start, s)  # earlier query chunks see none of these keys: skipped
         visible = jnp.clip(lax.div(k_start + g + s - 2, s), first, n_chunks)  # chunks past the diagonal: no mask

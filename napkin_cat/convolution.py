@@ -51,6 +51,8 @@ class Conv(Generator):
     strides and the ``(lo, hi)`` paddings (sympy expressions in the sizes).
     """
 
+    family = "contraction"
+
     def _window_check(self, ctx: Context):
         X, W = self.dom.inside
         p = self.params
@@ -85,6 +87,10 @@ class Conv(Generator):
         """Two flops (multiply, add) per output element per input channel per kernel offset."""
         sizes = {a.name: a.size for w in (self.dom.inside[1], self.out) for a in w.axes}
         return 2 * sympy.Mul(*sizes.values())
+
+    def tensor_flops(self):
+        """All of a convolution's flops run on tensor cores."""
+        return self.flops()
 
 
 def _too_large(X: Array, W: Array, x: str, k: str, lo, hi, ctx: Context | None = None) -> str:
@@ -178,6 +184,8 @@ class Concat(Generator):
     The inputs broadcast by name to the output's other axes (a class token joins a batch of patches).
     """
 
+    family = "relabel"
+
     def evaluate(self, ins, ctx):
         into, out = self.params["into"], self.out
         at = out.names.index(into)
@@ -222,8 +230,15 @@ def concat(A: Array, B: Array, a: Axis | str, b: Axis | str, into: Axis) -> Conc
 class Rename(Generator):
     """The same array under another axis name (self-attention's queries and keys index one sequence)."""
 
+    family = "relabel"
+
     def evaluate(self, ins, ctx):
         return list(ins)
+
+    def backward(self, t, ins, outs, cts):
+        """The cotangent renamed back."""
+        p = self.params
+        return [t(rename(t.ty(cts[0]), p["new"], self.dom.inside[0].axis(p["old"])), cts[0])]
 
 
 def rename(A: Array, old: Axis | str, new: Axis) -> Rename:

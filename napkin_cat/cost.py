@@ -33,13 +33,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 import sympy
-from discopy import markov
 
-from napkin_cat.convolution import Conv
-from napkin_cat.diagram import Array, Diagram
+from napkin_cat.diagram import Array, Diagram, is_structural
 from napkin_cat.dtypes import Dtype, f32
 from napkin_cat.errors import CostError
-from napkin_cat.generators import Contract, Generator, Move, NormalisedContract, SoftmaxContract
 from napkin_cat.hardware import Hardware, lookup
 from napkin_cat.levels import HBM, L2, SMEM, Level
 
@@ -259,26 +256,6 @@ def _capacity(hw: Hardware, level: Level) -> int:
 # --- the functor: a flat walk over the layers ------------------------------------------------------
 
 
-def _contraction(box: Generator) -> Expr:
-    """FAN: a contraction costs 2·k FLOPs per output element, i.e. twice the product of its axis sizes."""
-    sizes = {a.name: a.size for w in (*box.dom.inside, *box.cod.inside) for a in w.axes}
-    return 2 * sympy.Mul(*sizes.values())
-
-
-# The FLOPs of each generator class that run on tensor cores; the rest of ``flops()`` runs on CUDA cores.
-TENSOR_FLOPS = {
-    Contract: lambda box: _contraction(box) * max(len(box.dom) - 1, 1),
-    SoftmaxContract: _contraction,
-    NormalisedContract: _contraction,
-    Conv: lambda box: box.flops(),
-}
-
-
-def _tensor_flops(box: Generator) -> Expr:
-    rule = next((r for cls, r in TENSOR_FLOPS.items() if isinstance(box, cls)), None)
-    return sympy.sympify(rule(box)) if rule is not None else ZERO
-
-
 def _groups(array: Array, tiled: Mapping[str, object]) -> Expr:
     """FAN's re-read factor: ``a/g_a`` for every tiled axis ``a`` not indexing ``array``."""
     return sympy.Mul(*(a.groups for name, a in tiled.items() if not array.has(name)))
@@ -290,20 +267,19 @@ class _Walk:
     def __init__(self, d: Diagram):
         self.arrays: list[Array] = []
         self.parent: list[int] = []
-        stack = [self._new(w) for w in d.dom.inside]
         self.layers = []
-        for left, box, _ in d.inside:
-            n, k = len(left), len(box.dom)
-            ins = stack[n : n + k]
-            if isinstance(box, markov.Swap):
-                outs = ins[::-1]
-            elif isinstance(box, markov.Copy):  # copies alias their input; a discard ends it
-                outs = ins * (len(box.cod) // max(k, 1))
-            else:
+        stack = [self._new(w) for w in d.dom.inside]
+
+        def layer(i, box, ins, outs=None):  # copies alias their input; a discard ends it
+            if outs is None:
                 outs = [self._new(w) for w in box.cod.inside]
-                self._join([i for i in ins + outs if self.arrays[i].level > HBM])
-            self.layers.append((stack[:n] + stack[n + k :], box, ins, outs))
-            stack[n : n + k] = outs
+                self._join([j for j in ins + outs if self.arrays[j].level > HBM])
+            left = len(d.inside[i][0])
+            self.layers.append((stack[:left] + stack[left + len(ins) :], box, ins, outs))
+            stack[left : left + len(ins)] = outs
+            return outs
+
+        d.dataflow(list(stack), layer, structural=layer)
 
     def _new(self, array: Array) -> int:
         self.arrays.append(array)
@@ -406,11 +382,11 @@ def _layer(walk: _Walk, kernels: dict, hw: Hardware | None, onchip: Level, layer
         _, streamed, resident = kernels[walk.root(wires[0])]
         if any(walk.arrays[i].has(s) for i in wires for s in streamed):
             column = column + sorted(resident)
-    if not isinstance(box, Generator):
+    if is_structural(box):
         return _column(walk, hw, column, ())
     moves: list[tuple[Level, Level, Array, Expr]] = []
     extra = []
-    if isinstance(box, Move):
+    if box.transfers:
         src, dst = walk.arrays[ins[0]], walk.arrays[outs[0]]
         inner = max(src.level, dst.level)
         tiled = kernels[walk.root(outs[0] if dst.level == inner else ins[0])][0]
@@ -425,7 +401,7 @@ def _layer(walk: _Walk, kernels: dict, hw: Hardware | None, onchip: Level, layer
                 if scheduled:  # an unscheduled kernel's on-chip working set is not ours to know
                     extra.append((onchip, a.local_size, a.local_size * a.dtype.bytes))
     record = _column(walk, hw, column, extra)
-    tensor = _tensor_flops(box)
+    tensor = sympy.sympify(box.tensor_flops())
     narrowest = min((w.dtype for w in box.dom.inside), key=lambda t: t.bits, default=f32)
     return replace(
         record,

@@ -228,6 +228,41 @@ class Diagram(markov.Diagram):
                 raise AxisError(f"cannot weave over {sorted(clash)}: wire {wire.describe()} already has it")
         return self.map_arrays(lambda a: a.with_(axes=(*axes, *a.axes)))
 
+    def dataflow(self, values: list, step: Callable, *, structural: Callable | None = None) -> list:
+        """The one walk over the diagram's dataflow: ``step(i, box, ins)`` gives the outputs of the box of
+        layer ``i`` from the values on its inputs; swaps and copies move the values themselves (calling
+        ``structural(i, box, ins, outs)`` when given). Returns the values on the output wires.
+
+        >>> from napkin_cat import axes, exp, swap
+        >>> A = Array(*axes("n"))
+        >>> (exp(A) @ A >> swap(A, A)).dataflow(["a", "b"], lambda i, box, ins: [f"{box.name}({ins[0]})"])
+        ['b', 'exp(a)']
+        """
+        stack = list(values)
+        for i, (left, box, _) in enumerate(self.inside):
+            n, k = len(left), len(box.dom)
+            ins = stack[n : n + k]
+            if is_structural(box):
+                outs = ins[::-1] if is_swap(box) else ins * (len(box.cod) // max(k, 1))
+                if structural is not None:
+                    structural(i, box, ins, outs)
+            else:
+                outs = step(i, box, ins)
+            stack[n : n + k] = outs
+        return stack
+
+    def with_layers(self, layers: Iterable) -> Diagram:
+        """The diagram whose layers are ``(left, box, right)`` triples (boxes replaced, removed or added
+        in place), with this diagram's domain and codomain; types are not re-checked.
+
+        >>> from napkin_cat import axes, exp, log
+        >>> A = Array(*axes("n"))
+        >>> d = exp(A) >> exp(A)
+        >>> print(d.with_layers([(left, log(A), right) for left, _, right in d.inside]))
+        log[n → n] >> log[n → n]
+        """
+        return Diagram(tuple(monoidal.Layer(*layer) for layer in layers), self.dom, self.cod, _scan=False)
+
     def producer(self, j: int, pos: int) -> tuple[int | None, int]:
         """The layer index and output port of the box producing the wire at ``pos`` entering layer ``j``
         (``j = len(self.inside)`` for the outputs); ``(None, i)`` when it is the input wire ``i``."""
@@ -243,12 +278,11 @@ class Diagram(markov.Diagram):
     # --- equality up to interchange, swaps and copies ----------------------------------------
     def terms(self) -> tuple:
         """The output terms: each output as the nested application of boxes to input positions."""
-        stack: list = [("in", i) for i in range(len(self.dom))]
-        for left, box, _ in self.inside:
-            n = len(left)
-            ins = stack[n : n + len(box.dom)]
-            stack[n : n + len(box.dom)] = _term_step(box, ins)
-        return tuple(stack)
+
+        def step(i, box, ins):
+            return [((box.name, box.dom, box.cod, box.data, tuple(ins)), k) for k in range(len(box.cod))]
+
+        return tuple(self.dataflow([("in", i) for i in range(len(self.dom))], step))
 
     def __eq__(self, other):
         if not isinstance(other, Diagram):
@@ -269,27 +303,53 @@ def _layer_str(layer) -> str:
     return f"{box.name}[{box.dom} → {box.cod}]"
 
 
-def _term_step(box, ins: list) -> list:
-    if isinstance(box, markov.Swap):
-        return ins[::-1]
-    if isinstance(box, markov.Copy):  # Discard is a Copy with n = 0
-        return ins * len(box.cod)
-    key = (box.name, box.dom, box.cod, box.data, tuple(ins))
-    return [(key, i) for i in range(len(box.cod))]
-
-
 def _retype(box, ty):
-    if isinstance(box, markov.Swap):
+    if is_swap(box):
         return Swap(ty(box.left), ty(box.right))
-    if isinstance(box, markov.Copy):
+    if is_copy(box):
         return Copy(ty(box.dom), len(box.cod))
     return box.retyped(ty(box.dom), ty(box.cod))
+
+
+def is_swap(box) -> bool:
+    """Whether ``box`` is a swap (a symmetry: its outputs are its inputs, exchanged).
+
+    >>> from napkin_cat.axes import axes
+    >>> A = Array(*axes("n"))
+    >>> is_swap(swap(A, A).boxes[0]), is_swap(copy(A))
+    (True, False)
+    """
+    return isinstance(box, markov.Swap)
+
+
+def is_copy(box) -> bool:
+    """Whether ``box`` is a copy (a discard is a copy into no wires).
+
+    >>> from napkin_cat.axes import axes
+    >>> A = Array(*axes("n"))
+    >>> is_copy(copy(A)), is_copy(discard(A))
+    (True, True)
+    """
+    return isinstance(box, markov.Copy)
+
+
+def is_structural(box) -> bool:
+    """Whether ``box`` only rewires (a swap or a copy): it computes nothing.
+
+    >>> from napkin_cat.axes import axes
+    >>> A = Array(*axes("n"))
+    >>> is_structural(copy(A)), is_structural(swap(A, A).boxes[0])
+    (True, True)
+    """
+    return isinstance(box, markov.Swap | markov.Copy)
 
 
 class Box(markov.Box, Diagram):
     """A box whose parameters are a hashable tuple in ``data``; subclasses are the generators."""
 
     __ambiguous_inheritance__ = (markov.Box,)
+    #: the drawing family (its shape and colour in a picture)
+    family = "box"
 
     def retyped(self, dom: Ty, cod: Ty) -> Box:
         """The same generator on other wires (used by weaving and the relabellings)."""
@@ -300,6 +360,7 @@ class Copy(markov.Copy, Box):
     """Copy a wire ``n`` times (``n = 0`` discards it)."""
 
     __ambiguous_inheritance__ = (markov.Copy,)
+    family = "copy"
 
     def __init__(self, x, n: int = 2):
         markov.Copy.__init__(self, as_ty(x), n)
@@ -309,14 +370,21 @@ class Discard(markov.Discard, Copy):
     """Discard a wire (a copy into zero wires)."""
 
     __ambiguous_inheritance__ = (markov.Discard,)
+    family = "discard"
 
 
 class Merge(markov.Merge, Box):
+    """Merge wires (the monoid dual to a copy)."""
+
     __ambiguous_inheritance__ = (markov.Merge,)
+    family = "merge"
 
 
 class Swap(markov.Swap, Box):
+    """Swap two wires."""
+
     __ambiguous_inheritance__ = (markov.Swap,)
+    family = "swap"
 
 
 Diagram.copy_factory, Diagram.merge_factory = Copy, Merge

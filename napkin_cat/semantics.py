@@ -22,7 +22,6 @@ from collections.abc import Callable
 
 import jax.numpy as jnp
 import sympy
-from discopy import markov
 
 from napkin_cat.diagram import Diagram, Ty
 from napkin_cat.dtypes import dtype as as_dtype
@@ -75,22 +74,17 @@ def bind(dom: Ty, arrays, *, check_dtype: bool = True) -> dict:
     return sizes
 
 
-def apply(box, ins: list, ctx: Context) -> list:
-    """One box's semantics on the values of its input wires."""
-    if isinstance(box, markov.Swap):
-        return ins[::-1]
-    if isinstance(box, markov.Copy):
-        return ins * len(box.cod)
-    return box.evaluate(ins, ctx)
-
-
 def run(d: Diagram, values: list, ctx: Context) -> list:
-    """Evaluate ``d`` layer by layer on a list of wire values (the flat interpreter)."""
-    stack = list(values)
-    for left, box, _ in d.inside:
-        n = len(left)
-        stack[n : n + len(box.dom)] = apply(box, stack[n : n + len(box.dom)], ctx)
-    return stack
+    """Evaluate ``d`` layer by layer on a list of wire values (the flat interpreter), in ``ctx.xp``.
+
+    >>> import numpy as np
+    >>> from napkin_cat import axes, Array, reduce_sum
+    >>> from napkin_cat.generators import SYMPY
+    >>> (n,) = axes("n")
+    >>> run(reduce_sum(Array(n), n), [np.array(sympy.symbols("a b"), dtype=object)], Context(xp=SYMPY))
+    [array(a + b, dtype=object)]
+    """
+    return d.dataflow(values, lambda i, box, ins: box.evaluate(ins, ctx))
 
 
 def to_jax(d: Diagram) -> Callable:
@@ -98,6 +92,10 @@ def to_jax(d: Diagram) -> Callable:
 
     Returns one array when the diagram has one output, else a tuple. It traces to one jaxpr under
     ``jax.jit`` and works under ``jax.vmap`` and ``jax.grad``.
+
+    >>> from napkin_cat import axes, Array, exp
+    >>> to_jax(exp(Array(*axes("n"))))(jnp.zeros(2)).tolist()
+    [1.0, 1.0]
     """
 
     def f(*arrays):

@@ -25,32 +25,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import sympy
-from discopy import markov
 
-from napkin_cat.accumulators import ContractionSum, Monoid, NormalisedContraction, OnlineSoftmax
-from napkin_cat.diagram import Array, Diagram
-from napkin_cat.generators import (
-    Cast,
-    Contract,
-    Elementwise,
-    Generator,
-    IndexMap,
-    Mask,
-    Move,
-    NormalisedContract,
-    Reduce,
-    Reshape,
-    Softmax,
-    SoftmaxContract,
-)
+from napkin_cat.diagram import Array, Diagram, is_copy, is_structural
 from napkin_cat.levels import HBM
 from rewrites.rule import RewriteError
 from rewrites.schedule import partitions
 
 INDENT = "    "
-INFIX = {"add": "+", "subtract": "−", "multiply": "·", "divide": "/", "maximum": "max"}
-REDUCE = {"sum": "Σ", "max": "max", "min": "min"}
-UNIT = {"sum": "0", "max": "−∞", "min": "+∞"}
 
 
 @dataclass
@@ -98,8 +79,31 @@ class Program:
         return sympy.Mul(*(_extent(a) for a in wire.axes if a.name not in self.grid))
 
     def ix(self, v: Value) -> str:
+        """A value with its block's indices: ``S[q,x]`` (grid axes are implicit)."""
         names = [n for n in v.wire.names if n not in self.grid]
         return f"{v.name}[{','.join(names)}]" if names else v.name
+
+    def state(self, base: str, wire: Array) -> Value:
+        """A fresh accumulator state named after ``base``."""
+        return Value(self.fresh(base), wire)
+
+    def value(self, name: str, wire: Array) -> Value:
+        """A temporary value named ``name`` inside one step (not tracked in memory)."""
+        return Value(name, wire)
+
+    def block(self, v: Value) -> str:
+        """The slice of a wire one block reads: ``K[x₀:x₀+s_x, :]``; grid axes are fixed indices."""
+        parts = []
+        for a in v.wire.axes:
+            if a.name in self.grid:
+                parts.append(a.name)
+            elif a.stream is not None:
+                parts.append(f"{a.name}₀:{a.name}₀+s_{a.name}")
+            elif a.group is not None:
+                parts.append(f"{a.name}₀" if a.group == 1 else f"{a.name}₀:{a.name}₀+g_{a.name}")
+            else:
+                parts.append(":")
+        return f"{v.name}[{', '.join(parts)}]"
 
 
 def _extent(a) -> sympy.Expr:
@@ -114,14 +118,13 @@ def _grid(d: Diagram, tiles: dict, x: str | None) -> tuple:
     """Axes every input and output wire is weaved over and no box mixes: independent instances."""
     wires = [*d.dom.inside, *d.cod.inside]
     common = [n for n in wires[0].names if all(w.has(n) for w in wires)] if wires else []
-    mixed = {n for b in d.boxes if isinstance(b, Generator) for n in b.mixes}
+    mixed = {n for b in d.boxes if not is_structural(b) for n in b.mixes}
     return tuple(n for n in common if n not in tiles and n != x and n not in mixed)
 
 
 def _default_names(d: Diagram) -> tuple[list, list]:
-    kinds = {type(b) for b in d.boxes}
     n_in, n_out = len(d.dom), len(d.cod)
-    if kinds & {Softmax, SoftmaxContract, NormalisedContract} and n_in == 3:
+    if any(b.normalises for b in d.boxes if not is_structural(b)) and n_in == 3:
         return ["Q", "K", "V"], ["O"] if n_out == 1 else [f"O{i + 1}" for i in range(n_out)]
     if n_in and all(len(w.axes) < len(d.dom.inside[0].axes) for w in d.dom.inside[1:]) and n_in <= 3:
         return ["X", "γ", "β"][:n_in], ["Y"] if n_out == 1 else [f"Y{i + 1}" for i in range(n_out)]
@@ -130,21 +133,19 @@ def _default_names(d: Diagram) -> tuple[list, list]:
 
 
 def _flow(d: Diagram):
-    """Per layer, the value ids in and out (copies, swaps and moves alias their inputs' ids)."""
-    stack = list(range(len(d.dom)))
-    fresh, layers = len(d.dom), []
-    for left, box, _ in d.inside:
-        n, k = len(left), len(box.dom)
-        ins = stack[n : n + k]
-        if isinstance(box, markov.Swap):
-            outs = ins[::-1]
-        elif isinstance(box, markov.Copy):
-            outs = ins * len(box.cod)
-        else:
-            outs = list(range(fresh, fresh + len(box.cod)))
-            fresh += len(box.cod)
+    """Per layer, the value ids in and out (copies and swaps alias their inputs' ids)."""
+    layers, fresh = [], [len(d.dom)]
+
+    def step(i, box, ins):
+        outs = list(range(fresh[0], fresh[0] + len(box.cod)))
+        fresh[0] += len(box.cod)
         layers.append((box, ins, outs))
-        stack[n : n + k] = outs
+        return outs
+
+    def moved(i, box, ins, outs):
+        layers.append((box, ins, outs))
+
+    stack = d.dataflow(list(range(len(d.dom))), step, structural=moved)
     return layers, stack
 
 
@@ -194,7 +195,7 @@ def _output_names(layers, cod_ids, out_names) -> dict:
     """The value ids that become outputs (through stores), mapped to the output names."""
     source = {}
     for box, ins, outs in layers:
-        if isinstance(box, Move):
+        if not is_structural(box) and box.transfers:
             source[outs[0]] = source.get(ins[0], ins[0])
     named = {}
     for k, i in enumerate(cod_ids):
@@ -229,8 +230,7 @@ def _phase(prog: Program, box, carried: list, after: list) -> str:
     if prog.x is None:
         return "pre"
     if any(carried):
-        keeps = any(w.has(prog.x) for w in box.cod.inside)
-        return "loop" if keeps or not isinstance(box, Generator) else "acc"
+        return "loop" if any(w.has(prog.x) for w in box.cod.inside) else "acc"
     return "post" if any(after) else "pre"
 
 
@@ -240,24 +240,25 @@ def _body(prog: Program, layers, values: dict, output_of: dict, depth: int):
     after = dict.fromkeys(values, False)
     pre, init, loop, final, post = [], [], [], [], []
     for box, ins, outs in layers:
-        if isinstance(box, markov.Copy | markov.Swap):
-            for i, o in zip(ins * len(box.cod) if isinstance(box, markov.Copy) else ins[::-1], outs, strict=False):
+        if is_structural(box):
+            for i, o in zip(ins * len(box.cod) if is_copy(box) else ins[::-1], outs, strict=False):
                 carried[o], after[o] = carried[i], after[i]
             continue
         phase = _phase(prog, box, [carried[i] for i in ins], [after[i] for i in ins])
         ins_v = [values[i] for i in ins]
         for o, w in zip(outs, box.cod.inside, strict=True):
-            source = next((values[i].name for i in ins), "") if isinstance(box, Move) else None
-            values[o] = Value(source or prog.fresh(output_of.get(o) or _kind_name(box, w)), w)
+            source = next((values[i].name for i in ins), "") if box.transfers else None
+            values[o] = Value(source or prog.fresh(output_of.get(o) or box.symbol), w)
             if source:
                 prog.taken.add(source)
             carried[o] = bool(x) and w.has(x) and phase != "acc"
             after[o] = phase in ("acc", "post")
         outs_v = [values[o] for o in outs]
-        if phase == "acc":
-            _accumulate(prog, box, ins_v, outs_v, init, loop, final)
+        if phase == "acc":  # init before the stream loop, the accumulator's update in it, finalize after (FAN §3)
+            for part, lines in zip((init, loop, final), box.accumulator(x).lines(prog, ins_v, outs_v), strict=True):
+                part.extend(lines)
         else:
-            {"pre": pre, "loop": loop, "post": post}[phase].extend(_op(prog, box, ins_v, outs_v))
+            {"pre": pre, "loop": loop, "post": post}[phase].extend(box.lines(prog, ins_v, outs_v))
     for entry in pre + init:
         prog.emit(depth, *entry)
     if x is not None:
@@ -270,160 +271,6 @@ def _body(prog: Program, layers, values: dict, output_of: dict, depth: int):
 
 def _x_range(prog: Program) -> str:
     return f"g_{prog.x}" if prog.x in prog.tiles else prog.x
-
-
-def _kind_name(box, wire: Array) -> str:
-    if isinstance(box, Contract):
-        return "S" if wire.dtype.bits == 32 and len(box.dom) == 2 else "T"
-    if isinstance(box, Softmax):
-        return "P"
-    if isinstance(box, Reduce):
-        return {"sum": "Z", "max": "M", "min": "N"}[box.params["op"]]
-    if isinstance(box, Elementwise):
-        fn = box.params["fn"]
-        return {"exp": "E", "log": "L", "square": "X2", "rsqrt": "R"}.get(fn, "U") if isinstance(fn, str) else "U"
-    if isinstance(box, Mask | IndexMap):
-        return "S"
-    return "Y"
-
-
-def _scale(box) -> str:
-    scale = box.params.get("scale")
-    return "" if scale is None else f" · {sympy.sstr(scale)}"
-
-
-def _sum_of_products(prog: Program, box, ins: list, over: tuple) -> str:
-    product = "·".join(prog.ix(v) for v in ins)
-    return f"Σ_{''.join(over)} {product}" if over else product
-
-
-def _op(prog: Program, box, ins: list, outs: list) -> list:
-    """The lines of one box outside an accumulation: ``(text, defs, uses)``."""
-    out = outs[0] if outs else None
-    lhs = prog.ix(out) if out else ""
-    if isinstance(box, Move):
-        (v,) = ins
-        src, dst = v.wire.level, out.wire.level
-        verb = "load" if dst > src else "store"
-        return [(f"{verb} {_block(prog, v)} : {src} → {dst}", [out], [v])]
-    if isinstance(box, Contract):
-        return [(f"{lhs} = {_sum_of_products(prog, box, ins, box.reduced)}{_scale(box)}", outs, ins)]
-    if isinstance(box, Elementwise):
-        return [(f"{lhs} = {_elementwise(prog, box, ins)}", outs, ins, False, True)]
-    if isinstance(box, Cast):
-        return [(f"{lhs} = {out.wire.dtype}({prog.ix(ins[0])})", outs, ins, False, True)]
-    if isinstance(box, Mask):
-        keep = box.params["mask"]
-        name = getattr(keep, "__name__", repr(keep))
-        return [(f"{lhs} = {prog.ix(ins[0])} where {name} else −∞   # global indices", outs, ins, False, True)]
-    if isinstance(box, IndexMap):
-        return [(f"{lhs} = {box.name}({prog.ix(ins[0])}, indices)", outs, ins, False, True)]
-    if isinstance(box, Reduce):
-        a = box.params["axis"]
-        return [(f"{lhs} = {REDUCE[box.params['op']]}_{a} {prog.ix(ins[0])}", outs, ins)]
-    if isinstance(box, Softmax):
-        return [(f"{lhs} = softmax_{box.params['axis']} {prog.ix(ins[0])}", outs, ins)]
-    if isinstance(box, SoftmaxContract):
-        s, v = ins
-        a = box.params["axis"]
-        return [(f"{lhs} = Σ_{a} softmax_{a}({prog.ix(s)})·{prog.ix(v)}", outs, ins)]
-    if isinstance(box, NormalisedContract):
-        s, v = ins
-        a, p = box.params["axis"], box.params
-        fn = lambda f: getattr(f, "__name__", "f")  # noqa: E731
-        return [(f"{lhs} = Σ_{a} {fn(p['a1'])}({prog.ix(s)})·{prog.ix(v)} / {fn(p['b'])}(Σ_{a} {fn(p['a2'])}(…))",
-                 outs, ins)]
-    if isinstance(box, Reshape):
-        return [(f"{lhs} = reshape {prog.ix(ins[0])}", outs, ins)]
-    args = ", ".join(prog.ix(v) for v in ins)
-    return [(f"{', '.join(prog.ix(o) for o in outs)} = {box.name}({args})", outs, ins)]
-
-
-def _elementwise(prog: Program, box, ins: list) -> str:
-    p = box.params
-    fn = p["fn"]
-    args = [prog.ix(v) for v in ins] + ([_number(p["const"])] if "const" in p else [])
-    if isinstance(fn, str) and fn in INFIX and len(args) == 2:
-        return f"{args[0]} {INFIX[fn]} {args[1]}" if fn != "maximum" else f"max({args[0]}, {args[1]})"
-    name = fn if isinstance(fn, str) else getattr(fn, "__name__", "f")
-    return f"{name}({', '.join(args)})"
-
-
-def _number(c) -> str:
-    return f"{float(c):g}" if c.is_Float else sympy.sstr(c)
-
-
-def _block(prog: Program, v: Value) -> str:
-    """The slice of a wire one block reads: ``K[x₀:x₀+s_x, :]``; grid axes are fixed indices."""
-    parts = []
-    for a in v.wire.axes:
-        if a.name in prog.grid:
-            parts.append(a.name)
-        elif a.stream is not None:
-            parts.append(f"{a.name}₀:{a.name}₀+s_{a.name}")
-        elif a.group is not None:
-            parts.append(f"{a.name}₀" if a.group == 1 else f"{a.name}₀:{a.name}₀+g_{a.name}")
-        else:
-            parts.append(":")
-    return f"{v.name}[{', '.join(parts)}]"
-
-
-def _state(prog: Program, base: str, wire: Array) -> Value:
-    return Value(prog.fresh(base), wire)
-
-
-def _rows(wire: Array, axis: str) -> Array:
-    return wire.with_(axes=[a for a in wire.axes if a.name != axis])
-
-
-def _accumulate(prog: Program, box, ins: list, outs: list, init: list, loop: list, final: list):
-    """Init before the stream loop, the accumulator's update in it, finalize after it (FAN §3)."""
-    x, out = prog.x, outs[0]
-    acc = box.accumulator(x)
-    ix = prog.ix
-    if isinstance(acc, OnlineSoftmax):
-        s, v = ins
-        rows = _rows(s.wire, x)
-        m, sm, o = _state(prog, "m", rows), _state(prog, "l", rows), _state(prog, "o", out.wire)
-        mn, dl, p = (Value(n, w) for n, w in (("m_new", rows), ("δ", rows), ("P", s.wire)))
-        init.append((f"{ix(m)} = −∞; {ix(sm)} = 0; {ix(o)} = 0   # online softmax (running max, sum, output)",
-                     [m, sm, o], []))
-        loop += [
-            (f"{ix(mn)} = max({ix(m)}, max_{x} {ix(s)})", [], [m, s]),
-            (f"{ix(dl)} = exp({ix(m)} − {ix(mn)})   # rescaling", [], [m]),
-            (f"{ix(p)} = exp({ix(s)} − {ix(mn)})", [], [s]),
-            (f"{ix(sm)} = {ix(dl)}·{ix(sm)} + Σ_{x} {ix(p)}", [], [sm]),
-            (f"{ix(o)} = {ix(dl)}·{ix(o)} + Σ_{x} {ix(p)}·{ix(v)}", [], [o, v]),
-            (f"{ix(m)} = {ix(mn)}", [], [m]),
-        ]
-        final.append((f"{ix(out)} = {ix(o)} / {ix(sm)}", [out], [o, sm], False, True))
-    elif isinstance(acc, NormalisedContraction):
-        s, v = ins
-        z, o = _state(prog, "z", _rows(s.wire, x)), _state(prog, "o", out.wire)
-        name = lambda f: getattr(f, "__name__", "f")  # noqa: E731
-        a1, a2, b = (name(box.params[k]) for k in ("a1", "a2", "b"))
-        init.append((f"{ix(z)} = 0; {ix(o)} = 0   # normalised contraction (sum, output)", [z, o], []))
-        loop += [(f"{ix(z)} += Σ_{x} {a2}({ix(s)})", [], [z, s]),
-                 (f"{ix(o)} += Σ_{x} {a1}({ix(s)})·{ix(v)}", [], [o, v])]
-        final.append((f"{ix(out)} = {ix(o)} / {b}({ix(z)})", [out], [o, z], False, True))
-    elif isinstance(acc, ContractionSum):
-        a = _state(prog, f"acc_{out.name}", out.wire)
-        init.append((f"{ix(a)} = 0", [a], []))
-        loop.append((f"{ix(a)} += {_sum_of_products(prog, box, ins, box.reduced)}", [], [a, *ins]))
-        final.append((f"{ix(out)} = {ix(a)}{_scale(box)}", [out], [a], False, True))
-    elif isinstance(acc, Monoid):
-        op = box.params["op"]
-        a = _state(prog, f"acc_{out.name}", out.wire)
-        init.append((f"{ix(a)} = {UNIT[op]}", [a], []))
-        step = f"{ix(a)} + Σ_{x} {ix(ins[0])}" if op == "sum" else f"{op}({ix(a)}, {op}_{x} {ix(ins[0])})"
-        loop.append((f"{ix(a)} = {step}", [], [a, *ins]))
-        final.append((f"{ix(out)} = {ix(a)}", [out], [a], False, True))
-    else:  # a user's generator: its accumulator's own monoid
-        a = _state(prog, f"acc_{out.name}", out.wire)
-        kind = type(acc).__name__
-        init.append((f"{ix(a)} = identity   # {kind}", [a], []))
-        loop.append((f"{ix(a)} = step({ix(a)}, {', '.join(ix(v) for v in ins)})", [], [a, *ins]))
-        final.append((f"{', '.join(ix(o) for o in outs)} = finalize({ix(a)})", outs, [a], False, True))
 
 
 def _render(prog: Program) -> str:
@@ -490,7 +337,7 @@ def _transfers(prog: Program) -> str:
     groups = sympy.Mul(*(_axis(d, a).size / _extent(_axis(d, a)) for a in prog.tiles if a != x))
     totals: dict = {}
     for box in d.boxes:
-        if not isinstance(box, Move):
+        if is_structural(box) or not box.transfers:
             continue
         wire = box.dom.inside[0]
         trips = grid * groups

@@ -6,6 +6,10 @@ a loop over chunks that folds each reducing box's accumulator, then finalizes it
 comes after. Sizes the tile or stream does not divide are exact: the last group or chunk is ragged.
 This is the semantics every rewrite is verified against: ``execute(rule(d)) == to_jax(d)``.
 
+It is one interpreter, parameterised by the array namespace of its context (``ctx.xp``): ``execute``
+runs it in JAX, the symbolic proofs (``rewrites.proofs``) in sympy, and a kernel runs :func:`walk`
+on its blocks.
+
 >>> import jax, jax.numpy as jnp
 >>> import napkin_cat as nc
 >>> from rewrites import tile, stream
@@ -22,15 +26,23 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax.numpy as jnp
-from discopy import markov
+import numpy as np
 
 from napkin_cat.diagram import Diagram
-from napkin_cat.generators import Context, Generator
-from napkin_cat.semantics import apply, bind, run
+from napkin_cat.generators import Accumulator, Context, Generator
+from napkin_cat.semantics import bind, run
+from rewrites.rule import RewriteError
 
 
 def partitions(d: Diagram) -> tuple[dict, dict]:
-    """The tiled axes ``{name: g}`` and streamed axes ``{name: s}`` of a diagram's input wires."""
+    """The tiled axes ``{name: g}`` and streamed axes ``{name: s}`` of a diagram's input and output wires.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import tile, stream
+    >>> a, b, c = nc.axes("a b c")
+    >>> partitions(stream(b, 8)(tile(a, 4)(nc.library.matmul(a, b, c))))
+    ({'a': 4}, {'b': 8})
+    """
     tiles, streams = {}, {}
     for w in (*d.dom.inside, *d.cod.inside):
         for a in w.axes:
@@ -49,30 +61,15 @@ def _slice(value, wire, axis: str, start: int, stop: int):
 
 
 def _extent(wires, values, axis: str) -> int:
-    for w, v in zip(wires, values, strict=True):
-        if w.has(axis):
-            return v.shape[w.names.index(axis)]
-    raise ValueError(axis)
+    return next(np.shape(v)[w.names.index(axis)] for w, v in zip(wires, values, strict=True) if w.has(axis))
 
 
-def _run_tiled(d: Diagram, values: list, ctx: Context, tiles: list, streams: dict) -> list:
-    if not tiles:
-        return _run_streamed(d, values, ctx, streams)
-    (a, g), rest = tiles[0], tiles[1:]
-    n = _extent(d.dom.inside, values, a)
-    pieces = []
-    for start in range(0, n, g):
-        stop = min(start + g, n)
-        sub = [_slice(v, w, a, start, stop) for v, w in zip(values, d.dom.inside, strict=True)]
-        pieces.append(_run_tiled(d, sub, ctx.at(**{a: ctx.offsets.get(a, 0) + start}), rest, streams))
-    return [
-        jnp.concatenate([p[k] for p in pieces], axis=w.names.index(a)) if w.has(a) else pieces[0][k]
-        for k, w in enumerate(d.cod.inside)
-    ]
-
-
-def _fold(acc, state, ins, ctx):
+def _fold(acc: Accumulator, state, ins: list, ctx: Context):
     return acc.partial(ins, ctx) if state is None else acc.step(state, ins, ctx)
+
+
+def _reduces(box: Generator, axis: str) -> bool:
+    return any(w.has(axis) for w in box.dom.inside) and not any(w.has(axis) for w in box.cod.inside)
 
 
 def walk(
@@ -92,34 +89,65 @@ def walk(
     maps their layer index to their state); "final" finalizes them and evaluates the boxes after the
     reductions. ``None`` marks a wire not computed in this pass. Boxes for which ``skip(box)`` holds
     pass their inputs through (a kernel uses it to drop masks on blocks it knows are unmasked).
+
+    >>> import jax.numpy as jnp
+    >>> import napkin_cat as nc
+    >>> (n,) = nc.axes("n")
+    >>> total, states = nc.reduce_sum(nc.Array(n), n), {}
+    >>> for chunk in (jnp.array([1.0, 2.0]), jnp.array([3.0])):
+    ...     _ = walk(total, [chunk], Context(), "n", "chunk", states)
+    >>> walk(total, [None], Context(), "n", "final", states)
+    [Array(6., dtype=float32)]
     """
-    stack = list(values)
-    for i, (left, box, _) in enumerate(d.inside):
-        n, k = len(left), len(box.dom)
-        ins = stack[n : n + k]
-        reducing = (
-            isinstance(box, Generator)
-            and any(w.has(axis) for w in box.dom.inside)
-            and not any(w.has(axis) for w in box.cod.inside)
-        )
-        if reducing:
+
+    def step(i, box, ins):
+        if _reduces(box, axis):
             acc = box.accumulator(axis)
             if phase == "chunk":
                 states[i] = fold(acc, states.get(i), ins, ctx)
-                out = [None] * len(box.cod)
-            else:
-                out = acc.finalize(states[i], ctx)
-        elif isinstance(box, markov.Swap | markov.Copy):  # structure moves pending (None) wires as it is
-            out = apply(box, ins, ctx)
-        elif any(v is None for v in ins):  # downstream of a pending reduction, or a chunk in the final pass
-            out = [None] * len(box.cod)
-        else:
-            out = ins if skip(box) else apply(box, ins, ctx)
-        stack[n : n + k] = out
-    return stack
+                return [None] * len(box.cod)
+            return acc.finalize(states[i], ctx)
+        if any(v is None for v in ins):  # downstream of a pending reduction, or a chunk in the final pass
+            return [None] * len(box.cod)
+        return ins if skip(box) else box.evaluate(ins, ctx)
+
+    return d.dataflow(values, step)
 
 
-def _run_streamed(d: Diagram, values: list, ctx: Context, streams: dict) -> list:
+def scheduled(d: Diagram, values: list, ctx: Context) -> list:
+    """The outputs of ``d`` on ``values`` with its tiles and stream run as loops, in ``ctx.xp``.
+
+    >>> import numpy as np, sympy
+    >>> import napkin_cat as nc
+    >>> from napkin_cat.generators import SYMPY
+    >>> from rewrites import stream
+    >>> (n,) = nc.axes("n")
+    >>> w = np.array(sympy.symbols("a b c"), dtype=object)
+    >>> scheduled(stream(n, 2)(nc.reduce_max(nc.Array(n), n)), [w], Context({n.size: 3}, xp=SYMPY))
+    [array(Max(a, b, c), dtype=object)]
+    """
+    tiles, streams = partitions(d)
+    if len(streams) > 1:
+        raise RewriteError("execute", f"one streamed axis per kernel is supported, got {sorted(streams)}")
+    return _tiled(d, list(values), ctx, list(tiles.items()), streams)
+
+
+def _tiled(d: Diagram, values: list, ctx: Context, tiles: list, streams: dict) -> list:
+    if not tiles:
+        return _streamed(d, values, ctx, streams)
+    (a, g), rest = tiles[0], tiles[1:]
+    n = _extent(d.dom.inside, values, a)
+    pieces = []
+    for start in range(0, n, g):
+        sub = [_slice(v, w, a, start, min(start + g, n)) for v, w in zip(values, d.dom.inside, strict=True)]
+        pieces.append(_tiled(d, sub, ctx.at(**{a: ctx.offsets.get(a, 0) + start}), rest, streams))
+    return [
+        ctx.xp.concatenate([p[k] for p in pieces], axis=w.names.index(a)) if w.has(a) else pieces[0][k]
+        for k, w in enumerate(d.cod.inside)
+    ]
+
+
+def _streamed(d: Diagram, values: list, ctx: Context, streams: dict) -> list:
     if not streams:
         return run(d, values, ctx)
     ((x, s),) = streams.items()
@@ -133,17 +161,22 @@ def _run_streamed(d: Diagram, values: list, ctx: Context, streams: dict) -> list
 
 
 def execute(d: Diagram) -> Callable:
-    """The scheduled algorithm of ``d`` (its tiles and streams run as loops) as a JAX function."""
-    tiles, streams = partitions(d)
-    if len(streams) > 1:
-        from rewrites.rule import RewriteError
+    """The scheduled algorithm of ``d`` (its tiles and streams run as loops) as a JAX function.
 
+    >>> import jax.numpy as jnp
+    >>> import napkin_cat as nc
+    >>> from rewrites import stream
+    >>> (n,) = nc.axes("n")
+    >>> float(execute(stream(n, 2)(nc.reduce_sum(nc.Array(n), n)))(jnp.arange(5.0)))
+    10.0
+    """
+    _, streams = partitions(d)
+    if len(streams) > 1:
         raise RewriteError("execute", f"one streamed axis per kernel is supported, got {sorted(streams)}")
 
     def f(*arrays):
         arrays = [jnp.asarray(a) for a in arrays]
-        ctx = Context(sizes=bind(d.dom, arrays))
-        out = _run_tiled(d, arrays, ctx, list(tiles.items()), streams)
+        out = scheduled(d, arrays, Context(sizes=bind(d.dom, arrays)))
         return out[0] if len(out) == 1 else tuple(out)
 
     return f

@@ -1,0 +1,140 @@
+"""Generators: the boxes diagrams are built from. Each is one class carrying everything about it.
+
+Every generator is polymorphic in its axes: its semantics is written over *named* axes, so weaving
+(prepending axes to every wire) and the partition labels need nothing from the generator itself.
+A generator declares
+
+* ``evaluate(inputs, ctx)`` — its semantics, written once against the array namespace ``ctx.xp``
+  (JAX for ``to_jax``, blocks in a kernel, sympy object arrays in the proofs);
+* ``flops()``, ``transcendentals()``, ``tensor_flops()`` — its cost, sympy expressions in the sizes;
+* ``accumulator(axis)`` — where it is streamable along ``axis`` (FAN §3), its accumulator;
+* ``backward(tape, ins, outs, cts)`` — its derivative, as boxes on the reverse-mode tape;
+* ``family``, ``symbol``, ``lines(prog, ins, outs)`` — its picture and its pseudocode;
+* ``contracts``, ``transfers``, ``diagonal()``, ``in_base2()``, ``passes_base()``, ``scaled(c)`` — what
+  a backend needs to lower it.
+
+One module per concept: contraction, elementwise maps and casts, index maps and masks, reductions,
+the softmax family, structure (reshapes, moves).
+
+>>> from napkin_cat import axes, Array
+>>> q, x, d = axes("q x d")
+>>> s = contract("q d, x d -> q x", q, x, d)
+>>> print(s.dom, "→", s.cod)
+q×d ⊗ x×d → q×x
+>>> s.flops(), s.family
+(2*d*q*x, 'contraction')
+"""
+
+from napkin_cat.generators._arrays import JAX, SYMPY, Jax, Sympy
+from napkin_cat.generators._base import (
+    Accumulator,
+    Context,
+    Generator,
+    NoDerivative,
+    align,
+    contraction_size,
+    einsum_spec,
+    fname,
+)
+from napkin_cat.generators._contraction import Contract, ContractionSum, contract
+from napkin_cat.generators._elementwise import (
+    ELEMENTWISE,
+    Cast,
+    Elementwise,
+    Partial,
+    add,
+    cast,
+    divide,
+    elementwise,
+    exp,
+    gelu,
+    log,
+    multiply,
+    relu,
+    rsqrt,
+    scale,
+    silu,
+    sqrt,
+    square,
+    subtract,
+    tanh,
+)
+from napkin_cat.generators._index import Causal, IndexMap, Kept, Mask, ScoreDerivative, causal_mask, mask, score_mod
+from napkin_cat.generators._reduce import Monoid, Reduce, attains, broadcast, reduce_max, reduce_min, reduce_sum
+from napkin_cat.generators._softmax import (
+    NormalisedContract,
+    NormalisedContraction,
+    OnlineSoftmax,
+    Softmax,
+    SoftmaxContract,
+    normalised_contract,
+    softmax,
+    softmax_contract,
+)
+from napkin_cat.generators._structure import Move, Reshape, merge, move, split
+
+__all__ = [
+    "ELEMENTWISE",
+    "JAX",
+    "SYMPY",
+    "Accumulator",
+    "Cast",
+    "Causal",
+    "Context",
+    "Contract",
+    "ContractionSum",
+    "Elementwise",
+    "Generator",
+    "IndexMap",
+    "Jax",
+    "Kept",
+    "Mask",
+    "Monoid",
+    "Move",
+    "NoDerivative",
+    "NormalisedContract",
+    "NormalisedContraction",
+    "OnlineSoftmax",
+    "Partial",
+    "Reduce",
+    "Reshape",
+    "ScoreDerivative",
+    "Softmax",
+    "SoftmaxContract",
+    "Sympy",
+    "add",
+    "align",
+    "attains",
+    "broadcast",
+    "cast",
+    "causal_mask",
+    "contract",
+    "contraction_size",
+    "divide",
+    "einsum_spec",
+    "elementwise",
+    "exp",
+    "fname",
+    "gelu",
+    "log",
+    "mask",
+    "merge",
+    "move",
+    "multiply",
+    "normalised_contract",
+    "reduce_max",
+    "reduce_min",
+    "reduce_sum",
+    "relu",
+    "rsqrt",
+    "scale",
+    "score_mod",
+    "silu",
+    "softmax",
+    "softmax_contract",
+    "split",
+    "sqrt",
+    "square",
+    "subtract",
+    "tanh",
+]

@@ -1,0 +1,244 @@
+"""Index-dependent maps: score modifiers and masks (FlexAttention's ``score_mod`` and ``mask_mod``).
+
+**How an index function meets the axes.** A score modifier ``fn(score, **indices)`` takes the score as
+its *first* parameter, whatever that parameter is called; its other parameters are indices, each named
+after an axis of the scores. A mask ``keep(**indices)`` has only index parameters. A function taking
+``**kwargs`` receives every axis. So ``lambda x: 30 * tanh(x / 30)`` is a score-only modifier even on
+scores with an axis named ``x``:
+
+>>> import jax.numpy as jnp
+>>> from napkin_cat import axes, Array, to_jax
+>>> q, x = axes("q x")
+>>> cap = score_mod(Array(q, x), lambda x: 30 * jnp.tanh(x / 30))
+>>> float(to_jax(cap)(jnp.full((2, 3), 60.0))[1, 2]) == float(30 * jnp.tanh(2.0))
+True
+>>> def alibi(s, q, x): return s - 0.5 * abs(q - x)
+>>> float(to_jax(score_mod(Array(q, x), alibi))(jnp.zeros((2, 3)))[0, 2])
+-1.0
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from napkin_cat.axes import Axis
+from napkin_cat.diagram import Array, Ty
+from napkin_cat.dtypes import f32
+from napkin_cat.errors import AxisError
+from napkin_cat.generators._base import Generator, fname
+
+
+def index_names(fn: Callable, *, score: bool) -> tuple[str, ...] | None:
+    """The axis names an index function reads: its parameters after the score (``score=True``) or all of
+    them (a mask); None when it takes ``**kwargs`` (every axis) or hides its signature.
+
+    >>> index_names(lambda s, q, x: s, score=True), index_names(lambda x: x, score=True)
+    (('q', 'x'), ())
+    >>> index_names(lambda q, x: q >= x, score=False)
+    ('q', 'x')
+    """
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind == p.VAR_KEYWORD for p in params):
+        return None
+    return tuple(p.name for p in params[1 if score else 0 :])
+
+
+def _wanted(fn: Callable, indices: dict, *, score: bool) -> dict:
+    """The indices ``fn`` reads, by name (all of them with ``**kwargs``), so weaving adds none."""
+    names = index_names(fn, score=score)
+    return indices if names is None else {k: v for k, v in indices.items() if k in names}
+
+
+def _check(fn: Callable, a: Array, rule: str, *, score: bool):
+    names = index_names(fn, score=score)
+    unknown = [n for n in names or () if n not in a.names]
+    if unknown:
+        raise AxisError(f"{rule} {fname(fn)}: indices {unknown} are not axes of {a.describe()}")
+
+
+@dataclass(frozen=True)
+class ScoreDerivative:
+    """``∂fn(s, **indices)/∂s``, elementwise: the index map of a score modifier's derivative.
+
+    >>> float(ScoreDerivative(lambda s: s * s)(jnp.float32(3.0)))
+    6.0
+    """
+
+    fn: Callable
+
+    def __call__(self, s, **indices):
+        return jax.jvp(lambda v: self.fn(v, **indices), (s,), (jnp.ones_like(s),))[1]
+
+    @property
+    def __signature__(self):
+        return inspect.signature(self.fn)
+
+    @property
+    def __name__(self):
+        return f"{fname(self.fn)}'"
+
+
+@dataclass(frozen=True)
+class Kept:
+    """The cotangent where ``keep(**indices)`` holds, else 0: a mask's backward.
+
+    >>> Kept(lambda q, x: x <= q)(jnp.ones(2), q=jnp.array([0, 0]), x=jnp.array([0, 1])).tolist()
+    [1.0, 0.0]
+    """
+
+    keep: Callable
+
+    def __call__(self, ct, **indices):
+        return jnp.where(self.keep(**indices), ct, 0.0)
+
+    @property
+    def __signature__(self):
+        ct = inspect.Parameter("cotangent", inspect.Parameter.POSITIONAL_ONLY)
+        return inspect.Signature([ct, *inspect.signature(self.keep).parameters.values()])
+
+    @property
+    def __name__(self):
+        return f"kept {fname(self.keep)}"
+
+
+class IndexMap(Generator):
+    """A pointwise map that reads the global indices of the elements (FlexAttention's ``score_mod``).
+
+    ``fn(value, **indices)`` gets the value first and, per axis it names, the index along that axis.
+
+    >>> from napkin_cat import axes
+    >>> score_mod(Array(*axes("q x")), lambda s, q: s + q).flops()
+    q*x
+    """
+
+    family, symbol = "mask", "S"
+
+    def evaluate(self, ins, ctx):
+        (v,), xp = ins, ctx.xp
+        fn = self.params["fn"]
+        idx = _wanted(fn, ctx.indices(self.dom.inside[0], xp.shape(v)), score=True)
+        return [xp.cast(xp.index_map(fn, xp.f32(v), idx), self.out.dtype)]
+
+    def flops(self):
+        return self.out.size
+
+    def lines(self, prog, ins, outs):
+        return [(f"{prog.ix(outs[0])} = {self.name}({prog.ix(ins[0])}, indices)", outs, ins, False, True)]
+
+    def backward(self, t, ins, outs, cts):
+        (s,), fn = ins, self.params["fn"]
+        S = t.ty(s)
+        slope = ScoreDerivative(fn)
+        box = IndexMap(f"score_mod {fname(slope)}", Ty(S), Ty(S.with_(dtype=f32)), data=(("fn", slope),))
+        return [t.ew("multiply", cts[0], t(box, s))]
+
+
+class Mask(Generator):
+    """Keep a score where ``mask(**indices)`` holds, else ``-inf`` (FlexAttention's ``mask_mod``).
+
+    >>> from napkin_cat import axes
+    >>> causal_mask(Array(*axes("q x")), "q", "x").diagonal()
+    ('q', 'x')
+    """
+
+    family, symbol = "mask", "S"
+
+    def evaluate(self, ins, ctx):
+        (v,), xp = ins, ctx.xp
+        keep = self.params["mask"]
+        keep = keep(**_wanted(keep, ctx.indices(self.dom.inside[0], xp.shape(v)), score=False))
+        return [xp.cast(xp.where(keep, v, -xp.inf), self.out.dtype)]
+
+    def flops(self):
+        return self.out.size
+
+    def passes_base(self):
+        return True
+
+    def diagonal(self):
+        keep = self.params["mask"]
+        return (keep.q, keep.x) if isinstance(keep, Causal) else None
+
+    def lines(self, prog, ins, outs):
+        name = getattr(self.params["mask"], "__name__", repr(self.params["mask"]))
+        text = f"{prog.ix(outs[0])} = {prog.ix(ins[0])} where {name} else −∞   # global indices"
+        return [(text, outs, ins, False, True)]
+
+    def backward(self, t, ins, outs, cts):
+        keep, C = self.params["mask"], t.ty(cts[0])
+        return [t(IndexMap(f"kept {fname(keep)}", Ty(C), Ty(C), data=(("fn", Kept(keep)),)), cts[0])]
+
+
+@dataclass(frozen=True)
+class Causal:
+    """The causal mask: query ``q`` sees key ``x`` when ``x ≤ q`` (top-left aligned, as ``jax.nn``).
+
+    >>> Causal("q", "x")(q=1, x=2)
+    False
+    """
+
+    q: str
+    x: str
+
+    def __call__(self, **idx):
+        return idx[self.x] <= idx[self.q]
+
+    @property
+    def __signature__(self):
+        return inspect.Signature([inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY) for n in (self.q, self.x)])
+
+    @property
+    def __name__(self):
+        return f"causal({self.q} ≥ {self.x})"
+
+
+def score_mod(a: Array, fn: Callable) -> IndexMap:
+    """An index-dependent score modifier ``fn(score, **indices)`` (the score is the first parameter; the
+    others name axes of ``a``; see the module's docstring).
+
+    >>> from napkin_cat import axes, Array
+    >>> q, x = axes("q x")
+    >>> def alibi(s, q, x): return s - 0.5 * abs(q - x)
+    >>> score_mod(Array(q, x), alibi).name
+    'score_mod alibi'
+    >>> score_mod(Array(q, x), lambda s, k: s)
+    Traceback (most recent call last):
+    ...
+    napkin_cat.errors.AxisError: score_mod <lambda>: indices ['k'] are not axes of q×x:f32@HBM
+    """
+    _check(fn, a, "score_mod", score=True)
+    return IndexMap(f"score_mod {fname(fn)}", Ty(a), Ty(a), data=(("fn", fn),))
+
+
+def mask(a: Array, keep: Callable) -> Mask:
+    """Mask scores where ``keep(**indices)`` is false (they become ``-inf``); every parameter names an axis.
+
+    >>> from napkin_cat import axes, Array
+    >>> q, x = axes("q x")
+    >>> mask(Array(q, x), lambda q, x: x <= q + 4).name
+    'mask <lambda>'
+    """
+    _check(keep, a, "mask", score=False)
+    return Mask(f"mask {fname(keep)}", Ty(a), Ty(a), data=(("mask", keep),))
+
+
+def causal_mask(a: Array, q: Axis | str, x: Axis | str) -> Mask:
+    """The causal mask on scores ``a`` indexed by queries ``q`` and keys ``x``.
+
+    >>> from napkin_cat import axes, Array
+    >>> q, x = axes("q x")
+    >>> causal_mask(Array(q, x), q, x).name
+    'mask causal(q ≥ x)'
+    """
+    qn, xn = (getattr(v, "name", v) for v in (q, x))
+    for n in (qn, xn):
+        a.axis(n)
+    return mask(a, Causal(qn, xn))

@@ -1,0 +1,387 @@
+"""Softmax and the normalised contractions it fuses into (FAN's softmax-contraction lemma; the
+spherical-attention paper's normalised contraction), with their online accumulators.
+
+>>> from napkin_cat import axes, Array
+>>> q, x = axes("q x")
+>>> softmax(Array(q, x), x).accumulator("x") is None  # softmax alone leaves x unreduced
+True
+"""
+
+from __future__ import annotations
+
+import sympy
+
+from napkin_cat.axes import Axis
+from napkin_cat.diagram import Array, Template, Ty
+from napkin_cat.dtypes import f32
+from napkin_cat.errors import AxisError
+from napkin_cat.generators._base import Accumulator, Generator, align, contraction_size, einsum_spec
+from napkin_cat.generators._elementwise import Partial
+from napkin_cat.generators._reduce import reduce_sum
+
+
+def _safe(xp, m):
+    return xp.where(xp.isneginf(m), 0, m)
+
+
+def safe_softmax(xp, v, i: int):
+    """Softmax of ``v`` along axis ``i`` in namespace ``xp``; fully masked rows give 0, never NaN.
+
+    >>> from napkin_cat.generators import JAX
+    >>> safe_softmax(JAX, JAX.asarray([[0.0, 0.0], [-JAX.inf, -JAX.inf]]), 1).tolist()
+    [[0.5, 0.5], [0.0, 0.0]]
+    """
+    m = xp.expand_dims(_safe(xp, xp.max(v, i)), i)
+    e = xp.exp(v - m)
+    z = xp.expand_dims(xp.sum(e, i), i)
+    return e / xp.where(z == 0, 1, z)
+
+
+def _name(f) -> str:
+    return getattr(f, "__name__", "f")
+
+
+def softmax_backward(t, P: str, dP: str | None, axis: str, dlse: str | None = None) -> str:
+    """``dS = P ⊙ (dP − Σ_axis P ⊙ dP)`` (plus ``P ⊙ dlse`` for a log-sum-exp output), on the tape ``t``."""
+    S = t.ty(P)
+    u = None
+    if dP is not None:
+        u = t.ew("subtract", dP, t(reduce_sum(S, axis), t.ew("multiply", P, dP)), out=S)
+    if dlse is not None:
+        u = dlse if u is None else t.ew("add", u, dlse, out=S)
+    return t.ew("multiply", P, u, out=S)
+
+
+class Softmax(Generator):
+    """Softmax over one axis, in f32. Not streamable alone: its output keeps the axis.
+
+    >>> from napkin_cat import axes
+    >>> softmax(Array(*axes("n")), "n").flops()
+    4*n
+    """
+
+    family, symbol, normalises = "reduction", "P", True
+
+    @property
+    def mixes(self):
+        return (self.params["axis"],)
+
+    def evaluate(self, ins, ctx):
+        (v,), xp = ins, ctx.xp
+        i = self.dom.inside[0].names.index(self.params["axis"])
+        return [xp.cast(safe_softmax(xp, xp.f32(v), i), self.out.dtype)]
+
+    def flops(self):
+        return 4 * self.out.size  # max, subtract, sum, divide
+
+    def transcendentals(self):
+        return self.out.size
+
+    def lines(self, prog, ins, outs):
+        return [(f"{prog.ix(outs[0])} = softmax_{self.params['axis']} {prog.ix(ins[0])}", outs, ins)]
+
+    def backward(self, t, ins, outs, cts):
+        return [softmax_backward(t, outs[0], cts[0], self.params["axis"])]
+
+
+def softmax(a: Array | Axis | str, axis: Axis | str | None = None) -> Softmax | Template:
+    """Softmax of an array over ``axis``; ``softmax(axis)`` alone is a template for ``>>``.
+
+    >>> from napkin_cat import axes, Array
+    >>> q, x = axes("q x")
+    >>> softmax(Array(q), x)
+    Traceback (most recent call last):
+    ...
+    napkin_cat.errors.AxisError: softmax over 'x': array q:f32@HBM has no such axis
+    """
+    if isinstance(a, Axis | str):
+        return Template(softmax, a)
+    name = getattr(axis, "name", axis)
+    if not a.has(name):
+        raise AxisError(f"softmax over {name!r}: array {a.describe()} has no such axis")
+    return Softmax(f"softmax {name}", Ty(a), Ty(a.with_(dtype=f32)), data=(("axis", name),))
+
+
+class SoftmaxContract(Generator):
+    """Softmax over ``axis`` followed by a contraction over it (FAN's softmax-contraction lemma).
+
+    Inputs: scores ``s`` and values ``v``, both indexed by ``axis``; output ``softmax(s) · v``, and with a
+    second output the log-sum-exp of the scores (the backward's residual). With ``("base", 2)`` in its
+    data the scores are in base 2 (``s·log₂e``; the kernel uses ``exp2``). Streamable along ``axis`` with
+    the online-softmax accumulator (running max, sum and rescaling).
+
+    >>> from napkin_cat import axes
+    >>> q, x, d = axes("q x d")
+    >>> box = softmax_contract(Array(q, x), Array(x, d), x, Array(q, d))
+    >>> box.tensor_flops(), box.in_base2().params["base"]
+    (2*d*q*x, 2)
+    """
+
+    family, normalises, contracts = "reduction", True, True
+
+    @property
+    def base2(self) -> bool:
+        """Whether the scores are in base 2."""
+        return self.params.get("base") == 2
+
+    def evaluate(self, ins, ctx):
+        (s, v), xp = ins, ctx.xp
+        s = xp.f32(s)
+        if self.base2:
+            s = s * ctx.number(sympy.log(2))
+        i = self.dom.inside[0].names.index(self.params["axis"])
+        p = xp.like(safe_softmax(xp, s, i), v)
+        dom = Ty(self.dom.inside[0].with_(dtype=f32), self.dom.inside[1])
+        out = [xp.cast(xp.einsum(einsum_spec(dom, self.out), p, v), self.out.dtype)]
+        if len(self.cod) == 2:  # with the log-sum-exp residual; +inf on fully masked rows
+            m = _safe(xp, xp.max(s, i))
+            lse = m + xp.log(xp.sum(xp.exp(s - xp.expand_dims(m, i)), i))
+            out.append(xp.where(xp.isneginf(lse), xp.inf, lse))
+        return out
+
+    def flops(self):
+        s, v = self.dom.inside
+        return 4 * s.size + 2 * contraction_size(s, v, self.out)
+
+    def transcendentals(self):
+        return self.dom.inside[0].size
+
+    def tensor_flops(self):
+        return 2 * contraction_size(*self.dom.inside, *self.cod.inside)
+
+    def accumulator(self, axis):
+        return OnlineSoftmax(self, axis) if axis == self.params["axis"] else None
+
+    def in_base2(self):
+        if self.params.get("base"):
+            return None
+        return type(self)(self.name, self.dom, self.cod, data=(*self.data, ("base", 2)))
+
+    def lines(self, prog, ins, outs):
+        (s, v), a = ins, self.params["axis"]
+        return [(f"{prog.ix(outs[0])} = Σ_{a} softmax_{a}({prog.ix(s)})·{prog.ix(v)}", outs, ins)]
+
+    def backward(self, t, ins, outs, cts):
+        (s, v), axis = ins, self.params["axis"]
+        ct, dlse = (*cts, None)[:2]
+        if self.base2:
+            s = t.ew("multiply", s, const=sympy.log(2))
+        P = t(softmax(t.ty(s), axis), s)
+        dP = dv = None
+        if ct is not None:
+            dP, dv = t.transpose([P, v], 0, ct), t.transpose([P, v], 1, ct)
+        ds = softmax_backward(t, P, dP, axis, dlse)
+        return [t.ew("multiply", ds, const=sympy.log(2)) if self.base2 else ds, dv]
+
+
+class OnlineSoftmax(Accumulator):
+    """Softmax followed by a contraction (FAN §3; FlashAttention's online softmax).
+
+    State ``(m, l, o)``: running max ``m``, running sum ``l = Σ exp(s − m)``, and the unnormalised
+    output ``o = Σ exp(s − m) · v``. Combining rescales both sides by ``δ = exp(m_side − m')``.
+    Fully masked rows (``m = −∞``) keep ``l = 0`` and finalize to 0, never NaN.
+
+    >>> from napkin_cat import axes
+    >>> q, x, d = axes("q x d")
+    >>> softmax_contract(Array(q, x), Array(x, d), x, Array(q, d)).accumulator("x").padding
+    (-inf, 0.0)
+    """
+
+    padding = (-float("inf"), 0.0)
+
+    def _exp(self, ctx):
+        """``exp``, or ``exp2`` when the scores are in base 2 (a kernel folds log₂e into their scale)."""
+        return ctx.xp.exp2 if self.box.base2 else ctx.xp.exp
+
+    def _out(self, xp, stat):
+        """A row statistic broadcast to the output's axes."""
+        return align(xp, stat, self.rows(), self.box.out)
+
+    def _pv(self, xp, p, v):
+        dom = Ty(self.box.dom.inside[0].with_(dtype=f32), self.box.dom.inside[1])
+        return xp.einsum(einsum_spec(dom, self.box.out), xp.like(p, v), v)
+
+    def partial(self, ins, ctx):
+        (s, v), xp, i = ins, ctx.xp, self.at
+        s = xp.f32(s)
+        m = xp.max(s, i)
+        p = self._exp(ctx)(s - xp.expand_dims(_safe(xp, m), i))
+        return m, xp.sum(p, i), self._pv(xp, p, v)
+
+    def combine(self, a, b, ctx):
+        (ma, la, oa), (mb, lb, ob), xp, exp = a, b, ctx.xp, self._exp(ctx)
+        m = xp.maximum(ma, mb)
+        da, db = exp(ma - _safe(xp, m)), exp(mb - _safe(xp, m))
+        return m, la * da + lb * db, oa * self._out(xp, da) + ob * self._out(xp, db)
+
+    def step(self, state, ins, ctx):
+        """FlashAttention-2's update: scores exponentiated once against the new running max."""
+        (m, total, o), (s, v), xp, i, exp = state, ins, ctx.xp, self.at, self._exp(ctx)
+        s = xp.f32(s)
+        m_new = xp.maximum(m, xp.max(s, i))
+        delta = exp(m - _safe(xp, m_new))
+        p = exp(s - xp.expand_dims(_safe(xp, m_new), i))
+        return m_new, total * delta + xp.sum(p, i), o * self._out(xp, delta) + self._pv(xp, p, v)
+
+    def finalize(self, state, ctx):
+        (m, total, o), xp = state, ctx.xp
+        empty = total == 0
+        out = [xp.cast(o / self._out(xp, xp.where(empty, 1, total)), self.box.out.dtype)]
+        if len(self.box.cod) == 2:  # the log-sum-exp residual for the backward pass; +inf on empty rows
+            lse = (m + xp.log2(total)) * ctx.number(sympy.log(2)) if self.box.base2 else m + xp.log(total)
+            out.append(xp.where(empty, xp.inf, lse))
+        return out
+
+    def identity(self, like, ctx):
+        return tuple(ctx.xp.full(s.shape, unit) for s, unit in zip(like, (-ctx.xp.inf, 0, 0), strict=True))
+
+    def lines(self, prog, ins, outs):
+        (s, v), out, x, ix = ins, outs[0], self.axis, prog.ix
+        rows = s.wire.with_(axes=[a for a in s.wire.axes if a.name != x])
+        m, sm, o = prog.state("m", rows), prog.state("l", rows), prog.state("o", out.wire)
+        mn, dl, p = prog.value("m_new", rows), prog.value("δ", rows), prog.value("P", s.wire)
+        init = [
+            (f"{ix(m)} = −∞; {ix(sm)} = 0; {ix(o)} = 0   # online softmax (running max, sum, output)", [m, sm, o], [])
+        ]
+        loop = [
+            (f"{ix(mn)} = max({ix(m)}, max_{x} {ix(s)})", [], [m, s]),
+            (f"{ix(dl)} = exp({ix(m)} − {ix(mn)})   # rescaling", [], [m]),
+            (f"{ix(p)} = exp({ix(s)} − {ix(mn)})", [], [s]),
+            (f"{ix(sm)} = {ix(dl)}·{ix(sm)} + Σ_{x} {ix(p)}", [], [sm]),
+            (f"{ix(o)} = {ix(dl)}·{ix(o)} + Σ_{x} {ix(p)}·{ix(v)}", [], [o, v]),
+            (f"{ix(m)} = {ix(mn)}", [], [m]),
+        ]
+        return init, loop, [(f"{ix(out)} = {ix(o)} / {ix(sm)}", [out], [o, sm], False, True)]
+
+
+def softmax_contract(s: Array, v: Array, axis: Axis | str, out: Array) -> SoftmaxContract:
+    """The fused ``softmax(s, axis)`` then contraction with ``v`` over ``axis``, giving ``out``.
+
+    >>> from napkin_cat import axes, Array
+    >>> q, x, d = axes("q x d")
+    >>> softmax_contract(Array(q, x), Array(x, d), x, Array(q, d)).name
+    'softmax·contract x'
+    """
+    name = getattr(axis, "name", axis)
+    for w in (s, v):
+        if not w.has(name):
+            raise AxisError(f"softmax_contract over {name!r}: {w.describe()} lacks the axis")
+    return SoftmaxContract(f"softmax·contract {name}", Ty(s, v), Ty(out), data=(("axis", name),))
+
+
+class NormalisedContract(Generator):
+    """A normalised contraction (spherical-attention paper): ``N(s)ᵢ = a₁(sᵢ) / b(Σⱼ a₂(sⱼ))``, then
+    contraction with ``v`` over the axis. Streamable: accumulate ``Σ a₂`` and ``Σ a₁(s)·v``.
+    ``a1``, ``a2``, ``b`` are JAX-traceable callables (hashable, e.g. module-level functions).
+
+    >>> import jax.numpy as jnp
+    >>> from napkin_cat import axes
+    >>> q, x, d = axes("q x d")
+    >>> normalised_contract(Array(q, x), Array(x, d), x, Array(q, d), a1=jnp.exp, a2=jnp.exp, b=jnp.sqrt).flops()
+    2*d*q*x + 3*q*x
+    """
+
+    family, normalises = "reduction", True
+
+    def evaluate(self, ins, ctx):
+        acc = NormalisedContraction(self, self.params["axis"])
+        return acc.finalize(acc.partial(ins, ctx), ctx)
+
+    def flops(self):
+        s, v = self.dom.inside
+        return 3 * s.size + 2 * contraction_size(s, v, self.out)
+
+    def transcendentals(self):
+        return self.dom.inside[0].size
+
+    def tensor_flops(self):
+        return 2 * contraction_size(*self.dom.inside, *self.cod.inside)
+
+    def accumulator(self, axis):
+        return NormalisedContraction(self, axis) if axis == self.params["axis"] else None
+
+    def lines(self, prog, ins, outs):
+        (s, v), a, p = ins, self.params["axis"], self.params
+        text = (
+            f"{prog.ix(outs[0])} = Σ_{a} {_name(p['a1'])}({prog.ix(s)})·{prog.ix(v)} / "
+            f"{_name(p['b'])}(Σ_{a} {_name(p['a2'])}(…))"
+        )
+        return [(text, outs, ins)]
+
+    def backward(self, t, ins, outs, cts):
+        """``O = (a₁(s)·v) / b(Z)`` with ``Z = Σ_axis a₂(s)``."""
+        (s, v), (y,), (ct,), p = ins, outs, cts, self.params
+        S = t.ty(s).with_(dtype=f32)
+        rows = S.with_(axes=[a for a in S.axes if a.name != p["axis"]])
+        A = t.ew(p["a1"], s, out=S)
+        Z = t(reduce_sum(S, p["axis"]), t.ew(p["a2"], s, out=S))
+        B = t.ew(p["b"], Z, out=rows)
+        dAv = t.ew("divide", ct, B, out=t.ty(ct))
+        dB = t.ew("neg", t.ew("divide", t.contract([ct, y], rows), B, out=rows))
+        dZ = t.ew(Partial(p["b"], 0), dB, Z, out=rows)
+        ds = t.ew(
+            "add",
+            t.ew(Partial(p["a1"], 0), t.transpose([A, v], 0, dAv), s, out=S),
+            t.ew(Partial(p["a2"], 0), dZ, s, out=S),
+            out=S,
+        )
+        return [ds, t.transpose([A, v], 1, dAv)]
+
+
+class NormalisedContraction(Accumulator):
+    """``N(s)ᵢ = a₁(sᵢ)/b(Σⱼ a₂(sⱼ))`` then contraction with ``v`` (the spherical-attention paper):
+    the state is ``(Σ a₂(s), Σ a₁(s)·v)``, combined by addition.
+
+    >>> import jax.numpy as jnp
+    >>> from napkin_cat import axes
+    >>> q, x, d = axes("q x d")
+    >>> normalised_contract(Array(q, x), Array(x, d), x, Array(q, d), a1=jnp.exp, a2=jnp.exp, b=jnp.sqrt
+    ...                     ).accumulator("x")
+    NormalisedContraction('normalised·contract x', 'x')
+    """
+
+    def partial(self, ins, ctx):
+        (s, v), xp, p = ins, ctx.xp, self.box.params
+        s = xp.f32(s)
+        dom = Ty(self.box.dom.inside[0].with_(dtype=f32), self.box.dom.inside[1])
+        o = xp.einsum(einsum_spec(dom, self.box.out), xp.lift(p["a1"])(s), xp.f32(v))
+        return xp.sum(xp.lift(p["a2"])(s), self.at), o
+
+    def combine(self, a, b, ctx):
+        return a[0] + b[0], a[1] + b[1]
+
+    def finalize(self, state, ctx):
+        (z, o), xp = state, ctx.xp
+        z = align(xp, xp.lift(self.box.params["b"])(z), self.rows(), self.box.out)
+        return [xp.cast(o / z, self.box.out.dtype)]
+
+    def identity(self, like, ctx):
+        return ctx.xp.full(like[0].shape, 0), ctx.xp.full(like[1].shape, 0)
+
+    def lines(self, prog, ins, outs):
+        (s, v), out, x, ix = ins, outs[0], self.axis, prog.ix
+        z = prog.state("z", s.wire.with_(axes=[a for a in s.wire.axes if a.name != x]))
+        o = prog.state("o", out.wire)
+        a1, a2, b = (_name(self.box.params[k]) for k in ("a1", "a2", "b"))
+        return (
+            [(f"{ix(z)} = 0; {ix(o)} = 0   # normalised contraction (sum, output)", [z, o], [])],
+            [(f"{ix(z)} += Σ_{x} {a2}({ix(s)})", [], [z, s]), (f"{ix(o)} += Σ_{x} {a1}({ix(s)})·{ix(v)}", [], [o, v])],
+            [(f"{ix(out)} = {ix(o)} / {b}({ix(z)})", [out], [o, z], False, True)],
+        )
+
+
+def normalised_contract(s: Array, v: Array, axis: Axis | str, out: Array, *, a1, a2, b) -> NormalisedContract:
+    """A normalised contraction along ``axis`` (softmax without the max shift is ``a1=a2=exp, b=id``).
+
+    >>> import jax.numpy as jnp
+    >>> from napkin_cat import axes, Array
+    >>> q, x, d = axes("q x d")
+    >>> normalised_contract(Array(q, x), Array(x, d), x, Array(q, d), a1=jnp.exp, a2=jnp.exp, b=jnp.sqrt).name
+    'normalised·contract x'
+    """
+    name = getattr(axis, "name", axis)
+    for w in (s, v):
+        if not w.has(name):
+            raise AxisError(f"normalised_contract over {name!r}: {w.describe()} lacks the axis")
+    data = (("axis", name), ("a1", a1), ("a2", a2), ("b", b))
+    return NormalisedContract(f"normalised·contract {name}", Ty(s, v), Ty(out), data=data)
