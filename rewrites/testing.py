@@ -20,8 +20,11 @@ proved: the two diagrams are equal, at q=1, x=3, d=1 (1 identities, 1 case)
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import sympy
 from hypothesis import strategies as st
 
@@ -38,8 +41,19 @@ from rewrites.tile import tile
 from rewrites.verify import Verification, check, sample_sizes
 
 __all__ = [
-    "Proof", "arrays", "assert_equivalent", "axes", "diagrams", "dtypes", "prove_accumulator",
-    "prove_equivalent", "prove_monoid", "rules", "sizes",
+    "Proof",
+    "SoftmaxPath",
+    "arrays",
+    "assert_equivalent",
+    "axes",
+    "diagrams",
+    "dtypes",
+    "prove_accumulator",
+    "prove_equivalent",
+    "prove_monoid",
+    "rules",
+    "sizes",
+    "softmax_paths",
 ]
 
 NAMES = ("r", "c", "k")
@@ -80,7 +94,8 @@ def arrays(wire: Array, bound: dict) -> st.SearchStrategy:
     """Random arrays of type ``wire`` at sizes ``bound`` (normals from a drawn seed, in the wire's dtype)."""
     shape = tuple(int(a.size.subs(bound)) for a in wire.axes)
     return st.integers(0, 2**31 - 1).map(
-        lambda seed: jax.random.normal(jax.random.key(seed), shape).astype(wire.dtype.jnp))
+        lambda seed: jax.random.normal(jax.random.key(seed), shape).astype(wire.dtype.jnp)
+    )
 
 
 # --- random diagrams -------------------------------------------------------------------------
@@ -139,6 +154,85 @@ def _grow(draw, d: Diagram, r: Axis, c: Axis, k: Axis) -> Diagram:
     return (d @ identity(W)) >> contraction
 
 
+class SoftmaxPath(NamedTuple):
+    """A diagram ``S[r,c] ⊗ W[c,k] → O[r,k]`` from :func:`softmax_paths`, with what a test needs to judge it.
+
+    ``reference(S, W)`` computes it with ``jax.numpy``/``jax.nn`` alone (no generator's semantics);
+    ``between`` names the boxes drawn between the softmax and the contraction; ``licensed`` says whether
+    FAN's softmax-contraction lemma covers them (only swaps and constant scales), i.e. whether ``stream``
+    along ``c`` must accept the diagram.
+    """
+
+    diagram: Diagram
+    reference: Callable
+    between: tuple[str, ...]
+    licensed: bool
+
+
+#: what may come between the softmax and the contraction: name, licensed by the lemma, reference map
+_BETWEEN = {
+    "scale 2": (True, lambda p: p * 2),
+    "scale -1/2": (True, lambda p: p * -0.5),
+    "neg": (True, jnp.negative),
+    "divide 4": (True, lambda p: p / 4),
+    "swap": (True, None),
+    "tanh": (False, jnp.tanh),
+    "square": (False, jnp.square),
+    "copy, add": (False, lambda p: p + p),
+}
+
+
+@st.composite
+def softmax_paths(draw, *, max_between: int = 3) -> SoftmaxPath:
+    """Random softmaxes over ``c`` whose output reaches a contraction over ``c`` through up to ``max_between``
+    boxes: constant scales, negation, division by a constant, swaps of the two wires (as a ``Circuit``
+    inserts), nonlinear maps and a copy; an optional causal mask before the softmax, bf16 or f32 scores,
+    the softmax as either operand of the contraction, which may carry its own scale.
+
+    >>> from hypothesis import given, settings
+    >>> @settings(max_examples=5, deadline=None)
+    ... @given(softmax_paths())
+    ... def test(path): assert path.licensed == all(_BETWEEN[b][0] for b in path.between)
+    >>> test()
+    """
+    r, c, k = (Axis(n) for n in NAMES)
+    dt = draw(st.sampled_from([f32, bf16]))
+    S, P, W = Array(r, c, dtype=dt), Array(r, c), Array(c, k)
+    causal = draw(st.booleans())
+    d = (nc.causal_mask(S, r, c) >> nc.softmax(S, c)) if causal else nc.softmax(S, c)
+    d, first = d @ identity(W), True  # ``first``: the softmax's wire is left of W
+    between = tuple(draw(st.lists(st.sampled_from(sorted(_BETWEEN)), max_size=max_between)))
+    make = {
+        "scale 2": lambda: nc.scale(P, 2),
+        "scale -1/2": lambda: nc.scale(P, sympy.Rational(-1, 2)),
+        "neg": lambda: nc.elementwise("neg", P),
+        "divide 4": lambda: nc.elementwise("divide", P, const=4),
+        "tanh": lambda: nc.tanh(P),
+        "square": lambda: nc.square(P),
+        "copy, add": lambda: nc.copy(P) >> nc.add(P, P),
+    }
+    for b in between:
+        if b == "swap":
+            d, first = d >> (nc.swap(P, W) if first else nc.swap(W, P)), not first
+        else:
+            d = d >> ((make[b]() @ identity(W)) if first else (identity(W) @ make[b]()))
+    factor = draw(st.sampled_from([None, sympy.Rational(1, 3)]))
+    spec = "r c, c k -> r k" if first else "c k, r c -> r k"
+    d = d >> nc.contract(spec, r, c, k, scale=factor)
+
+    def reference(s, w):
+        s = s.astype(jnp.float32)
+        if causal:
+            rows, cols = jnp.arange(s.shape[0])[:, None], jnp.arange(s.shape[1])[None, :]
+            s = jnp.where(cols <= rows, s, -jnp.inf)
+        p = jax.nn.softmax(s, axis=1)
+        for b in between:
+            p = p if b == "swap" else _BETWEEN[b][1](p)
+        return jnp.einsum("rc,ck->rk", p, w) * (1.0 if factor is None else float(factor))
+
+    return SoftmaxPath(d, reference, between, all(_BETWEEN[b][0] for b in between))
+
+
 @st.composite
 def rules(draw, d: Diagram, *, max_size: int = 4) -> Rule:
     """A random ``tile`` or ``stream`` of an axis of ``d`` (it may be refused: that is part of the test)."""
@@ -150,8 +244,9 @@ def rules(draw, d: Diagram, *, max_size: int = 4) -> Rule:
 # --- assertions ------------------------------------------------------------------------------
 
 
-def assert_equivalent(d1: Diagram, d2: Diagram, *, examples: int = 3, seed: int | None = None,
-                      sizes: dict | None = None) -> list[Verification]:
+def assert_equivalent(
+    d1: Diagram, d2: Diagram, *, examples: int = 3, seed: int | None = None, sizes: dict | None = None
+) -> list[Verification]:
     """Assert that ``d2``'s scheduled semantics equals ``d1``'s reference semantics on ``examples``
     random inputs at random ragged sizes (or at ``sizes``), within the dtype-aware tolerance of
     :data:`rewrites.verify.TOLERANCE`. Returns the verification records; raises ``AssertionError``
@@ -174,4 +269,3 @@ def assert_equivalent(d1: Diagram, d2: Diagram, *, examples: int = 3, seed: int 
         except RewriteError as err:
             raise AssertionError(str(err)) from err
     return records
-
