@@ -32,8 +32,8 @@ from napkin_cat.semantics import to_jax
 
 Differentiation = Literal["lowered", "reference", "none"]
 
-#: the backends ``lower`` can emit, and what ``backend="auto"`` chooses
-BACKENDS = ("triton",)
+#: the backends ``lower`` can emit; ``backend="auto"`` chooses the first (the one with lowered backward kernels)
+BACKENDS = ("triton", "mosaic")
 
 
 class Kernel:
@@ -141,14 +141,9 @@ def _guard(k: Lowered) -> Lowered:
 
 def _backend(backend: str) -> str:
     if backend == "auto":
-        return BACKENDS[0]  # the only one implemented
-    if backend == "mosaic":
-        raise NotLowerable(
-            "backend 'mosaic': the Mosaic GPU backend is not implemented; only the Triton backend is implemented "
-            "('triton', or 'auto', which chooses it)"
-        )
+        return BACKENDS[0]
     if backend not in BACKENDS:
-        raise NotLowerable(f"backend {backend!r}: choose 'triton' or 'auto'; only the Triton backend is implemented")
+        raise NotLowerable(f"backend {backend!r}: choose 'auto' (Triton), 'triton' or 'mosaic' (Hopper, forward only)")
     return backend
 
 
@@ -164,10 +159,12 @@ def lower(
     """A JAX-callable Pallas kernel for a scheduled diagram (a ``Derivation`` or its ``.diagram``).
 
     ``interpret=None`` interprets on CPU and compiles on GPU. Works under ``jax.jit``, ``jax.vmap`` and
-    ``jax.grad``; arrays are passed in the diagram's axis order. ``backend="auto"`` chooses Triton (the
-    only backend implemented; ``kernel.backend`` says so). ``config`` reaches every kernel built,
-    backward included. ``hardware`` (a :class:`~napkin_cat.hardware.Hardware` or its name) sets the
-    per-block shared-memory limit; by default the detected GPU's model, H100 when interpreting.
+    ``jax.grad``; arrays are passed in the diagram's axis order. ``backend="auto"`` chooses Triton, the
+    backend with lowered backward kernels (``kernel.backend`` says so); ``backend="mosaic"`` lowers the
+    forward for Hopper (:mod:`lowering.mosaic`, tuned by its ``MosaicConfig``) and differentiates only
+    with ``backward="reference"``. ``config`` reaches every kernel built, backward included. ``hardware``
+    (a :class:`~napkin_cat.hardware.Hardware` or its name) sets the per-block shared-memory limit; by
+    default the detected GPU's model, H100 when interpreting.
 
     ``backward="lowered"`` differentiates with lowered backward kernels where the diagram is attention
     (FlashAttention-2's split), built when first differentiated, so lowering never fails because of
@@ -196,16 +193,19 @@ def lower(
     d = getattr(scheduled, "diagram", scheduled)
     if not isinstance(d, Diagram):
         raise NotLowerable(f"lower takes a Derivation or a Diagram, got {type(scheduled).__name__}")
-    if backend == "mosaic":  # Hopper (lowering/mosaic.py): forward kernels; gradients only by the reference
-        from lowering.mosaic import MosaicLowered
-
-        fwd, why = MosaicLowered(plan(d), interpret=interpret), "the Mosaic backend lowers no backward kernels yet"
-        if backward == "reference":
-            return Kernel(d, fwd, _reference(fwd, d), backend="mosaic", differentiation="reference")
-        return Kernel(d, fwd, _refuse(fwd, why), backend="mosaic", differentiation="none", why_not=why)
     name = _backend(backend)
     if backward not in ("lowered", "reference"):
         raise NotLowerable(f"backward {backward!r}: choose 'lowered' or 'reference'")
+    if name == "mosaic":  # Hopper (lowering/mosaic.py): forward kernels; gradients only by the reference
+        if isinstance(config, Config):
+            raise NotLowerable("backend 'mosaic': a lowering.Config tunes Triton; pass a lowering.mosaic.MosaicConfig")
+        from lowering.mosaic import MosaicLowered
+
+        fwd = MosaicLowered(plan(d), interpret=interpret, config=config)
+        if backward == "reference":
+            return Kernel(d, fwd, _reference(fwd, d), backend=name, differentiation="reference")
+        why = "the Mosaic backend lowers no backward kernels yet"
+        return Kernel(d, fwd, _refuse(fwd, why), backend=name, differentiation="none", why_not=why)
     if config is not None and not isinstance(config, Config):
         raise NotLowerable(f"config must be a lowering.Config, got {type(config).__name__}")
     try:

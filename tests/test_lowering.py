@@ -122,8 +122,8 @@ def test_guards_raise_not_lowerable():
     n, xx = nc.axes("n xx", xx=24)
     with pytest.raises(NotLowerable, match=r"axis 'xx' of size 24 is not a power of two"):  # concrete: at lower()
         lower(derive(nc.library.softmax(n, xx), tile(n, 16), verify=False))
-    with pytest.raises(NotLowerable, match="only the Triton backend"):
-        lower(derive(attn, tile(q, 16), stream(x, 16), verify=False), backend="mosaic")
+    with pytest.raises(NotLowerable, match="backend 'cuda': choose 'auto'"):
+        lower(derive(attn, tile(q, 16), stream(x, 16), verify=False), backend="cuda")
 
 
 @pytest.mark.gpu
