@@ -253,7 +253,7 @@ def test_fallback_is_loud(tmp_path, monkeypatch):
 def test_long_derivations_wrap_into_rows(tmp_path):
     attn = DIAGRAMS["attention"]
     steps = [attn, attn.map_arrays(partitioned), scheduled(), attn]
-    one = draw_sequence(steps, titles=["a", "b", "c", "d"])
+    one = draw_sequence(steps, titles=["a", "b", "c", "d"], per_row=4)
     two = draw_sequence(steps, titles=["a", "b", "c", "d"], per_row=2)
     (w1, h1), (w2, h2) = one.get_size_inches(), two.get_size_inches()
     assert w2 < w1 * 0.7 and h2 > h1 * 1.5

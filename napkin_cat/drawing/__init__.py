@@ -175,7 +175,7 @@ def draw_sequence(
 ) -> Figure | str:
     """Diagrams side by side with ``symbol`` between them: the steps of a derivation.
 
-    ``per_row`` wraps long derivations into rows of that many pictures.
+    Long derivations wrap into rows of as many pictures as fit in :data:`MAX_WIDTH`, or of ``per_row``.
 
     >>> import pathlib, tempfile
     >>> from napkin_cat import axes, library
@@ -195,7 +195,7 @@ def draw_sequence(
         raise NapkinError(f"draw_sequence: {len(titles)} titles for {len(diagrams)} diagrams")
     if per_row is not None and (not isinstance(per_row, int) or per_row < 1):
         raise NapkinError(f"draw_sequence: per_row must be a positive integer, got {per_row!r}")
-    pic = rows([layout(d) for d in diagrams], titles, symbol, per_row or len(diagrams))
+    pic = rows([layout(d) for d in diagrams], titles, symbol, per_row)
     return render(framed(pic, title, legend), target, to_tikz)
 
 

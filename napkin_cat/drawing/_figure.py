@@ -13,7 +13,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from napkin_cat.drawing._model import SYMBOL_FONT, TITLE_FONT, WIRE_FONT, Item, Label, Picture, Stroke, text_size
+from napkin_cat.drawing._model import (
+    MAX_WIDTH,
+    SYMBOL_FONT,
+    TITLE_FONT,
+    WIRE_FONT,
+    Item,
+    Label,
+    Picture,
+    Stroke,
+    text_size,
+)
 from napkin_cat.levels import LEVELS
 
 
@@ -38,11 +48,21 @@ def arrange(pictures: Sequence[Picture], titles: Sequence[str] | None, symbol: s
     return Picture(tuple(items), levels, any(p.partitioned for p in pictures))
 
 
-def rows(pictures: Sequence[Picture], titles: Sequence[str] | None, symbol: str, per_row: int) -> Picture:
-    """Rows of at most ``per_row`` pictures, one under the other; later rows open with ``symbol``."""
+def rows(pictures: Sequence[Picture], titles: Sequence[str] | None, symbol: str, per_row: int | None) -> Picture:
+    """Rows of at most ``per_row`` pictures (``None``: as many as fit in :data:`MAX_WIDTH`), one under
+    the other; later rows open with ``symbol``."""
+    groups: list[list[int]] = []
+    width = 0.0
+    for i, pic in enumerate(pictures):
+        x0, _, x1, _ = pic.bounds()
+        if not groups or (len(groups[-1]) == per_row if per_row else width + 0.8 + x1 - x0 > MAX_WIDTH):
+            groups.append([])
+            width = 0.8 * (len(groups) > 1) - 0.8
+        groups[-1].append(i)
+        width += 0.8 + x1 - x0
     parts, y = [], 0.0
-    for r in range(0, len(pictures), per_row):
-        row = arrange(pictures[r : r + per_row], titles and titles[r : r + per_row], symbol, lead=r > 0)
+    for r, group in enumerate(groups):
+        row = arrange([pictures[i] for i in group], titles and [titles[i] for i in group], symbol, lead=r > 0)
         x0, y0, _, y1 = row.bounds()
         parts.append(row.shifted(-x0, y - y0))
         y += y1 - y0 + 0.4

@@ -161,14 +161,16 @@ def _box_width(flow: Dataflow, node: Node) -> float:
 
 @dataclass(frozen=True)
 class Geometry:
-    """Where things are: each column's left end and width, the right edge, and the rows."""
+    """Where things are: each column's left end and width, where the outputs leave (``exit``) and the
+    picture ends, the rows, and the output ports' rows."""
 
     starts: list[float]
     widths: list[float]
-    right: float
+    exit: float
     end: float
     net_row: dict[int, int]
     node_row: dict[int, int]
+    cod_row: list[int]
 
 
 def geometry(flow: Dataflow) -> Geometry:
@@ -176,7 +178,12 @@ def geometry(flow: Dataflow) -> Geometry:
     net_row, node_row = rows(flow)
     labelled = {i: _labelled(flow, i) for i in range(len(flow.nets))}
     lefts = [labelled[i] for i, net in enumerate(flow.nets) if net.source is None and i in net_row]
-    x = max([0.3, *(text_size(t, WIRE_FONT)[0] + 0.15 for t in lefts if t)]) + BEND
+    cod_row = sorted(net_row[i] for i in flow.outputs)
+    for j in range(1, len(cod_row)):
+        cod_row[j] = max(cod_row[j], cod_row[j - 1] + 1)
+    bent = _bent(flow, net_row, node_row, cod_row)
+    room = [BEND if c in bent else 0.12 for c in range(flow.width + 1)]  # before each column, and the exit
+    x = max([0.3, *(text_size(t, WIRE_FONT)[0] + 0.15 for t in lefts if t)]) + room[0]
     widths = [0.0] * flow.width
     gaps = [0.25] * flow.width
     for node in flow.nodes:
@@ -190,10 +197,20 @@ def geometry(flow: Dataflow) -> Geometry:
     starts = []
     for c in range(flow.width):
         starts.append(x)
-        x += widths[c] + gaps[c] + BEND
+        x += widths[c] + gaps[c] + room[c + 1] * (c + 1 < flow.width)
+    x += room[-1]
     outs = [wire_label(flow.nets[i].array) for i in flow.outputs]
-    end = x + BEND + max([0.3, *(text_size(t, WIRE_FONT)[0] + 0.2 for t in outs)])
-    return Geometry(starts, widths, x, end, net_row, node_row)
+    end = x + max([0.3, *(text_size(t, WIRE_FONT)[0] + 0.2 for t in outs)])
+    return Geometry(starts, widths, x, end, net_row, node_row, cod_row)
+
+
+def _bent(flow: Dataflow, net_row: dict[int, int], node_row: dict[int, int], cod_row: list[int]) -> set[int]:
+    """The columns (``width`` for the exit) some wire must change rows to enter."""
+    found = {flow.width for j, i in enumerate(flow.outputs) if net_row[i] != cod_row[j]}
+    for k, node in enumerate(flow.nodes):
+        if any(net_row[i] != node_row[k] + j for j, i in enumerate(_data(flow, node))):
+            found.add(node.column)
+    return found
 
 
 def _labelled(flow: Dataflow, i: int) -> str:
@@ -310,23 +327,20 @@ def _ports(flow: Dataflow, geo: Geometry) -> Ports:
     for i, net in enumerate(flow.nets):
         if net.source is None and i in geo.net_row:
             outs[i] = (0.0, geo.net_row[i] * ROW)
-    ys = sorted(geo.net_row[i] for i in flow.outputs)
-    for j in range(1, len(ys)):
-        ys[j] = max(ys[j], ys[j - 1] + 1)
-    return Ports(boxes, ins, outs, {j: y * ROW for j, y in enumerate(ys)})
+    return Ports(boxes, ins, outs, {j: y * ROW for j, y in enumerate(geo.cod_row)})
 
 
 def _use_point(flow: Dataflow, geo: Geometry, ports: Ports, use: tuple[int | None, int]) -> tuple[float, float]:
     """Where a net enters a use, and the x where its bend there ends."""
     node, port = use
     if node is None:
-        return geo.right + BEND, ports.cod[port]
+        return geo.exit, ports.cod[port]
     return ports.ins[(node, port)]
 
 
 def _bend_end(geo: Geometry, flow: Dataflow, use: tuple[int | None, int]) -> float:
     node, _ = use
-    return geo.right + BEND if node is None else geo.starts[flow.nodes[node].column] - 0.05
+    return geo.exit if node is None else geo.starts[flow.nodes[node].column] - 0.05
 
 
 def _tracks(flow: Dataflow, geo: Geometry, ports: Ports) -> dict[int, tuple[float, float]]:
@@ -364,7 +378,7 @@ def _net(canvas: Canvas, flow: Dataflow, geo: Geometry, ports: Ports, i: int):
             canvas.put(_curve((b - BEND, y), (b, py), colour), b - BEND)
             canvas.line(b, px, py, net.array)
         if use[0] is None:
-            x_out = geo.right + BEND
+            x_out = geo.exit
             canvas.line(x_out, geo.end, py, net.array)
             canvas.put(Label(x_out + 0.06, py - RISE, wire_label(net.array), WIRE_FONT, anchor="west"), x_out)
     if net.discarded and not net.uses:
