@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-from discopy.monoidal import Layer
 
 import napkin_cat as nc
 from lowering.plan import NotLowerable
@@ -100,7 +99,7 @@ def with_residual(d: Diagram, parts: AttentionParts) -> Diagram:
     s = box.dom.inside[0]
     lse = s.with_(axes=[a for a in s.axes if a.name != parts.x], dtype=nc.f32)
     fused = SoftmaxContract(box.name, box.dom, Ty(box.out, lse), data=box.data)
-    return Diagram((*d.inside[: parts.layer], Layer(left, fused, right)), d.dom, Ty(box.out, lse), _scan=False)
+    return d.with_layers((*d.inside[: parts.layer], (left, fused, right)), cod=Ty(box.out, lse))
 
 
 def backward_diagrams(p: AttentionParts) -> tuple[Diagram, Diagram]:

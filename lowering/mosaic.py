@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-from discopy.monoidal import Layer
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -250,9 +249,9 @@ def base2(d: Diagram) -> Diagram:
         scaled = None if i is None or not isinstance(d.inside[i][1], Generator) else d.inside[i][1].scaled(LOG2E)
         if scaled is None:
             continue
-        layers[i] = Layer(layers[i][0], scaled, layers[i][2])
-        layers[j] = Layer(left, box.in_base2(), right)
-    return Diagram(tuple(layers), d.dom, d.cod, _scan=False)
+        layers[i] = (layers[i][0], scaled, layers[i][2])
+        layers[j] = (left, box.in_base2(), right)
+    return d.with_layers(layers)
 
 
 def _swizzle(minor: int, itemsize: int) -> tuple:

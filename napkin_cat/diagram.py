@@ -251,9 +251,9 @@ class Diagram(markov.Diagram):
             stack[n : n + k] = outs
         return stack
 
-    def with_layers(self, layers: Iterable) -> Diagram:
+    def with_layers(self, layers: Iterable, *, cod: Ty | None = None) -> Diagram:
         """The diagram whose layers are ``(left, box, right)`` triples (boxes replaced, removed or added
-        in place), with this diagram's domain and codomain; types are not re-checked.
+        in place), with this diagram's domain and its codomain (or ``cod``); types are not re-checked.
 
         >>> from napkin_cat import axes, exp, log
         >>> A = Array(*axes("n"))
@@ -261,7 +261,8 @@ class Diagram(markov.Diagram):
         >>> print(d.with_layers([(left, log(A), right) for left, _, right in d.inside]))
         log[n → n] >> log[n → n]
         """
-        return Diagram(tuple(monoidal.Layer(*layer) for layer in layers), self.dom, self.cod, _scan=False)
+        layers = tuple(monoidal.Layer(*layer) for layer in layers)
+        return Diagram(layers, self.dom, self.cod if cod is None else cod, _scan=False)
 
     def producer(self, j: int, pos: int) -> tuple[int | None, int]:
         """The layer index and output port of the box producing the wire at ``pos`` entering layer ``j``

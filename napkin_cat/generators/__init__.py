@@ -31,6 +31,7 @@ from napkin_cat.generators._base import (
     Context,
     Generator,
     NoDerivative,
+    Own,
     align,
     contraction_size,
     einsum_spec,

@@ -196,7 +196,13 @@ class Generator(Box):
         return sympy.Integer(0)
 
     def accumulator(self, axis: str) -> Accumulator | None:
-        """The accumulator streaming this box along ``axis``, or None if it is not streamable there."""
+        """The accumulator streaming this box along ``axis``, or None if it is not streamable there.
+
+        A generator that defines ``partial``, ``combine``, ``finalize`` and ``identity`` itself (the
+        :class:`Accumulator` methods, ``padding`` optional) is its own accumulator along the axes it removes.
+        """
+        if all(hasattr(self, m) for m in ("partial", "combine", "finalize", "identity")) and axis in self.reduced:
+            return Own(self, axis)
         return None
 
     def backward(self, tape, ins: tuple, outs: tuple, cts: list) -> list:
@@ -262,6 +268,11 @@ class Accumulator:
         """The position of the streamed axis on the first input."""
         return self.box.dom.inside[0].names.index(self.axis)
 
+    @property
+    def kind(self) -> str:
+        """The accumulator's name in pseudocode."""
+        return type(self).__name__
+
     def rows(self) -> Array:
         """The first input's wire without the streamed axis (where per-row statistics live)."""
         s = self.box.dom.inside[0]
@@ -291,10 +302,47 @@ class Accumulator:
         """The pseudocode of the accumulation: entries before the stream loop, in it, and after it."""
         a = prog.state(f"acc_{outs[0].name}", outs[0].wire)
         ix = prog.ix
-        init = [(f"{ix(a)} = identity   # {type(self).__name__}", [a], [])]
+        init = [(f"{ix(a)} = identity   # {self.kind}", [a], [])]
         loop = [(f"{ix(a)} = step({ix(a)}, {', '.join(ix(v) for v in ins)})", [], [a, *ins])]
         final = [(f"{', '.join(ix(o) for o in outs)} = finalize({ix(a)})", outs, [a], False, True)]
         return init, loop, final
 
     def __repr__(self):
         return f"{type(self).__name__}({self.box.name!r}, {self.axis!r})"
+
+
+class Own(Accumulator):
+    """The accumulator of a generator that defines the accumulator's methods itself (one class: the box).
+
+    >>> from napkin_cat import axes
+    >>> class Total(Generator):
+    ...     def partial(self, ins, ctx): return ctx.xp.sum(ins[0], 0)
+    ...     def combine(self, a, b, ctx): return a + b
+    ...     def finalize(self, state, ctx): return [state]
+    ...     def identity(self, like, ctx): return ctx.xp.full(like.shape, 0)
+    >>> (n,) = axes("n")
+    >>> total = Total("total", Ty(Array(n)), Ty(Array()))
+    >>> acc = total.accumulator("n")
+    >>> float(acc.combine(acc.partial([JAX.asarray([1.0, 2.0])], Context()), 3.0, Context()))
+    6.0
+    """
+
+    @property
+    def padding(self):
+        return getattr(self.box, "padding", ())
+
+    @property
+    def kind(self) -> str:
+        return f"{type(self.box).__name__}'s own"
+
+    def partial(self, ins, ctx):
+        return self.box.partial(ins, ctx)
+
+    def combine(self, a, b, ctx):
+        return self.box.combine(a, b, ctx)
+
+    def finalize(self, state, ctx):
+        return self.box.finalize(state, ctx)
+
+    def identity(self, like, ctx):
+        return self.box.identity(like, ctx)
