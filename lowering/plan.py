@@ -42,6 +42,17 @@ def next_pow2(n: int) -> int:
 
 @dataclass(frozen=True)
 class Plan:
+    """Where each axis of a scheduled diagram goes in a kernel: the grid (tiled axes, in blocks of ``g``;
+    batch axes, squeezed), the in-kernel loop (the streamed axis, in chunks of ``s``) or whole in every block.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> n, k, c = nc.axes("n k c")
+    >>> p = plan(derive(nc.library.matmul(n, k, c), tile(n, 64), tile(c, 64), stream(k, 32), verify=False).diagram)
+    >>> p.tiles, p.stream, p.batch, p.whole
+    ({'n': 64, 'c': 64}, ('k', 32), (), ())
+    """
+
     tiles: dict  # tiled axis -> g
     stream: tuple | None  # (axis, s)
     batch: tuple  # axes mapped to a flattened grid dimension, block 1
@@ -50,7 +61,16 @@ class Plan:
 
 
 def plan(d: Diagram) -> Plan:
-    """Classify the axes of a scheduled diagram and check the backend's guards."""
+    """Classify the axes of a scheduled diagram and check the guards that need no sizes.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> q, x, d = nc.axes("q x d")
+    >>> plan(derive(nc.library.attention(q, x, d), tile(q, 24), stream(x, 16), verify=False).diagram)
+    Traceback (most recent call last):
+    ...
+    lowering.plan.NotLowerable: axis 'q': Triton blocks need a power-of-two tile ≥ 16, got g = 24
+    """
     tiles, streams = partitions(d)
     if len(streams) > 1:
         raise NotLowerable(f"one streamed axis per kernel, got {sorted(streams)}")

@@ -56,7 +56,17 @@ def search(
     key: str | None = None,
     log=print,
 ) -> dict:
-    """Time ``make(g, s, config)`` over the grid and return the fastest choice (cached by ``key``)."""
+    """Time ``make(g, s, config)`` over the grid and return the fastest choice (cached by ``key``).
+
+    ``make`` returns a function of ``args`` (a lowered kernel, on a GPU); a choice that fails to build
+    or run is logged and skipped.
+
+    >>> import jax.numpy as jnp
+    >>> best = search(lambda g, s, config: jnp.sin, (jnp.ones(8),), tiles=((16, 16),), warps=(4,), stages=(1, 2),
+    ...               log=lambda line: None)
+    >>> sorted(best)
+    ['g', 'num_stages', 'num_warps', 's', 'seconds']
+    """
     from lowering.triton import Config
 
     cache = json.loads(CACHE.read_text()) if CACHE.exists() else {}
