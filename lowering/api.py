@@ -175,7 +175,7 @@ def lower(
     padded only where that is neutral; the shared-memory footprint) raise :class:`NotLowerable` here
     when the sizes they read are concrete, else at the first call, before anything is padded. Nothing
     falls back to another algorithm silently. Where results differ from ``jax.nn`` on non-finite
-    inputs, see this module's docstring.
+    inputs, see this module's docstring (and docs/lowering.md).
 
     >>> import jax, jax.numpy as jnp
     >>> import napkin_cat as nc
