@@ -96,6 +96,7 @@ __all__ = [
     "NormalisedContract",
     "NormalisedContraction",
     "OnlineSoftmax",
+    "Own",
     "Partial",
     "Reduce",
     "Reshape",
