@@ -235,8 +235,10 @@ def base2(d: Diagram) -> Diagram:
     the base-2 form reads ``s·log₂e`` and the boxes between commute with scaling (masks send −∞ to −∞).
 
     >>> import napkin_cat as nc
+    >>> from rewrites import derive, stream
     >>> q, x, d = nc.axes("q x d")
-    >>> [b.params.get("base") for b in base2(nc.library.attention(q, x, d)).boxes if b.normalises]
+    >>> flash = derive(nc.library.attention(q, x, d), stream(x, 16), verify=False).diagram
+    >>> [b.params.get("base") for b in base2(flash).boxes if b.normalises]
     [2]
     """
     layers = list(d.inside)
@@ -287,7 +289,8 @@ class MosaicLowered:
         self.pingpong = self.config.pingpong and c == 2
         if self.s % WGMMA_M:
             raise NotLowerable(f"axis {self.x!r}: the stream size s = {self.s} must be a multiple of {WGMMA_M}")
-        if c * 128 + 128 > 1024 or sum(self.config.registers()[:1]) * c * 128 + 128 * self.config.registers()[1] > REGISTERS:
+        consumer_regs, producer_regs = self.config.registers()
+        if 128 * (c * consumer_regs + producer_regs) > REGISTERS:
             raise NotLowerable(
                 f"warpgroup level: {c} consumers × {self.config.consumer_registers} registers plus a producer "
                 f"× {self.config.producer_registers} exceed the SM's {REGISTERS} registers"
@@ -304,6 +307,28 @@ class MosaicLowered:
         for w in self.d.cod.inside:
             if self._role(w) != "tile" or w.names[0] != self.q:
                 raise NotLowerable(f"output {w.describe()}: the Mosaic backend stores [{self.q}, whole] blocks")
+
+    @property
+    def source(self) -> str:
+        """The kernel's launch, described: grid, warpgroups, ring and the diagram the consumers walk.
+
+        >>> import napkin_cat as nc
+        >>> from rewrites import derive, tile, stream
+        >>> q, x, d = nc.axes("q x d", d=64)
+        >>> k = MosaicLowered(plan(derive(nc.library.attention(q, x, d, dtype="bf16"), tile(q, 128), stream(x, 64),
+        ...                                verify=False).diagram))
+        >>> print(k.source.splitlines()[0])
+        plgpu.kernel grid (q/128, batch) × 3 warpgroups: 2 consumers of 64 q-rows each (wgmma), 1 TMA producer
+        """
+        c, p = self.config, self.plan
+        return "\n".join(
+            [
+                f"plgpu.kernel grid ({self.q}/{p.tiles[self.q]}, batch) × {c.consumers + 1} warpgroups: {c.consumers} "
+                f"consumers of {self.rows} {self.q}-rows each (wgmma), 1 TMA producer",
+                f"ring: {c.stages} stages of {self.x}~{self.s} chunks per streamed input; ping-pong: {self.pingpong}",
+                f"consumers walk: {' ; '.join(b.name for b in self.d.boxes)}",
+            ]
+        )
 
     def _role(self, w) -> str | None:
         names = w.names
@@ -438,8 +463,9 @@ class _Kernel:
         @pl.when(wg < c.consumers)
         def _consumer():
             plgpu.set_max_registers(consumer_regs, action="increase")
-            self.consume(in_refs, out_refs, rings, tiles, outs, loaded, consumed, arrived, staging, turn, wg, bid, tile,
-                         chunks)
+            self.consume(
+                in_refs, out_refs, rings, tiles, outs, loaded, consumed, arrived, staging, turn, wg, bid, tile, chunks
+            )
 
         @pl.when(wg == c.consumers)
         def _producer():
@@ -455,10 +481,7 @@ class _Kernel:
                 plgpu.copy_gmem_to_smem(view, rings[k].at[slot], loaded[k].at[slot])
 
         for j in range(stages):
-
-            @pl.when(j < chunks)
-            def _():
-                load(j, j)
+            pl.when(j < chunks)(lambda j=j: load(j, j))
 
         @pl.loop(stages, jnp.maximum(chunks, stages))
         def _(chunk):
@@ -472,8 +495,9 @@ class _Kernel:
             for k in range(len(self.streamed)):
                 plgpu.barrier_wait(consumed[k].at[lax.rem(chunk, _i32(stages))])
 
-    def consume(self, in_refs, out_refs, rings, tiles, outs, loaded, consumed, arrived, staging, turn, wg, bid, tile,
-                chunks):
+    def consume(
+        self, in_refs, out_refs, rings, tiles, outs, loaded, consumed, arrived, staging, turn, wg, bid, tile, chunks
+    ):
         from rewrites.schedule import walk
 
         low, d, stages = self.low, self.low.d, self.low.config.stages
@@ -511,8 +535,15 @@ class _Kernel:
 
         def probe(*vals):
             shapes: dict = {}
-            walk(d, list(vals), Context(self.sizes, {}, JAX), x, "chunk", shapes,
-                 fold=lambda acc, st, ins, cc: acc.partial(ins, cc))
+            walk(
+                d,
+                list(vals),
+                Context(self.sizes, {}, JAX),
+                x,
+                "chunk",
+                shapes,
+                fold=lambda acc, st, ins, cc: acc.partial(ins, cc),
+            )
             return shapes
 
         like = jax.eval_shape(probe, *(jax.ShapeDtypeStruct(low.block(w, self.extent), w.dtype.jnp) for w in wires))
@@ -524,8 +555,17 @@ class _Kernel:
                 states = dict(zip(keys, carry, strict=True))
                 vals, ring, slot = values(chunk)
                 pingpong.issued = 0
-                traced(walk, d, vals, Context(self.sizes, {low.q: start, x: chunk * s}, pingpong), x, "chunk", states,
-                       fold=lambda acc, st, ins, cc: acc.step(st, ins, cc), skip=skipping(unmasked))
+                traced(
+                    walk,
+                    d,
+                    vals,
+                    Context(self.sizes, {low.q: start, x: chunk * s}, pingpong),
+                    x,
+                    "chunk",
+                    states,
+                    fold=lambda acc, st, ins, cc: acc.step(st, ins, cc),
+                    skip=skipping(unmasked),
+                )
                 for k, i in enumerate(self.streamed):
                     ring[i].ready()  # an input no box read still completes its phase
                     plgpu.barrier_arrive(consumed[k].at[slot])

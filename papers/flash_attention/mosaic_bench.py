@@ -30,8 +30,13 @@ from rewrites import derive, stream, tile
 TOKENS, HEADS, TOLERANCE = 16384, 16, 1e-2
 CONFIGS = [(D, N, causal) for D in (128, 64) for N in (8192, 2048) for causal in (False, True)]
 #: napkin-cat Mosaic variants: (tile g, stream s, consumer warpgroups, ring stages, ping-pong)
-VARIANTS = [(256, 64, 2, 2, False), (256, 64, 2, 2, True), (128, 128, 2, 2, True), (256, 128, 2, 2, True),
-            (128, 64, 2, 2, True)]
+VARIANTS = [
+    (256, 64, 2, 2, False),
+    (256, 64, 2, 2, True),
+    (128, 128, 2, 2, True),
+    (256, 128, 2, 2, True),
+    (128, 64, 2, 2, True),
+]
 
 
 def scheduled(D: int, causal: bool, g: int, s: int):
@@ -72,17 +77,26 @@ def implementations(D: int, causal: bool):
     for g, s, consumers, stages, pingpong in VARIANTS:
         name = f"napkin mosaic g{g} s{s} c{consumers} k{stages}{' pp' if pingpong else ''}"
         impls[name] = lambda g=g, s=s, c=consumers, k=stages, pp=pingpong: (
-            MosaicLowered(plan(scheduled(D, causal, g, s).diagram), interpret=False,
-                          config=MosaicConfig(consumers=c, stages=k, pingpong=pp)), "bhnd")
+            MosaicLowered(
+                plan(scheduled(D, causal, g, s).diagram),
+                interpret=False,
+                config=MosaicConfig(consumers=c, stages=k, pingpong=pp),
+            ),
+            "bhnd",
+        )
     impls["napkin triton g128 s64"] = lambda: (lower(scheduled(D, causal, 128, 64), backend="triton"), "bhnd")
     impls["cudnn"] = lambda: (
-        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn"), "bnhd")
+        lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn"),
+        "bnhd",
+    )
 
     def tokamax_attention():
         import tokamax
 
-        return (lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=causal, implementation="mosaic"),
-                "bnhd")
+        return (
+            lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=causal, implementation="mosaic"),
+            "bnhd",
+        )
 
     impls["tokamax mosaic"] = tokamax_attention
     return impls
@@ -120,8 +134,10 @@ def run(D: int, N: int, causal: bool) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| D, N, causal | best napkin mosaic | napkin triton | cuDNN | tokamax | ×cuDNN | ×tokamax |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| D, N, causal | best napkin mosaic | napkin triton | cuDNN | tokamax | ×cuDNN | ×tokamax |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for D, N, causal in CONFIGS:
         here = [r for r in rows if (r["D"], r["N"], r["causal"]) == (D, N, causal)]
         if not here:
@@ -138,10 +154,12 @@ def table(rows: list[dict]) -> str:
             return f"{a / b:.2f}" if a and b else "—"
 
         name = best["impl"].removeprefix("napkin mosaic ") if best else ""
-        lines.append(f"| {D}, {N}, {'yes' if causal else 'no'} | {cell(bt)} ({name}) | "
-                     f"{cell(tf.get('napkin triton g128 s64'))} | {cell(tf.get('cudnn'))} | "
-                     f"{cell(tf.get('tokamax mosaic'))} | {ratio(bt, tf.get('cudnn'))} | "
-                     f"{ratio(bt, tf.get('tokamax mosaic'))} |")
+        lines.append(
+            f"| {D}, {N}, {'yes' if causal else 'no'} | {cell(bt)} ({name}) | "
+            f"{cell(tf.get('napkin triton g128 s64'))} | {cell(tf.get('cudnn'))} | "
+            f"{cell(tf.get('tokamax mosaic'))} | {ratio(bt, tf.get('cudnn'))} | "
+            f"{ratio(bt, tf.get('tokamax mosaic'))} |"
+        )
     return "\n".join(lines)
 
 
