@@ -38,14 +38,13 @@ from matplotlib.figure import Figure
 from napkin_cat.diagram import Diagram
 from napkin_cat.drawing._backend import render, tex
 from napkin_cat.drawing._figure import framed, rows
-from napkin_cat.drawing._graph import FAMILIES, Dataflow, dataflow, family, wire_label, woven
+from napkin_cat.drawing._graph import Dataflow, dataflow, family, wire_label, woven
 from napkin_cat.drawing._layout import STYLES, box_label, layout
 from napkin_cat.drawing._model import DPI, MAX_WIDTH, Dot, Label, Picture, Shape, Stroke, text_size
 from napkin_cat.errors import NapkinError
 
 __all__ = [
     "DPI",
-    "FAMILIES",
     "MAX_WIDTH",
     "STYLES",
     "Dataflow",

@@ -19,45 +19,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from napkin_cat.convolution import Concat, Conv, Rename
-from napkin_cat.diagram import Array, Copy, Diagram, Discard, Merge, Swap
+from napkin_cat.diagram import Array, Diagram, Merge, is_copy, is_swap
 from napkin_cat.dtypes import f32
-from napkin_cat.generators import (
-    Cast,
-    Contract,
-    Elementwise,
-    IndexMap,
-    Mask,
-    Move,
-    NormalisedContract,
-    Reduce,
-    Reshape,
-    Softmax,
-    SoftmaxContract,
-)
-
-# The drawing family of the generators that do not yet name their own ``family``.
-FAMILIES: dict[type, str] = {
-    Contract: "contraction",
-    Conv: "contraction",
-    Elementwise: "elementwise",
-    Reduce: "reduction",
-    Softmax: "reduction",
-    SoftmaxContract: "reduction",
-    NormalisedContract: "reduction",
-    Mask: "mask",
-    IndexMap: "mask",
-    Cast: "relabel",
-    Reshape: "relabel",
-    Concat: "relabel",
-    Rename: "relabel",
-    Move: "move",
-}
 
 
 def family(box) -> str:
-    """The drawing family of a box: its own ``family``, else its nearest class in :data:`FAMILIES`;
-    the structural boxes are ``swap``, ``copy``, ``discard`` and ``merge``.
+    """The drawing family of a box: the generator's own ``family``; the structural boxes are ``swap``,
+    ``copy``, ``discard`` and ``merge``.
 
     >>> from napkin_cat import axes, Array, softmax
     >>> from napkin_cat.diagram import Discard, Ty
@@ -65,13 +33,11 @@ def family(box) -> str:
     >>> family(softmax(Array(q, x), x)), family(Discard(Ty(Array(q))))
     ('reduction', 'discard')
     """
-    for kind, cls in (("swap", Swap), ("discard", Discard), ("copy", Copy), ("merge", Merge)):
-        if isinstance(box, cls):
-            return kind
-    own = getattr(box, "family", "box")
-    if own != "box":
-        return own
-    return next((FAMILIES[c] for c in type(box).__mro__ if c in FAMILIES), "box")
+    if is_swap(box):
+        return "swap"
+    if is_copy(box):
+        return "copy" if len(box.cod) else "discard"
+    return "merge" if isinstance(box, Merge) else getattr(box, "family", "box")
 
 
 def wire_label(a: Array) -> str:
