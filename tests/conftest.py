@@ -2,10 +2,15 @@ import os
 
 import jax
 import pytest
+from hypothesis import Phase, settings
 
 jax.config.update("jax_default_matmul_precision", "highest")  # CPU reference comparisons in true f32
 
 GPU = any(d.platform == "gpu" for d in jax.devices())
+
+if os.environ.get("NAPKIN_MUTATION"):  # tests/test_mutations.py: a planted bug must fail fast, unshrunk
+    settings.register_profile("mutation", phases=[Phase.explicit, Phase.generate], database=None)
+    settings.load_profile("mutation")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -15,9 +20,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def draw_seed() -> int:
+    """A fresh seed from the OS, or ``NAPKIN_SEED`` to replay a failure."""
+    return int(os.environ.get("NAPKIN_SEED") or int.from_bytes(os.urandom(4), "little"))
+
+
 @pytest.fixture
-def key(request):
-    """A fresh random key per test (seeded from the OS unless NAPKIN_SEED is set), never zeros."""
-    seed = int(os.environ.get("NAPKIN_SEED", int.from_bytes(os.urandom(4), "little")))
-    print(f"NAPKIN_SEED={seed}")
+def seed() -> int:
+    """This test's random seed; a failing test's report says it (replay with ``NAPKIN_SEED=<seed>``)."""
+    return draw_seed()
+
+
+@pytest.fixture
+def key(seed):
+    """A fresh random key per test, from :func:`seed`: never zeros, never the same two runs."""
     return jax.random.key(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    seed = getattr(item, "funcargs", {}).get("seed")
+    if report.failed and seed is not None:
+        report.sections.append(("random seed", f"replay with NAPKIN_SEED={seed} python -m pytest {item.nodeid}"))

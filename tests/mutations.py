@@ -1,0 +1,194 @@
+"""Planted bugs: a pytest plugin that, with ``NAPKIN_MUTATION=<name>``, breaks the library on purpose.
+
+``python -m pytest -p tests.mutations ...`` loads it; each mutation wraps a real function or method of
+the library (so it survives refactors as long as the public names stay) and reproduces a bug that a
+FlashAttention implementation could plausibly have. tests/test_mutations.py asserts that the tests fail
+under each. A target that cannot be found raises :class:`MissingTarget`, which fails the run loudly: a
+mutation that plants nothing must never count as caught.
+
+>>> sorted(MUTATIONS)  # doctest: +NORMALIZE_WHITESPACE
+['causal_off_by_one', 'gqa_group', 'no_delta', 'no_padding_mask', 'no_rescale', 'scale_ignored',
+ 'temperature']
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import os
+import sys
+
+
+class MissingTarget(RuntimeError):
+    """The function or method a mutation wraps is not where the mutation looks for it."""
+
+
+def find(name: str, *modules: str):
+    """The object ``name`` from the first of ``modules`` that has it."""
+    for module in modules:
+        try:
+            found = getattr(importlib.import_module(module), name, None)
+        except ImportError:
+            continue
+        if found is not None:
+            return found
+    raise MissingTarget(f"mutation target {name!r} not found in {', '.join(modules)}")
+
+
+def method(cls, name: str):
+    if name not in vars(cls):
+        raise MissingTarget(f"mutation target {cls.__name__}.{name} is not defined on the class")
+    return vars(cls)[name]
+
+
+def rebind(old, new):
+    """Replace ``old`` by ``new`` wherever a loaded module binds it by name (definitions and imports)."""
+    hits = 0
+    for module in list(sys.modules.values()):
+        for attr, value in list(getattr(module, "__dict__", {}).items()):
+            if value is old:
+                setattr(module, attr, new)
+                hits += 1
+    if not hits:
+        raise MissingTarget(f"no module binds {old!r}")
+
+
+GENERATORS = ("napkin_cat.generators", "napkin_cat.accumulators")
+
+
+def temperature():
+    """Softmax temperature off by 0.1%: the scores enter every softmax (plain, fused and online) × 1.001,
+    in the reference semantics and the kernels alike: only an independent reference can see it."""
+
+    def scaled(fn):
+        @functools.wraps(fn)
+        def wrapper(self, *args):
+            *head, ins, ctx = args
+            return fn(self, *head, [ins[0] * 1.001, *ins[1:]], ctx)
+
+        return wrapper
+
+    for cls, names in [
+        (find("Softmax", *GENERATORS), ("evaluate",)),
+        (find("SoftmaxContract", *GENERATORS), ("evaluate",)),
+        (find("OnlineSoftmax", *GENERATORS), ("partial", "step")),
+    ]:
+        for name in names:
+            setattr(cls, name, scaled(method(cls, name)))
+
+
+def no_rescale():
+    """The online softmax forgets to rescale ``l`` and ``o`` by ``exp(m − m_new)`` when the running max grows."""
+    cls = find("OnlineSoftmax", *GENERATORS)
+    step = method(cls, "step")
+
+    @functools.wraps(step)
+    def wrapper(self, state, ins, ctx):
+        m, total, o = state
+        m_new, _, _ = step(self, state, ins, ctx)
+        _, chunk_sum, chunk_out = step(self, (m_new, total * 0, o * 0), ins, ctx)  # this chunk alone, at m_new
+        return m_new, total + chunk_sum, o + chunk_out
+
+    cls.step = wrapper
+
+
+def causal_off_by_one():
+    """The causal mask lets each query see one key too many (``x ≤ q + 1``), everywhere."""
+    cls = find("Causal", *GENERATORS)
+    method(cls, "__call__")
+
+    def leaky(self, **idx):
+        return idx[self.x] <= idx[self.q] + 1
+
+    cls.__call__ = leaky
+
+
+def gqa_group():
+    """Grouped-query attention reads key/value head ``h mod H_kv`` instead of ``h // G``: the kernel's block
+    index for a wire lacking some grid (head) axes is taken from the flat head index, undivided by the group."""
+    lowered = find("Lowered", "lowering.triton", "lowering")
+    index_map = method(lowered, "_index_map")
+
+    @functools.wraps(index_map)
+    def wrapper(self, wire, padded):
+        real = index_map(self, wire, padded)
+        batch = self.plan.batch
+        missing = [a for a in batch if not wire.has(a)]
+        if not missing:
+            return real
+        group, nb = 1, len(self.plan.tiles)
+        for a in missing:
+            group *= padded[a]
+        return lambda *ids: real(*ids[:nb], ids[nb] * group, *ids[nb + 1 :])
+
+    lowered._index_map = wrapper
+
+
+def scale_ignored():
+    """``attention(scale=…)`` ignores the given scale and uses 1/√d."""
+    scale = find("_scale", "napkin_cat.library")
+    params = list(inspect.signature(scale).parameters)
+    if params[:2] != ["d", "scale"]:
+        raise MissingTarget(f"napkin_cat.library._scale takes {params}, not (d, scale)")
+
+    @functools.wraps(scale)
+    def wrapper(d, scale_=None):
+        return scale(d, None)
+
+    rebind(scale, wrapper)
+
+
+def no_delta():
+    """The backward drops Δ = rowsum(dO ⊙ O) from dS = P ⊙ (dP − Δ): the dQ and dK, dV kernels get Δ = 0."""
+    vjp = find("attention_vjp", "lowering.backward")
+    params = list(inspect.signature(vjp).parameters)
+
+    def zero_delta(kernel):
+        def run(*arrays):
+            if len(arrays) != 6:
+                raise MissingTarget(f"a backward kernel took {len(arrays)} arrays, not (Q, K, V, dO, L, Δ)")
+            return kernel(*arrays[:5], arrays[5] * 0)
+
+        return run
+
+    if "kernels" in params:  # attention_vjp(forward, kernels, parts): kernels() = (forward+L, dQ, dK·dV)
+
+        @functools.wraps(vjp)
+        def wrapper(forward, kernels, p):
+            def mutated():
+                fwd, dq, dkv = kernels()
+                return fwd, zero_delta(dq), zero_delta(dkv)
+
+            return vjp(forward, mutated, p)
+
+    elif params[1:3] == ["dq_kernel", "dkv_kernel"]:  # attention_vjp(fwd_res, dq_kernel, dkv_kernel, parts)
+
+        @functools.wraps(vjp)
+        def wrapper(fwd, dq, dkv, p):
+            return vjp(fwd, zero_delta(dq), zero_delta(dkv), p)
+
+    else:
+        raise MissingTarget(f"lowering.backward.attention_vjp takes {params}: no known place for the Δ kernels")
+    rebind(vjp, wrapper)
+
+
+def no_padding_mask():
+    """Ragged sizes: the padding of the last chunk is not masked to the accumulator's neutral value."""
+    mask_padding = find("_mask_padding", "lowering.triton")
+    rebind(mask_padding, lambda v, *args, **kwargs: v)
+
+
+MUTATIONS = {
+    f.__name__: f
+    for f in (temperature, no_rescale, causal_off_by_one, gqa_group, scale_ignored, no_delta, no_padding_mask)
+}
+
+
+def pytest_configure(config):
+    name = os.environ.get("NAPKIN_MUTATION")
+    if not name:
+        return
+    if name not in MUTATIONS:
+        raise MissingTarget(f"unknown mutation {name!r}; known: {', '.join(MUTATIONS)}")
+    MUTATIONS[name]()

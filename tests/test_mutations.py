@@ -1,0 +1,60 @@
+"""Planted bugs are caught: each mutation of tests/mutations.py makes the independent-reference tests fail.
+
+Each run is a fresh interpreter (``python -m pytest -p tests.mutations``) with ``NAPKIN_MUTATION`` set, on
+the tests that should catch that bug; the run must end in a failed assertion (exit status 1), not an error
+or a missing target. The same tests pass unmutated.
+"""
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FLASH = "tests/test_kernels_vs_jax.py::test_flash_attention[False-37-29]"  # ragged keys: two chunks, padding
+GQA = "tests/test_kernels_vs_jax.py::test_gqa_scale_alibi_causal"  # scale, ALiBi, causal, groups, q > x
+
+#: mutation -> the tests that catch it
+CATCHERS = {
+    "temperature": [GQA],
+    "no_rescale": [FLASH],
+    "causal_off_by_one": [GQA],
+    "gqa_group": [GQA],
+    "scale_ignored": [GQA],
+    "no_delta": [FLASH],
+    "no_padding_mask": [FLASH],
+}
+
+
+def run(mutation: str | None, tests: list[str]) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "NAPKIN_MUTATION"}
+    if mutation:
+        env["NAPKIN_MUTATION"] = mutation
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-rf", "-p", "tests.mutations", "-p", "no:cacheprovider"]
+    return subprocess.run([*cmd, *tests], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """Every mutated run and the clean one, two at a time (each is a whole interpreter)."""
+    jobs = {None: sorted({t for ts in CATCHERS.values() for t in ts}), **CATCHERS}
+    with ThreadPoolExecutor(2) as pool:
+        done = {m: pool.submit(run, m, tests) for m, tests in jobs.items()}
+        return {m: f.result() for m, f in done.items()}
+
+
+def test_unmutated_tests_pass(runs):
+    clean = runs[None]
+    assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
+
+
+@pytest.mark.parametrize("mutation", sorted(CATCHERS))
+def test_planted_bug_is_caught(runs, mutation):
+    result = runs[mutation]
+    log = result.stdout[-3000:] + result.stderr[-3000:]
+    assert "MissingTarget" not in log, f"mutation {mutation!r} planted nothing:\n{log}"
+    assert result.returncode == 1, f"mutation {mutation!r} survived (exit {result.returncode}):\n{log}"
+    assert "AssertionError" in result.stdout, f"mutation {mutation!r} broke the run instead of failing a check:\n{log}"
