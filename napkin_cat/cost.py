@@ -17,6 +17,22 @@ FAN's rules (REFERENCE §1.1–1.2):
 * memory at a level is the largest column: on per-SM levels a tiled axis counts ``g`` and a streamed axis
   ``s``; inside a stream loop the loop-invariant inputs and the accumulated outputs stay resident.
 
+Two global-memory figures, measured differently (REFERENCE §5):
+
+* **GMEM→SMEM bytes** (:attr:`Cost.gmem_bytes`; ``hbm_bytes`` is the same figure under its old name): what
+  the SMs read from and write to global memory, re-reads included. Every block of a kernel's grid reads
+  its blocks of the inputs, so an input not indexed by a grid axis (a tiled axis ``a``, factor ``a/g``,
+  or a batch axis, factor its size: K/V of grouped-query attention) is re-read by every block along it.
+  A causal mask between the tiled and the streamed axis skips the chunks past the diagonal: the loop's
+  transfers and work take the visited fraction ``(n + max(g, s)) / 2n`` (exact for a square mask and
+  ``g``, ``s`` powers of two). This is ncu's ``l1tex__m_xbar2l1tex_read_bytes`` plus the writes.
+* **DRAM bytes** (:attr:`Cost.dram_bytes`): what reaches HBM itself, after the L2 cache. A re-read input
+  is served by L2 when the working set of the blocks running at once fits L2's capacity: the grid runs
+  its first tiled axis fastest, then the others, then the batch axes (``lowering.plan``), and
+  ``SMs × blocks_per_sm`` consecutive blocks touch, per grid axis indexing the array,
+  ``min(n_j, ⌈C/σ_j⌉)`` of its ``n_j`` slabs (``σ_j`` blocks per step of axis ``j``). Fits: read once;
+  else every re-read comes from DRAM (a ``Piecewise``).
+
 >>> import napkin_cat as nc
 >>> from napkin_cat.hardware import H100
 >>> q, x, d = nc.axes("q x d")
@@ -25,6 +41,17 @@ FAN's rules (REFERENCE §1.1–1.2):
 2*d*q + 2*d*x + 4*q*x
 >>> naive.flops
 4*d*q*x + 5*q*x
+
+FlashAttention on a 50 MB L2: K and V of the heads in flight fit, so DRAM sees each input once
+(REFERENCE §5: ncu reads 201,646,848 B from DRAM and 8,657,043,456 B into shared memory):
+
+>>> from rewrites import derive, tile, stream, level
+>>> b, h = nc.axes("b h")
+>>> mha = nc.library.multi_head_attention(h, q, x, d, batch=(b,), dtype="bf16")
+>>> fa = cost(derive(mha, tile(q, 128), stream(x, 64), level(SMEM), verify=False).diagram, H100)
+>>> n = fa.subs(b=2, h=16, q=8192, x=8192, d=128)
+>>> int(n.gmem_bytes - n.gmem_write_bytes), int(n.dram_bytes - n.gmem_write_bytes)
+(8657043456, 201326592)
 """
 
 from __future__ import annotations
@@ -79,6 +106,8 @@ class Cost:
     move_bytes: Mapping[tuple[Level, Level], Expr] = field(default_factory=dict)
     memory: Mapping[Level, Expr] = field(default_factory=dict)
     memory_bytes: Mapping[Level, Expr] = field(default_factory=dict)
+    dram_bytes: Expr = ZERO
+    gmem_write_bytes: Expr = ZERO
 
     # --- the category ----------------------------------------------------------------------------
     @classmethod
@@ -94,6 +123,8 @@ class Cost:
             move_bytes=_add(*(r.move_bytes for r in records)),
             memory=_max(*(r.memory for r in records)),
             memory_bytes=_max(*(r.memory_bytes for r in records)),
+            dram_bytes=sympy.Add(*(r.dram_bytes for r in records)),
+            gmem_write_bytes=sympy.Add(*(r.gmem_write_bytes for r in records)),
         )
 
     def then(self, other: Cost) -> Cost:
@@ -127,9 +158,18 @@ class Cost:
         return sympy.Add(*(v for (outer, _), v in self.moves.items() if outer == HBM))
 
     @property
-    def hbm_bytes(self) -> Expr:
-        """Bytes read from or written to HBM."""
+    def gmem_bytes(self) -> Expr:
+        """Bytes the SMs read from or write to global memory, re-reads included (before the L2 cache).
+
+        ``gmem_bytes - gmem_write_bytes`` is what ncu calls ``l1tex__m_xbar2l1tex_read_bytes``; DRAM
+        traffic after L2 is :attr:`dram_bytes`.
+        """
         return sympy.Add(*(v for (outer, _), v in self.move_bytes.items() if outer == HBM))
+
+    @property
+    def hbm_bytes(self) -> Expr:
+        """The old name of :attr:`gmem_bytes`: global-memory traffic as the SMs see it, *not* DRAM traffic."""
+        return self.gmem_bytes
 
     @property
     def intensity(self) -> Expr:
@@ -151,20 +191,40 @@ class Cost:
 
     @property
     def times(self) -> dict[str, Expr]:
-        """Seconds each resource needs at peak: tensor cores, CUDA cores, SFU, and each link."""
+        """Seconds each resource needs at peak: tensor cores, CUDA cores, SFU, and each link.
+
+        The link into L2 carries the DRAM bytes (:attr:`dram_bytes`); the links further in carry the
+        bytes moved into them (``→SMEM``: the GMEM→SMEM bytes, at L2's bandwidth into the SMs).
+        """
         hw = self._hardware("times")
         tensor = sympy.Add(*(f / sympy.Float(hw.flops(t)) for t, f in self.tensor_flops.items()))
         vector = (self.flops - sympy.Add(*self.tensor_flops.values())) / sympy.Float(hw.flops(f32))
         sfu = self.transcendentals / sympy.Float(hw.exp_per_clk * hw.sms * hw.clock)
         out = {"tensor": tensor, "vector": vector, "sfu": sfu}
         for level, b in self.link_bytes.items():
-            out[f"→{level.name}"] = b / sympy.Float(hw.bandwidth(level))
+            moved = self.dram_bytes if level == L2 else b
+            out[f"→{level.name}"] = moved / sympy.Float(hw.bandwidth(level))
         return out
 
     @property
     def time(self) -> Expr:
-        """The roofline lower bound in seconds: the busiest resource's time."""
+        """The roofline lower bound in seconds: the busiest resource's time (everything overlaps)."""
         return sympy.Max(*self.times.values())
+
+    @property
+    def time_serial(self) -> Expr:
+        """Seconds when the SMs' compute units do not overlap one another (softmax waits for the matmuls):
+        the slowest link, or tensor + CUDA-core + SFU time, whichever is larger.
+
+        >>> import napkin_cat as nc
+        >>> from napkin_cat.hardware import H100
+        >>> c = Cost(H100, flops=sympy.Integer(989 * 10**12), tensor_flops={nc.bf16: sympy.Integer(989 * 10**12)})
+        >>> float(c.time_serial), float(c.time)
+        (1.0, 1.0)
+        """
+        t = self.times
+        links = [v for k, v in t.items() if k.startswith("→")]
+        return sympy.Max(*links, t["tensor"] + t["vector"] + t["sfu"])
 
     def _hardware(self, what: str) -> Hardware:
         if self.hardware is None:
@@ -198,6 +258,8 @@ class Cost:
             move_bytes=sub_map(self.move_bytes),
             memory=sub_map(self.memory),
             memory_bytes=sub_map(self.memory_bytes),
+            dram_bytes=sub(self.dram_bytes),
+            gmem_write_bytes=sub(self.gmem_write_bytes),
         )
 
     def number(self, what: str, **sizes) -> float:
@@ -256,9 +318,40 @@ def _capacity(hw: Hardware, level: Level) -> int:
 # --- the functor: a flat walk over the layers ------------------------------------------------------
 
 
-def _groups(array: Array, tiled: Mapping[str, object]) -> Expr:
-    """FAN's re-read factor: ``a/g_a`` for every tiled axis ``a`` not indexing ``array``."""
-    return sympy.Mul(*(a.groups for name, a in tiled.items() if not array.has(name)))
+def _groups(array: Array, grid: Mapping[str, Expr]) -> Expr:
+    """FAN's re-read factor: the blocks along every grid axis not indexing ``array`` (``a/g`` when tiled)."""
+    return sympy.Mul(*(n for name, n in grid.items() if not array.has(name)))
+
+
+@dataclass
+class _Kernel:
+    """One kernel's schedule as the cost functor needs it."""
+
+    tiled: dict  # name -> Axis, in grid order
+    streamed: dict  # name -> Axis
+    resident: set = field(default_factory=set)
+    batch: dict = field(default_factory=dict)  # name -> size, in the wires' order (the last runs fastest)
+    visited: Expr = sympy.Integer(1)  # the fraction of the stream loop a causal mask lets run
+    rereads: list = field(default_factory=list)  # (array, its re-read factor)
+
+    @property
+    def grid(self) -> dict:
+        """Blocks along each grid axis, fastest first (``lowering.plan``: tiles, then batch reversed)."""
+        return {**{a: t.groups for a, t in self.tiled.items()}, **dict(reversed(self.batch.items()))}
+
+    def working_set(self, concurrent: Expr) -> Expr:
+        """Bytes of the re-read arrays that ``concurrent`` consecutive blocks of the grid touch."""
+        total, stride = ZERO, {}
+        step = sympy.Integer(1)
+        for a, n in self.grid.items():
+            stride[a] = step
+            step = step * n
+        for array, _ in self.rereads:
+            axes = [a for a in self.grid if array.has(a)]
+            slabs = sympy.Mul(*(self.grid[a] for a in axes))
+            touched = sympy.Mul(*(sympy.Min(self.grid[a], sympy.ceiling(concurrent / stride[a])) for a in axes))
+            total += touched * array.size * array.dtype.bytes / slabs
+        return total
 
 
 class _Walk:
@@ -301,13 +394,16 @@ class _Walk:
         return {a.name: a for i in ids for a in self.arrays[i].axes if getattr(a, label) is not None}
 
 
-def cost(d: Diagram, hardware: Hardware | str | None = None, *, onchip: Level = SMEM) -> Cost:
+def cost(d: Diagram, hardware: Hardware | str | None = None, *, onchip: Level = SMEM, blocks_per_sm: int = 1) -> Cost:
     """The cost of ``d`` on ``hardware``; boxes on HBM wires run as kernels through ``onchip`` memory.
 
-    Without ``hardware`` the record has work, transfers and memory but no times, and levels deeper
-    than L2 count as per-SM. With it, every level the diagram uses must exist on the hardware, and a
-    numeric peak memory over the hardware's capacity raises :class:`CostError`. ``hardware`` may be a
-    model's name (``"H100"``, see :data:`napkin_cat.hardware.HARDWARE`).
+    Without ``hardware`` the record has work, transfers and memory but no times, levels deeper
+    than L2 count as per-SM, and DRAM bytes equal GMEM bytes (no L2 to reuse). With it, every level
+    the diagram uses must exist on the hardware, and a numeric peak memory over the hardware's capacity
+    raises :class:`CostError`. ``hardware`` may be a model's name (``"H100"``, see
+    :data:`napkin_cat.hardware.HARDWARE`). ``blocks_per_sm`` is how many blocks of a kernel each SM
+    runs at once (the L2 working set's width); the lowered attention kernels run one (8 warps at
+    Triton's register use fill an SM's 64K registers).
 
     >>> import napkin_cat as nc
     >>> from napkin_cat.hardware import H100
@@ -331,25 +427,63 @@ def cost(d: Diagram, hardware: Hardware | str | None = None, *, onchip: Level = 
     if not records:  # an identity: only its wires' memory
         records = [_column(walk, hardware, range(len(walk.arrays)), ())]
     total = Cost.sequence(hardware, records)
+    total = replace(total, dram_bytes=total.dram_bytes + _dram_rereads(kernels, hardware, blocks_per_sm))
     if hardware is not None:
         total.check()
     return total
 
 
+def _dram_rereads(kernels: dict, hw: Hardware | None, blocks_per_sm: int) -> Expr:
+    """DRAM bytes of the re-read inputs: read once if the concurrent blocks' working set fits L2, else every time."""
+    out = ZERO
+    for k in kernels.values():
+        if not k.rereads:
+            continue
+        once = sympy.Add(*(a.size * a.dtype.bytes for a, _ in k.rereads))
+        every = sympy.Add(*(a.size * a.dtype.bytes * n for a, n in k.rereads))
+        if hw is None or not any(m.level == L2 for m in hw.memories):
+            out += every
+            continue
+        fits = k.working_set(sympy.Integer(hw.sms * blocks_per_sm)) <= hw.capacity(L2)
+        out += (
+            once
+            if fits is sympy.true
+            else every
+            if fits is sympy.false
+            else sympy.Piecewise((once, fits), (every, True))
+        )
+    return out
+
+
 def _kernels(walk: _Walk) -> dict:
-    """Per kernel (root id): its tiled axes, its streamed axes, and the wires resident in its stream loop."""
+    """Per kernel (root id): its tiled, streamed and batch axes, the wires resident in its stream loop, and
+    the fraction of the loop a causal mask visits."""
     members: dict[int, list[int]] = {}
     for i, a in enumerate(walk.arrays):
         if a.level > HBM:
             members.setdefault(walk.root(i), []).append(i)
-    kernels = {r: (walk.labelled(ids, "group"), walk.labelled(ids, "stream"), set()) for r, ids in members.items()}
-    for _, _, ins, outs in walk.layers:
+    kernels = {r: _Kernel(walk.labelled(ids, "group"), walk.labelled(ids, "stream")) for r, ids in members.items()}
+    mixed: dict[int, set] = {r: set() for r in kernels}
+    for _, box, ins, outs in walk.layers:
         wires = [i for i in ins + outs if walk.arrays[i].level > HBM]
         if not wires:
             continue
-        _, streamed, resident = kernels[walk.root(wires[0])]
-        if any(walk.arrays[i].has(s) for i in wires for s in streamed):  # a box inside the stream loop
-            resident |= {i for i in wires if not any(walk.arrays[i].has(s) for s in streamed)}
+        k = kernels[walk.root(wires[0])]
+        if not is_structural(box):
+            mixed[walk.root(wires[0])] |= set(getattr(box, "mixes", ()))
+            diagonal = set(box.diagonal() or ())
+            for t, x in ((t, x) for t in k.tiled for x in k.streamed):
+                if diagonal == {t, x}:  # blocks past the diagonal are skipped (lowering.triton)
+                    n, g, s = k.tiled[t].size, k.tiled[t].group, k.streamed[x].stream
+                    k.visited = (n + sympy.Max(g, s)) / (2 * n)
+        if any(walk.arrays[i].has(s) for i in wires for s in k.streamed):  # a box inside the stream loop
+            k.resident |= {i for i in wires if not any(walk.arrays[i].has(s) for s in k.streamed)}
+    for r, ids in members.items():
+        k = kernels[r]
+        for i in ids:
+            for a in walk.arrays[i].axes:
+                if a.name not in k.tiled and a.name not in k.streamed and a.name not in mixed[r]:
+                    k.batch.setdefault(a.name, a.size)
     return kernels
 
 
@@ -378,36 +512,52 @@ def _layer(walk: _Walk, kernels: dict, hw: Hardware | None, onchip: Level, layer
     whiskers, box, ins, outs = layer
     column = whiskers + ins + outs
     wires = [i for i in ins + outs if walk.arrays[i].level > HBM]
+    visited = sympy.Integer(1)
     if wires:
-        _, streamed, resident = kernels[walk.root(wires[0])]
-        if any(walk.arrays[i].has(s) for i in wires for s in streamed):
-            column = column + sorted(resident)
+        k = kernels[walk.root(wires[0])]
+        if any(walk.arrays[i].has(s) for i in wires for s in k.streamed):
+            column = column + sorted(k.resident)
+            visited = k.visited
     if is_structural(box):
         return _column(walk, hw, column, ())
     moves: list[tuple[Level, Level, Array, Expr]] = []
     extra = []
+    writes = dram = ZERO
     if box.transfers:
         src, dst = walk.arrays[ins[0]], walk.arrays[outs[0]]
         inner = max(src.level, dst.level)
-        tiled = kernels[walk.root(outs[0] if dst.level == inner else ins[0])][0]
-        moves.append((min(src.level, dst.level), inner, src, _groups(src, tiled)))
+        k = kernels[walk.root(outs[0] if dst.level == inner else ins[0])]
+        loop = k.visited if any(src.has(s) for s in k.streamed) else sympy.Integer(1)
+        reread = _groups(src, k.grid) * loop
+        moves.append((min(src.level, dst.level), inner, src, reread))
+        if dst.level == HBM:
+            writes = dram = src.size * src.dtype.bytes
+        elif src.level == HBM and reread == 1:
+            dram = src.size * src.dtype.bytes
+        elif src.level == HBM:
+            k.rereads.append((src, reread))  # DRAM bytes once the kernel's L2 working set is known
     elif any(walk.arrays[i].level == HBM for i in ins + outs):  # a kernel of its own
         tiled = walk.labelled(ins + outs, "group")
         scheduled = tiled or walk.labelled(ins + outs, "stream")
         for i in ins + outs:
             a = walk.arrays[i]
             if a.level == HBM:
-                moves.append((HBM, onchip, a, _groups(a, tiled)))
+                moves.append((HBM, onchip, a, _groups(a, {n: t.groups for n, t in tiled.items()})))
+                if i in outs:
+                    writes += a.size * a.dtype.bytes
                 if scheduled:  # an unscheduled kernel's on-chip working set is not ours to know
                     extra.append((onchip, a.local_size, a.local_size * a.dtype.bytes))
+        dram = sympy.Add(*(a.size * k * a.dtype.bytes for _, _, a, k in moves))  # no reuse model: every read
     record = _column(walk, hw, column, extra)
-    tensor = sympy.sympify(box.tensor_flops())
+    tensor = sympy.sympify(box.tensor_flops()) * visited
     narrowest = min((w.dtype for w in box.dom.inside), key=lambda t: t.bits, default=f32)
     return replace(
         record,
-        flops=sympy.sympify(box.flops()),
-        transcendentals=sympy.sympify(box.transcendentals()),
+        flops=sympy.sympify(box.flops()) * visited,
+        transcendentals=sympy.sympify(box.transcendentals()) * visited,
         tensor_flops={narrowest: tensor} if tensor != 0 else {},
         moves=_add(*({(o, i): a.size * k} for o, i, a, k in moves)),
         move_bytes=_add(*({(o, i): a.size * k * a.dtype.bytes} for o, i, a, k in moves)),
+        dram_bytes=dram,
+        gmem_write_bytes=writes,
     )

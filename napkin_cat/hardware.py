@@ -15,6 +15,12 @@ from those constants, never typed in.
 3350000000000.0
 >>> H200.bandwidth(L2), H200.memory(HBM).capacity == 141 * 10**9
 (4800000000000.0, True)
+
+L2 is a level of every model: its capacity (what the cost functor's DRAM model fits working sets into)
+and the bandwidth into it from HBM (DRAM traffic); the bandwidth out of it into the SMs is SMEM's:
+
+>>> [(h.name, h.capacity(L2) // MiB, h.bandwidth(L2) / 1e12, round(h.bandwidth(SMEM) / 1e12, 2)) for h in HARDWARE]
+[('A100', 40, 2.039, 7.22), ('A100-40GB', 40, 1.555, 7.22), ('H100', 50, 3.35, 12.0), ('H200', 60, 4.8, 12.0)]
 >>> from napkin_cat.dtypes import bf16, f16, fp8_e4m3
 >>> A100.flops(f16) / 1e12, H100.flops(fp8_e4m3) / 1e12
 (312.0, 1979.0)
@@ -245,11 +251,13 @@ H100 = Hardware(
 
 # --- NVIDIA H200 SXM 141GB -------------------------------------------------------------------------
 # Same GH100 die as H100 SXM5 (compute, SMs, caches); datasheet: 141 GB HBM3e at 4.8 TB/s.
-# REFERENCE §1.4 lists a 60 MB L2; the GH100 die carries 50 MB, which we keep (no number here uses it).
+# L2: 60 MiB, measured (PyTorch's L2_cache_size on the H200 machines here, KINDS.md 2026-10-28; REFERENCE
+# §1.4), where the H100 reports 50 MiB; the cost functor's DRAM model reads it.
 H200 = replace(
     H100,
     name="H200",
-    memories=H100.with_capacity(HBM, 141 * GB)[:1] + H100.with_bandwidth(L2, 4.8e12)[1:],
+    memories=replace(H100, memories=H100.with_capacity(HBM, 141 * GB)).with_capacity(L2, 60 * MiB)[:1]
+    + replace(H100, memories=H100.with_capacity(L2, 60 * MiB)).with_bandwidth(L2, 4.8e12)[1:],
 )
 
 # --- NVIDIA A100 SXM4 40GB: the 80GB model with its datasheet HBM2 (40 GB at 1,555 GB/s) ---------------
