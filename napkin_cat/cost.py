@@ -31,7 +31,8 @@ Two global-memory figures, measured differently (REFERENCE §5):
   its first tiled axis fastest, then the others, then the batch axes (``lowering.plan``), and
   ``SMs × blocks_per_sm`` consecutive blocks touch, per grid axis indexing the array,
   ``min(n_j, ⌈C/σ_j⌉)`` of its ``n_j`` slabs (``σ_j`` blocks per step of axis ``j``). Fits: read once;
-  else every re-read comes from DRAM (a ``Piecewise``).
+  else each wave of concurrent blocks reads a slab from DRAM once, shared by the ``C/touched`` blocks of
+  the wave that read it (a ``Piecewise``).
 
 >>> import napkin_cat as nc
 >>> from napkin_cat.hardware import H100
@@ -339,19 +340,22 @@ class _Kernel:
         """Blocks along each grid axis, fastest first (``lowering.plan``: tiles, then batch reversed)."""
         return {**{a: t.groups for a, t in self.tiled.items()}, **dict(reversed(self.batch.items()))}
 
+    def touched(self, array: Array, concurrent: Expr) -> Expr:
+        """Slabs of ``array`` that ``concurrent`` consecutive blocks read: ``min(n_j, ⌈C/σ_j⌉)`` per axis."""
+        out, stride = sympy.Integer(1), sympy.Integer(1)
+        for a, n in self.grid.items():
+            if array.has(a):
+                out *= sympy.Min(n, sympy.ceiling(concurrent / stride))
+            stride *= n
+        return out
+
+    def slab(self, array: Array) -> Expr:
+        """Bytes of one block's slab of ``array``."""
+        return array.size * array.dtype.bytes / sympy.Mul(*(n for a, n in self.grid.items() if array.has(a)))
+
     def working_set(self, concurrent: Expr) -> Expr:
         """Bytes of the re-read arrays that ``concurrent`` consecutive blocks of the grid touch."""
-        total, stride = ZERO, {}
-        step = sympy.Integer(1)
-        for a, n in self.grid.items():
-            stride[a] = step
-            step = step * n
-        for array, _ in self.rereads:
-            axes = [a for a in self.grid if array.has(a)]
-            slabs = sympy.Mul(*(self.grid[a] for a in axes))
-            touched = sympy.Mul(*(sympy.Min(self.grid[a], sympy.ceiling(concurrent / stride[a])) for a in axes))
-            total += touched * array.size * array.dtype.bytes / slabs
-        return total
+        return sympy.Add(*(self.touched(a, concurrent) * self.slab(a) for a, _ in self.rereads))
 
 
 class _Walk:
@@ -440,11 +444,15 @@ def _dram_rereads(kernels: dict, hw: Hardware | None, blocks_per_sm: int) -> Exp
         if not k.rereads:
             continue
         once = sympy.Add(*(a.size * a.dtype.bytes for a, _ in k.rereads))
-        every = sympy.Add(*(a.size * a.dtype.bytes * n for a, n in k.rereads))
         if hw is None or not any(m.level == L2 for m in hw.memories):
-            out += every
+            out += sympy.Add(*(a.size * a.dtype.bytes * n for a, n in k.rereads))
             continue
-        fits = k.working_set(sympy.Integer(hw.sms * blocks_per_sm)) <= hw.capacity(L2)
+        c = sympy.Integer(hw.sms * blocks_per_sm)
+        # blocks reading one slab at the same time share its trip from DRAM; later waves read it again
+        every = sympy.Add(
+            *(a.size * a.dtype.bytes * n / sympy.Min(n, sympy.Max(1, c / k.touched(a, c))) for a, n in k.rereads)
+        )
+        fits = k.working_set(c) <= hw.capacity(L2)
         out += (
             once
             if fits is sympy.true
