@@ -1,10 +1,12 @@
 """The FAN reproduction (papers/flash_attention_on_a_napkin) and FlashAttention's IO complexity."""
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
 import pytest
+import sympy
 
 PAPERS = Path(__file__).resolve().parent.parent / "papers"
 
@@ -64,12 +66,51 @@ def test_selected_values(reproduced, quantity, value, tol):
     assert float(row.computed) == pytest.approx(value, abs=tol)
 
 
+NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
+
+
+def last_digit(printed: str) -> float:
+    """One unit of the last printed digit of a number: ``"3.729"`` → 0.001, ``"-0.06"`` → 0.01, ``"6e12"`` → 1e12."""
+    mantissa, _, exponent = printed.lower().partition("e")
+    decimals = len(mantissa.partition(".")[2])
+    return 10.0 ** (int(exponent or 0) - decimals)
+
+
+def cells_agree(ours: str, readme: str) -> bool:
+    """A cell of the table as computed here agrees with the README's: formulas (in backticks) are equal
+    symbolically; elsewhere the text around the numbers is the same, and each number is within one unit
+    of the README's last printed digit (so a 1-ulp difference printing -0.00% for +0.00% agrees)."""
+    if ours.startswith("`") and readme.startswith("`"):
+        return sympy.simplify(sympy.sympify(ours.strip("`")) - sympy.sympify(readme.strip("`"))) == 0
+    if NUMBER.sub("#", ours) != NUMBER.sub("#", readme):
+        return False
+    pairs = zip(NUMBER.findall(ours), NUMBER.findall(readme), strict=True)
+    return all(abs(float(a) - float(b)) <= 1.001 * last_digit(b) for a, b in pairs)
+
+
+def table_cells(text: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip().strip("|").split("|")] for line in text.splitlines() if line.strip()]
+
+
+def test_cells_agree_within_the_last_printed_digit():
+    assert cells_agree("| +0.00% |", "| -0.00% |") and cells_agree("3.730", "3.729")
+    assert not cells_agree("3.731", "3.729") and not cells_agree("yes (±0.5)", "**no** (±0.5)")
+    assert cells_agree("`a*c + 2*a*b*c/sqrt(M)`", "`2*a*b*c/M**0.5 + a*c`")
+    assert not cells_agree("`2*d*q + 4*d*q*x/g_q`", "`2*d*q + 2*d*q*x/g_q`")
+
+
 def test_outputs_are_written_and_the_readme_is_current(fan, reproduced):
     out, rows = reproduced
     for name in ("table.md", "transfers_vs_memory.png", "attention_roofline.png"):
         assert (out / name).stat().st_size > 1000
     readme = (PAPERS / "flash_attention_on_a_napkin" / "README.md").read_text()
-    assert fan.table(rows) in readme, "README table is stale: rerun reproduce.py"
+    published = table_cells(readme.split("<!-- table -->", 1)[1].split("<!-- /table -->", 1)[0])
+    computed = table_cells(fan.table(rows))
+    assert len(published) == len(computed), "README table is stale: rerun reproduce.py"
+    for ours, theirs in zip(computed, published, strict=True):
+        assert len(ours) == len(theirs) and all(map(cells_agree, ours, theirs)), (
+            f"README table is stale: rerun reproduce.py\nREADME:   {theirs}\ncomputed: {ours}"
+        )
     for figure in ("transfers_vs_memory.png", "attention_roofline.png"):
         assert f"]({figure})" in readme
 
