@@ -22,17 +22,18 @@ from typing import Literal
 
 import jax
 
-from lowering.backward import attention_parts, attention_vjp, backward_diagrams, with_residual
+from lowering.backward import backward_of, differentiable
 from lowering.plan import NotLowerable, plan
 from lowering.triton import Config, Lowered, launch
 from napkin_cat.diagram import Diagram
 from napkin_cat.errors import CostError, EvaluationError, NapkinError
 from napkin_cat.hardware import Hardware, lookup
 from napkin_cat.semantics import to_jax
+from rewrites import derive
 
 Differentiation = Literal["lowered", "reference", "none"]
 
-#: the backends ``lower`` can emit; ``backend="auto"`` chooses the first (the one with lowered backward kernels)
+#: the backends ``lower`` can emit; ``backend="auto"`` chooses Mosaic on sm_90 where the diagram lowers, else Triton
 BACKENDS = ("triton", "mosaic")
 
 
@@ -42,7 +43,8 @@ class Kernel:
     ``backend`` names the backend that emitted it; ``differentiation`` says how gradients are computed:
     ``"lowered"`` (derived backward kernels, built when first differentiated), ``"reference"``
     (``jax.vjp`` of the reference semantics, asked for explicitly) or ``"none"`` (differentiating
-    raises :class:`NotLowerable`); ``why_not`` says why there is no lowered backward, else None.
+    raises :class:`NotLowerable`); ``why_not`` says why there is no lowered backward, else None;
+    ``refused`` maps each backend ``backend="auto"`` passed over to why.
 
     >>> import jax, jax.numpy as jnp
     >>> import napkin_cat as nc
@@ -71,8 +73,10 @@ class Kernel:
         differentiation: Differentiation,
         why_not: str | None = None,
         backward: Callable[[], tuple[Lowered, ...]] | None = None,
+        refused: dict[str, str] | None = None,
     ):
         self.diagram, self.forward, self._fn, self.backend = diagram, forward, fn, backend
+        self.refused = refused or {}
         self.differentiation, self.why_not, self._backward = differentiation, why_not, backward
         self.__name__ = "napkin_kernel"
 
@@ -141,9 +145,12 @@ def _guard(k: Lowered) -> Lowered:
 
 def _backend(backend: str) -> str:
     if backend == "auto":
-        return BACKENDS[0]
+        return "auto"
     if backend not in BACKENDS:
-        raise NotLowerable(f"backend {backend!r}: choose 'auto' (Triton), 'triton' or 'mosaic' (Hopper, forward only)")
+        raise NotLowerable(
+            f"backend {backend!r}: choose 'auto' (Triton), 'triton' or 'mosaic' (Hopper, forward only); "
+            "'auto' takes Mosaic on sm_90 where the diagram lowers there"
+        )
     return backend
 
 
@@ -159,8 +166,9 @@ def lower(
     """A JAX-callable Pallas kernel for a scheduled diagram (a ``Derivation`` or its ``.diagram``).
 
     ``interpret=None`` interprets on CPU and compiles on GPU. Works under ``jax.jit``, ``jax.vmap`` and
-    ``jax.grad``; arrays are passed in the diagram's axis order. ``backend="auto"`` chooses Triton, the
-    backend with lowered backward kernels (``kernel.backend`` says so); ``backend="mosaic"`` lowers the
+    ``jax.grad``; arrays are passed in the diagram's axis order. ``backend="auto"`` chooses Mosaic's forward on
+    sm_90 where the diagram lowers there (differentiated by Triton's lowered backward kernels), else Triton;
+    ``kernel.backend`` says which, ``kernel.refused`` why not Mosaic; ``backend="mosaic"`` lowers the
     forward for Hopper (:mod:`lowering.mosaic`, tuned by its ``MosaicConfig``) and differentiates only
     with ``backward="reference"``. ``config`` reaches every kernel built, backward included. ``hardware``
     (a :class:`~napkin_cat.hardware.Hardware` or its name) sets the per-block shared-memory limit; by
@@ -196,7 +204,15 @@ def lower(
     name = _backend(backend)
     if backward not in ("lowered", "reference"):
         raise NotLowerable(f"backward {backward!r}: choose 'lowered' or 'reference'")
-    if name == "mosaic":  # Hopper (lowering/mosaic.py): forward kernels; gradients only by the reference
+    chosen, refused = None, {}
+    if name == "auto":  # Mosaic's forward on sm_90 (Triton's backward kernels); Triton elsewhere, saying why
+        from lowering.mosaic import choose
+
+        chosen, why = choose(d, interpret=interpret, config=config)
+        name, refused = ("mosaic", {}) if chosen is not None else ("triton", {"mosaic": why})
+        config = None if chosen is not None else config
+    # Hopper (lowering/mosaic.py): forward kernels; gradients only by the reference
+    if name == "mosaic" and chosen is None:
         if isinstance(config, Config):
             raise NotLowerable("backend 'mosaic': a lowering.Config tunes Triton; pass a lowering.mosaic.MosaicConfig")
         from lowering.mosaic import MosaicLowered
@@ -216,28 +232,29 @@ def lower(
     def kernel(diagram: Diagram) -> Lowered:
         return _guard(Lowered(plan(diagram), interpret=interpret, config=config, hardware=hw))
 
-    forward = kernel(d)
+    try:
+        forward = kernel(d)
+    except NotLowerable as e:
+        if chosen is None:
+            raise
+        why = f"Triton, whose kernels would run the backward, refused: {e}"
+        return Kernel(d, chosen, _refuse(chosen, why), backend=name, differentiation="none", why_not=why)
+    primal = chosen or forward
+    made = functools.partial(Kernel, d, primal, backend=name, refused=refused)
     if backward == "reference":
-        return Kernel(d, forward, _reference(forward, d), backend=name, differentiation="reference")
-    try:  # the backward's diagrams now (cheap, and they say whether it exists); its kernels when needed
-        parts = attention_parts(d)
-        residual, (dq, dkv) = with_residual(d, parts), backward_diagrams(parts)
+        return made(_reference(primal, d), differentiation="reference")
+    try:  # the backward's diagrams and schedules now (cheap, and they say whether it exists); kernels when needed
+        b = backward_of(d)
+        pieces = [derive(p.diagram, *p.rules, verify=False).diagram for p in b.pieces]
+        for p in pieces:
+            plan(p)
     except NapkinError as e:
         why = str(e)
-        return Kernel(d, forward, _refuse(forward, why), backend=name, differentiation="none", why_not=why)
+        return made(_refuse(primal, why), differentiation="none", why_not=why)
 
     @functools.cache
     def build() -> tuple[Lowered, ...]:
-        from rewrites import derive, stream, tile
+        # The backward's rules and schedules are verified in tests/test_lowered_backward.py; here only relabelled.
+        return (kernel(b.forward), *(kernel(p) for p in pieces))
 
-        g = min(forward.plan.tiles[parts.q], 64)
-        s = min(forward.plan.stream[1], 64) if forward.plan.stream else 64
-        # The backward schedules are verified in tests/test_backward.py; here they are only relabelled.
-        return (
-            kernel(residual),
-            kernel(derive(dq, tile(parts.q, g), stream(parts.x, s), verify=False).diagram),
-            kernel(derive(dkv, tile(parts.x, g), stream(parts.q, s), verify=False).diagram),
-        )
-
-    fn = attention_vjp(forward, build, parts)
-    return Kernel(d, forward, fn, backend=name, differentiation="lowered", backward=build)
+    return made(differentiable(primal, build, b, d), differentiation="lowered", backward=build)

@@ -40,7 +40,7 @@ from napkin_cat.hardware import H100
 from napkin_cat.levels import REG
 from napkin_cat.semantics import bind
 
-__all__ = ["MosaicArrays", "MosaicConfig", "MosaicLowered", "base2", "plan"]
+__all__ = ["MosaicArrays", "MosaicConfig", "MosaicLowered", "base2", "choose", "plan"]
 
 LOG2E = math.log2(math.e)
 #: wgmma's row count per warpgroup
@@ -228,6 +228,35 @@ class MosaicArrays:
         return plgpu.layout_cast(jnp.full(shape, value, jnp.float32), layout)
 
 
+def choose(d: Diagram, *, interpret: bool | None, config=None) -> tuple[MosaicLowered | None, str | None]:
+    """``backend="auto"``'s Mosaic candidate: a compiled kernel when the device is sm_90 and the diagram lowers
+    there (its shared memory checked when the whole axes are known), else None and why not.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> q, x, d = nc.axes("q x d", d=64)
+    >>> flash = derive(nc.library.attention(q, x, d, dtype="bf16"), tile(q, 128), stream(x, 64), verify=False)
+    >>> choose(flash.diagram, interpret=None)  # on a CPU  # doctest: +ELLIPSIS
+    (None, "device 'cpu' (cpu) is not an sm_90 (Hopper) GPU")
+    """
+    device = jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    if device.platform != "gpu" or capability != "9.0":
+        return None, f"device {device.device_kind!r} ({device.platform}) is not an sm_90 (Hopper) GPU"
+    if interpret:
+        return None, "interpret=True: 'auto' interprets with Triton"
+    if config is not None and not isinstance(config, MosaicConfig):
+        return None, f"config is a {type(config).__name__}, which tunes Triton"
+    try:
+        kernel = MosaicLowered(plan(d), interpret=False, config=config)
+        size = {a.name: a.size for w in d.dom.inside for a in w.axes}
+        if all(size[a].is_number for a in kernel.plan.whole):
+            kernel.check({a: int(n) if n.is_number else 1 for a, n in size.items()})
+    except NotLowerable as e:
+        return None, f"Mosaic refused: {e}"
+    return kernel, None
+
+
 def base2(d: Diagram) -> Diagram:
     """Fold log₂e into the scale of the contraction feeding each box that has a base-2 form.
 
@@ -272,13 +301,17 @@ class MosaicLowered:
         self.interpret = (jax.default_backend() != "gpu") if interpret is None else interpret
         self.config = config or MosaicConfig(interpretable=self.interpret)
         self.__name__ = "napkin_mosaic_kernel"
-        if len(p.tiles) != 1 or p.stream is None:
+        if not p.tiles or p.stream is None:
             raise NotLowerable(
-                f"Mosaic backend: one tiled axis (split over consumer warpgroups) and one streamed axis, "
-                f"got tiles {p.tiles} and stream {p.stream}"
+                f"Mosaic backend: tiled axes (the first output's first one split over consumer warpgroups) and one "
+                f"streamed axis, got tiles {p.tiles} and stream {p.stream}"
             )
-        ((self.q, g),) = p.tiles.items()
         self.x, self.s = p.stream
+        first = _unweave(p.diagram, p.batch).cod.inside[0].names[0]
+        self.q = first if first in p.tiles else next(iter(p.tiles))
+        g = p.tiles[self.q]
+        #: the other tiled axes: grid dimensions whose blocks every warpgroup shares
+        self.others = {a: n for a, n in p.tiles.items() if a != self.q}
         c = self.config.consumers
         if g % (c * WGMMA_M):
             raise NotLowerable(
@@ -306,7 +339,18 @@ class MosaicLowered:
                 raise NotLowerable(f"input {w.describe()}: wgmma takes 16-bit operands, got {w.dtype}")
         for w in self.d.cod.inside:
             if self._role(w) != "tile" or w.names[0] != self.q:
-                raise NotLowerable(f"output {w.describe()}: the Mosaic backend stores [{self.q}, whole] blocks")
+                raise NotLowerable(
+                    f"output {w.describe()}: the Mosaic backend stores [{self.q}, whole or tiled] blocks"
+                )
+        #: per output, the resident input whose shared-memory tile it is written into (the tile is dead by
+        #: then: FA3 stores O through Q's buffer), else None
+        self.reuse: list[int | None] = []
+        free = [i for i, w in enumerate(self.d.dom.inside) if self._role(w) == "tile"]
+        for w in self.d.cod.inside:
+            k = next((k for k, i in enumerate(free) if i is not None and _same_block(self.d.dom.inside[i], w)), None)
+            self.reuse.append(None if k is None else free[k])
+            if k is not None:
+                free[k] = None
 
     @property
     def source(self) -> str:
@@ -323,22 +367,29 @@ class MosaicLowered:
         c, p = self.config, self.plan
         return "\n".join(
             [
-                f"plgpu.kernel grid ({self.q}/{p.tiles[self.q]}, batch) × {c.consumers + 1} warpgroups: {c.consumers} "
+                f"plgpu.kernel grid ({', '.join(f'{a}/{n}' for a, n in p.tiles.items())}, batch) × {c.consumers + 1} "
+                f"warpgroups: {c.consumers} "
                 f"consumers of {self.rows} {self.q}-rows each (wgmma), 1 TMA producer",
                 f"ring: {c.stages} stages of {self.x}~{self.s} chunks per streamed input; ping-pong: {self.pingpong}",
                 f"consumers walk: {' ; '.join(b.name for b in self.d.boxes)}",
+                *(
+                    f"output {w.describe()} stored through the shared-memory tile of {self.d.dom.inside[i].describe()}"
+                    for w, i in zip(self.d.cod.inside, self.reuse, strict=True)
+                    if i is not None
+                ),
             ]
         )
 
     def _role(self, w) -> str | None:
+        """``stream`` (a ring chunk, whole tile rows when it holds the split axis), ``tile`` (per-consumer rows)."""
         names = w.names
-        if len(names) != 2 or not any(n in self.plan.whole for n in names):
+        if len(names) != 2 or len(set(names)) != 2:
             return None
-        if self.q in names and self.x not in names:
-            return "tile"
-        if self.x in names and self.q not in names:
+        if any(n not in (self.q, self.x, *self.others, *self.plan.whole) for n in names):
+            return None
+        if self.x in names:
             return "stream"
-        return None
+        return "tile" if self.q in names else None
 
     # -- the wrapper: bind sizes, check them, launch --------------------------------------------
     def __call__(self, *arrays):
@@ -347,31 +398,59 @@ class MosaicLowered:
         sizes = bind(full.dom, arrays)
         extent = {a.name: int(a.size.subs(sizes)) for w in full.dom.inside for a in w.axes}
         g = p.tiles[self.q]
-        for a, block in ((self.q, g), (self.x, self.s)):
+        for a, block in ((self.q, g), (self.x, self.s), *self.others.items()):
             if extent[a] % block:
                 raise NotLowerable(f"axis {a!r} of size {extent[a]}: the Mosaic backend needs whole blocks of {block}")
+        self.check(extent)
+        outs = self._call(arrays, sizes, extent)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def check(self, extent: dict) -> None:
+        """Refuse, before compiling, a kernel whose shared memory exceeds the block limit.
+
+        >>> import napkin_cat as nc
+        >>> from rewrites import derive, tile, stream
+        >>> q, x, d = nc.axes("q x d", d=256)
+        >>> attn = derive(nc.library.attention(q, x, d, dtype="bf16"), tile(q, 256), stream(x, 128), verify=False)
+        >>> MosaicLowered(plan(attn.diagram)).check({"d": 256})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lowering.plan.NotLowerable: thread-block level: the kernel would hold 458,752 B of shared memory ...
+        """
         smem = self.smem_bytes(extent)
         if smem > SMEM_LIMIT:
             raise NotLowerable(
                 f"thread-block level: the kernel would hold {smem:,} B of shared memory ({self.config.stages} stages "
                 f"of each streamed chunk, resident tiles, output tiles), over the {SMEM_LIMIT:,} B a block may use"
             )
-        outs = self._call(arrays, sizes, extent)
-        return outs[0] if len(outs) == 1 else tuple(outs)
 
-    def block(self, w, extent) -> tuple:
-        """A wire's block: ``rows`` of the tiled axis or ``s`` of the streamed one, the other axis whole."""
-        return tuple(self.rows if n == self.q else self.s if n == self.x else extent[n] for n in w.names)
+    def block(self, w, extent, *, ring: bool = False) -> tuple:
+        """A wire's block as a consumer sees it: ``rows`` of the split axis (the whole tile ``g`` in a ``ring``
+        buffer, which the producer fills for all consumers), ``s`` of the streamed one, other tiles, whole axes."""
+        g = self.plan.tiles[self.q]
+        size = {self.q: g if ring else self.rows, self.x: self.s, **self.others}
+        return tuple(size.get(n, extent.get(n)) for n in w.names)
 
     def smem_bytes(self, extent: dict) -> int:
         """Shared memory held: per streamed input ``stages`` chunks, per resident input and output one
-        tile per consumer, and the staging buffer of a register operand in interpret mode."""
+        tile per consumer (an output written into a resident input's tile takes none), and the staging
+        buffer of a register operand in interpret mode.
+
+        >>> import napkin_cat as nc
+        >>> from rewrites import derive, tile, stream
+        >>> m, k, n = nc.axes("m k n")
+        >>> mm = nc.library.matmul(m, k, n, dtype="bf16")
+        >>> mm = derive(mm, tile(m, 256), tile(n, 128), stream(k, 64), verify=False)
+        >>> MosaicLowered(plan(mm.diagram), config=MosaicConfig(stages=3)).smem_bytes({})  # 3·(256+128)·64·2 + 2·128²·2
+        212992
+        """
         c, total = self.config, 0
         for w in self.d.dom.inside:
-            n = math.prod(self.block(w, extent)) * w.dtype.bytes
-            total += n * (c.stages if self._role(w) == "stream" else c.consumers)
-        for w in self.d.cod.inside:
-            total += math.prod(self.block(w, extent)) * w.dtype.bytes * c.consumers
+            ring = self._role(w) == "stream"
+            n = math.prod(self.block(w, extent, ring=ring)) * w.dtype.bytes
+            total += n * (c.stages if ring else c.consumers)
+        for w, reused in zip(self.d.cod.inside, self.reuse, strict=True):
+            total += 0 if reused is not None else math.prod(self.block(w, extent)) * w.dtype.bytes * c.consumers
         if c.interpretable:
             total += self.rows * self.s * 2 * c.consumers
         return total
@@ -388,10 +467,11 @@ class MosaicLowered:
         def smem(shape, dtype):
             return plgpu.SMEM(shape, dtype, transforms=_swizzle(shape[-1], jnp.dtype(dtype).itemsize))
 
+        own = [w for w, reused in zip(self.d.cod.inside, self.reuse, strict=True) if reused is None]
         scratch = [
-            [smem((c.stages, *self.block(wires[i], extent)), wires[i].dtype.jnp) for i in streamed],
+            [smem((c.stages, *self.block(wires[i], extent, ring=True)), wires[i].dtype.jnp) for i in streamed],
             [smem((c.consumers, *self.block(wires[i], extent)), wires[i].dtype.jnp) for i in resident],
-            [smem((c.consumers, *self.block(w, extent)), w.dtype.jnp) for w in self.d.cod.inside],
+            [smem((c.consumers, *self.block(w, extent)), w.dtype.jnp) for w in own],
             [plgpu.Barrier(num_barriers=c.stages) for _ in streamed],
             [plgpu.Barrier(num_arrivals=c.consumers, num_barriers=c.stages) for _ in streamed],
             [plgpu.Barrier(num_barriers=c.consumers) for _ in resident],
@@ -403,13 +483,14 @@ class MosaicLowered:
         causal = [b.diagonal() for b in self.d.boxes if isinstance(b, Generator) and b.diagonal()]
         causal = [dq for dq in causal if dq == (self.q, self.x)]
         kernel = _Kernel(self, sizes, extent, streamed, resident, n_tiles, n_chunks, batch, bool(causal))
+        others = [extent[a] // n for a, n in self.others.items()]
         out_type = [jax.ShapeDtypeStruct(tuple(extent[a.name] for a in w.axes), w.dtype.jnp) for w in full.cod.inside]
         call = plgpu.kernel(
             kernel,
             out_type=out_type,
             scratch_types=scratch,
-            grid=(n_tiles, math.prod(batch)),
-            grid_names=("tile", "batch"),
+            grid=(n_tiles, *others, math.prod(batch)),
+            grid_names=("tile", *(f"tile_{a}" for a in self.others), "batch"),
             num_threads=c.consumers + 1,
             thread_name="wg",
             compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -439,6 +520,9 @@ class _Kernel:
                 idx.append(lax.rem(lax.div(bid, _i32(k)), _i32(n)))
             elif a.name in blocks:
                 idx.append(blocks[a.name])
+            elif a.name in self.low.others:
+                n = self.low.others[a.name]
+                idx.append(pl.ds(lax.axis_index(f"tile_{a.name}") * n, n))
             else:
                 idx.append(slice(None))
         return tuple(idx)
@@ -470,17 +554,19 @@ class _Kernel:
         @pl.when(wg == c.consumers)
         def _producer():
             plgpu.set_max_registers(producer_regs, action="decrease")
-            self.produce(in_refs, rings, loaded, consumed, bid, chunks)
+            self.produce(in_refs, rings, loaded, consumed, bid, tile, chunks)
 
-    def produce(self, in_refs, rings, loaded, consumed, bid, chunks):
+    def produce(self, in_refs, rings, loaded, consumed, bid, tile, chunks):
         low, hbm, stages, s = self.low, self.low.plan.diagram.dom.inside, self.low.config.stages, self.low.s
+        g = low.plan.tiles[low.q]
 
         def load(chunk, slot):
             for k, i in enumerate(self.streamed):
-                view = in_refs[i].at[self._index(hbm[i], bid, **{low.x: pl.ds(chunk * s, s)})]
+                blocks = {low.x: pl.ds(chunk * s, s), low.q: pl.ds(tile * g, g)}
+                view = in_refs[i].at[self._index(hbm[i], bid, **blocks)]
                 plgpu.copy_gmem_to_smem(view, rings[k].at[slot], loaded[k].at[slot])
 
-        for j in range(stages):
+        for j in range(min(stages, self.n_chunks)):  # a slice past the axis would not even trace
             pl.when(j < chunks)(lambda j=j: load(j, j))
 
         @pl.loop(stages, jnp.maximum(chunks, stages))
@@ -521,9 +607,15 @@ class _Kernel:
 
             return skip
 
+        def rows_of(i, ref):  # a consumer's rows of a ring buffer that holds the whole tile
+            names = wires[i].names
+            if low.q not in names:
+                return ref
+            return ref.at[tuple(pl.ds(wg * rows, rows) if n == low.q else slice(None) for n in names)]
+
         def values(chunk):
             slot = lax.rem(chunk, _i32(stages))
-            ring = {i: Smem(rings[k].at[slot], loaded[k].at[slot]) for k, i in enumerate(self.streamed)}
+            ring = {i: Smem(rows_of(i, rings[k].at[slot]), loaded[k].at[slot]) for k, i in enumerate(self.streamed)}
             return [ring.get(i, resident.get(i)) for i in range(len(wires))], ring, slot
 
         def traced(f, *args, **kw):
@@ -604,17 +696,26 @@ class _Kernel:
         states = dict(zip(keys, carry, strict=True))
         final = [None if w.has(x) else resident[i] for i, w in enumerate(wires)]
         results = traced(walk, d, final, ctx, x, "final", states, skip=skipping(False))
-        for k, v in enumerate(results):
-            outs[k].at[wg][...] = _value(v).astype(outs[k].dtype)
+        # every result in registers before any store: an output may overwrite a resident input's tile
+        results = [_value(v) for v in results]
+        own = iter(outs)
+        buffers = [next(own) if i is None else tiles[self.resident.index(i)] for i in low.reuse]
+        for buf, v in zip(buffers, results, strict=True):
+            buf.at[wg][...] = v.astype(buf.dtype)
         plgpu.commit_smem()
-        for k, w in enumerate(low.plan.diagram.cod.inside):
-            view = out_refs[k].at[self._index(w, bid, **{low.q: pl.ds(start, rows)})]
-            plgpu.copy_smem_to_gmem(outs[k].at[wg], view)
+        for buf, w, out in zip(buffers, low.plan.diagram.cod.inside, out_refs, strict=True):
+            view = out.at[self._index(w, bid, **{low.q: pl.ds(start, rows)})]
+            plgpu.copy_smem_to_gmem(buf.at[wg], view)
         plgpu.wait_smem_to_gmem(0)
 
 
 def _i32(n):
     return jnp.asarray(n, jnp.int32)
+
+
+def _same_block(a, b) -> bool:
+    """Two wires whose blocks have one shape and dtype (same axes in the same order)."""
+    return a.names == b.names and a.dtype == b.dtype
 
 
 def _unweave(d: Diagram, axes: tuple) -> Diagram:
