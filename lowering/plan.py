@@ -17,12 +17,18 @@ compilation, and raise :class:`NotLowerable`.
 
 from __future__ import annotations
 
+import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from napkin_cat.diagram import Diagram, is_structural
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from napkin_cat.diagram import Diagram, Ty, is_structural
 from napkin_cat.errors import NapkinError
-from napkin_cat.generators import Generator
+from napkin_cat.generators import Generator, IndexMap, Mask, Softmax, fname
 from rewrites import partitions
 
 LOG2E = math.log2(math.e)
@@ -83,6 +89,7 @@ def plan(d: Diagram) -> Plan:
             continue
         if not isinstance(box, Generator):
             raise NotLowerable(f"box {box.name!r} is not a generator the lowering knows")
+        _check_closure(box)
         mixed |= set(box.mixes)
     for w in (*d.dom.inside, *d.cod.inside):
         names += [n for n in w.names if n not in names]
@@ -110,9 +117,111 @@ def _check_contractions(d: Diagram, streamed: set):
                     raise NotLowerable(f"box {box.name!r}: a contraction over {a!r} must involve two operands")
 
 
-def padding_neutral(d: Diagram, axis: str) -> bool:
-    """Zero padding along ``axis`` changes nothing: only contractions combine elements along it."""
-    return all(box.contracts or axis not in box.mixes for box in d.boxes if not is_structural(box))
+def neutral_padding(d: Diagram, axis: str) -> dict | None:
+    """Per layer of a box combining elements along ``axis``, the value each of its inputs must hold in
+    padding along ``axis`` to contribute nothing (its accumulator's ``padding``: 0 for a sum or a
+    contraction, −∞ for a max or a softmax's scores); None when some such box has no neutral value.
+
+    >>> import napkin_cat as nc
+    >>> n, d = nc.axes("n d")
+    >>> neutral_padding(nc.library.rms_norm(n, d), "d")
+    {2: (0.0,)}
+    >>> print(neutral_padding(nc.normalised_contract(nc.Array(n, d), nc.Array(d), d, nc.Array(n),
+    ...                                              a1=jnp.exp, a2=jnp.exp, b=jnp.sqrt), "d"))
+    None
+    """
+    pads = {}
+    for i, (_, box, _) in enumerate(d.inside):
+        if is_structural(box) or axis not in box.mixes:
+            continue
+        acc = box.accumulator(axis) if axis in box.reduced else None
+        if box.contracts and axis in box.reduced:
+            pads[i] = (0.0,) * len(box.dom)
+        elif acc is not None and len(acc.padding) == len(box.dom):
+            pads[i] = tuple(acc.padding)
+        elif isinstance(box, Softmax):
+            pads[i] = (-float("inf"),)
+        else:
+            return None
+    return pads
+
+
+@dataclass(frozen=True)
+class Neutral:
+    """The value unchanged inside the axis's true extent, ``pad`` beyond it (in the padding).
+
+    >>> Neutral("d", 2, 0.0)(jnp.ones(3), d=jnp.arange(3)).tolist()
+    [1.0, 1.0, 0.0]
+    """
+
+    axis: str
+    extent: int
+    pad: float
+
+    def __call__(self, v, **idx):
+        return jnp.where(idx[self.axis] < self.extent, v, jnp.asarray(self.pad, v.dtype))
+
+    @property
+    def __signature__(self):
+        kw = inspect.Parameter.KEYWORD_ONLY
+        return inspect.Signature(
+            [inspect.Parameter("v", inspect.Parameter.POSITIONAL_ONLY)] + [inspect.Parameter(self.axis, kw)]
+        )
+
+    @property
+    def __name__(self):
+        return f"pad {self.axis} ≥ {self.extent} with {self.pad}"
+
+
+def pad_neutral(d: Diagram, axis: str, extent: int) -> Diagram:
+    """``d`` with each input of a box combining along ``axis`` set to its neutral value beyond ``extent``.
+
+    rewrite: f(X) → f(X where index < extent else neutral); sound because the padded elements then
+    contribute the unit of the box's reduction (``neutral_padding``), whatever earlier boxes left there.
+
+    >>> import napkin_cat as nc
+    >>> n, d = nc.axes("n d")
+    >>> [b.name for b in pad_neutral(nc.library.rms_norm(n, d), "d", 3).boxes][2:4]
+    ['pad d ≥ 3 with 0.0', 'sum d']
+    """
+    pads = neutral_padding(d, axis)
+    if pads is None:
+        raise NotLowerable(f"axis {axis!r}: a box combining elements along it has no neutral padding value")
+    layers = []
+    for i, (left, box, right) in enumerate(d.inside):
+        for k, pad in enumerate(pads.get(i, ())):
+            wire = box.dom.inside[k]
+            if wire.has(axis):
+                keep = Neutral(axis, extent, pad)
+                fix = IndexMap(keep.__name__, Ty(wire), Ty(wire), data=(("fn", keep),))
+                layers.append((left @ Ty(*box.dom.inside[:k]), fix, Ty(*box.dom.inside[k + 1 :]) @ right))
+        layers.append((left, box, right))
+    return d.with_layers(layers)
+
+
+def _captured(fn: Callable) -> dict:
+    """The arrays a function closes over (free variables and globals it reads), by name."""
+    inner = getattr(fn, "fn", None) or getattr(fn, "keep", None)
+    if inner is not None and not inspect.isfunction(fn):
+        return _captured(inner)
+    if not inspect.isfunction(fn):
+        return {}
+    seen = inspect.getclosurevars(fn)
+    names = {**seen.globals, **seen.nonlocals}
+    return {k: v for k, v in names.items() if isinstance(v, jax.Array | np.ndarray)}
+
+
+def _check_closure(box: Generator):
+    if not isinstance(box, IndexMap | Mask):
+        return
+    fn = box.params.get("fn", box.params.get("mask"))
+    arrays = _captured(fn)
+    if arrays:
+        shown = ", ".join(f"{k} {tuple(np.shape(v))}" for k, v in arrays.items())
+        raise NotLowerable(
+            f"box {box.name!r}: {fname(fn)} closes over arrays ({shown}); a kernel cannot capture arrays: "
+            "make them inputs of the diagram (as nc.library.document_attention does with segment ids)"
+        )
 
 
 def smem_bytes(p: Plan, padded: dict, stages: int) -> int:

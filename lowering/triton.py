@@ -3,19 +3,21 @@
 The functor on objects is :mod:`lowering.plan` (grid, blocks, loop); on boxes it is the reference
 semantics itself, run on blocks inside the kernel: the same generators evaluate tile-sized values,
 with ``Context`` supplying the block offsets (for masks and score modifiers), 2-D ``jnp.dot`` for
-contractions (f32 accumulation) and ``exp2`` for exponentials. The streamed axis becomes a
-``fori_loop`` folding the accumulators (FAN §3); causal masks split that loop into unmasked chunks
-and diagonal chunks, and the chunks after the diagonal are never visited.
+contractions (f32 accumulation) and ``exp2`` for exponentials; index functions read the program's
+position along the grid's batch axes like any other index. The streamed axis becomes a ``fori_loop``
+folding the accumulators (FAN §3); affine masks (causal, sliding window, prefix) say which chunks of a
+block they hide (never visited), keep whole (run unmasked) or cut (run masked).
 
 Ragged sizes are padded to whole blocks in the wrapper and masked: padded chunk elements take the
-accumulator's neutral value (``-inf`` scores, zero values), so fully masked rows give 0, not NaN.
+accumulator's neutral value (``-inf`` scores, zero values), so fully masked rows give 0, not NaN; an
+axis kept whole pads to a power of two, its padding set to the neutral value of each box reducing it.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import jax
 import jax.numpy as jnp
@@ -23,10 +25,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from lowering.plan import LOG2E, NotLowerable, Plan, base2, next_pow2, padding_neutral, smem_bytes, unweave
+from lowering.plan import LOG2E, NotLowerable, Plan, base2, neutral_padding, next_pow2, pad_neutral, smem_bytes, unweave
 from lowering.source import describe
 from napkin_cat.diagram import is_structural
-from napkin_cat.generators import Context, Jax
+from napkin_cat.generators import Context, Jax, Mask
 from napkin_cat.hardware import H100, HARDWARE, Hardware, for_device
 from napkin_cat.semantics import bind
 from rewrites.schedule import walk
@@ -106,7 +108,8 @@ def launch(p: Plan, extent: dict, config: Config, hardware: Hardware) -> dict:
     """The padded extent of every axis of a launch, after the shape guards that need concrete sizes.
 
     Tiled and streamed axes pad to whole blocks; an axis kept whole pads to a power of two ≥ 16 (so
-    every 16-bit dot has K ≥ 16), which needs only contractions to combine elements along it. The
+    every 16-bit dot has K ≥ 16), which needs a neutral value for every box combining elements along
+    it (the kernel writes that value into the padding, :func:`lowering.plan.pad_neutral`). The
     blocks' shared-memory footprint must fit ``hardware.smem_per_block``. Nothing is allocated here,
     so ``lower()`` runs it when sizes are concrete and every call runs it before padding.
 
@@ -132,10 +135,10 @@ def launch(p: Plan, extent: dict, config: Config, hardware: Hardware) -> dict:
     for a in p.whole:
         want = max(next_pow2(extent[a]), 16)
         if want != extent[a]:
-            if not padding_neutral(d, a):
+            if neutral_padding(d, a) is None:
                 raise NotLowerable(
-                    f"axis {a!r} of size {extent[a]} is not a power of two ≥ 16, and a box "
-                    "other than a contraction combines elements along it, so it cannot be padded"
+                    f"axis {a!r} of size {extent[a]} is not a power of two ≥ 16, and a box combining "
+                    "elements along it has no neutral value (sum, max, min, softmax, contraction), so it cannot be padded"
                 )
             padded[a] = want
     smem = smem_bytes(p, padded, config.num_stages)
@@ -224,10 +227,7 @@ class Lowered:
         p = self.plan
         tile_pos = {a: i for i, a in enumerate(p.tiles)}
         nb = len(p.tiles)
-        strides, acc = {}, 1
-        for a in reversed(p.batch):
-            strides[a] = acc
-            acc *= padded[a]
+        strides = _strides(p, padded)
 
         def index_map(*ids):
             idx = []
@@ -281,12 +281,73 @@ def _pad(v, wire, padded):
     return jnp.pad(v, widths) if any(w for _, w in widths) else v
 
 
+@dataclass
+class BlockContext(Context):
+    """The context of a kernel body: block offsets, and the index of this program along each grid
+    (batch) axis, which index functions may read like any other axis (ALiBi reads the head).
+
+    >>> from napkin_cat import Array, axes
+    >>> BlockContext(grid={"h": 3}).at(q=16).indices(Array(*axes("q")), (2,))["h"]
+    3
+    """
+
+    grid: dict = field(default_factory=dict)
+
+    def at(self, **offsets) -> BlockContext:
+        return replace(self, offsets={**self.offsets, **offsets})
+
+    def indices(self, wire, shape: tuple) -> dict:
+        return {**self.grid, **super().indices(wire, shape)}
+
+
+def _strides(p: Plan, padded: dict) -> dict:
+    strides, acc = {}, 1
+    for a in reversed(p.batch):
+        strides[a] = acc
+        acc *= padded[a]
+    return strides
+
+
+def affine_mask(box):
+    """The affine form of a mask box (an :class:`napkin_cat.library.Affine`; the causal mask as one), or None."""
+    from napkin_cat.library import Affine
+
+    if not isinstance(box, Mask):
+        return None
+    keep = box.params["mask"]
+    if isinstance(keep, Affine):
+        return keep
+    diagonal = box.diagonal()
+    return None if diagonal is None else Affine.causal(*diagonal)
+
+
+def _visited(masks, x: str, s: int, n_chunks: int, ranges: dict, extent: int) -> tuple:
+    """The chunks of ``x`` a block visits, ``first ≤ full_lo ≤ full_hi ≤ last``: the affine masks keep
+    nothing outside ``[first, last)`` (skipped) and everything in ``[full_lo, full_hi)`` (run unmasked)."""
+    lo, hi, flo, fhi = 0, extent, 0, extent
+    for m in masks:
+        a, b = m.interval(x, ranges)
+        fa, fb = m.interval(x, ranges, every=True)
+        lo, hi, flo, fhi = jnp.maximum(lo, a), jnp.minimum(hi, b), jnp.maximum(flo, fa), jnp.minimum(fhi, fb)
+    first = jnp.clip(lo // s, 0, n_chunks)
+    last = jnp.clip(-(-hi // s), first, n_chunks)
+    full_lo = jnp.clip(-(-flo // s), first, last)
+    full_hi = jnp.clip(fhi // s, full_lo, last)
+    return first, full_lo, full_hi, last
+
+
 def _kernel(p: Plan, sizes, extent, padded, *refs):
     d = base2(unweave(p.diagram, p.batch))
+    for a in p.whole:  # axes padded to a power of two: the padding holds each reduction's neutral value
+        if padded[a] != extent[a]:
+            d = pad_neutral(d, a, extent[a])
     n_in = len(d.dom)
     in_refs, out_refs = refs[:n_in], refs[n_in:]
     offsets = {a: pl.program_id(i) * g for i, (a, g) in enumerate(p.tiles.items())}
-    ctx = Context(sizes=sizes, offsets=offsets, xp=BLOCKS)
+    program = pl.program_id(len(p.tiles))
+    strides = _strides(p, padded)
+    grid = {a: lax.rem(lax.div(program, strides[a]), padded[a]) for a in p.batch}
+    ctx = BlockContext(sizes=sizes, offsets=offsets, xp=BLOCKS, grid=grid)
     if p.stream is None:
         outs = walk(d, [r[...] for r in in_refs], ctx, "", "final", {})
         for r, v in zip(out_refs, outs, strict=True):
@@ -315,9 +376,8 @@ def _kernel(p: Plan, sizes, extent, padded, *refs):
             ]
         return acc.step(state, ins, cctx)
 
-    # masks keeping a diagonal between the streamed axis and a tiled one: whole blocks skipped or unmasked
-    diagonal = {(x, t) for t in p.tiles} | {(t, x) for t in p.tiles}
-    causal = [b for b in d.boxes if not is_structural(b) and (b.diagonal() or ())[::-1] in diagonal]
+    # affine masks reading the streamed axis: the chunks they hide are skipped, those they keep whole unmasked
+    masks = {id(b): m for b in d.boxes if (m := affine_mask(b)) is not None and x in m.axes}
 
     # The accumulators' states start at their identity, shaped by one abstract chunk.
     def probe(*vals):
@@ -332,7 +392,7 @@ def _kernel(p: Plan, sizes, extent, padded, *refs):
     keys = sorted(like)
     init = tuple(d.inside[i][1].accumulator(x).identity(like[i], ctx) for i in keys)
 
-    def body(skip_causal):
+    def body(unmasked):
         def run(c, carry):
             states = dict(zip(keys, carry, strict=True))
             walk(
@@ -343,27 +403,20 @@ def _kernel(p: Plan, sizes, extent, padded, *refs):
                 "chunk",
                 states,
                 fold=fold,
-                skip=lambda box: skip_causal and box in causal,
+                skip=lambda box: unmasked and id(box) in masks,
             )
             return tuple(states[i] for i in keys)
 
         return run
 
     n_chunks = padded[x] // s
-    if causal and causal[0].diagonal()[1] == x:  # stream keys of a query tile: stop at the diagonal
-        q = causal[0].diagonal()[0]
-        g, q_start = p.tiles[q], offsets[q]
-        needed = jnp.minimum(lax.div(q_start + g + s - 1, s), n_chunks)  # later chunks are fully masked: skipped
-        visible = jnp.minimum(lax.div(q_start + 1, s), needed)  # chunks wholly below the diagonal: no mask
-        carry = lax.fori_loop(0, visible, body(True), init)
-        carry = lax.fori_loop(visible, needed, body(False), carry)
-    elif causal:  # stream queries of a key tile (the backward's dK, dV): start at the diagonal
-        k = causal[0].diagonal()[1]
-        g, k_start = p.tiles[k], offsets[k]
-        first = lax.div(k_start, s)  # earlier query chunks see none of these keys: skipped
-        visible = jnp.clip(lax.div(k_start + g + s - 2, s), first, n_chunks)  # chunks past the diagonal: no mask
-        carry = lax.fori_loop(first, visible, body(False), init)
-        carry = lax.fori_loop(visible, n_chunks, body(True), carry)
+    if masks:
+        ranges = {a: (offsets[a], jnp.minimum(offsets[a] + g, extent[a])) for a, g in p.tiles.items()}
+        ranges |= {a: (grid[a], grid[a] + 1) for a in p.batch} | {a: (0, extent[a]) for a in p.whole}
+        first, full_lo, full_hi, last = _visited(masks.values(), x, s, n_chunks, ranges, extent[x])
+        carry = lax.fori_loop(first, full_lo, body(False), init)
+        carry = lax.fori_loop(full_lo, full_hi, body(True), carry)
+        carry = lax.fori_loop(full_hi, last, body(False), carry)
     else:
         carry = lax.fori_loop(0, n_chunks, body(False), init)
     states = dict(zip(keys, carry, strict=True))

@@ -10,6 +10,12 @@ q d, x d → q x[q×d ⊗ x×d → q×x] >> softmax x[q×x → q×x] >> q x, x d
 
 from __future__ import annotations
 
+import functools
+import inspect
+import operator
+from dataclasses import dataclass
+
+import jax.numpy as jnp
 import sympy
 
 from napkin_cat import generators as g
@@ -18,6 +24,130 @@ from napkin_cat.diagram import Array, Diagram, Ty, swap
 from napkin_cat.diagram import id as identity
 from napkin_cat.dtypes import Dtype, f32
 from napkin_cat.errors import AxisError
+
+#: beyond every index: the unbounded end of an interval
+_FAR = 1 << 30
+
+
+def _floor_div(a, c: int):
+    return a if c == 1 else a // c
+
+
+@dataclass(frozen=True)
+class Affine:
+    """A mask made of affine inequalities in the indices: kept where, in some region, every inequality
+    ``Σ cₐ·a + c₀ ≥ 0`` of the region holds (a union of convex polygons). Knowing its inequalities, it
+    knows which blocks it hides, cuts or keeps whole, so a kernel skips the first and runs the last
+    unmasked (:meth:`interval`). ``&`` intersects two such masks, ``|`` joins them.
+
+    >>> window = Affine.causal("q", "x") & Affine.at_least(3, x=1, q=-1)  # x > q − 4
+    >>> window(q=5, x=2), window(q=5, x=1), window(q=5, x=6)
+    (True, False, False)
+    >>> [int(i) for i in window.interval("x", {"q": (8, 12)}) + window.interval("x", {"q": (8, 12)}, every=True)]
+    [5, 12, 8, 9]
+    """
+
+    regions: tuple  # of regions, each a tuple of inequalities ((("q", 1), ("x", -1)), c₀)
+    name: str = "affine"
+
+    @classmethod
+    def at_least(cls, c0: int = 0, /, **coefficients: int) -> Affine:
+        """The half-plane ``Σ cₐ·a + c₀ ≥ 0``, coefficients given by axis name.
+
+        >>> Affine.at_least(-2, x=1)(x=2), Affine.at_least(-2, x=1)(x=1)
+        (True, False)
+        """
+        terms = tuple((a, int(c)) for a, c in coefficients.items() if c)
+        return cls((((terms, int(c0)),),), f"{' + '.join(f'{c}·{a}' for a, c in terms)} + {c0} ≥ 0")
+
+    @classmethod
+    def causal(cls, q: str, x: str) -> Affine:
+        """Query ``q`` sees key ``x`` when ``x ≤ q`` (as :func:`napkin_cat.causal_mask`).
+
+        >>> Affine.causal("q", "x")(q=3, x=4)
+        False
+        """
+        return cls(cls.at_least(**{q: 1, x: -1}).regions, f"causal({q} ≥ {x})")
+
+    def named(self, name: str) -> Affine:
+        """The same mask, shown as ``name``."""
+        return Affine(self.regions, name)
+
+    def __and__(self, other: Affine) -> Affine:
+        regions = tuple(a + b for a in self.regions for b in other.regions)
+        return Affine(regions, f"{self.name} ∧ {other.name}")
+
+    def __or__(self, other: Affine) -> Affine:
+        return Affine(self.regions + other.regions, f"{self.name} ∨ {other.name}")
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The axes whose indices the mask reads."""
+        return tuple(dict.fromkeys(a for r in self.regions for terms, _ in r for a, _ in terms))
+
+    def __call__(self, **idx):
+        def holds(terms, c0):
+            return sum((c * idx[a] for a, c in terms), c0) >= 0
+
+        return functools.reduce(
+            operator.or_, (functools.reduce(operator.and_, (holds(*ineq) for ineq in r)) for r in self.regions)
+        )
+
+    @property
+    def __signature__(self):
+        kw = inspect.Parameter.KEYWORD_ONLY
+        return inspect.Signature([inspect.Parameter(a, kw) for a in self.axes])
+
+    @property
+    def __name__(self):
+        return self.name
+
+    def interval(self, axis: str, ranges: dict, *, every: bool = False) -> tuple:
+        """The indices ``[lo, hi)`` along ``axis`` kept at *some* point of the block ``ranges`` (a superset:
+        outside it the block is hidden), or with ``every=True`` at *every* point (a subset: inside it the
+        block is kept whole). ``ranges`` gives ``(lo, hi)`` for each other axis read; values may be traced.
+
+        >>> prefix = Affine.causal("q", "x") | Affine.at_least(3, x=-1)  # x ≤ q or x < 4
+        >>> [int(i) for i in prefix.interval("x", {"q": (0, 2)}) + prefix.interval("x", {"q": (0, 2)}, every=True)]
+        [-1073741824, 4, -1073741824, 4]
+        """
+        spans = [self._region(r, axis, ranges, every) for r in self.regions]
+        lo, hi = spans[0]
+        for a, b in spans[1:]:
+            empty, other_empty = hi <= lo, b <= a
+            if every:  # a union of two intervals is one interval where they meet; else keep one (a subset)
+                meet = (a <= hi) & (lo <= b) & ~empty & ~other_empty
+                lo, hi = (
+                    _where(empty, a, _where(meet, jnp.minimum(lo, a), lo)),
+                    _where(empty, b, _where(meet, jnp.maximum(hi, b), hi)),
+                )
+            else:  # the hull of the non-empty ones
+                lo = _where(empty, a, _where(other_empty, lo, jnp.minimum(lo, a)))
+                hi = _where(empty, b, _where(other_empty, hi, jnp.maximum(hi, b)))
+        return lo, hi
+
+    @staticmethod
+    def _region(region, axis: str, ranges: dict, every: bool) -> tuple:
+        lo, hi = -_FAR, _FAR
+        for terms, c0 in region:
+            c = dict(terms).get(axis, 0)
+            # the rest of the inequality at its largest (some point) or its smallest (every point) in the block
+            t = c0
+            for a, k in terms:
+                if a != axis:
+                    low, high = ranges[a]
+                    t = t + k * (low if (k > 0) == every else high - 1)
+            if c > 0:
+                lo = jnp.maximum(lo, -_floor_div(t, c))
+            elif c < 0:
+                hi = jnp.minimum(hi, _floor_div(t, -c) + 1)
+            else:
+                hi = _where(t >= 0, hi, -_FAR)
+        return lo, hi
+
+
+def _where(c, a, b):
+    return a if c is True else b if c is False else jnp.where(c, a, b)
 
 
 def _scale(d: Axis, scale):
