@@ -27,7 +27,6 @@ from jax.experimental.pallas import triton as pltriton
 
 from lowering.plan import LOG2E, NotLowerable, Plan, base2, neutral_padding, next_pow2, pad_neutral, smem_bytes, unweave
 from lowering.source import describe
-from napkin_cat.diagram import is_structural
 from napkin_cat.generators import Context, Jax, Mask
 from napkin_cat.hardware import H100, HARDWARE, Hardware, for_device
 from napkin_cat.semantics import bind
@@ -137,8 +136,8 @@ def launch(p: Plan, extent: dict, config: Config, hardware: Hardware) -> dict:
         if want != extent[a]:
             if neutral_padding(d, a) is None:
                 raise NotLowerable(
-                    f"axis {a!r} of size {extent[a]} is not a power of two ≥ 16, and a box combining "
-                    "elements along it has no neutral value (sum, max, min, softmax, contraction), so it cannot be padded"
+                    f"axis {a!r} of size {extent[a]} is not a power of two ≥ 16, and a box combining elements "
+                    "along it has no neutral value (sum, max, min, softmax, contraction), so it cannot be padded"
                 )
             padded[a] = want
     smem = smem_bytes(p, padded, config.num_stages)
