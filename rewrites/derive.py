@@ -1,31 +1,44 @@
 """Derivations: a diagram and the sequence of verified relabellings applied to it.
 
-``derive(d, *rules)`` applies each rule in turn and verifies every step against the original
-diagram's reference semantics (``rewrites.verify.check``). The final diagram is the *scheduled
-diagram* the lowering consumes.
+``derive(d, *rules)`` applies each rule in turn (its side conditions are the first line of defence)
+and verifies every step against the original diagram's reference semantics on one random trial
+(``rewrites.verify``): the same sizes and inputs for every step, drawn from a seed the derivation
+records. ``verify="kernel"`` also lowers the final diagram and checks the kernel on that trial, so
+"verified" covers what the user runs. The final diagram is the *scheduled diagram* the lowering consumes.
 
 >>> import napkin_cat as nc
 >>> from rewrites import derive, tile, stream
 >>> q, x, d = nc.axes("q x d")
->>> flash = derive(nc.library.attention(q, x, d), tile(q, 16), stream(x, 8))
+>>> flash = derive(nc.library.attention(q, x, d), tile(q, 16), stream(x, 8), seed=0)
 >>> [str(s.rule) for s in flash.steps]
 ['original', 'tile(q, 16)', 'stream(x, 8)']
->>> all(s.verification.passed for s in flash.steps[1:])
-True
+>>> all(s.verification.passed for s in flash.steps[1:]), flash.seed
+(True, 0)
 """
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass, field
 
+import jax
+
 from napkin_cat.diagram import Diagram
-from rewrites.rule import Rule
-from rewrites.verify import Verification, check
+from rewrites.rule import RewriteError, Rule
+from rewrites.verify import Trial, Verification, tolerance
+
+VERIFY = (True, False, "kernel")
 
 
 @dataclass(frozen=True)
 class Step:
-    """One step: the rule applied (or the starting diagram's name), the diagram after it, its check."""
+    """One step: the rule applied (or the starting diagram's name), the diagram after it, its check.
+
+    >>> import napkin_cat as nc
+    >>> print(Step("original", nc.library.attention(*nc.axes("q x d"))))
+    original: the starting diagram
+    """
 
     rule: Rule | str
     diagram: Diagram
@@ -37,9 +50,21 @@ class Step:
 
 @dataclass(frozen=True)
 class Derivation:
-    """A verified derivation; ``.diagram`` is its scheduled diagram."""
+    """A verified derivation; ``.diagram`` is its scheduled diagram, ``.seed`` replays its checks, and
+    ``.kernel`` is the check of the lowered kernel (with ``verify="kernel"``).
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile
+    >>> q, x, d = nc.axes("q x d")
+    >>> tiled = derive(nc.library.attention(q, x, d), tile(q, 4), seed=5)
+    >>> print(tiled.diagram.cod), tiled.original == nc.library.attention(q, x, d)
+    q/4×d
+    (None, True)
+    """
 
     steps: tuple[Step, ...] = field(default_factory=tuple)
+    seed: int | None = None
+    kernel: Verification | None = None
 
     @property
     def diagram(self) -> Diagram:
@@ -49,36 +74,115 @@ class Derivation:
     def original(self) -> Diagram:
         return self.steps[0].diagram
 
-    def then(self, *rules: Rule, verify: bool = True) -> Derivation:
-        """This derivation extended by more rules."""
-        steps = list(self.steps)
-        for rule in rules:
-            new = rule(steps[-1].diagram)
-            steps.append(Step(rule, new, check(self.original, new, rule=repr(rule)) if verify else None))
-        return Derivation(tuple(steps))
+    def then(
+        self, *rules: Rule, verify: bool | str = True, seed: int | None = None, sizes: dict | None = None
+    ) -> Derivation:
+        """This derivation extended by more rules, verified as :func:`derive` does (``seed`` defaults to
+        this derivation's).
+
+        >>> import napkin_cat as nc
+        >>> from rewrites import derive, tile, stream
+        >>> q, x, d = nc.axes("q x d")
+        >>> flash = derive(nc.library.attention(q, x, d), tile(q, 4), seed=1).then(stream(x, 4))
+        >>> print(flash.steps[-1].rule, flash.seed)
+        stream(x, 4) 1
+        """
+        if verify not in VERIFY:
+            raise RewriteError("derive", f"verify must be True, False or 'kernel', got {verify!r}")
+        seed = (self.seed if self.seed is not None else _fresh_seed()) if seed is None else seed
+        diagrams, last = [], self.diagram
+        for rule in rules:  # every side condition first: an unsound step is refused before any evaluation
+            last = rule(last)
+            diagrams.append(last)
+        if not verify or not rules:
+            return Derivation((*self.steps, *map(Step, rules, diagrams)), seed)
+        trial = Trial.draw(self.original, last, seed=seed, sizes=sizes, rule="derive")
+        steps = [Step(rule, new, trial.check(new, repr(rule))) for rule, new in zip(rules, diagrams, strict=True)]
+        kernel = _check_kernel(trial, last) if verify == "kernel" else None
+        return Derivation((*self.steps, *steps), seed, kernel)
 
     def cost(self, hardware=None):
-        """The cost of each step's diagram (``napkin_cat.cost``), as a list."""
+        """The cost of each step's diagram (``napkin_cat.cost``), as a list.
+
+        >>> import napkin_cat as nc
+        >>> from rewrites import derive, tile
+        >>> q, x, d = nc.axes("q x d")
+        >>> len(derive(nc.library.attention(q, x, d), tile(q, 4), verify=False).cost())
+        2
+        """
         from napkin_cat.cost import cost
 
         return [cost(s.diagram, hardware) if hardware is not None else cost(s.diagram) for s in self.steps]
 
     def pseudocode(self) -> str:
-        """The expanded loop program of the scheduled diagram (FAN §5)."""
+        """The expanded loop program of the scheduled diagram (FAN §5).
+
+        >>> import napkin_cat as nc
+        >>> from rewrites import derive, tile
+        >>> q, x, d = nc.axes("q x d")
+        >>> "for" in derive(nc.library.attention(q, x, d), tile(q, 4), verify=False).pseudocode()
+        True
+        """
         from rewrites.pseudocode import pseudocode
 
         return pseudocode(self.diagram)
 
     def draw(self, path: str, **kwargs):
-        """The derivation as a sequence of pictures, one per step, titled by its rule."""
+        """The derivation as a sequence of pictures, one per step, titled by its rule (see
+        ``napkin_cat.draw_sequence``), written to ``path``.
+
+        >>> import os, tempfile
+        >>> import napkin_cat as nc
+        >>> from rewrites import derive, tile
+        >>> q, x, d = nc.axes("q x d")
+        >>> path = os.path.join(tempfile.mkdtemp(), "tiled.png")
+        >>> _ = derive(nc.library.attention(q, x, d), tile(q, 4), verify=False).draw(path)
+        >>> os.path.exists(path)
+        True
+        """
         from napkin_cat.drawing import draw_sequence
 
         return draw_sequence([s.diagram for s in self.steps], path, titles=[str(s.rule) for s in self.steps], **kwargs)
 
     def __str__(self):
-        return "\n".join(f"{i}. {s}" for i, s in enumerate(self.steps))
+        lines = [f"{i}. {s}" for i, s in enumerate(self.steps)]
+        return "\n".join(lines + ([f"kernel: {self.kernel}"] if self.kernel is not None else []))
 
 
-def derive(d: Diagram, *rules: Rule, name: str | None = None, verify: bool = True) -> Derivation:
-    """Apply ``rules`` to ``d`` in order, verifying each step (see :mod:`rewrites.verify`)."""
-    return Derivation((Step(name or "original", d),)).then(*rules, verify=verify)
+def _fresh_seed() -> int:
+    return int.from_bytes(os.urandom(4), "little")
+
+
+def _check_kernel(trial: Trial, scheduled: Diagram) -> Verification:
+    """Lower ``scheduled`` and compare the kernel with the reference on ``trial``'s inputs."""
+    from lowering import lower  # the lowering depends on rewrites, not the other way round
+
+    kernel = lower(trial.resize(scheduled))
+    start = time.perf_counter()
+    got = jax.block_until_ready(kernel(*trial.inputs))
+    return trial.compare(got, tolerance(scheduled), time.perf_counter() - start, "derive(verify='kernel')")
+
+
+def derive(
+    d: Diagram,
+    *rules: Rule,
+    name: str | None = None,
+    seed: int | None = None,
+    sizes: dict | None = None,
+    verify: bool | str = True,
+) -> Derivation:
+    """Apply ``rules`` to ``d`` in order, then verify each step (see :mod:`rewrites.verify`).
+
+    ``seed`` (drawn from the OS if None) is recorded in the derivation and in every check, and printed
+    in any failure; ``sizes`` fixes sizes by axis name (the others are drawn so that every tile and
+    stream is ragged). ``verify=False`` only checks the side conditions; ``verify="kernel"`` also lowers
+    the result (``lowering.lower``; interpreted on CPU) and checks the kernel on the same inputs.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import tile, stream
+    >>> q, x, d = nc.axes("q x d")
+    >>> flash = derive(nc.library.attention(q, x, d), tile(q, 16), stream(x, 16), sizes={"d": 8}, verify="kernel")
+    >>> flash.kernel.passed, flash.kernel.sizes["d"]
+    (True, 8)
+    """
+    return Derivation((Step(name or "original", d),), seed).then(*rules, verify=verify, sizes=sizes)

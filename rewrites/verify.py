@@ -1,23 +1,29 @@
 """Verification of rewrites on random inputs: the commuting square ``execute ∘ rule = to_jax``.
 
 Symbolic sizes are bound to random integers chosen so that tiles and streams are ragged (sizes that
-the group and stream sizes do not divide) and several groups and chunks run; inputs are fresh
-random normals in each wire's dtype; tolerances depend on the dtype.
+the group and stream sizes do not divide) and several groups and chunks run, within a budget of
+elements per wire; inputs are fresh random normals in each wire's dtype; tolerances depend on the
+dtype. Both sides run under ``jax.jit``: the scheduled interpreter's Python loops over groups and
+chunks trace once per block shape, so a check costs one compilation, not thousands of dispatches.
+Sizes too large to verify are refused before anything is allocated.
 
 >>> import napkin_cat as nc
 >>> from rewrites import tile, stream
 >>> q, x, d = nc.axes("q x d")
 >>> attn = nc.library.attention(q, x, d)
->>> record = check(attn, stream(x, 8)(tile(q, 4)(attn)))
->>> record.passed
-True
+>>> record = check(attn, stream(x, 8)(tile(q, 4)(attn)), seed=0)
+>>> record.passed, record.seed
+(True, 0)
 """
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -25,19 +31,27 @@ import jax.numpy as jnp
 import numpy as np
 import sympy
 
-from napkin_cat.diagram import Diagram
+from napkin_cat.diagram import Array, Diagram
 from napkin_cat.dtypes import bf16, f16, f32, fp8_e4m3, fp8_e5m2
 from napkin_cat.semantics import to_jax
-from rewrites.rule import RewriteError
+from rewrites.rule import RewriteError, positive_size
 from rewrites.schedule import execute, partitions
 
 #: relative tolerance by the lowest-precision dtype on the diagram's wires
 TOLERANCE = {f32: 1e-4, f16: 5e-3, bf16: 3e-2, fp8_e4m3: 1.5e-1, fp8_e5m2: 2.5e-1}
+#: the most elements any wire may hold in a verification (16 MiB in f32); larger sizes are refused
+MAX_ELEMENTS = 2**22
+#: the elements per wire that randomly drawn sizes aim for (they shrink the unpartitioned axes to fit)
+SAMPLE_ELEMENTS = 2**18
 
 
 @dataclass(frozen=True)
 class Verification:
-    """The record of one check: sizes used, error found, tolerance, outcome, time."""
+    """The record of one check: sizes used, error found, tolerance, outcome, time, seed.
+
+    >>> print(Verification({"q": 5}, 1.8, 1e-4, False, 0.1, 7))
+    FAILED: max rel. error 1.8e+00 > tolerance 1e-04 at q=5 (seed 7)
+    """
 
     sizes: dict
     max_error: float
@@ -48,40 +62,141 @@ class Verification:
 
     def __str__(self):
         sizes = ", ".join(f"{k}={v}" for k, v in self.sizes.items())
-        verdict = "verified" if self.passed else "FAILED"
-        return f"{verdict}: max rel. error {self.max_error:.1e} ≤ {self.tolerance:.0e} at {sizes} (seed {self.seed})"
+        verdict, relation = ("verified", "≤") if self.passed else ("FAILED", ">")
+        return (
+            f"{verdict}: max rel. error {self.max_error:.1e} {relation} tolerance {self.tolerance:.0e} "
+            f"at {sizes} (seed {self.seed})"
+        )
 
 
 def tolerance(d: Diagram) -> float:
-    """The tolerance for a diagram: that of its lowest-precision wire."""
-    wires = [*d.dom.inside, *d.cod.inside, *(w for b in d.boxes for w in b.cod.inside)]
-    return max(TOLERANCE.get(w.dtype, TOLERANCE[f32]) for w in wires)
+    """The tolerance for a diagram: that of its lowest-precision wire.
+
+    >>> import napkin_cat as nc
+    >>> q, x, d = nc.axes("q x d")
+    >>> tolerance(nc.library.attention(q, x, d)), tolerance(nc.library.attention(q, x, d, dtype=nc.bf16))
+    (0.0001, 0.03)
+    """
+    return max(TOLERANCE.get(w.dtype, TOLERANCE[f32]) for w in _wires(d))
 
 
-def sample_sizes(d: Diagram, rng: random.Random, *, small: int = 16) -> dict:
-    """Concrete sizes for ``d``'s symbolic axes: tiled and streamed axes get 2–3 ragged groups/chunks."""
+def _wires(d: Diagram) -> list[Array]:
+    """Every wire of ``d``: inputs, outputs and each box's outputs."""
+    return [*d.dom.inside, *d.cod.inside, *(w for b in d.boxes for w in b.cod.inside)]
+
+
+def _elements(w: Array, sizes: dict) -> int:
+    return math.prod(int(a.size.subs(sizes)) for a in w.axes)
+
+
+def sample_sizes(d: Diagram, rng: random.Random, *, small: int = 16, budget: int = SAMPLE_ELEMENTS) -> dict:
+    """Concrete sizes for ``d``'s symbolic axes: tiled and streamed axes get 2–3 groups/chunks, the last ragged,
+    the others 2 to ``small``, halved (largest first) until no wire holds more than ``budget`` elements.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import tile
+    >>> b, q, d = nc.axes("b q d")
+    >>> sizes = sample_sizes(tile(q, 128)(nc.library.matmul(q, d, b)), random.Random(0), budget=10**4)
+    >>> n = sizes[q.size]
+    >>> 129 <= n < 384 and n % 128 > 0, max(n * sizes[b.size], n * sizes[d.size]) <= 10**4
+    (True, True)
+    """
     tiles, streams = partitions(d)
-    sizes = {}
+    sizes, free = {}, set()
     for w in (*d.dom.inside, *d.cod.inside):
         for a in w.axes:
             if not isinstance(a.size, sympy.Symbol) or a.size in sizes:
                 continue
             unit = max(tiles.get(a.name, 1), streams.get(a.name, 1))
-            sizes[a.size] = rng.randint(2 * unit + 1, 3 * unit - 1) if unit > 2 else rng.randint(2, small)
-    return sizes
+            if unit > 2:  # two or three pieces, the last one ragged
+                n = rng.randint(unit + 1, 3 * unit - 1)
+                sizes[a.size] = n + (n % unit == 0)
+            else:
+                sizes[a.size] = rng.randint(2, small)
+                free.add(a.size)
+    while True:
+        widest = max(_wires(d), key=lambda w: _elements(w, sizes))
+        shrinkable = [a.size for a in widest.axes if a.size in free and sizes[a.size] > 1]
+        if _elements(widest, sizes) <= budget or not shrinkable:
+            return sizes
+        largest = max(shrinkable, key=sizes.__getitem__)
+        sizes[largest] //= 2
 
 
-def random_inputs(d: Diagram, sizes: dict, key) -> list:
-    """Fresh random normal inputs for ``d`` at ``sizes``, one per input wire, in the wires' dtypes."""
-    keys = jax.random.split(key, max(len(d.dom), 1))
-    out = []
-    for k, w in zip(keys, d.dom.inside, strict=False):
-        shape = tuple(int(a.size.subs(sizes)) for a in w.axes)
-        out.append(jax.random.normal(k, shape, jnp.float32).astype(w.dtype.jnp))
-    return out
+def _bind(d: Diagram, sizes: dict | None) -> tuple[dict, dict]:
+    """Split user ``sizes`` (keyed by axis name or size symbol) into bindings of ``d``'s size symbols and
+    new sizes for its concretely sized axes."""
+    symbols = {a.name: a.size for w in _wires(d) for a in w.axes}
+    bound, resized = {}, {}
+    for key, value in (sizes or {}).items():
+        name = key.name if isinstance(key, sympy.Symbol) else str(key)
+        if name not in symbols:
+            raise RewriteError("verify", f"sizes name axis {name}, which no wire has; axes: {', '.join(symbols)}")
+        n = positive_size("verify", "a verification size", value, name)
+        if isinstance(symbols[name], sympy.Symbol):
+            bound[symbols[name]] = n
+        elif int(symbols[name]) != n:
+            resized[name] = n
+    return bound, resized
+
+
+def _resized(d: Diagram, resized: dict) -> Diagram:
+    """``d`` with the concretely sized axes named in ``resized`` given those sizes (labels kept)."""
+    if not resized:
+        return d
+    return d.map_arrays(lambda w: w.with_(axes=[a.resized(resized.get(a.name, a.size)) for a in w.axes]))
+
+
+def guard(d: Diagram, sizes: dict, rule: str = "verify") -> None:
+    """Refuse, before allocating anything, sizes at which some wire of ``d`` would exceed :data:`MAX_ELEMENTS`.
+
+    >>> import napkin_cat as nc
+    >>> q, x, d = nc.axes("q x d", q=65536, x=65536, d=64)
+    >>> guard(nc.library.attention(q, x, d), {})  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    rewrites.rule.RewriteError: verify: box 'q d, x d → q x', axis 'q': verifying at q=65536, x=65536 would hold ...
+    """
+    for box, w in [(None, w) for w in d.dom.inside] + [(b, w) for b in d.boxes for w in b.cod.inside]:
+        n = _elements(w, sizes)
+        if n <= MAX_ELEMENTS:
+            continue
+        largest = max(w.axes, key=lambda a: int(a.size.subs(sizes)))
+        at = ", ".join(f"{a.name}={a.size.subs(sizes)}" for a in w.axes)
+        raise RewriteError(
+            rule,
+            f"verifying at {at} would hold {n:,} elements on the wire {w.describe()}, over the "
+            f"{MAX_ELEMENTS:,} a verification may use; pass smaller sizes, e.g. sizes={{'{largest.name}': 256}} "
+            "(concrete axes are resized for the check), or verify=False",
+            box=box.name if box is not None else None,
+            axis=largest.name,
+        )
+
+
+def random_inputs(d: Diagram, sizes: dict, seed: int) -> list:
+    """Fresh random normal inputs for ``d`` at ``sizes``, one per input wire, in the wires' dtypes
+    (drawn by NumPy from ``seed``: nothing to compile).
+
+    >>> import napkin_cat as nc
+    >>> a, b, c = nc.axes("a b c")
+    >>> sizes = {a.size: 3, b.size: 2, c.size: 4}
+    >>> [x.shape for x in random_inputs(nc.library.matmul(a, b, c), sizes, seed=0)]
+    [(3, 2), (2, 4)]
+    """
+    rng = np.random.default_rng(seed)
+    shapes = [tuple(int(a.size.subs(sizes)) for a in w.axes) for w in d.dom.inside]
+    return [
+        jnp.asarray(rng.standard_normal(s, np.float32)).astype(w.dtype.jnp)
+        for s, w in zip(shapes, d.dom.inside, strict=True)
+    ]
 
 
 def relative_error(a, b) -> float:
+    """The largest absolute difference relative to the largest finite entry of ``b`` (equal infinities agree).
+
+    >>> round(relative_error([1.0, 2.1], [1.0, 2.0]), 6)
+    0.05
+    """
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     if not a.size:
         return 0.0
@@ -91,23 +206,110 @@ def relative_error(a, b) -> float:
     return float(np.max(diff) / max(scale, 1e-30))
 
 
+_JITTED: OrderedDict = OrderedDict()
+#: XLA options for checks: a verification runs once, so compiling fast beats running fast (4x less time)
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def jitted(semantics: Callable[[Diagram], Callable], d: Diagram) -> Callable:
+    """``jax.jit(semantics(d))``, cached for the last few diagrams so that a derivation compiles its
+    reference once per block shape (``semantics`` is ``to_jax`` or ``execute``).
+
+    >>> import napkin_cat as nc
+    >>> attn = nc.library.attention(*nc.axes("q x d"))
+    >>> jitted(to_jax, attn) is jitted(to_jax, attn)
+    True
+    """
+    key = (semantics, id(d))
+    if key not in _JITTED:
+        # the diagram is kept so that its id is not reused while cached
+        _JITTED[key] = (d, jax.jit(semantics(d), compiler_options=FAST_COMPILE))
+        if len(_JITTED) > 16:
+            _JITTED.popitem(last=False)
+    _JITTED.move_to_end(key)
+    return _JITTED[key][1]
+
+
+@dataclass(frozen=True)
+class Trial:
+    """Where checks run: the bound sizes, the seed, the inputs and the reference's outputs on them.
+
+    A derivation draws one trial and checks every step on it, so the reference is compiled and run once.
+    """
+
+    sizes: dict
+    resized: dict
+    seed: int
+    inputs: list
+    want: tuple
+
+    @classmethod
+    def draw(
+        cls,
+        reference: Diagram,
+        candidate: Diagram,
+        *,
+        seed: int | None = None,
+        sizes: dict | None = None,
+        rule: str = "verify",
+    ) -> Trial:
+        """Bind sizes (``sizes`` by axis name or symbol, the rest drawn from ``seed`` for ``candidate``'s
+        partitions), refuse sizes too large to verify, draw the inputs and run the reference (jitted).
+
+        >>> import napkin_cat as nc
+        >>> from rewrites import tile
+        >>> q, x, d = nc.axes("q x d")
+        >>> attn = nc.library.attention(q, x, d)
+        >>> trial = Trial.draw(attn, tile(q, 4)(attn), seed=3, sizes={"x": 5})
+        >>> trial.sizes["x"], trial.seed, 5 <= trial.sizes["q"] <= 11 and trial.sizes["q"] % 4 > 0
+        (5, 3, True)
+        """
+        seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
+        bound, resized = _bind(candidate, sizes)
+        reference, candidate = _resized(reference, resized), _resized(candidate, resized)
+        bound = {**sample_sizes(candidate, random.Random(seed)), **bound}
+        guard(candidate, bound, rule)
+        xs = random_inputs(reference, bound, seed)
+        want = jitted(to_jax, reference)(*xs)
+        named = {**{str(k): v for k, v in bound.items()}, **resized}
+        return cls(named, resized, seed, xs, want if isinstance(want, tuple) else (want,))
+
+    def compare(self, got, tol: float, seconds: float, rule: str) -> Verification:
+        """The record of ``got`` against the reference's outputs; raises :class:`RewriteError` if it differs."""
+        got = got if isinstance(got, tuple) else (got,)
+        err = max(relative_error(g, w) for g, w in zip(got, self.want, strict=True))
+        rec = Verification(self.sizes, err, tol, err <= tol, seconds, self.seed)
+        if not rec.passed:
+            raise RewriteError(rule, f"the rewritten diagram differs from the original: {rec}")
+        return rec
+
+    def resize(self, d: Diagram) -> Diagram:
+        """``d`` with its concretely sized axes at the trial's sizes (where ``sizes`` changed them)."""
+        return _resized(d, self.resized)
+
+    def check(self, candidate: Diagram, rule: str = "verify") -> Verification:
+        """Run ``candidate``'s scheduled semantics (jitted) on the trial's inputs and compare."""
+        start = time.perf_counter()
+        got = jax.block_until_ready(jitted(execute, self.resize(candidate))(*self.inputs))
+        return self.compare(got, tolerance(candidate), time.perf_counter() - start, rule)
+
+
 def check(
     reference: Diagram, candidate: Diagram, *, seed: int | None = None, sizes: dict | None = None, rule: str = "verify"
 ) -> Verification:
     """Compare the scheduled semantics of ``candidate`` with the reference semantics of ``reference``.
 
-    Raises :class:`RewriteError` if they differ beyond the dtype's tolerance.
+    ``sizes`` fixes sizes by axis name (or size symbol); the others are drawn from ``seed`` (from the OS if
+    None). A concretely sized axis named in ``sizes`` is resized in both diagrams for the check. Raises
+    :class:`RewriteError` if they differ beyond the dtype's tolerance (the message gives the sizes and the
+    seed that replay it), or if some wire would exceed :data:`MAX_ELEMENTS`.
+
+    >>> import napkin_cat as nc
+    >>> (n,) = nc.axes("n")
+    >>> check(nc.reduce_sum(nc.Array(n), n), nc.reduce_max(nc.Array(n), n), seed=1, sizes={"n": 4})
+    ... # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    rewrites.rule.RewriteError: verify: ... FAILED: max rel. error 4.1e-01 > tolerance 1e-04 at n=4 (seed 1)
     """
-    seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
-    rng = random.Random(seed)
-    sizes = sizes or sample_sizes(candidate, rng)
-    start = time.perf_counter()
-    xs = random_inputs(reference, sizes, jax.random.key(seed))
-    want, got = to_jax(reference)(*xs), execute(candidate)(*xs)
-    want, got = (want,) if not isinstance(want, tuple) else want, (got,) if not isinstance(got, tuple) else got
-    err = max(relative_error(g, w) for g, w in zip(got, want, strict=True))
-    tol = tolerance(candidate)
-    rec = Verification({str(k): v for k, v in sizes.items()}, err, tol, err <= tol, time.perf_counter() - start, seed)
-    if not rec.passed:
-        raise RewriteError(rule, f"the rewritten diagram differs from the original: {rec}")
-    return rec
+    return Trial.draw(reference, candidate, seed=seed, sizes=sizes, rule=rule).check(candidate, rule)
