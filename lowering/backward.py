@@ -1,26 +1,31 @@
-"""The backward pass of attention as diagrams, scheduled by the same rewrites and lowered the same way.
+"""The lowered backward of any lowered diagram: ``nc.reverse`` of it, made IO-aware, split, scheduled, lowered.
 
-FlashAttention-2's split (Dao 2023, §3.2): the forward kernel also emits the log-sum-exp ``L`` of
-each score row; with ``Δ = rowsum(dO ⊙ O)``, the backward recomputes ``P = exp(S − L)`` block by
-block and
+:func:`backward_of` builds, from a scheduled forward diagram ``d``:
 
-* ``dQ = Σ_x dS·K·scale`` — tile queries, stream keys (the forward's schedule);
-* ``dK = Σ_q dSᵀ·Q·scale``, ``dV = Σ_q Pᵀ·dO`` — tile keys, stream queries;
+1. the forward with residuals: each softmax·contract also outputs its log-sum-exp ``L``, and its
+   output ``O`` is kept (FlashAttention-2, Dao 2023 §3.2);
+2. the pullback of ``d`` (``napkin_cat.reverse``: each box differentiated by its own rule, forward
+   values recomputed), rewritten by :mod:`rewrites.io_aware`: ``P = exp(S − L)``, ``Σ_x P ⊙ dP =
+   Σ_d dO ⊙ O``, group sums kept until after the kernel;
+3. one kernel per schedule: every input's cotangent is computed by the kernel that tiles the forward's
+   tiled and streamed axes it has and streams the one it lacks (``dQ``: tile queries, stream keys;
+   ``dK, dV``: tile keys, stream queries; a bias over both: tile both), derived with ``tile``/``stream``
+   and lowered by the same lowering.
 
-where ``dS = P ⊙ (dO·Vᵀ − Δ)``. Both are built here from the generators (contractions, elementwise
-maps, the forward's masks) and derived with ``tile``/``stream``, so they are verified and lowered like
-any other diagram. Grouped-query attention computes ``dK``, ``dV`` per query head and sums the group.
-The query/key head dim may differ from the value head dim (as in multi-head latent attention).
+Score modifiers, masks and any pointwise box between the scores and the softmax·contract are
+recomputed in the kernels and differentiated by their own rules; a parameter array entering that chain
+(a learnable bias) gets its cotangent like any other input. Where any of this fails, the
+:class:`~napkin_cat.errors.NapkinError` raised names the box and the reason.
 
 >>> import napkin_cat as nc
 >>> from rewrites import derive, tile, stream
 >>> q, x, d = nc.axes("q x d")
->>> parts = attention_parts(derive(nc.library.attention(q, x, d), tile(q, 16), stream(x, 16), verify=False).diagram)
->>> parts.q, parts.x, [str(w) for w in (parts.Q, parts.K, parts.V, parts.O)]
-('q', 'x', ['q×d', 'x×d', 'x×d', 'q×d'])
->>> dq, dkv = backward_diagrams(parts)
->>> print(dq.dom, "→", dq.cod, "|", dkv.cod)
-q×d ⊗ x×d ⊗ x×d ⊗ q×d ⊗ q ⊗ q → q×d | x×d ⊗ x×d
+>>> b = backward_of(derive(nc.library.attention(q, x, d), tile(q, 16), stream(x, 16), verify=False).diagram)
+>>> print(b.forward.cod)
+q/16×d ⊗ q/16
+>>> [(p.outputs, str(p.diagram.dom), [str(r) for r in p.rules]) for p in b.pieces]
+[((0,), 'q×d ⊗ x×d ⊗ x×d ⊗ q×d ⊗ q ⊗ q×d', ['tile(q, 16)', 'stream(x, 16)']), \
+((1, 2), 'q×d ⊗ x×d ⊗ x×d ⊗ q×d ⊗ q ⊗ q×d', ['tile(x, 16)', 'stream(q, 16)'])]
 """
 
 from __future__ import annotations
@@ -31,151 +36,171 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-import napkin_cat as nc
 from lowering.plan import NotLowerable
-from napkin_cat.architectures import Circuit
-from napkin_cat.diagram import Array, Diagram, Ty
-from napkin_cat.generators import Contract, IndexMap, Mask, SoftmaxContract
+from napkin_cat import generators as g
+from napkin_cat.diagram import Diagram, Ty
+from napkin_cat.dtypes import f32
+from napkin_cat.levels import HBM
+from napkin_cat.reverse import Tape, pullback
+from rewrites import partitions, stream, tile
+from rewrites.io_aware import delta_lemma, lse_residual, reduced, widened
+
+#: the largest backward tile and stream (the backward holds more blocks than the forward)
+LARGEST = 64
 
 
 @dataclass(frozen=True)
-class AttentionParts:
-    """What the backward needs to know of a forward attention diagram: its wires, axes, scale and masks."""
+class Piece:
+    """One backward kernel: its naive ``diagram``, the backward inputs it reads (``inputs``: positions
+    among the primal inputs, the output cotangents and the residuals), the primal inputs whose
+    cotangents it gives (``outputs``), the axes of each to sum after the kernel (``sums``: positions),
+    and the schedule ``rules``."""
 
-    Q: Array
-    K: Array
-    V: Array
-    O: Array  # noqa: E741 - the output, named as in the FlashAttention papers
-    q: str
-    x: str
-    scale: object
-    masks: tuple
-    layer: int  # the softmax·contract's layer, the diagram's last
-
-
-def _plain(a: Array) -> Array:
-    return a.with_(axes=[x.unlabelled() for x in a.axes], level=nc.HBM)
+    diagram: Diagram
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    sums: tuple[tuple[int, ...], ...]
+    rules: tuple
 
 
-def attention_parts(d: Diagram) -> AttentionParts:
-    """Find ``Q·Kᵀ → masks → softmax·contract(·, V)`` in ``d``: inputs ``Q, K, V``, the one output its result.
+@dataclass(frozen=True)
+class Backward:
+    """The forward with residuals (scheduled like ``d``), where its residuals lie among its outputs, and the
+    backward's kernels. The backward's inputs are ``d``'s inputs, one cotangent per output, the residuals."""
 
-    Raises :class:`NotLowerable` naming what does not match (the lowered backward covers only this form).
+    forward: Diagram
+    residuals: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+
+
+def plain(d: Diagram) -> Diagram:
+    """``d`` without partition labels, in HBM: the naive diagram a schedule was derived from.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import tile
+    >>> q, x, d = nc.axes("q x d")
+    >>> print(plain(tile(q, 16)(nc.library.attention(q, x, d))).cod)
+    q×d
     """
-    found = [j for j, (_, b, _) in enumerate(d.inside) if isinstance(b, SoftmaxContract)]
-    if len(found) != 1:
-        raise NotLowerable(f"no lowered backward: expected one softmax·contract box, found {len(found)}")
-    j = found[0]
-    left, sc, _ = d.inside[j]
-    if j != len(d.inside) - 1 or len(d.cod) != 1:  # a box after it would need its own derivative
-        after = ", ".join(repr(b.name) for _, b, _ in d.inside[j + 1 :]) or f"outputs {d.cod}"
-        raise NotLowerable(f"no lowered backward: the kernel's one output must be the softmax·contract's, got {after}")
-    masks, (i, _) = [], d.producer(j, len(left))
-    while i is not None and isinstance(d.inside[i][1], Mask | IndexMap):
-        box = d.inside[i][1]
-        if isinstance(box, IndexMap):
-            raise NotLowerable(f"no lowered backward through score modifier {box.name!r}; pass backward='reference'")
-        masks.append(box.params["mask"])
-        i, _ = d.producer(i, len(d.inside[i][0]))
-    if i is None or not isinstance(d.inside[i][1], Contract):
-        raise NotLowerable("no lowered backward: the scores of the softmax·contract are not a contraction Q·Kᵀ")
-    qk = d.inside[i][1]
-    Q, K = map(_plain, qk.dom.inside)
-    V = _plain(sc.dom.inside[1])
-    if [_plain(w) for w in d.dom.inside] != [Q, K, V]:
-        raise NotLowerable(f"no lowered backward: the kernel's inputs must be Q, K, V of its attention, got {d.dom}")
-    x = sc.params["axis"]
-    tiled = [a.name for a in sc.dom.inside[0].axes if a.group is not None]
-    if len(tiled) != 1:
-        raise NotLowerable(f"no lowered backward: expected one tiled query axis in the scores, got {tiled}")
-    return AttentionParts(
-        Q, K, V, _plain(d.cod.inside[0]), tiled[0], x, qk.params.get("scale"), tuple(reversed(masks)), j
-    )
+    return d.map_arrays(lambda w: w.with_(axes=[a.unlabelled() for a in w.axes], level=HBM))
 
 
-def with_residual(d: Diagram, parts: AttentionParts) -> Diagram:
-    """The forward diagram whose softmax·contract also outputs the log-sum-exp ``L``, its second output."""
-    left, box, right = d.inside[parts.layer]
-    s = box.dom.inside[0]
-    lse = s.with_(axes=[a for a in s.axes if a.name != parts.x], dtype=nc.f32)
-    fused = SoftmaxContract(box.name, box.dom, Ty(box.out, lse), data=box.data)
-    return d.with_layers((*d.inside[: parts.layer], (left, fused, right)), cod=Ty(box.out, lse))
+def with_residuals(d: Diagram) -> tuple[Diagram, tuple[int, ...]]:
+    """``d`` whose softmax·contracts also output their log-sum-exp, and the positions, among its outputs,
+    of each one's ``L`` and ``O`` in turn (``O`` is added where it is not an output already)."""
+    t = Tape()
+    xs = [t.input(a, "x") for a in d.dom.inside]
+    kept = []
+
+    def step(i, box, ins):
+        if isinstance(box, g.SoftmaxContract) and len(box.cod) == 1 and not box.base2:
+            s = box.dom.inside[0]
+            lse = s.with_(axes=[a for a in s.axes if a.name != box.params["axis"]], dtype=f32)
+            out, L = t.apply(g.SoftmaxContract(box.name, box.dom, Ty(box.out, lse), data=box.data), *ins)
+            kept.append((L, out))
+            return [out]
+        return list(t.apply(box, *ins))
+
+    outs = d.dataflow(xs, step)
+    for pair in kept:
+        outs += [w for w in pair if w not in outs]
+    return t.diagram(outs), tuple(outs.index(w) for pair in kept for w in pair)
 
 
-def backward_diagrams(p: AttentionParts) -> tuple[Diagram, Diagram]:
-    """The naive diagrams of ``dQ`` and of ``(dK, dV)`` per query head, from the generators.
+def _live(t: Tape, outs: list[str]) -> list[str]:
+    """The tape inputs that ``outs`` depend on, in tape order."""
+    live = set(outs)
+    for _, ins, made in reversed(t.steps):
+        if live & set(made):
+            live |= set(ins)
+    return [n for n in t.inputs if n in live]
 
-    Inputs of both: ``Q, K, V, dO, L, Δ``; ``e`` is the query/key head dim, ``d`` the value head dim.
+
+def backward_of(d: Diagram) -> Backward:
+    """The lowered backward's diagrams and schedules for the scheduled forward ``d`` (see the module).
+
+    Raises a :class:`~napkin_cat.errors.NapkinError` naming the box and the reason where a cotangent
+    cannot be computed by one streamed kernel (``NoDerivative``, ``RewriteError``, ``NotLowerable``).
     """
-    Q, K, V, q, x = p.Q, p.K, p.V, p.q, p.x
-    dt = Q.dtype
-    axes = {a.name: a for w in (Q, K, V, p.O) for a in w.axes}
-    e, d = Q.names[-1], V.names[-1]
-    bq = [n for n in Q.names if n not in (q, e)]
-    S = Array(*(axes[n] for n in (*bq, q, x)))
-    rows = Array(*(axes[n] for n in (*bq, q)))
-    spec = lambda a, b, c: f"{a}, {b} -> {c}"  # noqa: E731 - an einsum over named axes
-    sq, sk = " ".join((*bq, q)), " ".join(K.names[:-2])
-    qe, ke, qx = f"{sq} {e}", f"{sk} {x} {e}".strip(), f"{sq} {x}"
-    od, vd = f"{sq} {d}", f"{sk} {x} {d}".strip()
-    ax = list(axes.values())
+    tiles, streams = partitions(d)
+    if len(streams) > 1:
+        raise NotLowerable(f"no lowered backward: the forward streams {sorted(streams)}, expected one axis")
+    first = min(next(iter(tiles.values()), LARGEST), LARGEST)
+    size = {a: first for a in tiles} | {a: min(s, LARGEST) for a, s in streams.items()}
+    keyed = [*tiles, *streams]  # the axes a kernel may tile or stream
+    forward, positions = with_residuals(d)
+    t, grads = pullback(plain(d))
+    residuals = lse_residual(t)
+    delta_lemma(t, residuals)
+    order = list(t.inputs)
+    schedules: dict[tuple, list] = {}
+    for i, ct in enumerate(grads):
+        if ct is None:
+            continue
+        names = t.ty(ct).names
+        missing = [a for a in keyed if a not in names]
+        along = next((a for a in streams if a in missing), missing[0] if missing else None)
+        extra = tuple(a for a in reduced(t, ct) if a.name != along)
+        wide = widened(t, ct, extra)
+        if wide is None:
+            wide, extra = ct, ()
+        left = [a for a in keyed if a not in t.ty(wide).names]
+        if len(left) > 1:
+            raise NotLowerable(
+                f"no lowered backward: the cotangent of input {i} ({t.ty(ct).describe()}) sums {left}; "
+                "one kernel streams one axis"
+            )
+        rules = tuple(tile(a, size[a]) for a in keyed if a not in left) + tuple(stream(a, size[a]) for a in left)
+        summed = tuple(range(len(names), len(names) + len(extra)))
+        schedules.setdefault(tuple(map(str, rules)), []).append((i, wide, summed, rules))
+    pieces = []
+    for group in schedules.values():
+        outs = [wide for _, wide, _, _ in group]
+        inputs = _live(t, outs)
+        naive = t.diagram(outs, inputs=inputs)
+        pieces.append(
+            Piece(
+                naive,
+                tuple(order.index(n) for n in inputs),
+                tuple(i for i, *_ in group),
+                tuple(s for *_, s, _ in group),
+                group[0][3],
+            )
+        )
+    return Backward(forward, positions, tuple(pieces))
 
-    def scores(c: Circuit):
-        c.let("S", nc.contract(spec(qe, ke, qx), *ax, scale=p.scale, dtype=dt, out_dtype=nc.f32), "Q", "K")
-        name = "S"
-        for i, m in enumerate(p.masks):
-            c.let(f"S{i}", nc.mask(S, m), name)
-            name = f"S{i}"
-        c.let("E", nc.subtract(S, rows), name, "L")
-        c.let("P", nc.exp(S), "E")
-        c.let("dP", nc.contract(spec(od, vd, qx), *ax, dtype=dt, out_dtype=nc.f32), "dO", "V")
-        c.let("T", nc.subtract(S, rows), "dP", "D")
-        c.let("dS", nc.multiply(S, S), "P", "T")
-        c.let("dSc", nc.cast(S, dt), "dS")
 
-    inputs = dict(Q=Q, K=K, V=V, dO=p.O.with_(dtype=dt), L=rows, D=rows)
-    c = Circuit(**inputs)
-    scores(c)
-    c.let("dQ", nc.contract(spec(qx, ke, qe), *ax, scale=p.scale, dtype=dt, out_dtype=dt), "dSc", "K")
-    dq = c.diagram("dQ")
-    c = Circuit(**inputs)
-    scores(c)
-    c.let("Pc", nc.cast(S, dt), "P")
-    xd, xe = (f"{' '.join(bq)} {x} {n}".strip() for n in (d, e))
-    c.let("dV", nc.contract(spec(qx, od, xd), *ax, dtype=dt, out_dtype=nc.f32), "Pc", "dO")
-    c.let("dK", nc.contract(spec(qx, qe, xe), *ax, scale=p.scale, dtype=dt, out_dtype=nc.f32), "dSc", "Q")
-    return dq, c.diagram("dK", "dV")
+def differentiable(primal: Callable, kernels: Callable[[], tuple], b: Backward, d: Diagram) -> Callable:
+    """``primal`` (the kernel of ``d``) with a ``jax.custom_vjp`` whose backward runs lowered kernels.
 
-
-def attention_vjp(forward: Callable, kernels: Callable[[], tuple], p: AttentionParts) -> Callable:
-    """``forward(Q, K, V)`` with a ``jax.custom_vjp`` whose backward runs lowered kernels.
-
-    ``kernels()`` returns the forward with the log-sum-exp residual, the ``dQ`` kernel and the
-    ``dK, dV`` kernel; it is first called when the function is differentiated, so the forward never
-    waits for (or fails because of) the backward.
+    ``kernels()`` gives the forward with residuals, then one kernel per piece of ``b``; it is first
+    called when the function is differentiated, so the forward never waits for (or fails because of) it.
     """
-    d = p.O.names[-1]
-    bq = [n for n in p.Q.names if n not in (p.q, p.Q.names[-1])]
-    group = tuple(i for i, n in enumerate(bq) if n not in p.K.names)  # query-head axes K lacks
+    n_out = len(d.cod)
+    cot_dtypes = [w.dtype.jnp for w in d.cod.inside]
+
+    def tupled(v):
+        return v if isinstance(v, tuple) else (v,)
 
     @jax.custom_vjp
-    def f(Q, K, V):
-        return forward(Q, K, V)
+    def f(*xs):
+        return primal(*xs)
 
-    def f_fwd(Q, K, V):
-        out, L = kernels()[0](Q, K, V)
-        return out, (Q, K, V, out, L)
+    def f_fwd(*xs):
+        outs = tupled(kernels()[0](*xs))
+        res = tuple(outs[p] for p in b.residuals)
+        return (outs[0] if n_out == 1 else tuple(outs[:n_out])), (xs, res)
 
-    def f_bwd(res, dO):
-        Q, K, V, out, L = res
-        _, dq_kernel, dkv_kernel = kernels()
-        dO = dO.astype(Q.dtype)
-        delta = jnp.sum(dO.astype(jnp.float32) * out.astype(jnp.float32), axis=p.O.names.index(d))
-        dQ = dq_kernel(Q, K, V, dO, L, delta)
-        dK, dV = dkv_kernel(Q, K, V, dO, L, delta)
-        if group:
-            dK, dV = (jnp.sum(a, axis=group) for a in (dK, dV))
-        return dQ.astype(Q.dtype), dK.astype(K.dtype), dV.astype(V.dtype)
+    def f_bwd(saved, cts):
+        xs, res = saved
+        cts = [c.astype(t) for c, t in zip(tupled(cts), cot_dtypes, strict=True)]
+        values = [*xs, *cts, *res]
+        grads: list = [None] * len(xs)
+        for piece, kernel in zip(b.pieces, kernels()[1:], strict=True):
+            outs = tupled(kernel(*(values[i] for i in piece.inputs)))
+            for i, out, summed in zip(piece.outputs, outs, piece.sums, strict=True):
+                grads[i] = (jnp.sum(out.astype(jnp.float32), axis=summed) if summed else out).astype(xs[i].dtype)
+        return tuple(grads)
 
     f.defvjp(f_fwd, f_bwd)
     return f

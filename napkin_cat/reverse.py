@@ -42,7 +42,7 @@ from napkin_cat.dtypes import f32
 from napkin_cat.errors import NapkinError
 from napkin_cat.generators import NoDerivative, broadcast
 
-__all__ = ["NoDerivative", "Tape", "derivative", "reverse", "zeros"]
+__all__ = ["NoDerivative", "Tape", "derivative", "pullback", "reverse", "zeros"]
 
 
 def _cot(a: Array) -> Array:
@@ -141,8 +141,9 @@ class Tape:
         a = self.ty(name)
         return name if a.dtype == to else self(g.cast(a, to), name)
 
-    def diagram(self, outs: list[str]) -> Diagram:
-        """The diagram from the inputs to ``outs``, without the steps ``outs`` do not need.
+    def diagram(self, outs: list[str], inputs: list[str] | None = None) -> Diagram:
+        """The diagram from the inputs (all the tape's, or ``inputs``) to ``outs``, without the steps
+        ``outs`` do not need.
 
         >>> import napkin_cat as nc
         >>> t = Tape()
@@ -155,7 +156,7 @@ class Tape:
             if live & set(step[2]):
                 kept.append(step)
                 live |= set(step[1])
-        return _wire(self.types, list(self.inputs), kept[::-1], list(outs))
+        return _wire(self.types, list(self.inputs) if inputs is None else inputs, kept[::-1], list(outs))
 
 
 def _wire(types: dict, inputs: list[str], steps: list, outs: list[str]) -> Diagram:
@@ -250,6 +251,21 @@ def reverse(d: Diagram) -> Diagram:
     napkin_cat.generators._base.NoDerivative: reverse: no derivative rule for Conv box 'conv k' \
 (i×x ⊗ o×i×k → o×x_out); register one with napkin_cat.reverse.derivative
     """
+    t, grads = pullback(d)
+    grads = [dx or t.ew(zeros, x) for dx, x in zip(grads, list(t.inputs)[: len(grads)], strict=True)]
+    return t.diagram([t.cast(dx, a.dtype) for dx, a in zip(grads, d.dom.inside, strict=True)])
+
+
+def pullback(d: Diagram) -> tuple[Tape, list[str | None]]:
+    """:func:`reverse` before it is wired: the tape, whose inputs are ``d``'s inputs then one cotangent
+    per output, and the name of each input's f32 cotangent on it (None where no output depends on it).
+    Rewrites of the backward (``rewrites.io_aware``) work on this dataflow program.
+
+    >>> import napkin_cat as nc
+    >>> t, grads = pullback(nc.exp(nc.Array(*nc.axes("n"))))
+    >>> list(t.inputs), [t.ty(g).describe() for g in grads]
+    (['x0', 'dy1'], ['n:f32@HBM'])
+    """
     t = Tape()
     xs = [t.input(a, "x") for a in d.dom.inside]
     dys = [t.input(a, "dy") for a in d.cod.inside]
@@ -277,5 +293,4 @@ def reverse(d: Diagram) -> Diagram:
                     f"{t.ty(x).describe()}"
                 )
             cts[x].append(dx)
-    grads = [t.total(cts[x]) or t.ew(zeros, x) for x in xs]
-    return t.diagram([t.cast(dx, a.dtype) for dx, a in zip(grads, d.dom.inside, strict=True)])
+    return t, [t.total(cts[x]) for x in xs]
