@@ -160,7 +160,8 @@ def _check_kernel(trial: Trial, scheduled: Diagram) -> Verification:
     kernel = lower(trial.resize(scheduled))
     start = time.perf_counter()
     got = jax.block_until_ready(kernel(*trial.inputs))
-    return trial.compare(got, tolerance(scheduled), time.perf_counter() - start, "derive(verify='kernel')")
+    seconds = time.perf_counter() - start
+    return trial.compare(got, tolerance(scheduled), seconds, "derive(verify='kernel')", "the lowered kernel")
 
 
 def derive(

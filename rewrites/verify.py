@@ -123,7 +123,7 @@ def sample_sizes(d: Diagram, rng: random.Random, *, small: int = 16, budget: int
         sizes[largest] //= 2
 
 
-def _bind(d: Diagram, sizes: dict | None) -> tuple[dict, dict]:
+def _bind(d: Diagram, sizes: dict | None, rule: str) -> tuple[dict, dict]:
     """Split user ``sizes`` (keyed by axis name or size symbol) into bindings of ``d``'s size symbols and
     new sizes for its concretely sized axes."""
     symbols = {a.name: a.size for w in _wires(d) for a in w.axes}
@@ -131,8 +131,8 @@ def _bind(d: Diagram, sizes: dict | None) -> tuple[dict, dict]:
     for key, value in (sizes or {}).items():
         name = key.name if isinstance(key, sympy.Symbol) else str(key)
         if name not in symbols:
-            raise RewriteError("verify", f"sizes name axis {name}, which no wire has; axes: {', '.join(symbols)}")
-        n = positive_size("verify", "a verification size", value, name)
+            raise RewriteError(rule, f"sizes name axis {name}, which no wire has; axes: {', '.join(symbols)}")
+        n = positive_size(rule, "a verification size", value, name)
         if isinstance(symbols[name], sympy.Symbol):
             bound[symbols[name]] = n
         elif int(symbols[name]) != n:
@@ -265,7 +265,7 @@ class Trial:
         (5, 3, True)
         """
         seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
-        bound, resized = _bind(candidate, sizes)
+        bound, resized = _bind(candidate, sizes, rule)
         reference, candidate = _resized(reference, resized), _resized(candidate, resized)
         bound = {**sample_sizes(candidate, random.Random(seed)), **bound}
         guard(candidate, bound, rule)
@@ -274,13 +274,14 @@ class Trial:
         named = {**{str(k): v for k, v in bound.items()}, **resized}
         return cls(named, resized, seed, xs, want if isinstance(want, tuple) else (want,))
 
-    def compare(self, got, tol: float, seconds: float, rule: str) -> Verification:
-        """The record of ``got`` against the reference's outputs; raises :class:`RewriteError` if it differs."""
+    def compare(self, got, tol: float, seconds: float, rule: str, what: str = "the rewritten diagram") -> Verification:
+        """The record of ``got`` (the outputs of ``what``) against the reference's; raises :class:`RewriteError`
+        if they differ beyond ``tol``."""
         got = got if isinstance(got, tuple) else (got,)
         err = max(relative_error(g, w) for g, w in zip(got, self.want, strict=True))
         rec = Verification(self.sizes, err, tol, err <= tol, seconds, self.seed)
         if not rec.passed:
-            raise RewriteError(rule, f"the rewritten diagram differs from the original: {rec}")
+            raise RewriteError(rule, f"{what} differs from the original: {rec}")
         return rec
 
     def resize(self, d: Diagram) -> Diagram:
