@@ -174,9 +174,10 @@ def lower(
     (a :class:`~napkin_cat.hardware.Hardware` or its name) sets the per-block shared-memory limit; by
     default the detected GPU's model, H100 when interpreting.
 
-    ``backward="lowered"`` differentiates with lowered backward kernels where the diagram is attention
-    (FlashAttention-2's split), built when first differentiated, so lowering never fails because of
-    them; where there are none, ``kernel.why_not`` says why and differentiating raises
+    ``backward="lowered"`` differentiates with lowered backward kernels derived from ``nc.reverse`` of
+    the diagram (:mod:`lowering.backward`: FlashAttention-2's log-sum-exp residual and Δ, one kernel per
+    schedule), built when first differentiated, so lowering never fails because of them; where there
+    are none, ``kernel.why_not`` names the box and the reason and differentiating raises
     :class:`NotLowerable`. ``backward="reference"`` differentiates the reference semantics instead.
 
     The shape guards (power-of-two blocks ≥ 16, so every 16-bit dot has K ≥ 16; axes kept whole
@@ -249,7 +250,7 @@ def lower(
         for p in pieces:
             plan(p)
     except NapkinError as e:
-        why = str(e)
+        why = f"no lowered backward: {e}"
         return made(_refuse(primal, why), differentiation="none", why_not=why)
 
     @functools.cache

@@ -124,7 +124,7 @@ def backward_of(d: Diagram) -> Backward:
     """
     tiles, streams = partitions(d)
     if len(streams) > 1:
-        raise NotLowerable(f"no lowered backward: the forward streams {sorted(streams)}, expected one axis")
+        raise NotLowerable(f"the forward streams {sorted(streams)}, expected one axis")
     first = min(next(iter(tiles.values()), LARGEST), LARGEST)
     size = {a: first for a in tiles} | {a: min(s, LARGEST) for a, s in streams.items()}
     keyed = [*tiles, *streams]  # the axes a kernel may tile or stream
@@ -147,8 +147,7 @@ def backward_of(d: Diagram) -> Backward:
         left = [a for a in keyed if a not in t.ty(wide).names]
         if len(left) > 1:
             raise NotLowerable(
-                f"no lowered backward: the cotangent of input {i} ({t.ty(ct).describe()}) sums {left}; "
-                "one kernel streams one axis"
+                f"the cotangent of input {i} ({t.ty(ct).describe()}) sums {left}; one kernel streams one axis"
             )
         rules = tuple(tile(a, size[a]) for a in keyed if a not in left) + tuple(stream(a, size[a]) for a in left)
         summed = tuple(range(len(names), len(names) + len(extra)))
