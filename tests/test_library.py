@@ -109,8 +109,11 @@ def test_jit_is_one_jaxpr_and_vmap_grad(key):
     jaxpr = jax.make_jaxpr(f)(Q, K, V)
     assert not any(e.primitive.name in ("pjit", "closed_call") for e in jaxpr.eqns)
     close(jax.jit(f)(Q, K, V), f(Q, K, V))
-    batched = jax.vmap(f)(*(jnp.stack([a, a]) for a in (Q, K, V)))
-    close(batched[1], f(Q, K, V))
+    Qs, Ks, Vs = rand(jax.random.fold_in(key, 1), (3, 4, 8), (3, 5, 8), (3, 5, 8))  # three different elements
+    batched = jax.vmap(f)(Qs, Ks, Vs)
+    for i in range(3):  # each is its own element's attention: nothing mixes across the batch
+        ref = jax.nn.dot_product_attention(Qs[i][None, :, None], Ks[i][None, :, None], Vs[i][None, :, None])
+        close(batched[i], ref[0, :, 0])
     g = jax.grad(lambda Q: f(Q, K, V).sum())(Q)
     gr = jax.grad(lambda Q: jax.nn.dot_product_attention(Q[None, :, None], K[None, :, None], V[None, :, None]).sum())(Q)
     close(g, gr)
