@@ -337,7 +337,12 @@ class _Kernel:
 
     @property
     def grid(self) -> dict:
-        """Blocks along each grid axis, fastest first (``lowering.plan``: tiles, then batch reversed)."""
+        """Blocks along each grid axis, fastest first (``lowering.plan``: tiles, then batch reversed).
+
+        An untiled kernel keeps its batch axes whole in one block (FAN's convention for the unscheduled axes).
+        """
+        if not self.tiled:
+            return {}
         return {**{a: t.groups for a, t in self.tiled.items()}, **dict(reversed(self.batch.items()))}
 
     def touched(self, array: Array, concurrent: Expr) -> Expr:

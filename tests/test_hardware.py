@@ -16,7 +16,7 @@ from napkin_cat.levels import HBM, L2, REG, SMEM, TC
     [  # REFERENCE §1.4
         (A100, 108, 2.039e12, 312e12, 164 * KiB, 40 * MiB),
         (H100, 132, 3.35e12, 989e12, 228 * KiB, 50 * MiB),
-        (H200, 132, 4.8e12, 989e12, 228 * KiB, 50 * MiB),
+        (H200, 132, 4.8e12, 989e12, 228 * KiB, 60 * MiB),
     ],
 )
 def test_datasheet_constants(hw, sms, hbm_bw, fp16, smem, l2):

@@ -114,9 +114,7 @@ def _ncu(name: str) -> dict:
     rows = [line for line in out.stdout.splitlines() if line.startswith('"')]
     values = {}
     for row in csv.DictReader(io.StringIO("\n".join(rows))):
-        unit, v = row["Metric Unit"], float(row["Metric Value"].replace(",", ""))
-        scale = {"nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3, "second": 1.0}.get(unit, 1.0)
-        values[row["Metric Name"]] = v * scale
+        values[row["Metric Name"]] = float(row["Metric Value"].replace(",", ""))  # base units: bytes, ns
     if set(values) != set(METRICS):
         return {"error": (out.stdout[-1500:] + out.stderr[-1500:])}
     return values
@@ -220,7 +218,6 @@ def report(path: Path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    import napkin_cat as nc
     from napkin_cat.hardware import for_device
     from napkin_cat.optimize import choose_tiles, predicted_time
 
@@ -233,6 +230,7 @@ def report(path: Path):
             rows.append(f"| {name} | ncu failed | | |")
             continue
         p = data.setdefault("predicted", {})[name] = predict(name, hw)
+        m = {**m, "gpu__time_duration.sum": m["gpu__time_duration.sum"] * 1e-9}  # ncu's base unit: ns
         dram = m["dram__bytes_read.sum"] + m["dram__bytes_write.sum"]
         r = (p["gmem_read"] / m["l1tex__m_xbar2l1tex_read_bytes.sum"], p["dram"] / dram)
         t = (p["time"] / m["gpu__time_duration.sum"], p["time_serial"] / m["gpu__time_duration.sum"])
@@ -252,7 +250,7 @@ def report(path: Path):
         sizes = {**SIZES, "d": dd}
         pred = [predicted_time("attention", hw, sizes, g["g"], g["s"]) for g in cells]
         meas = [g["seconds"] for g in cells]
-        pick = choose_tiles("attention", hw, sizes)
+        pick = choose_tiles("attention", hw, sizes, tiles=GRID_TILES, streams=GRID_STREAMS)
         best = min(cells, key=lambda g: g["seconds"])
         chosen = next((g for g in cells if (g["g"], g["s"]) == pick), None)
         gap = chosen["seconds"] / best["seconds"] - 1 if chosen else float("nan")
@@ -265,7 +263,10 @@ def report(path: Path):
         lines.append("")
         lines.append("| g | s | measured ms | predicted ms |")
         lines.append("|---|---|---|---|")
-        lines += [f"| {g['g']} | {g['s']} | {g['seconds'] * 1e3:.3f} | {p * 1e3:.3f} |" for g, p in zip(cells, pred)]
+        lines += [
+            f"| {g['g']} | {g['s']} | {g['seconds'] * 1e3:.3f} | {p * 1e3:.3f} |"
+            for g, p in zip(cells, pred, strict=True)
+        ]
         lines.append("")
     data["grid_summary"] = summary
     path.write_text(json.dumps(data, indent=1))
