@@ -34,7 +34,16 @@ def _moves(ty: Ty, to: Level) -> Diagram:
 
 @dataclass(frozen=True)
 class level(Rule):  # noqa: N801
-    """Recolour the kernel's interior to memory level ``to``, with loads and stores at its boundary."""
+    """Recolour the kernel's interior to memory level ``to``, with loads and stores at its boundary.
+
+    >>> import napkin_cat as nc
+    >>> level("SMEM")
+    level(SMEM)
+    >>> level(nc.HBM)(nc.library.attention(*nc.axes("q x d")))
+    Traceback (most recent call last):
+    ...
+    rewrites.rule.RewriteError: level(HBM): the kernel's interior must move off HBM (choose SMEM or REG)
+    """
 
     to: Level | str
 

@@ -74,11 +74,22 @@ def positive_size(rule: str, what: str, value, axis: str) -> int:
 
 
 def axis_names(d: Diagram) -> set[str]:
-    """Every axis name on some wire of ``d``."""
+    """Every axis name on some wire of ``d``.
+
+    >>> import napkin_cat as nc
+    >>> sorted(axis_names(nc.library.attention(*nc.axes("q x d"))))
+    ['d', 'q', 'x']
+    """
     wires = [*d.dom.inside, *d.cod.inside, *(w for b in d.boxes for w in (*b.dom.inside, *b.cod.inside))]
     return {n for w in wires for n in w.names}
 
 
 def relabel_axis(d: Diagram, name: str, f) -> Diagram:
-    """Apply ``f`` to the axis called ``name`` on every wire (a functor on objects)."""
+    """Apply ``f`` to the axis called ``name`` on every wire (a functor on objects).
+
+    >>> import napkin_cat as nc
+    >>> q, x, d = nc.axes("q x d")
+    >>> print(relabel_axis(nc.library.attention(q, x, d), "q", lambda a: a.tiled(8)).cod)
+    q/8×d
+    """
     return d.map_arrays(lambda a: a.with_(axes=[f(x) if x.name == name else x for x in a.axes]) if a.has(name) else a)
