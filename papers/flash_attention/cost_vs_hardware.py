@@ -254,10 +254,13 @@ def report(path: Path):
         best = min(cells, key=lambda g: g["seconds"])
         chosen = next((g for g in cells if (g["g"], g["s"]) == pick), None)
         gap = chosen["seconds"] / best["seconds"] - 1 if chosen else float("nan")
-        summary[dd] = {"spearman": _spearman(pred, meas), "pick": pick, "best": (best["g"], best["s"]), "gap": gap}
+        tied = len({round(p, 12) for p in pred}) == 1  # every configuration compute-bound: no ranking at all
+        rho = float("nan") if tied else _spearman(pred, meas)
+        summary[dd] = {"spearman": rho, "pick": pick, "best": (best["g"], best["s"]), "gap": gap}
+        corr = "undefined (every prediction ties: compute-bound)" if tied else f"**{rho:.2f}**"
         lines.append(
             f"D = {dd}: {len(cells)} configurations, Spearman rank correlation predicted vs measured time "
-            f"**{summary[dd]['spearman']:.2f}**; model's pick (g, s) = {pick}, measured best {summary[dd]['best']}, "
+            f"{corr}; model's pick (g, s) = {pick}, measured best {summary[dd]['best']}, "
             f"pick is **{100 * gap:.1f}%** slower than the best."
         )
         lines.append("")
