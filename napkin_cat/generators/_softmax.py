@@ -340,6 +340,9 @@ class NormalisedContraction(Accumulator):
     NormalisedContraction('normalised·contract x', 'x')
     """
 
+    # padding: scores −∞ (a₁ and a₂ must send them to 0, as a mask's −∞ needs), values 0
+    padding = (-float("inf"), 0.0)
+
     def partial(self, ins, ctx):
         (s, v), xp, p = ins, ctx.xp, self.box.params
         s = xp.f32(s)
