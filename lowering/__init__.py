@@ -12,7 +12,8 @@ True
 """
 
 from lowering.api import Kernel, lower
+from lowering.attention import AttentionKernel, attention
 from lowering.plan import NotLowerable, Plan, plan
 from lowering.triton import Config, Lowered
 
-__all__ = ["Config", "Kernel", "Lowered", "NotLowerable", "Plan", "lower", "plan"]
+__all__ = ["AttentionKernel", "Config", "Kernel", "Lowered", "NotLowerable", "Plan", "attention", "lower", "plan"]

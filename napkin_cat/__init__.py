@@ -5,6 +5,10 @@
 >>> attn = nc.library.attention(q, x, d)
 >>> print(attn.dom, "→", attn.cod)
 q×d ⊗ x×d ⊗ x×d → q×d
+
+One name is the application entry rather than the language: ``nc.attention(q, k, v, ...)``, the drop-in
+for ``jax.nn.dot_product_attention`` (:mod:`lowering.attention`), loaded on first use so that importing
+napkin_cat never imports the lowering.
 """
 
 from napkin_cat import hardware, library, optimize
@@ -62,3 +66,18 @@ __all__ = [
     "normalised_contract", "reduce_max", "reduce_min", "reduce_sum", "relu", "rsqrt", "scale", "score_mod",
     "silu", "softmax", "softmax_contract", "split", "sqrt", "square", "subtract", "swap", "tanh", "to_jax",
 ]
+
+
+def __getattr__(name: str):
+    """``attention``, the drop-in entry, imported from :mod:`lowering` when first asked for.
+
+    >>> import napkin_cat as nc
+    >>> from lowering import attention
+    >>> nc.attention is attention
+    True
+    """
+    if name == "attention":
+        from lowering import attention
+
+        return attention
+    raise AttributeError(f"module 'napkin_cat' has no attribute {name!r}")
