@@ -158,9 +158,18 @@ def test_compiled_matches_reference(key, causal, s):
     assert relative_error(kernel(Q, K, V), reference(Q, K, V, causal, soft_cap)) <= BF16
 
 
+def test_registers_refuse_a_spilling_tile():
+    """g256 s128 at D = 128 fits shared memory once O reuses Q's tile, but not a consumer's registers."""
+    k = MosaicLowered(plan(attention(128, 256, 128).diagram), interpret=False)
+    assert k.smem_bytes({"d": 128}) <= mosaic.SMEM_LIMIT
+    with pytest.raises(NotLowerable, match=r"warpgroup level: a consumer thread would keep 256 f32 registers"):
+        k.check({"d": 128})
+    assert MosaicLowered(plan(matmul(256, 128, 64).diagram)).registers({}) == 128
+
+
 @pytest.mark.gpu
 def test_auto_takes_mosaic_on_the_gpu(key):
-    kernel = lower(attention(128, 256, 128, causal=True), backend="auto")
+    kernel = lower(attention(128, 256, 64, causal=True), backend="auto")
     assert kernel.backend == "mosaic", kernel.refused
     Q, K, V = inputs(key, (1, 2, 512, 128))
     assert relative_error(kernel(Q, K, V), reference(Q, K, V, True)) <= BF16
