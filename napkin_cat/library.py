@@ -323,7 +323,8 @@ def same_document(s, a, b):
 
 def document_attention(q: Axis, x: Axis, d: Axis, **kw) -> Diagram:
     """Attention within documents: ``Q ⊗ K ⊗ V ⊗ segments_q[q] ⊗ segments_x[x] → O``, query ``i`` seeing
-    key ``j`` only when their segment ids (i32) agree. The ids are inputs, read per query and key index.
+    key ``j`` only when their segment ids (i32) agree. The ids are inputs, read per query and key index;
+    a kernel runs this mask on every block it visits (no block is skipped because of the ids).
 
     >>> from napkin_cat import axes
     >>> print(document_attention(*axes("q x d")).dom.inside[3].describe())
