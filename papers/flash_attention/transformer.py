@@ -2,11 +2,12 @@
 
 Character-level language model on ``corpus.txt`` (Shakespeare's sonnets and the opening of *Alice's
 Adventures in Wonderland*, both public domain): token + position embeddings, pre-norm blocks of causal
-multi-head attention and a GELU MLP, RMS norms, tied unembedding; Adam written out (no optax). The
-attention is any ``f(q, k, v)`` on [B, H, N, D] arrays computing causal ``softmax(QKᵀ/√D)·V``:
-``reference`` is ``jax.nn.dot_product_attention``, ``napkin`` the lowered napkin-cat kernel, ``mha``
-jax's Pallas Triton kernel. Training both on the same data from the same initialisation, the loss
-curves should agree to within the attention's rounding.
+multi-head attention and a GELU MLP, RMS norms, tied unembedding; optax's Adam. The attention is any
+``f(q, k, v)`` on [B, N, H, D] arrays (``jax.nn.dot_product_attention``'s layout) computing causal
+``softmax(QKᵀ/√D)·V``: ``reference`` is ``jax.nn.dot_product_attention``, ``napkin`` napkin-cat's drop-in
+entry ``nc.attention`` (derived, verified and lowered once, differentiated by its lowered backward
+kernels), ``mha`` jax's Pallas Triton kernel. Training both on the same data from the same
+initialisation, the loss curves should agree to within the attention's rounding.
 
 >>> cfg = ModelConfig(vocab=len(VOCAB), d_model=32, heads=2, layers=1, seq=16)
 >>> params = init(jax.random.key(0), cfg)
@@ -29,6 +30,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from papers.flash_attention import attentions as at
 from papers.flash_attention import report
@@ -92,16 +94,16 @@ def rms_norm(x, gain):
 
 
 def _heads(x, cfg: ModelConfig):
-    """[B, N, H·D] → [B, H, N, D]."""
+    """[B, N, H·D] → [B, N, H, D]."""
     b, n, _ = x.shape
-    return x.reshape(b, n, cfg.heads, cfg.head_dim).transpose(0, 2, 1, 3)
+    return x.reshape(b, n, cfg.heads, cfg.head_dim)
 
 
 def attend(p: dict, x, cfg: ModelConfig, attention: Callable):
-    """Multi-head causal self-attention; ``attention`` sees [B, H, N, D] arrays."""
+    """Multi-head causal self-attention; ``attention`` sees [B, N, H, D] arrays."""
     q, k, v = (_heads(a, cfg) for a in jnp.split(x @ p["qkv"], 3, axis=-1))
     o = attention(q, k, v).astype(x.dtype)
-    return o.transpose(0, 2, 1, 3).reshape(x.shape) @ p["out"]
+    return o.reshape(x.shape) @ p["out"]
 
 
 def forward(params: dict, tokens, cfg: ModelConfig, attention: Callable):
@@ -120,45 +122,45 @@ def loss_fn(params: dict, batch, cfg: ModelConfig, attention: Callable):
     return -jnp.mean(jnp.take_along_axis(logp, batch[:, 1:, None], axis=-1))
 
 
-# --- Adam, by hand (Kingma & Ba, Algorithm 1) --------------------------------------------------
-
-
-def adam_init(params) -> dict:
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    return {"m": zeros, "v": zeros, "t": jnp.zeros((), jnp.int32)}
-
-
-def adam_update(grads, state: dict, params, lr: float, b1=0.9, b2=0.999, eps=1e-8):
-    """One Adam step; returns (params, state).
-
-    >>> p = {"w": jnp.array(1.0)}
-    >>> s = adam_init(p)
-    >>> update = jax.jit(lambda p, s: adam_update(jax.grad(lambda p: p["w"] ** 2)(p), s, p, lr=0.1))
-    >>> for _ in range(50):
-    ...     p, s = update(p, s)
-    >>> bool(abs(p["w"]) < 0.1)
-    True
-    """
-    t = state["t"] + 1
-    m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state["m"], grads)
-    v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state["v"], grads)
-    step = lr * jnp.sqrt(1 - b2**t) / (1 - b1**t)
-    params = jax.tree.map(lambda p, m, v: p - step * m / (jnp.sqrt(v) + eps), params, m, v)
-    return params, {"m": m, "v": v, "t": t}
-
-
 # --- attention choices and training -----------------------------------------------------------
 
 
-def attention(name: str, dtype=jnp.float32, head_dim: int = 64) -> Callable:
-    """The causal attention ``name`` on [B, H, N, D], computing in ``dtype``; raises if unavailable."""
-    spec = at.Spec(dtype, causal=True, head_dim=head_dim, interpret=not at.on_gpu())
-    impl = {"reference": at.xla_dpa, "napkin": at.napkin, "mha": at.pallas_mha}[name](spec)
+def _napkin(spec: at.Spec) -> Callable:
+    from lowering import attention as entry  # the drop-in entry, nc.attention
+
+    return functools.partial(entry, is_causal=True, interpret=spec.interpret)
+
+
+def _mha(spec: at.Spec) -> Callable:
+    impl = at.pallas_mha(spec)
     if impl.unavailable:
-        raise RuntimeError(f"attention {name!r} unavailable: {impl.unavailable}")
+        raise RuntimeError(impl.unavailable)
+    return impl.fn  # on [B, N, H, D], as the model's arrays
+
+
+#: the attentions the model can train with: each builds a causal ``f(q, k, v)`` on [B, N, H, D] or raises
+ATTENTIONS: dict[str, Callable[[at.Spec], Callable]] = {
+    "reference": lambda spec: functools.partial(jax.nn.dot_product_attention, is_causal=True),
+    "napkin": _napkin,
+    "mha": _mha,
+}
+
+
+def attention(name: str, dtype=jnp.float32, head_dim: int = 64) -> Callable:
+    """The causal attention ``name`` on [B, N, H, D], computing in ``dtype``; raises if unavailable.
+
+    >>> q = jnp.ones((1, 8, 2, 16))
+    >>> attention("reference", head_dim=16)(q, q, q).shape
+    (1, 8, 2, 16)
+    """
+    spec = at.Spec(dtype, causal=True, head_dim=head_dim, interpret=not at.on_gpu())
+    try:
+        impl = ATTENTIONS[name](spec)
+    except Exception as e:  # noqa: BLE001 - said with the attention's name, whatever the reason
+        raise RuntimeError(f"attention {name!r} unavailable: {type(e).__name__}: {e}") from e
 
     def run(q, k, v):
-        return impl.run(*(a.astype(dtype) for a in (q, k, v)))
+        return impl(*(a.astype(dtype) for a in (q, k, v)))
 
     return run
 
@@ -176,12 +178,14 @@ def train(cfg: ModelConfig, attn: Callable, *, steps: int, batch: int, lr: float
     split = int(0.9 * data.shape[0])
     train_data, held_out = data[:split], data[split:]
     params = init(jax.random.key(seed), cfg)
-    state = adam_init(params)
+    adam = optax.adam(lr)
+    state = adam.init(params)
 
     @jax.jit
     def step(params, state, key):
         loss, grads = jax.value_and_grad(loss_fn)(params, batches(key, train_data, batch, cfg.seq), cfg, attn)
-        return *adam_update(grads, state, params, lr), loss
+        updates, state = adam.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
 
     evaluate = jax.jit(functools.partial(loss_fn, cfg=cfg, attention=attn))
     eval_batch = batches(jax.random.key(seed + 1), held_out, batch, cfg.seq)
