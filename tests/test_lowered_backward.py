@@ -40,12 +40,15 @@ def check_gradients(kernel, reference, args, key):
     assert (kernel.differentiation, kernel.why_not) == ("lowered", None)
     out = kernel(*args)
     (ct,) = normal(jax.random.fold_in(key, 7), out.shape)
-    argnums = tuple(range(len(args)))
-    ours = jax.grad(lambda *a: jnp.sum(kernel(*a) * ct), argnums=argnums)(*args)
-    want = jax.grad(lambda *a: jnp.sum(reference(*a) * ct), argnums=argnums)(*args)
+    ours, want = pullback(kernel, *args, ct=ct), pullback(reference, *args, ct=ct)
     assert R.rel_err(out, reference(*args)) <= TOL
     for i, (a, w) in enumerate(zip(ours, want, strict=True)):
         assert R.rel_err(a, w) <= TOL, f"gradient of input {i}"
+
+
+def pullback(f, *args, ct):
+    """The gradient of ``Σ f(args) ⊙ ct`` (in f32) with respect to every argument."""
+    return jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * ct), argnums=tuple(range(len(args))))(*args)
 
 
 def softmax_rows(s, keep):
