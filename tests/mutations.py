@@ -140,19 +140,20 @@ def scale_ignored():
 
 
 def no_delta():
-    """The backward drops Δ = rowsum(dO ⊙ O) from dS = P ⊙ (dP − Δ): the dQ and dK, dV kernels get Δ = 0."""
-    vjp = find("attention_vjp", "lowering.backward")
-    params = list(inspect.signature(vjp).parameters)
+    """The backward drops Δ = rowsum(dO ⊙ O) from dS = P ⊙ (dP − Δ). The backward kernels read the saved
+    output ``O`` only to form Δ (P is recomputed from the scores and the log-sum-exp), so Δ is dropped by
+    handing them Δ = 0 (``attention_vjp``) or a zero ``O`` residual (``differentiable``)."""
+    module = importlib.import_module("lowering.backward")
+    if hasattr(module, "attention_vjp"):  # attention_vjp(forward, kernels, parts): kernels() = (fwd+L, dQ, dK·dV)
+        vjp = module.attention_vjp
 
-    def zero_delta(kernel):
-        def run(*arrays):
-            if len(arrays) != 6:
-                raise MissingTarget(f"a backward kernel took {len(arrays)} arrays, not (Q, K, V, dO, L, Δ)")
-            return kernel(*arrays[:5], arrays[5] * 0)
+        def zero_delta(kernel):
+            def run(*arrays):
+                if len(arrays) != 6:
+                    raise MissingTarget(f"a backward kernel took {len(arrays)} arrays, not (Q, K, V, dO, L, Δ)")
+                return kernel(*arrays[:5], arrays[5] * 0)
 
-        return run
-
-    if "kernels" in params:  # attention_vjp(forward, kernels, parts): kernels() = (forward+L, dQ, dK·dV)
+            return run
 
         @functools.wraps(vjp)
         def wrapper(forward, kernels, p):
@@ -162,15 +163,32 @@ def no_delta():
 
             return vjp(forward, mutated, p)
 
-    elif params[1:3] == ["dq_kernel", "dkv_kernel"]:  # attention_vjp(fwd_res, dq_kernel, dkv_kernel, parts)
+        rebind(vjp, wrapper)
+        return
+    # differentiable(primal, kernels, b, d): piece kernels read [*inputs, *cotangents, *residuals] at
+    # piece.inputs; the residuals are (L, O) per softmax·contract, in turn.
+    differentiable = find("differentiable", "lowering.backward")
+    if list(inspect.signature(differentiable).parameters) != ["primal", "kernels", "b", "d"]:
+        raise MissingTarget("lowering.backward.differentiable's signature changed: no known place for Δ")
 
-        @functools.wraps(vjp)
-        def wrapper(fwd, dq, dkv, p):
-            return vjp(fwd, zero_delta(dq), zero_delta(dkv), p)
+    @functools.wraps(differentiable)
+    def mutated_differentiable(primal, kernels, b, d):
+        first_residual = len(d.dom) + len(d.cod)
+        outputs = {first_residual + i for i in range(1, len(b.residuals), 2)}
 
-    else:
-        raise MissingTarget(f"lowering.backward.attention_vjp takes {params}: no known place for the Δ kernels")
-    rebind(vjp, wrapper)
+        def zero_outputs(piece, kernel):
+            def run(*arrays):
+                return kernel(*(a * 0 if i in outputs else a for i, a in zip(piece.inputs, arrays, strict=True)))
+
+            return run
+
+        def mutated():
+            fwd, *pieces = kernels()
+            return (fwd, *(zero_outputs(p, k) for p, k in zip(b.pieces, pieces, strict=True)))
+
+        return differentiable(primal, mutated, b, d)
+
+    rebind(differentiable, mutated_differentiable)
 
 
 def no_padding_mask():

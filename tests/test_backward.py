@@ -1,17 +1,26 @@
-"""jax.grad through lowered kernels equals jax.grad of jax.nn.dot_product_attention and of the naive diagram."""
+"""jax.grad through lowered kernels equals jax.grad of the independent reference (tests/references.py), of
+jax.nn.dot_product_attention and of the naive diagram. GQA, MQA and masks: tests/test_kernels_vs_jax.py."""
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
+import references as R
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import napkin_cat as nc
-from lowering import NotLowerable, lower
+from lowering import lower
 from rewrites import derive, stream, tile
 
-TOL = {nc.f32: 2e-3, nc.bf16: 4e-2}
+# rel_err of dQ, dK, dV against tests/references.py, interpret mode on CPU, measured by
+# tests/measure_tolerances.py (10 seeds; q, x ∈ {37/29, 20/70, 70/21, 64/64}; causal or not; GQA + ALiBi):
+TOL = {
+    nc.f32: 4e-6,  # measured ≤ 9.8e-7
+    nc.bf16: 1.5e-2,  # measured ≤ 6.2e-3 (inputs, cotangent and gradients rounded to bf16)
+    nc.f16: 2.5e-3,  # measured ≤ 7.8e-4
+}
+# A compiled GPU kernel, bf16, 1000 keys, d = 128, against jax.nn in f32.
+GPU_TOL = 4e-2
 
 
 def rand(key, shapes, dtype=nc.f32):
@@ -19,44 +28,46 @@ def rand(key, shapes, dtype=nc.f32):
     return [jax.random.normal(k, s, jnp.float32).astype(dtype.jnp) for k, s in zip(keys, shapes, strict=True)]
 
 
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
-
-
 def grads(f, args, ct):
-    return jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * ct), argnums=(0, 1, 2))(*args)
+    return jax.vjp(f, *args)[1](ct.astype(args[0].dtype))
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(n=st.integers(5, 40), causal=st.booleans(), dtype=st.sampled_from([nc.f32, nc.bf16]))
-def test_mha_gradients(key, n, causal, dtype):
+def dpa(causal):
+    t = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731 - jax.nn wants [b, n, h, d]
+    return lambda Q, K, V: t(jax.nn.dot_product_attention(t(Q), t(K), t(V), is_causal=causal))
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    nq=st.integers(1, 50),
+    nx=st.integers(1, 50),
+    causal=st.booleans(),
+    dtype=st.sampled_from([nc.f32, nc.bf16, nc.f16]),
+)
+def test_mha_gradients(seed, key, nq, nx, causal, dtype):
+    """Ragged sizes, more queries than keys or fewer, causal or not: dQ, dK, dV of the lowered backward."""
     b, h, q, x, d = nc.axes("b h q x d")
     attn = nc.library.multi_head_attention(h, q, x, d, batch=(b,), causal=causal, dtype=dtype)
     kernel = lower(derive(attn, tile(q, 16), stream(x, 16), verify=False))
     assert kernel.differentiation == "lowered"
-    Q, K, V = rand(key, [(1, 2, n, 16)] * 3, dtype)
-    (ct,) = rand(jax.random.fold_in(key, 1), [(1, 2, n, 16)])
-    ours = grads(kernel, (Q, K, V), ct)
+    key = jax.random.fold_in(key, nq * 100 + nx)
+    Q, K, V = rand(key, [(1, 2, nq, 16), (1, 2, nx, 16), (1, 2, nx, 16)], dtype)
+    (ct,) = rand(jax.random.fold_in(key, 1), [(1, 2, nq, 16)], dtype)  # the cotangent in the output's dtype
+    ours = jax.jit(lambda ct, *a: grads(kernel, a, ct))(ct, Q, K, V)
+    f32 = [a.astype(jnp.float32) for a in (Q, K, V, ct)]
+    independent = grads(lambda *a: R.attention(*a, causal=causal), f32[:3], f32[3])
+    jax_nn = grads(dpa(causal), f32[:3], f32[3])
     naive = grads(nc.to_jax(attn), (Q, K, V), ct)
-    t = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731
-    dpa = grads(lambda Q, K, V: t(jax.nn.dot_product_attention(t(Q), t(K), t(V), is_causal=causal)), (Q, K, V), ct)
-    for a, r, s in zip(ours, naive, dpa, strict=True):
-        assert rel_err(a, r) <= TOL[dtype]
-        assert rel_err(a, s) <= TOL[dtype]
+    why = f"q={nq}, x={nx}, causal={causal}, {dtype} (NAPKIN_SEED={seed})"
+    for name, a, r, s, n in zip("QKV", ours, independent, jax_nn, naive, strict=True):
+        assert R.rel_err(a, r) <= TOL[dtype], f"d{name} vs reference: {why}"
+        assert R.rel_err(a, s) <= TOL[dtype], f"d{name} vs jax.nn: {why}"
+        # the naive diagram's gradients round like ours, each within TOL of the reference: 2·TOL apart
+        assert R.rel_err(a, n) <= 2 * TOL[dtype], f"d{name} vs nc.to_jax: {why}"
 
 
-def test_gqa_gradients_sum_the_group(key):
-    hk, g, q, x, d = nc.axes("hk g q x d")
-    gqa = nc.library.grouped_query_attention(hk, g, q, x, d, causal=True)
-    kernel = lower(derive(gqa, tile(q, 16), stream(x, 16), verify=False))
-    Q, K, V = rand(key, [(2, 3, 21, 16), (2, 21, 16), (2, 21, 16)])
-    (ct,) = rand(jax.random.fold_in(key, 1), [(2, 3, 21, 16)])
-    for a, r in zip(grads(kernel, (Q, K, V), ct), grads(nc.to_jax(gqa), (Q, K, V), ct), strict=True):
-        assert rel_err(a, r) <= TOL[nc.f32]
-
-
-def test_score_mod_backward_is_refused_unless_reference(key):
+def test_score_mod_gradients(seed, key):
+    """An ALiBi-like score modifier: the lowered backward and the reference one, both against the reference."""
     q, x, d = nc.axes("q x d")
 
     def bias(s, q, x):
@@ -64,14 +75,15 @@ def test_score_mod_backward_is_refused_unless_reference(key):
 
     attn = nc.library.attention(q, x, d, score_mod=bias)
     flash = derive(attn, tile(q, 16), stream(x, 16), verify=False)
-    Q, K, V = rand(key, [(20, 16)] * 3)
-    kernel = lower(flash)
-    assert kernel.differentiation == "none" and "score modifier" in kernel.why_not
-    with pytest.raises(NotLowerable, match="no lowered backward through score modifier 'score_mod bias'"):
-        jax.grad(lambda Q: kernel(Q, K, V).sum())(Q)
-    ref = lower(flash, backward="reference")
-    got = jax.grad(lambda Q: ref(Q, K, V).sum())(Q)
-    assert rel_err(got, jax.grad(lambda Q: nc.to_jax(attn)(Q, K, V).sum())(Q)) <= 1e-5
+    Q, K, V = rand(key, [(20, 16), (37, 16), (37, 16)])
+    (ct,) = rand(jax.random.fold_in(key, 1), [(20, 16)])
+    want = grads(lambda *a: R.attention(*a, bias=lambda i, j: -0.1 * jnp.abs(i - j)), (Q, K, V), ct)
+    for how in ("lowered", "reference"):
+        kernel = lower(flash, backward=how)
+        assert kernel.differentiation == how
+        got = jax.jit(lambda ct, *a, k=kernel: grads(k, a, ct))(ct, Q, K, V)
+        for name, a, r in zip("QKV", got, want, strict=True):
+            assert R.rel_err(a, r) <= TOL[nc.f32], f"d{name}, {how} backward (NAPKIN_SEED={seed})"
 
 
 @pytest.mark.gpu
@@ -82,22 +94,8 @@ def test_compiled_gradients_on_gpu(key, causal):
     kernel = lower(derive(attn, tile(q, 128), stream(x, 64), verify=False))
     Q, K, V = rand(key, [(2, 4, 1000, 128)] * 3, nc.bf16)
     (ct,) = rand(jax.random.fold_in(key, 1), [(2, 4, 1000, 128)])
-    ours = jax.jit(lambda *a: grads(kernel, a, ct))(Q, K, V)
+    ours = jax.jit(lambda ct, *a: grads(kernel, a, ct))(ct, Q, K, V)
     f32 = [a.astype(jnp.float32) for a in (Q, K, V)]
-    t = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731
-    ref = grads(lambda Q, K, V: t(jax.nn.dot_product_attention(t(Q), t(K), t(V), is_causal=causal)), f32, ct)
+    ref = grads(dpa(causal), f32, ct.astype(nc.bf16.jnp).astype(jnp.float32))
     for a, r in zip(ours, ref, strict=True):
-        assert rel_err(a, r) <= TOL[nc.bf16]
-
-
-def test_backward_schedules_verify():
-    """The backward diagrams are equal to jax.vjp of the forward, and their schedules verify (derive checks)."""
-    from lowering.backward import attention_parts, backward_diagrams
-
-    b, h, q, x, d = nc.axes("b h q x d")
-    for causal in (False, True):
-        attn = nc.library.multi_head_attention(h, q, x, d, batch=(b,), causal=causal)
-        parts = attention_parts(derive(attn, tile(q, 16), stream(x, 16), verify=False).diagram)
-        dq, dkv = backward_diagrams(parts)
-        derive(dq, tile(q, 16), stream(x, 16))
-        derive(dkv, tile(x, 16), stream(q, 16))
+        assert R.rel_err(a, r) <= GPU_TOL

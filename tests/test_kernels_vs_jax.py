@@ -17,9 +17,9 @@ import napkin_cat as nc
 from lowering import lower
 from rewrites import derive, stream, tile
 
-# rel_err = max |error| / max |reference|, f32:
-FWD = 2e-6  # measured ≤ 4.8e-7 forward (attention, GQA, matmul, softmax, norms), tolerance 2e-6
-GRAD = 4e-6  # measured ≤ 9.5e-7 for dQ, dK, dV (lowered and reference backward), tolerance 4e-6
+# rel_err = max |error| / max |reference|, f32 (bf16 and f16: tests/test_lowering.py, tests/test_backward.py):
+FWD = 2e-6  # measured ≤ 6.2e-7 (attention, GQA + ALiBi, matmul, softmax, norms, cross entropy)
+GRAD = 4e-6  # measured ≤ 9.8e-7 for dQ, dK, dV
 
 
 def normal(key, *shapes, dtype=nc.f32):
@@ -89,7 +89,7 @@ def test_gqa_and_mqa_lowered_gradients(seed, key):
     hk, g, h, q, x, d = nc.axes("hk g h q x d")
     gqa = nc.library.grouped_query_attention(hk, g, q, x, d, causal=True)
     kernel = lower(derive(gqa, tile(q, 16), stream(x, 16), verify=False))
-    assert kernel.backward == "lowered"
+    assert kernel.differentiation == "lowered"
     args = normal(key, (2, 3, 21, 16), (2, 40, 16), (2, 40, 16))
     (ct,) = normal(jax.random.fold_in(key, 1), (2, 3, 21, 16))
 
@@ -127,7 +127,7 @@ def test_tiled_matmul(seed, key, n, k, c, split_k):
 
 def test_softmax_norms_cross_entropy(seed, key):
     n, xx, dd, v = nc.axes("n xx dd v")
-    S, X, gamma, beta = normal(key, (37, 64), (20, 32), (32,), (32,))
+    S, X, gamma, beta = normal(key, (37, 40), (20, 32), (32,), (32,))  # the softmax's 40 pads to 64
     kernel = lambda diagram, *rules: jax.jit(lower(derive(diagram, *rules, verify=False)))  # noqa: E731
     close(kernel(nc.library.softmax(n, xx), tile(n, 16))(S), R.softmax(S), FWD, seed, "softmax")
     layer_norm = kernel(nc.library.layer_norm(n, dd), tile(n, 16))
