@@ -31,8 +31,9 @@ def test_attention_is_causal():
 
 
 def test_training_decreases_the_loss():
-    run = tf.train(CFG, tf.attention("reference", head_dim=CFG.head_dim), steps=30, batch=8, lr=1e-2,
-                   log=lambda _: None)
+    run = tf.train(
+        CFG, tf.attention("reference", head_dim=CFG.head_dim), steps=30, batch=8, lr=1e-2, log=lambda _: None
+    )
     losses = run["losses"]
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3, losses
     assert run["held_out"][-1][1] < run["held_out"][0][1]
@@ -41,8 +42,10 @@ def test_training_decreases_the_loss():
 def test_training_through_the_napkin_entry_follows_the_reference():
     """Interpret mode: optax's Adam through nc.attention's lowered forward and backward kernels. The losses
     of the first 8 steps differed from jax.nn.dot_product_attention's by at most 4.8e-7 (f32, CPU)."""
-    runs = [tf.train(CFG, tf.attention(name, head_dim=CFG.head_dim), steps=4, batch=8, lr=1e-2, log=lambda _: None)
-            for name in ("napkin", "reference")]
+    runs = [
+        tf.train(CFG, tf.attention(name, head_dim=CFG.head_dim), steps=4, batch=8, lr=1e-2, log=lambda _: None)
+        for name in ("napkin", "reference")
+    ]
     napkin, reference = (r["losses"] for r in runs)
     assert napkin[-1] < napkin[0] - 0.3, napkin
     assert np.max(np.abs(np.subtract(napkin, reference))) <= 1e-5, (napkin, reference)

@@ -81,12 +81,21 @@ def init(key, cfg: ModelConfig) -> dict:
         return jax.random.normal(next(keys), (n_in, n_out)) * n_in**-0.5
 
     def block():
-        return {"norm1": jnp.ones(d), "qkv": dense(d, 3 * d), "out": dense(d, d) / (2 * cfg.layers) ** 0.5,
-                "norm2": jnp.ones(d), "up": dense(d, 4 * d), "down": dense(4 * d, d) / (2 * cfg.layers) ** 0.5}
+        return {
+            "norm1": jnp.ones(d),
+            "qkv": dense(d, 3 * d),
+            "out": dense(d, d) / (2 * cfg.layers) ** 0.5,
+            "norm2": jnp.ones(d),
+            "up": dense(d, 4 * d),
+            "down": dense(4 * d, d) / (2 * cfg.layers) ** 0.5,
+        }
 
-    return {"embed": jax.random.normal(next(keys), (cfg.vocab, d)) * 0.02,
-            "pos": jax.random.normal(next(keys), (cfg.seq, d)) * 0.02,
-            "blocks": [block() for _ in range(cfg.layers)], "norm": jnp.ones(d)}
+    return {
+        "embed": jax.random.normal(next(keys), (cfg.vocab, d)) * 0.02,
+        "pos": jax.random.normal(next(keys), (cfg.seq, d)) * 0.02,
+        "blocks": [block() for _ in range(cfg.layers)],
+        "norm": jnp.ones(d),
+    }
 
 
 def rms_norm(x, gain):
@@ -171,8 +180,9 @@ def batches(key, data, batch: int, seq: int):
     return jax.vmap(lambda s: jax.lax.dynamic_slice(data, (s,), (seq + 1,)))(starts)
 
 
-def train(cfg: ModelConfig, attn: Callable, *, steps: int, batch: int, lr: float, seed: int = 0,
-          log: Callable = print) -> dict:
+def train(
+    cfg: ModelConfig, attn: Callable, *, steps: int, batch: int, lr: float, seed: int = 0, log: Callable = print
+) -> dict:
     """Train from a seed-fixed initialisation on seed-fixed batches; losses per step and held-out."""
     data = encode(CORPUS)
     split = int(0.9 * data.shape[0])
@@ -258,13 +268,21 @@ QUICK = dict(steps=20, batch=4, seq=32, d_model=32, heads=2, layers=1, lr=1e-2)
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--attention", choices=("both", "reference", "napkin", "mha"), default="both",
-                   help="both = reference and napkin, on the same data and initialisation")
+    p.add_argument(
+        "--attention",
+        choices=("both", "reference", "napkin", "mha"),
+        default="both",
+        help="both = reference and napkin, on the same data and initialisation",
+    )
     p.add_argument("--quick", action="store_true", help="tiny model, few steps (CPU smoke test)")
     for name, value in FULL.items():
         p.add_argument("--" + name.replace("_", "-"), type=type(value), default=None)
-    p.add_argument("--dtype", choices=("f32", "bf16", "fp16"), default=None,
-                   help="attention inputs (default bf16 on GPU, f32 on CPU)")
+    p.add_argument(
+        "--dtype",
+        choices=("f32", "bf16", "fp16"),
+        default=None,
+        help="attention inputs (default bf16 on GPU, f32 on CPU)",
+    )
     p.add_argument("--out-dir", type=Path, default=HERE / "results")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--write-readme", action="store_true")
@@ -297,9 +315,14 @@ def main(argv=None) -> dict:
             runs[name].update(train(cfg, attn, steps=opts.steps, batch=opts.batch, lr=opts.lr))
         except Exception as e:  # noqa: BLE001 - e.g. no backward pass yet: recorded, forward still shown
             runs[name].update(_error(e))
-    res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "argv": sys.argv[1:] if argv is None
-           else list(argv), "config": {**dataclasses.asdict(cfg), **{k: getattr(opts, k) for k in FULL},
-                                       "dtype": opts.dtype}, "runs": runs, "diff": compare(runs)}
+    res = {
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "argv": sys.argv[1:] if argv is None else list(argv),
+        "config": {**dataclasses.asdict(cfg), **{k: getattr(opts, k) for k in FULL}, "dtype": opts.dtype},
+        "runs": runs,
+        "diff": compare(runs),
+    }
     stem = "transformer" + ("_quick" if opts.quick else "")
     report.save_json(res, opts.out_dir / f"{stem}.json")
     if not opts.no_plot:
