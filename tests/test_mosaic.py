@@ -151,10 +151,10 @@ def test_block_guards(g, s):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("causal", "s"), [(False, 64), (True, 64), (False, 128), (True, 128)])
-def test_compiled_matches_reference(key, causal, s):
-    Q, K, V = inputs(key, (2, 4, 1024, 128))
-    kernel = lower(attention(128, 256, s, causal=causal, score_mod=soft_cap), backend="mosaic")
+@pytest.mark.parametrize(("D", "causal", "s"), [(128, False, 64), (128, True, 64), (64, False, 128), (64, True, 128)])
+def test_compiled_matches_reference(key, D, causal, s):
+    Q, K, V = inputs(key, (2, 4, 1024, D))
+    kernel = lower(attention(D, 256, s, causal=causal, score_mod=soft_cap), backend="mosaic")
     assert relative_error(kernel(Q, K, V), reference(Q, K, V, causal, soft_cap)) <= BF16
 
 
@@ -173,6 +173,12 @@ def test_auto_takes_mosaic_on_the_gpu(key):
     assert kernel.backend == "mosaic", kernel.refused
     Q, K, V = inputs(key, (1, 2, 512, 128))
     assert relative_error(kernel(Q, K, V), reference(Q, K, V, True)) <= BF16
+
+
+@pytest.mark.gpu
+def test_auto_differentiates_with_tritons_backward(key):
+    kernel = lower(attention(128, 256, 64, causal=True), backend="auto")
+    Q, K, V = inputs(key, (1, 2, 512, 128))
     dQ = jax.grad(lambda Q: kernel(Q, K, V).astype(jnp.float32).sum())(Q)
     want = jax.grad(lambda Q: reference(Q, K, V, True).sum())(Q)
     assert relative_error(dQ, want) <= 2e-2
