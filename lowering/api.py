@@ -33,7 +33,7 @@ from rewrites import derive
 
 Differentiation = Literal["lowered", "reference", "none"]
 
-#: the backends ``lower`` can emit; ``backend="auto"`` chooses Mosaic on sm_90 where the diagram lowers, else Triton
+#: the backends ``lower`` can emit; ``backend="auto"`` chooses Triton and says why not Mosaic
 BACKENDS = ("triton", "mosaic")
 
 
@@ -143,13 +143,19 @@ def _guard(k: Lowered) -> Lowered:
     return k
 
 
+#: why ``backend="auto"`` passes over a Mosaic kernel that would lower: measured on an H100 (docs/mosaic.md), Mosaic
+#: at a derivation's own tiles ran at 0.70-0.89× Triton's forward at D = 64 and N = 2048, and it refuses ragged sizes
+#: only when called; auto will take it once it chooses by measured speed and checks sizes up front.
+AUTO_KEEPS_TRITON = "'auto' keeps to Triton on sm_90 too; pass backend='mosaic' for the Hopper kernel (forward only)"
+
+
 def _backend(backend: str) -> str:
     if backend == "auto":
         return "auto"
     if backend not in BACKENDS:
         raise NotLowerable(
             f"backend {backend!r}: choose 'auto' (Triton), 'triton' or 'mosaic' (Hopper, forward only); "
-            "'auto' takes Mosaic on sm_90 where the diagram lowers there"
+            "'auto' takes Triton and says why not Mosaic"
         )
     return backend
 
@@ -166,9 +172,8 @@ def lower(
     """A JAX-callable Pallas kernel for a scheduled diagram (a ``Derivation`` or its ``.diagram``).
 
     ``interpret=None`` interprets on CPU and compiles on GPU. Works under ``jax.jit``, ``jax.vmap`` and
-    ``jax.grad``; arrays are passed in the diagram's axis order. ``backend="auto"`` chooses Mosaic's forward on
-    sm_90 where the diagram lowers there (differentiated by Triton's lowered backward kernels), else Triton;
-    ``kernel.backend`` says which, ``kernel.refused`` why not Mosaic; ``backend="mosaic"`` lowers the
+    ``jax.grad``; arrays are passed in the diagram's axis order. ``backend="auto"`` chooses Triton, and
+    ``kernel.refused`` says why not Mosaic; ``backend="mosaic"`` lowers the
     forward for Hopper (:mod:`lowering.mosaic`, tuned by its ``MosaicConfig``) and differentiates only
     with ``backward="reference"``. ``config`` reaches every kernel built, backward included. ``hardware``
     (a :class:`~napkin_cat.hardware.Hardware` or its name) sets the per-block shared-memory limit; by
@@ -205,15 +210,14 @@ def lower(
     name = _backend(backend)
     if backward not in ("lowered", "reference"):
         raise NotLowerable(f"backward {backward!r}: choose 'lowered' or 'reference'")
-    chosen, refused = None, {}
-    if name == "auto":  # Mosaic's forward on sm_90 (Triton's backward kernels); Triton elsewhere, saying why
+    refused: dict = {}
+    if name == "auto":  # Triton, saying why not Mosaic
         from lowering.mosaic import choose
 
-        chosen, why = choose(d, interpret=interpret, config=config)
-        name, refused = ("mosaic", {}) if chosen is not None else ("triton", {"mosaic": why})
-        config = None if chosen is not None else config
+        candidate, why = choose(d, interpret=interpret, config=config)
+        name, refused = "triton", {"mosaic": why if candidate is None else AUTO_KEEPS_TRITON}
     # Hopper (lowering/mosaic.py): forward kernels; gradients only by the reference
-    if name == "mosaic" and chosen is None:
+    if name == "mosaic":
         if isinstance(config, Config):
             raise NotLowerable("backend 'mosaic': a lowering.Config tunes Triton; pass a lowering.mosaic.MosaicConfig")
         from lowering.mosaic import MosaicLowered
@@ -233,14 +237,7 @@ def lower(
     def kernel(diagram: Diagram) -> Lowered:
         return _guard(Lowered(plan(diagram), interpret=interpret, config=config, hardware=hw))
 
-    try:
-        forward = kernel(d)
-    except NotLowerable as e:
-        if chosen is None:
-            raise
-        why = f"Triton, whose kernels would run the backward, refused: {e}"
-        return Kernel(d, chosen, _refuse(chosen, why), backend=name, differentiation="none", why_not=why)
-    primal = chosen or forward
+    primal = kernel(d)
     made = functools.partial(Kernel, d, primal, backend=name, refused=refused)
     if backward == "reference":
         return made(_reference(primal, d), differentiation="reference")

@@ -128,7 +128,7 @@ def neutral_padding(d: Diagram, axis: str) -> dict | None:
     {2: (0.0,)}
     >>> print(neutral_padding(nc.normalised_contract(nc.Array(n, d), nc.Array(d), d, nc.Array(n),
     ...                                              a1=jnp.exp, a2=jnp.exp, b=jnp.sqrt), "d"))
-    None
+    {0: (-inf, 0.0)}
     """
     pads = {}
     for i, (_, box, _) in enumerate(d.inside):

@@ -162,6 +162,9 @@ def block_einsum(spec: str, *xs):
         x = xs[0] if b == k else xs[0].T
         y = xs[1] if c == k else xs[1].T
         rows = a if b == k else b
+        if x.dtype != y.dtype:  # Triton's dot needs one operand type: the narrower one (FA2 casts P to V's dtype)
+            narrow = min(x.dtype, y.dtype, key=lambda t: jnp.dtype(t).itemsize)
+            x, y = x.astype(narrow), y.astype(narrow)
         prod = jnp.dot(x, y, preferred_element_type=jnp.float32)
         return prod if out[0] == rows else prod.T
     letters = "".join(dict.fromkeys(out + "".join(terms)))

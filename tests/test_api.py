@@ -40,11 +40,10 @@ def test_kernel_states_backend_and_differentiation_as_fields():
     assert (k.backend, k.differentiation, k.why_not, k.kernels) == ("triton", "reference", None, ())
     n, c, m = nc.axes("n c m")
     mm = lower(derive(nc.library.matmul(n, c, m), tile(n, 16), tile(m, 16), stream(c, 16), verify=False))
-    assert (mm.differentiation, mm.why_not) == (
-        "none",
-        "no lowered backward: expected one softmax·contract box, found 0",
-    )
-    assert mm.kernels == ()
+    assert (mm.differentiation, mm.why_not) == ("lowered", None)  # derived from nc.reverse, not matched
+    norm = lower(derive(nc.library.rms_norm(n, c), tile(n, 16), verify=False))
+    assert norm.differentiation == "none" and norm.kernels == ()
+    assert norm.why_not.startswith("no lowered backward: box") and "must involve two operands" in norm.why_not
 
 
 def test_backend_auto_chooses_triton_and_others_are_refused():
@@ -85,20 +84,11 @@ def test_config_reaches_every_kernel(key):
 
 
 @pytest.mark.parametrize("concrete", [True, False])
-def test_shape_guards_fire_at_lower_when_sizes_are_concrete_else_at_the_first_call(concrete):
+def test_an_axis_that_is_not_a_power_of_two_is_padded_with_the_neutral_value(key, concrete):
     n, xx = (nc.Axis("n"), nc.Axis("xx", 24 if concrete else None))
-    message = (
-        "axis 'xx' of size 24 is not a power of two ≥ 16, and a box other than a contraction combines elements "
-        "along it, so it cannot be padded"
-    )
-
-    softmax = derive(nc.library.softmax(n, xx), tile(n, 16), verify=False)
-    with pytest.raises(NotLowerable, match=re.escape(message)):
-        if concrete:
-            lower(softmax)
-        else:
-            kernel = lower(softmax)  # the sizes are unknown until the call
-            kernel(jnp.ones((16, 24)))
+    kernel = lower(derive(nc.library.softmax(n, xx), tile(n, 16), verify=False))
+    (v,) = rand(key, (16, 24))
+    assert rel_err(kernel(v), jax.nn.softmax(v, axis=-1)) <= 1e-6  # f32: measured 1.2e-7
 
 
 @pytest.mark.parametrize("concrete", [True, False])
@@ -153,19 +143,12 @@ def test_query_key_head_dim_other_than_value_head_dim_lowers_and_differentiates(
         assert rel_err(a, r) <= 1e-5
 
 
-def test_a_box_after_the_attention_has_no_lowered_backward(key):
+def test_a_box_after_the_attention_is_differentiated_by_its_own_rule(key):
     q, x, d = nc.axes("q x d")
     doubled = nc.library.attention(q, x, d) >> nc.scale(Array(q, d), 2.0)
     kernel = lower(scheduled(doubled, q, x))
-    assert kernel.differentiation == "none"
-    assert (
-        kernel.why_not
-        == "no lowered backward: the kernel's one output must be the softmax·contract's, got 'multiply 2.0'"
-    )
+    assert (kernel.differentiation, kernel.why_not) == ("lowered", None)  # the scale's own derivative rule
     Q, K, V = rand(key, (24, 16), (24, 16), (24, 16))
-    with pytest.raises(NotLowerable, match="the kernel's one output must be the softmax·contract's"):
-        jax.grad(lambda Q: kernel(Q, K, V).sum())(Q)
-    ref = lower(scheduled(doubled, q, x), backward="reference")
-    grad = jax.grad(lambda Q: ref(Q, K, V).sum())(Q)
     expected = jax.grad(lambda Q: 2 * (jax.nn.softmax(Q @ K.T / 4.0, -1) @ V).sum())(Q)
-    assert rel_err(grad, expected) <= 1e-5
+    for k in (kernel, lower(scheduled(doubled, q, x), backward="reference")):
+        assert rel_err(jax.grad(lambda Q, k=k: k(Q, K, V).sum())(Q), expected) <= 1e-5

@@ -37,7 +37,7 @@ def test_bad_specs_and_axes():
         nc.softmax(nc.Array(q, d), x)
     with pytest.raises(nc.AxisError, match="repeated axis"):
         nc.Array(q, q)
-    with pytest.raises(nc.AxisError, match="size must be positive"):
+    with pytest.raises(nc.AxisError, match="size must be a positive integer"):
         nc.Axis("n", 0)
     with pytest.raises(nc.AxisError, match=r"cannot weave over \['q'\]"):
         nc.library.attention(q, x, d).weave(q)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 import napkin_cat as nc
 from lowering import NotLowerable, lower, mosaic, plan
 from lowering import triton as lowering_triton
+from lowering.api import AUTO_KEEPS_TRITON
 from lowering.mosaic import MosaicConfig, MosaicLowered
 from rewrites import derive, stream, tile
 
@@ -110,7 +111,7 @@ class Hopper:
     platform, device_kind, compute_capability = "gpu", "NVIDIA H100 80GB HBM3", "9.0"
 
 
-def test_auto_takes_mosaic_on_hopper_where_it_lowers(monkeypatch):
+def test_mosaic_is_a_candidate_on_hopper_where_it_lowers(monkeypatch):
     monkeypatch.setattr(mosaic.jax, "devices", lambda: [Hopper()])
     kernel, why = mosaic.choose(attention(64, 128, 64).diagram, interpret=None)
     assert isinstance(kernel, MosaicLowered) and why is None
@@ -118,8 +119,8 @@ def test_auto_takes_mosaic_on_hopper_where_it_lowers(monkeypatch):
     assert kernel is None and "Mosaic refused: input" in why and "16-bit" in why
     kernel, why = mosaic.choose(attention(256, 256, 128).diagram, interpret=None)
     assert kernel is None and "393,216 B of shared memory" in why
-    auto = lower(attention(64, 128, 64), backend="auto", interpret=False)
-    assert auto.backend == "mosaic" and auto.refused == {} and auto.differentiation == "lowered"
+    auto = lower(attention(64, 128, 64), backend="auto", interpret=False)  # keeps to Triton, saying so
+    assert auto.backend == "triton" and auto.refused == {"mosaic": AUTO_KEEPS_TRITON}
 
 
 @settings(max_examples=2, deadline=None)
@@ -168,9 +169,9 @@ def test_registers_refuse_a_spilling_tile():
 
 
 @pytest.mark.gpu
-def test_auto_takes_mosaic_on_the_gpu(key):
+def test_auto_keeps_to_triton_on_the_gpu(key):
     kernel = lower(attention(128, 256, 64, causal=True), backend="auto")
-    assert kernel.backend == "mosaic", kernel.refused
+    assert kernel.backend == "triton" and kernel.refused == {"mosaic": AUTO_KEEPS_TRITON}
     Q, K, V = inputs(key, (1, 2, 512, 128))
     assert relative_error(kernel(Q, K, V), reference(Q, K, V, True)) <= BF16
 
