@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 import traceback
 from pathlib import Path
@@ -25,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 import napkin_cat as nc
-from lowering import lower, plan
+from lowering import lower, plan, search
 from lowering.mosaic import MosaicConfig, MosaicLowered
 from rewrites import derive, stream, tile
 
@@ -54,19 +53,12 @@ def matmul(g_m: int, g_n: int, s: int, dtype: str):
 
 
 def median_time(f, args, batches: int = 7, budget: float = 0.05) -> float:
-    """Seconds per call: the median over ``batches`` of back-to-back calls (≈ ``budget`` s each)."""
+    """Seconds per call by :func:`lowering.search.median_time`, with batches of about ``budget`` s each."""
     jax.block_until_ready(f(*args))
     t0 = time.perf_counter()
     jax.block_until_ready(f(*args))
-    calls = max(3, min(100, int(budget / max(time.perf_counter() - t0, 1e-6))))
-    times = []
-    for _ in range(batches):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            out = f(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / calls)
-    return statistics.median(times)
+    reps = max(3, min(100, int(budget / max(time.perf_counter() - t0, 1e-6))))
+    return search.median_time(f, *args, reps=reps, batches=batches, warmup=0)
 
 
 def reference(q, k, v, causal: bool):
