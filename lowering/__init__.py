@@ -11,9 +11,15 @@
 True
 """
 
-from lowering.api import Kernel, lower
-from lowering.attention import AttentionKernel, attention
-from lowering.plan import NotLowerable, Plan, plan
-from lowering.triton import Config, Lowered
+from lowering._api import Kernel, lower
+from lowering._attention import AttentionKernel, attention
+from lowering._mosaic import MosaicConfig, MosaicLowered
+from lowering._plan import NotLowerable, Plan, plan
+from lowering._search import median_time
+from lowering._tiles import choose_tiles, predicted_time
+from lowering._triton import Config, Lowered
 
-__all__ = ["AttentionKernel", "Config", "Kernel", "Lowered", "NotLowerable", "Plan", "attention", "lower", "plan"]
+__all__ = [
+    "AttentionKernel", "Config", "Kernel", "Lowered", "MosaicConfig", "MosaicLowered", "NotLowerable", "Plan",
+    "attention", "choose_tiles", "lower", "median_time", "plan", "predicted_time",
+]

@@ -1,4 +1,4 @@
-"""Flax NNX modules on the drop-in entry :data:`lowering.attention` (needs the ``flax`` extra).
+"""Flax NNX modules on the drop-in entry :data:`lowering._attention` (needs the ``flax`` extra).
 
 >>> import jax, jax.numpy as jnp
 >>> from flax import nnx
@@ -20,7 +20,7 @@ from collections.abc import Callable
 import jax.numpy as jnp
 from flax import nnx
 
-from lowering.attention import attention
+from lowering._attention import attention
 from napkin_cat.errors import AxisError
 
 
@@ -30,7 +30,7 @@ class SelfAttention(nnx.Module):
 
     ``attention_fn`` takes ``jax.nn.dot_product_attention``'s arguments; it is the napkin-cat entry by
     default, and ``jax.nn.dot_product_attention`` itself gives the reference model with the same parameters.
-    ``score_mod``/``mask_mod`` (FlexAttention's, see :mod:`lowering.attention`) reach only the entry.
+    ``score_mod``/``mask_mod`` (FlexAttention's, see :mod:`lowering._attention`) reach only the entry.
 
     >>> from flax import nnx
     >>> SelfAttention(30, heads=4, rngs=nnx.Rngs(0))

@@ -7,14 +7,15 @@
 q×d ⊗ x×d ⊗ x×d → q×d
 
 One name is the application entry rather than the language: ``nc.attention(q, k, v, ...)``, the drop-in
-for ``jax.nn.dot_product_attention`` (:mod:`lowering.attention`), loaded on first use so that importing
+for ``jax.nn.dot_product_attention`` (:mod:`lowering._attention`), loaded on first use so that importing
 napkin_cat never imports the lowering.
 """
 
-from napkin_cat import hardware, library, optimize
+from napkin_cat import architectures, hardware, library, optimize
+from napkin_cat._cost import Cost, cost
+from napkin_cat._reverse import NoDerivative, Tape, derivative, pullback, reverse
 from napkin_cat.axes import Axis, axes
 from napkin_cat.convolution import concat, conv, rename
-from napkin_cat.cost import Cost, cost
 from napkin_cat.diagram import Array, Box, Diagram, Template, Ty, copy, discard, id, swap  # noqa: A004
 from napkin_cat.drawing import draw, draw_equation, draw_sequence
 from napkin_cat.dtypes import Dtype, bf16, f16, f32, fp8_e4m3, fp8_e5m2
@@ -53,18 +54,17 @@ from napkin_cat.generators import (
     tanh,
 )
 from napkin_cat.levels import HBM, L2, REG, SMEM, TC, Level
-from napkin_cat.reverse import reverse
 from napkin_cat.semantics import to_jax
 
 __all__ = [
-    "Cost", "reverse", "concat", "conv", "cost", "draw", "draw_equation", "draw_sequence", "hardware", "optimize",
-    "rename",
-    "HBM", "L2", "REG", "SMEM", "TC", "Array", "Axis", "AxisError", "Box", "CompositionError", "Context",
-    "CostError", "Diagram", "Dtype", "EvaluationError", "Generator", "Level", "NapkinError", "Template", "Ty",
-    "add", "axes", "bf16", "cast", "causal_mask", "contract", "copy", "discard", "divide", "elementwise", "exp",
-    "f16", "f32", "fp8_e4m3", "fp8_e5m2", "gelu", "id", "library", "log", "mask", "merge", "move", "multiply",
-    "normalised_contract", "reduce_max", "reduce_min", "reduce_sum", "relu", "rsqrt", "scale", "score_mod",
-    "silu", "softmax", "softmax_contract", "split", "sqrt", "square", "subtract", "swap", "tanh", "to_jax",
+    "Array", "Axis", "AxisError", "Box", "CompositionError", "Context", "Cost", "CostError", "Diagram", "Dtype",
+    "EvaluationError", "Generator", "HBM", "L2", "Level", "NapkinError", "NoDerivative", "REG", "SMEM", "TC",
+    "Tape", "Template", "Ty", "add", "architectures", "axes", "bf16", "cast", "causal_mask", "concat", "contract",
+    "conv", "copy", "cost", "derivative", "discard", "divide", "draw", "draw_equation", "draw_sequence",
+    "elementwise", "exp", "f16", "f32", "fp8_e4m3", "fp8_e5m2", "gelu", "hardware", "id", "library", "log", "mask",
+    "merge", "move", "multiply", "normalised_contract", "optimize", "pullback", "reduce_max", "reduce_min",
+    "reduce_sum", "relu", "rename", "reverse", "rsqrt", "scale", "score_mod", "silu", "softmax", "softmax_contract",
+    "split", "sqrt", "square", "subtract", "swap", "tanh", "to_jax",
 ]
 
 

@@ -22,10 +22,8 @@ def _say(msg: str):
 
 def main(argv=None):
     import napkin_cat as nc
-    from lowering import lower
-    from lowering.search import median_time
-    from rewrites import derive, level, stream, tile
-    from rewrites.verify import relative_error
+    from lowering import lower, median_time
+    from rewrites import derive, level, relative_error, stream, tile
 
     ap = argparse.ArgumentParser(prog="python -m napkin_cat", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="napkin_out", help="folder for pictures (default: napkin_out)")

@@ -599,36 +599,26 @@ def layer_norm_statistics(n: Axis, d: Axis, *, eps: float = 1e-5) -> Diagram:
     return sums >> means >> var >> (identity(row) @ rstd)
 
 
-# The Neural Circuit Diagrams architectures live in their own module; the library re-exports them.
-from napkin_cat.architectures import (  # noqa: E402
-    conv1d,
-    conv2d,
-    patch_embedding,
-    resnet_block,
-    self_attention,
-    transformer_block,
-    unet,
-    vision_transformer,
-    vit_encoder_block,
-)
-
 __all__ = [
+    "alibi_attention",
     "attention",
-    "conv1d",
-    "conv2d",
+    "biased_attention",
+    "cross_entropy",
+    "document_attention",
     "grouped_query_attention",
     "layer_norm",
+    "layer_norm_statistics",
     "matmul",
     "mlp",
     "multi_head_attention",
     "multi_query_attention",
-    "patch_embedding",
-    "resnet_block",
+    "normalised_attention",
+    "prefix_lm_attention",
     "rms_norm",
-    "self_attention",
+    "same_document",
+    "sigmoid_attention",
+    "sink_attention",
+    "sliding_window_attention",
+    "softcap_attention",
     "softmax",
-    "transformer_block",
-    "unet",
-    "vision_transformer",
-    "vit_encoder_block",
 ]

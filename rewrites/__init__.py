@@ -8,14 +8,20 @@
 q/128×d
 """
 
-from rewrites.derive import Derivation, Step, derive
-from rewrites.level import level
-from rewrites.rule import RewriteError, Rule
-from rewrites.schedule import execute, partitions
-from rewrites.stream import fuse_softmax_contract, stream, streamability
-from rewrites.tile import tile
+from rewrites._derive import Derivation, Step, derive
+from rewrites._io_aware import Residual, delta_lemma, lse_residual, prove_lemmas, reduced, widened
+from rewrites._level import level
+from rewrites._proofs import Proof, prove_accumulator, prove_equivalent, prove_monoid
+from rewrites._pseudocode import pseudocode
+from rewrites._rule import RewriteError, Rule
+from rewrites._schedule import execute, partitions, walk
+from rewrites._stream import fuse_softmax_contract, stream, streamability
+from rewrites._tile import tile
+from rewrites._verify import Trial, Verification, random_inputs, relative_error, tolerance
 
 __all__ = [
-    "Derivation", "RewriteError", "Rule", "Step", "derive", "execute", "fuse_softmax_contract", "level",
-    "partitions", "stream", "streamability", "tile",
+    "Derivation", "Proof", "Residual", "RewriteError", "Rule", "Step", "Trial", "Verification", "delta_lemma",
+    "derive", "execute", "fuse_softmax_contract", "level", "lse_residual", "partitions", "prove_accumulator",
+    "prove_equivalent", "prove_lemmas", "prove_monoid", "pseudocode", "random_inputs", "reduced",
+    "relative_error", "stream", "streamability", "tile", "tolerance", "walk", "widened",
 ]

@@ -5,7 +5,7 @@
   apply to them;
 * :func:`assert_equivalent` — property-based: the scheduled semantics of one diagram equals the
   reference semantics of the other at random ragged sizes, within the dtype's tolerance;
-* :func:`prove_equivalent` — the symbolic proof at small concrete sizes (from :mod:`rewrites.proofs`).
+* :func:`prove_equivalent` — the symbolic proof at small concrete sizes (from :mod:`rewrites._proofs`).
 
 >>> import napkin_cat as nc
 >>> from rewrites import tile, stream
@@ -33,12 +33,12 @@ from napkin_cat.axes import Axis
 from napkin_cat.diagram import Array, Diagram
 from napkin_cat.diagram import id as identity
 from napkin_cat.dtypes import bf16, f16, f32
-from rewrites.proofs import Proof, prove_accumulator, prove_equivalent, prove_monoid
-from rewrites.rule import RewriteError, Rule, axis_names
-from rewrites.schedule import partitions
-from rewrites.stream import stream
-from rewrites.tile import tile
-from rewrites.verify import Verification, check, sample_sizes
+from rewrites._proofs import Proof, prove_accumulator, prove_equivalent, prove_monoid
+from rewrites._rule import RewriteError, Rule, axis_names
+from rewrites._schedule import partitions
+from rewrites._stream import stream
+from rewrites._tile import tile
+from rewrites._verify import Verification, check, sample_sizes
 
 __all__ = [
     "Proof",
@@ -249,7 +249,7 @@ def assert_equivalent(
 ) -> list[Verification]:
     """Assert that ``d2``'s scheduled semantics equals ``d1``'s reference semantics on ``examples``
     random inputs at random ragged sizes (or at ``sizes``), within the dtype-aware tolerance of
-    :data:`rewrites.verify.TOLERANCE`. Returns the verification records; raises ``AssertionError``
+    :data:`rewrites._verify.TOLERANCE`. Returns the verification records; raises ``AssertionError``
     naming the sizes and the seed that failed.
 
     >>> import napkin_cat as nc

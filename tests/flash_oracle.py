@@ -1,6 +1,6 @@
 """The hand-written FlashAttention-2 backward (Dao 2023, §3.2), kept only as a test oracle.
 
-``lowering.backward`` derives the backward from ``nc.reverse``; these diagrams were written by hand
+``lowering._backward`` derives the backward from ``nc.reverse``; these diagrams were written by hand
 from the paper (``dS = P ⊙ (dP − Δ)``, ``P = exp(S − L)``) and found in a forward diagram by matching
 ``Q·Kᵀ → masks → softmax·contract(·, V)``. Tests compare the derived backward's semantics against them.
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import napkin_cat as nc
-from lowering.plan import NotLowerable
+from lowering._plan import NotLowerable
 from napkin_cat.architectures import Circuit
 from napkin_cat.diagram import Array, Diagram
 from napkin_cat.generators import Contract, IndexMap, Mask, SoftmaxContract

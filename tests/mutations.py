@@ -107,7 +107,7 @@ def causal_off_by_one():
 def gqa_group():
     """Grouped-query attention reads key/value head ``h mod H_kv`` instead of ``h // G``: the kernel's block
     index for a wire lacking some grid (head) axes is taken from the flat head index, undivided by the group."""
-    lowered = find("Lowered", "lowering.triton", "lowering")
+    lowered = find("Lowered", "lowering._triton", "lowering")
     index_map = method(lowered, "_index_map")
 
     @functools.wraps(index_map)
@@ -143,7 +143,7 @@ def no_delta():
     """The backward drops Δ = rowsum(dO ⊙ O) from dS = P ⊙ (dP − Δ). The backward kernels read the saved
     output ``O`` only to form Δ (P is recomputed from the scores and the log-sum-exp), so Δ is dropped by
     handing them Δ = 0 (``attention_vjp``) or a zero ``O`` residual (``differentiable``)."""
-    module = importlib.import_module("lowering.backward")
+    module = importlib.import_module("lowering._backward")
     if hasattr(module, "attention_vjp"):  # attention_vjp(forward, kernels, parts): kernels() = (fwd+L, dQ, dK·dV)
         vjp = module.attention_vjp
 
@@ -167,9 +167,9 @@ def no_delta():
         return
     # differentiable(primal, kernels, b, d): piece kernels read [*inputs, *cotangents, *residuals] at
     # piece.inputs; the residuals are (L, O) per softmax·contract, in turn.
-    differentiable = find("differentiable", "lowering.backward")
+    differentiable = find("differentiable", "lowering._backward")
     if list(inspect.signature(differentiable).parameters) != ["primal", "kernels", "b", "d"]:
-        raise MissingTarget("lowering.backward.differentiable's signature changed: no known place for Δ")
+        raise MissingTarget("lowering._backward.differentiable's signature changed: no known place for Δ")
 
     @functools.wraps(differentiable)
     def mutated_differentiable(primal, kernels, b, d):
@@ -193,7 +193,7 @@ def no_delta():
 
 def no_padding_mask():
     """Ragged sizes: the padding of the last chunk is not masked to the accumulator's neutral value."""
-    mask_padding = find("_mask_padding", "lowering.triton")
+    mask_padding = find("_mask_padding", "lowering._triton")
     rebind(mask_padding, lambda v, *args, **kwargs: v)
 
 

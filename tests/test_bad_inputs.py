@@ -1,5 +1,5 @@
 """Bad inputs get a typed NapkinError naming what is wrong, before anything is allocated; and the
-decided behaviour on non-finite inputs (``lowering.api``'s docstring) holds.
+decided behaviour on non-finite inputs (``lowering._api``'s docstring) holds.
 
 Rewrite arguments (``tile``/``stream``) and ``derive``'s size guards are tested with the rewrites.
 """

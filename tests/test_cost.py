@@ -6,7 +6,7 @@ import pytest
 import sympy
 
 import napkin_cat as nc
-from napkin_cat.cost import Cost, cost
+from napkin_cat._cost import Cost, cost
 from napkin_cat.diagram import Array, Ty, relabel
 from napkin_cat.diagram import id as identity
 from napkin_cat.generators import Contract, SoftmaxContract, move

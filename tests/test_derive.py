@@ -13,7 +13,7 @@ import pytest
 import napkin_cat as nc
 from napkin_cat.diagram import Diagram
 from rewrites import RewriteError, Rule, derive, stream, tile
-from rewrites.verify import MAX_ELEMENTS, SAMPLE_ELEMENTS, sample_sizes
+from rewrites._verify import MAX_ELEMENTS, SAMPLE_ELEMENTS, sample_sizes
 
 q, x, d = nc.axes("q x d")
 ATTN = nc.library.attention(q, x, d, causal=True)

@@ -1,4 +1,4 @@
-"""The backward that ``lower()`` derives from ``nc.reverse`` (lowering/backward.py, rewrites/io_aware.py).
+"""The backward that ``lower()`` derives from ``nc.reverse`` (lowering/_backward.py, rewrites/_io_aware.py).
 
 Gradients of attention variants (GQA, soft-capping, ALiBi-like index biases, a sliding-window mask,
 learnable bias and slope arrays, query/key head dim ≠ value head dim, q ≠ x, ragged sizes) against
@@ -16,11 +16,11 @@ from flash_oracle import attention_parts, backward_diagrams
 
 import napkin_cat as nc
 from lowering import NotLowerable, lower
-from lowering.backward import backward_of, plain
+from lowering._backward import backward_of, plain
 from napkin_cat.architectures import Circuit
 from napkin_cat.diagram import Array
 from rewrites import derive, stream, tile
-from rewrites.io_aware import prove_lemmas
+from rewrites._io_aware import prove_lemmas
 
 TOL = 1e-5  # f32: measured ≤ 8e-7
 

@@ -9,10 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import napkin_cat as nc
-from lowering import NotLowerable, lower, mosaic, plan
+from lowering import MosaicConfig, MosaicLowered, NotLowerable, lower, mosaic, plan
 from lowering import triton as lowering_triton
-from lowering.api import AUTO_KEEPS_TRITON
-from lowering.mosaic import MosaicConfig, MosaicLowered
+from lowering._api import AUTO_KEEPS_TRITON
 from rewrites import derive, stream, tile
 
 

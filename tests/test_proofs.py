@@ -5,7 +5,7 @@ import pytest
 
 import napkin_cat as nc
 from rewrites import RewriteError, fuse_softmax_contract, stream, tile
-from rewrites.proofs import prove_accumulator, prove_equivalent, prove_monoid
+from rewrites._proofs import prove_accumulator, prove_equivalent, prove_monoid
 
 q, x, d, n, k, c = nc.axes("q x d n k c")
 S, V, Out = nc.Array(q, x), nc.Array(x, d), nc.Array(q, d)

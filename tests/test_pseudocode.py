@@ -6,8 +6,7 @@ from pathlib import Path
 import pytest
 
 import napkin_cat as nc
-from rewrites import level, stream, tile
-from rewrites.pseudocode import pseudocode
+from rewrites import level, pseudocode, stream, tile
 
 GOLDEN = Path(__file__).parent / "golden" / "pseudocode"
 REGEN = os.environ.get("NAPKIN_REGEN_GOLDEN") == "1"

@@ -15,12 +15,12 @@ from hypothesis import strategies as st
 
 import napkin_cat as nc
 from napkin_cat import generators as g
+from napkin_cat._reverse import NoDerivative, derivative, reverse
 from napkin_cat.architectures import Circuit
 from napkin_cat.axes import Axis
 from napkin_cat.diagram import Array, Ty
-from napkin_cat.reverse import NoDerivative, derivative, reverse
 from rewrites import testing
-from rewrites.verify import tolerance
+from rewrites._verify import tolerance
 
 FEW = settings(max_examples=5, deadline=None)
 
@@ -89,7 +89,7 @@ LIBRARY = {
     "mlp gelu": lambda: nc.library.mlp(n, i, f, o),
     "mlp relu": lambda: nc.library.mlp(n, i, f, o, activation="relu"),
     "mlp silu bf16": lambda: nc.library.mlp(n, i, f, o, activation="silu", dtype="bf16"),
-    "self-attention": lambda: nc.library.self_attention(n, d, h, i, causal=True),
+    "self-attention": lambda: nc.architectures.self_attention(n, d, h, i, causal=True),
 }
 
 
@@ -104,7 +104,7 @@ def test_library(name, data, seed):
 @settings(max_examples=1, deadline=None)
 @given(seed=st.integers(0, 2**30))
 def test_transformer_block(seed):
-    block = nc.library.transformer_block(n, d, h, i, f, causal=True)
+    block = nc.architectures.transformer_block(n, d, h, i, f, causal=True)
     assert_reverse(block, {n.size: 3, d.size: 4, h.size: 2, i.size: 2, f.size: 5}, seed)
 
 
@@ -320,7 +320,7 @@ def test_no_derivative_names_the_box():
         reverse(box)
     assert str(err.value) == (
         "reverse: no derivative rule for Concat box 'concat t' (one×d ⊗ n×d → t×d); "
-        "register one with napkin_cat.reverse.derivative"
+        "register one with napkin_cat.derivative"
     )
 
 

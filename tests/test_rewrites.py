@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 import napkin_cat as nc
 from napkin_cat.diagram import Diagram, Ty
 from rewrites import RewriteError, level, stream, tile
+from rewrites._verify import check
 from rewrites.testing import assert_equivalent, diagrams, rules, sizes
-from rewrites.verify import check
 
 q, x, d, n, k = nc.axes("q x d n k")
 S, V, Out, X = nc.Array(q, x), nc.Array(x, d), nc.Array(q, d), nc.Array(n, k)

@@ -20,7 +20,7 @@ import napkin_cat as nc
 from napkin_cat.architectures import Circuit
 from napkin_cat.diagram import id as identity
 from rewrites import RewriteError, stream, tile
-from rewrites.schedule import execute
+from rewrites._schedule import execute
 from rewrites.testing import softmax_paths
 
 RTOL = 1e-5

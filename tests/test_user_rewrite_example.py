@@ -19,8 +19,7 @@ import sympy
 import napkin_cat as nc
 from lowering import lower
 from napkin_cat.diagram import Diagram, Ty
-from rewrites import RewriteError, Rule, derive, stream, tile
-from rewrites.pseudocode import pseudocode
+from rewrites import RewriteError, Rule, derive, pseudocode, stream, tile
 from rewrites.testing import assert_equivalent, prove_equivalent
 
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import napkin_cat as nc
 from lowering import NotLowerable, lower
-from lowering.triton import _visited
+from lowering._triton import _visited
 from napkin_cat import library as L
 from rewrites import derive, stream, tile
 
@@ -205,7 +205,7 @@ def test_cross_entropy_large_logits_wide_vocabulary(key, seed):
     labels = jax.random.randint(jax.random.fold_in(key, 1), (rows,), 0, vocab)
     Y = jax.nn.one_hot(labels, vocab)
     ref = lambda X, Y: jax.nn.logsumexp(X, -1) - jnp.sum(X * Y, -1)  # noqa: E731
-    # backward="reference": the generic lowered backward (lowering/backward.py) fails on this diagram today
+    # backward="reference": the generic lowered backward (lowering/_backward.py) fails on this diagram today
     schedule = (tile(n_, 16), stream(v_, 256))
     check(L.cross_entropy(n_, v_), schedule, ref, [X, Y], seed, wrt=(0,), backward="reference")
 

@@ -207,10 +207,10 @@ class Generator(Box):
 
     def backward(self, tape, ins: tuple, outs: tuple, cts: list) -> list:
         """The cotangent of each input (or None), built on the reverse-mode ``tape`` from the cotangents
-        ``cts`` of the outputs (``napkin_cat.reverse``)."""
+        ``cts`` of the outputs (``napkin_cat._reverse``)."""
         raise NoDerivative(
             f"reverse: no derivative rule for {type(self).__name__} box {self.name!r} ({self.dom} → {self.cod}); "
-            "register one with napkin_cat.reverse.derivative"
+            "register one with napkin_cat.derivative"
         )
 
     def lines(self, prog, ins: list, outs: list) -> list:

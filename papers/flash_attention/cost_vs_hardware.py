@@ -7,7 +7,7 @@ launch skipped); ``nc.cost`` of the same scheduled diagram (recoloured to SMEM) 
 bytes (``l1tex__m_xbar2l1tex_read_bytes``), DRAM bytes (``dram__bytes_read + dram__bytes_write``) and
 time (``gpu__time_duration``). A grid of (tile, stream) sizes for attention at D ∈ {64, 128} is timed
 without ncu and ranked against the model's predicted time; the model's pick is
-:func:`napkin_cat.optimize.choose_tiles`.
+:func:`lowering.choose_tiles`.
 
 On the GPU (discopy carried as a wheel), from the repository root::
 
@@ -183,7 +183,7 @@ def measure(out_dir: Path, budget_s: float):
 
 def predict(name: str, hardware) -> dict:
     """GMEM→SMEM read bytes, DRAM bytes and time (overlapped and serial) of one kernel, from ``nc.cost``."""
-    from napkin_cat.cost import cost
+    from napkin_cat import cost
     from rewrites import level
 
     lowered, sizes = kernels()[name]()
@@ -218,8 +218,8 @@ def report(path: Path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from lowering import choose_tiles, predicted_time
     from napkin_cat.hardware import for_device
-    from napkin_cat.optimize import choose_tiles, predicted_time
 
     data = json.loads(path.read_text())
     hw = for_device(data["device"])

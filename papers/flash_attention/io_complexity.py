@@ -1,8 +1,8 @@
 """FlashAttention's IO complexity (Dao et al. 2022, Thm. 2) from napkin-cat's cost functor.
 
 Standard attention moves Θ(Nd + N²) values between HBM and SRAM; FlashAttention moves Θ(N²d²/M) for an
-SRAM of M values. Both come out of ``napkin_cat.cost``: the standard one from the naive diagram (one
-kernel per box), FlashAttention's from the same diagram recoloured to SMEM (``rewrites.level``) with q
+SRAM of M values. Both come out of ``napkin_cat._cost``: the standard one from the naive diagram (one
+kernel per box), FlashAttention's from the same diagram recoloured to SMEM (``rewrites._level``) with q
 tiled by g and x streamed by s, at the largest tiles that fit M. ``python
 papers/flash_attention/io_complexity.py`` writes ``io_complexity.png`` and ``io_complexity.md`` here.
 
@@ -26,7 +26,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
-from napkin_cat.cost import cost  # noqa: E402
+from napkin_cat import cost  # noqa: E402
 from napkin_cat.optimize import best_tiles  # noqa: E402
 from rewrites import level  # noqa: E402
 

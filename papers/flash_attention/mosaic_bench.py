@@ -24,8 +24,7 @@ import jax
 import jax.numpy as jnp
 
 import napkin_cat as nc
-from lowering import lower, plan, search
-from lowering.mosaic import MosaicConfig, MosaicLowered
+from lowering import MosaicConfig, MosaicLowered, lower, plan, search
 from rewrites import derive, stream, tile
 
 TOKENS, HEADS, TOLERANCE = 16384, 16, 1e-2
@@ -53,7 +52,7 @@ def matmul(g_m: int, g_n: int, s: int, dtype: str):
 
 
 def median_time(f, args, batches: int = 7, budget: float = 0.05) -> float:
-    """Seconds per call by :func:`lowering.search.median_time`, with batches of about ``budget`` s each."""
+    """Seconds per call by :func:`lowering._search.median_time`, with batches of about ``budget`` s each."""
     jax.block_until_ready(f(*args))
     t0 = time.perf_counter()
     jax.block_until_ready(f(*args))

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import napkin_cat as nc
 from napkin_cat.diagram import Diagram
-from rewrites import Rule, derive, fuse_softmax_contract, level, stream, tile
-from rewrites.proofs import prove_equivalent
+from rewrites import Rule, derive, fuse_softmax_contract, level, prove_equivalent, stream, tile
 
 HERE = Path(__file__).parent
 

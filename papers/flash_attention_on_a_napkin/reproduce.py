@@ -1,6 +1,6 @@
 """Reproduce the performance model of *FlashAttention on a Napkin* (FAN; REFERENCE §1.3) from napkin-cat.
 
-Every number is computed: the transfer and memory formulas by the cost functor (``napkin_cat.cost``) on
+Every number is computed: the transfer and memory formulas by the cost functor (``napkin_cat._cost``) on
 FAN's diagrams, the thresholds and the Hopper budget from those formulas and the hardware models
 (``napkin_cat.hardware``), never typed in. ``python papers/flash_attention_on_a_napkin/reproduce.py``
 writes ``table.md``, ``transfers_vs_memory.png`` and ``attention_roofline.png`` beside this file and the
@@ -26,8 +26,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
+from napkin_cat import cost  # noqa: E402
 from napkin_cat import optimize as opt  # noqa: E402
-from napkin_cat.cost import cost  # noqa: E402
 from napkin_cat.diagram import Array, Diagram, Ty, relabel  # noqa: E402
 from napkin_cat.diagram import id as identity  # noqa: E402
 from napkin_cat.generators import Contract, SoftmaxContract, move  # noqa: E402

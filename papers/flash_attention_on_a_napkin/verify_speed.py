@@ -24,9 +24,8 @@ from collections.abc import Callable
 import jax
 
 import napkin_cat as nc
-from rewrites import derive, execute, stream, tile
+from rewrites import Trial, derive, execute, random_inputs, stream, tile
 from rewrites import verify as verification
-from rewrites.verify import Trial, random_inputs
 
 SEEDS = range(5)
 RULES = (tile("q", 128), stream("x", 64))

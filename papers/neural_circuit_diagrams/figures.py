@@ -20,8 +20,8 @@ import sympy
 
 import napkin_cat as nc
 from napkin_cat import architectures as arch
+from napkin_cat import cost
 from napkin_cat.convolution import Rename
-from napkin_cat.cost import cost
 from napkin_cat.drawing import draw
 from napkin_cat.generators import Cast, Reshape
 from napkin_cat.hardware import H100
@@ -186,7 +186,7 @@ INTRO = """# Neural Circuit Diagrams, reproduced
 wires are axes, and claims the pictures correspond closely to code. napkin-cat makes the claim checkable:
 each architecture below is a `napkin_cat` diagram, built by the code beside its picture, whose reference
 semantics `nc.to_jax` is tested against an independent hand-written JAX / `jax.lax` implementation over
-random sizes (`tests/test_architectures.py`); its cost comes from the cost functor `napkin_cat.cost`.
+random sizes (`tests/test_architectures.py`); its cost comes from the cost functor `napkin_cat._cost`.
 
 Regenerate everything (pictures, table, this file) with
 `python -m papers.neural_circuit_diagrams.figures`.
@@ -200,7 +200,7 @@ Self-attention names the key/value copy of the sequence axis `n_kv` (a free `ren
 
 NOTES = """
 How to read the table. All figures are symbolic in the axis sizes, batched over `b` with shared weights,
-computed by `napkin_cat.cost.cost(diagram, H100)` on the unscheduled diagram (each box a kernel of its
+computed by `napkin_cat._cost.cost(diagram, H100)` on the unscheduled diagram (each box a kernel of its
 own, reading its inputs from HBM and writing its outputs back):
 
 * *forward FLOPs* and *transcendentals*: the sum of the generators' costs (a contraction or convolution

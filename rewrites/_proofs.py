@@ -22,7 +22,7 @@ finalize(combine(partial(a), partial(b))) = softmax·contract x(a ⊕ b) and the
 
 The sympy semantics is the generators' own: each generator's ``evaluate`` and accumulator run in the
 sympy array namespace (``napkin_cat.generators.SYMPY``), through the one scheduled interpreter
-(:func:`rewrites.schedule.scheduled`), so a user's generator needs nothing more to be proved
+(:func:`rewrites._schedule.scheduled`), so a user's generator needs nothing more to be proved
 (see ``docs/user_rewrites.md``).
 """
 
@@ -38,8 +38,8 @@ import sympy
 
 from napkin_cat.diagram import Array, Diagram
 from napkin_cat.generators import SYMPY, Accumulator, Context, Generator
-from rewrites.rule import RewriteError
-from rewrites.schedule import _extent, _slice, partitions, scheduled
+from rewrites._rule import RewriteError
+from rewrites._schedule import _extent, _slice, partitions, scheduled
 
 #: the largest axis size a default proof uses (larger tiles or streams need explicit ``sizes``)
 MAX_SIZE = 8

@@ -2,7 +2,7 @@
 
 ``derive(d, *rules)`` applies each rule in turn (its side conditions are the first line of defence)
 and verifies every step against the original diagram's reference semantics on one random trial
-(``rewrites.verify``): the same sizes and inputs for every step, drawn from a seed the derivation
+(``rewrites._verify``): the same sizes and inputs for every step, drawn from a seed the derivation
 records. ``verify="kernel"`` also lowers the final diagram and checks the kernel on that trial, so
 "verified" covers what the user runs. The final diagram is the *scheduled diagram* the lowering consumes.
 
@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import jax
 
 from napkin_cat.diagram import Diagram
-from rewrites.rule import RewriteError, Rule
-from rewrites.verify import Trial, Verification, tolerance
+from rewrites._rule import RewriteError, Rule
+from rewrites._verify import Trial, Verification, tolerance
 
 VERIFY = (True, False, "kernel")
 
@@ -102,7 +102,7 @@ class Derivation:
         return Derivation((*self.steps, *steps), seed, kernel)
 
     def cost(self, hardware=None):
-        """The cost of each step's diagram (``napkin_cat.cost``), as a list.
+        """The cost of each step's diagram (``napkin_cat._cost``), as a list.
 
         >>> import napkin_cat as nc
         >>> from rewrites import derive, tile
@@ -110,7 +110,7 @@ class Derivation:
         >>> len(derive(nc.library.attention(q, x, d), tile(q, 4), verify=False).cost())
         2
         """
-        from napkin_cat.cost import cost
+        from napkin_cat import cost
 
         return [cost(s.diagram, hardware) if hardware is not None else cost(s.diagram) for s in self.steps]
 
@@ -123,7 +123,7 @@ class Derivation:
         >>> "for" in derive(nc.library.attention(q, x, d), tile(q, 4), verify=False).pseudocode()
         True
         """
-        from rewrites.pseudocode import pseudocode
+        from rewrites._pseudocode import pseudocode
 
         return pseudocode(self.diagram)
 
@@ -172,7 +172,7 @@ def derive(
     sizes: dict | None = None,
     verify: bool | str = True,
 ) -> Derivation:
-    """Apply ``rules`` to ``d`` in order, then verify each step (see :mod:`rewrites.verify`).
+    """Apply ``rules`` to ``d`` in order, then verify each step (see :mod:`rewrites._verify`).
 
     ``seed`` (drawn from the OS if None) is recorded in the derivation and in every check, and printed
     in any failure; ``sizes`` fixes sizes by axis name (the others are drawn so that every tile and

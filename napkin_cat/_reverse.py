@@ -245,11 +245,11 @@ def reverse(d: Diagram) -> Diagram:
     >>> print(reverse(nc.copy(nc.Array(n, d))))  # the primal input is not needed: discarded
     Copy(n×d, 0)[n×d → Ty()] >> add[n×d ⊗ n×d → n×d]
     >>> i, o, x = nc.axes("i o x")
-    >>> reverse(nc.library.conv1d(i, o, x, nc.Axis("k", 3)))
+    >>> reverse(nc.architectures.conv1d(i, o, x, nc.Axis("k", 3)))
     Traceback (most recent call last):
     ...
     napkin_cat.generators._base.NoDerivative: reverse: no derivative rule for Conv box 'conv k' \
-(i×x ⊗ o×i×k → o×x_out); register one with napkin_cat.reverse.derivative
+(i×x ⊗ o×i×k → o×x_out); register one with napkin_cat.derivative
     """
     t, grads = pullback(d)
     grads = [dx or t.ew(zeros, x) for dx, x in zip(grads, list(t.inputs)[: len(grads)], strict=True)]
@@ -259,7 +259,7 @@ def reverse(d: Diagram) -> Diagram:
 def pullback(d: Diagram) -> tuple[Tape, list[str | None]]:
     """:func:`reverse` before it is wired: the tape, whose inputs are ``d``'s inputs then one cotangent
     per output, and the name of each input's f32 cotangent on it (None where no output depends on it).
-    Rewrites of the backward (``rewrites.io_aware``) work on this dataflow program.
+    Rewrites of the backward (``rewrites._io_aware``) work on this dataflow program.
 
     >>> import napkin_cat as nc
     >>> t, grads = pullback(nc.exp(nc.Array(*nc.axes("n"))))

@@ -7,7 +7,7 @@ comes after. Sizes the tile or stream does not divide are exact: the last group 
 This is the semantics every rewrite is verified against: ``execute(rule(d)) == to_jax(d)``.
 
 It is one interpreter, parameterised by the array namespace of its context (``ctx.xp``): ``execute``
-runs it in JAX, the symbolic proofs (``rewrites.proofs``) in sympy, and a kernel runs :func:`walk`
+runs it in JAX, the symbolic proofs (``rewrites._proofs``) in sympy, and a kernel runs :func:`walk`
 on its blocks.
 
 >>> import jax, jax.numpy as jnp
@@ -31,7 +31,7 @@ import numpy as np
 from napkin_cat.diagram import Diagram
 from napkin_cat.generators import Accumulator, Context, Generator
 from napkin_cat.semantics import bind, run
-from rewrites.rule import RewriteError
+from rewrites._rule import RewriteError
 
 
 def partitions(d: Diagram) -> tuple[dict, dict]:

@@ -15,7 +15,7 @@ q/128×d
 >>> tile(d, 16)(nc.library.attention(q, x, d))  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
-rewrites.rule.RewriteError: tile(d, 16): box 'q d, x d → q x', axis 'd': the box removes d, so the diagram is not ...
+rewrites._rule.RewriteError: tile(d, 16): box 'q d, x d → q x', axis 'd': the box removes d, so the diagram is not ...
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from napkin_cat.axes import Axis
 from napkin_cat.diagram import Diagram
 from napkin_cat.generators import Generator, Reshape
-from rewrites.rule import Rule, axis_names, positive_size, relabel_axis
+from rewrites._rule import Rule, axis_names, positive_size, relabel_axis
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class tile(Rule):  # noqa: N801 - rules are named as verbs, like functions
     >>> tile("q", 2.5)
     Traceback (most recent call last):
     ...
-    rewrites.rule.RewriteError: tile(q, 2.5): axis 'q': group size must be a positive integer, got 2.5
+    rewrites._rule.RewriteError: tile(q, 2.5): axis 'q': group size must be a positive integer, got 2.5
     """
 
     axis: Axis | str

@@ -1,6 +1,6 @@
 """The Triton backend: a scheduled diagram becomes one ``pl.pallas_call``.
 
-The functor on objects is :mod:`lowering.plan` (grid, blocks, loop); on boxes it is the reference
+The functor on objects is :mod:`lowering._plan` (grid, blocks, loop); on boxes it is the reference
 semantics itself, run on blocks inside the kernel: the same generators evaluate tile-sized values,
 with ``Context`` supplying the block offsets (for masks and score modifiers), 2-D ``jnp.dot`` for
 contractions (f32 accumulation) and ``exp2`` for exponentials; index functions read the program's
@@ -25,12 +25,22 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from lowering.plan import LOG2E, NotLowerable, Plan, base2, neutral_padding, next_pow2, pad_neutral, smem_bytes, unweave
-from lowering.source import describe
+from lowering._plan import (
+    LOG2E,
+    NotLowerable,
+    Plan,
+    base2,
+    neutral_padding,
+    next_pow2,
+    pad_neutral,
+    smem_bytes,
+    unweave,
+)
+from lowering._source import describe
 from napkin_cat.generators import Context, Jax, Mask
 from napkin_cat.hardware import H100, HARDWARE, Hardware, for_device
 from napkin_cat.semantics import bind
-from rewrites.schedule import walk
+from rewrites import walk
 
 
 @dataclass(frozen=True)
@@ -45,11 +55,11 @@ class Config:
     >>> Config(num_stages=-1)
     Traceback (most recent call last):
     ...
-    lowering.plan.NotLowerable: Config: num_stages must be an integer ≥ 1, got -1
+    lowering._plan.NotLowerable: Config: num_stages must be an integer ≥ 1, got -1
     >>> Config(num_warps=6)
     Traceback (most recent call last):
     ...
-    lowering.plan.NotLowerable: Config: num_warps must be one of 1, 2, 4, 8, 16, 32, got 6
+    lowering._plan.NotLowerable: Config: num_warps must be one of 1, 2, 4, 8, 16, 32, got 6
     """
 
     num_warps: int = 4
@@ -66,7 +76,7 @@ class Config:
 
     @classmethod
     def get_default(cls, p: Plan) -> Config:
-        """8 warps for 128-row tiles, else 4; 3 pipeline stages (measured on H200 by ``lowering.search``).
+        """8 warps for 128-row tiles, else 4; 3 pipeline stages (measured on H200 by ``lowering._search``).
 
         >>> import napkin_cat as nc
         >>> from rewrites import derive, tile, stream
@@ -108,7 +118,7 @@ def launch(p: Plan, extent: dict, config: Config, hardware: Hardware) -> dict:
 
     Tiled and streamed axes pad to whole blocks; an axis kept whole pads to a power of two ≥ 16 (so
     every 16-bit dot has K ≥ 16), which needs a neutral value for every box combining elements along
-    it (the kernel writes that value into the padding, :func:`lowering.plan.pad_neutral`). The
+    it (the kernel writes that value into the padding, :func:`lowering._plan.pad_neutral`). The
     blocks' shared-memory footprint must fit ``hardware.smem_per_block``. Nothing is allocated here,
     so ``lower()`` runs it when sizes are concrete and every call runs it before padding.
 
@@ -122,7 +132,7 @@ def launch(p: Plan, extent: dict, config: Config, hardware: Hardware) -> dict:
     >>> launch(p, {"q": 40, "x": 40, "d": 512}, Config(), H100)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    lowering.plan.NotLowerable: the kernel would hold 1,310,720 B of shared memory ... over the 232,448 B ...
+    lowering._plan.NotLowerable: the kernel would hold 1,310,720 B of shared memory ... over the 232,448 B ...
     """
     d = p.diagram
     padded = dict(extent)

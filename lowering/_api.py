@@ -22,9 +22,9 @@ from typing import Literal
 
 import jax
 
-from lowering.backward import backward_of, differentiable
-from lowering.plan import NotLowerable, plan
-from lowering.triton import Config, Lowered, launch
+from lowering._backward import backward_of, differentiable
+from lowering._plan import NotLowerable, plan
+from lowering._triton import Config, Lowered, launch
 from napkin_cat.diagram import Diagram
 from napkin_cat.errors import CostError, EvaluationError, NapkinError
 from napkin_cat.hardware import Hardware, lookup
@@ -174,13 +174,13 @@ def lower(
     ``interpret=None`` interprets on CPU and compiles on GPU. Works under ``jax.jit``, ``jax.vmap`` and
     ``jax.grad``; arrays are passed in the diagram's axis order. ``backend="auto"`` chooses Triton, and
     ``kernel.refused`` says why not Mosaic; ``backend="mosaic"`` lowers the
-    forward for Hopper (:mod:`lowering.mosaic`, tuned by its ``MosaicConfig``) and differentiates only
+    forward for Hopper (:mod:`lowering._mosaic`, tuned by its ``MosaicConfig``) and differentiates only
     with ``backward="reference"``. ``config`` reaches every kernel built, backward included. ``hardware``
     (a :class:`~napkin_cat.hardware.Hardware` or its name) sets the per-block shared-memory limit; by
     default the detected GPU's model, H100 when interpreting.
 
     ``backward="lowered"`` differentiates with lowered backward kernels derived from ``nc.reverse`` of
-    the diagram (:mod:`lowering.backward`: FlashAttention-2's log-sum-exp residual and Δ, one kernel per
+    the diagram (:mod:`lowering._backward`: FlashAttention-2's log-sum-exp residual and Δ, one kernel per
     schedule), built when first differentiated, so lowering never fails because of them; where there
     are none, ``kernel.why_not`` names the box and the reason and differentiating raises
     :class:`NotLowerable`. ``backward="reference"`` differentiates the reference semantics instead.
@@ -202,7 +202,7 @@ def lower(
     >>> lower(flash(nc.Axis("d", 512)))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    lowering.plan.NotLowerable: the kernel would hold 1,048,576 B of shared memory ... over the 232,448 B ...
+    lowering._plan.NotLowerable: the kernel would hold 1,048,576 B of shared memory ... over the 232,448 B ...
     """
     d = getattr(scheduled, "diagram", scheduled)
     if not isinstance(d, Diagram):
@@ -212,15 +212,15 @@ def lower(
         raise NotLowerable(f"backward {backward!r}: choose 'lowered' or 'reference'")
     refused: dict = {}
     if name == "auto":  # Triton, saying why not Mosaic
-        from lowering.mosaic import choose
+        from lowering._mosaic import choose
 
         candidate, why = choose(d, interpret=interpret, config=config)
         name, refused = "triton", {"mosaic": why if candidate is None else AUTO_KEEPS_TRITON}
-    # Hopper (lowering/mosaic.py): forward kernels; gradients only by the reference
+    # Hopper (lowering/_mosaic.py): forward kernels; gradients only by the reference
     if name == "mosaic":
         if isinstance(config, Config):
-            raise NotLowerable("backend 'mosaic': a lowering.Config tunes Triton; pass a lowering.mosaic.MosaicConfig")
-        from lowering.mosaic import MosaicLowered
+            raise NotLowerable("backend 'mosaic': a lowering.Config tunes Triton; pass a lowering._mosaic.MosaicConfig")
+        from lowering._mosaic import MosaicLowered
 
         fwd = MosaicLowered(plan(d), interpret=interpret, config=config)
         if backward == "reference":

@@ -28,7 +28,7 @@ Two global-memory figures, measured differently (REFERENCE §5):
   ``g``, ``s`` powers of two). This is ncu's ``l1tex__m_xbar2l1tex_read_bytes`` plus the writes.
 * **DRAM bytes** (:attr:`Cost.dram_bytes`): what reaches HBM itself, after the L2 cache. A re-read input
   is served by L2 when the working set of the blocks running at once fits L2's capacity: the grid runs
-  its first tiled axis fastest, then the others, then the batch axes (``lowering.plan``), and
+  its first tiled axis fastest, then the others, then the batch axes (``lowering._plan``), and
   ``SMs × blocks_per_sm`` consecutive blocks touch, per grid axis indexing the array,
   ``min(n_j, ⌈C/σ_j⌉)`` of its ``n_j`` slabs (``σ_j`` blocks per step of axis ``j``). Fits: read once;
   else each wave of concurrent blocks reads a slab from DRAM once, shared by the ``C/touched`` blocks of
@@ -337,7 +337,7 @@ class _Kernel:
 
     @property
     def grid(self) -> dict:
-        """Blocks along each grid axis, fastest first (``lowering.plan``: tiles, then batch reversed).
+        """Blocks along each grid axis, fastest first (``lowering._plan``: tiles, then batch reversed).
 
         An untiled kernel keeps its batch axes whole in one block (FAN's convention for the unscheduled axes).
         """
@@ -486,7 +486,7 @@ def _kernels(walk: _Walk) -> dict:
             mixed[walk.root(wires[0])] |= set(getattr(box, "mixes", ()))
             diagonal = set(box.diagonal() or ())
             for t, x in ((t, x) for t in k.tiled for x in k.streamed):
-                if diagonal == {t, x}:  # blocks past the diagonal are skipped (lowering.triton)
+                if diagonal == {t, x}:  # blocks past the diagonal are skipped (lowering._triton)
                     n, g, s = k.tiled[t].size, k.tiled[t].group, k.streamed[x].stream
                     k.visited = (n + sympy.Max(g, s)) / (2 * n)
         if any(walk.arrays[i].has(s) for i in wires for s in k.streamed):  # a box inside the stream loop

@@ -60,7 +60,7 @@ def positive_size(rule: str, what: str, value, axis: str) -> int:
     >>> positive_size("tile(q, 2.5)", "group size", 2.5, "q")
     Traceback (most recent call last):
     ...
-    rewrites.rule.RewriteError: tile(q, 2.5): axis 'q': group size must be a positive integer, got 2.5
+    rewrites._rule.RewriteError: tile(q, 2.5): axis 'q': group size must be a positive integer, got 2.5
     """
     try:
         n = operator.index(value)

@@ -22,7 +22,7 @@ from napkin_cat.diagram import id as identity
 from napkin_cat.generators import Move, move
 from napkin_cat.levels import HBM, Level
 from napkin_cat.levels import level as as_level
-from rewrites.rule import Rule
+from rewrites._rule import Rule
 
 
 def _moves(ty: Ty, to: Level) -> Diagram:
@@ -42,7 +42,7 @@ class level(Rule):  # noqa: N801
     >>> level(nc.HBM)(nc.library.attention(*nc.axes("q x d")))
     Traceback (most recent call last):
     ...
-    rewrites.rule.RewriteError: level(HBM): the kernel's interior must move off HBM (choose SMEM or REG)
+    rewrites._rule.RewriteError: level(HBM): the kernel's interior must move off HBM (choose SMEM or REG)
     """
 
     to: Level | str

@@ -75,7 +75,7 @@ def plan(d: Diagram) -> Plan:
     >>> plan(derive(nc.library.attention(q, x, d), tile(q, 24), stream(x, 16), verify=False).diagram)
     Traceback (most recent call last):
     ...
-    lowering.plan.NotLowerable: axis 'q': Triton blocks need a power-of-two tile ≥ 16, got g = 24
+    lowering._plan.NotLowerable: axis 'q': Triton blocks need a power-of-two tile ≥ 16, got g = 24
     """
     tiles, streams = partitions(d)
     if len(streams) > 1:

@@ -16,7 +16,7 @@ pallas_call napkin_kernel  (Triton backend)
 
 from __future__ import annotations
 
-from lowering.plan import Plan, base2, unweave
+from lowering._plan import Plan, base2, unweave
 from napkin_cat.diagram import is_copy, is_structural, is_swap
 
 
@@ -35,7 +35,7 @@ def _block(p: Plan, wire) -> str:
 
 
 def describe(kernel) -> str:
-    """The launch, loop and body of a :class:`lowering.triton.Lowered` kernel, as text (see the module's
+    """The launch, loop and body of a :class:`lowering._triton.Lowered` kernel, as text (see the module's
     docstring for an example)."""
     p: Plan = kernel.plan
     d = p.diagram

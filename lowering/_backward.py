@@ -4,8 +4,8 @@
 
 1. the forward with residuals: each softmax·contract also outputs its log-sum-exp ``L``, and its
    output ``O`` is kept (FlashAttention-2, Dao 2023 §3.2);
-2. the pullback of ``d`` (``napkin_cat.reverse``: each box differentiated by its own rule, forward
-   values recomputed), rewritten by :mod:`rewrites.io_aware`: ``P = exp(S − L)``, ``Σ_x P ⊙ dP =
+2. the pullback of ``d`` (``napkin_cat._reverse``: each box differentiated by its own rule, forward
+   values recomputed), rewritten by :mod:`rewrites._io_aware`: ``P = exp(S − L)``, ``Σ_x P ⊙ dP =
    Σ_d dO ⊙ O``, group sums kept until after the kernel;
 3. one kernel per schedule: every input's cotangent is computed by the kernel that tiles the forward's
    tiled and streamed axes it has and streams the one it lacks (``dQ``: tile queries, stream keys;
@@ -36,14 +36,13 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from lowering.plan import NotLowerable
+from lowering._plan import NotLowerable
+from napkin_cat import Tape, pullback
 from napkin_cat import generators as g
 from napkin_cat.diagram import Diagram, Ty
 from napkin_cat.dtypes import f32
 from napkin_cat.levels import HBM
-from napkin_cat.reverse import Tape, pullback
-from rewrites import partitions, stream, tile
-from rewrites.io_aware import delta_lemma, lse_residual, reduced, widened
+from rewrites import delta_lemma, lse_residual, partitions, reduced, stream, tile, widened
 
 #: the largest backward tile and stream (the backward holds more blocks than the forward)
 LARGEST = 64

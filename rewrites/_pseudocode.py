@@ -28,8 +28,8 @@ import sympy
 
 from napkin_cat.diagram import Array, Diagram, is_copy, is_structural
 from napkin_cat.levels import HBM
-from rewrites.rule import RewriteError
-from rewrites.schedule import partitions
+from rewrites._rule import RewriteError
+from rewrites._schedule import partitions
 
 INDENT = "    "
 
@@ -166,7 +166,7 @@ def pseudocode(d: Diagram, names: tuple[str, ...] | None = None) -> str:
             acc_C[a,c] += Σ_b A[a,b]·B[b,c] │ HBM c*g_a
         C[a,c] = acc_C[a,c]
     memory (largest column): HBM c*g_a
-    transfers: none (no level changes; recolour with rewrites.level)
+    transfers: none (no level changes; recolour with rewrites._level)
     """
     tiles, streams = partitions(d)
     if len(streams) > 1:
@@ -349,7 +349,7 @@ def _transfers(prog: Program) -> str:
         key = f"{wire.level}→{box.cod.inside[0].level}"
         totals[key] = totals.get(key, 0) + prog.size(wire) * trips
     if not totals:
-        return "transfers: none (no level changes; recolour with rewrites.level)"
+        return "transfers: none (no level changes; recolour with rewrites._level)"
     total = sympy.expand(sum(totals.values()))
     parts = "; ".join(f"{k} {sympy.sstr(sympy.expand(v))}" for k, v in totals.items())
     return f"transfers: {parts}; total {sympy.sstr(total)}"

@@ -4,7 +4,7 @@ The cost model picks the tile (FAN: the largest that fits); this refines warps, 
 stream size by timing a few candidates, as Triton's autotuner would. Results are cached in
 ``~/.cache/napkin_cat/search.json`` keyed by the diagram, the sizes and the device.
 
-Run: ``python -m lowering.search`` on a GPU prints the table for attention and the best choice.
+Run: ``python -m lowering._search`` on a GPU prints the table for attention and the best choice.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def search(
     >>> sorted(best)
     ['g', 'num_stages', 'num_warps', 's', 'seconds']
     """
-    from lowering.triton import Config
+    from lowering._triton import Config
 
     cache = json.loads(CACHE.read_text()) if CACHE.exists() else {}
     if key and key in cache:

@@ -34,8 +34,8 @@ import sympy
 from napkin_cat.diagram import Array, Diagram
 from napkin_cat.dtypes import bf16, f16, f32, fp8_e4m3, fp8_e5m2
 from napkin_cat.semantics import to_jax
-from rewrites.rule import RewriteError, positive_size
-from rewrites.schedule import execute, partitions
+from rewrites._rule import RewriteError, positive_size
+from rewrites._schedule import execute, partitions
 
 #: relative tolerance by the lowest-precision dtype on the diagram's wires
 TOLERANCE = {f32: 1e-4, f16: 5e-3, bf16: 3e-2, fp8_e4m3: 1.5e-1, fp8_e5m2: 2.5e-1}
@@ -155,7 +155,7 @@ def guard(d: Diagram, sizes: dict, rule: str = "verify") -> None:
     >>> guard(nc.library.attention(q, x, d), {})  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    rewrites.rule.RewriteError: verify: box 'q d, x d → q x', axis 'q': verifying at q=65536, x=65536 would hold ...
+    rewrites._rule.RewriteError: verify: box 'q d, x d → q x', axis 'q': verifying at q=65536, x=65536 would hold ...
     """
     for box, w in [(None, w) for w in d.dom.inside] + [(b, w) for b in d.boxes for w in b.cod.inside]:
         n = _elements(w, sizes)
@@ -311,6 +311,6 @@ def check(
     ... # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    rewrites.rule.RewriteError: verify: ... FAILED: max rel. error 4.1e-01 > tolerance 1e-04 at n=4 (seed 1)
+    rewrites._rule.RewriteError: verify: ... FAILED: max rel. error 4.1e-01 > tolerance 1e-04 at n=4 (seed 1)
     """
     return Trial.draw(reference, candidate, seed=seed, sizes=sizes, rule=rule).check(candidate, rule)

@@ -16,7 +16,7 @@ head. ``h`` is the query head, as in ``jax.nn`` (under grouped-query attention t
 from the key/value head and the position in its group). The callables are part of the signature by
 identity: define them once, not in a loop, or every call derives anew.
 
-**Not supported yet**, refused with :class:`~lowering.plan.NotLowerable` rather than ignored: ``bias``,
+**Not supported yet**, refused with :class:`~lowering._plan.NotLowerable` rather than ignored: ``bias``,
 ``mask`` (arrays) and ``segment_ids`` (the library's attention takes no array inputs beyond Q, K, V), and a
 value head dim different from the query/key head dim.
 
@@ -40,8 +40,8 @@ from dataclasses import dataclass
 
 import jax.numpy as jnp
 
-from lowering.api import BACKENDS, Kernel, lower
-from lowering.plan import NotLowerable, next_pow2
+from lowering._api import BACKENDS, Kernel, lower
+from lowering._plan import NotLowerable, next_pow2
 from napkin_cat import library
 from napkin_cat.axes import axes
 from napkin_cat.dtypes import bf16, f16, f32
@@ -291,7 +291,7 @@ class Attention:
     >>> attention(q, *kv, bias=jnp.zeros((24, 24)))
     Traceback (most recent call last):
     ...
-    lowering.plan.NotLowerable: attention: bias= is not supported yet: the library's attention takes no array \
+    lowering._plan.NotLowerable: attention: bias= is not supported yet: the library's attention takes no array \
 inputs beyond Q, K, V; express a mask by index with mask_mod= or a bias with score_mod=
     """
 
@@ -369,5 +369,5 @@ inputs beyond Q, K, V; express a mask by index with mask_mod= or a bias with sco
         self._kernels.clear()
 
 
-#: the drop-in entry (``nc.attention``, ``lowering.attention``)
+#: the drop-in entry (``nc.attention``, ``lowering._attention``)
 attention = Attention()

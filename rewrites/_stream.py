@@ -20,7 +20,7 @@ softmax that stays unfused would be normalised per chunk, so it is refused.
 >>> stream(x, 64)(nc.library.softmax(q, x))  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
-rewrites.rule.RewriteError: stream(x, 64): box 'softmax x', axis 'x': softmax over x is not followed by a ...
+rewrites._rule.RewriteError: stream(x, 64): box 'softmax x', axis 'x': softmax over x is not followed by a ...
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from napkin_cat.diagram import Copy, Diagram, Swap
 from napkin_cat.diagram import id as identity
 from napkin_cat.diagram import swap as swap_wires
 from napkin_cat.generators import Contract, Elementwise, Generator, Reshape, Softmax, SoftmaxContract, cast, elementwise
-from rewrites.rule import RewriteError, Rule, axis_names, positive_size, relabel_axis
+from rewrites._rule import RewriteError, Rule, axis_names, positive_size, relabel_axis
 
 
 def _linear_factor(box) -> sympy.Expr | None:
@@ -173,7 +173,7 @@ def streamability(d: Diagram, axis: str, rule: str = "stream") -> list:
     >>> streamability(nc.library.layer_norm(q, x), "x")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    rewrites.rule.RewriteError: stream: box ..., axis 'x': it needs both a chunk of x and a completed reduction ...
+    rewrites._rule.RewriteError: stream: box ..., axis 'x': it needs both a chunk of x and a completed reduction ...
     """
     carried = [w.has(axis) for w in d.dom.inside]  # wires carrying the axis (chunked)
     after = [False] * len(d.dom)  # wires computed from a completed reduction
@@ -260,7 +260,7 @@ class stream(Rule):  # noqa: N801
     >>> stream("x", 0)
     Traceback (most recent call last):
     ...
-    rewrites.rule.RewriteError: stream(x, 0): axis 'x': stream size must be a positive integer, got 0
+    rewrites._rule.RewriteError: stream(x, 0): axis 'x': stream size must be a positive integer, got 0
     """
 
     axis: Axis | str

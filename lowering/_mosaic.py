@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from lowering.plan import NotLowerable, Plan, plan
+from lowering._plan import NotLowerable, Plan, plan
 from napkin_cat.diagram import Diagram
 from napkin_cat.generators import JAX, Context, Generator
 from napkin_cat.hardware import H100
@@ -415,7 +415,7 @@ class MosaicLowered:
         >>> MosaicLowered(plan(attn.diagram)).check({"d": 256})  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        lowering.plan.NotLowerable: thread-block level: the kernel would hold 458,752 B of shared memory ...
+        lowering._plan.NotLowerable: thread-block level: the kernel would hold 458,752 B of shared memory ...
         """
         smem = self.smem_bytes(extent)
         if smem > SMEM_LIMIT:
@@ -609,7 +609,7 @@ class _Kernel:
     def consume(
         self, in_refs, out_refs, rings, tiles, outs, loaded, consumed, arrived, staging, turn, wg, bid, tile, chunks
     ):
-        from rewrites.schedule import walk
+        from rewrites import walk
 
         low, d, stages = self.low, self.low.d, self.low.config.stages
         wires, x, s, rows = d.dom.inside, low.x, low.s, low.rows

@@ -16,10 +16,10 @@ whose every cotangent streams one axis:
   bias) keeps them; they are summed after the kernel, in O(N) memory.
 
 Each lemma is an equation between diagrams, proved symbolically by :func:`prove_lemmas` at small sizes
-(``rewrites.proofs``, every ordering of the scores).
+(``rewrites._proofs``, every ordering of the scores).
 
 >>> import napkin_cat as nc
->>> from napkin_cat.reverse import pullback
+>>> from napkin_cat import pullback
 >>> from rewrites import fuse_softmax_contract
 >>> q, x, d = nc.axes("q x d")
 >>> t, grads = pullback(fuse_softmax_contract(nc.library.attention(q, x, d), "x"))
@@ -36,13 +36,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from napkin_cat import Tape
 from napkin_cat import generators as g
 from napkin_cat.axes import Axis
 from napkin_cat.diagram import Array, Diagram, Ty, copy, discard, swap
 from napkin_cat.diagram import id as identity
 from napkin_cat.dtypes import f32
-from napkin_cat.reverse import Tape
-from rewrites.proofs import Proof, prove_equivalent
+from rewrites._proofs import Proof, prove_equivalent
 
 
 @dataclass(frozen=True)
