@@ -20,8 +20,8 @@ from rewrites._tile import tile
 from rewrites._verify import Trial, Verification, random_inputs, relative_error, tolerance
 
 __all__ = [
-    "AUTO", "Derivation", "OpenSize", "Proof", "Residual", "RewriteError", "Rule", "Step", "Trial", "Verification", "delta_lemma",
-    "derive", "execute", "fuse_softmax_contract", "level", "lse_residual", "open_sizes", "partitions", "prove_accumulator",
-    "prove_equivalent", "prove_lemmas", "prove_monoid", "pseudocode", "random_inputs", "reduced",
+    "AUTO", "Derivation", "OpenSize", "Proof", "Residual", "RewriteError", "Rule", "Step", "Trial", "Verification",
+    "delta_lemma", "derive", "execute", "fuse_softmax_contract", "level", "lse_residual", "open_sizes", "partitions",
+    "prove_accumulator", "prove_equivalent", "prove_lemmas", "prove_monoid", "pseudocode", "random_inputs", "reduced",
     "relative_error", "resolve", "stream", "streamability", "tile", "tolerance", "walk", "widened",
 ]
