@@ -92,6 +92,17 @@ class Hardware:
     max_warps_per_sm: int
     max_regs_per_thread: int
     warp_size: int = 32
+    ceilings: tuple[tuple[str, float], ...] = ()
+
+    def ceiling(self, what: str) -> float | None:
+        """A measured ceiling, where one was measured on this GPU: a dtype's name (dense tensor-core FLOP/s
+        of a large matmul) or ``"dram"`` (device-copy bytes/s, read + write); None where there is none, and
+        the cost model's serial time then uses the datasheet rate.
+
+        >>> H100.ceiling("bf16") / 1e12, H100.ceiling("dram"), H200.ceiling("dram") / 1e12
+        (733.0, None, 4.1)
+        """
+        return dict(self.ceilings).get(what)
 
     def memory(self, level: Level) -> Memory:
         """The :class:`Memory` at ``level``; a :class:`CostError` naming the level if there is none.
@@ -247,6 +258,10 @@ H100 = Hardware(
     l1_smem_per_sm=256 * KiB,  # whitepaper: 256 KB combined L1/shared memory per SM
     max_warps_per_sm=64,  # CUDA guide cc 9.0: 2048 threads per SM
     max_regs_per_thread=255,  # CUDA guide: 255 registers per thread
+    # measured: XLA's 8192³ matmul, bf16 733 and f16 689 TFLOP/s, same run
+    # (papers/flash_attention/results/mosaic_NVIDIA_H100_80GB_HBM3.json). No device copy has been measured on the
+    # H100, so DRAM keeps the datasheet bandwidth.
+    ceilings=(("bf16", 733e12), ("f16", 689e12)),
 )
 
 # --- NVIDIA H200 SXM 141GB -------------------------------------------------------------------------
@@ -258,6 +273,9 @@ H200 = replace(
     name="H200",
     memories=replace(H100, memories=H100.with_capacity(HBM, 141 * GB)).with_capacity(L2, 60 * MiB)[:1]
     + replace(H100, memories=H100.with_capacity(L2, 60 * MiB)).with_bandwidth(L2, 4.8e12)[1:],
+    # measured (REFERENCE §3, same runs as its tables): bf16 8192³ matmul 695–747 TFLOP/s, device copy
+    # 4.0–4.1 TB/s read + write; a ceiling is the best run. No f16 matmul measured here: datasheet.
+    ceilings=(("bf16", 747e12), ("dram", 4.1e12)),
 )
 
 # --- NVIDIA A100 SXM4 40GB: the 80GB model with its datasheet HBM2 (40 GB at 1,555 GB/s) ---------------
