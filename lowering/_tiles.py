@@ -78,9 +78,9 @@ class Choice:
 
     def __str__(self):
         why = (
-            f"largest tiles whose blocks fit {self.smem:,} B, then fastest predicted ({self.predicted * 1e3:.3f} ms)"
+            f"largest tiles whose blocks fit {self.smem:,} B, then fastest predicted ({_seconds(self.predicted)})"
             if self.how == "cost model"
-            else f"fastest measured ({self.measured * 1e3:.3f} ms; the model predicted {self.predicted * 1e3:.3f} ms)"
+            else f"fastest measured ({_seconds(self.measured)}; the model predicted {_seconds(self.predicted)})"
         )
         return f"{', '.join(self.rules)} on {self.hardware}: {why}"
 
@@ -215,6 +215,10 @@ diagram leaves symbolic: give each a size (nc.Axis('q', n)) or pass lower(..., s
     ranked = tuple(sorted(fitting, key=key))
     best = ranked[0]
     return Choice(tuple(map(str, opens)), best, predicted(best), at, hw.name, hw.smem_per_block, ranked)
+
+
+def _seconds(t: float) -> str:
+    return f"{t * 1e3:.3f} ms" if t >= 1e-4 else f"{t * 1e6:.2f} µs"
 
 
 def _show(sizes: Mapping[str, int]) -> str:
