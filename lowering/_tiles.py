@@ -190,7 +190,19 @@ diagram leaves symbolic: give each a size (nc.Axis('q', n)) or pass lower(..., s
         c = cost(_costed(d), hw)
     except NapkinError as e:
         raise NotLowerable(f"{', '.join(map(str, opens))}: the cost model cannot cost this diagram: {e}") from e
-    per = [[n for n in candidates if n <= max(next_pow2(at[o.axis]), candidates[0])] for o in opens]
+    fixed = {a.name: int(a.size) for w in (*d.dom.inside, *d.cod.inside) for a in w.axes if a.size.is_number}
+
+    def allowed(o) -> list[int]:  # a block no wider than the padded axis; a concrete axis bounds it exactly
+        top = fixed.get(o.axis, max(next_pow2(at[o.axis]), candidates[0]))
+        return [n for n in candidates if n <= top]
+
+    per = [allowed(o) for o in opens]
+    if not all(per):
+        small = [str(o) for o, p in zip(opens, per, strict=True) if not p]
+        raise NotLowerable(
+            f"{', '.join(small)}: the axis is smaller than the smallest block ({candidates[0]}); tile or stream "
+            "another axis, or give the size"
+        )
     fitting = []
     for combo in itertools.product(*per):
         choice = {o.symbol.name: n for o, n in zip(opens, combo, strict=True)}

@@ -169,6 +169,7 @@ def _open_for_check(d: Diagram, seed: int, sizes: dict | None, kernel: bool) -> 
     """Sizes for ``d``'s open partition sizes in a check (``sizes`` by symbol name, else drawn from ``seed``:
     small, so that several groups and chunks run), and ``sizes`` without them."""
     opens = {o.symbol.name: o for o in open_sizes(d)}
+    fixed = {a.name: int(a.size) for w in (*d.dom.inside, *d.cod.inside) for a in w.axes if a.size.is_number}
     given = {k: v for k, v in (sizes or {}).items() if str(k) in opens}
     rest = {k: v for k, v in (sizes or {}).items() if str(k) not in opens} if sizes is not None else None
     rng = random.Random(seed)
@@ -177,7 +178,8 @@ def _open_for_check(d: Diagram, seed: int, sizes: dict | None, kernel: bool) -> 
         if name in given:
             chosen[name] = positive_size("derive", f"the size of {o}", given[name], o.axis)
         else:
-            chosen[name] = 16 if kernel else rng.choice((4, 8, 16))
+            top = fixed.get(o.axis, 16)  # a concretely sized axis bounds its partition
+            chosen[name] = min(16, top) if kernel else rng.choice([n for n in (4, 8, 16) if n <= top] or [top])
     return chosen, rest
 
 
