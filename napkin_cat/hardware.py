@@ -74,7 +74,8 @@ class Hardware:
     for f32); ``flop_per_clk`` are per-SM FLOP per clock for the tensor-core dtypes, from which the clock
     is derived. ``exp_per_clk`` is the SFU rate (exponentials per SM per clock), ``alu16_per_clk`` the
     non-tensor FP16 rate (FLOP per SM per clock), ``smem_bytes_per_clk`` the SMEM → register bandwidth
-    per SM.
+    per SM. ``ceilings`` are rates measured on the GPU (:meth:`ceiling`), which the cost model's predicted
+    time (``Cost.time_serial``) prefers to the datasheet's.
 
     >>> [m.level for m in H100.memories]
     [HBM, L2, SMEM, REG]
