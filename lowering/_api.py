@@ -324,9 +324,7 @@ def lower(
                 return _lower(resolve(d, sizes), "triton", False, cfg, "reference", target)
 
             choice, chosen = refine(d, choice, make)
-        kernel = _lower(resolve(d, choice.sizes), backend, interpret, chosen, backward, target)
-        kernel.choice = choice
-        return kernel
+        return _lower(resolve(d, choice.sizes), backend, interpret, chosen, backward, target, choice)
 
     given = dict(sizes or {})
     if not missing_sizes(d, given):
@@ -334,8 +332,16 @@ def lower(
     return OpenKernel(d, lambda at: build({**given, **at}))
 
 
-def _lower(d: Diagram, backend: str, interpret: bool | None, config, backward: str, hw: Hardware | None) -> Kernel:
-    """:func:`lower` of a diagram whose partition sizes are all concrete."""
+def _lower(
+    d: Diagram,
+    backend: str,
+    interpret: bool | None,
+    config,
+    backward: str,
+    hw: Hardware | None,
+    choice: Choice | None = None,
+) -> Kernel:
+    """:func:`lower` of a diagram whose partition sizes are all concrete (``choice``: how open ones were chosen)."""
     name = _backend(backend)
     refused: dict = {}
     if name == "auto":  # Triton, saying why not Mosaic
@@ -351,9 +357,9 @@ def _lower(d: Diagram, backend: str, interpret: bool | None, config, backward: s
 
         fwd = MosaicLowered(plan(d), interpret=interpret, config=config)
         if backward == "reference":
-            return Kernel(d, fwd, _reference(fwd, d), backend=name, differentiation="reference")
+            return Kernel(d, fwd, _reference(fwd, d), backend=name, differentiation="reference", choice=choice)
         why = "the Mosaic backend lowers no backward kernels yet"
-        return Kernel(d, fwd, _refuse(fwd, why), backend=name, differentiation="none", why_not=why)
+        return Kernel(d, fwd, _refuse(fwd, why), backend=name, differentiation="none", why_not=why, choice=choice)
     if config is not None and not isinstance(config, Config):
         raise NotLowerable(f"config must be a lowering.Config, got {type(config).__name__}")
 
@@ -361,7 +367,7 @@ def _lower(d: Diagram, backend: str, interpret: bool | None, config, backward: s
         return _guard(Lowered(plan(diagram), interpret=interpret, config=config, hardware=hw))
 
     primal = kernel(d)
-    made = functools.partial(Kernel, d, primal, backend=name, refused=refused)
+    made = functools.partial(Kernel, d, primal, backend=name, refused=refused, choice=choice)
     if backward == "reference":
         return made(_reference(primal, d), differentiation="reference")
     try:  # the backward's diagrams and schedules now (cheap, and they say whether it exists); kernels when needed

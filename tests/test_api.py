@@ -235,6 +235,15 @@ def test_an_open_size_whose_axes_are_unknown_is_refused_by_choose_tiles_naming_t
     )
 
 
+def test_a_plan_of_open_sizes_is_refused_naming_them():
+    from lowering import plan
+
+    q, x, d = nc.axes("q x d")
+    with pytest.raises(NotLowerable) as e:
+        plan(derive(nc.library.attention(q, x, d), tile(q), stream(x), verify=False).diagram)
+    assert str(e.value) == "tile(q), stream(x): the size is open; lower() chooses it (or bind it with rewrites.resolve)"
+
+
 def test_measured_search_is_refused_where_kernels_are_interpreted():
     q, x, d = nc.axes("q x d", d=16)
     flash = derive(nc.library.attention(q, x, d), tile(q), stream(x), verify=False)
