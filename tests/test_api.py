@@ -7,9 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import napkin_cat as nc
-from lowering import Config, NotLowerable, lower
+from lowering import Config, NotLowerable, lower, predicted_time
 from napkin_cat import generators as g
 from napkin_cat.diagram import Array
 from napkin_cat.diagram import id as identity
@@ -266,3 +268,28 @@ def test_measured_search_refines_the_model_choice_on_a_gpu(key):
     )
     assert kernel.choice.how == "measured search" and kernel.choice.measured > 0
     assert kernel.choice.sizes in kernel.choice.ranked
+
+
+@settings(max_examples=5, deadline=None)
+@given(
+    d=st.integers(8, 256),
+    q=st.integers(1, 5000),
+    x=st.integers(1, 5000),
+    dtype=st.sampled_from([nc.f32, nc.bf16]),
+    hw=st.sampled_from([A100, H100]),
+)
+def test_the_chosen_sizes_are_the_largest_tile_that_fits_then_the_fastest_predicted(d, q, x, dtype, hw):
+    from lowering import choose_tiles, plan
+    from lowering._triton import launch
+    from rewrites import resolve
+
+    qa, xa = nc.axes("q x")
+    open_flash = derive(nc.library.attention(qa, xa, nc.Axis("d", d), dtype=dtype), tile(qa), stream(xa), verify=False)
+    choice = choose_tiles(open_flash, hw, {"q": q, "x": x})
+    extent = {"q": q, "x": x, "d": d}
+    launch(plan(resolve(open_flash.diagram, choice.sizes)), extent, Config(num_stages=3), hw)  # it fits
+    assert choice.sizes == choice.ranked[0]
+    assert all(c["g_q"] <= choice.sizes["g_q"] for c in choice.ranked)  # no larger tile fits
+    same_tile = [c for c in choice.ranked if c["g_q"] == choice.sizes["g_q"]]
+    predicted = {c["s_x"]: predicted_time(resolve(open_flash.diagram, c), hw, extent) for c in same_tile}
+    assert float(f"{predicted[choice.sizes['s_x']]:.3g}") == min(float(f"{t:.3g}") for t in predicted.values())
