@@ -303,9 +303,14 @@ def lower(
         raise NotLowerable(f"lower: {e}") from e
     opens = open_sizes(d)
     if not opens:
-        if search:
-            raise NotLowerable("lower(search=True): the diagram leaves no partition size open to search")
+        for what, given in (("search=True", search), ("sizes=", sizes)):
+            if given:
+                raise NotLowerable(f"lower({what}): the diagram leaves no partition size open to choose")
         return _lower(d, backend, interpret, config, backward, hw)
+    axes = {a.name for w in (*d.dom.inside, *d.cod.inside) for a in w.axes}
+    if unknown := sorted(set(sizes or {}) - axes):
+        here = ", ".join(sorted(axes))
+        raise NotLowerable(f"lower(sizes=): no wire has axis {', '.join(unknown)}; axes here: {here}")
     on_cpu = (jax.default_backend() != "gpu") if interpret is None else interpret
     if search and on_cpu:
         raise NotLowerable(

@@ -255,8 +255,10 @@ def test_measured_search_is_refused_where_kernels_are_interpreted():
         "lower(search=True) times kernels on a GPU, and here they are interpreted; the sizes of tile(q), stream(x) "
         "come from the cost model without it"
     )
-    with pytest.raises(NotLowerable, match="leaves no partition size open"):
+    with pytest.raises(NotLowerable, match=re.escape("lower(search=True): the diagram leaves no partition size open")):
         lower(scheduled(nc.library.attention(q, x, d), q, x), search=True)
+    with pytest.raises(NotLowerable, match=re.escape("lower(sizes=): no wire has axis n; axes here: d, q, x")):
+        lower(flash, sizes={"n": 4})
 
 
 @pytest.mark.gpu
