@@ -190,14 +190,20 @@ class Cost:
                     out[m.level] = out.get(m.level, ZERO) + b
         return out
 
-    def _resource_times(self, measured: bool) -> dict[str, Expr]:
+    def _resource_times(self, kernel: bool) -> dict[str, Expr]:
         hw = self._hardware("times")
+        rates = dict(hw.flop_rates)
 
         def rate(what: str, datasheet: float) -> sympy.Float:
-            ceiling = hw.ceiling(what) if measured else None
+            ceiling = hw.ceiling(what) if kernel else None
             return sympy.Float(datasheet if ceiling is None else ceiling)
 
-        tensor = sympy.Add(*(f / rate(t.name, hw.flops(t)) for t, f in self.tensor_flops.items()))
+        def tensor_rate(t: Dtype) -> sympy.Float:
+            # Pallas' Triton lowering runs an f32 dot at default precision as TF32 on the tensor cores
+            name = "tf32" if kernel and t == f32 and "tf32" in rates else t.name
+            return rate(name, rates[name] if name == "tf32" else hw.flops(t))
+
+        tensor = sympy.Add(*(f / tensor_rate(t) for t, f in self.tensor_flops.items()))
         vector = (self.flops - sympy.Add(*self.tensor_flops.values())) / sympy.Float(hw.flops(f32))
         sfu = self.transcendentals / sympy.Float(hw.exp_per_clk * hw.sms * hw.clock)
         out = {"tensor": tensor, "vector": vector, "sfu": sfu}
@@ -215,20 +221,25 @@ class Cost:
         The link into L2 carries the DRAM bytes (:attr:`dram_bytes`); the links further in carry the
         bytes moved into them (``→SMEM``: the GMEM→SMEM bytes, at L2's bandwidth into the SMs).
         """
-        return self._resource_times(measured=False)
+        return self._resource_times(kernel=False)
 
     @property
-    def measured_times(self) -> dict[str, Expr]:
-        """:attr:`times` at the hardware's measured ceilings where it has them (:meth:`Hardware.ceiling`: the
-        tensor cores' large-matmul rate, DRAM's copy bandwidth), the datasheet elsewhere (SFU: FAN row 15).
+    def kernel_times(self) -> dict[str, Expr]:
+        """:attr:`times` at the rates the lowered kernels run at: the hardware's measured ceilings where it has
+        them (:meth:`Hardware.ceiling`: the tensor cores' large-matmul rate, DRAM's copy bandwidth), f32
+        contractions on the tensor cores as TF32 (Pallas' Triton default precision), the datasheet elsewhere
+        (SFU: FAN row 15).
 
         >>> import napkin_cat as nc
         >>> from napkin_cat.hardware import H100
         >>> c = Cost(H100, flops=sympy.Integer(733 * 10**12), tensor_flops={nc.bf16: sympy.Integer(733 * 10**12)})
-        >>> float(c.measured_times["tensor"]), round(float(c.times["tensor"]), 3)
+        >>> float(c.kernel_times["tensor"]), round(float(c.times["tensor"]), 3)
         (1.0, 0.741)
+        >>> tf32 = Cost(H100, flops=sympy.Integer(10**12), tensor_flops={nc.f32: sympy.Integer(10**12)})
+        >>> round(float(tf32.kernel_times["tensor"]) * 1e3, 2), round(float(tf32.times["tensor"]) * 1e3, 2)
+        (2.02, 14.93)
         """
-        return self._resource_times(measured=True)
+        return self._resource_times(kernel=True)
 
     @property
     def time(self) -> Expr:
@@ -239,7 +250,7 @@ class Cost:
     def time_serial(self) -> Expr:
         """The predicted time in seconds: the slowest of the levels' transfer times and the compute, where the
         compute is tensor-core + CUDA-core + exp-unit time in series (the lowered kernels do not overlap their
-        softmax with their matmuls), each at :attr:`measured_times`' rates.
+        softmax with their matmuls), each at :attr:`kernel_times`' rates.
 
         >>> import napkin_cat as nc
         >>> from napkin_cat.hardware import A100, H100
@@ -247,7 +258,7 @@ class Cost:
         >>> float(c.time_serial), round(float(c.time), 3), round(float(replace(c, hardware=A100).time_serial), 3)
         (1.0, 0.741, 2.349)
         """
-        return self.bound(self.measured_times)
+        return self.bound(self.kernel_times)
 
     @staticmethod
     def bound(times: Mapping[str, Expr]) -> Expr:

@@ -157,7 +157,7 @@ class Hardware:
         >>> A100.flops(fp8_e4m3)
         Traceback (most recent call last):
         ...
-        napkin_cat.errors.CostError: hardware A100 has no compute rate for fp8_e4m3; rates for: f16, bf16, f32
+        napkin_cat.errors.CostError: hardware A100 has no compute rate for fp8_e4m3; rates for: f16, bf16, f32, tf32
         """
         rates = dict(self.flop_rates)
         if dtype.name not in rates:
@@ -221,7 +221,8 @@ A100 = Hardware(
         # CUDA guide: 64K 32-bit registers/SM; SMEM delivers 32 banks × 4 B per clock per SM
         Memory(REG, 256 * KiB, per_sm=True, bandwidth=128 * 108 * _A100_CLOCK),
     ),
-    flop_rates=(("f16", _A100_FP16), ("bf16", _A100_FP16), ("f32", 19.5e12)),  # datasheet (f32: CUDA cores)
+    # datasheet (f32: CUDA cores; tf32: tensor cores, 312 TFLOP/s with sparsity, dense half)
+    flop_rates=(("f16", _A100_FP16), ("bf16", _A100_FP16), ("f32", 19.5e12), ("tf32", 156e12)),
     flop_per_clk=(("f16", 2048), ("bf16", 2048)),  # whitepaper: 1024 dense FP16 FMA per SM per clock
     exp_per_clk=16,  # whitepaper: 4 SFUs per SM sub-partition × 4 sub-partitions
     alu16_per_clk=512,  # datasheet: 78 TFLOP/s non-tensor FP16 = 108 × 512 × 1.41 GHz
@@ -251,6 +252,7 @@ H100 = Hardware(
         ("fp8_e4m3", _H100_FP8),
         ("fp8_e5m2", _H100_FP8),
         ("f32", 67e12),  # datasheet: FP32 (CUDA cores)
+        ("tf32", 494.5e12),  # datasheet: TF32 tensor 989 TFLOP/s with sparsity, dense half
     ),
     flop_per_clk=(("f16", 4096), ("bf16", 4096), ("fp8_e4m3", 8192), ("fp8_e5m2", 8192)),  # FAN row 15
     exp_per_clk=16,  # FAN (REFERENCE §1.3 row 15): SFU exp 16/clk per SM

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import napkin_cat as nc
-from lowering import Config, NotLowerable, lower, predicted_time
+from lowering import Config, NotLowerable, choose_tiles, lower, predicted_time
 from napkin_cat import generators as g
 from napkin_cat.diagram import Array
 from napkin_cat.diagram import id as identity
@@ -173,10 +173,11 @@ def test_open_sizes_attention_chosen_at_the_call_and_checked_against_jax_nn(key,
     out = jax.jit(kernel)(Q, K, V)
     err = R.rel_err(out, R.attention(Q, K, V, causal=True))
     assert err <= FWD, f"relative error {err:.2e} > {FWD:.0e} (NAPKIN_SEED={seed})"
-    # the largest query tile that fits, capped at the padded 64 queries; then the fastest predicted chunk: the
-    # causal mask visits (q + max(g, s)) / 2q of the loop, so 128-key chunks would waste more than 64-key ones
-    assert kernel.tiles == {"g_q": 64, "s_x": 64}, kernel.choice
-    assert kernel.choice.how == "cost model" and kernel.choice.at == {"b": 1, "h": 2, "q": 40, "d": 16, "x": 72}
+    # the largest query tile that fits, capped at the padded 64 queries; the chunk as the cost model ranks it
+    # (the rule itself: test_the_chosen_sizes_are_the_largest_tile_that_fits_then_the_fastest_predicted)
+    at = {"b": 1, "h": 2, "q": 40, "d": 16, "x": 72}
+    assert kernel.tiles["g_q"] == 64 and kernel.tiles == choose_tiles(flash, "H100", at).sizes, kernel.choice
+    assert kernel.choice.how == "cost model" and kernel.choice.at == at
     # the kernel built for these shapes is the one a later call (or jax.grad) reuses, with its lowered backward
     built = kernel.at(b=1, h=2, q=40, d=16, x=72)
     assert built.tiles == kernel.tiles and built.differentiation == "lowered"
@@ -225,7 +226,6 @@ def test_an_open_size_nothing_fits_is_refused_naming_it():
 
 
 def test_an_open_size_whose_axes_are_unknown_is_refused_by_choose_tiles_naming_them():
-    from lowering import choose_tiles
 
     q, x, d = nc.axes("q x d")
     flash = derive(nc.library.attention(q, x, d), tile(q), verify=False)
@@ -281,7 +281,7 @@ def test_measured_search_refines_the_model_choice_on_a_gpu(key):
     hw=st.sampled_from([A100, H100]),
 )
 def test_the_chosen_sizes_are_the_largest_tile_that_fits_then_the_fastest_predicted(d, q, x, dtype, hw):
-    from lowering import choose_tiles, plan
+    from lowering import plan
     from lowering._triton import launch
     from rewrites import resolve
 

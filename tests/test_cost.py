@@ -118,7 +118,7 @@ def test_roofline_time():
     assert t.gmem_bytes == (size * (2 + 2 * x.size / 128)).subs({q.size: 8192, x.size: 8192, d.size: 128})
     assert t.times["→L2"] == t.dram_bytes / sympy.Float(H100.bandwidth(nc.L2))
     assert float(t.time) == pytest.approx(float(t.times["tensor"]), rel=1e-9)
-    m = t.measured_times  # the serial time runs at the measured tensor ceiling (733 TFLOP/s bf16 on the H100)
+    m = t.kernel_times  # the serial time runs at the measured tensor ceiling (733 TFLOP/s bf16 on the H100)
     assert float(m["tensor"]) == pytest.approx(flops / 733e12, rel=1e-9)
     assert (m["vector"], m["sfu"], m["→L2"]) == (t.times["vector"], t.times["sfu"], t.times["→L2"])
     assert float(t.time_serial) == pytest.approx(float(m["tensor"] + m["vector"] + m["sfu"]))
@@ -242,14 +242,14 @@ def test_serial_time_uses_measured_ceilings_where_the_model_has_them():
         transcendentals=sympy.Integer(10**9),
         tensor_flops={nc.bf16: sympy.Integer(10**12), nc.f16: sympy.Integer(10**12)},
     )
-    m = work.measured_times
+    m = work.kernel_times
     assert float(m["tensor"]) == pytest.approx(1e12 / 747e12 + 1e12 / 989e12)
     assert float(m["sfu"]) == pytest.approx(1e9 / (16 * 132 * H200.clock))
     assert float(work.time_serial) == pytest.approx(float(m["tensor"] + m["sfu"]))
     moved = cost(nc.library.matmul(*nc.axes("a b c", a=4096, b=4096, c=4096), dtype=nc.bf16), H200)
-    assert float(moved.measured_times["→L2"]) == pytest.approx(float(moved.dram_bytes) / 4.1e12)
+    assert float(moved.kernel_times["→L2"]) == pytest.approx(float(moved.dram_bytes) / 4.1e12)
     assert float(moved.times["→L2"]) == pytest.approx(float(moved.dram_bytes) / 4.8e12)
-    assert Cost(A100).measured_times == Cost(A100).times  # no measured ceilings: the datasheet
+    assert Cost(A100).kernel_times == Cost(A100).times  # no measured ceilings: the datasheet
 
 
 def test_open_sizes_stay_symbolic_in_the_cost():

@@ -190,12 +190,12 @@ def measure(out_dir: Path, budget_s: float):
 
 def predict(name: str, hardware) -> dict:
     """GMEM→SMEM read bytes, DRAM bytes and time (overlapped and serial) of one kernel, from ``nc.cost``."""
-    from napkin_cat import cost
+    from napkin_cat import Cost, cost
     from rewrites import level
 
     lowered, sizes = kernels()[name]()
     c = cost(level("SMEM")(lowered.plan.diagram), hardware).subs(**sizes)
-    terms = {k: float(v) for k, v in c.measured_times.items()}
+    terms = {k: float(v) for k, v in c.kernel_times.items()}
     compute = terms["tensor"] + terms["vector"] + terms["sfu"]
     links = {k: v for k, v in terms.items() if k.startswith("→")}
     link = max(links, key=links.get)
@@ -207,7 +207,7 @@ def predict(name: str, hardware) -> dict:
         "flops": float(sum(c.tensor_flops.values())),
         "terms": terms,
         "tensor_by_dtype": {
-            t.name: {"flops": float(f), "seconds": float(f) / (hardware.ceiling(t.name) or hardware.flops(t))}
+            t.name: {"flops": float(f), "seconds": float(Cost(hardware, tensor_flops={t: f}).kernel_times["tensor"])}
             for t, f in c.tensor_flops.items()
         },
         "bound": "compute (tensor + CUDA cores + exp unit)" if compute >= links[link] else f"link {link}",
@@ -277,18 +277,31 @@ def report(path: Path):
             parts = ", ".join(
                 f"{k} {v['flops'] / 1e9:.0f} GFLOP → {_ms(v['seconds'])}" for k, v in p["tensor_by_dtype"].items()
             )
+            terms = ", ".join(f"{k} {_ms(v)}" for k, v in p["terms"].items())
             missed.append(
-                f"{name} ({t[1]:.2f}×, bound by {p['bound']}: contractions by operand dtype {parts}; "
-                f"GMEM→SMEM {r[0]:.2f}×, DRAM {r[1]:.2f}×)"
+                f"{name} ({t[1]:.2f}×, bound by {p['bound']}; terms {terms}; contractions by operand dtype "
+                f"{parts}; GMEM→SMEM {r[0]:.2f}×, DRAM {r[1]:.2f}×)"
             )
     lines = [f"### Cost model vs ncu on {data['device']} (model: {hw.name})", "", *rows, ""]
     lines += [
-        "Predicted time: `Cost.time_serial` at the model's measured ceilings "
-        f"({', '.join(f'{k} {v / 1e12:.3g} T/s' for k, v in hw.ceilings) or 'none: datasheet rates'}). "
+        "Predicted time: `Cost.time_serial`, at the model's measured ceilings "
+        f"({', '.join(f'{k} {v / 1e12:.3g} T/s' for k, v in hw.ceilings) or 'none: datasheet rates'}) and f32 "
+        "contractions as TF32 (`Cost.kernel_times`). "
         f"Time target (within 30%) missed by {len(missed)} of {len(plot)} kernels"
         + (": " + "; ".join(missed) + "." if missed else "."),
         "",
     ]
+    pairs = [(n, f"{n} causal") for n in data["kernels"] if f"{n} causal" in data["kernels"]]
+    for full, causal in pairs:  # the causal mask's visited fraction, measured against predicted
+        ms, ps = (data["kernels"][k] for k in (full, causal)), (data["predicted"].get(k) for k in (full, causal))
+        ms, ps = list(ms), list(ps)
+        if all("error" not in m for m in ms) and all(ps):
+            measured_ratio = ms[1]["gpu__time_duration.sum"] / ms[0]["gpu__time_duration.sum"]
+            lines.append(
+                f"{causal} / {full}: measured time ratio {measured_ratio:.2f}, predicted "
+                f"{ps[1]['time_serial'] / ps[0]['time_serial']:.2f} (the causal mask's visited fraction of the loop)."
+            )
+    lines.append("")
     b, h, q, x = nc.axes("b h q x")
     summary = {}
     for dd in GRID_D:
@@ -297,9 +310,7 @@ def report(path: Path):
             continue
         sizes = {k: v for k, v in SIZES.items() if k in "bhqx"}
         mha = nc.library.multi_head_attention(h, q, x, nc.Axis("d", dd), batch=(b,), dtype="bf16")
-        pred = [
-            predicted_time(derive(mha, tile(q, g["g"]), stream(x, g["s"]), verify=False), hw, sizes) for g in cells
-        ]
+        pred = [predicted_time(derive(mha, tile(q, g["g"]), stream(x, g["s"]), verify=False), hw, sizes) for g in cells]
         meas = [g["seconds"] for g in cells]
         choice = choose_tiles(derive(mha, tile(q), stream(x), verify=False), hw, sizes)
         measured = {(g["g"], g["s"]): g for g in cells}
