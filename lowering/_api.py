@@ -150,10 +150,12 @@ class OpenKernel:
 
     @property
     def tiles(self) -> dict[str, int] | None:
+        """The partition sizes of the last kernel built (:attr:`Kernel.tiles`), None before the first."""
         return None if self._last is None else self._last.tiles
 
     @property
     def choice(self) -> Choice | None:
+        """How the last kernel built chose its open sizes (:class:`lowering.Choice`), None before the first."""
         return None if self._last is None else self._last.choice
 
     def __call__(self, *arrays):

@@ -104,7 +104,12 @@ def partition_size(rule: str, what: str, value, axis: str, symbol: str) -> int |
 
 class OpenSize(NamedTuple):
     """A partition size a derivation left open: its symbol, the rule that left it (``tile`` or ``stream``)
-    and the axis."""
+    and the axis.
+
+    >>> import sympy
+    >>> print(OpenSize(sympy.Symbol("g_q"), "tile", "q"))
+    tile(q)
+    """
 
     symbol: sympy.Symbol
     rule: str
