@@ -87,7 +87,8 @@ class MeshCost:
         """
         values = {sympy.Symbol(k, positive=True, integer=True): v for k, v in sizes.items()}
         return replace(
-            self, **{f.name: getattr(self, f.name).subs(values) for f in fields(self) if f.name not in ("system", "scheme")}
+            self,
+            **{f.name: getattr(self, f.name).subs(values) for f in fields(self) if f.name not in ("system", "scheme")},
         )
 
 
@@ -149,7 +150,16 @@ def mesh_cost(
     else:
         comm_time, hidden, memory = (p - 1) * step_time, sympy.false, own + p * chunk
     return MeshCost(
-        system, scheme, flops, c.gmem_bytes * pairs * work, memory, link_bytes, step_time, compute_time, comm_time, hidden
+        system,
+        scheme,
+        flops,
+        c.gmem_bytes * pairs * work,
+        memory,
+        link_bytes,
+        step_time,
+        compute_time,
+        comm_time,
+        hidden,
     )
 
 

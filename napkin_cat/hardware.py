@@ -330,7 +330,7 @@ class System:
         return self.device.capacity(HBM)
 
     def transfer_time(self, nbytes):
-        """Seconds to move ``nbytes`` (a number or sympy expression) over one link, one way: latency + bytes/bandwidth."""
+        """Seconds to move ``nbytes`` one way over one link: latency + bytes/bandwidth."""
         return self.link.latency + nbytes / self.link.bandwidth
 
 

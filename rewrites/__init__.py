@@ -9,6 +9,20 @@ q/128×d
 """
 
 from rewrites._derive import Derivation, Step, derive
+from rewrites._device import (
+    DeviceDerivation,
+    DeviceRule,
+    DeviceStep,
+    Sequence,
+    Sharded,
+    derive_devices,
+    execute_devices,
+    merge,
+    pair_diagrams,
+    ring,
+    shard,
+    zigzag,
+)
 from rewrites._io_aware import Residual, delta_lemma, lse_residual, prove_lemmas, reduced, widened
 from rewrites._level import level
 from rewrites._proofs import Proof, prove_accumulator, prove_equivalent, prove_monoid
@@ -20,8 +34,10 @@ from rewrites._tile import tile
 from rewrites._verify import Trial, Verification, random_inputs, relative_error, tolerance
 
 __all__ = [
-    "Derivation", "Proof", "Residual", "RewriteError", "Rule", "Step", "Trial", "Verification", "delta_lemma",
-    "derive", "execute", "fuse_softmax_contract", "level", "lse_residual", "partitions", "prove_accumulator",
-    "prove_equivalent", "prove_lemmas", "prove_monoid", "pseudocode", "random_inputs", "reduced",
-    "relative_error", "stream", "streamability", "tile", "tolerance", "walk", "widened",
+    "Derivation", "DeviceDerivation", "DeviceRule", "DeviceStep", "Proof", "Residual", "RewriteError", "Rule",
+    "Sequence", "Sharded", "Step", "Trial", "Verification", "delta_lemma", "derive", "derive_devices", "execute",
+    "execute_devices", "fuse_softmax_contract", "level", "lse_residual", "merge", "pair_diagrams", "partitions",
+    "prove_accumulator", "prove_equivalent", "prove_lemmas", "prove_monoid", "pseudocode", "random_inputs",
+    "reduced", "relative_error", "ring", "shard", "stream", "streamability", "tile", "tolerance", "walk", "widened",
+    "zigzag",
 ]
