@@ -13,6 +13,7 @@ True
 
 from lowering._api import Kernel, lower
 from lowering._attention import AttentionKernel, attention
+from lowering._devices import DeviceKernel, lower_devices
 from lowering._mosaic import MosaicConfig, MosaicLowered
 from lowering._plan import NotLowerable, Plan, plan
 from lowering._search import median_time
@@ -20,6 +21,6 @@ from lowering._tiles import choose_tiles, predicted_time
 from lowering._triton import Config, Lowered
 
 __all__ = [
-    "AttentionKernel", "Config", "Kernel", "Lowered", "MosaicConfig", "MosaicLowered", "NotLowerable", "Plan",
-    "attention", "choose_tiles", "lower", "median_time", "plan", "predicted_time",
+    "AttentionKernel", "Config", "DeviceKernel", "Kernel", "Lowered", "MosaicConfig", "MosaicLowered", "NotLowerable",
+    "Plan", "attention", "choose_tiles", "lower", "lower_devices", "median_time", "plan", "predicted_time",
 ]

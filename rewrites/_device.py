@@ -301,9 +301,10 @@ def causal(s: Sharded) -> bool:
     return pair is not None and any(getattr(b, "diagonal", lambda: None)() == pair for b in s.diagram.boxes)
 
 
-def pair_diagrams(s: Sharded) -> dict[str, Diagram]:
-    """The per-device diagrams of a sequence partition, with the log-sum-exp as a second output, by pair kind:
-    ``"full"`` (the causal mask removed) and, when causal, ``"diagonal"`` (the diagram itself).
+def pair_diagrams(s: Sharded, lse: bool = True) -> dict[str, Diagram]:
+    """The per-device diagrams of a sequence partition by pair kind: ``"full"`` (the causal mask removed) and,
+    when causal, ``"diagonal"`` (the diagram itself); with ``lse``, the softmax·contract's output in f32 and its
+    log-sum-exp as a second output.
 
     >>> import napkin_cat as nc
     >>> from rewrites import derive, tile, stream
@@ -312,24 +313,26 @@ def pair_diagrams(s: Sharded) -> dict[str, Diagram]:
     >>> pairs = pair_diagrams(ring("q", "x", "sp", 2)(flash))
     >>> [(k, len(v.boxes), str(v.cod)) for k, v in pairs.items()]
     [('full', 2, 'q/16×d ⊗ q/16'), ('diagonal', 3, 'q/16×d ⊗ q/16')]
+    >>> print(pair_diagrams(ring("q", "x", "sp", 2)(flash), lse=False)["full"].cod)
+    q/16×d
     """
     kinds = {"full": True} | ({"diagonal": False} if causal(s) else {})
-    return {k: _with_lse(s, unmask) for k, unmask in kinds.items()}
+    return {k: _pair(s, unmask, lse) for k, unmask in kinds.items()}
 
 
-def _with_lse(s: Sharded, unmask: bool) -> Diagram:
-    """The per-device diagram whose softmax·contract also outputs its log-sum-exp (both f32), without the
-    causal mask if ``unmask``."""
+def _pair(s: Sharded, unmask: bool, lse: bool) -> Diagram:
+    """The per-device diagram without the causal mask if ``unmask``; with ``lse``, its softmax·contract also
+    outputs its log-sum-exp (both f32)."""
     seq, t = s.sequence, Tape()
     xs = [t.input(a, "x") for a in s.diagram.dom.inside]
 
     def step(i, box, ins):
         if unmask and getattr(box, "diagonal", lambda: None)() == (seq.queries, seq.keys):
             return list(ins)
-        if isinstance(box, g.SoftmaxContract) and box.params["axis"] == seq.keys and len(box.cod) == 1:
+        if lse and isinstance(box, g.SoftmaxContract) and box.params["axis"] == seq.keys and len(box.cod) == 1:
             scores = box.dom.inside[0]
-            lse = scores.with_(axes=[a for a in scores.axes if a.name != seq.keys], dtype=f32)
-            both = Ty(box.out.with_(dtype=f32), lse)
+            stat = scores.with_(axes=[a for a in scores.axes if a.name != seq.keys], dtype=f32)
+            both = Ty(box.out.with_(dtype=f32), stat)
             return list(t.apply(g.SoftmaxContract(box.name, box.dom, both, data=box.data), *ins))
         return list(t.apply(box, *ins))
 
