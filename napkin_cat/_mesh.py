@@ -9,7 +9,7 @@ diagram at chunk sizes, then counts, as sympy in the axis sizes:
   balanced (zig-zag) order ``P/2`` on every device;
 * communication: the key-indexed inputs of one chunk (K and V) cross one link per step, ``P − 1`` steps
   (``ppermute`` around the ring, or a ring ``all_gather`` moving the same bytes before any compute); the
-  backward also sends the f32 accumulators dK, dV round the whole ring (``P`` steps);
+  backward sends K and V round again with the f32 accumulators dK, dV, which take one more step home;
 * whether it hides: a ring step's transfer (latency + bytes/bandwidth) against its compute bound
   (FLOPs ÷ the device's peak); the all-gather's transfer never hides (it precedes the kernel);
 * per-device memory: the query-side chunks, plus two key-side chunks for the ring (the one in use and the
@@ -139,8 +139,9 @@ def mesh_cost(
     compute_time = flops / hw.flops(dtype)
     kv = [w for w in pair.dom.inside if w.has(keys) and not w.has(queries)]
     chunk = sympy.Add(*(w.size * w.dtype.bytes for w in kv))
-    sent = chunk + (sympy.Add(*(w.size * f32.bytes for w in kv)) if backward else 0)  # dK, dV travel too
-    link_bytes = (p - 1) * chunk + (p * (sent - chunk) if backward else 0)
+    dkv = sympy.Add(*(w.size * f32.bytes for w in kv)) if backward else 0  # dK, dV travel with K, V
+    sent = chunk + dkv
+    link_bytes = (p - 1) * chunk * (2 if backward else 1) + p * dkv  # the backward's dK, dV take one more step
     step_time = system.transfer_time(sent) if p > 1 else sympy.Integer(0)
     step_compute = compute_time / p
     own = sympy.Add(*(w.size * w.dtype.bytes for w in (*pair.dom.inside, *pair.cod.inside) if w not in kv))
