@@ -230,7 +230,9 @@ def _ring_body(s: Sharded, kernels: _PairKernels, keys: int):
         """The pairs of ring step ``t`` on device ``i`` as alternatives ``[(predicate or None, pairs), ...]``."""
         first = isinstance(t, int) and t == 0  # step 0 is traced alone, steps 1 … P−1 in one loop body
         if is_causal and not seq.balanced:
-            return [(None, [("diagonal", [0], [0], None)])] if first else [(i >= t, [("full", [0], [0], None)]), (None, [])]
+            if first:
+                return [(None, [("diagonal", [0], [0], None)])]
+            return [(i >= t, [("full", [0], [0], None)]), (None, [])]
         if is_causal:  # zig-zag: device i holds chunks i and 2P−1−i; each branch is the same work
             if first:
                 return [(None, [("diagonal", [0], [0], None), ("diagonal", [1], [1], None), ("full", [1], [0], None)])]
