@@ -304,13 +304,13 @@ def _ring_body(s: Sharded, kernels: _PairKernels, keys: int):
             local = with_keys(xs, kv)
             return _branches(plan(i, t), lambda pairs: forward_branch(pairs, local, shapes))
 
-        def body(t, carry):  # steps 1 … P−1 share one traced body (one compilation of each kernel)
+        def body(t, carry):
             kv, acc = carry
-            kv = fetch(t, kv)  # issued before this step's kernels, so the transfer can overlap them
-            return kv, merge(acc, step(t, kv), out_w.names, rows)
+            return fetch(t + 1, kv), merge(acc, step(t, kv), out_w.names, rows)
 
-        kv = fetch(0, None)
-        return jax.lax.fori_loop(1, P, body, (kv, step(0, kv)))[1]
+        return _ring_loop(
+            P, fetch, body, lambda kv: step(0, kv), lambda kv, acc: merge(acc, step(P - 1, kv), out_w.names, rows)
+        )
 
     def grad_branch(pairs, local, do, o, lse):
         def branch():
@@ -368,27 +368,45 @@ def _ring_body(s: Sharded, kernels: _PairKernels, keys: int):
                 for a, g, x in zip(dk, kg, keyed_at, strict=True)
             ]
 
-        def body(t, carry):
-            kv, dq, dk = carry
-            kv = fetch(t, kv)
-            if not gathered:  # dK, dV travel with their K, V
-                dk = [jax.lax.ppermute(g, seq.mesh_axis, ring) for g in dk]
-            return (kv, *step(t, kv, dq, dk))
+        def send(dk):  # dK, dV travel with their K, V (the all-gather sums them once, at the end)
+            return dk if gathered else [jax.lax.ppermute(g, seq.mesh_axis, ring) for g in dk]
 
-        kv = fetch(0, None)
-        _, dq, dk = jax.lax.fori_loop(1, P, body, (kv, *step(0, kv, dq, dk)))
+        def body(t, carry):
+            kv, (dq, dk) = carry
+            dq, dk = step(t, kv, dq, dk)
+            return fetch(t + 1, kv), (dq, send(dk))
+
+        def first(kv):
+            got = step(0, kv, dq, dk)
+            return got if P == 1 else (got[0], send(got[1]))
+
+        dq, dk = _ring_loop(P, fetch, body, first, lambda kv, carry: step(P - 1, kv, *carry))
         if gathered:
             dk = [
                 jax.lax.psum_scatter(g, seq.mesh_axis, scatter_dimension=a, tiled=True)
                 for g, a in zip(dk, keyed_at, strict=True)
             ]
         else:  # one more step: each chunk's dK, dV home
-            dk = [jax.lax.ppermute(g, seq.mesh_axis, ring) for g in dk]
+            dk = send(dk)
         qs, ks = iter(dq), iter(dk)
         return tuple((next(qs) if q else next(ks)).astype(x.dtype) for x, q in zip(xs, is_q, strict=True))
 
     f.defvjp(f_fwd, f_bwd)
     return f
+
+
+def _ring_loop(P, fetch, body, first, last):  # noqa: N803 - the papers' P
+    """Steps ``0 … P−1`` of a ring: ``first(kv)`` at step 0 (its own plan), ``body(t, (kv, carry))`` for steps
+    1 … P−2 in one ``fori_loop`` (one compilation of each kernel), ``last(kv, carry)`` at step P−1. Every step
+    fetches the next chunk (``fetch(t + 1, kv)``) from the chunk it computes on, never from its result, so the
+    transfer overlaps the kernels; the last step sends nothing."""
+    kv = fetch(0, None)
+    if P == 1:
+        return first(kv)
+    nxt, carry = fetch(1, kv), first(kv)
+    if P > 2:
+        nxt, carry = jax.lax.fori_loop(1, P - 1, body, (nxt, carry))
+    return last(nxt, carry)
 
 
 def _branches(plan, run):
