@@ -23,6 +23,7 @@ if "--quick" in sys.argv and "xla_force_host_platform_device_count" not in os.en
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
 
 import argparse  # noqa: E402 - after the device flag
+import functools  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -38,6 +39,7 @@ from lowering import lower, lower_devices, median_time  # noqa: E402
 from napkin_cat._mesh import mesh_cost  # noqa: E402
 from napkin_cat.hardware import NVLINK4, System, for_device  # noqa: E402
 from rewrites import derive, derive_devices, ring, stream, tile, zigzag  # noqa: E402
+from rewrites._verify import FAST_COMPILE  # noqa: E402
 
 HERE = Path(__file__).parent
 HEADS, D, CHECK_N, TOLERANCE = 8, 128, 4096, 1e-2
@@ -70,7 +72,10 @@ def compiled(fn) -> dict:
     def loss(q, k, v, do):
         return jnp.sum(fn(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
 
-    return {False: jax.jit(fn), True: jax.jit(jax.grad(loss, argnums=(0, 1, 2)))}
+    # on CPU (interpreted kernels, --quick) compiling fast beats running fast, as in derive's checks
+    options = FAST_COMPILE if jax.devices()[0].platform == "cpu" else None
+    jit = functools.partial(jax.jit, compiler_options=options)
+    return {False: jit(fn), True: jit(jax.grad(loss, argnums=(0, 1, 2)))}
 
 
 def timed(fns: dict, args, backward: bool) -> float:
