@@ -22,7 +22,7 @@
 >>> flash = derive(nc.library.attention(q, x, d), tile(q, 16), stream(x, 16), verify=False)
 >>> kernel = lower_devices(derive_devices(flash, ring("q", "x", "sp", 1), verify=False))
 >>> Q, K, V = (jax.random.normal(jax.random.key(i), (40, 16)) for i in range(3))
->>> bool(jnp.allclose(kernel(Q, K, V), nc.to_jax(flash)(Q, K, V), atol=1e-4))
+>>> bool(jnp.allclose(kernel(Q, K, V), nc.to_jax(flash.diagram)(Q, K, V), atol=1e-4))
 True
 """
 
