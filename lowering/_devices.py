@@ -41,8 +41,7 @@ from lowering._api import lower
 from lowering._backward import backward_of
 from lowering._plan import NotLowerable
 from lowering._triton import Config
-from rewrites import Sharded, merge, pair_diagrams
-from rewrites._device import causal, chunking
+from rewrites import Sharded, chunking, has_causal_mask, merge, pair_diagrams
 
 
 def _mesh(s: Sharded, mesh: Mesh | None) -> Mesh:
@@ -162,7 +161,7 @@ def _call(s: Sharded, mapped, *xs):
     whole = {a: math.ceil(extent[a] / n) * n for a, _, n in s.groups}
     order, keys = None, None
     if seq is not None:
-        if causal(s) and extent[seq.queries] != extent[seq.keys]:
+        if has_causal_mask(s) and extent[seq.queries] != extent[seq.keys]:
             raise NotLowerable(
                 f"lower_devices: a causal mask pairs equal chunks; {seq.queries} has {extent[seq.queries]} and "
                 f"{seq.keys} has {extent[seq.keys]} positions"
@@ -223,7 +222,7 @@ def _ring_body(s: Sharded, kernels: _PairKernels, keys: int):
     at = [w.names.index(seq.queries if q else seq.keys) for w, q in zip(ins, is_q, strict=True)]
     rows = tuple(n for n in out_w.names if n in d.boxes[-1].dom.inside[0].names)
     o_at, l_at = out_w.names.index(seq.queries), rows.index(seq.queries)
-    P, u, is_causal = seq.devices, seq.units, causal(s)  # noqa: N806 - the papers' P
+    P, u, is_causal = seq.devices, seq.units, has_causal_mask(s)  # noqa: N806 - the papers' P
     ring = [(j, (j + 1) % P) for j in range(P)]
 
     def plan(i, t) -> list:

@@ -282,7 +282,7 @@ runs the same work
             raise self.fail("no sequence partition to balance; apply ring(q, x, ...) first")
         if s.sequence.balanced:
             raise self.fail("the sequence partition is already balanced")
-        if not causal(s):
+        if not has_causal_mask(s):
             q, x = s.sequence.queries, s.sequence.keys
             raise self.fail(
                 f"the diagram has no causal mask between {q} and {x}: every device already runs the same work"
@@ -290,11 +290,11 @@ runs the same work
         return replace(s, sequence=replace(s.sequence, balanced=True))
 
 
-def causal(s: Sharded) -> bool:
+def has_causal_mask(s: Sharded) -> bool:
     """Whether the sequence partition's diagram has the causal mask between its queries and keys.
 
     >>> import napkin_cat as nc
-    >>> causal(Sharded(nc.library.attention(*nc.axes("q x d"), causal=True), (), Sequence("q", "x", "sp", 2)))
+    >>> has_causal_mask(Sharded(nc.library.attention(*nc.axes("q x d"), causal=True), (), Sequence("q", "x", "sp", 2)))
     True
     """
     pair = (s.sequence.queries, s.sequence.keys) if s.sequence else None
@@ -316,7 +316,7 @@ def pair_diagrams(s: Sharded, lse: bool = True) -> dict[str, Diagram]:
     >>> print(pair_diagrams(ring("q", "x", "sp", 2)(flash), lse=False)["full"].cod)
     q/16×d
     """
-    kinds = {"full": True} | ({"diagonal": False} if causal(s) else {})
+    kinds = {"full": True} | ({"diagonal": False} if has_causal_mask(s) else {})
     return {k: _pair(s, unmask, lse) for k, unmask in kinds.items()}
 
 
@@ -427,7 +427,7 @@ def execute_devices(s: Sharded):
 def _ring_semantics(s: Sharded):
     seq, d = s.sequence, s.diagram
     pairs = {k: execute(v) for k, v in pair_diagrams(s).items()}
-    is_causal = causal(s)
+    is_causal = has_causal_mask(s)
     out_w = d.cod.inside[0]
     rows = tuple(n for n in out_w.names if n in d.boxes[-1].dom.inside[0].names)
 
@@ -519,7 +519,7 @@ def derive_devices(
     if not verify or not rules:
         return DeviceDerivation(tuple(steps), seed)
     sizes = dict(sizes or {})
-    if last.sequence is not None and causal(last):  # a causal mask pairs equal chunks: one sequence length
+    if last.sequence is not None and has_causal_mask(last):  # a causal mask pairs equal chunks: one sequence length
         seq = last.sequence
         drawn = sample_sizes(d, random.Random(seed))
         n = sizes.get(seq.queries) or next(v for k, v in drawn.items() if str(k) == seq.queries)
@@ -536,20 +536,6 @@ def derive_devices(
 
 
 __all__ = [
-    "EXCHANGES",
-    "DeviceDerivation",
-    "DeviceRule",
-    "DeviceStep",
-    "Sequence",
-    "Sharded",
-    "causal",
-    "chunking",
-    "derive_devices",
-    "execute_devices",
-    "kind",
-    "merge",
-    "pair_diagrams",
-    "ring",
-    "shard",
-    "zigzag",
+    "EXCHANGES", "DeviceDerivation", "DeviceRule", "DeviceStep", "Sequence", "Sharded", "chunking", "derive_devices",
+    "execute_devices", "has_causal_mask", "kind", "merge", "pair_diagrams", "ring", "shard", "zigzag",
 ]

@@ -1,5 +1,5 @@
 """Past one GPU: device-level relabellings (rewrites.shard/ring/zigzag), their lowering (lowering.lower_devices)
-and the mesh cost (napkin_cat._mesh), on CPU.
+and the mesh cost (nc.mesh_cost), on CPU.
 
 Kernels on 4 devices need ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` before jax starts, and
 conftest starts jax with one device: ``test_on_four_cpu_devices`` reruns this file's ``test_four_*`` tests in a
@@ -27,7 +27,6 @@ from jax.sharding import Mesh
 import napkin_cat as nc
 import tests.references as R
 from lowering import NotLowerable, lower_devices
-from napkin_cat._mesh import mesh_cost
 from napkin_cat.errors import CostError
 from napkin_cat.hardware import H200_X2, NVLINK4, System
 from rewrites import RewriteError, derive, derive_devices, ring, shard, stream, tile, zigzag
@@ -145,16 +144,16 @@ def test_mesh_cost_ring_against_all_gather():
     q, x, d = nc.axes("q x d", d=128)
     attn = nc.library.attention(q, x, d, causal=True, dtype="bf16")
     kw = {"queries": "q", "keys": "x"}
-    ring_ = mesh_cost(attn, H200_X2, **kw).subs(q=131072, x=131072)
-    gather = mesh_cost(attn, H200_X2, scheme="all_gather", **kw).subs(q=131072, x=131072)
+    ring_ = nc.mesh_cost(attn, H200_X2, **kw).subs(q=131072, x=131072)
+    gather = nc.mesh_cost(attn, H200_X2, scheme="all_gather", **kw).subs(q=131072, x=131072)
     chunk = 2 * 65536 * 128 * 2  # K and V of one device's half, bf16
     assert ring_.link_bytes == gather.link_bytes == chunk
     assert ring_.step_time == NVLINK4.latency + sympy.Float(chunk) / NVLINK4.bandwidth
     assert bool(ring_.hidden) and ring_.comm_time == 0 and gather.comm_time == gather.step_time
     assert gather.memory_bytes - ring_.memory_bytes == 0  # two devices: all chunks = the two in flight
-    balanced = mesh_cost(attn, H200_X2, balanced=True, **kw).subs(q=131072, x=131072)
+    balanced = nc.mesh_cost(attn, H200_X2, balanced=True, **kw).subs(q=131072, x=131072)
     assert ring_.flops / balanced.flops == sympy.Rational(3, 2)  # (P − ½) / (P/2) at P = 2
-    both = mesh_cost(attn, H200_X2, backward=True, **kw).subs(q=131072, x=131072)
+    both = nc.mesh_cost(attn, H200_X2, backward=True, **kw).subs(q=131072, x=131072)
     assert both.flops / ring_.flops == sympy.Rational(7, 2)
     assert both.link_bytes == 2 * chunk + 2 * (2 * 65536 * 128 * 4)  # K, V twice; dK, dV (f32) P = 2 steps
 
@@ -162,7 +161,7 @@ def test_mesh_cost_ring_against_all_gather():
 def test_mesh_cost_bad_inputs():
     q, x, d = nc.axes("q x d")
     with pytest.raises(CostError, match=r"^mesh_cost: scheme must be one of ring, all_gather, got 'tree'"):
-        mesh_cost(nc.library.attention(q, x, d), H200_X2, queries="q", keys="x", scheme="tree")
+        nc.mesh_cost(nc.library.attention(q, x, d), H200_X2, queries="q", keys="x", scheme="tree")
     with pytest.raises(CostError, match=r"devices must be a positive integer, got 2.0"):
         System(H200_X2.device, 2.0, NVLINK4)
 
@@ -221,6 +220,14 @@ def test_four_batch_shard_with_ring(seed):
     Q, K, V = jax.random.normal(jax.random.key(seed), (3, 3, 37, 16))
     reference = lambda Q, K, V: R.attention(Q, K, V, causal=True)  # noqa: E731
     outputs_and_grads_close(kernel, reference, (Q, K, V), seed)
+
+
+@on_four
+def test_four_batch_shard_alone(seed):
+    """The group partition alone: batch 5 over 4 devices (padded), the per-device kernel's own backward."""
+    kernel = lower_devices(shard("b", "dp", 4)(flash(batch=(nc.Axis("b"),))))
+    Q, K, V = jax.random.normal(jax.random.key(seed), (3, 5, 24, 16))
+    outputs_and_grads_close(kernel, R.attention, (Q, K, V), seed)
 
 
 @on_four

@@ -5,7 +5,7 @@ Causal bf16 attention, D = 128, B = 1, H = 8, N from 128k doubling: forward and 
 Triton kernels, K/V chunks passed by ``lax.ppermute``), and on one GPU (``lowering.lower`` of the same
 schedule) up to the longest N it holds. Before timing, the ring's output is checked against the one-GPU
 kernel at a small N (relative error ≤ 1e-2). Each time is the median over batches of back-to-back calls.
-The cost functor's communication time (``napkin_cat._mesh.mesh_cost``: latency + bytes/bandwidth per ring
+The cost functor's communication time (``nc.mesh_cost``: latency + bytes/bandwidth per ring
 step) is recorded beside the measured time of the same ``ppermute`` steps alone. Writes
 ``results/ring_attention_<GPU>.json`` and ``.png``.
 
@@ -36,7 +36,6 @@ from jax.sharding import PartitionSpec as Spec  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
 from lowering import lower, lower_devices, median_time  # noqa: E402
-from napkin_cat._mesh import mesh_cost  # noqa: E402
 from napkin_cat.hardware import NVLINK4, System, for_device  # noqa: E402
 from rewrites import derive, derive_devices, ring, stream, tile, zigzag  # noqa: E402
 from rewrites._verify import FAST_COMPILE  # noqa: E402
@@ -153,7 +152,7 @@ def run(args) -> Path:
         if system is not None:
             b, h, qq, x, dd = nc.axes("b h q x d", d=d)
             attn = nc.library.multi_head_attention(h, qq, x, dd, batch=(b,), causal=True, dtype=dtype_name)
-            cost = mesh_cost(attn, system, queries="q", keys="x", balanced=True).subs(b=1, h=heads, q=n, x=n)
+            cost = nc.mesh_cost(attn, system, queries="q", keys="x", balanced=True).subs(b=1, h=heads, q=n, x=n)
             predicted = float(cost.step_time) * (devices - 1)
         else:
             predicted = None
