@@ -227,7 +227,7 @@ def _ring_body(s: Sharded, kernels: _PairKernels, keys: int):
 
     def plan(i, t) -> list:
         """The pairs of ring step ``t`` on device ``i`` as alternatives ``[(predicate or None, pairs), ...]``."""
-        first = isinstance(t, int) and t == 0  # step 0 is traced alone, steps 1 … P−1 in one loop body
+        first = isinstance(t, int) and t == 0  # step 0 has its own plan (the diagonal)
         if is_causal and not seq.balanced:
             if first:
                 return [(None, [("diagonal", [0], [0], None)])]
@@ -236,10 +236,12 @@ def _ring_body(s: Sharded, kernels: _PairKernels, keys: int):
             if first:
                 return [(None, [("diagonal", [0], [0], None), ("diagonal", [1], [1], None), ("full", [1], [0], None)])]
             return [(i >= t, [("full", [0, 1], [0], None)]), (None, [("full", [1], [0, 1], None)])]
-        ck = math.ceil(keys / P)
-        whole, rest = divmod(keys, ck)
+        whole, rest = divmod(keys, math.ceil(keys / P))  # chunks of real keys only, and the ragged one's length
+        if whole == P:
+            return [(None, [("full", [0], [0], None)])]
         j = (i - t) % P
-        return [(j < whole, [("full", [0], [0], None)]), (j == whole, [("full", [0], [0], rest or None)]), (None, [])]
+        ragged = [(j == whole, [("full", [0], [0], rest)])] if rest else []
+        return [(j < whole, [("full", [0], [0], None)]), *ragged, (None, [])]  # the rest: padding only
 
     def part(v, axis, chunks, cut=None):
         pieces = jnp.split(v, u, axis=axis) if u > 1 else [v]

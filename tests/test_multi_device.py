@@ -201,6 +201,7 @@ def outputs_and_grads_close(kernel, reference, args, seed):
         (False, lambda: [ring("q", "x", "sp", 4)], 70),  # ragged: the last chunk 16 of 18
         (True, lambda: [ring("q", "x", "sp", 4), zigzag()], 75),  # 8 chunks of 10, the last 5 padding
         (True, lambda: [ring("q", "x", "sp", 4, exchange="all_gather")], 61),
+        (False, lambda: [ring("q", "x", "sp", 4, exchange="all_gather")], 9),  # 3 chunks of 3, the 4th padding
     ],
 )
 def test_four_ring_forward_and_gradients(seed, causal, rules, n):
