@@ -27,7 +27,7 @@ The backward's FLOPs are 5/2 of the forward's (FlashAttention-2 §3.2: five matm
 >>> n = ring.subs(q=131072, x=131072)
 >>> int(n.link_bytes), bool(n.hidden), round(float(n.step_time * 1e6))
 (33554432, True, 80)
->>> gather = mesh_cost(attn, H200_X2, queries="q", keys="x", scheme="all_gather").subs(q=131072, x=131072)
+>>> gather = mesh_cost(attn, H200_X2, queries="q", keys="x", exchange="all_gather").subs(q=131072, x=131072)
 >>> bool(gather.hidden), float(gather.time) > float(n.time)
 (False, True)
 """
@@ -44,7 +44,7 @@ from napkin_cat.dtypes import f32
 from napkin_cat.errors import CostError
 from napkin_cat.hardware import System
 
-SCHEMES = ("ring", "all_gather")
+EXCHANGES = ("ppermute", "all_gather")  # as rewrites.ring's ``exchange``
 
 
 @dataclass(frozen=True)
@@ -56,12 +56,12 @@ class MeshCost:
     exceeds the step's compute; all-gather: all of it); ``time`` the bound ``compute_time + comm_time``.
 
     >>> from napkin_cat.hardware import H200_X2
-    >>> MeshCost(H200_X2, "ring", *(sympy.Integer(1),) * 7, sympy.true).scheme
-    'ring'
+    >>> MeshCost(H200_X2, "ppermute", *(sympy.Integer(1),) * 7, sympy.true).exchange
+    'ppermute'
     """
 
     system: System
-    scheme: str
+    exchange: str
     flops: sympy.Expr
     gmem_bytes: sympy.Expr
     memory_bytes: sympy.Expr
@@ -88,7 +88,7 @@ class MeshCost:
         values = {sympy.Symbol(k, positive=True, integer=True): v for k, v in sizes.items()}
         return replace(
             self,
-            **{f.name: getattr(self, f.name).subs(values) for f in fields(self) if f.name not in ("system", "scheme")},
+            **{f.name: getattr(self, f.name).subs(values) for f in fields(self) if f.name not in ("system", "exchange")},  # noqa: E501
         )
 
 
@@ -107,13 +107,14 @@ def mesh_cost(
     *,
     queries: str,
     keys: str,
-    scheme: str = "ring",
+    exchange: str = "ppermute",
     balanced: bool = False,
     backward: bool = False,
 ) -> MeshCost:
     """The cost of ``d`` (attention-like: ``keys`` reduced, ``queries`` kept) with both axes split over
-    ``system``'s devices, exchanged by ``scheme`` (``"ring"`` or ``"all_gather"``); ``balanced`` is the
-    zig-zag order of a causal mask; ``backward`` counts forward and backward. See the module.
+    ``system``'s devices, K/V chunks exchanged by ``exchange`` (``"ppermute"`` round the ring or ``"all_gather"``,
+    as :class:`rewrites.ring`'s); ``balanced`` is the zig-zag order of a causal mask; ``backward`` counts forward
+    and backward. See the module.
 
     >>> import napkin_cat as nc
     >>> from napkin_cat.hardware import H200_X2
@@ -122,8 +123,8 @@ def mesh_cost(
     ...
     napkin_cat.errors.CostError: mesh_cost: no input wire has the keys axis 'y'; axes: q, d, x
     """
-    if scheme not in SCHEMES:
-        raise CostError(f"mesh_cost: scheme must be one of {', '.join(SCHEMES)}, got {scheme!r}")
+    if exchange not in EXCHANGES:
+        raise CostError(f"mesh_cost: exchange must be one of {', '.join(EXCHANGES)}, got {exchange!r}")
     sizes = {a.name: a.size for w in d.dom.inside for a in w.axes}
     for role, name in (("queries", queries), ("keys", keys)):
         if name not in sizes:
@@ -145,14 +146,14 @@ def mesh_cost(
     step_time = system.transfer_time(sent) if p > 1 else sympy.Integer(0)
     step_compute = compute_time / p
     own = sympy.Add(*(w.size * w.dtype.bytes for w in (*pair.dom.inside, *pair.cod.inside) if w not in kv))
-    if scheme == "ring":
+    if exchange == "ppermute":
         comm_time = (p - 1) * sympy.Max(0, step_time - step_compute)
         hidden, memory = sympy.Le(step_time, step_compute), own + 2 * chunk
     else:
         comm_time, hidden, memory = (p - 1) * step_time, sympy.false, own + p * chunk
     return MeshCost(
         system,
-        scheme,
+        exchange,
         flops,
         c.gmem_bytes * pairs * work,
         memory,
@@ -164,4 +165,20 @@ def mesh_cost(
     )
 
 
-__all__ = ["SCHEMES", "MeshCost", "mesh_cost"]
+def choose_exchange(d: Diagram, system: System, sizes: dict, **kw) -> str:
+    """The exchange (``"ppermute"`` or ``"all_gather"``) with the smaller time bound at ``sizes`` (by axis name),
+    then the smaller per-device memory; ``kw`` as :func:`mesh_cost`'s. In this model the ring's bound never
+    exceeds the all-gather's (the same bytes, hidden or not), so the all-gather is chosen only on a tie in time
+    and a smaller memory, which does not happen: it is the alternative a measurement can still pick.
+
+    >>> import napkin_cat as nc
+    >>> from napkin_cat.hardware import H200_X2
+    >>> attn = nc.library.attention(*nc.axes("q x d", d=128), causal=True, dtype="bf16")
+    >>> choose_exchange(attn, H200_X2, {"q": 4096, "x": 4096}, queries="q", keys="x")
+    'ppermute'
+    """
+    costs = {e: mesh_cost(d, system, exchange=e, **kw).subs(**sizes) for e in EXCHANGES}
+    return min(EXCHANGES, key=lambda e: (float(costs[e].time), float(costs[e].memory_bytes)))
+
+
+__all__ = ["EXCHANGES", "MeshCost", "choose_exchange", "mesh_cost"]

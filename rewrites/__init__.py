@@ -36,10 +36,10 @@ from rewrites._tile import tile
 from rewrites._verify import Trial, Verification, random_inputs, relative_error, tolerance
 
 __all__ = [
-    "Derivation", "DeviceDerivation", "DeviceRule", "DeviceStep", "Proof", "Residual", "RewriteError", "Rule",
-    "Sequence", "Sharded", "Step", "Trial", "Verification", "chunking", "delta_lemma", "derive", "derive_devices",
-    "execute", "execute_devices", "fuse_softmax_contract", "has_causal_mask", "level", "lse_residual", "merge",
-    "pair_diagrams", "partitions", "prove_accumulator", "prove_equivalent", "prove_lemmas", "prove_monoid",
-    "pseudocode", "random_inputs", "reduced", "relative_error", "ring", "shard", "stream", "streamability", "tile",
-    "tolerance", "walk", "widened", "zigzag",
+    "DeviceDerivation", "DeviceRule", "DeviceStep", "Sequence", "Sharded", "chunking", "derive_devices",  # devices
+    "execute_devices", "has_causal_mask", "merge", "pair_diagrams", "ring", "shard", "zigzag",  # (rewrites._device)
+    "Derivation", "Proof", "Residual", "RewriteError", "Rule", "Step", "Trial", "Verification", "delta_lemma",
+    "derive", "execute", "fuse_softmax_contract", "level", "lse_residual", "partitions", "prove_accumulator",
+    "prove_equivalent", "prove_lemmas", "prove_monoid", "pseudocode", "random_inputs", "reduced",
+    "relative_error", "stream", "streamability", "tile", "tolerance", "walk", "widened",
 ]

@@ -168,7 +168,7 @@ def test_mesh_cost_ring_against_all_gather():
     attn = nc.library.attention(q, x, d, causal=True, dtype="bf16")
     kw = {"queries": "q", "keys": "x"}
     ring_ = nc.mesh_cost(attn, H200_X2, **kw).subs(q=131072, x=131072)
-    gather = nc.mesh_cost(attn, H200_X2, scheme="all_gather", **kw).subs(q=131072, x=131072)
+    gather = nc.mesh_cost(attn, H200_X2, exchange="all_gather", **kw).subs(q=131072, x=131072)
     chunk = 2 * 65536 * 128 * 2  # K and V of one device's half, bf16
     assert ring_.link_bytes == gather.link_bytes == chunk
     assert ring_.step_time == NVLINK4.latency + sympy.Float(chunk) / NVLINK4.bandwidth
@@ -183,8 +183,8 @@ def test_mesh_cost_ring_against_all_gather():
 
 def test_mesh_cost_bad_inputs():
     q, x, d = nc.axes("q x d")
-    with pytest.raises(CostError, match=r"^mesh_cost: scheme must be one of ring, all_gather, got 'tree'"):
-        nc.mesh_cost(nc.library.attention(q, x, d), H200_X2, queries="q", keys="x", scheme="tree")
+    with pytest.raises(CostError, match=r"^mesh_cost: exchange must be one of ppermute, all_gather, got 'tree'"):
+        nc.mesh_cost(nc.library.attention(q, x, d), H200_X2, queries="q", keys="x", exchange="tree")
     with pytest.raises(CostError, match=r"devices must be a positive integer, got 2.0"):
         System(H200_X2.device, 2.0, NVLINK4)
 
