@@ -181,6 +181,15 @@ def test_mesh_cost_ring_against_all_gather():
     assert both.link_bytes == 2 * chunk + 2 * (2 * 65536 * 128 * 4)  # K, V twice; dK, dV (f32) P = 2 steps
 
 
+def test_docs_cost_example_runs(capsys):
+    """docs/multi_device.md's cost example (its kernel example is test_four_ring_forward_and_gradients)."""
+    import re
+
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "multi_device.md").read_text(), re.S)
+    exec(blocks[1], {"nc": nc})  # noqa: S102 - the documentation's own example
+    assert capsys.readouterr().out.splitlines()[-1] == "ppermute"
+
+
 def test_mesh_cost_bad_inputs():
     q, x, d = nc.axes("q x d")
     with pytest.raises(CostError, match=r"^mesh_cost: exchange must be one of ppermute, all_gather, got 'tree'"):
