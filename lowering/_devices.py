@@ -5,7 +5,7 @@
   neutral for an axis no box mixes.
 * A sequence partition (``ring``) runs, on each device, the lowered *pair kernels* (``lower`` of
   ``rewrites.pair_diagrams``: the per-device kernel that also returns its f32 output and log-sum-exp) over
-  its query chunk and each key chunk, merged through the log-sum-exps (``rewrites.merge``). With
+  its query chunk and each key chunk, merged through the log-sum-exps (``rewrites.merge_lse``). With
   ``exchange="ppermute"`` the K/V chunks travel the ring by ``lax.ppermute``, the next chunk's transfer issued
   before this chunk's kernel so that XLA can overlap them; with ``"all_gather"`` each device gathers every
   chunk first. Chunk pairs past the causal diagonal are skipped (``lax.cond`` on the device index); under
@@ -41,7 +41,7 @@ from lowering._api import lower
 from lowering._backward import backward_of
 from lowering._plan import NotLowerable
 from lowering._triton import Config
-from rewrites import Sharded, chunking, has_causal_mask, merge, pair_diagrams
+from rewrites import Sharded, chunking, has_causal_mask, merge_lse, pair_diagrams
 
 
 def _mesh(s: Sharded, mesh: Mesh | None) -> Mesh:
@@ -268,7 +268,7 @@ def _ring_body(s: Sharded, kernels: _PairKernels, keys: int):
                 o, lse = kernels.forward[kind](*pair_inputs(local, qc, kc, cut))
                 if len(qc) < u:  # rows not in this pair saw no key: O = 0, L = −∞
                     o, lse = spread(o, o_at, qc, None, shapes[0]), spread(lse, l_at, qc, None, shapes[1], -jnp.inf)
-                acc = merge(acc, (o, lse), out_w.names, rows)
+                acc = merge_lse(acc, (o, lse), out_w.names, rows)
             return acc
 
         return branch
@@ -307,10 +307,10 @@ def _ring_body(s: Sharded, kernels: _PairKernels, keys: int):
 
         def body(t, carry):
             kv, acc = carry
-            return fetch(t + 1, kv), merge(acc, step(t, kv), out_w.names, rows)
+            return fetch(t + 1, kv), merge_lse(acc, step(t, kv), out_w.names, rows)
 
         return _ring_loop(
-            P, fetch, body, lambda kv: step(0, kv), lambda kv, acc: merge(acc, step(P - 1, kv), out_w.names, rows)
+            P, fetch, body, lambda kv: step(0, kv), lambda kv, acc: merge_lse(acc, step(P - 1, kv), out_w.names, rows)
         )
 
     def grad_branch(pairs, local, do, o, lse):

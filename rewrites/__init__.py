@@ -19,7 +19,7 @@ from rewrites._device import (
     derive_devices,
     execute_devices,
     has_causal_mask,
-    merge,
+    merge_lse,
     pair_diagrams,
     ring,
     shard,
@@ -37,7 +37,7 @@ from rewrites._verify import Trial, Verification, random_inputs, relative_error,
 
 __all__ = [
     "DeviceDerivation", "DeviceRule", "DeviceStep", "Sequence", "Sharded", "chunking", "derive_devices",  # devices
-    "execute_devices", "has_causal_mask", "merge", "pair_diagrams", "ring", "shard", "zigzag",  # (rewrites._device)
+    "execute_devices", "has_causal_mask", "merge_lse", "pair_diagrams", "ring", "shard", "zigzag",  # (rewrites._device)
     "AUTO", "Derivation", "OpenSize", "Proof", "Residual", "RewriteError", "Rule", "Step", "Trial", "Verification",
     "delta_lemma", "derive", "execute", "fuse_softmax_contract", "level", "lse_residual", "open_sizes", "partitions",
     "prove_accumulator", "prove_equivalent", "prove_lemmas", "prove_monoid", "pseudocode", "random_inputs", "reduced",

@@ -339,12 +339,12 @@ def _pair(s: Sharded, unmask: bool, lse: bool) -> Diagram:
     return t.diagram(s.diagram.dataflow(xs, step))
 
 
-def merge(a: tuple, b: tuple, names: tuple[str, ...], rows: tuple[str, ...]) -> tuple:
+def merge_lse(a: tuple, b: tuple, names: tuple[str, ...], rows: tuple[str, ...]) -> tuple:
     """Two partial results ``(O, L)`` of the same rows over disjoint keys, merged through their log-sum-exps
     (FlashAttention's rescaling; rows that saw no key have ``L = −∞`` and ``O = 0``). ``names`` are the axes
     of ``O``, ``rows`` those of ``L``.
 
-    >>> o, l = merge((jnp.ones((1, 2)), jnp.zeros(1)), (3 * jnp.ones((1, 2)), jnp.zeros(1)), ("q", "d"), ("q",))
+    >>> o, l = merge_lse((jnp.ones((1, 2)), jnp.zeros(1)), (3 * jnp.ones((1, 2)), jnp.zeros(1)), ("q", "d"), ("q",))
     >>> o.tolist(), round(float(l[0]), 4)
     ([[2.0, 2.0]], 0.6931)
     """
@@ -457,7 +457,7 @@ def _ring_semantics(s: Sharded):
                         if k is None or kc * ck >= nk:  # skipped, or a chunk of padding only
                             continue
                         part = pairs[k](*(chunk(w, x, kc if not w.has(seq.queries) else qc) for w, x in ins))
-                        acc = part if acc is None else merge(acc, part, out_w.names, rows)
+                        acc = part if acc is None else merge_lse(acc, part, out_w.names, rows)
                 outs[qc] = acc[0]
         i = out_w.names.index(seq.queries)
         full = jnp.concatenate([outs[c] for c in range(n)], axis=i)
@@ -537,5 +537,5 @@ def derive_devices(
 
 __all__ = [
     "EXCHANGES", "DeviceDerivation", "DeviceRule", "DeviceStep", "Sequence", "Sharded", "chunking", "derive_devices",
-    "execute_devices", "has_causal_mask", "kind", "merge", "pair_diagrams", "ring", "shard", "zigzag",
+    "execute_devices", "has_causal_mask", "kind", "merge_lse", "pair_diagrams", "ring", "shard", "zigzag",
 ]
