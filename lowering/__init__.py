@@ -13,6 +13,7 @@ True
 
 from lowering._api import Kernel, OpenKernel, lower
 from lowering._attention import AttentionKernel, attention
+from lowering._devices import DeviceKernel, lower_devices
 from lowering._mosaic import MosaicConfig, MosaicLowered
 from lowering._plan import NotLowerable, Plan, plan
 from lowering._search import median_time
@@ -20,6 +21,7 @@ from lowering._tiles import Choice, choose_tiles, predicted_time
 from lowering._triton import Config, Lowered
 
 __all__ = [
+    "DeviceKernel", "lower_devices",  # past one GPU (lowering._devices)
     "AttentionKernel", "Choice", "Config", "Kernel", "Lowered", "MosaicConfig", "MosaicLowered", "NotLowerable",
     "OpenKernel", "Plan", "attention", "choose_tiles", "lower", "median_time", "plan", "predicted_time",
 ]

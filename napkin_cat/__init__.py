@@ -13,6 +13,7 @@ napkin_cat never imports the lowering.
 
 from napkin_cat import architectures, hardware, library, optimize
 from napkin_cat._cost import Cost, cost
+from napkin_cat._mesh import MeshCost, choose_exchange, mesh_cost
 from napkin_cat._reverse import NoDerivative, Tape, derivative, pullback, reverse
 from napkin_cat.axes import Axis, axes
 from napkin_cat.convolution import concat, conv, rename
@@ -57,6 +58,7 @@ from napkin_cat.levels import HBM, L2, REG, SMEM, TC, Level
 from napkin_cat.semantics import to_jax
 
 __all__ = [
+    "MeshCost", "choose_exchange", "mesh_cost",  # the device level (napkin_cat._mesh)
     "Array", "Axis", "AxisError", "Box", "CompositionError", "Context", "Cost", "CostError", "Diagram", "Dtype",
     "EvaluationError", "Generator", "HBM", "L2", "Level", "NapkinError", "NoDerivative", "REG", "SMEM", "TC",
     "Tape", "Template", "Ty", "add", "architectures", "axes", "bf16", "cast", "causal_mask", "concat", "contract",

@@ -33,6 +33,14 @@ A user-defined model is the same record; :func:`dataclasses.replace` derives var
 (2000000000000.0, True)
 >>> A100_40GB.bandwidth(L2)
 1555000000000.0
+
+Past one chip the device is a level too (DESIGN "Backward, backends and devices"): a :class:`System` is
+``devices`` copies of a GPU joined by an :class:`Interconnect` (NVLink), with per-device memory the GPU's HBM:
+
+>>> H200_X2.devices, H200_X2.memory_per_device == 141 * GB, H200_X2.link.bandwidth / 1e9
+(2, True, 450.0)
+>>> round(H200_X2.transfer_time(64 * MiB) * 1e6, 1)    # one 64 MiB chunk over one link: latency + bytes / bandwidth
+154.1
 """
 
 from __future__ import annotations
@@ -291,6 +299,69 @@ A100_40GB = replace(
 HARDWARE = (A100, A100_40GB, H100, H200)
 
 
+@dataclass(frozen=True)
+class Interconnect:
+    """A device-to-device link: ``bandwidth`` in bytes/s each way per GPU, ``latency`` in seconds per transfer.
+
+    >>> NVLINK4.bandwidth * 2 / 1e9                   # datasheet figure: bidirectional per GPU
+    900.0
+    """
+
+    name: str
+    bandwidth: float
+    latency: float
+
+
+# NVLink 4 (H100/H200 SXM datasheets): 18 links × 50 GB/s = 900 GB/s bidirectional per GPU, so 450 GB/s each
+# way; through NVSwitch (HGX boards) one peer can take all of it. Latency: NCCL's point-to-point latency on
+# NVLink within a node is a few µs (nccl-tests sendrecv at small sizes); 5 µs is that lead, measured nowhere here.
+NVLINK4 = Interconnect("NVLink 4", 450e9, 5e-6)
+
+
+@dataclass(frozen=True)
+class System:
+    """The device level: ``devices`` copies of the GPU ``device`` joined pairwise by ``link``.
+
+    >>> System(H100, 0, NVLINK4)
+    Traceback (most recent call last):
+    ...
+    napkin_cat.errors.CostError: system of H100: devices must be a positive integer, got 0
+    """
+
+    device: Hardware
+    devices: int
+    link: Interconnect
+
+    def __post_init__(self):
+        if isinstance(self.devices, bool) or not isinstance(self.devices, int) or self.devices < 1:
+            raise CostError(f"system of {self.device.name}: devices must be a positive integer, got {self.devices!r}")
+
+    @property
+    def name(self) -> str:
+        """``<devices>x<GPU>``.
+
+        >>> H100_X8.name
+        '8xH100'
+        """
+        return f"{self.devices}x{self.device.name}"
+
+    @property
+    def memory_per_device(self) -> int:
+        """Bytes of HBM on each device."""
+        return self.device.capacity(HBM)
+
+    def transfer_time(self, nbytes):
+        """Seconds to move ``nbytes`` one way over one link: latency + bytes/bandwidth."""
+        return self.link.latency + nbytes / self.link.bandwidth
+
+
+# HGX H100 / H200 boards: 8 GPUs on NVSwitch (NVIDIA HGX datasheets); the lent machines hand out 2 of them.
+H100_X8 = System(H100, 8, NVLINK4)
+H200_X2 = System(H200, 2, NVLINK4)
+H200_X8 = System(H200, 8, NVLINK4)
+SYSTEMS = (H100_X8, H200_X2, H200_X8)
+
+
 def lookup(hardware: Hardware | str) -> Hardware:
     """A hardware model, given itself or its name (case-insensitive); a :class:`CostError` lists the known names.
 
@@ -333,11 +404,18 @@ __all__ = [
     "GB",
     "H100",
     "H200",
+    "H100_X8",
+    "H200_X2",
+    "H200_X8",
     "HARDWARE",
     "Hardware",
+    "Interconnect",
     "KiB",
     "Memory",
     "MiB",
+    "NVLINK4",
+    "SYSTEMS",
+    "System",
     "for_device",
     "lookup",
 ]

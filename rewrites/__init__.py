@@ -9,6 +9,22 @@ q/128×d
 """
 
 from rewrites._derive import Derivation, Step, derive
+from rewrites._device import (
+    DeviceDerivation,
+    DeviceRule,
+    DeviceStep,
+    Sequence,
+    Sharded,
+    chunking,
+    derive_devices,
+    execute_devices,
+    has_causal_mask,
+    merge_lse,
+    pair_diagrams,
+    ring,
+    shard,
+    zigzag,
+)
 from rewrites._io_aware import Residual, delta_lemma, lse_residual, prove_lemmas, reduced, widened
 from rewrites._level import level
 from rewrites._proofs import Proof, prove_accumulator, prove_equivalent, prove_monoid
@@ -20,6 +36,8 @@ from rewrites._tile import tile
 from rewrites._verify import Trial, Verification, random_inputs, relative_error, tolerance
 
 __all__ = [
+    "DeviceDerivation", "DeviceRule", "DeviceStep", "Sequence", "Sharded", "chunking", "derive_devices",  # devices
+    "execute_devices", "has_causal_mask", "merge_lse", "pair_diagrams", "ring", "shard", "zigzag",  # (rewrites._device)
     "AUTO", "Derivation", "OpenSize", "Proof", "Residual", "RewriteError", "Rule", "Step", "Trial", "Verification",
     "delta_lemma", "derive", "execute", "fuse_softmax_contract", "level", "lse_residual", "open_sizes", "partitions",
     "prove_accumulator", "prove_equivalent", "prove_lemmas", "prove_monoid", "pseudocode", "random_inputs", "reduced",

@@ -1,0 +1,421 @@
+"""Lowering past one GPU: device-level partitions (``rewrites.shard``/``ring``/``zigzag``) on ``jax.shard_map``.
+
+* A group partition (``shard``) is a ``shard_map`` over its mesh axis around the per-device kernel
+  (``lower`` of the scheduled diagram, with its own lowered backward); ragged sizes are padded, which is
+  neutral for an axis no box mixes.
+* A sequence partition (``ring``) runs, on each device, the lowered *pair kernels* (``lower`` of
+  ``rewrites.pair_diagrams``: the per-device kernel that also returns its f32 output and log-sum-exp) over
+  its query chunk and each key chunk, merged through the log-sum-exps (``rewrites.merge_lse``). With
+  ``exchange="ppermute"`` the K/V chunks travel the ring by ``lax.ppermute``, the next chunk's transfer issued
+  before this chunk's kernel so that XLA can overlap them; with ``"all_gather"`` each device gathers every
+  chunk first. Chunk pairs past the causal diagonal are skipped (``lax.cond`` on the device index); under
+  ``zigzag`` every branch runs the same work.
+* The backward is an exact ``jax.custom_vjp`` of the per-device function, through the *lowered backward
+  kernels* of the pair diagrams (``lowering._backward``: ``P = exp(S − L)``, ``Δ = rowsum(dO ⊙ O)``), fed the
+  global ``L`` and ``O``: each pair's dQ, dK, dV are then exact partial sums. dQ accumulates in place; dK and dV
+  (f32) travel the ring with K and V and take one more step home (``all_gather``: summed by ``psum_scatter``).
+
+>>> import jax, jax.numpy as jnp
+>>> import napkin_cat as nc
+>>> from rewrites import derive, tile, stream, derive_devices, ring
+>>> q, x, d = nc.axes("q x d")
+>>> flash = derive(nc.library.attention(q, x, d), tile(q, 16), stream(x, 16), verify=False)
+>>> kernel = lower_devices(derive_devices(flash, ring("q", "x", "sp", 1), verify=False))
+>>> Q, K, V = (jax.random.normal(jax.random.key(i), (40, 16)) for i in range(3))
+>>> bool(jnp.allclose(kernel(Q, K, V), nc.to_jax(flash.diagram)(Q, K, V), atol=1e-4))
+True
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as Spec
+
+from lowering._api import lower
+from lowering._backward import backward_of
+from lowering._plan import NotLowerable
+from lowering._triton import Config
+from rewrites import Sharded, chunking, has_causal_mask, merge_lse, pair_diagrams
+
+
+def _mesh(s: Sharded, mesh: Mesh | None) -> Mesh:
+    """``mesh``, checked against the partitions' mesh axes; by default the first devices, one mesh axis each."""
+    want = s.mesh
+    if mesh is None:
+        n = math.prod(want.values())
+        if n > jax.device_count():
+            raise NotLowerable(
+                f"lower_devices: the partitions {s} need {n} devices; jax sees {jax.device_count()} "
+                "(on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N before jax starts)"
+            )
+        return Mesh(np.array(jax.devices()[:n]).reshape(tuple(want.values()) or (1,)), tuple(want) or ("devices",))
+    for name, size in want.items():
+        if name not in mesh.shape:
+            raise NotLowerable(f"lower_devices: the mesh has no axis {name!r} (its axes: {', '.join(mesh.axis_names)})")
+        if mesh.shape[name] != size:
+            raise NotLowerable(
+                f"lower_devices: mesh axis {name!r} has {mesh.shape[name]} devices; the partition {s} wants {size}"
+            )
+    return mesh
+
+
+class DeviceKernel:
+    """A lowered :class:`~rewrites.Sharded`: call it on the full (global) arrays, in the diagram's axis order.
+
+    ``mesh`` is the device mesh; ``exchange`` how K/V chunks move (None without a sequence partition);
+    ``differentiation`` is ``"lowered"`` (the pair kernels' lowered backward, ring-reduced) or the per-device
+    kernel's own for a group partition alone.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import shard
+    >>> b, q, x, d = nc.axes("b q x d")
+    >>> from rewrites import derive, tile, stream
+    >>> flash = derive(nc.library.multi_head_attention(b, q, x, d), tile(q, 16), stream(x, 16), verify=False)
+    >>> k = lower_devices(shard("b", "dp", 1)(flash))
+    >>> k.exchange, k.mesh.shape["dp"], k.differentiation
+    (None, 1, 'lowered')
+    """
+
+    def __init__(self, s: Sharded, mesh: Mesh, fn, *, exchange: str | None, differentiation: str):
+        self.sharded, self.mesh, self._fn = s, mesh, fn
+        self.exchange, self.differentiation = exchange, differentiation
+        self.__name__ = "napkin_device_kernel"
+
+    def __call__(self, *arrays):
+        return self._fn(*arrays)
+
+
+def lower_devices(
+    sharded,
+    mesh: Mesh | None = None,
+    *,
+    interpret: bool | None = None,
+    config: Config | None = None,
+    hardware=None,
+) -> DeviceKernel:
+    """A JAX callable for a :class:`~rewrites.Sharded` (or a ``DeviceDerivation``): ``shard_map`` over ``mesh``
+    (by default the first devices, one mesh axis per partition) around lowered per-device kernels; see the
+    module. ``interpret``, ``config`` and ``hardware`` reach every per-device kernel, as in :func:`lower`.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream, ring
+    >>> q, x, d = nc.axes("q x d")
+    >>> flash = derive(nc.library.attention(q, x, d), tile(q, 16), stream(x, 16), verify=False)
+    >>> lower_devices(ring("q", "x", "sp", 64)(flash))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    lowering._plan.NotLowerable: lower_devices: the partitions ring(q, x over sp:64, ppermute) of ... need 64 ...
+    """
+    s = getattr(sharded, "sharded", sharded)
+    if not isinstance(s, Sharded):
+        raise NotLowerable(f"lower_devices takes a Sharded or a DeviceDerivation, got {type(sharded).__name__}")
+    m = _mesh(s, mesh)
+    options = {"interpret": interpret, "config": config, "hardware": hardware}
+    d, seq = s.diagram, s.sequence
+    if seq is None:
+        kernel = lower(d, **options)
+        bodies, differentiation = (lambda keys: kernel), kernel.differentiation
+    else:
+        for w in d.dom.inside:
+            if not (w.has(seq.queries) or w.has(seq.keys)):
+                raise NotLowerable(
+                    f"lower_devices: input {w.describe()} is indexed by neither {seq.queries} nor {seq.keys}; "
+                    "the ring lowers attention's query-side and key-side inputs only"
+                )
+        pairs = _PairKernels(s, options)
+        bodies, differentiation = (lambda keys: _ring_body(s, pairs, keys)), "lowered"
+    placed = {a: mm for a, mm, _ in s.groups}
+    if seq is not None:
+        placed |= {seq.queries: seq.mesh_axis, seq.keys: seq.mesh_axis}
+
+    def spec(w):
+        return Spec(*(placed.get(n) for n in w.names))
+
+    @functools.cache
+    def mapped(keys: int | None):
+        return jax.shard_map(
+            bodies(keys),
+            mesh=m,
+            in_specs=tuple(spec(w) for w in d.dom.inside),
+            out_specs=spec(d.cod.inside[0]),
+            check_vma=False,  # Pallas calls carry no varying-manual-axes types
+        )
+
+    fn = functools.partial(_call, s, mapped)
+    return DeviceKernel(s, m, fn, exchange=seq.exchange if seq else None, differentiation=differentiation)
+
+
+def _call(s: Sharded, mapped, *xs):
+    """Pad every partitioned axis to whole chunks (zig-zag: reorder the chunks to their devices), run, undo."""
+    d, seq = s.diagram, s.sequence
+    if len(xs) != len(d.dom):
+        raise NotLowerable(f"device kernel {d.dom} → {d.cod}: expected {len(d.dom)} arrays, got {len(xs)}")
+    out_w = d.cod.inside[0]
+    extent = {n: x.shape[i] for w, x in zip(d.dom.inside, xs, strict=True) for i, n in enumerate(w.names)}
+    whole = {a: math.ceil(extent[a] / n) * n for a, _, n in s.groups}
+    order, keys = None, None
+    if seq is not None:
+        if has_causal_mask(s) and extent[seq.queries] != extent[seq.keys]:
+            raise NotLowerable(
+                f"lower_devices: a causal mask pairs equal chunks; {seq.queries} has {extent[seq.queries]} and "
+                f"{seq.keys} has {extent[seq.keys]} positions"
+            )
+        cq, ck = chunking(seq, extent[seq.queries], extent[seq.keys])
+        n = seq.units * seq.devices
+        whole |= {seq.queries: n * cq, seq.keys: n * ck}
+        order, keys = [c for dev in range(seq.devices) for c in seq.owned(dev)], extent[seq.keys]
+
+    def prepare(w, x):
+        for i, name in enumerate(w.names):
+            if name in whole:
+                x = jnp.pad(x, [(0, whole[name] - x.shape[i]) if j == i else (0, 0) for j in range(x.ndim)])
+                if order is not None and name in (seq.queries, seq.keys):
+                    x = _reorder(x, i, order)
+        return x
+
+    out = mapped(keys)(*(prepare(w, x) for w, x in zip(d.dom.inside, xs, strict=True)))
+    for i, name in enumerate(out_w.names):
+        if order is not None and name == seq.queries:
+            out = _reorder(out, i, [int(c) for c in np.argsort(order)])
+        if name in whole:
+            out = jax.lax.slice_in_dim(out, 0, extent[name], axis=i)
+    return out
+
+
+def _reorder(x, axis: int, order: list[int]):
+    """The chunks of ``x`` along ``axis`` (``len(order)`` equal chunks) in the given order."""
+    if order == sorted(order):
+        return x
+    parts = jnp.split(x, len(order), axis=axis)
+    return jnp.concatenate([parts[c] for c in order], axis=axis)
+
+
+class _PairKernels:
+    """The lowered pair kernels by kind: forward with (f32 O, L); the backward pieces, built when first used."""
+
+    def __init__(self, s: Sharded, options: dict):
+        self.forward = {k: lower(v, **options).forward for k, v in pair_diagrams(s).items()}
+        plain = pair_diagrams(s, lse=False)
+        self.backward = {k: backward_of(v) for k, v in plain.items()}
+        self._plain, self._options = plain, options
+
+    @functools.cache  # noqa: B019 - one per lowered device kernel, kept as long as it is
+    def pieces(self, kind: str) -> tuple:
+        return lower(self._plain[kind], **self._options).kernels[1:]
+
+
+def _ring_body(s: Sharded, kernels: _PairKernels, keys: int):
+    """The per-device function of a sequence partition over ``keys`` positions in all, with its exact custom_vjp.
+
+    A *pair* is ``(kind, query chunks, key chunks, cut)``: the pair kernel of ``kind`` on the local query
+    chunks and key chunks listed (of the ``u`` local ones), the keys cut to ``cut`` (padding) if not None.
+    """
+    seq, d = s.sequence, s.diagram
+    ins, out_w = d.dom.inside, d.cod.inside[0]
+    is_q = [w.has(seq.queries) for w in ins]
+    at = [w.names.index(seq.queries if q else seq.keys) for w, q in zip(ins, is_q, strict=True)]
+    rows = tuple(n for n in out_w.names if n in d.boxes[-1].dom.inside[0].names)
+    o_at, l_at = out_w.names.index(seq.queries), rows.index(seq.queries)
+    P, u, is_causal = seq.devices, seq.units, has_causal_mask(s)  # noqa: N806 - the papers' P
+    ring = [(j, (j + 1) % P) for j in range(P)]
+
+    def plan(i, t) -> list:
+        """The pairs of ring step ``t`` on device ``i`` as alternatives ``[(predicate or None, pairs), ...]``."""
+        first = isinstance(t, int) and t == 0  # step 0 has its own plan (the diagonal)
+        if is_causal and not seq.balanced:
+            if first:
+                return [(None, [("diagonal", [0], [0], None)])]
+            return [(i >= t, [("full", [0], [0], None)]), (None, [])]
+        if is_causal:  # zig-zag: device i holds chunks i and 2P−1−i; each branch is the same work
+            if first:
+                return [(None, [("diagonal", [0], [0], None), ("diagonal", [1], [1], None), ("full", [1], [0], None)])]
+            return [(i >= t, [("full", [0, 1], [0], None)]), (None, [("full", [1], [0, 1], None)])]
+        whole, rest = divmod(keys, math.ceil(keys / P))  # chunks of real keys only, and the ragged one's length
+        if whole == P:
+            return [(None, [("full", [0], [0], None)])]
+        j = (i - t) % P
+        ragged = [(j == whole, [("full", [0], [0], rest)])] if rest else []
+        return [(j < whole, [("full", [0], [0], None)]), *ragged, (None, [])]  # the rest: padding only
+
+    def part(v, axis, chunks, cut=None):
+        pieces = jnp.split(v, u, axis=axis) if u > 1 else [v]
+        v = pieces[chunks[0]] if len(chunks) == 1 else jnp.concatenate([pieces[c] for c in chunks], axis=axis)
+        return v if cut is None else jax.lax.slice_in_dim(v, 0, cut, axis=axis)
+
+    def spread(v, axis, chunks, cut, like, fill=0.0):
+        """``v`` (the rows of ``chunks``, cut to ``cut``) placed among all local rows, ``fill`` elsewhere."""
+        if cut is None and len(chunks) == u:
+            return v
+        full, step = jnp.full(like, fill, v.dtype), like[axis] // u
+        for n, c in enumerate(chunks):
+            piece = jax.lax.slice_in_dim(v, n * step, min((n + 1) * step, v.shape[axis]), axis=axis)
+            full = jax.lax.dynamic_update_slice_in_dim(full, piece, c * step, axis=axis)
+        return full
+
+    def pair_inputs(local, qc, kc, cut):
+        return [part(x, a, qc if q else kc, None if q else cut) for x, q, a in zip(local, is_q, at, strict=True)]
+
+    def forward_branch(pairs, local, shapes):
+        def branch():
+            acc = (jnp.zeros(shapes[0], jnp.float32), jnp.full(shapes[1], -jnp.inf, jnp.float32))
+            for kind, qc, kc, cut in pairs:
+                o, lse = kernels.forward[kind](*pair_inputs(local, qc, kc, cut))
+                if len(qc) < u:  # rows not in this pair saw no key: O = 0, L = −∞
+                    o, lse = spread(o, o_at, qc, None, shapes[0]), spread(lse, l_at, qc, None, shapes[1], -jnp.inf)
+                acc = merge_lse(acc, (o, lse), out_w.names, rows)
+            return acc
+
+        return branch
+
+    def exchange(xs):
+        """``fetch(t, previous)``: the key-side arrays of device ``i − t``."""
+        keyed = [(x, a) for x, q, a in zip(xs, is_q, at, strict=True) if not q]
+        if seq.exchange == "all_gather":
+            full = [jax.lax.all_gather(x, seq.mesh_axis, axis=a, tiled=True) for x, a in keyed]
+            i = jax.lax.axis_index(seq.mesh_axis)
+            return lambda t, _: [
+                jax.lax.dynamic_slice_in_dim(f, ((i - t) % P) * x.shape[a], x.shape[a], axis=a)
+                for f, (x, a) in zip(full, keyed, strict=True)
+            ]
+        return lambda t, previous: (
+            [x for x, _ in keyed] if previous is None else [jax.lax.ppermute(k, seq.mesh_axis, ring) for k in previous]
+        )
+
+    def with_keys(xs, kv):
+        it = iter(kv)
+        return [x if q else next(it) for x, q in zip(xs, is_q, strict=True)]
+
+    def shapes_of(xs):
+        extent = {n: x.shape[j] for w, x in zip(ins, xs, strict=True) for j, n in enumerate(w.names)}
+        extent[seq.queries] = next(x.shape[a] for x, q, a in zip(xs, is_q, at, strict=True) if q)
+        o = tuple(extent[n] for n in out_w.names)
+        return o, tuple(extent[n] for n in rows)
+
+    def forward(*xs):
+        i, shapes = jax.lax.axis_index(seq.mesh_axis), shapes_of(xs)
+        fetch = exchange(xs)
+
+        def step(t, kv):
+            local = with_keys(xs, kv)
+            return _branches(plan(i, t), lambda pairs: forward_branch(pairs, local, shapes))
+
+        def body(t, carry):
+            kv, acc = carry
+            return fetch(t + 1, kv), merge_lse(acc, step(t, kv), out_w.names, rows)
+
+        return _ring_loop(
+            P, fetch, body, lambda kv: step(0, kv), lambda kv, acc: merge_lse(acc, step(P - 1, kv), out_w.names, rows)
+        )
+
+    def grad_branch(pairs, local, do, o, lse):
+        def branch():
+            grads = [jnp.zeros(x.shape, jnp.float32) for x in local]
+            for kind, qc, kc, cut in pairs:
+                b = kernels.backward[kind]
+                values = [*pair_inputs(local, qc, kc, cut), part(do, o_at, qc)]
+                residual = (part(o, o_at, qc), part(lse, l_at, qc))  # the forward with residuals gives (O, L)
+                values += [residual[p] for p in b.residuals]
+                for piece, kernel in zip(b.pieces, kernels.pieces(kind), strict=True):
+                    res = kernel(*(values[j] for j in piece.inputs))
+                    for j, r, summed in zip(
+                        piece.outputs, res if isinstance(res, tuple) else (res,), piece.sums, strict=True
+                    ):
+                        r = jnp.sum(r.astype(jnp.float32), axis=summed) if summed else r.astype(jnp.float32)
+                        chunks, c = (qc, None) if is_q[j] else (kc, cut)
+                        grads[j] = grads[j] + spread(r, at[j], chunks, c, local[j].shape)
+            return grads
+
+        return branch
+
+    @jax.custom_vjp
+    def f(*xs):
+        return forward(*xs)[0].astype(out_w.dtype.jnp)
+
+    def f_fwd(*xs):
+        o, lse = forward(*xs)
+        o = o.astype(out_w.dtype.jnp)
+        return o, (xs, o, lse)
+
+    def f_bwd(saved, do):
+        xs, o, lse = saved
+        do, i = do.astype(out_w.dtype.jnp), jax.lax.axis_index(seq.mesh_axis)
+        fetch = exchange(xs)
+        keyed_at = [a for a, q in zip(at, is_q, strict=True) if not q]
+        gathered = seq.exchange == "all_gather"
+        dq = [jnp.zeros(x.shape, jnp.float32) for x, q in zip(xs, is_q, strict=True) if q]
+        dk = [
+            jnp.zeros(tuple(n * (P if gathered and j == a else 1) for j, n in enumerate(x.shape)), jnp.float32)
+            for x, a in zip((x for x, q in zip(xs, is_q, strict=True) if not q), keyed_at, strict=True)
+        ]
+
+        def step(t, kv, dq, dk):
+            local = with_keys(xs, kv)
+            grads = _branches(plan(i, t), lambda pairs: grad_branch(pairs, local, do, o, lse))
+            dq = [a + g for a, g in zip(dq, (g for g, q in zip(grads, is_q, strict=True) if q), strict=True)]
+            kg = [g for g, q in zip(grads, is_q, strict=True) if not q]
+            if not gathered:
+                return dq, [a + g for a, g in zip(dk, kg, strict=True)]
+            src = ((i - t) % P) * kg[0].shape[keyed_at[0]]
+            return dq, [
+                jax.lax.dynamic_update_slice_in_dim(
+                    a, jax.lax.dynamic_slice_in_dim(a, src, g.shape[x], axis=x) + g, src, axis=x
+                )
+                for a, g, x in zip(dk, kg, keyed_at, strict=True)
+            ]
+
+        def send(dk):  # dK, dV travel with their K, V (the all-gather sums them once, at the end)
+            return dk if gathered else [jax.lax.ppermute(g, seq.mesh_axis, ring) for g in dk]
+
+        def body(t, carry):
+            kv, (dq, dk) = carry
+            dq, dk = step(t, kv, dq, dk)
+            return fetch(t + 1, kv), (dq, send(dk))
+
+        def first(kv):
+            got = step(0, kv, dq, dk)
+            return got if P == 1 else (got[0], send(got[1]))
+
+        dq, dk = _ring_loop(P, fetch, body, first, lambda kv, carry: step(P - 1, kv, *carry))
+        if gathered:
+            dk = [
+                jax.lax.psum_scatter(g, seq.mesh_axis, scatter_dimension=a, tiled=True)
+                for g, a in zip(dk, keyed_at, strict=True)
+            ]
+        else:  # one more step: each chunk's dK, dV home
+            dk = send(dk)
+        qs, ks = iter(dq), iter(dk)
+        return tuple((next(qs) if q else next(ks)).astype(x.dtype) for x, q in zip(xs, is_q, strict=True))
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
+
+
+def _ring_loop(P, fetch, body, first, last):  # noqa: N803 - the papers' P
+    """Steps ``0 … P−1`` of a ring: ``first(kv)`` at step 0 (its own plan), ``body(t, (kv, carry))`` for steps
+    1 … P−2 in one ``fori_loop`` (one compilation of each kernel), ``last(kv, carry)`` at step P−1. Every step
+    fetches the next chunk (``fetch(t + 1, kv)``) from the chunk it computes on, never from its result, so the
+    transfer overlaps the kernels; the last step sends nothing."""
+    kv = fetch(0, None)
+    if P == 1:
+        return first(kv)
+    nxt, carry = fetch(1, kv), first(kv)
+    if P > 2:
+        nxt, carry = jax.lax.fori_loop(1, P - 1, body, (nxt, carry))
+    return last(nxt, carry)
+
+
+def _branches(plan, run):
+    """Evaluate ``plan`` (``[(predicate or None, pairs), ...]``, the last unconditional) as nested ``lax.cond``."""
+    (pred, pairs), rest = plan[0], plan[1:]
+    if pred is None:
+        return run(pairs)()
+    return jax.lax.cond(pred, run(pairs), lambda: _branches(rest, run))
+
+
+__all__ = ["DeviceKernel", "lower_devices"]
