@@ -5,6 +5,10 @@ import pytest
 from hypothesis import Phase, settings
 
 jax.config.update("jax_default_matmul_precision", "highest")  # CPU reference comparisons in true f32
+# The partitionable threefry compiles in 7-15 s on CPU for each rank-4/5 shape a test draws (1-2 s flat);
+# the tests draw unsharded inputs, so the classic bit stream costs nothing in coverage. Set at collection,
+# before any test or doctest of the run draws a key.
+jax.config.update("jax_threefry_partitionable", False)
 
 GPU = any(d.platform == "gpu" for d in jax.devices())
 
