@@ -29,6 +29,12 @@ if os.environ.get("NAPKIN_MUTATION"):  # tests/test_mutations.py: a planted bug 
     settings.load_profile("mutation")
 
 
+def pytest_configure(config):
+    # test_mutations' runs share the cache two at a time, and JAX writes entries without a lock: a read that
+    # meets a half-written entry fails, warns, and compiles afresh. That warning is not the test's concern.
+    config.addinivalue_line("filterwarnings", "ignore:Error reading persistent compilation cache entry")
+
+
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a GPU (runs on the device machine)")
     for item in items:
