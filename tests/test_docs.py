@@ -38,8 +38,8 @@ def exported(module_name: str) -> dict[str, object]:
     module = importlib.import_module(module_name)
     names = getattr(module, "__all__", None)
     if names is None:
-        names = [n for n, v in vars(module).items() if not n.startswith("_") and getattr(v, "__module__", None)
-                 == module_name]
+        defined_here = lambda v: getattr(v, "__module__", None) == module_name  # noqa: E731
+        names = [n for n, v in vars(module).items() if not n.startswith("_") and defined_here(v)]
     found = {n: getattr(module, n) for n in names}
     return {n: v for n, v in found.items() if inspect.isclass(v) or inspect.isroutine(v)}
 
