@@ -294,7 +294,16 @@ def _swizzle(minor: int, itemsize: int) -> tuple:
 
 
 class MosaicLowered:
-    """A Mosaic GPU kernel for a scheduled diagram: call it with arrays in the diagram's axis order."""
+    """A Mosaic GPU kernel for a scheduled diagram: call it with arrays in the diagram's axis order.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> q, x, d = nc.axes("q x d", d=64)
+    >>> attn = nc.library.attention(q, x, d, dtype="bf16")
+    >>> k = MosaicLowered(plan(derive(attn, tile(q, 128), stream(x, 64), verify=False).diagram), interpret=False)
+    >>> k.q, k.x, k.s, k.rows, k.pingpong
+    ('q', 'x', 64, 64, True)
+    """
 
     def __init__(self, p: Plan, *, interpret: bool | None = None, config: MosaicConfig | None = None):
         self.plan = p

@@ -67,6 +67,13 @@ class Tape:
 
     Derivative rules call the tape to add boxes; :meth:`diagram` keeps the steps the outputs need and
     wires them into a string diagram (copies, swaps, discards).
+
+    >>> import napkin_cat as nc
+    >>> t = Tape()
+    >>> x = t.input(nc.Array(*nc.axes("q d")))
+    >>> y = t.ew("exp", x)
+    >>> print(t.ty(y), "|", t.diagram([y]))
+    q×d | exp[q×d → q×d]
     """
 
     def __init__(self):

@@ -92,6 +92,11 @@ class Axis:
 
     @property
     def is_symbolic(self) -> bool:
+        """Whether the size is a symbol or expression rather than a number.
+
+        >>> Axis("q").is_symbolic, Axis("q", 128).is_symbolic
+        (True, False)
+        """
         return not self.size.is_number
 
     @property

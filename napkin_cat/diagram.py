@@ -79,6 +79,12 @@ class Array(cat.Ob):
 
     @property
     def names(self) -> tuple[str, ...]:
+        """The axis names, in order.
+
+        >>> from napkin_cat.axes import axes
+        >>> Array(*axes("q d")).names
+        ('q', 'd')
+        """
         return tuple(a.name for a in self.axes)
 
     @property
@@ -97,12 +103,25 @@ class Array(cat.Ob):
         return sympy.Mul(*(a.local_size for a in self.axes))
 
     def axis(self, name: str) -> Axis:
+        """The axis called ``name``; :class:`AxisError` if the array has none.
+
+        >>> from napkin_cat.axes import axes
+        >>> Array(*axes("q d")).axis("d")
+        Axis('d')
+        """
         for a in self.axes:
             if a.name == name:
                 return a
         raise AxisError(f"array {self.describe()} has no axis {name!r}")
 
     def has(self, name: str) -> bool:
+        """Whether the array has an axis called ``name``.
+
+        >>> from napkin_cat.axes import axes
+        >>> A = Array(*axes("q d"))
+        >>> A.has("q"), A.has("x")
+        (True, False)
+        """
         return name in self.names
 
     def with_(self, *, axes: Iterable[Axis] | None = None, dtype=None, level=None) -> Array:
@@ -116,7 +135,16 @@ class Array(cat.Ob):
 
 @factory
 class Ty(monoidal.Ty):
-    """A tuple of arrays (the monoidal product)."""
+    """A tuple of arrays (the monoidal product).
+
+    >>> from napkin_cat.axes import axes
+    >>> q, d = axes("q d")
+    >>> T = Ty(Array(q, d), Array(d))
+    >>> print(T)
+    q×d ⊗ d
+    >>> len(T)
+    2
+    """
 
     ob_factory = Array
 
@@ -346,7 +374,15 @@ def is_structural(box) -> bool:
 
 
 class Box(markov.Box, Diagram):
-    """A box whose parameters are a hashable tuple in ``data``; subclasses are the generators."""
+    """A box whose parameters are a hashable tuple in ``data``; subclasses are the generators.
+
+    >>> from napkin_cat import axes, library
+    >>> box, = library.matmul(*axes("a b c")).boxes
+    >>> isinstance(box, Box), box.family
+    (True, 'contraction')
+    >>> print(box.dom, "→", box.cod)
+    a×b ⊗ b×c → a×c
+    """
 
     __ambiguous_inheritance__ = (markov.Box,)
     #: the drawing family (its shape and colour in a picture)
@@ -411,23 +447,47 @@ def relabel(diagram: Diagram, **labels) -> Diagram:
     return diagram.map_arrays(lambda w: w.with_(axes=[axis(ax) for ax in w.axes]))
 
 
-def id(x=()) -> Diagram:  # noqa: A001 - the identity, as in the mathematics
-    """The identity on an array or tuple of arrays."""
+def id(x: Array | Ty | Iterable[Array] = ()) -> Diagram:  # noqa: A001 - the identity, as in the mathematics
+    """The identity on an array or tuple of arrays.
+
+    >>> from napkin_cat.axes import axes
+    >>> A = Array(*axes("q d"))
+    >>> print(id(A).cod)
+    q×d
+    >>> id(A) >> id(A) == id(A)
+    True
+    """
     return Diagram.id(as_ty(x))
 
 
-def copy(x, n: int = 2) -> Diagram:
-    """Copy an array ``n`` times."""
+def copy(x: Array | Ty | Iterable[Array], n: int = 2) -> Diagram:
+    """Copy an array ``n`` times.
+
+    >>> from napkin_cat.axes import axes
+    >>> print(copy(Array(*axes("q d")), 3).cod)
+    q×d ⊗ q×d ⊗ q×d
+    """
     return Copy(as_ty(x), n)
 
 
-def discard(x) -> Diagram:
-    """Discard an array."""
+def discard(x: Array | Ty | Iterable[Array]) -> Diagram:
+    """Discard an array.
+
+    >>> from napkin_cat.axes import axes
+    >>> print(discard(Array(*axes("q d"))).cod)
+    Ty()
+    """
     return Discard(as_ty(x))
 
 
-def swap(x, y) -> Diagram:
-    """Swap two arrays."""
+def swap(x: Array | Ty | Iterable[Array], y: Array | Ty | Iterable[Array]) -> Diagram:
+    """Swap two arrays.
+
+    >>> from napkin_cat.axes import axes
+    >>> q, d = axes("q d")
+    >>> print(swap(Array(q, d), Array(q)).cod)
+    q ⊗ q×d
+    """
     return Diagram.swap(as_ty(x), as_ty(y))
 
 

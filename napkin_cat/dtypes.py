@@ -19,7 +19,13 @@ import jax.numpy as jnp
 
 @dataclass(frozen=True)
 class Dtype:
-    """An element type: ``name`` (short), ``bits``, ``jax_name`` (the ``jnp`` attribute)."""
+    """An element type: ``name`` (short), ``bits``, ``jax_name`` (the ``jnp`` attribute).
+
+    >>> bf16
+    bf16
+    >>> bf16.bits, bf16.jnp.__name__, bf16.is_low_precision
+    (16, 'bfloat16', True)
+    """
 
     name: str
     bits: int
@@ -27,6 +33,11 @@ class Dtype:
 
     @property
     def bytes(self) -> int:
+        """Bytes per element.
+
+        >>> f32.bytes, bf16.bytes, fp8_e4m3.bytes
+        (4, 2, 1)
+        """
         return self.bits // 8
 
     @property

@@ -16,7 +16,11 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, order=True)
 class Level:
-    """A memory level: ``depth`` 0 is the outermost (HBM); larger is closer to compute."""
+    """A memory level: ``depth`` 0 is the outermost (HBM); larger is closer to compute.
+
+    >>> HBM.depth < SMEM.depth < REG.depth, SMEM.colour
+    (True, 'orange')
+    """
 
     depth: int
     name: str = field(compare=False)

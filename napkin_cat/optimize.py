@@ -112,6 +112,10 @@ class WarpgroupBudget:
 
     ``block_smem`` is shared by the block (the streamed K, V chunks, all pipeline stages);
     ``warpgroup_smem`` and ``warpgroup_regs`` are needed again for every consumer warpgroup.
+
+    >>> b = WarpgroupBudget(block_smem=48 * KiB, warpgroup_smem=48 * KiB, warpgroup_regs=64 * KiB)
+    >>> b == fan_hopper_budget(warpgroup_regs=64 * KiB)
+    True
     """
 
     block_smem: int
@@ -158,7 +162,13 @@ def max_warpgroups(capacity: float, block: float, warpgroup: float) -> float:
 
 @dataclass(frozen=True)
 class HopperConfiguration:
-    """Warpgroups per SM allowed by SMEM and by registers, the integer choice, and ``g_q``."""
+    """Warpgroups per SM allowed by SMEM and by registers, the integer choice, and ``g_q``.
+
+    >>> from napkin_cat.hardware import H100
+    >>> c = hopper_configuration(H100)
+    >>> c.warpgroups, c.g_q, c.warpgroups == math.floor(min(c.n_smem, c.n_regs))
+    (3, 384, True)
+    """
 
     n_smem: float
     n_regs: float
@@ -192,7 +202,12 @@ def hopper_configuration(hw: Hardware, budget: WarpgroupBudget | None = None, w_
 
 @dataclass(frozen=True)
 class ChunkTiming:
-    """Per-SM time to compute on one KV chunk, time to stream it in, and the resulting device FLOP/s."""
+    """Per-SM time to compute on one KV chunk, time to stream it in, and the resulting device FLOP/s.
+
+    >>> t = ChunkTiming(compute=2e-6, transfer=1e-6, flops=1e15)
+    >>> t.compute_bound
+    True
+    """
 
     compute: float
     transfer: float
@@ -200,6 +215,11 @@ class ChunkTiming:
 
     @property
     def compute_bound(self) -> bool:
+        """Whether computing on a chunk takes at least as long as streaming it in.
+
+        >>> ChunkTiming(compute=1e-6, transfer=2e-6, flops=5e14).compute_bound
+        False
+        """
         return self.compute >= self.transfer
 
 
@@ -261,7 +281,13 @@ def fit_softmax_overhead(hw: Hardware, measured: float, d: int = 128, dtype: Dty
 
 @dataclass(frozen=True)
 class WarpCount:
-    """Ampere warps per SM: needed to be compute-bound vs what FlashAttention's tiles give (FAN v1)."""
+    """Ampere warps per SM: needed to be compute-bound vs what FlashAttention's tiles give (FAN v1).
+
+    >>> from napkin_cat.hardware import A100_40GB
+    >>> w = ampere_warps(A100_40GB)
+    >>> w.needed > w.flash, w.flash_rows // 16 == w.flash
+    (True, True)
+    """
 
     g_q_min: float
     needed: int

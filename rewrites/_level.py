@@ -51,6 +51,16 @@ class level(Rule):  # noqa: N801
         return f"level({as_level(self.to)})"
 
     def apply(self, d: Diagram) -> Diagram:
+        """Moves onto ``to`` at the inputs, the whole diagram recoloured, moves back to HBM at the outputs.
+
+        >>> import napkin_cat as nc
+        >>> a, b, c = nc.axes("a b c")
+        >>> smem = level("SMEM").apply(nc.library.matmul(a, b, c))
+        >>> [w.level for w in smem.dom.inside + smem.cod.inside]
+        [HBM, HBM, HBM]
+        >>> sorted({box.cod.inside[0].level.name for box in smem.boxes})
+        ['HBM', 'SMEM']
+        """
         to = as_level(self.to)
         if to == HBM:
             raise self.fail("the kernel's interior must move off HBM (choose SMEM or REG)")

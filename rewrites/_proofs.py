@@ -49,7 +49,14 @@ MAX_CASES = 4096
 
 @dataclass(frozen=True)
 class Proof:
-    """The record of a symbolic proof: the claim, the sizes, how many scalar identities and cases."""
+    """The record of a symbolic proof: the claim, the sizes, how many scalar identities and cases.
+
+    >>> import napkin_cat as nc
+    >>> a, k, c = nc.axes("a k c")
+    >>> p = prove_accumulator(nc.library.matmul(a, k, c), "k", sizes={"a": 1, "k": 3, "c": 2})
+    >>> p.sizes, p.identities, p.cases
+    ({'a': 1, 'k': 3, 'c': 2}, 4, 1)
+    """
 
     claim: str
     sizes: dict

@@ -235,6 +235,16 @@ class Trial:
     """Where checks run: the bound sizes, the seed, the inputs and the reference's outputs on them.
 
     A derivation draws one trial and checks every step on it, so the reference is compiled and run once.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import tile
+    >>> q, x, d = nc.axes("q x d")
+    >>> attn = nc.library.attention(q, x, d)
+    >>> trial = Trial.draw(attn, attn, seed=1, sizes={"q": 3, "x": 5, "d": 2})
+    >>> [a.shape for a in trial.inputs], [w.shape for w in trial.want]
+    ([(3, 2), (5, 2), (5, 2)], [(3, 2)])
+    >>> trial.check(tile(q, 2)(attn)).passed
+    True
     """
 
     sizes: dict

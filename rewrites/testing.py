@@ -73,13 +73,26 @@ def axes(names: tuple[str, ...] = NAMES, *, max_size: int = 9, symbolic: bool = 
 
 
 def dtypes(*choices) -> st.SearchStrategy:
-    """Input dtypes (default: f32, bf16, f16)."""
+    """Input dtypes (default: f32, bf16, f16).
+
+    >>> from hypothesis import given
+    >>> @given(dtypes(f32, bf16))
+    ... def test(dt): assert dt in (f32, bf16)
+    >>> test()
+    """
     return st.sampled_from(choices or (f32, bf16, f16))
 
 
 def sizes(d: Diagram, *, max_size: int = 7) -> st.SearchStrategy:
     """Concrete sizes for ``d``'s symbolic axes: at least one more than the axis's tile or stream
-    (so at least two pieces, often ragged), else 1 to ``max_size``."""
+    (so at least two pieces, often ragged), else 1 to ``max_size``.
+
+    >>> from hypothesis import given
+    >>> q, d = (Axis(n) for n in "qd")
+    >>> @given(sizes(tile(q, 4)(nc.reduce_sum(Array(q, d), d))))
+    ... def test(at): assert 5 <= at[q.size] <= 13 and 1 <= at[d.size] <= 7
+    >>> test()
+    """
     tiles, streams = partitions(d)
     out = {}
     for w in (*d.dom.inside, *d.cod.inside):
@@ -91,7 +104,15 @@ def sizes(d: Diagram, *, max_size: int = 7) -> st.SearchStrategy:
 
 
 def arrays(wire: Array, bound: dict) -> st.SearchStrategy:
-    """Random arrays of type ``wire`` at sizes ``bound`` (normals from a drawn seed, in the wire's dtype)."""
+    """Random arrays of type ``wire`` at sizes ``bound`` (normals from a drawn seed, in the wire's dtype).
+
+    >>> from hypothesis import given, settings
+    >>> q, d = Axis("q"), Axis("d")
+    >>> @settings(max_examples=3, deadline=None)
+    ... @given(arrays(Array(q, d, dtype=bf16), {q.size: 3, d.size: 2}))
+    ... def test(a): assert a.shape == (3, 2) and a.dtype == jnp.bfloat16
+    >>> test()
+    """
     shape = tuple(int(a.size.subs(bound)) for a in wire.axes)
     return st.integers(0, 2**31 - 1).map(
         lambda seed: jax.random.normal(jax.random.key(seed), shape).astype(wire.dtype.jnp)
@@ -161,6 +182,12 @@ class SoftmaxPath(NamedTuple):
     ``between`` names the boxes drawn between the softmax and the contraction; ``licensed`` says whether
     FAN's softmax-contraction lemma covers them (only swaps and constant scales), i.e. whether ``stream``
     along ``c`` must accept the diagram.
+
+    >>> r, c, k = (Axis(n) for n in NAMES)
+    >>> d = nc.softmax(Array(r, c), c) @ identity(Array(c, k)) >> nc.contract("r c, c k -> r k", r, c, k)
+    >>> path = SoftmaxPath(d, lambda s, w: jax.nn.softmax(s, axis=1) @ w, (), True)
+    >>> print(path.diagram.cod, path.licensed)
+    r×k True
     """
 
     diagram: Diagram
@@ -235,7 +262,15 @@ def softmax_paths(draw, *, max_between: int = 3) -> SoftmaxPath:
 
 @st.composite
 def rules(draw, d: Diagram, *, max_size: int = 4) -> Rule:
-    """A random ``tile`` or ``stream`` of an axis of ``d`` (it may be refused: that is part of the test)."""
+    """A random ``tile`` or ``stream`` of an axis of ``d`` (it may be refused: that is part of the test).
+
+    >>> from hypothesis import given, settings
+    >>> attn = nc.library.attention(*nc.axes("q x d"))
+    >>> @settings(max_examples=5, deadline=None)
+    ... @given(rules(attn, max_size=4))
+    ... def test(rule): assert isinstance(rule, tile | stream) and repr(rule)[-2] in "1234"
+    >>> test()
+    """
     name = draw(st.sampled_from(sorted(axis_names(d))))
     size = draw(st.integers(1, max_size))
     return draw(st.sampled_from([tile(name, size), stream(name, size)]))

@@ -1,16 +1,38 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 import jax
 import pytest
 from hypothesis import Phase, settings
 
 jax.config.update("jax_default_matmul_precision", "highest")  # CPU reference comparisons in true f32
+# The partitionable threefry compiles in 7-15 s on CPU for each rank-4/5 shape a test draws (1-2 s flat);
+# the tests draw unsharded inputs, so the classic bit stream costs nothing in coverage. Set at collection,
+# before any test or doctest of the run draws a key.
+jax.config.update("jax_threefry_partitionable", False)
+# Compilation dominates the suite (interpret-mode kernels, references at each drawn size): a compilation
+# cache, fresh for each run and shared with the runs test_mutations starts, compiles a program seen before
+# (the same kernel or reference built again by another test or process) once. Keys are the compiled
+# program itself, so a mutated kernel never meets a clean one's entry.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="napkin-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 
 GPU = any(d.platform == "gpu" for d in jax.devices())
 
 if os.environ.get("NAPKIN_MUTATION"):  # tests/test_mutations.py: a planted bug must fail fast, unshrunk
     settings.register_profile("mutation", phases=[Phase.explicit, Phase.generate], database=None)
     settings.load_profile("mutation")
+
+
+def pytest_configure(config):
+    # test_mutations' runs share the cache two at a time, and JAX writes entries without a lock: a read that
+    # meets a half-written entry fails, warns, and compiles afresh. That warning is not the test's concern.
+    config.addinivalue_line("filterwarnings", "ignore:Error reading persistent compilation cache entry")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -27,17 +27,22 @@ def rand(key, d: nc.Diagram, sizes: dict, dtype=nc.f32) -> list:
     return [jnp.asarray(rng.standard_normal(s, np.float32)).astype(dtype.jnp) for s in shapes]
 
 
-def run(d: nc.Diagram, *ins):
-    """The diagram's reference semantics, jitted: one compile per shape beats op-by-op dispatch."""
-    return jax.jit(nc.to_jax(d))(*ins)
+def hand_written(f, n_ins: int, batched=False, **static):
+    """A hand-written implementation; ``batched`` maps it over the data's leading axis only."""
+    g = partial(f, **static)
+    return jax.vmap(g, (0, *(None,) * (n_ins - 1))) if batched else g
 
 
 def ref(f, *ins, batched=False, **static):
-    """A hand-written implementation, jitted; ``batched`` maps it over the data's leading axis only."""
-    g = partial(f, **static)
-    if batched:
-        g = jax.vmap(g, (0, *(None,) * (len(ins) - 1)))
-    return jax.jit(g)(*ins)
+    """A hand-written implementation, jitted."""
+    return jax.jit(hand_written(f, len(ins), batched, **static))(*ins)
+
+
+def run_and_ref(d: nc.Diagram, f, *ins, batched=False, **static):
+    """The diagram's reference semantics and a hand-written implementation, as one jitted program: one
+    compilation per shape beats op-by-op dispatch, and one beats two."""
+    g = hand_written(f, len(ins), batched, **static)
+    return jax.jit(lambda *a: (nc.to_jax(d)(*a), g(*a)))(*ins)
 
 
 def close(a, b, dtype=nc.f32, scale=1.0):
@@ -127,7 +132,7 @@ def test_transformer_block(n, d, h, k, f, causal, batch):
     b, *axes = nc.axes("b n d h k f")
     block = build("transformer_block", *axes, causal=causal, batch=(b,) if batch else ())
     ins = rand(jax.random.key(n * 97 + d), block, bind((b, *axes), batch or 1, n, d, h, k, f))
-    close(run(block, *ins), ref(transformer_ref, *ins, batched=bool(batch), causal=causal), scale=10)
+    close(*run_and_ref(block, transformer_ref, *ins, batched=bool(batch), causal=causal), scale=10)
 
 
 def test_self_attention_jits_to_one_jaxpr(key):
@@ -146,7 +151,7 @@ def test_conv1d(x, k, stride, pad, batch):
     b, i, o, xa = nc.axes("b i o x")
     layer = build("conv1d", i, o, xa, nc.Axis("k", k), stride=stride, padding=pad, batch=(b,) if batch else ())
     X, W, bias = rand(jax.random.key(x * 31 + k), layer, bind((b, i, o, xa), batch or 1, 3, 2, x))
-    close(run(layer, X, W, bias), ref(conv_ref, X, W, bias, batched=bool(batch), stride=stride, padding=pad), scale=10)
+    close(*run_and_ref(layer, conv_ref, X, W, bias, batched=bool(batch), stride=stride, padding=pad), scale=10)
 
 
 @FEW
@@ -156,7 +161,7 @@ def test_conv2d(x, y, k, stride, pad):
     i, o, xa, ya = nc.axes("i o x y")
     layer = arch.conv2d(i, o, (xa, ya), (nc.Axis("kx", k), nc.Axis("ky", k)), stride=stride, padding=pad)
     ins = rand(jax.random.key(x * 7 + y), layer, bind((i, o, xa, ya), 2, 3, x, y))
-    close(run(layer, *ins), ref(conv_ref, *ins, stride=stride, padding=pad), scale=10)
+    close(*run_and_ref(layer, conv_ref, *ins, stride=stride, padding=pad), scale=10)
 
 
 def test_conv_generator_weaves_and_casts(key):
@@ -178,7 +183,7 @@ def test_resnet_block(c, x, y, batch):
     b, ca, xa, ya = nc.axes("b c x y")
     block = build("resnet_block", ca, (xa, ya), (nc.Axis("kx", 3), nc.Axis("ky", 3)), batch=(b,) if batch else ())
     ins = rand(jax.random.key(c * 13 + x), block, bind((b, ca, xa, ya), 2, c, x, y))
-    close(run(block, *ins), ref(resnet_ref, *ins, batched=batch), scale=10)
+    close(*run_and_ref(block, resnet_ref, *ins, batched=batch), scale=10)
 
 
 @settings(max_examples=3, deadline=None)
@@ -187,14 +192,14 @@ def test_unet(depth, w, x, y):
     i, wa, o, xa, ya = nc.axes("i w o x y")
     net = build("unet", i, wa, o, (xa, ya), depth=depth)
     ins = rand(jax.random.key(depth * 5 + w), net, bind((i, wa, o, xa, ya), 2, w, 3, x * 2**depth, y * 2**depth))
-    close(run(net, *ins), ref(unet_ref, *ins, depth=depth), scale=50)
+    close(*run_and_ref(net, unet_ref, *ins, depth=depth), scale=50)
 
 
 def test_unet_batched(key):
     b, i, w, o, x, y = nc.axes("b i w o x y")
     net = arch.unet(i, w, o, (x, y), batch=(b,))
     ins = rand(key, net, bind((b, i, w, o, x, y), 2, 1, 2, 2, 4, 6))
-    close(run(net, *ins), ref(unet_ref, *ins, batched=True, depth=1), scale=50)
+    close(*run_and_ref(net, unet_ref, *ins, batched=True, depth=1), scale=50)
 
 
 @FEW
@@ -203,7 +208,7 @@ def test_patch_embedding(patch, px, py, batch):
     b, c, x, y, d = nc.axes("b c x y d")
     pe = build("patch_embedding", c, (x, y), d, patch=patch, batch=(b,) if batch else ())
     ins = rand(jax.random.key(patch * 11 + px), pe, bind((b, c, x, y, d), 2, 3, px * patch, py * patch, 4))
-    close(run(pe, *ins), ref(patch_embedding_ref, *ins, batched=batch, patch=patch), scale=10)
+    close(*run_and_ref(pe, patch_embedding_ref, *ins, batched=batch, patch=patch), scale=10)
 
 
 def test_vision_transformer(key):
@@ -215,7 +220,7 @@ def test_vision_transformer(key):
         Z = patch_embedding_ref(X, W, bias, cls, pos, 2)
         return transformer_ref(transformer_ref(Z, *blocks[:12]), *blocks[12:])
 
-    close(run(vit, *ins), ref(vit_ref, *ins, batched=True), scale=20)
+    close(*run_and_ref(vit, vit_ref, *ins, batched=True), scale=20)
 
 
 def test_weave_shares_weights_and_shifts_merges(key):

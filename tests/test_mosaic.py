@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import napkin_cat as nc
-from lowering import MosaicConfig, MosaicLowered, NotLowerable, lower, mosaic, plan
-from lowering import triton as lowering_triton
+from lowering import MosaicConfig, MosaicLowered, NotLowerable, lower, plan
+from lowering import _mosaic as mosaic
+from lowering import _triton as lowering_triton
 from lowering._api import AUTO_KEEPS_TRITON
 from rewrites import derive, stream, tile
 
