@@ -137,7 +137,8 @@ def _fit(
     """The rules and scheduled diagram of one backward kernel: ``tiled`` axes in blocks of ``tile_size``,
     ``streamed`` in chunks of ``stream_size``, halved (the stream first, then the tile, to 16) while the
     kernel's shared memory (:func:`lowering._plan.smem_bytes`, at the padded sizes of the axes kept
-    whole, where they are known) exceeds ``hardware.smem_per_block``; the launch guard refuses what still does."""
+    whole, where they are known) exceeds ``hardware.smem_per_block``; :class:`NotLowerable` where even
+    16 × 16 blocks exceed it."""
     while True:
         rules = tuple(tile(a, tile_size) for a in tiled) + tuple(stream(a, stream_size) for a in streamed)
         scheduled = derive(naive, *rules, verify=False).diagram
@@ -147,14 +148,19 @@ def _fit(
             return rules, scheduled
         padded = {a: max(next_pow2(int(size[a])), 16) for a in p.whole}
         stages = (config or Config.get_default(p)).num_stages
-        if smem_bytes(p, padded, stages) <= hardware.smem_per_block:
+        smem = smem_bytes(p, padded, stages)
+        if smem <= hardware.smem_per_block:
             return rules, scheduled
         if streamed and stream_size > 16:
             stream_size //= 2
         elif tiled and tile_size > 16:
             tile_size //= 2
         else:
-            return rules, scheduled
+            raise NotLowerable(
+                f"the backward kernel {naive.dom} → {naive.cod} ({', '.join(map(str, rules))}) would hold "
+                f"{smem:,} B of shared memory ({stages} stages of each chunk), over the "
+                f"{hardware.smem_per_block:,} B a block may use on {hardware.name}, even at 16-element blocks"
+            )
 
 
 def backward_of(d: Diagram, hardware: Hardware = H100, config: Config | None = None) -> Backward:
