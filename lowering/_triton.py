@@ -37,6 +37,7 @@ from lowering._plan import (
     unweave,
 )
 from lowering._source import describe
+from napkin_cat.diagram import Diagram
 from napkin_cat.generators import Causal, Context, IndexMap, Jax, Kept, Mask
 from napkin_cat.hardware import H100, HARDWARE, Hardware, for_device
 from napkin_cat.semantics import bind
@@ -359,8 +360,45 @@ def _visited(masks, x: str, s: int, n_chunks: int, ranges: dict, extent: int) ->
     return first, full_lo, full_hi, last
 
 
+def tiled_first(d: Diagram, p: Plan) -> Diagram:
+    """``d`` with each wire that holds the streamed axis and a tiled one laid out tiled axes first.
+
+    rewrite: S[q, x] → S[x, q] on the wires inside a kernel tiling ``x`` and streaming ``q``. Sound because
+    axes are named and every box reads its wires by name (a relabelling of layouts, not of values). The
+    dK, dV kernel then computes ``Sᵀ = K·Q_cᵀ`` and accumulates ``Pᵀ·dO`` and ``dSᵀ·Q`` with the block it
+    holds as the left operand, never transposing a computed block (FlashAttention-2's Triton kernels do the
+    same). Left as is where an input or output holds both axes, as its block layout is the caller's.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> from lowering import plan
+    >>> from lowering._backward import backward_of
+    >>> q, x, d = nc.axes("q x d")
+    >>> dkv = backward_of(derive(nc.library.attention(q, x, d), tile(q, 16), stream(x, 16), verify=False).diagram)
+    >>> p = plan(dkv.pieces[-1].scheduled)
+    >>> sorted({str(w) for b in tiled_first(p.diagram, p).boxes for w in b.cod.inside if w.has("q") and w.has("x")})
+    ['x/16×q~16']
+    """
+    if p.stream is None:
+        return d
+    x = p.stream[0]
+
+    def both(w) -> bool:
+        return w.has(x) and any(w.has(a) for a in p.tiles)
+
+    if any(both(w) for w in (*d.dom.inside, *d.cod.inside)):
+        return d
+
+    def reorder(w):
+        if not both(w):
+            return w
+        return w.with_(axes=sorted(w.axes, key=lambda a: a.name not in p.tiles))
+
+    return d.map_arrays(reorder)
+
+
 def _kernel(p: Plan, sizes, extent, padded, *refs):
-    d = base2(unweave(p.diagram, p.batch))
+    d = tiled_first(base2(unweave(p.diagram, p.batch)), p)
     for a in p.whole:  # axes padded to a power of two: the padding holds each reduction's neutral value
         if padded[a] != extent[a]:
             d = pad_neutral(d, a, extent[a])
