@@ -120,7 +120,7 @@ def pieces(D, N, B, H, causal=False):
     return kernel, b, values
 
 
-def sweep(tokens, heads, quick, deadline):
+def sweep(tokens, heads, quick, deadline, grid=True):
     rows = []
     N = 64 if quick else 8192
     for D in (16,) if quick else (128, 64):
@@ -146,7 +146,7 @@ def sweep(tokens, heads, quick, deadline):
                 row["tflops"] = (3 if name == "dQ" else 4) * matmul / t / 1e12
             rows.append(row)
             print("kernel", row, flush=True)
-            if p.feeds:
+            if p.feeds or not grid:
                 continue
             tiled = [str(r).startswith("tile") for r in p.rules]
             for g, s in ((16, 16),) if quick else ((128, 64), (64, 64), (128, 32), (128, 128)):
@@ -184,6 +184,7 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=200.0)
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--sections", default="check,fwdbwd,kernels,grid", help="any of check, fwdbwd, kernels, grid")
     args = ap.parse_args(argv)
     start = time.time()
     deadline = start + args.budget_s
@@ -195,14 +196,17 @@ def main(argv=None):
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
 
-    result["check"] = check(64 if args.quick else 1024, args.quick)
-    save()
-    result["fwd_bwd"] = end_to_end(
-        128 if args.quick else args.tokens, 2 if args.quick else args.heads, args.quick, deadline
-    )
-    save()
-    result["kernels"] = sweep(128 if args.quick else args.tokens, 2 if args.quick else args.heads, args.quick, deadline)
-    save()
+    sections = args.sections.split(",")
+    tokens, heads = (128, 2) if args.quick else (args.tokens, args.heads)
+    if "check" in sections:
+        result["check"] = check(64 if args.quick else 1024, args.quick)
+        save()
+    if "fwdbwd" in sections:
+        result["fwd_bwd"] = end_to_end(tokens, heads, args.quick, deadline)
+        save()
+    if "kernels" in sections:
+        result["kernels"] = sweep(tokens, heads, args.quick, deadline, grid="grid" in sections)
+        save()
     return result
 
 
