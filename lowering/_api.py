@@ -31,7 +31,7 @@ from napkin_cat.diagram import Diagram
 from napkin_cat.errors import CostError, EvaluationError, NapkinError
 from napkin_cat.hardware import Hardware, lookup
 from napkin_cat.semantics import to_jax
-from rewrites import derive, open_sizes, resolve
+from rewrites import open_sizes, resolve
 
 Differentiation = Literal["lowered", "reference", "none"]
 
@@ -378,8 +378,8 @@ def _lower(
     if backward == "reference":
         return made(_reference(primal, d), differentiation="reference")
     try:  # the backward's diagrams and schedules now (cheap, and they say whether it exists); kernels when needed
-        b = backward_of(d)
-        pieces = [derive(p.diagram, *p.rules, verify=False).diagram for p in b.pieces]
+        b = backward_of(d, primal.hardware, config)
+        pieces = [p.scheduled for p in b.pieces]
         for p in pieces:
             plan(p)
     except NapkinError as e:

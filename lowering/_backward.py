@@ -10,7 +10,8 @@
 3. one kernel per schedule: every input's cotangent is computed by the kernel that tiles the forward's
    tiled and streamed axes it has and streams the one it lacks (``dQ``: tile queries, stream keys;
    ``dK, dV``: tile keys, stream queries; a bias over both: tile both), derived with ``tile``/``stream``
-   and lowered by the same lowering.
+   and lowered by the same lowering; before them, a kernel tiling queries computes each ``Δ`` the Δ
+   lemma made (FlashAttention-2's preprocessing step), which the others read as an input.
 
 Score modifiers, masks and any pointwise box between the scores and the softmax·contract are
 recomputed in the kernels and differentiated by their own rules; a parameter array entering that chain
@@ -23,9 +24,10 @@ recomputed in the kernels and differentiated by their own rules; a parameter arr
 >>> b = backward_of(derive(nc.library.attention(q, x, d), tile(q, 16), stream(x, 16), verify=False).diagram)
 >>> print(b.forward.cod)
 q/16×d ⊗ q/16
->>> [(p.outputs, str(p.diagram.dom), [str(r) for r in p.rules]) for p in b.pieces]
-[((0,), 'q×d ⊗ x×d ⊗ x×d ⊗ q×d ⊗ q ⊗ q×d', ['tile(q, 16)', 'stream(x, 16)']), \
-((1, 2), 'q×d ⊗ x×d ⊗ x×d ⊗ q×d ⊗ q ⊗ q×d', ['tile(x, 16)', 'stream(q, 16)'])]
+>>> [(p.outputs, p.feeds, str(p.diagram.dom), [str(r) for r in p.rules]) for p in b.pieces]
+[((6,), True, 'q×d ⊗ q×d', ['tile(q, 16)']), \
+((0,), False, 'q×d ⊗ x×d ⊗ x×d ⊗ q×d ⊗ q ⊗ q', ['tile(q, 16)', 'stream(x, 16)']), \
+((1, 2), False, 'q×d ⊗ x×d ⊗ x×d ⊗ q×d ⊗ q ⊗ q', ['tile(x, 16)', 'stream(q, 16)'])]
 """
 
 from __future__ import annotations
@@ -36,36 +38,44 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from lowering._plan import NotLowerable
+from lowering._plan import NotLowerable, next_pow2, plan, smem_bytes
+from lowering._triton import Config
 from napkin_cat import Tape, pullback
 from napkin_cat import generators as g
 from napkin_cat.diagram import Diagram, Ty
 from napkin_cat.dtypes import f32
+from napkin_cat.hardware import H100, Hardware
 from napkin_cat.levels import HBM
-from rewrites import delta_lemma, lse_residual, partitions, reduced, stream, tile, widened
+from rewrites import delta_lemma, derive, lse_residual, partitions, reduced, stream, tile, widened
 
-#: the largest backward tile and stream (the backward holds more blocks than the forward)
-LARGEST = 64
+#: the backward's blocks (FlashAttention-2, Dao 2023 §3.2, and its kernels at d = 128): each kernel tiles
+#: the axis it keeps in blocks of ``TILE`` and streams the other in chunks of ``STREAM``, never larger than the
+#: forward's own blocks; halved (the stream first) until the blocks fit the hardware's shared memory
+TILE, STREAM = 128, 64
 
 
 @dataclass(frozen=True)
 class Piece:
     """One backward kernel: its naive ``diagram``, the backward inputs it reads (``inputs``: positions
-    among the primal inputs, the output cotangents and the residuals), the primal inputs whose
-    cotangents it gives (``outputs``), the axes of each to sum after the kernel (``sums``: positions),
-    and the schedule ``rules``."""
+    among the primal inputs, the output cotangents, the residuals and the values ``feeds`` pieces make),
+    the primal inputs whose cotangents it gives (``outputs``; where ``feeds``, the positions among the
+    backward's inputs of the values it makes for later pieces), the axes of each to sum after the kernel
+    (``sums``: positions), the schedule ``rules`` and the ``scheduled`` diagram they give."""
 
     diagram: Diagram
     inputs: tuple[int, ...]
     outputs: tuple[int, ...]
     sums: tuple[tuple[int, ...], ...]
     rules: tuple
+    scheduled: Diagram
+    feeds: bool = False
 
 
 @dataclass(frozen=True)
 class Backward:
     """The forward with residuals (scheduled like ``d``), where its residuals lie among its outputs, and the
-    backward's kernels. The backward's inputs are ``d``'s inputs, one cotangent per output, the residuals."""
+    backward's kernels in the order they run. The backward's inputs are ``d``'s inputs, one cotangent per
+    output, the residuals, then the values the pieces that ``feed`` make (each Δ)."""
 
     forward: Diagram
     residuals: tuple[int, ...]
@@ -115,8 +125,51 @@ def _live(t: Tape, outs: list[str]) -> list[str]:
     return [n for n in t.inputs if n in live]
 
 
-def backward_of(d: Diagram) -> Backward:
-    """The lowered backward's diagrams and schedules for the scheduled forward ``d`` (see the module).
+def _fit(
+    naive: Diagram,
+    tiled: list,
+    streamed: list,
+    tile_size: int,
+    stream_size: int,
+    hardware: Hardware,
+    config: Config | None,
+) -> tuple[tuple, Diagram]:
+    """The rules and scheduled diagram of one backward kernel: ``tiled`` axes in blocks of ``tile_size``,
+    ``streamed`` in chunks of ``stream_size``, halved (the stream first, then the tile, to 16) while the
+    kernel's shared memory (:func:`lowering._plan.smem_bytes`, at the padded sizes of the axes kept
+    whole, where they are known) exceeds ``hardware.smem_per_block``; :class:`NotLowerable` where even
+    16 × 16 blocks exceed it."""
+    while True:
+        rules = tuple(tile(a, tile_size) for a in tiled) + tuple(stream(a, stream_size) for a in streamed)
+        scheduled = derive(naive, *rules, verify=False).diagram
+        p = plan(scheduled)
+        size = {a.name: a.size for w in naive.dom.inside for a in w.axes}
+        if not all(size[a].is_number for a in p.whole):
+            return rules, scheduled
+        padded = {a: max(next_pow2(int(size[a])), 16) for a in p.whole}
+        stages = (config or Config.get_default(p)).num_stages
+        smem = smem_bytes(p, padded, stages)
+        if smem <= hardware.smem_per_block:
+            return rules, scheduled
+        if streamed and stream_size > 16:
+            stream_size //= 2
+        elif tiled and tile_size > 16:
+            tile_size //= 2
+        else:
+            raise NotLowerable(
+                f"the backward kernel {naive.dom} → {naive.cod} ({', '.join(map(str, rules))}) would hold "
+                f"{smem:,} B of shared memory ({stages} stages of each chunk), over the "
+                f"{hardware.smem_per_block:,} B a block may use on {hardware.name}, even at 16-element blocks"
+            )
+
+
+def backward_of(d: Diagram, hardware: Hardware = H100, config: Config | None = None) -> Backward:
+    """The lowered backward's diagrams and schedules for the scheduled forward ``d`` (see the module),
+    its blocks fitted to ``hardware``'s shared memory with ``config``'s pipeline stages.
+
+    Δ = Σ_d dO ⊙ O (the Δ lemma's right side) is computed once per query row, by a kernel of its own
+    (a piece that ``feeds`` the others, run first), and read by the kernels that need it, rather than
+    recomputed for every chunk of the loop that streams queries.
 
     Raises a :class:`~napkin_cat.errors.NapkinError` naming the box and the reason where a cotangent
     cannot be computed by one streamed kernel (``NoDerivative``, ``RewriteError``, ``NotLowerable``).
@@ -124,13 +177,29 @@ def backward_of(d: Diagram) -> Backward:
     tiles, streams = partitions(d)
     if len(streams) > 1:
         raise NotLowerable(f"the forward streams {sorted(streams)}, expected one axis")
-    first = min(next(iter(tiles.values()), LARGEST), LARGEST)
-    size = {a: first for a in tiles} | {a: min(s, LARGEST) for a, s in streams.items()}
+    blocks = [*tiles.values(), *streams.values()] or [TILE]
+    tile_size, stream_size = min(max(blocks), TILE), min(min(blocks), STREAM)
     keyed = [*tiles, *streams]  # the axes a kernel may tile or stream
     forward, positions = with_residuals(d)
     t, grads = pullback(plain(d))
     residuals = lse_residual(t)
-    delta_lemma(t, residuals)
+    pieces = []
+    for delta in delta_lemma(t, residuals):
+        inputs = _live(t, [delta])
+        have = {n for i in inputs for n in t.ty(i).names}
+        tiled = [a for a in keyed if a in t.ty(delta).names]
+        if not tiled or any(a in have and a not in tiled for a in keyed):
+            continue  # Δ would need a streamed loop of its own: left where the lemma put it
+        naive = t.diagram([delta], inputs=inputs)
+        rules, scheduled = _fit(naive, tiled, [], tile_size, stream_size, hardware, config)
+        t.steps = [s for s in t.steps if s[2] != (delta,)]
+        t.inputs[delta] = t.ty(delta)  # Δ becomes an input of the kernels reading it
+        order = list(t.inputs)
+        pieces.append(
+            Piece(
+                naive, tuple(order.index(n) for n in inputs), (order.index(delta),), ((),), rules, scheduled, feeds=True
+            )
+        )
     order = list(t.inputs)
     schedules: dict[tuple, list] = {}
     for i, ct in enumerate(grads):
@@ -148,21 +217,22 @@ def backward_of(d: Diagram) -> Backward:
             raise NotLowerable(
                 f"the cotangent of input {i} ({t.ty(ct).describe()}) sums {left}; one kernel streams one axis"
             )
-        rules = tuple(tile(a, size[a]) for a in keyed if a not in left) + tuple(stream(a, size[a]) for a in left)
+        kept = tuple(a for a in keyed if a not in left)
         summed = tuple(range(len(names), len(names) + len(extra)))
-        schedules.setdefault(tuple(map(str, rules)), []).append((i, wide, summed, rules))
-    pieces = []
-    for group in schedules.values():
-        outs = [wide for _, wide, _, _ in group]
+        schedules.setdefault((kept, tuple(left)), []).append((i, wide, summed))
+    for (kept, left), group in schedules.items():
+        outs = [wide for _, wide, _ in group]
         inputs = _live(t, outs)
         naive = t.diagram(outs, inputs=inputs)
+        rules, scheduled = _fit(naive, list(kept), list(left), tile_size, stream_size, hardware, config)
         pieces.append(
             Piece(
                 naive,
                 tuple(order.index(n) for n in inputs),
                 tuple(i for i, *_ in group),
-                tuple(s for *_, s, _ in group),
-                group[0][3],
+                tuple(s for *_, s in group),
+                rules,
+                scheduled,
             )
         )
     return Backward(forward, positions, tuple(pieces))
@@ -196,6 +266,9 @@ def differentiable(primal: Callable, kernels: Callable[[], tuple], b: Backward, 
         grads: list = [None] * len(xs)
         for piece, kernel in zip(b.pieces, kernels()[1:], strict=True):
             outs = tupled(kernel(*(values[i] for i in piece.inputs)))
+            if piece.feeds:  # Δ, read by the pieces after it
+                values += outs
+                continue
             for i, out, summed in zip(piece.outputs, outs, piece.sums, strict=True):
                 grads[i] = (jnp.sum(out.astype(jnp.float32), axis=summed) if summed else out).astype(xs[i].dtype)
         return tuple(grads)

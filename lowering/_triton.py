@@ -37,7 +37,8 @@ from lowering._plan import (
     unweave,
 )
 from lowering._source import describe
-from napkin_cat.generators import Context, Jax, Mask
+from napkin_cat.diagram import Diagram
+from napkin_cat.generators import Causal, Context, IndexMap, Jax, Kept, Mask
 from napkin_cat.hardware import H100, HARDWARE, Hardware, for_device
 from napkin_cat.semantics import bind
 from rewrites import walk
@@ -168,15 +169,16 @@ def block_einsum(spec: str, *xs):
     shared = set(terms[0]) & set(terms[1]) - set(out) if len(terms) == 2 else set()
     if len(terms) == 2 and all(len(t) == 2 for t in terms) and len(out) == 2 and len(shared) == 1:
         (k,) = shared
-        (a, b), (c, _) = terms
-        x = xs[0] if b == k else xs[0].T
-        y = xs[1] if c == k else xs[1].T
-        rows = a if b == k else b
+        # the operand holding the output's rows goes left, so only operands are transposed (free for the
+        # tensor cores), never the f32 product (a layout change through shared memory in Triton)
+        first = 0 if out[0] in terms[0] else 1
+        (lt, x), (rt, y) = (terms[first], xs[first]), (terms[1 - first], xs[1 - first])
+        x = x if lt == out[0] + k else x.T
+        y = y if rt == k + out[1] else y.T
         if x.dtype != y.dtype:  # Triton's dot needs one operand type: the narrower one (FA2 casts P to V's dtype)
             narrow = min(x.dtype, y.dtype, key=lambda t: jnp.dtype(t).itemsize)
             x, y = x.astype(narrow), y.astype(narrow)
-        prod = jnp.dot(x, y, preferred_element_type=jnp.float32)
-        return prod if out[0] == rows else prod.T
+        return jnp.dot(x, y, preferred_element_type=jnp.float32)
     letters = "".join(dict.fromkeys(out + "".join(terms)))
     acc = None
     for t, v in zip(terms, xs, strict=True):
@@ -321,16 +323,26 @@ def _strides(p: Plan, padded: dict) -> dict:
 
 
 def affine_mask(box):
-    """The affine form of a mask box (an :class:`napkin_cat.library.Affine`; the causal mask as one), or None."""
+    """The affine form (an :class:`napkin_cat.library.Affine`) of a mask box, or of a mask's backward
+    (``Kept``: the cotangent where the mask keeps the score, else 0), which hides the same blocks and is
+    the identity on those the mask keeps whole; None for any other box.
+
+    >>> import napkin_cat as nc
+    >>> q, x = nc.axes("q x")
+    >>> affine_mask(nc.causal_mask(nc.Array(q, x), "q", "x")).name
+    'causal(q ≥ x)'
+    """
     from napkin_cat.library import Affine
 
-    if not isinstance(box, Mask):
+    if isinstance(box, Mask):
+        keep = box.params["mask"]
+    elif isinstance(box, IndexMap) and isinstance(box.params["fn"], Kept):
+        keep = box.params["fn"].keep
+    else:
         return None
-    keep = box.params["mask"]
     if isinstance(keep, Affine):
         return keep
-    diagonal = box.diagonal()
-    return None if diagonal is None else Affine.causal(*diagonal)
+    return Affine.causal(keep.q, keep.x) if isinstance(keep, Causal) else None
 
 
 def _visited(masks, x: str, s: int, n_chunks: int, ranges: dict, extent: int) -> tuple:
@@ -348,8 +360,45 @@ def _visited(masks, x: str, s: int, n_chunks: int, ranges: dict, extent: int) ->
     return first, full_lo, full_hi, last
 
 
+def tiled_first(d: Diagram, p: Plan) -> Diagram:
+    """``d`` with each wire that holds the streamed axis and a tiled one laid out tiled axes first.
+
+    rewrite: S[q, x] → S[x, q] on the wires inside a kernel tiling ``x`` and streaming ``q``. Sound because
+    axes are named and every box reads its wires by name (a relabelling of layouts, not of values). The
+    dK, dV kernel then computes ``Sᵀ = K·Q_cᵀ`` and accumulates ``Pᵀ·dO`` and ``dSᵀ·Q`` with the block it
+    holds as the left operand, never transposing a computed block (FlashAttention-2's Triton kernels do the
+    same). Left as is where an input or output holds both axes, as its block layout is the caller's.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> from lowering import plan
+    >>> from lowering._backward import backward_of
+    >>> q, x, d = nc.axes("q x d")
+    >>> dkv = backward_of(derive(nc.library.attention(q, x, d), tile(q, 16), stream(x, 16), verify=False).diagram)
+    >>> p = plan(dkv.pieces[-1].scheduled)
+    >>> sorted({str(w) for b in tiled_first(p.diagram, p).boxes for w in b.cod.inside if w.has("q") and w.has("x")})
+    ['x/16×q~16']
+    """
+    if p.stream is None:
+        return d
+    x = p.stream[0]
+
+    def both(w) -> bool:
+        return w.has(x) and any(w.has(a) for a in p.tiles)
+
+    if any(both(w) for w in (*d.dom.inside, *d.cod.inside)):
+        return d
+
+    def reorder(w):
+        if not both(w):
+            return w
+        return w.with_(axes=sorted(w.axes, key=lambda a: a.name not in p.tiles))
+
+    return d.map_arrays(reorder)
+
+
 def _kernel(p: Plan, sizes, extent, padded, *refs):
-    d = base2(unweave(p.diagram, p.batch))
+    d = tiled_first(base2(unweave(p.diagram, p.batch)), p)
     for a in p.whole:  # axes padded to a power of two: the padding holds each reduction's neutral value
         if padded[a] != extent[a]:
             d = pad_neutral(d, a, extent[a])

@@ -24,7 +24,7 @@ Each lemma is an equation between diagrams, proved symbolically by :func:`prove_
 >>> q, x, d = nc.axes("q x d")
 >>> t, grads = pullback(fuse_softmax_contract(nc.library.attention(q, x, d), "x"))
 >>> residuals = lse_residual(t)
->>> delta_lemma(t, residuals)
+>>> len(delta_lemma(t, residuals))
 1
 >>> print(t.diagram(grads[:1], inputs=["x0", "x1", "x2", "dy3", residuals[0].lse, residuals[0].out]).cod)
 q×d
@@ -90,10 +90,11 @@ def lse_residual(t: Tape) -> list[Residual]:
     return residuals
 
 
-def delta_lemma(t: Tape, residuals: list[Residual]) -> int:
+def delta_lemma(t: Tape, residuals: list[Residual]) -> list[str]:
     """Rewrite every ``Σ_x P ⊙ dP``, where ``P = exp(S − L)`` is a residual's recomputed probabilities and
     ``dP = c·Vᵀ`` the transpose of its contraction, into ``Δ = Σ_d c ⊙ O`` (``O`` its residual output).
-    Returns how many sums it rewrote.
+    Returns the wires ``Δ`` it made, one per rewritten sum: they no longer read the key axis ``x``, so a
+    backward can compute each once per query row (``lowering._backward``) instead of per key block.
 
     rewrite: Σ_x (P ⊙ c·Vᵀ)  →  Σ_d (c ⊙ O).   Sound because Σ_x P_x (Σ_d c_d V_xd) = Σ_d c_d (Σ_x P_x V_xd)
     and O = P·V.
@@ -106,7 +107,7 @@ def delta_lemma(t: Tape, residuals: list[Residual]) -> int:
             r = next((r for r in residuals if (s, lse) == (r.scores, r.lse)), None)
             if r is not None and sub.params["fn"] == "subtract":
                 probabilities[outs[0]] = r
-    rewritten = 0
+    rewritten = []
     for j, (box, ins, outs) in enumerate(t.steps):
         if not (isinstance(box, g.Reduce) and box.params["op"] == "sum") or ins[0] not in made:
             continue
@@ -126,7 +127,7 @@ def delta_lemma(t: Tape, residuals: list[Residual]) -> int:
             continue
         c = transpose[1][0]
         t.steps[j] = (_contract(t, [c, r.out], t.ty(outs[0])), (c, r.out), outs)
-        rewritten += 1
+        rewritten.append(outs[0])
     return rewritten
 
 

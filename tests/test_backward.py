@@ -59,7 +59,13 @@ def test_mha_gradients(seed, key, nq, nx, causal, dtype):
     jax_nn = grads(dpa(causal), f32[:3], f32[3])
     naive = grads(nc.to_jax(attn), (Q, K, V), ct)
     why = f"q={nq}, x={nx}, causal={causal}, {dtype} (NAPKIN_SEED={seed})"
+    one_key = nx == 1 or (causal and nq == 1)  # every row sees one key: softmax is constant, so dS, dQ, dK ≡ 0
     for name, a, r, s, n in zip("QKV", ours, independent, jax_nn, naive, strict=True):
+        if name in "QK" and one_key:  # relative to 0 is undefined: rounding, measured against dV's scale
+            assert float(jnp.max(jnp.abs(a.astype(jnp.float32)))) <= TOL[dtype] * float(
+                jnp.max(jnp.abs(independent[2]))
+            ), f"d{name} ≠ 0: {why}"
+            continue
         assert R.rel_err(a, r) <= TOL[dtype], f"d{name} vs reference: {why}"
         assert R.rel_err(a, s) <= TOL[dtype], f"d{name} vs jax.nn: {why}"
         # the naive diagram's gradients round like ours, each within TOL of the reference: 2·TOL apart

@@ -7,6 +7,8 @@ FlashAttention-2 ones (tests/flash_oracle.py); the lemmas proved; no N×N buffer
 Tolerances: rel_err of every gradient, f32 interpret mode on CPU, measured ≤ 8e-7 over these cases.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,8 +17,9 @@ import references as R
 from flash_oracle import attention_parts, backward_diagrams
 
 import napkin_cat as nc
-from lowering import NotLowerable, lower
+from lowering import Config, NotLowerable, lower
 from lowering._backward import backward_of, plain
+from lowering._triton import _visited, affine_mask
 from napkin_cat.architectures import Circuit
 from napkin_cat.diagram import Array
 from rewrites import derive, stream, tile
@@ -116,7 +119,7 @@ def test_index_bias_with_learnable_slopes_and_key_bias(seed, key):
     c.let("P", nc.softmax(S, x), "U")
     c.let("O", nc.contract("h q x, h x d -> h q d", h, q, x, d), "P", "V")
     kernel = lower(derive(c.diagram("O"), tile(q, 16), stream(x, 16)))
-    pieces = {p.outputs: p.sums for p in backward_of(kernel.diagram).pieces}
+    pieces = {p.outputs: p.sums for p in backward_of(kernel.diagram).pieces if not p.feeds}
     assert pieces == {(0, 3): ((), (1,)), (1, 2, 4): ((), (), (1,))}
 
     def reference(Q, K, V, slope, b):
@@ -149,9 +152,80 @@ def test_derived_backward_equals_the_hand_written_oracle(key, causal):
     for p in pieces:
         derive(p.diagram, *p.rules)
         out = nc.to_jax(p.diagram)(*(values[i] for i in p.inputs))
-        got += list(out) if isinstance(out, tuple) else [out]
+        outs = list(out) if isinstance(out, tuple) else [out]
+        if p.feeds:  # Δ, computed once per query row
+            assert R.rel_err(outs[0], delta) <= TOL
+            values += outs
+        else:
+            got += outs
     for a, w in zip(got, want, strict=True):
         assert R.rel_err(a, w) <= TOL
+
+
+def test_delta_is_computed_once_per_query_row_and_blocks_follow_flash_attention_2():
+    """Δ = Σ_d dO ⊙ O has a kernel of its own (tiling queries, no loop), which dQ and dK, dV read instead of
+    the output O; at the forward's 128 × 64 blocks the backward tiles 128 and streams 64, with 8 warps."""
+    h, q, x, d = nc.axes("h q x d", d=128)
+    kernel = lower(
+        derive(
+            nc.library.multi_head_attention(h, q, x, d, causal=True, dtype=nc.bf16),
+            tile(q, 128),
+            stream(x, 64),
+            verify=False,
+        )
+    )
+    _, delta, dq, dkv = kernel.kernels
+    assert (delta.plan.tiles, delta.plan.stream) == ({"q": 128}, None)
+    assert [str(w) for w in delta.plan.diagram.cod] == ["h×q/128"]
+    assert (dq.plan.tiles, dq.plan.stream, dkv.plan.tiles, dkv.plan.stream) == (
+        {"q": 128},
+        ("x", 64),
+        {"x": 128},
+        ("q", 64),
+    )
+    for k in (dq, dkv):
+        assert "q/128×d" not in str(k.plan.diagram.dom.inside[-1])  # reads Δ (h×q), not O (h×q×d)
+        assert Config.get_default(k.plan) == Config(num_warps=8, num_stages=3)
+
+
+def test_blocks_shrink_to_fit_shared_memory_and_what_cannot_fit_is_refused(key):
+    """At d = 256 the 128 × 64 blocks of dK, dV would hold 320 KiB: the stream halves until they fit the
+    H100's 227 KiB. Where even 16 × 16 blocks exceed the budget (dQ holds more than the forward), the
+    forward still lowers and differentiating names the kernel and the bytes."""
+    q, x, d = nc.axes("q x d", d=256)
+    flash = derive(nc.library.attention(q, x, d, dtype=nc.bf16), tile(q, 128), stream(x, 64), verify=False)
+    sizes = {p.outputs: [str(r) for r in p.rules] for p in backward_of(flash.diagram).pieces if not p.feeds}
+    assert sizes == {(0,): ["tile(q, 128)", "stream(x, 32)"], (1, 2): ["tile(x, 128)", "stream(q, 32)"]}
+    q, x, d = nc.axes("q x d", d=128)
+    small = derive(nc.library.attention(q, x, d), tile(q, 16), stream(x, 16), verify=False)
+    tiny = dataclasses.replace(nc.hardware.H100, name="tiny", smem_per_block=60 * 1024)  # forward: 56 KiB
+    kernel = lower(small, hardware=tiny)
+    assert kernel.differentiation == "none"
+    assert "over the 61,440 B a block may use on tiny, even at 16-element blocks" in kernel.why_not
+    Q, K, V = normal(key, (20, 128), (24, 128), (24, 128))
+    assert R.rel_err(kernel(Q, K, V), R.attention(Q, K, V)) <= TOL
+    with pytest.raises(NotLowerable, match="q×d \\(tile\\(q, 16\\), stream\\(x, 16\\)\\) would hold 65,664 B"):
+        jax.grad(lambda Q: kernel(Q, K, V).sum())(Q)
+
+
+def test_causal_backward_skips_hidden_blocks_and_runs_whole_ones_unmasked():
+    """dQ (a 128-query tile, keys streamed by 64) visits no key chunk past its last query and runs those before
+    its first query unmasked; dK, dV (a 128-key tile, queries streamed by 64) skips the query chunks before
+    its first key and runs those past its last key unmasked."""
+    h, q, x, d = nc.axes("h q x d", d=16)
+    kernel = lower(
+        derive(nc.library.multi_head_attention(h, q, x, d, causal=True), tile(q, 128), stream(x, 64), verify=False)
+    )
+    _, _, dq, dkv = kernel.kernels
+
+    def chunks(k, tiled, streamed):
+        masks = [m for b in k.plan.diagram.boxes if (m := affine_mask(b)) is not None and streamed in m.axes]
+        assert len(masks) == 2  # the forward's mask, recomputed, and its derivative on dS
+        return [int(c) for c in _visited(masks, streamed, 64, 8, {tiled: (128, 256)}, 512)]
+
+    # (first, first whole, after the last whole, after the last visited) chunk
+    assert chunks(dq, "q", "x") == [0, 0, 2, 4]  # keys [0, 128) whole, [128, 256) masked, the rest skipped
+    assert chunks(dkv, "x", "q") == [2, 4, 8, 8]  # queries [0, 128) skipped, [128, 256) masked, the rest whole
 
 
 def test_no_query_by_key_buffer_in_the_gradient():

@@ -335,7 +335,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.add_argument("--" + name.replace("_", "-"), default=None, type=type(FULL[name]))
     p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     p.add_argument("--long-causal", action="store_true", help="causal mask in the longest-N sweep")
-    p.add_argument("--sections", default="fwd,longest,fwdbwd", help="any of fwd, longest, fwdbwd")
+    p.add_argument("--sections", default="fwd,longest,fwdbwd", help="any of fwd, longest, fwdbwd, run in this order")
     p.add_argument("--budget-s", type=float, default=330.0, help="skip what is left after this")
     p.add_argument("--out-dir", type=Path, default=HERE / "results")
     p.add_argument("--no-plot", action="store_true")
@@ -397,18 +397,19 @@ def run(opts) -> dict:
            "candidate": {"requested": opts.candidate, "used": probe.name, "note": wanted.unavailable},
            "forward": [], "forward_backward": [], "longest": None}
     clock.log(f"device {dev['kind']} ({dev['platform']}), candidate = {probe.name}, results → {path}")
-    if "fwd" in opts.section_list:
-        for cfg in grid(opts):
-            res["forward"].append(forward_entry(cfg, implementations(cfg, opts.candidate), opts, clock))
+    for section in opts.section_list:  # in the order asked, so the budget goes to the first ones named
+        if section == "fwd":
+            for cfg in grid(opts):
+                res["forward"].append(forward_entry(cfg, implementations(cfg, opts.candidate), opts, clock))
+                report.save_json(res, path)
+        elif section == "longest":
+            res["longest"] = longest_sequence(opts, clock)
             report.save_json(res, path)
-    if "longest" in opts.section_list:
-        res["longest"] = longest_sequence(opts, clock)
-        report.save_json(res, path)
-    if "fwdbwd" in opts.section_list:
-        for cfg in grid(opts, opts.fwdbwd_head_dims):
-            impls = implementations(cfg, opts.candidate, names=GRAD_NAMES[1:])
-            res["forward_backward"].append(forward_entry(cfg, impls, opts, clock, backward=True))
-            report.save_json(res, path)
+        elif section == "fwdbwd":
+            for cfg in grid(opts, opts.fwdbwd_head_dims):
+                impls = implementations(cfg, opts.candidate, names=GRAD_NAMES[1:])
+                res["forward_backward"].append(forward_entry(cfg, impls, opts, clock, backward=True))
+                report.save_json(res, path)
     res["elapsed_s"] = clock.elapsed()
     report.save_json(res, path)
     print(report.render(res), flush=True)

@@ -75,9 +75,10 @@ def kernels() -> dict:
         "attention": lambda: (flash(mha()).forward, attn),
         "attention causal": lambda: (flash(mha(causal=True)).forward, attn),
         "backward residual": lambda: (flash(mha()).kernels[0], attn),
-        "backward dQ": lambda: (flash(mha()).kernels[1], attn),
-        "backward dK dV": lambda: (flash(mha()).kernels[2], attn),
-        "backward dK dV causal": lambda: (flash(mha(causal=True)).kernels[2], attn),
+        "backward Δ": lambda: (flash(mha()).kernels[1], attn),
+        "backward dQ": lambda: (flash(mha()).kernels[2], attn),
+        "backward dK dV": lambda: (flash(mha()).kernels[3], attn),
+        "backward dK dV causal": lambda: (flash(mha(causal=True)).kernels[3], attn),
         "GQA (4 kv heads × 4)": lambda: (
             flash(nc.library.grouped_query_attention(hk, g, q, x, d, batch=(b,), dtype="bf16")).forward,
             attn,
