@@ -323,9 +323,11 @@ def _ring_body(s: Sharded, kernels: _PairKernels, keys: int):
                 values += [residual[p] for p in b.residuals]
                 for piece, kernel in zip(b.pieces, kernels.pieces(kind), strict=True):
                     res = kernel(*(values[j] for j in piece.inputs))
-                    for j, r, summed in zip(
-                        piece.outputs, res if isinstance(res, tuple) else (res,), piece.sums, strict=True
-                    ):
+                    res = res if isinstance(res, tuple) else (res,)
+                    if piece.feeds:  # Δ = rowsum(dO ⊙ O), read by the pieces after it
+                        values += res
+                        continue
+                    for j, r, summed in zip(piece.outputs, res, piece.sums, strict=True):
                         r = jnp.sum(r.astype(jnp.float32), axis=summed) if summed else r.astype(jnp.float32)
                         chunks, c = (qc, None) if is_q[j] else (kc, cut)
                         grads[j] = grads[j] + spread(r, at[j], chunks, c, local[j].shape)
