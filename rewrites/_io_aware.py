@@ -73,19 +73,17 @@ def lse_residual(t: Tape) -> list[Residual]:
     those values. So is every box with a residual (``Generator.with_residual``: a normalised
     contraction's sum ``Z``, read by its backward).
     """
-    residuals, by_scores, steps, kept = [], {}, list(t.steps), {}
+    residuals, by_scores, steps = [], {}, list(t.steps)
+    made, kept = {}, {}  # the residual of each (scores, values, axis); the recomputed wires it replaces
     t.steps = []
-    made = {}
     for box, ins, outs in steps:
         ins = tuple(kept.get(i, i) for i in ins)
         if isinstance(box, g.Generator) and box.with_residual() is not None:
-            s, v = ins
-            r = made.get((s, v, box.params["axis"]))
+            (s, v), axis = ins, box.params["axis"]
+            r = made.get((s, v, axis))
             if r is None:  # the forward's box (the first on the tape); its backward's recomputation reads it too
-                lse = t.input(_rows(t.ty(s), box.params["axis"]), "lse")
-                r = made[s, v, box.params["axis"]] = Residual(
-                    lse, t.input(t.ty(outs[0]), "o"), s, v, box.params["axis"]
-                )
+                r = Residual(t.input(_rows(t.ty(s), axis), "lse"), t.input(t.ty(outs[0]), "o"), s, v, axis)
+                made[s, v, axis] = r
                 residuals.append(r)
             if isinstance(box, g.SoftmaxContract):
                 by_scores[s, r.axis] = r

@@ -10,6 +10,9 @@ the tolerances measured for every kernel (tests/test_lowering.py, tests/test_bac
 1.5e-2 gradients.
 """
 
+import doctest
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -253,3 +256,9 @@ def test_fully_masked_rows_give_zero_where_jax_nn_gives_the_mean_of_v():
     bias = jnp.zeros((1, 2, 20, 20))
     grads = jax.grad(lambda q, b: attention(q, k, v, b, mask).sum(), argnums=(0, 1))(q, bias)
     assert all(bool(jnp.isfinite(g).all()) for g in grads) and bool((grads[1][..., 3, :] == 0).all())
+
+
+def test_the_entry_example_in_docs_lowering_md_runs():
+    path = Path(__file__).parent.parent / "docs" / "lowering.md"
+    failed, tried = doctest.testfile(str(path), module_relative=False, optionflags=doctest.ELLIPSIS)
+    assert tried > 0 and failed == 0
