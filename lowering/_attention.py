@@ -115,13 +115,18 @@ class HeadOfGroup:
 class Signature:
     """What a kernel depends on, and so the cache's key: the dtype, the heads per key/value head
     (``group``; 1 is multi-head attention), the schedule :func:`schedule` picks from the shapes, the
-    flags, the index functions (by identity) and how to lower. Shapes with the same schedule share a
-    kernel: the diagram's sizes stay symbolic, bound at each call.
+    flags, the index functions (by identity), how to lower, and which arrays come beside q, k, v: the batch
+    axes (``"b"``, ``"h"``) a bias or a mask is read over (none: not given), the bias's dtype, whether
+    segment ids are. Shapes with the same schedule share a kernel: the diagram's sizes stay symbolic, bound
+    at each call; so do values (segment ids, masks, biases are read when called).
 
     >>> x = jnp.zeros((1, 20, 4, 16))
     >>> s = Signature.of(x, x[:, :, :2], x[:, :, :2], is_causal=True)
     >>> s.group, s.tile, s.stream, s.causal, s.dtype
     (2, 32, 32, True, 'float32')
+    >>> s = Signature.of(x, x, x, jnp.zeros((1, 4, 20, 20)), jnp.ones((1, 1, 20, 20), bool))
+    >>> s.bias, s.mask, s.segments
+    (('h',), (), False)
     """
 
     dtype: str
