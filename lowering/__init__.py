@@ -11,15 +11,15 @@
 True
 """
 
-from lowering._api import Kernel, lower
+from lowering._api import Kernel, OpenKernel, lower
 from lowering._attention import AttentionKernel, attention
 from lowering._mosaic import MosaicConfig, MosaicLowered
 from lowering._plan import NotLowerable, Plan, plan
 from lowering._search import median_time
-from lowering._tiles import choose_tiles, predicted_time
+from lowering._tiles import Choice, choose_tiles, predicted_time
 from lowering._triton import Config, Lowered
 
 __all__ = [
-    "AttentionKernel", "Config", "Kernel", "Lowered", "MosaicConfig", "MosaicLowered", "NotLowerable", "Plan",
-    "attention", "choose_tiles", "lower", "median_time", "plan", "predicted_time",
+    "AttentionKernel", "Choice", "Config", "Kernel", "Lowered", "MosaicConfig", "MosaicLowered", "NotLowerable",
+    "OpenKernel", "Plan", "attention", "choose_tiles", "lower", "median_time", "plan", "predicted_time",
 ]

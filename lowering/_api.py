@@ -17,19 +17,21 @@ What a kernel computes where the reference and ``jax.nn`` disagree (decided, and
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Literal
 
 import jax
 
 from lowering._backward import backward_of, differentiable
 from lowering._plan import NotLowerable, plan
-from lowering._triton import Config, Lowered, launch
+from lowering._search import refine
+from lowering._tiles import Choice, choose_tiles, missing_sizes
+from lowering._triton import Config, Lowered, launch, target_hardware
 from napkin_cat.diagram import Diagram
 from napkin_cat.errors import CostError, EvaluationError, NapkinError
 from napkin_cat.hardware import Hardware, lookup
 from napkin_cat.semantics import to_jax
-from rewrites import derive
+from rewrites import derive, open_sizes, resolve
 
 Differentiation = Literal["lowered", "reference", "none"]
 
@@ -44,15 +46,17 @@ class Kernel:
     ``"lowered"`` (derived backward kernels, built when first differentiated), ``"reference"``
     (``jax.vjp`` of the reference semantics, asked for explicitly) or ``"none"`` (differentiating
     raises :class:`NotLowerable`); ``why_not`` says why there is no lowered backward, else None;
-    ``refused`` maps each backend ``backend="auto"`` passed over to why.
+    ``refused`` maps each backend ``backend="auto"`` passed over to why; ``tiles`` maps every partition
+    size of the kernel to its value (``{"g_q": 16, "s_x": 16}``) and ``choice`` says how sizes the derivation
+    left open were chosen (None when it left none).
 
     >>> import jax, jax.numpy as jnp
     >>> import napkin_cat as nc
     >>> from rewrites import derive, tile, stream
     >>> q, x, d = nc.axes("q x d")
     >>> kernel = lower(derive(nc.library.attention(q, x, d), tile(q, 16), stream(x, 16), verify=False))
-    >>> kernel.backend, kernel.differentiation, kernel.why_not
-    ('triton', 'lowered', None)
+    >>> kernel.backend, kernel.differentiation, kernel.why_not, kernel.tiles
+    ('triton', 'lowered', None, {'g_q': 16, 's_x': 16})
     >>> Q, K, V = (jax.random.normal(jax.random.key(i), (24, 16)) for i in range(3))
     >>> dQ = jax.grad(lambda Q: kernel(Q, K, V).sum())(Q)
     >>> bool(jnp.allclose(dQ, jax.grad(lambda Q: nc.to_jax(kernel.diagram)(Q, K, V).sum())(Q), atol=1e-4))
@@ -74,11 +78,18 @@ class Kernel:
         why_not: str | None = None,
         backward: Callable[[], tuple[Lowered, ...]] | None = None,
         refused: dict[str, str] | None = None,
+        choice: Choice | None = None,
     ):
         self.diagram, self.forward, self._fn, self.backend = diagram, forward, fn, backend
-        self.refused = refused or {}
+        self.refused, self.choice = refused or {}, choice
         self.differentiation, self.why_not, self._backward = differentiation, why_not, backward
         self.__name__ = "napkin_kernel"
+
+    @property
+    def tiles(self) -> dict[str, int]:
+        """Every partition size of the kernel by its symbol's name: ``g_a`` for a tiled axis, ``s_x`` for the
+        streamed one, as the cost functor names them."""
+        return _tiles(self.diagram)
 
     @property
     def kernels(self) -> tuple[Lowered, ...]:
@@ -95,6 +106,71 @@ class Kernel:
     def source(self) -> str:
         """The emitted kernels, described: the forward, then any backward kernels (built if need be)."""
         return "\n\n".join(k.source for k in (self.forward, *self.kernels))
+
+
+def _tiles(d: Diagram) -> dict[str, int]:
+    out = {}
+    for w in (*d.dom.inside, *d.cod.inside):
+        for a in w.axes:
+            for prefix, n in (("g", a.group), ("s", a.stream)):
+                if n is not None and n.is_number:
+                    out.setdefault(f"{prefix}_{a.name}", int(n))
+    return out
+
+
+class OpenKernel:
+    """A lowered diagram whose open partition sizes depend on sizes known only when it is called: each call
+    reads the axis sizes from the arrays' shapes, and the :class:`Kernel` chosen for them (from the cost
+    model, :func:`lowering.choose_tiles`) is built once per sizes and called. ``at(**sizes)`` builds it
+    without calling; ``tiles`` and ``choice`` are those of the last kernel built (None before).
+
+    >>> import jax
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> q, x = nc.axes("q x")
+    >>> kernel = lower(derive(nc.library.attention(q, x, nc.Axis("d", 16)), tile(q), stream(x), verify=False))
+    >>> kernel.tiles is None, kernel.at(q=100, x=70).tiles
+    (True, {'g_q': 128, 's_x': 128})
+    >>> Q, K, V = (jax.random.normal(jax.random.key(i), (40, 16)) for i in range(3))
+    >>> kernel(Q, K, V).shape, kernel.tiles
+    ((40, 16), {'g_q': 64, 's_x': 64})
+    """
+
+    def __init__(self, diagram: Diagram, build: Callable[[dict], Kernel]):
+        self.diagram, self._build, self._built, self._last = diagram, build, {}, None
+        self.__name__ = "napkin_kernel"
+
+    def at(self, **sizes: int) -> Kernel:
+        """The kernel for these axis sizes (by name), chosen and built on first use."""
+        key = tuple(sorted(sizes.items()))
+        if key not in self._built:
+            self._built[key] = self._build(dict(sizes))
+        self._last = self._built[key]
+        return self._last
+
+    @property
+    def tiles(self) -> dict[str, int] | None:
+        """The partition sizes of the last kernel built (:attr:`Kernel.tiles`), None before the first."""
+        return None if self._last is None else self._last.tiles
+
+    @property
+    def choice(self) -> Choice | None:
+        """How the last kernel built chose its open sizes (:class:`lowering.Choice`), None before the first."""
+        return None if self._last is None else self._last.choice
+
+    def __call__(self, *arrays):
+        dom = self.diagram.dom
+        if len(arrays) != len(dom):
+            raise EvaluationError(f"kernel {dom} → {self.diagram.cod}: expected {len(dom)} arrays, got {len(arrays)}")
+        sizes: dict = {}
+        for w, array in zip(dom.inside, arrays, strict=True):
+            shape = jax.numpy.shape(array)
+            if len(shape) != len(w.axes):
+                raise EvaluationError(f"kernel input {w.describe()}: expected {len(w.axes)} dimensions, got {shape}")
+            for a, n in zip(w.axes, shape, strict=True):
+                if sizes.setdefault(a.name, n) != n:
+                    raise EvaluationError(f"kernel: axis {a.name} has size {sizes[a.name]} and {n} in the inputs")
+        return self.at(**sizes)(*arrays)
 
 
 def _refuse(f, why: str):
@@ -168,7 +244,9 @@ def lower(
     backward: str = "lowered",
     *,
     hardware: Hardware | str | None = None,
-) -> Kernel:
+    sizes: Mapping[str, int] | None = None,
+    search: bool = False,
+) -> Kernel | OpenKernel:
     """A JAX-callable Pallas kernel for a scheduled diagram (a ``Derivation`` or its ``.diagram``).
 
     ``interpret=None`` interprets on CPU and compiles on GPU. Works under ``jax.jit``, ``jax.vmap`` and
@@ -185,6 +263,13 @@ def lower(
     are none, ``kernel.why_not`` names the box and the reason and differentiating raises
     :class:`NotLowerable`. ``backward="reference"`` differentiates the reference semantics instead.
 
+    Partition sizes the derivation left open (``tile(q)``, ``stream(x)``) are chosen here for ``hardware``
+    from the diagram's own cost (:func:`lowering.choose_tiles`: the largest tiles whose blocks fit shared
+    memory, ties broken by the predicted time), at the axis sizes of the diagram or ``sizes`` (by name); where
+    some stay unknown, the result is an :class:`OpenKernel` that chooses at each call from the arrays' shapes.
+    ``search=True`` (GPU only) times the model's first choices with a few warps and stages and keeps the
+    fastest (:func:`lowering._search.refine`, cached). ``kernel.tiles`` states the sizes, ``kernel.choice`` why.
+
     The shape guards (power-of-two blocks ≥ 16, so every 16-bit dot has K ≥ 16; axes kept whole
     padded only where that is neutral; the shared-memory footprint) raise :class:`NotLowerable` here
     when the sizes they read are concrete, else at the first call, before anything is padded. Nothing
@@ -199,6 +284,10 @@ def lower(
     >>> kernel = lower(flash(nc.Axis("d", 64)), config=Config(num_warps=8, num_stages=2), hardware="A100")
     >>> kernel.backend, kernel.forward.hardware.name
     ('triton', 'A100')
+    >>> open_flash = derive(nc.library.attention(q, x, nc.Axis("d", 64)), tile(q), stream(x), verify=False)
+    >>> kernel = lower(open_flash, hardware="H100", sizes={"q": 4096, "x": 4096})
+    >>> kernel.tiles, kernel.choice.how
+    ({'g_q': 256, 's_x': 64}, 'cost model')
     >>> lower(flash(nc.Axis("d", 512)))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
@@ -207,9 +296,60 @@ def lower(
     d = getattr(scheduled, "diagram", scheduled)
     if not isinstance(d, Diagram):
         raise NotLowerable(f"lower takes a Derivation or a Diagram, got {type(scheduled).__name__}")
-    name = _backend(backend)
+    _backend(backend)
     if backward not in ("lowered", "reference"):
         raise NotLowerable(f"backward {backward!r}: choose 'lowered' or 'reference'")
+    try:
+        hw = None if hardware is None else lookup(hardware)
+    except CostError as e:
+        raise NotLowerable(f"lower: {e}") from e
+    opens = open_sizes(d)
+    if not opens:
+        for what, given in (("search=True", search), ("sizes=", sizes)):
+            if given:
+                raise NotLowerable(f"lower({what}): the diagram leaves no partition size open to choose")
+        return _lower(d, backend, interpret, config, backward, hw)
+    axes = {a.name for w in (*d.dom.inside, *d.cod.inside) for a in w.axes}
+    if unknown := sorted(set(sizes or {}) - axes):
+        here = ", ".join(sorted(axes))
+        raise NotLowerable(f"lower(sizes=): no wire has axis {', '.join(unknown)}; axes here: {here}")
+    on_cpu = (jax.default_backend() != "gpu") if interpret is None else interpret
+    if search and on_cpu:
+        raise NotLowerable(
+            f"lower(search=True) times kernels on a GPU, and here they are interpreted; the sizes of "
+            f"{', '.join(map(str, opens))} come from the cost model without it"
+        )
+    target = hw if hw is not None else target_hardware(on_cpu)
+    stages = config.num_stages if isinstance(config, Config) else 3  # Config.get_default's pipeline depth
+
+    def build(at: dict) -> Kernel:
+        choice = choose_tiles(d, target, at, stages=stages)
+        chosen = config
+        if search:
+
+            def make(sizes, cfg):
+                return _lower(resolve(d, sizes), "triton", False, cfg, "reference", target)
+
+            choice, chosen = refine(d, choice, make)
+        return _lower(resolve(d, choice.sizes), backend, interpret, chosen, backward, target, choice)
+
+    given = dict(sizes or {})
+    if not missing_sizes(d, given):
+        return build(given)
+    return OpenKernel(d, lambda at: build({**given, **at}))
+
+
+def _lower(
+    d: Diagram,
+    backend: str,
+    interpret: bool | None,
+    config,
+    backward: str,
+    hw: Hardware | None,
+    choice: Choice | None = None,
+) -> Kernel:
+    """:func:`lower` of a diagram whose partition sizes are all concrete (``choice``: how open ones were chosen)."""
+    name = _backend(backend)
     refused: dict = {}
     if name == "auto":  # Triton, saying why not Mosaic
         from lowering._mosaic import choose
@@ -224,21 +364,17 @@ def lower(
 
         fwd = MosaicLowered(plan(d), interpret=interpret, config=config)
         if backward == "reference":
-            return Kernel(d, fwd, _reference(fwd, d), backend=name, differentiation="reference")
+            return Kernel(d, fwd, _reference(fwd, d), backend=name, differentiation="reference", choice=choice)
         why = "the Mosaic backend lowers no backward kernels yet"
-        return Kernel(d, fwd, _refuse(fwd, why), backend=name, differentiation="none", why_not=why)
+        return Kernel(d, fwd, _refuse(fwd, why), backend=name, differentiation="none", why_not=why, choice=choice)
     if config is not None and not isinstance(config, Config):
         raise NotLowerable(f"config must be a lowering.Config, got {type(config).__name__}")
-    try:
-        hw = None if hardware is None else lookup(hardware)
-    except CostError as e:
-        raise NotLowerable(f"lower: {e}") from e
 
     def kernel(diagram: Diagram) -> Lowered:
         return _guard(Lowered(plan(diagram), interpret=interpret, config=config, hardware=hw))
 
     primal = kernel(d)
-    made = functools.partial(Kernel, d, primal, backend=name, refused=refused)
+    made = functools.partial(Kernel, d, primal, backend=name, refused=refused, choice=choice)
     if backward == "reference":
         return made(_reference(primal, d), differentiation="reference")
     try:  # the backward's diagrams and schedules now (cheap, and they say whether it exists); kernels when needed

@@ -29,7 +29,7 @@ import numpy as np
 from napkin_cat.diagram import Diagram, Ty, is_structural
 from napkin_cat.errors import NapkinError
 from napkin_cat.generators import Generator, IndexMap, Mask, Softmax, fname
-from rewrites import partitions
+from rewrites import open_sizes, partitions
 
 LOG2E = math.log2(math.e)
 
@@ -77,6 +77,10 @@ def plan(d: Diagram) -> Plan:
     ...
     lowering._plan.NotLowerable: axis 'q': Triton blocks need a power-of-two tile ≥ 16, got g = 24
     """
+    if opens := open_sizes(d):
+        raise NotLowerable(
+            f"{', '.join(map(str, opens))}: the size is open; lower() chooses it (or bind it with rewrites.resolve)"
+        )
     tiles, streams = partitions(d)
     if len(streams) > 1:
         raise NotLowerable(f"one streamed axis per kernel, got {sorted(streams)}")

@@ -1,7 +1,8 @@
 """A small measured search over tile sizes, warps and stages, cached on disk (GPU only).
 
-The cost model picks the tile (FAN: the largest that fits); this refines warps, stages and the
-stream size by timing a few candidates, as Triton's autotuner would. Results are cached in
+The cost model ranks the sizes a derivation left open (:func:`lowering.choose_tiles`: the largest that fit,
+then the fastest predicted); ``lower(..., search=True)`` times the model's first few choices with a few
+warps and stages, as Triton's autotuner would, and takes the fastest. Results are cached in
 ``~/.cache/napkin_cat/search.json`` keyed by the diagram, the sizes and the device.
 
 Run: ``python -m lowering._search`` on a GPU prints the table for attention and the best choice.
@@ -50,22 +51,23 @@ def search(
     make,
     args,
     *,
-    tiles=((64, 64), (128, 64), (128, 128)),
+    tiles=({"g_q": 64, "s_x": 64}, {"g_q": 128, "s_x": 64}, {"g_q": 128, "s_x": 128}),
     warps=(4, 8),
     stages=(2, 3),
     key: str | None = None,
     log=print,
-) -> dict:
-    """Time ``make(g, s, config)`` over the grid and return the fastest choice (cached by ``key``).
+) -> dict | None:
+    """Time ``make(sizes, config)`` over the grid and return the fastest choice (cached by ``key``), or None
+    if none ran.
 
-    ``make`` returns a function of ``args`` (a lowered kernel, on a GPU); a choice that fails to build
-    or run is logged and skipped.
+    ``tiles`` are the partition sizes to try, each a dict by symbol name; ``make`` returns a function of
+    ``args`` (a lowered kernel, on a GPU); a choice that fails to build or run is logged and skipped.
 
     >>> import jax.numpy as jnp
-    >>> best = search(lambda g, s, config: jnp.sin, (jnp.ones(8),), tiles=((16, 16),), warps=(4,), stages=(1, 2),
+    >>> best = search(lambda sizes, config: jnp.sin, (jnp.ones(8),), tiles=({"g_q": 16},), warps=(4,), stages=(1, 2),
     ...               log=lambda line: None)
-    >>> sorted(best)
-    ['g', 'num_stages', 'num_warps', 's', 'seconds']
+    >>> sorted(best), best["sizes"]
+    (['num_stages', 'num_warps', 'seconds', 'sizes'], {'g_q': 16})
     """
     from lowering._triton import Config
 
@@ -73,20 +75,55 @@ def search(
     if key and key in cache:
         return cache[key]
     best = None
-    for (g, s), w, st in itertools.product(tiles, warps, stages):
+    for sizes, w, st in itertools.product(tiles, warps, stages):
+        shown = " ".join(f"{k}={v:4d}" for k, v in sizes.items())
         try:
-            fn = jax.jit(make(g, s, Config(num_warps=w, num_stages=st)))
+            fn = jax.jit(make(sizes, Config(num_warps=w, num_stages=st)))
             t = median_time(fn, *args)
         except Exception as e:  # noqa: BLE001 - a configuration that does not compile is skipped, and said so
-            log(f"  g={g:4d} s={s:4d} warps={w} stages={st}: failed ({type(e).__name__})")
+            log(f"  {shown} warps={w} stages={st}: failed ({type(e).__name__})")
             continue
-        log(f"  g={g:4d} s={s:4d} warps={w} stages={st}: {t * 1e3:8.3f} ms")
+        log(f"  {shown} warps={w} stages={st}: {t * 1e3:8.3f} ms")
         if best is None or t < best["seconds"]:
-            best = {"g": g, "s": s, "num_warps": w, "num_stages": st, "seconds": t}
+            best = {"sizes": dict(sizes), "num_warps": w, "num_stages": st, "seconds": t}
     if key and best:
         CACHE.parent.mkdir(parents=True, exist_ok=True)
         CACHE.write_text(json.dumps({**cache, key: best}, indent=1))
     return best
+
+
+def refine(diagram, choice, make, *, first: int = 4, cache: bool = True, log=None) -> tuple:
+    """The fastest measured of the cost model's ``first`` choices (``choice.ranked``), with 4 or 8 warps and 2 or
+    3 stages: ``(choice, config)``, the choice restated as measured. Inputs are random normal at
+    ``choice.at``; ``make(sizes, config)`` builds the kernel. Cached by diagram, sizes and device (``cache``).
+
+    >>> import jax.numpy as jnp
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile
+    >>> from lowering import choose_tiles
+    >>> (n,) = nc.axes("n")
+    >>> d = derive(nc.library.softmax(n, nc.Axis("v", 32)), tile(n), verify=False).diagram
+    >>> c = choose_tiles(d, "H100", {"n": 64})
+    >>> better, config = refine(d, c, lambda sizes, config: jnp.exp, first=1, cache=False)
+    >>> better.how, better.sizes == c.sizes, config.num_warps in (4, 8)
+    ('measured search', True, True)
+    """
+    from dataclasses import replace
+
+    from lowering._plan import NotLowerable
+    from lowering._triton import Config
+
+    ks = jax.random.split(jax.random.key(0), len(diagram.dom))
+    args = [
+        jax.random.normal(k, tuple(choice.at[a.name] for a in w.axes), jnp.float32).astype(w.dtype.jnp)
+        for k, w in zip(ks, diagram.dom.inside, strict=True)
+    ]
+    key = f"{diagram!r} at {sorted(choice.at.items())} on {jax.devices()[0].device_kind}" if cache else None
+    best = search(make, args, tiles=choice.ranked[:first], key=key, log=log or (lambda line: None))
+    if best is None:
+        raise NotLowerable(f"lower(search=True): none of {', '.join(map(str, choice.ranked[:first]))} ran")
+    measured = replace(choice, sizes=best["sizes"], how="measured search", measured=best["seconds"])
+    return measured, Config(num_warps=best["num_warps"], num_stages=best["num_stages"])
 
 
 def main():
@@ -103,8 +140,8 @@ def main():
             args = [jax.random.normal(k, (B, H, N, D), jnp.bfloat16) for k in ks]
             print(f"attention bf16 B={B} H={H} N={N} D={D} causal={causal} on {jax.devices()[0].device_kind}")
 
-            def make(g, s, config, attn=attn, q=q, x=x):
-                return lower(derive(attn, tile(q, g), stream(x, s), verify=False), config=config)
+            def make(sizes, config, attn=attn, q=q, x=x):
+                return lower(derive(attn, tile(q, sizes["g_q"]), stream(x, sizes["s_x"]), verify=False), config=config)
 
             best = search(make, args)
             flops = 4 * B * H * N * N * D / (2 if causal else 1)

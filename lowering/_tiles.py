@@ -1,73 +1,237 @@
-"""Tile sizes from the cost model: the time the cost functor predicts for a schedule, and the schedule it picks
-(FAN §4: the largest tile that fits, refined by predicted time).
+"""Open partition sizes chosen from the cost model (FAN §4: the largest tile that fits, ties broken by the
+predicted time), for any scheduled diagram.
 
-Here rather than in :mod:`napkin_cat.optimize` because a prediction needs a *scheduled* diagram, which only
-:mod:`rewrites` derives, and ``napkin_cat`` imports neither ``rewrites`` nor ``lowering``.
+A derivation may leave sizes open (``tile(q)``, ``stream(x, "auto")``: the symbols ``g_q``, ``s_x``).
+:func:`choose_tiles` tries every power of two from 16 (the smallest block a 16-bit dot takes) to 256 for each
+open size, keeps those that fit one block's shared memory twice over — the lowering's own footprint (resident
+blocks plus ``stages`` buffers of each chunk, :func:`lowering._plan.smem_bytes`) and the cost functor's
+largest on-chip column (which also holds the scores and accumulators) — and, among those, takes the largest
+tiles, then the fastest predicted (:attr:`napkin_cat.Cost.time_serial` of the diagram's own cost at those
+sizes), then the largest chunks. Here rather than in :mod:`napkin_cat.optimize` because a prediction needs a
+*scheduled* diagram, which only :mod:`rewrites` derives.
 
->>> from napkin_cat.hardware import H100
->>> choose_tiles("attention", H100, {"b": 4, "h": 16, "q": 4096, "x": 4096, "d": 128}, tiles=(64, 128), streams=(64,))
-(128, 64)
+>>> import napkin_cat as nc
+>>> from rewrites import derive, tile, stream
+>>> b, h, q, x = nc.axes("b h q x")
+>>> mha = nc.library.multi_head_attention(h, q, x, nc.Axis("d", 128), batch=(b,), dtype="bf16")
+>>> flash = derive(mha, tile(q), stream(x), verify=False)
+>>> print(choose_tiles(flash, "H100", {"b": 4, "h": 16, "q": 4096, "x": 4096}))
+tile(q, 256), stream(x, 64) on H100: largest tiles whose blocks fit 232,448 B, then fastest predicted (1.108 ms)
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import itertools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
-import napkin_cat as nc
+import sympy
+
+from lowering._plan import NotLowerable, next_pow2, plan
+from lowering._triton import Config, launch
 from napkin_cat import Cost, cost
-from napkin_cat.errors import CostError
-from napkin_cat.hardware import Hardware
+from napkin_cat.diagram import Diagram
+from napkin_cat.errors import NapkinError
+from napkin_cat.hardware import Hardware, lookup
 from napkin_cat.levels import SMEM
-from rewrites import derive, level, stream, tile
+from rewrites import RewriteError, level, open_sizes, resolve
 
-__all__ = ["choose_tiles", "predicted_time"]
+__all__ = ["Choice", "choose_tiles", "predicted_time"]
 
-
-def _attention_cost(hw: Hardware, sizes: Mapping[str, int], g: int, s: int) -> Cost:
-    b, h, q, x = nc.axes("b h q x")
-    d = nc.Axis("d", sizes["d"])
-    mha = nc.library.multi_head_attention(h, q, x, d, batch=(b,), dtype="bf16")
-    scheduled = derive(mha, tile(q, g), stream(x, s), level(SMEM), verify=False).diagram
-    return cost(scheduled, hw).subs(**{k: v for k, v in sizes.items() if k != "d"})
+#: the sizes tried for an open partition: Triton's blocks are powers of two ≥ 16 (16-bit dots need K ≥ 16);
+#: above 256 no block fits an H100's shared memory beside another operand at D ≥ 64
+CANDIDATES = (16, 32, 64, 128, 256)
 
 
-def predicted_time(kernel: str, hw: Hardware, sizes: Mapping[str, int], g: int, s: int) -> float:
-    """Seconds the cost model predicts for ``kernel`` ("attention": bf16 multi-head, ``b h q x d``) with query
-    tiles ``g`` and key chunks ``s``: :attr:`Cost.time_serial` (the lowered kernel does not overlap its
-    softmax with its matmuls; papers/flash_attention/results/cost_vs_hardware_*.md).
+@dataclass(frozen=True)
+class Choice:
+    """The sizes chosen for a diagram's open partitions, and why.
 
-    >>> from napkin_cat.hardware import H100
-    >>> round(predicted_time("attention", H100, {"b": 4, "h": 16, "q": 4096, "x": 4096, "d": 128}, 128, 64) * 1e3, 3)
-    0.914
+    ``open`` names the open sizes as rules (``"tile(q)"``), ``sizes`` maps their symbols' names to the sizes
+    chosen, in the same order; ``predicted`` is :attr:`Cost.time_serial` in seconds at ``at`` (the problem
+    sizes it was evaluated at); ``ranked`` lists every candidate that fits, best first by the model; ``how``
+    is ``"cost model"`` or ``"measured search"`` (then ``measured`` holds the seconds measured).
+
+    >>> c = Choice(("tile(q)",), {"g_q": 64}, 1e-3, {"q": 512}, "H100", 232448, ({"g_q": 64},))
+    >>> c, c.rules
+    (Choice(tile(q, 64) on H100), ('tile(q, 64)',))
     """
-    if kernel != "attention":
-        raise CostError(f"predicted_time: no schedule family for kernel {kernel!r}; known: attention")
-    return float(_attention_cost(hw, sizes, g, s).time_serial)
+
+    open: tuple
+    sizes: dict
+    predicted: float
+    at: dict
+    hardware: str
+    smem: int
+    ranked: tuple = field(default=(), repr=False)
+    how: str = "cost model"
+    measured: float | None = None
+
+    @property
+    def rules(self) -> tuple[str, ...]:
+        """The chosen sizes as the rules that would have given them."""
+        return tuple(f"{o[:-1]}, {n})" for o, n in zip(self.open, self.sizes.values(), strict=True))
+
+    def __repr__(self):
+        return f"Choice({', '.join(self.rules)} on {self.hardware})"
+
+    def __str__(self):
+        why = (
+            f"largest tiles whose blocks fit {self.smem:,} B, then fastest predicted ({_seconds(self.predicted)})"
+            if self.how == "cost model"
+            else f"fastest measured ({_seconds(self.measured)}; the model predicted {_seconds(self.predicted)})"
+        )
+        return f"{', '.join(self.rules)} on {self.hardware}: {why}"
+
+
+def _costed(d: Diagram) -> Diagram:
+    """The diagram as one kernel for the cost functor: its interior recoloured to SMEM, as the lowering runs it."""
+    if any(w.level == SMEM for b in d.boxes for w in b.cod.inside):
+        return d
+    try:
+        return level(SMEM)(d)
+    except RewriteError:  # already has level changes of its own: cost it as written
+        return d
+
+
+def missing_sizes(d: Diagram, sizes: Mapping[str, int] | None = None) -> list[str]:
+    """The axes of ``d`` whose size is neither concrete nor in ``sizes``, by name.
+
+    >>> import napkin_cat as nc
+    >>> missing_sizes(nc.library.attention(*nc.axes("q x d", d=64)), {"q": 8})
+    ['x']
+    """
+    names = dict.fromkeys(a.name for w in (*d.dom.inside, *d.cod.inside) for a in w.axes if not a.size.is_number)
+    return [n for n in names if n not in (sizes or {})]
+
+
+def _problem_sizes(d: Diagram, sizes: Mapping[str, int] | None, why: str) -> dict[str, int]:
+    """Every axis's size by name: the diagram's own where concrete, else ``sizes``; else a NotLowerable."""
+    out, missing = {}, []
+    for w in (*d.dom.inside, *d.cod.inside):
+        for a in w.axes:
+            if a.size.is_number:
+                out[a.name] = int(a.size)
+            elif sizes is not None and a.name in sizes:
+                out[a.name] = int(sizes[a.name])
+            elif a.name not in missing:
+                missing.append(a.name)
+    if missing:
+        opens = ", ".join(map(str, open_sizes(d)))
+        raise NotLowerable(
+            f"{opens} is open and {why} needs the size of {', '.join(missing)}, which the diagram leaves symbolic: "
+            f"give each a size (nc.Axis({missing[0]!r}, n)) or pass lower(..., sizes={{{missing[0]!r}: n, ...}})"
+        )
+    return out
+
+
+def predicted_time(scheduled, hardware: Hardware | str, sizes: Mapping[str, int]) -> float:
+    """Seconds the cost model predicts for a scheduled diagram (or Derivation) at ``sizes`` (by axis name, and
+    by symbol name for open partition sizes): :attr:`Cost.time_serial` of its cost, run as one kernel.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> b, h, q, x, d = nc.axes("b h q x d")
+    >>> mha = nc.library.multi_head_attention(h, q, x, d, batch=(b,), dtype="bf16")
+    >>> flash = derive(mha, tile(q, 128), stream(x, 64), verify=False)
+    >>> round(predicted_time(flash, "H100", {"b": 4, "h": 16, "q": 4096, "x": 4096, "d": 128}) * 1e3, 3)
+    1.108
+    """
+    d = getattr(scheduled, "diagram", scheduled)
+    return cost(_costed(d), lookup(hardware)).number("time_serial", **sizes)
+
+
+def _fits(d: Diagram, c: Cost, choice: dict, at: dict, stages: int, hw: Hardware) -> bool:
+    p = plan(resolve(d, choice))
+    try:
+        launch(p, at, Config(num_stages=stages), hw)
+    except NotLowerable:
+        return False
+    per_block = {**at, **dict.fromkeys(p.batch, 1)}  # a block holds one element of each batch axis
+    column = c.subs(**choice, **per_block).memory_bytes.get(SMEM, sympy.Integer(0))
+    return bool(column <= hw.smem_per_block)
 
 
 def choose_tiles(
-    kernel: str,
-    hw: Hardware,
-    sizes: Mapping[str, int],
-    tiles: Iterable[int] = (16, 32, 64, 128, 256),
-    streams: Iterable[int] = (16, 32, 64, 128, 256),
+    scheduled,
+    hardware: Hardware | str,
+    sizes: Mapping[str, int] | None = None,
+    *,
     stages: int = 3,
-) -> tuple[int, int]:
-    """The (tile, stream) sizes the cost model picks: the fastest predicted among those whose blocks fit
-    one block's shared memory (Q's tile plus ``stages`` buffers of K's and V's chunks, Triton's pipeline;
-    3 stages are the measured default), ties to the largest tile (FAN's rule), then the largest chunk.
+    candidates: tuple[int, ...] = CANDIDATES,
+) -> Choice:
+    """Sizes for the open partitions of a scheduled diagram (or Derivation) on ``hardware``, from its cost.
 
-    >>> from napkin_cat.hardware import H100
-    >>> sizes = {"b": 4, "h": 16, "q": 4096, "x": 4096, "d": 128}
-    >>> choose_tiles("attention", H100, sizes, tiles=(64, 128, 256), streams=(32, 64, 128))
-    (256, 64)
+    ``sizes`` gives the sizes of axes the diagram leaves symbolic (by name); the shared-memory test needs
+    every axis kept whole in a block, the predicted time every axis. ``stages`` is the pipeline depth the
+    kernel will run (3: :meth:`lowering.Config.get_default`). Raises :class:`NotLowerable` naming the open
+    sizes when a size they need is unknown, or when no candidate fits.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> n, k, c = nc.axes("n k c")
+    >>> mm = derive(nc.library.matmul(n, k, c, dtype="bf16"), tile(n), tile(c), stream(k), verify=False)
+    >>> choose_tiles(mm, "H100", {"n": 4096, "k": 4096, "c": 4096}).sizes
+    {'g_n': 256, 's_k': 64, 'g_c': 256}
+    >>> choose_tiles(derive(nc.library.attention(*nc.axes("q x d")), tile("q"), verify=False), "H100")
+    Traceback (most recent call last):
+    ...
+    lowering._plan.NotLowerable: tile(q) is open and the predicted time needs the size of q, d, x, which the \
+diagram leaves symbolic: give each a size (nc.Axis('q', n)) or pass lower(..., sizes={'q': n, ...})
     """
-    d, bytes_ = sizes["d"], 2
+    d = getattr(scheduled, "diagram", scheduled)
+    hw = lookup(hardware)
+    opens = open_sizes(d)
+    if not opens:
+        raise NotLowerable("choose_tiles: the diagram has no open partition sizes (tile(a) or stream(x) without one)")
+    at = _problem_sizes(d, sizes, "the predicted time")
+    try:
+        c = cost(_costed(d), hw)
+    except NapkinError as e:
+        raise NotLowerable(f"{', '.join(map(str, opens))}: the cost model cannot cost this diagram: {e}") from e
+    fixed = {a.name: int(a.size) for w in (*d.dom.inside, *d.cod.inside) for a in w.axes if a.size.is_number}
 
-    def fits(g: int, s: int) -> bool:
-        return g * d * bytes_ + stages * 2 * s * d * bytes_ <= hw.smem_per_block and g <= sizes["q"]
+    def allowed(o) -> list[int]:  # a block no wider than the padded axis; a concrete axis bounds it exactly
+        top = fixed.get(o.axis, max(next_pow2(at[o.axis]), candidates[0]))
+        return [n for n in candidates if n <= top]
 
-    candidates = [(g, s) for g in tiles for s in streams if fits(g, s)]
-    if not candidates:
-        raise CostError(f"choose_tiles: no tile and stream of {tuple(tiles)} × {tuple(streams)} fits {hw.name}")
-    return min(candidates, key=lambda gs: (round(predicted_time(kernel, hw, sizes, *gs), 12), -gs[0], -gs[1]))
+    per = [allowed(o) for o in opens]
+    if not all(per):
+        small = [str(o) for o, p in zip(opens, per, strict=True) if not p]
+        raise NotLowerable(
+            f"{', '.join(small)}: the axis is smaller than the smallest block ({candidates[0]}); tile or stream "
+            "another axis, or give the size"
+        )
+    fitting = []
+    for combo in itertools.product(*per):
+        choice = {o.symbol.name: n for o, n in zip(opens, combo, strict=True)}
+        if _fits(d, c, choice, at, stages, hw):
+            fitting.append(choice)
+    if not fitting:
+        raise NotLowerable(
+            f"{', '.join(map(str, opens))}: no size in {candidates} fits {hw.name}'s {hw.smem_per_block:,} B of "
+            f"shared memory per block at {_show(at)} with {stages} stages"
+        )
+    tiles = [o.symbol.name for o in opens if o.rule == "tile"]
+    streams = [o.symbol.name for o in opens if o.rule == "stream"]
+
+    def predicted(choice: dict) -> float:
+        return float(c.subs(**choice, **at).time_serial)
+
+    def key(choice: dict):
+        t = predicted(choice)
+        size = lambda names: math.prod(choice[n] for n in names)  # noqa: E731
+        return (-size(tiles), float(f"{t:.3g}"), -size(streams))
+
+    ranked = tuple(sorted(fitting, key=key))
+    best = ranked[0]
+    return Choice(tuple(map(str, opens)), best, predicted(best), at, hw.name, hw.smem_per_block, ranked)
+
+
+def _seconds(t: float) -> str:
+    return f"{t * 1e3:.3f} ms" if t >= 1e-4 else f"{t * 1e6:.2f} µs"
+
+
+def _show(sizes: Mapping[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sizes.items())

@@ -190,42 +190,85 @@ class Cost:
                     out[m.level] = out.get(m.level, ZERO) + b
         return out
 
-    @property
-    def times(self) -> dict[str, Expr]:
-        """Seconds each resource needs at peak: tensor cores, CUDA cores, SFU, and each link.
-
-        The link into L2 carries the DRAM bytes (:attr:`dram_bytes`); the links further in carry the
-        bytes moved into them (``→SMEM``: the GMEM→SMEM bytes, at L2's bandwidth into the SMs).
-        """
+    def _resource_times(self, kernel: bool) -> dict[str, Expr]:
         hw = self._hardware("times")
-        tensor = sympy.Add(*(f / sympy.Float(hw.flops(t)) for t, f in self.tensor_flops.items()))
+        rates = dict(hw.flop_rates)
+
+        def rate(what: str, datasheet: float) -> sympy.Float:
+            ceiling = hw.ceiling(what) if kernel else None
+            return sympy.Float(datasheet if ceiling is None else ceiling)
+
+        def tensor_rate(t: Dtype) -> sympy.Float:
+            # Pallas' Triton lowering runs an f32 dot at default precision as TF32 on the tensor cores
+            name = "tf32" if kernel and t == f32 and "tf32" in rates else t.name
+            return rate(name, rates[name] if name == "tf32" else hw.flops(t))
+
+        tensor = sympy.Add(*(f / tensor_rate(t) for t, f in self.tensor_flops.items()))
         vector = (self.flops - sympy.Add(*self.tensor_flops.values())) / sympy.Float(hw.flops(f32))
         sfu = self.transcendentals / sympy.Float(hw.exp_per_clk * hw.sms * hw.clock)
         out = {"tensor": tensor, "vector": vector, "sfu": sfu}
         for level, b in self.link_bytes.items():
-            moved = self.dram_bytes if level == L2 else b
-            out[f"→{level.name}"] = moved / sympy.Float(hw.bandwidth(level))
+            if level == L2:
+                out[f"→{level.name}"] = self.dram_bytes / rate("dram", hw.bandwidth(level))
+            else:
+                out[f"→{level.name}"] = b / sympy.Float(hw.bandwidth(level))
         return out
 
     @property
+    def times(self) -> dict[str, Expr]:
+        """Seconds each resource needs at its datasheet peak: tensor cores, CUDA cores, SFU, and each link.
+
+        The link into L2 carries the DRAM bytes (:attr:`dram_bytes`); the links further in carry the
+        bytes moved into them (``→SMEM``: the GMEM→SMEM bytes, at L2's bandwidth into the SMs).
+        """
+        return self._resource_times(kernel=False)
+
+    @property
+    def kernel_times(self) -> dict[str, Expr]:
+        """:attr:`times` at the rates the lowered kernels run at: the hardware's measured ceilings where it has
+        them (:meth:`Hardware.ceiling`: the tensor cores' large-matmul rate, DRAM's copy bandwidth), f32
+        contractions on the tensor cores as TF32 (Pallas' Triton default precision), the datasheet elsewhere
+        (SFU: FAN row 15).
+
+        >>> import napkin_cat as nc
+        >>> from napkin_cat.hardware import H100
+        >>> c = Cost(H100, flops=sympy.Integer(733 * 10**12), tensor_flops={nc.bf16: sympy.Integer(733 * 10**12)})
+        >>> float(c.kernel_times["tensor"]), round(float(c.times["tensor"]), 3)
+        (1.0, 0.741)
+        >>> tf32 = Cost(H100, flops=sympy.Integer(10**12), tensor_flops={nc.f32: sympy.Integer(10**12)})
+        >>> round(float(tf32.kernel_times["tensor"]) * 1e3, 2), round(float(tf32.times["tensor"]) * 1e3, 2)
+        (2.02, 14.93)
+        """
+        return self._resource_times(kernel=True)
+
+    @property
     def time(self) -> Expr:
-        """The roofline lower bound in seconds: the busiest resource's time (everything overlaps)."""
+        """The roofline lower bound in seconds: the busiest resource's time at datasheet peaks (everything overlaps)."""
         return sympy.Max(*self.times.values())
 
     @property
     def time_serial(self) -> Expr:
-        """Seconds when the SMs' compute units do not overlap one another (softmax waits for the matmuls):
-        the slowest link, or tensor + CUDA-core + SFU time, whichever is larger.
+        """The predicted time in seconds: the slowest of the levels' transfer times and the compute, where the
+        compute is tensor-core + CUDA-core + exp-unit time in series (the lowered kernels do not overlap their
+        softmax with their matmuls), each at :attr:`kernel_times`' rates.
 
         >>> import napkin_cat as nc
-        >>> from napkin_cat.hardware import H100
-        >>> c = Cost(H100, flops=sympy.Integer(989 * 10**12), tensor_flops={nc.bf16: sympy.Integer(989 * 10**12)})
-        >>> float(c.time_serial), float(c.time)
-        (1.0, 1.0)
+        >>> from napkin_cat.hardware import A100, H100
+        >>> c = Cost(H100, flops=sympy.Integer(733 * 10**12), tensor_flops={nc.bf16: sympy.Integer(733 * 10**12)})
+        >>> float(c.time_serial), round(float(c.time), 3), round(float(replace(c, hardware=A100).time_serial), 3)
+        (1.0, 0.741, 2.349)
         """
-        t = self.times
-        links = [v for k, v in t.items() if k.startswith("→")]
-        return sympy.Max(*links, t["tensor"] + t["vector"] + t["sfu"])
+        return self.bound(self.kernel_times)
+
+    @staticmethod
+    def bound(times: Mapping[str, Expr]) -> Expr:
+        """The serial time of per-resource ``times``: the slowest link, or the compute units' sum.
+
+        >>> Cost.bound({"tensor": 1, "vector": 2, "sfu": 3, "→SMEM": 5})
+        6
+        """
+        links = [v for k, v in times.items() if k.startswith("→")]
+        return sympy.Max(*links, times["tensor"] + times["vector"] + times["sfu"])
 
     def _hardware(self, what: str) -> Hardware:
         if self.hardware is None:

@@ -74,7 +74,8 @@ class Hardware:
     for f32); ``flop_per_clk`` are per-SM FLOP per clock for the tensor-core dtypes, from which the clock
     is derived. ``exp_per_clk`` is the SFU rate (exponentials per SM per clock), ``alu16_per_clk`` the
     non-tensor FP16 rate (FLOP per SM per clock), ``smem_bytes_per_clk`` the SMEM → register bandwidth
-    per SM.
+    per SM. ``ceilings`` are rates measured on the GPU (:meth:`ceiling`), which the cost model's predicted
+    time (``Cost.time_serial``) prefers to the datasheet's.
 
     >>> [m.level for m in H100.memories]
     [HBM, L2, SMEM, REG]
@@ -92,6 +93,17 @@ class Hardware:
     max_warps_per_sm: int
     max_regs_per_thread: int
     warp_size: int = 32
+    ceilings: tuple[tuple[str, float], ...] = ()
+
+    def ceiling(self, what: str) -> float | None:
+        """A measured ceiling, where one was measured on this GPU: a dtype's name (dense tensor-core FLOP/s
+        of a large matmul) or ``"dram"`` (device-copy bytes/s, read + write); None where there is none, and
+        the cost model's serial time then uses the datasheet rate.
+
+        >>> H100.ceiling("bf16") / 1e12, H100.ceiling("dram"), H200.ceiling("dram") / 1e12
+        (733.0, None, 4.1)
+        """
+        return dict(self.ceilings).get(what)
 
     def memory(self, level: Level) -> Memory:
         """The :class:`Memory` at ``level``; a :class:`CostError` naming the level if there is none.
@@ -145,7 +157,7 @@ class Hardware:
         >>> A100.flops(fp8_e4m3)
         Traceback (most recent call last):
         ...
-        napkin_cat.errors.CostError: hardware A100 has no compute rate for fp8_e4m3; rates for: f16, bf16, f32
+        napkin_cat.errors.CostError: hardware A100 has no compute rate for fp8_e4m3; rates for: f16, bf16, f32, tf32
         """
         rates = dict(self.flop_rates)
         if dtype.name not in rates:
@@ -209,7 +221,8 @@ A100 = Hardware(
         # CUDA guide: 64K 32-bit registers/SM; SMEM delivers 32 banks × 4 B per clock per SM
         Memory(REG, 256 * KiB, per_sm=True, bandwidth=128 * 108 * _A100_CLOCK),
     ),
-    flop_rates=(("f16", _A100_FP16), ("bf16", _A100_FP16), ("f32", 19.5e12)),  # datasheet (f32: CUDA cores)
+    # datasheet (f32: CUDA cores; tf32: tensor cores, 312 TFLOP/s with sparsity, dense half)
+    flop_rates=(("f16", _A100_FP16), ("bf16", _A100_FP16), ("f32", 19.5e12), ("tf32", 156e12)),
     flop_per_clk=(("f16", 2048), ("bf16", 2048)),  # whitepaper: 1024 dense FP16 FMA per SM per clock
     exp_per_clk=16,  # whitepaper: 4 SFUs per SM sub-partition × 4 sub-partitions
     alu16_per_clk=512,  # datasheet: 78 TFLOP/s non-tensor FP16 = 108 × 512 × 1.41 GHz
@@ -239,6 +252,7 @@ H100 = Hardware(
         ("fp8_e4m3", _H100_FP8),
         ("fp8_e5m2", _H100_FP8),
         ("f32", 67e12),  # datasheet: FP32 (CUDA cores)
+        ("tf32", 494.5e12),  # datasheet: TF32 tensor 989 TFLOP/s with sparsity, dense half
     ),
     flop_per_clk=(("f16", 4096), ("bf16", 4096), ("fp8_e4m3", 8192), ("fp8_e5m2", 8192)),  # FAN row 15
     exp_per_clk=16,  # FAN (REFERENCE §1.3 row 15): SFU exp 16/clk per SM
@@ -247,6 +261,10 @@ H100 = Hardware(
     l1_smem_per_sm=256 * KiB,  # whitepaper: 256 KB combined L1/shared memory per SM
     max_warps_per_sm=64,  # CUDA guide cc 9.0: 2048 threads per SM
     max_regs_per_thread=255,  # CUDA guide: 255 registers per thread
+    # measured: XLA's 8192³ matmul, bf16 733 and f16 689 TFLOP/s, same run
+    # (papers/flash_attention/results/mosaic_NVIDIA_H100_80GB_HBM3.json). No device copy has been measured on the
+    # H100, so DRAM keeps the datasheet bandwidth.
+    ceilings=(("bf16", 733e12), ("f16", 689e12)),
 )
 
 # --- NVIDIA H200 SXM 141GB -------------------------------------------------------------------------
@@ -258,6 +276,9 @@ H200 = replace(
     name="H200",
     memories=replace(H100, memories=H100.with_capacity(HBM, 141 * GB)).with_capacity(L2, 60 * MiB)[:1]
     + replace(H100, memories=H100.with_capacity(L2, 60 * MiB)).with_bandwidth(L2, 4.8e12)[1:],
+    # measured (REFERENCE §3, same runs as its tables): bf16 8192³ matmul 695–747 TFLOP/s, device copy
+    # 4.0–4.1 TB/s read + write; a ceiling is the best run. No f16 matmul measured here: datasheet.
+    ceilings=(("bf16", 747e12), ("dram", 4.1e12)),
 )
 
 # --- NVIDIA A100 SXM4 40GB: the 80GB model with its datasheet HBM2 (40 GB at 1,555 GB/s) ---------------

@@ -13,15 +13,15 @@ from rewrites._io_aware import Residual, delta_lemma, lse_residual, prove_lemmas
 from rewrites._level import level
 from rewrites._proofs import Proof, prove_accumulator, prove_equivalent, prove_monoid
 from rewrites._pseudocode import pseudocode
-from rewrites._rule import RewriteError, Rule
+from rewrites._rule import AUTO, OpenSize, RewriteError, Rule, open_sizes, resolve
 from rewrites._schedule import execute, partitions, walk
 from rewrites._stream import fuse_softmax_contract, stream, streamability
 from rewrites._tile import tile
 from rewrites._verify import Trial, Verification, random_inputs, relative_error, tolerance
 
 __all__ = [
-    "Derivation", "Proof", "Residual", "RewriteError", "Rule", "Step", "Trial", "Verification", "delta_lemma",
-    "derive", "execute", "fuse_softmax_contract", "level", "lse_residual", "partitions", "prove_accumulator",
-    "prove_equivalent", "prove_lemmas", "prove_monoid", "pseudocode", "random_inputs", "reduced",
-    "relative_error", "stream", "streamability", "tile", "tolerance", "walk", "widened",
+    "AUTO", "Derivation", "OpenSize", "Proof", "Residual", "RewriteError", "Rule", "Step", "Trial", "Verification",
+    "delta_lemma", "derive", "execute", "fuse_softmax_contract", "level", "lse_residual", "open_sizes", "partitions",
+    "prove_accumulator", "prove_equivalent", "prove_lemmas", "prove_monoid", "pseudocode", "random_inputs", "reduced",
+    "relative_error", "resolve", "stream", "streamability", "tile", "tolerance", "walk", "widened",
 ]

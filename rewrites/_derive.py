@@ -6,6 +6,11 @@ and verifies every step against the original diagram's reference semantics on on
 records. ``verify="kernel"`` also lowers the final diagram and checks the kernel on that trial, so
 "verified" covers what the user runs. The final diagram is the *scheduled diagram* the lowering consumes.
 
+Sizes a rule leaves open (``tile(q)``, ``stream(x, "auto")``) stay symbols in the steps' diagrams (their
+cost and pseudocode are sympy in ``g_q``, ``s_x``); the checks bind them to small sizes drawn from the seed
+(16 under ``verify="kernel"``, the smallest block a kernel takes), or to ``sizes={"g_q": ...}``, and
+record them with the other sizes. ``lowering.lower`` resolves them for the hardware.
+
 >>> import napkin_cat as nc
 >>> from rewrites import derive, tile, stream
 >>> q, x, d = nc.axes("q x d")
@@ -19,13 +24,14 @@ records. ``verify="kernel"`` also lowers the final diagram and checks the kernel
 from __future__ import annotations
 
 import os
+import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import jax
 
 from napkin_cat.diagram import Diagram
-from rewrites._rule import RewriteError, Rule
+from rewrites._rule import RewriteError, Rule, open_sizes, positive_size, resolve
 from rewrites._verify import Trial, Verification, tolerance
 
 VERIFY = (True, False, "kernel")
@@ -96,8 +102,14 @@ class Derivation:
             diagrams.append(last)
         if not verify or not rules:
             return Derivation((*self.steps, *map(Step, rules, diagrams)), seed)
+        chosen, sizes = _open_for_check(last, seed, sizes, kernel=verify == "kernel")
+        last = resolve(last, chosen)
         trial = Trial.draw(self.original, last, seed=seed, sizes=sizes, rule="derive")
-        steps = [Step(rule, new, trial.check(new, repr(rule))) for rule, new in zip(rules, diagrams, strict=True)]
+        trial = replace(trial, sizes={**trial.sizes, **chosen})
+        steps = [
+            Step(rule, new, trial.check(resolve(new, chosen), repr(rule)))
+            for rule, new in zip(rules, diagrams, strict=True)
+        ]
         kernel = _check_kernel(trial, last) if verify == "kernel" else None
         return Derivation((*self.steps, *steps), seed, kernel)
 
@@ -151,6 +163,24 @@ class Derivation:
 
 def _fresh_seed() -> int:
     return int.from_bytes(os.urandom(4), "little")
+
+
+def _open_for_check(d: Diagram, seed: int, sizes: dict | None, kernel: bool) -> tuple[dict, dict | None]:
+    """Sizes for ``d``'s open partition sizes in a check (``sizes`` by symbol name, else drawn from ``seed``:
+    small, so that several groups and chunks run), and ``sizes`` without them."""
+    opens = {o.symbol.name: o for o in open_sizes(d)}
+    fixed = {a.name: int(a.size) for w in (*d.dom.inside, *d.cod.inside) for a in w.axes if a.size.is_number}
+    given = {k: v for k, v in (sizes or {}).items() if str(k) in opens}
+    rest = {k: v for k, v in (sizes or {}).items() if str(k) not in opens} if sizes is not None else None
+    rng = random.Random(seed)
+    chosen = {}
+    for name, o in opens.items():
+        if name in given:
+            chosen[name] = positive_size("derive", f"the size of {o}", given[name], o.axis)
+        else:
+            top = fixed.get(o.axis, 16)  # a concretely sized axis bounds its partition
+            chosen[name] = min(16, top) if kernel else rng.choice([n for n in (4, 8, 16) if n <= top] or [top])
+    return chosen, rest
 
 
 def _check_kernel(trial: Trial, scheduled: Diagram) -> Verification:

@@ -208,8 +208,9 @@ def _header(prog: Program, values: dict, outs: list):
     sig = lambda name, w: f"{name}[{','.join(w.names)}]"  # noqa: E731
     dom = " ⊗ ".join(sig(v.name, v.wire) for v in values.values())
     cod = " ⊗ ".join(sig(n, w) for n, w in outs)
-    labels = [f"g_{a} = {g}" for a, g in prog.tiles.items() if g != 1]
-    labels += [f"s_{prog.x} = {s}" for s in partitions(prog.diagram)[1].values()]
+    sizes = [(f"g_{a}", g) for a, g in prog.tiles.items() if g != 1]
+    sizes += [(f"s_{prog.x}", s) for s in partitions(prog.diagram)[1].values()]
+    labels = [f"{n} = {v}" if isinstance(v, int) else f"{n} open" for n, v in sizes]
     prog.emit(0, f"# {dom} → {cod}" + (f"   with {', '.join(labels)}" if labels else ""))
 
 

@@ -8,9 +8,15 @@ box, the axis and the condition that failed.
 from __future__ import annotations
 
 import operator
+from typing import NamedTuple
+
+import sympy
 
 from napkin_cat.diagram import Diagram
 from napkin_cat.errors import NapkinError
+
+#: what ``tile(a, AUTO)`` / ``stream(x, AUTO)`` (or no size at all) write: the size is left open
+AUTO = "auto"
 
 
 class RewriteError(NapkinError, ValueError):
@@ -71,6 +77,88 @@ def positive_size(rule: str, what: str, value, axis: str) -> int:
     if n <= 0:
         raise RewriteError(rule, f"{what} must be a positive integer, got {n}", axis=axis)
     return n
+
+
+def is_open(value) -> bool:
+    """Whether a partition size given to a rule leaves it open: None, ``"auto"`` or its symbol.
+
+    >>> is_open(None), is_open("auto"), is_open(64)
+    (True, True, False)
+    """
+    return value is None or isinstance(value, sympy.Symbol) or (isinstance(value, str) and value == AUTO)
+
+
+def partition_size(rule: str, what: str, value, axis: str, symbol: str) -> int | sympy.Symbol:
+    """``value`` as an ``int`` (see :func:`positive_size`), or, when it is None or ``"auto"``, the open size:
+    the positive integer symbol ``symbol`` that the cost stays sympy in until ``lower`` resolves it.
+
+    >>> partition_size("tile(q)", "group size", None, "q", "g_q")
+    g_q
+    >>> partition_size("tile(q, 8)", "group size", 8, "q", "g_q")
+    8
+    """
+    if is_open(value):
+        return sympy.Symbol(symbol, positive=True, integer=True)
+    return positive_size(rule, what, value, axis)
+
+
+class OpenSize(NamedTuple):
+    """A partition size a derivation left open: its symbol, the rule that left it (``tile`` or ``stream``)
+    and the axis.
+
+    >>> import sympy
+    >>> print(OpenSize(sympy.Symbol("g_q"), "tile", "q"))
+    tile(q)
+    """
+
+    symbol: sympy.Symbol
+    rule: str
+    axis: str
+
+    def __str__(self):
+        return f"{self.rule}({self.axis})"
+
+
+def open_sizes(d: Diagram) -> tuple[OpenSize, ...]:
+    """The partition sizes of ``d`` left open (``tile(q)``, ``stream(x, "auto")``), in wire order.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import tile, stream
+    >>> q, x, d = nc.axes("q x d")
+    >>> [str(o) for o in open_sizes(stream(x)(tile(q)(nc.library.attention(q, x, d))))]
+    ['tile(q)', 'stream(x)']
+    >>> open_sizes(tile(q, 16)(nc.library.attention(q, x, d)))
+    ()
+    """
+    found: dict = {}
+    for w in (*d.dom.inside, *d.cod.inside):
+        for a in w.axes:
+            for rule, size in (("tile", a.group), ("stream", a.stream)):
+                if size is not None and not size.is_number:
+                    found.setdefault(size, OpenSize(size, rule, a.name))
+    return tuple(found.values())
+
+
+def resolve(d: Diagram, sizes: dict) -> Diagram:
+    """``d`` with open partition sizes bound: ``sizes`` maps their symbols' names (``"g_q"``, ``"s_x"``) to sizes.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import tile
+    >>> q, x, d = nc.axes("q x d")
+    >>> print(resolve(tile(q)(nc.library.attention(q, x, d)), {"g_q": 64}).cod)
+    q/64×d
+    """
+    bind = {o.symbol: sympy.Integer(sizes[o.symbol.name]) for o in open_sizes(d) if o.symbol.name in sizes}
+    if not bind:
+        return d
+
+    def label(v):
+        return v if v is None else v.xreplace(bind)
+
+    def axis(a):
+        return a if a.group is None and a.stream is None else a.tiled(label(a.group)).streamed(label(a.stream))
+
+    return d.map_arrays(lambda w: w.with_(axes=[axis(a) for a in w.axes]))
 
 
 def axis_names(d: Diagram) -> set[str]:

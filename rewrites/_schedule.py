@@ -35,7 +35,8 @@ from rewrites._rule import RewriteError
 
 
 def partitions(d: Diagram) -> tuple[dict, dict]:
-    """The tiled axes ``{name: g}`` and streamed axes ``{name: s}`` of a diagram's input and output wires.
+    """The tiled axes ``{name: g}`` and streamed axes ``{name: s}`` of a diagram's input and output wires
+(``int``, or the size's symbol where a rule left it open).
 
     >>> import napkin_cat as nc
     >>> from rewrites import tile, stream
@@ -47,9 +48,9 @@ def partitions(d: Diagram) -> tuple[dict, dict]:
     for w in (*d.dom.inside, *d.cod.inside):
         for a in w.axes:
             if a.group is not None:
-                tiles[a.name] = int(a.group)
+                tiles[a.name] = int(a.group) if a.group.is_number else a.group
             if a.stream is not None:
-                streams[a.name] = int(a.stream)
+                streams[a.name] = int(a.stream) if a.stream.is_number else a.stream
     return tiles, streams
 
 

@@ -34,7 +34,7 @@ from napkin_cat.diagram import Copy, Diagram, Swap
 from napkin_cat.diagram import id as identity
 from napkin_cat.diagram import swap as swap_wires
 from napkin_cat.generators import Contract, Elementwise, Generator, Reshape, Softmax, SoftmaxContract, cast, elementwise
-from rewrites._rule import RewriteError, Rule, axis_names, positive_size, relabel_axis
+from rewrites._rule import RewriteError, Rule, axis_names, is_open, partition_size, relabel_axis
 
 
 def _linear_factor(box) -> sympy.Expr | None:
@@ -251,12 +251,13 @@ def _producer(d: Diagram, pos: int) -> str:
 class stream(Rule):  # noqa: N801
     """Stream-partition axis ``axis`` into chunks of ``s`` through the accumulators of the boxes removing it.
 
-    ``s`` is any integral number > 0 (``int``, ``numpy.int64``, ``sympy.Integer``); anything else is refused
-    when the rule is made.
+    ``s`` is any integral number > 0 (``int``, ``numpy.int64``, ``sympy.Integer``), or None / ``"auto"`` to leave
+    it open (the symbol ``s_<axis>``, chosen by ``lowering.lower`` from the cost model); anything else is
+    refused when the rule is made.
 
     >>> import numpy as np
-    >>> stream("x", np.int64(64))
-    stream(x, 64)
+    >>> stream("x", np.int64(64)), stream("x"), stream("x", "auto") == stream("x")
+    (stream(x, 64), stream(x), True)
     >>> stream("x", 0)
     Traceback (most recent call last):
     ...
@@ -264,17 +265,17 @@ class stream(Rule):  # noqa: N801
     """
 
     axis: Axis | str
-    s: int
+    s: int | str | None = None
 
     def __post_init__(self):
-        object.__setattr__(self, "s", positive_size(repr(self), "stream size", self.s, self.name))
+        object.__setattr__(self, "s", partition_size(repr(self), "stream size", self.s, self.name, f"s_{self.name}"))
 
     @property
     def name(self) -> str:
         return getattr(self.axis, "name", self.axis)
 
     def __repr__(self):
-        return f"stream({self.name}, {self.s})"
+        return f"stream({self.name})" if is_open(self.s) else f"stream({self.name}, {self.s})"
 
     def apply(self, d: Diagram) -> Diagram:
         x = self.name
@@ -282,7 +283,7 @@ class stream(Rule):  # noqa: N801
             raise self.fail(f"no wire has axis {x}; axes here: {', '.join(sorted(axis_names(d)))}", axis=x)
         for w in d.dom.inside:
             for a in w.axes:
-                if a.name == x and a.size.is_number and self.s > a.size:
+                if a.name == x and a.size.is_number and isinstance(self.s, int) and self.s > a.size:
                     raise self.fail(f"stream size {self.s} exceeds the axis size {a.size}", axis=x)
                 if a.name == x and a.stream is not None:
                     raise self.fail(f"{x} is already streamed by {a.stream}", axis=x)

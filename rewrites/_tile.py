@@ -7,11 +7,17 @@ cost functor sees as their transfers multiplied by ``a/g``. Side conditions: ``a
 no box removes ``a`` (the diagram is weaved over it), no reshape splits or merges it, and ``0 < g ≤ a`` where
 ``a`` is concrete. Sizes that ``g`` does not divide are handled exactly: the last group is ragged.
 
+``tile(a)`` (or ``tile(a, "auto")``) leaves ``g`` open: the diagram is relabelled by the symbol ``g_a``, its
+cost and pseudocode stay sympy in it, ``derive`` verifies it at small random sizes, and
+``lowering.lower`` chooses it for the hardware from the cost model (``kernel.tiles``).
+
 >>> import napkin_cat as nc
 >>> q, x, d = nc.axes("q x d")
 >>> tiled = tile(q, 128)(nc.library.attention(q, x, d))
 >>> print(tiled.cod)
 q/128×d
+>>> print(tile(q)(nc.library.attention(q, x, d)).cod)
+q/g_q×d
 >>> tile(d, 16)(nc.library.attention(q, x, d))  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
@@ -25,19 +31,19 @@ from dataclasses import dataclass
 from napkin_cat.axes import Axis
 from napkin_cat.diagram import Diagram
 from napkin_cat.generators import Generator, Reshape
-from rewrites._rule import Rule, axis_names, positive_size, relabel_axis
+from rewrites._rule import Rule, axis_names, is_open, partition_size, relabel_axis
 
 
 @dataclass(frozen=True)
 class tile(Rule):  # noqa: N801 - rules are named as verbs, like functions
     """Group-partition axis ``axis`` into tiles of ``g``.
 
-    ``g`` is any integral number > 0 (``int``, ``numpy.int64``, ``sympy.Integer``); anything else is refused
-    when the rule is made.
+    ``g`` is any integral number > 0 (``int``, ``numpy.int64``, ``sympy.Integer``), or None / ``"auto"`` to leave
+    it open (the symbol ``g_<axis>``); anything else is refused when the rule is made.
 
     >>> import numpy as np
-    >>> tile("q", np.int64(16))
-    tile(q, 16)
+    >>> tile("q", np.int64(16)), tile("q"), tile("q", "auto") == tile("q")
+    (tile(q, 16), tile(q), True)
     >>> tile("q", 2.5)
     Traceback (most recent call last):
     ...
@@ -45,17 +51,18 @@ class tile(Rule):  # noqa: N801 - rules are named as verbs, like functions
     """
 
     axis: Axis | str
-    g: int
+    g: int | str | None = None
 
     def __post_init__(self):
-        object.__setattr__(self, "g", positive_size(repr(self), "group size", self.g, self.name))
+        g = partition_size(repr(self), "group size", self.g, self.name, f"g_{self.name}")
+        object.__setattr__(self, "g", g)
 
     @property
     def name(self) -> str:
         return getattr(self.axis, "name", self.axis)
 
     def __repr__(self):
-        return f"tile({self.name}, {self.g})"
+        return f"tile({self.name})" if is_open(self.g) else f"tile({self.name}, {self.g})"
 
     def apply(self, d: Diagram) -> Diagram:
         a = self.name
@@ -68,7 +75,7 @@ class tile(Rule):  # noqa: N801 - rules are named as verbs, like functions
                 how = "removes" if a in box.reduced else "combines elements along"
                 raise self.fail(f"the box {how} {a}, so the diagram is not weaved over it", box=box.name, axis=a)
         size = next(x.size for w in (*d.dom.inside, *d.cod.inside) for x in w.axes if x.name == a)
-        if size.is_number and self.g > size:
+        if size.is_number and isinstance(self.g, int) and self.g > size:
             raise self.fail(f"group size {self.g} exceeds the axis size {size}", axis=a)
         for w in (*d.dom.inside, *d.cod.inside):
             for x in w.axes:

@@ -7,9 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import napkin_cat as nc
-from lowering import Config, NotLowerable, lower
+from lowering import Config, NotLowerable, choose_tiles, lower, predicted_time
 from napkin_cat import generators as g
 from napkin_cat.diagram import Array
 from napkin_cat.diagram import id as identity
@@ -151,3 +153,144 @@ def test_a_box_after_the_attention_is_differentiated_by_its_own_rule(key):
     expected = jax.grad(lambda Q: 2 * (jax.nn.softmax(Q @ K.T / 4.0, -1) @ V).sum())(Q)
     for k in (kernel, lower(scheduled(doubled, q, x), backward="reference")):
         assert rel_err(jax.grad(lambda Q, k=k: k(Q, K, V).sum())(Q), expected) <= 1e-5
+
+
+# --- sizes left open (tile(q), stream(x)): chosen by the cost model in lower ---------------------------------------
+# f32 forward tolerance: tests/test_kernels_vs_jax.py (measured ≤ 6.2e-7 by tests/measure_tolerances.py)
+FWD = 2e-6
+
+
+def test_open_sizes_attention_chosen_at_the_call_and_checked_against_jax_nn(key, seed):
+    import references as R
+
+    b, h, q, x, d = nc.axes("b h q x d")
+    attn = nc.library.multi_head_attention(h, q, x, d, batch=(b,), causal=True)
+    flash = derive(attn, tile(q), stream(x), nc_level(), seed=seed)
+    kernel = lower(flash, hardware="H100")
+    assert kernel.tiles is None  # sizes symbolic: chosen at the first call, from the arrays' shapes
+    Q, K, V = rand(key, (1, 2, 40, 16), (1, 2, 72, 16), (1, 2, 72, 16))
+    out = jax.jit(kernel)(Q, K, V)
+    err = R.rel_err(out, R.attention(Q, K, V, causal=True))
+    assert err <= FWD, f"relative error {err:.2e} > {FWD:.0e} (NAPKIN_SEED={seed})"
+    # the largest query tile that fits, capped at the padded 64 queries; the chunk as the cost model ranks it
+    # (the rule itself: test_the_chosen_sizes_are_the_largest_tile_that_fits_then_the_fastest_predicted)
+    at = {"b": 1, "h": 2, "q": 40, "d": 16, "x": 72}
+    assert kernel.tiles["g_q"] == 64 and kernel.tiles == choose_tiles(flash, "H100", at).sizes, kernel.choice
+    assert kernel.choice.how == "cost model" and kernel.choice.at == at
+    # the kernel built for these shapes is the one a later call (or jax.grad) reuses, with its lowered backward
+    built = kernel.at(b=1, h=2, q=40, d=16, x=72)
+    assert built.tiles == kernel.tiles and built.differentiation == "lowered"
+
+
+def nc_level():
+    from rewrites import level
+
+    return level(nc.SMEM)
+
+
+def test_open_sizes_matmul_resolved_at_lower_when_sizes_are_known(key, seed):
+    import references as R
+
+    n, k, c = nc.axes("n k c")
+    mm = derive(nc.library.matmul(n, k, c), tile(n), tile(c), stream(k, "auto"), seed=seed)
+    A, B = rand(key, (48, 80), (80, 40))
+    kernel = lower(mm, hardware="A100", sizes={"n": 48, "k": 80, "c": 40})
+    # tiles as wide as the padded axes (64) fit; 128-wide f32 chunks in 3 stages (192 KiB) would not fit the
+    # A100's 163 KiB, so 64
+    assert kernel.tiles == {"g_n": 64, "s_k": 64, "g_c": 64}, kernel.choice
+    assert kernel.choice.rules == ("tile(n, 64)", "stream(k, 64)", "tile(c, 64)")
+    # concrete axes bound their partitions: no block wider than the axis
+    sized = derive(nc.library.matmul(*nc.axes("n k c", n=48, k=80, c=40)), tile("n"), tile("c"), stream("k"), seed=seed)
+    assert lower(sized, hardware="A100").tiles == {"g_n": 32, "s_k": 64, "g_c": 32}
+    for kern in (kernel, lower(sized, hardware="A100")):
+        err = R.rel_err(kern(A, B), R.matmul(A, B))
+        assert err <= FWD, f"relative error {err:.2e} > {FWD:.0e} (NAPKIN_SEED={seed})"
+
+
+def test_explicit_sizes_are_kept_and_stated():
+    q, x, d = nc.axes("q x d", d=16)
+    kernel = lower(scheduled(nc.library.attention(q, x, d), q, x, g=32, s=16))
+    assert (kernel.tiles, kernel.choice) == ({"g_q": 32, "s_x": 16}, None)
+
+
+def test_an_open_size_nothing_fits_is_refused_naming_it():
+    q, x = nc.axes("q x")
+    wide = derive(nc.library.attention(q, x, nc.Axis("d", 4096)), tile(q), stream(x), verify=False)
+    with pytest.raises(NotLowerable) as e:
+        lower(wide, hardware="H100", sizes={"q": 1024, "x": 1024})
+    assert str(e.value) == (
+        "tile(q), stream(x): no size in (16, 32, 64, 128, 256) fits H100's 232,448 B of shared memory per block "
+        "at q=1024, d=4096, x=1024 with 3 stages"
+    )
+
+
+def test_an_open_size_whose_axes_are_unknown_is_refused_by_choose_tiles_naming_them():
+
+    q, x, d = nc.axes("q x d")
+    flash = derive(nc.library.attention(q, x, d), tile(q), verify=False)
+    with pytest.raises(NotLowerable) as e:
+        choose_tiles(flash, "H100", {"q": 64})
+    assert str(e.value) == (
+        "tile(q) is open and the predicted time needs the size of d, x, which the diagram leaves symbolic: give each "
+        "a size (nc.Axis('d', n)) or pass lower(..., sizes={'d': n, ...})"
+    )
+
+
+def test_a_plan_of_open_sizes_is_refused_naming_them():
+    from lowering import plan
+
+    q, x, d = nc.axes("q x d")
+    with pytest.raises(NotLowerable) as e:
+        plan(derive(nc.library.attention(q, x, d), tile(q), stream(x), verify=False).diagram)
+    assert str(e.value) == "tile(q), stream(x): the size is open; lower() chooses it (or bind it with rewrites.resolve)"
+
+
+def test_measured_search_is_refused_where_kernels_are_interpreted():
+    q, x, d = nc.axes("q x d", d=16)
+    flash = derive(nc.library.attention(q, x, d), tile(q), stream(x), verify=False)
+    with pytest.raises(NotLowerable) as e:
+        lower(flash, interpret=True, search=True)
+    assert str(e.value) == (
+        "lower(search=True) times kernels on a GPU, and here they are interpreted; the sizes of tile(q), stream(x) "
+        "come from the cost model without it"
+    )
+    with pytest.raises(NotLowerable, match=re.escape("lower(search=True): the diagram leaves no partition size open")):
+        lower(scheduled(nc.library.attention(q, x, d), q, x), search=True)
+    with pytest.raises(NotLowerable, match=re.escape("lower(sizes=): no wire has axis n; axes here: d, q, x")):
+        lower(flash, sizes={"n": 4})
+
+
+@pytest.mark.gpu
+def test_measured_search_refines_the_model_choice_on_a_gpu(key):
+    b, h, q, x = nc.axes("b h q x")
+    attn = nc.library.multi_head_attention(h, q, x, nc.Axis("d", 64), batch=(b,), dtype=nc.bf16)
+    kernel = lower(
+        derive(attn, tile(q), stream(x), verify=False), search=True, sizes={"b": 2, "h": 8, "q": 2048, "x": 2048}
+    )
+    assert kernel.choice.how == "measured search" and kernel.choice.measured > 0
+    assert kernel.choice.sizes in kernel.choice.ranked
+
+
+@settings(max_examples=5, deadline=None)
+@given(
+    d=st.integers(8, 256),
+    q=st.integers(1, 5000),
+    x=st.integers(1, 5000),
+    dtype=st.sampled_from([nc.f32, nc.bf16]),
+    hw=st.sampled_from([A100, H100]),
+)
+def test_the_chosen_sizes_are_the_largest_tile_that_fits_then_the_fastest_predicted(d, q, x, dtype, hw):
+    from lowering import plan
+    from lowering._triton import launch
+    from rewrites import resolve
+
+    qa, xa = nc.axes("q x")
+    open_flash = derive(nc.library.attention(qa, xa, nc.Axis("d", d), dtype=dtype), tile(qa), stream(xa), verify=False)
+    choice = choose_tiles(open_flash, hw, {"q": q, "x": x})
+    extent = {"q": q, "x": x, "d": d}
+    launch(plan(resolve(open_flash.diagram, choice.sizes)), extent, Config(num_stages=3), hw)  # it fits
+    assert choice.sizes == choice.ranked[0]
+    assert all(c["g_q"] <= choice.sizes["g_q"] for c in choice.ranked)  # no larger tile fits
+    same_tile = [c for c in choice.ranked if c["g_q"] == choice.sizes["g_q"]]
+    predicted = {c["s_x"]: predicted_time(resolve(open_flash.diagram, c), hw, extent) for c in same_tile}
+    assert float(f"{predicted[choice.sizes['s_x']]:.3g}") == min(float(f"{t:.3g}") for t in predicted.values())

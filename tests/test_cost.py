@@ -118,7 +118,10 @@ def test_roofline_time():
     assert t.gmem_bytes == (size * (2 + 2 * x.size / 128)).subs({q.size: 8192, x.size: 8192, d.size: 128})
     assert t.times["→L2"] == t.dram_bytes / sympy.Float(H100.bandwidth(nc.L2))
     assert float(t.time) == pytest.approx(float(t.times["tensor"]), rel=1e-9)
-    assert float(t.time_serial) == pytest.approx(float(t.times["tensor"] + t.times["vector"] + t.times["sfu"]))
+    m = t.kernel_times  # the serial time runs at the measured tensor ceiling (733 TFLOP/s bf16 on the H100)
+    assert float(m["tensor"]) == pytest.approx(flops / 733e12, rel=1e-9)
+    assert (m["vector"], m["sfu"], m["→L2"]) == (t.times["vector"], t.times["sfu"], t.times["→L2"])
+    assert float(t.time_serial) == pytest.approx(float(m["tensor"] + m["vector"] + m["sfu"]))
     big = cost(relabel(flash(q, x, d), q=("group", 384), x=("stream", 64)), H100).subs(q=8192, x=8192)
     assert float(big.time) == pytest.approx(float(big.times["tensor"]), rel=1e-9)
 
@@ -228,3 +231,32 @@ def test_dram_misses_l2_when_the_working_set_does_not_fit():
     a_reads = sympy.Integer(16384**2 * 2) * panels / (sympy.Integer(132) / 128)
     b_reads = sympy.Integer(16384**2 * 2) * panels / (sympy.Integer(132) / 2)
     assert big.dram_bytes == a_reads + b_reads + 16384**2 * 2
+
+
+def test_serial_time_uses_measured_ceilings_where_the_model_has_them():
+    """H200: bf16 matmul and device copy measured (REFERENCE §3); f16 and the exp unit keep the datasheet."""
+    H200 = nc.hardware.H200
+    work = Cost(
+        H200,
+        flops=sympy.Integer(2 * 10**12),
+        transcendentals=sympy.Integer(10**9),
+        tensor_flops={nc.bf16: sympy.Integer(10**12), nc.f16: sympy.Integer(10**12)},
+    )
+    m = work.kernel_times
+    assert float(m["tensor"]) == pytest.approx(1e12 / 747e12 + 1e12 / 989e12)
+    assert float(m["sfu"]) == pytest.approx(1e9 / (16 * 132 * H200.clock))
+    assert float(work.time_serial) == pytest.approx(float(m["tensor"] + m["sfu"]))
+    moved = cost(nc.library.matmul(*nc.axes("a b c", a=4096, b=4096, c=4096), dtype=nc.bf16), H200)
+    assert float(moved.kernel_times["→L2"]) == pytest.approx(float(moved.dram_bytes) / 4.1e12)
+    assert float(moved.times["→L2"]) == pytest.approx(float(moved.dram_bytes) / 4.8e12)
+    assert Cost(A100).kernel_times == Cost(A100).times  # no measured ceilings: the datasheet
+
+
+def test_open_sizes_stay_symbolic_in_the_cost():
+    from rewrites import derive, stream, tile
+
+    q, x, d = nc.axes("q x d", d=64)
+    c = cost(derive(nc.library.attention(q, x, d), tile(q), stream(x), level(nc.SMEM), verify=False).diagram, H100)
+    assert {g_q, s_x} <= c.memory_bytes[nc.SMEM].free_symbols
+    assert g_q in c.gmem_bytes.free_symbols
+    assert float(c.subs(q=4096, x=4096, g_q=128, s_x=64).time_serial) > 0

@@ -128,3 +128,22 @@ def test_bad_arguments_are_refused(bad, message):
 def test_rewrites_does_not_import_the_lowering():
     code = "import sys, rewrites; assert 'lowering' not in sys.modules, sorted(m for m in sys.modules if 'lower' in m)"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_open_sizes_stay_symbolic_and_are_verified_at_small_sizes_from_the_seed():
+    open_flash = derive(ATTN, tile(q), stream(x, "auto"), seed=11)
+    assert [str(s.rule) for s in open_flash.steps[1:]] == ["tile(q)", "stream(x)"]
+    assert str(open_flash.diagram.cod) == "q/g_q×d"
+    assert "with g_q open, s_x open" in open_flash.pseudocode()
+    sizes = open_flash.steps[-1].verification.sizes
+    assert sizes["g_q"] in (4, 8, 16) and sizes["s_x"] in (4, 8, 16)
+    assert sizes["q"] > sizes["g_q"] and sizes["x"] > sizes["s_x"]  # several groups and chunks run
+    replayed = derive(ATTN, tile(q), stream(x), seed=11)
+    assert replayed.steps[-1].verification.sizes == sizes
+    fixed = derive(ATTN, tile(q), stream(x), seed=11, sizes={"g_q": 32, "d": 4}, verify="kernel")
+    assert (fixed.kernel.sizes["g_q"], fixed.kernel.sizes["s_x"], fixed.kernel.sizes["d"]) == (32, 16, 4)
+
+
+def test_an_open_size_is_not_a_size():
+    with pytest.raises(RewriteError, match=re.escape("tile(q, big): axis 'q': group size must be a positive integer")):
+        tile(q, "big")

@@ -23,8 +23,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+import lowering
 import napkin_cat as nc
-from lowering import MosaicConfig, MosaicLowered, lower, plan, search
+from lowering import MosaicConfig, MosaicLowered, lower, plan
 from rewrites import derive, stream, tile
 
 TOKENS, HEADS, TOLERANCE = 16384, 16, 1e-2
@@ -52,12 +53,12 @@ def matmul(g_m: int, g_n: int, s: int, dtype: str):
 
 
 def median_time(f, args, batches: int = 7, budget: float = 0.05) -> float:
-    """Seconds per call by :func:`lowering._search.median_time`, with batches of about ``budget`` s each."""
+    """Seconds per call by :func:`lowering.median_time`, with batches of about ``budget`` s each."""
     jax.block_until_ready(f(*args))
     t0 = time.perf_counter()
     jax.block_until_ready(f(*args))
     reps = max(3, min(100, int(budget / max(time.perf_counter() - t0, 1e-6))))
-    return search.median_time(f, *args, reps=reps, batches=batches, warmup=0)
+    return lowering.median_time(f, *args, reps=reps, batches=batches, warmup=0)
 
 
 def reference(q, k, v, causal: bool):
