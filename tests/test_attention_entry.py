@@ -163,11 +163,11 @@ def heads_major(*arrays):
     return [jnp.swapaxes(a, 1, 2) for a in arrays]
 
 
-@settings(max_examples=2, deadline=None)
+@settings(max_examples=1, deadline=None)  # each example derives, verifies and lowers a kernel and its backward
 @given(
     seed=st.integers(0, 2**31 - 1),
-    t=st.integers(9, 40),
-    s=st.integers(9, 40),
+    t=st.integers(9, 24),
+    s=st.integers(9, 24),
     kv_heads=st.sampled_from([1, 2]),
     bias_shape=st.sampled_from([(2, 2), (1, 2), (1, 1), (2, 1)]),
     mask_shape=st.sampled_from([(2, 2), (1, 1)]),
