@@ -16,9 +16,20 @@ head. ``h`` is the query head, as in ``jax.nn`` (under grouped-query attention t
 from the key/value head and the position in its group). The callables are part of the signature by
 identity: define them once, not in a loop, or every call derives anew.
 
-**Not supported yet**, refused with :class:`~lowering._plan.NotLowerable` rather than ignored: ``bias``,
-``mask`` (arrays) and ``segment_ids`` (the library's attention takes no array inputs beyond Q, K, V), and a
-value head dim different from the query/key head dim.
+**Arrays** (:func:`napkin_cat.library.dot_product_attention` makes them inputs of the diagram, read by the
+kernel): ``bias`` (added to the scaled scores; f32, bf16 or f16) and ``mask`` (bool, true keeps a score,
+as in ``jax.nn``) broadcast like ``jax.nn``'s, ``[B or 1, H or 1, Nq, Nk]`` (fewer leading axes are read as
+1; a size-1 axis is not read per batch or head, and the bias's gradient is summed over it). ``bias`` is
+differentiable (a learnable bias). ``segment_ids`` (integers, ``[B, Nq]`` for self-attention or a pair
+``(q_ids [B, Nq], kv_ids [B, Nk])``) mask document boundaries: query ``i`` sees key ``j`` only when their
+ids agree; the kernel reads the ids at call time, so they may change between calls. A row whose every key
+is masked gives 0, where ``jax.nn`` gives the mean of ``V`` over the keys (it masks with a large finite
+negative number); see :mod:`lowering._api`. Bad shapes and dtypes raise
+:class:`~napkin_cat.errors.EvaluationError` naming the argument and the expected shape, before anything
+is built.
+
+**Not supported yet**, refused with :class:`~lowering._plan.NotLowerable` rather than ignored: a value head
+dim different from the query/key head dim.
 
 >>> import jax, jax.numpy as jnp
 >>> q, k, v = (jax.random.normal(jax.random.key(i), (2, 20, 4, 16)) for i in range(3))
@@ -104,13 +115,18 @@ class HeadOfGroup:
 class Signature:
     """What a kernel depends on, and so the cache's key: the dtype, the heads per key/value head
     (``group``; 1 is multi-head attention), the schedule :func:`schedule` picks from the shapes, the
-    flags, the index functions (by identity) and how to lower. Shapes with the same schedule share a
-    kernel: the diagram's sizes stay symbolic, bound at each call.
+    flags, the index functions (by identity), how to lower, and which arrays come beside q, k, v: the batch
+    axes (``"b"``, ``"h"``) a bias or a mask is read over (none: not given), the bias's dtype, whether
+    segment ids are. Shapes with the same schedule share a kernel: the diagram's sizes stay symbolic, bound
+    at each call; so do values (segment ids, masks, biases are read when called).
 
     >>> x = jnp.zeros((1, 20, 4, 16))
     >>> s = Signature.of(x, x[:, :, :2], x[:, :, :2], is_causal=True)
     >>> s.group, s.tile, s.stream, s.causal, s.dtype
     (2, 32, 32, True, 'float32')
+    >>> s = Signature.of(x, x, x, jnp.zeros((1, 4, 20, 20)), jnp.ones((1, 1, 20, 20), bool))
+    >>> s.bias, s.mask, s.segments
+    (('h',), (), False)
     """
 
     dtype: str
@@ -125,6 +141,10 @@ class Signature:
     backward: str = "lowered"
     interpret: bool | None = None
     hardware: Hardware | str | None = None
+    bias: tuple[str, ...] | None = None
+    bias_dtype: str = "float32"
+    mask: tuple[str, ...] | None = None
+    segments: bool = False
 
     @classmethod
     def of(
@@ -145,17 +165,17 @@ class Signature:
         interpret: bool | None = None,
         hardware: Hardware | str | None = None,
     ) -> Signature:
-        """The signature of a call (the arguments of :data:`attention`), checked before anything is built."""
-        for name, given in (("bias", bias), ("mask", mask), ("segment_ids", segment_ids)):
-            if given is not None:
-                raise NotLowerable(
-                    f"attention: {name}= is not supported yet: the library's attention takes no array inputs "
-                    "beyond Q, K, V; express a mask by index with mask_mod= or a bias with score_mod="
-                )
+        """The signature of a call (the arguments of :data:`attention`, ``[batch, seq, heads, dim]`` arrays and
+        the rest as :func:`batched` gives them), checked before anything is built."""
         if backend != "auto" and backend not in BACKENDS:
             raise NotLowerable(f"attention: backend {backend!r}: choose 'auto', {', '.join(map(repr, BACKENDS))}")
         group, dim = _check(query, key, value)
         t, s = schedule(query.shape[-3], key.shape[-3], dim)
+        shape = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
+        biased = None if bias is None else _broadcast("bias", bias, shape, DTYPES)
+        masked = None if mask is None else _broadcast("mask", mask, shape, ("bool",))
+        if segment_ids is not None:
+            _check_segments(segment_ids, query.shape[0], query.shape[1], key.shape[1])
         return cls(
             jnp.dtype(query.dtype).name,
             group,
@@ -169,6 +189,10 @@ class Signature:
             backward,
             interpret,
             hardware,
+            biased,
+            "float32" if bias is None else jnp.dtype(bias.dtype).name,
+            masked,
+            segment_ids is not None,
         )
 
     def derivation(self) -> Derivation:
@@ -181,13 +205,18 @@ class Signature:
             heads = axes("h_kv g")
             kw = dict(batch=(b, *heads), kv_batch=(b, heads[0]))
         mods = {"score_mod": self._indexed(self.score_mod, True), "mask": self._indexed(self.mask_mod, False)}
-        diagram = library.attention(
+        axis = {"b": (b,), "h": heads}  # a bias's or a mask's axes among the batch's (heads: query heads)
+        diagram = library.dot_product_attention(
             q,
             x,
             d,
             scale=self.scale,
             causal=self.causal,
             dtype=DTYPES[self.dtype],
+            bias_batch=None if self.bias is None else tuple(a for n in self.bias for a in axis[n]),
+            bias_dtype=DTYPES[self.bias_dtype],
+            mask_batch=None if self.mask is None else tuple(a for n in self.mask for a in axis[n]),
+            segment_batch=(b,) if self.segments else None,
             **{k: f for k, f in mods.items() if f is not None},
             **kw,
         )
@@ -227,6 +256,49 @@ def _check(query, key, value) -> tuple[int, int]:
     return heads // kv_heads, query.shape[-1]
 
 
+def _broadcast(name: str, array, shape: tuple[int, int, int, int], dtypes) -> tuple[str, ...]:
+    """Check a bias or mask (4-D, as :func:`batched` makes it) against ``(batch, heads, Nq, Nk)``; the
+    batch axes it has: ``"b"`` and ``"h"`` where its size is the batch's or the heads' (not 1)."""
+    got, dtype = tuple(array.shape), jnp.dtype(array.dtype).name
+    b, h, nq, nk = shape
+    want = f"[B or 1, H or 1, Nq, Nk] = [{b} or 1, {h} or 1, {nq}, {nk}]"
+    if len(got) != 4 or got[2:] != shape[2:] or any(n not in (1, m) for n, m in zip(got[:2], shape[:2], strict=True)):
+        raise EvaluationError(f"attention: {name} has shape {got}; expected {want} (jax.nn's broadcasting)")
+    if dtype not in dtypes:
+        raise EvaluationError(f"attention: {name} has dtype {dtype}; expected one of {', '.join(dtypes)}")
+    return tuple(a for a, n in zip("bh", got, strict=False) if n != 1)
+
+
+def _check_segments(ids, batch: int, q_len: int, kv_len: int) -> None:
+    """Check segment ids (a pair, as :func:`batched` makes it): integers, ``[B, Nq]`` and ``[B, Nk]``."""
+    for side, a, n in (("query", ids[0], q_len), ("key/value", ids[1], kv_len)):
+        if tuple(a.shape) != (batch, n) or not jnp.issubdtype(a.dtype, jnp.integer):
+            raise EvaluationError(
+                f"attention: segment_ids for the {side} side are {jnp.dtype(a.dtype).name} {tuple(a.shape)}; "
+                f"expected integers of shape [B, N{'q' if side == 'query' else 'k'}] = {[batch, n]}"
+            )
+
+
+def batched(query, key, value, bias=None, mask=None, segment_ids=None):
+    """The entry's arguments with a batch axis: ``[seq, heads, dim]`` arrays get one, a bias or mask gets
+    leading axes of size 1 up to 4-D (as ``jax.nn`` does), segment ids become a ``(q_ids, kv_ids)`` pair
+    (one array serves both sides, for self-attention), each ``[batch, seq]``.
+
+    >>> x = jnp.zeros((5, 2, 16))
+    >>> q, k, v, bias, mask, ids = batched(x, x, x, jnp.zeros((5, 5)), None, jnp.zeros(5, int))
+    >>> q.shape, bias.shape, mask, ids[1].shape
+    ((1, 5, 2, 16), (1, 1, 5, 5), None, (1, 5))
+    """
+    if query.ndim == 3 and key.ndim == value.ndim == 3:
+        query, key, value = query[None], key[None], value[None]
+        if segment_ids is not None:
+            segment_ids = tuple(a[None] for a in segment_ids) if isinstance(segment_ids, tuple) else segment_ids[None]
+    bias, mask = (None if a is None else jnp.reshape(a, (1,) * (4 - a.ndim) + a.shape) for a in (bias, mask))
+    if segment_ids is not None and not isinstance(segment_ids, tuple):
+        segment_ids = (segment_ids, segment_ids)
+    return query, key, value, bias, mask, segment_ids
+
+
 @dataclass(frozen=True)
 class AttentionKernel:
     """A cached kernel of the entry: its :class:`Signature`, the verified :class:`~rewrites.Derivation`
@@ -255,22 +327,38 @@ class AttentionKernel:
     def why_not(self) -> str | None:
         return self.kernel.why_not
 
-    def __call__(self, query, key, value):
-        group, _ = _check(query, key, value)
-        if group != self.signature.group or jnp.dtype(query.dtype).name != self.signature.dtype:
-            raise EvaluationError(
-                f"attention kernel for {self.signature.dtype} with {self.signature.group} query heads per key/value "
-                f"head, called on {jnp.dtype(query.dtype).name} with {group}"
-            )
-        if query.ndim == 3:
-            return self(query[None], key[None], value[None])[0]
-        kv_heads = key.shape[2]
+    def __call__(self, query, key, value, bias=None, mask=None, segment_ids=None):
+        squeeze = query.ndim == 3
+        query, key, value, bias, mask, segment_ids = batched(query, key, value, bias, mask, segment_ids)
+        sig = self.signature
+        got = Signature.of(query, key, value, bias, mask, segment_ids=segment_ids)
+        mine = (sig.dtype, sig.group, sig.bias, sig.bias_dtype, sig.mask, sig.segments)
+        theirs = (got.dtype, got.group, got.bias, got.bias_dtype, got.mask, got.segments)
+        if mine != theirs:
+            fields = "(dtype, group, bias axes, bias dtype, mask axes, segment ids)"
+            raise EvaluationError(f"attention kernel for {fields} = {mine}, called with {theirs}")
+        group, kv_heads = sig.group, key.shape[2]
         # the diagram's wires are heads-major: [b, h, seq, d], or [b, h_kv, g, seq, d] for the queries
         qs = query.reshape(*query.shape[:2], kv_heads, group, query.shape[3])
         qs = jnp.moveaxis(qs, 1, 3) if group > 1 else jnp.moveaxis(qs[:, :, :, 0], 1, 2)
-        out = self.kernel(qs, jnp.moveaxis(key, 1, 2), jnp.moveaxis(value, 1, 2))
+        pairs = ((bias, sig.bias), (mask, sig.mask))
+        extra = [_operand(a, axes, kv_heads, group) for a, axes in pairs if a is not None]
+        if segment_ids is not None:
+            extra += [a.astype(jnp.int32) for a in segment_ids]
+        out = self.kernel(qs, jnp.moveaxis(key, 1, 2), jnp.moveaxis(value, 1, 2), *extra)
         out = jnp.moveaxis(out, 3, 1) if group > 1 else jnp.moveaxis(out, 2, 1)
-        return out.reshape(query.shape)
+        out = out.reshape(query.shape)
+        return out[0] if squeeze else out
+
+
+def _operand(array, axes: tuple[str, ...], kv_heads: int, group: int):
+    """A 4-D bias or mask as the diagram's input: without its broadcast (size-1) batch axes, and heads split
+    into ``(h_kv, g)`` under grouped-query attention."""
+    a = array[(slice(None) if "b" in axes else 0, slice(None) if "h" in axes else 0)]
+    if "h" in axes and group > 1:
+        at = a.ndim - 3
+        a = a.reshape(*a.shape[:at], kv_heads, group, *a.shape[at + 1 :])
+    return a
 
 
 class Attention:
@@ -288,11 +376,20 @@ class Attention:
     (1, (1, 24, 4, 16))
     >>> bool(jnp.allclose(out, jax.nn.dot_product_attention(q, *kv), atol=1e-5))
     True
-    >>> attention(q, *kv, bias=jnp.zeros((24, 24)))
+
+    A learnable bias gets its gradient from the lowered backward, summed over the axes it broadcasts:
+
+    >>> bias = jax.random.normal(jax.random.key(2), (1, 4, 24, 24))
+    >>> mask = jnp.tril(jnp.ones((24, 24), bool))
+    >>> loss = lambda f: lambda bias: f(q, *kv, bias=bias, mask=mask).sum()
+    >>> dbias, want = jax.grad(loss(attention))(bias), jax.grad(loss(jax.nn.dot_product_attention))(bias)
+    >>> dbias.shape, bool(jnp.allclose(dbias, want, atol=1e-5))
+    ((1, 4, 24, 24), True)
+    >>> attention(q, *kv, bias=jnp.zeros((24, 12)))
     Traceback (most recent call last):
     ...
-    lowering._plan.NotLowerable: attention: bias= is not supported yet: the library's attention takes no array \
-inputs beyond Q, K, V; express a mask by index with mask_mod= or a bias with score_mod=
+    napkin_cat.errors.EvaluationError: attention: bias has shape (1, 1, 24, 12); expected [B or 1, H or 1, Nq, Nk] \
+= [1 or 1, 4 or 1, 24, 24] (jax.nn's broadcasting)
     """
 
     def __init__(self):
@@ -319,9 +416,10 @@ inputs beyond Q, K, V; express a mask by index with mask_mod= or a bias with sco
     ):
         """``softmax(score_mod(scale · q kᵀ) masked) v`` on ``[batch, seq, heads, dim]`` arrays, by a cached kernel.
 
-        The arguments are ``jax.nn.dot_product_attention``'s (``bias``, ``mask`` and ``segment_ids`` refused
-        until supported), plus FlexAttention's ``score_mod``/``mask_mod`` and :func:`lowering.lower`'s
-        ``backend``, ``backward``, ``interpret`` and ``hardware``. Rows whose every key is masked give 0.
+        The arguments are ``jax.nn.dot_product_attention``'s (``bias`` and ``mask`` broadcast as there), plus
+        ``segment_ids`` (document masking), FlexAttention's ``score_mod``/``mask_mod`` and
+        :func:`lowering.lower`'s ``backend``, ``backward``, ``interpret`` and ``hardware``. Rows whose every key
+        is masked give 0. See the module's docstring.
         """
         return self.kernel_for(
             query,
@@ -338,12 +436,14 @@ inputs beyond Q, K, V; express a mask by index with mask_mod= or a bias with sco
             backward=backward,
             interpret=interpret,
             hardware=hardware,
-        )(query, key, value)
+        )(query, key, value, bias, mask, segment_ids)
 
-    def kernel_for(self, query, key, value, bias=None, mask=None, **options) -> AttentionKernel:
+    def kernel_for(self, query, key, value, bias=None, mask=None, *, segment_ids=None, **options) -> AttentionKernel:
         """The cached :class:`AttentionKernel` for these arrays (only shapes and dtypes are read) and options;
-        derived, verified and lowered on first use, outside any ``jit``/``vmap``/``grad`` trace."""
-        signature = Signature.of(query, key, value, bias, mask, **options)
+        derived, verified and lowered on first use, outside any ``jit``/``vmap``/``grad`` trace. Every
+        array is checked (shapes, dtypes) before anything is built."""
+        query, key, value, bias, mask, segment_ids = batched(query, key, value, bias, mask, segment_ids)
+        signature = Signature.of(query, key, value, bias, mask, segment_ids=segment_ids, **options)
         if signature not in self._kernels:
             # in a thread of its own, where no caller's jit/vmap/grad trace is active (JAX's trace state is
             # per thread): the verification must run on concrete arrays, and the kernel's tracing must not

@@ -42,8 +42,7 @@ from lowering._plan import NotLowerable, next_pow2, plan, smem_bytes
 from lowering._triton import Config
 from napkin_cat import Tape, pullback
 from napkin_cat import generators as g
-from napkin_cat.diagram import Diagram, Ty
-from napkin_cat.dtypes import f32
+from napkin_cat.diagram import Diagram
 from napkin_cat.hardware import H100, Hardware
 from napkin_cat.levels import HBM
 from rewrites import delta_lemma, derive, lse_residual, partitions, reduced, stream, tile, widened
@@ -95,19 +94,19 @@ def plain(d: Diagram) -> Diagram:
 
 
 def with_residuals(d: Diagram) -> tuple[Diagram, tuple[int, ...]]:
-    """``d`` whose softmax·contracts also output their log-sum-exp, and the positions, among its outputs,
-    of each one's ``L`` and ``O`` in turn (``O`` is added where it is not an output already)."""
+    """``d`` whose softmax·contracts also output their log-sum-exp (normalised contractions their sum: each
+    box's ``with_residual``), and the positions, among its outputs, of each one's ``L`` and ``O`` in turn
+    (each is added where it is not an output already)."""
     t = Tape()
     xs = [t.input(a, "x") for a in d.dom.inside]
     kept = []
 
     def step(i, box, ins):
-        if isinstance(box, g.SoftmaxContract) and len(box.cod) == 1 and not box.base2:
-            s = box.dom.inside[0]
-            lse = s.with_(axes=[a for a in s.axes if a.name != box.params["axis"]], dtype=f32)
-            out, L = t.apply(g.SoftmaxContract(box.name, box.dom, Ty(box.out, lse), data=box.data), *ins)
+        made = box.with_residual() if isinstance(box, g.Generator) else None
+        if made is not None:  # a row statistic the backward reads: kept (an output already, or added)
+            out, L = t.apply(made, *ins)
             kept.append((L, out))
-            return [out]
+            return [out, L] if len(box.cod) == 2 else [out]
         return list(t.apply(box, *ins))
 
     outs = d.dataflow(xs, step)

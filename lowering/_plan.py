@@ -117,7 +117,9 @@ def _check_contractions(d: Diagram, streamed: set):
     for box in d.boxes:
         if not is_structural(box) and box.contracts:
             for a in box.reduced:
-                if a not in streamed and len([w for w in box.dom.inside if w.has(a)]) < 2:
+                # a sum of one array (a cotangent unbroadcast) is a block sum; a product summing an axis
+                # only one of its operands has is refused
+                if a not in streamed and len(box.dom) > 1 and len([w for w in box.dom.inside if w.has(a)]) < 2:
                     raise NotLowerable(f"box {box.name!r}: a contraction over {a!r} must involve two operands")
 
 

@@ -351,6 +351,60 @@ def biased_attention(q: Axis, x: Axis, d: Axis, *, bias_batch: tuple[Axis, ...] 
     return a.scores(extra=(B,), combine=g.add(a.S, B), **_mods(kw)) >> (g.softmax(a.S, x) @ identity(a.V)) >> a.out()
 
 
+def keep_where(s, m):
+    """The score ``s`` where the boolean mask ``m`` is true (kept, as in ``jax.nn``), else −∞.
+
+    >>> keep_where(jnp.ones(2), jnp.array([True, False])).tolist()
+    [1.0, -inf]
+    """
+    return jnp.where(m, s, -jnp.inf)
+
+
+def dot_product_attention(
+    q: Axis,
+    x: Axis,
+    d: Axis,
+    *,
+    bias_batch: tuple[Axis, ...] | None = None,
+    mask_batch: tuple[Axis, ...] | None = None,
+    segment_batch: tuple[Axis, ...] | None = None,
+    bias_dtype: Dtype | str = f32,
+    **kw,
+) -> Diagram:
+    """``jax.nn.dot_product_attention``'s array arguments as inputs: ``Q ⊗ K ⊗ V`` then, each present when
+    its batch axes are given (``()``: shared by every batch), an additive bias ``B[*bias_batch, q, x]``
+    (differentiable), a boolean mask ``M[*mask_batch, q, x]`` (true keeps the score) and segment ids
+    ``ids_q[*segment_batch, q] ⊗ ids_x[*segment_batch, x]`` (i32; a query sees the keys of its own
+    segment). Scores are ``scale·Q·Kᵀ + B``, then masked by ``M``, the ids and the keyword masks.
+
+    >>> from napkin_cat import axes
+    >>> b, h, q, x, d = axes("b h q x d")
+    >>> print(dot_product_attention(q, x, d, batch=(b, h), bias_batch=(h,), mask_batch=(), segment_batch=(b,)).dom)
+    b×h×q×d ⊗ b×h×x×d ⊗ b×h×x×d ⊗ h×q×x ⊗ q×x ⊗ b×q ⊗ b×x
+    """
+    a = _attention(q, x, d, kw)
+    steps, extra = [], []
+    if bias_batch is not None:
+        B = Array(*bias_batch, q, x, dtype=bias_dtype)
+        steps.append((g.add(a.S, B), (B,)))
+    if mask_batch is not None:
+        M = Array(*mask_batch, q, x, dtype="bool")
+        steps.append((g.elementwise(keep_where, a.S, M, out=a.S), (M,)))
+    if segment_batch is not None:
+        ids = (Array(*segment_batch, q, dtype="i32"), Array(*segment_batch, x, dtype="i32"))
+        steps.append((g.elementwise(same_document, a.S, *ids, out=a.S), ids))
+    if not steps:
+        scores = a.scores(**_mods(kw))
+    else:
+        extra = [w for _, ws in steps for w in ws]
+        combine = identity(Ty(a.S, *extra))
+        for i, (box, _) in enumerate(steps):
+            rest = [w for _, later in steps[i + 1 :] for w in later]
+            combine = combine >> (box @ identity(Ty(*rest)))
+        scores = a.scores(extra=tuple(extra), combine=combine, **_mods(kw))
+    return scores >> (g.softmax(a.S, x) @ identity(a.V)) >> a.out()
+
+
 @dataclass(frozen=True)
 class SoftCap:
     """Soft-capping of the scores (Gemma 2): ``cap · tanh(s / cap)``.
@@ -605,7 +659,9 @@ __all__ = [
     "biased_attention",
     "cross_entropy",
     "document_attention",
+    "dot_product_attention",
     "grouped_query_attention",
+    "keep_where",
     "layer_norm",
     "layer_norm_statistics",
     "matmul",

@@ -48,7 +48,8 @@ from rewrites._proofs import Proof, prove_equivalent
 @dataclass(frozen=True)
 class Residual:
     """What a softmax·contract of the forward leaves the backward: the tape inputs of its log-sum-exp
-    ``lse`` and of its output ``out``, the wires ``scores`` and ``values`` it reads, its ``axis``."""
+    ``lse`` (a normalised contraction's sum) and of its output ``out``, the wires ``scores`` and ``values``
+    it reads, its ``axis``."""
 
     lse: str
     out: str
@@ -66,21 +67,28 @@ def lse_residual(t: Tape) -> list[Residual]:
     ``P = exp(S − L)``, ``L`` a new tape input (the forward's log-sum-exp); the residuals, in forward order.
 
     rewrite: S ─softmax_x→ P   →   S, L ─subtract→ ─exp→ P.   Sound because softmax_x(S) = exp(S − logsumexp_x S).
+
+    The recomputed softmax·contract itself is dropped: what reads its output ``O`` (and its log-sum-exp,
+    where the forward uses it: attention sinks, cross-entropy) reads the residuals instead, which are
+    those values. So is every box with a residual (``Generator.with_residual``: a normalised
+    contraction's sum ``Z``, read by its backward).
     """
     residuals, by_scores, steps = [], {}, list(t.steps)
+    made, kept = {}, {}  # the residual of each (scores, values, axis); the recomputed wires it replaces
     t.steps = []
     for box, ins, outs in steps:
-        if isinstance(box, g.SoftmaxContract) and not box.base2:
-            s, v = ins
-            r = Residual(
-                t.input(_rows(t.ty(s), box.params["axis"]), "lse"),
-                t.input(t.ty(outs[0]), "o"),
-                s,
-                v,
-                box.params["axis"],
-            )
-            residuals.append(r)
-            by_scores[s, r.axis] = r
+        ins = tuple(kept.get(i, i) for i in ins)
+        if isinstance(box, g.Generator) and box.with_residual() is not None:
+            (s, v), axis = ins, box.params["axis"]
+            r = made.get((s, v, axis))
+            if r is None:  # the forward's box (the first on the tape); its backward's recomputation reads it too
+                r = Residual(t.input(_rows(t.ty(s), axis), "lse"), t.input(t.ty(outs[0]), "o"), s, v, axis)
+                made[s, v, axis] = r
+                residuals.append(r)
+            if isinstance(box, g.SoftmaxContract):
+                by_scores[s, r.axis] = r
+            kept.update(zip(outs, (r.out, r.lse), strict=False))
+            continue
         r = by_scores.get((ins[0], box.params.get("axis"))) if isinstance(box, g.Softmax) else None
         if r is None:
             t.steps.append((box, ins, outs))

@@ -1,14 +1,23 @@
 """The drop-in entry ``nc.attention`` against ``jax.nn.dot_product_attention``: outputs and gradients on
 ragged shapes (causal and not, grouped-query, an ALiBi bias by score_mod, a window by mask_mod), the kernel
-cache (a second call derives nothing), ``jit``/``vmap``/``grad``, and the refusals.
+cache (a second call derives nothing), ``jit``/``vmap``/``grad``, and the refusals; the array arguments
+(``bias`` with its gradient, ``mask``, ``segment_ids``) against ``jax.nn`` and the independent reference of
+tests/references.py, in f32 and bf16.
 
 Tolerance: the largest relative error (max |kernel − jax.nn| / max |jax.nn|) measured in f32 on CPU, outputs
-and the gradients of q, k and v, was 6e-7 over the cases below; 1e-5 leaves room for other draws.
+and the gradients of q, k and v, was 6e-7 over the cases below; 1e-5 leaves room for other draws. bf16 uses
+the tolerances measured for every kernel (tests/test_lowering.py, tests/test_backward.py): 1e-2 forward,
+1.5e-2 gradients.
 """
+
+import doctest
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+import references as R
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,6 +26,8 @@ from lowering import NotLowerable, attention
 from napkin_cat.errors import EvaluationError
 
 TOL = 1e-5
+#: (forward, gradients) per dtype: f32 as above; bf16 as measured for every kernel
+ARRAY_TOL = {"float32": (TOL, TOL), "bfloat16": (1e-2, 1.5e-2)}
 
 
 def rel(a, b) -> float:
@@ -106,9 +117,17 @@ def test_score_mods_are_keyed_by_identity():
 @pytest.mark.parametrize(
     ("options", "shapes", "error", "match"),
     [
-        ({"bias": jnp.zeros((20, 20))}, None, NotLowerable, "bias= is not supported yet"),
-        ({"mask": jnp.ones((20, 20), bool)}, None, NotLowerable, "mask= is not supported yet"),
-        ({"segment_ids": jnp.zeros((1, 20), int)}, None, NotLowerable, "segment_ids= is not supported yet"),
+        ({"bias": jnp.zeros((20, 19))}, None, EvaluationError, r"bias has shape \(1, 1, 20, 19\); expected "),
+        ({"bias": jnp.zeros((3, 1, 20, 20))}, None, EvaluationError, r"= \[1 or 1, 2 or 1, 20, 20\]"),
+        ({"bias": jnp.zeros((20, 20), int)}, None, EvaluationError, "bias has dtype int32; expected one of float32"),
+        ({"mask": jnp.ones((20, 20))}, None, EvaluationError, "mask has dtype float32; expected one of bool"),
+        ({"segment_ids": jnp.zeros((1, 20))}, None, EvaluationError, "segment_ids for the query side are float32"),
+        (
+            {"segment_ids": (jnp.zeros((1, 20), int), jnp.zeros((1, 9), int))},
+            None,
+            EvaluationError,
+            r"segment_ids for the key/value side are int32 \(1, 9\); expected integers of shape \[B, Nk\] = \[1, 20\]",
+        ),
         ({"backend": "cuda"}, None, NotLowerable, "backend 'cuda'"),
         ({}, ((1, 20, 3, 16), (1, 20, 2, 16)), EvaluationError, "3 heads are not a multiple of k's and v's 2"),
         ({}, ((1, 20, 2, 16), (1, 20, 2, 8)), EvaluationError, "q and k must agree on batch and head dim"),
@@ -127,3 +146,143 @@ def test_value_head_dim_other_than_key_head_dim_is_refused():
     q = jnp.zeros((1, 20, 2, 16))
     with pytest.raises(NotLowerable, match="value head dim"):
         attention(q, q, jnp.zeros((1, 20, 2, 8)))
+
+
+def random_arrays(seed: int, dtype, b, t, s, heads, kv_heads, bias_shape, mask_shape):
+    """q, k, v, a cotangent, a bias and a mask (each key kept with probability 0.8; key 0 always, so no row
+    is empty and jax.nn's masking agrees with ours), all random."""
+    kq, kk, kv, kc, kb, km = jax.random.split(jax.random.key(seed), 6)
+    q, ct = (jax.random.normal(key, (b, t, heads, 16), dtype) for key in (kq, kc))
+    k, v = (jax.random.normal(key, (b, s, kv_heads, 16), dtype) for key in (kk, kv))
+    bias = jax.random.normal(kb, bias_shape, dtype)
+    mask = jax.random.bernoulli(km, 0.8, mask_shape).at[..., 0].set(True)
+    return q, k, v, ct, bias, mask
+
+
+def heads_major(*arrays):
+    return [jnp.swapaxes(a, 1, 2) for a in arrays]
+
+
+@settings(max_examples=1, deadline=None)  # each example derives, verifies and lowers a kernel and its backward
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    t=st.integers(9, 24),
+    s=st.integers(9, 24),
+    kv_heads=st.sampled_from([1, 2]),
+    bias_shape=st.sampled_from([(2, 2), (1, 2), (1, 1), (2, 1)]),
+    mask_shape=st.sampled_from([(2, 2), (1, 1)]),
+    causal=st.booleans(),
+)
+def test_bias_and_mask_match_jax_nn_and_the_reference(seed, t, s, kv_heads, bias_shape, mask_shape, causal):
+    """Outputs and the gradients of q, k, v and the bias, every broadcast of the bias and the mask, GQA and
+    not, ragged q ≠ x: against jax.nn.dot_product_attention(bias=, mask=) and tests/references.py."""
+    heads = 2
+    q, k, v, ct, bias, mask = random_arrays(
+        seed, jnp.float32, 2, t, s, heads, kv_heads, (*bias_shape, t, s), (*mask_shape, t, s)
+    )
+    if causal:
+        mask = mask.at[..., :, 0].set(True)
+    entry = lambda q, k, v, bias: attention(q, k, v, bias, mask, is_causal=causal)  # noqa: E731
+    nn = lambda q, k, v, bias: jax.nn.dot_product_attention(q, k, v, bias, mask, is_causal=causal)  # noqa: E731
+
+    def reference(q, k, v, bias):
+        Q, K, V = heads_major(q, k, v)
+        out = R.attention(
+            Q, K, V, causal=causal, bias=lambda i, j: bias, mask=lambda i, j: mask, groups=heads // kv_heads
+        )
+        return jnp.swapaxes(out, 1, 2)
+
+    out, pull = jax.vjp(entry, q, k, v, bias)
+    for name, other in (("jax.nn", nn), ("reference", reference)):
+        want, pull_other = jax.vjp(other, q, k, v, bias)
+        errors = [rel(out, want)] + [rel(g, w) for g, w in zip(pull(ct), pull_other(ct), strict=True)]
+        assert max(errors) <= TOL, f"seed {seed}: vs {name}, relative errors (out, dq, dk, dv, dbias) {errors}"
+    assert attention.kernel_for(q, k, v, bias, mask, is_causal=causal).differentiation == "lowered"
+
+
+def test_bf16_bias_mask_and_segments(seed):
+    """bf16 inputs, a learnable per-head bias, a shared mask and segment ids, grouped-query: the output and
+    every gradient against the reference in f32 on the same (rounded) inputs, within bf16's tolerance."""
+    t = s = 24
+    q, k, v, ct, bias, mask = random_arrays(seed, jnp.bfloat16, 2, t, s, 4, 2, (1, 4, t, s), (t, s))
+    ids = jnp.array([[0] * 10 + [1] * 14, [0] * 24])
+    mask = mask | (jnp.arange(t)[:, None] == jnp.arange(s))  # the diagonal: every row sees its own segment
+    fwd, grad = ARRAY_TOL["bfloat16"]
+
+    def reference(q, k, v, bias):
+        Q, K, V = heads_major(q, k, v)
+        same = (ids[:, None, :, None] == ids[:, None, None, :]) & mask
+        return jnp.swapaxes(R.attention(Q, K, V, bias=lambda i, j: bias, mask=lambda i, j: same, groups=2), 1, 2)
+
+    out, pull = jax.vjp(lambda q, k, v, bias: attention(q, k, v, bias, mask, segment_ids=ids), q, k, v, bias)
+    want, pull_ref = jax.vjp(reference, q, k, v, bias)
+    assert out.dtype == jnp.bfloat16 and rel(out.astype(jnp.float32), want) <= fwd, f"NAPKIN_SEED={seed}"
+    for name, g, w in zip(("dq", "dk", "dv", "dbias"), pull(ct), pull_ref(ct.astype(jnp.float32)), strict=True):
+        assert g.dtype == jnp.bfloat16 and rel(g.astype(jnp.float32), w) <= grad, f"{name}: NAPKIN_SEED={seed}"
+
+
+def test_segment_ids_are_read_at_call_time(seed):
+    """One kernel for any ids (no derivation on new ids, under jit and vmap); a (q_ids, kv_ids) pair for
+    cross attention with q ≠ x; against the reference with the equivalent mask."""
+    q, k, v, _ = arrays(seed, 2, 20, 28, 2, 2, 16)
+    qi, ki = (jax.random.randint(jax.random.key(seed + i), (2, n), 0, 3) for i, n in ((1, 20), (2, 28)))
+    qi, ki = qi.sort(-1), ki.at[:, :3].set(jnp.arange(3)).sort(-1)  # every query id among the keys': no empty row
+    keep = qi[:, None, :, None] == ki[:, None, None, :]
+    want = R_attention_masked(q, k, v, keep)
+    assert rel(attention(q, k, v, segment_ids=(qi, ki)), want) <= TOL, f"NAPKIN_SEED={seed}"
+    before = attention.derivations
+    assert rel(jax.jit(attention)(q, k, v, segment_ids=(qi + 5, ki + 5)), want) <= TOL, f"NAPKIN_SEED={seed}"
+    batched = jax.vmap(lambda q, k, v, a, b: attention(q, k, v, segment_ids=(a, b)))(q, k, v, qi, ki)
+    assert rel(batched, want) <= TOL, f"NAPKIN_SEED={seed}"
+    assert attention.derivations == before
+
+
+def R_attention_masked(q, k, v, keep):
+    """tests/references.py's attention on jax.nn's layout with a [B, H or 1, Nq, Nk] mask."""
+    Q, K, V = heads_major(q, k, v)
+    return jnp.swapaxes(R.attention(Q, K, V, mask=lambda i, j: keep), 1, 2)
+
+
+def test_fully_masked_rows_give_zero_where_jax_nn_gives_the_mean_of_v():
+    """The project's convention (lowering/_api.py): an empty row gives 0 and finite gradients; jax.nn masks
+    with a large finite negative number, so its empty row is the mean of V over the keys."""
+    q, k, v, _ = arrays(8, 1, 20, 20, 2, 2, 16)
+    mask = jnp.ones((20, 20), bool).at[3].set(False)
+    out = attention(q, k, v, mask=mask)
+    assert bool((out[:, 3] == 0).all()) and bool(jnp.isfinite(out).all())
+    nn = jax.nn.dot_product_attention(q, k, v, mask=mask)
+    np.testing.assert_allclose(nn[:, 3], v.mean(1), atol=1e-5)
+    assert rel(jnp.delete(out, 3, 1), jnp.delete(nn, 3, 1)) <= TOL
+    bias = jnp.zeros((1, 2, 20, 20))
+    grads = jax.grad(lambda q, b: attention(q, k, v, b, mask).sum(), argnums=(0, 1))(q, bias)
+    assert all(bool(jnp.isfinite(g).all()) for g in grads) and bool((grads[1][..., 3, :] == 0).all())
+
+
+def test_the_entry_example_in_docs_lowering_md_runs():
+    path = Path(__file__).parent.parent / "docs" / "lowering.md"
+    failed, tried = doctest.testfile(str(path), module_relative=False, optionflags=doctest.ELLIPSIS)
+    assert tried > 0 and failed == 0
+
+
+@pytest.mark.gpu
+def test_compiled_bias_mask_and_segments_on_gpu(seed):
+    """Compiled (not interpreted): bf16, 1000 tokens, d = 128, a per-head learnable bias, a bool mask and
+    segment ids, outputs and gradients against the reference in f32, within tests/test_backward.py's
+    GPU tolerance (bf16 on a GPU, 1000 keys: 4e-2)."""
+    n = 1000
+    q, k, v, ct, bias, mask = random_arrays(seed, jnp.bfloat16, 2, n, n, 4, 2, (1, 4, n, n), (n, n))
+    mask = mask | jnp.eye(n, dtype=bool)
+    ids = jnp.stack([jnp.arange(n) // 300, jnp.arange(n) // 700])
+
+    def reference(q, k, v, bias):
+        Q, K, V = heads_major(q, k, v)
+        same = (ids[:, None, :, None] == ids[:, None, None, :]) & mask
+        out = R.attention(Q, K, V, causal=True, bias=lambda i, j: bias, mask=lambda i, j: same, groups=2)
+        return jnp.swapaxes(out, 1, 2)
+
+    entry = jax.jit(lambda q, k, v, bias: attention(q, k, v, bias, mask, is_causal=True, segment_ids=ids))
+    out, pull = jax.vjp(entry, q, k, v, bias)
+    want, pull_ref = jax.vjp(reference, *(a.astype(jnp.float32) for a in (q, k, v, bias)))
+    assert rel(out.astype(jnp.float32), want) <= 4e-2, f"NAPKIN_SEED={seed}"
+    for name, g, w in zip(("dq", "dk", "dv", "dbias"), pull(ct), pull_ref(ct.astype(jnp.float32)), strict=True):
+        assert rel(g.astype(jnp.float32), w) <= 4e-2, f"{name}: NAPKIN_SEED={seed}"

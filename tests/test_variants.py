@@ -1,10 +1,13 @@
 """The library's attention variants, cross-entropy and norms, lowered (Triton, interpret mode on CPU), against
 references written here from their formulas in plain jax.numpy / jax.nn (sharing no code with the generators),
-forward and gradients (lowered backward where ``kernel.differentiation`` is "lowered", else the reference one);
+forward and gradients through the lowered backward (``kernel.differentiation`` must be "lowered": nothing
+falls back to the reference's gradients);
 the block sparsity of affine masks; and the refusals of index functions that a kernel cannot run.
 
 Tolerances: f32, relative error max |error| / max |reference|; measured over 10 seeds at the sizes below
-≤ 4e-7 forward and ≤ 1.2e-6 for gradients (the sink's ≤ 2e-6), so 2e-6 and 6e-6.
+≤ 4e-7 forward and ≤ 1.2e-6 for gradients (the sink's ≤ 2e-6), so 2e-6 and 6e-6. Cross-entropy's gradient
+at logits near ±1000 is bounded by the f32 rounding of ``s − L`` (eps·|s| ≈ 1.2e-4); measured ≤ 2.5e-5 over
+8 seeds, so 6e-5.
 """
 
 import jax
@@ -16,12 +19,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import napkin_cat as nc
-from lowering import NotLowerable, lower
+from lowering import Config, NotLowerable, lower
 from lowering._triton import _visited
 from napkin_cat import library as L
 from rewrites import derive, stream, tile
 
 FWD, GRAD = 2e-6, 6e-6
+GRAD_LARGE_LOGITS = 6e-5
 H, B = 2, 2  # heads, batch
 q, x, d, h, b = nc.axes("q x d h b", d=16, h=H)
 
@@ -51,12 +55,11 @@ def grid(nq, nx):
     return jnp.arange(nq)[:, None], jnp.arange(nx)[None, :]
 
 
-def check(diagram, schedule, reference, args, seed, *, wrt=None, backward="lowered"):
+def check(diagram, schedule, reference, args, seed, *, wrt=None, backward="lowered", grad_tol=GRAD, config=None):
     """The kernel's output against ``reference``; the gradients of a random projection w.r.t. ``wrt``
     (default: every float input) against jax.grad of the reference."""
-    kernel = lower(derive(diagram, *schedule, verify=False), backward=backward)
-    if backward == "lowered" and kernel.differentiation != "lowered":
-        kernel = lower(derive(diagram, *schedule, verify=False), backward="reference")
+    kernel = lower(derive(diagram, *schedule, verify=False), backward=backward, config=config)
+    assert kernel.differentiation == backward, kernel.why_not
     want = reference(*args)
     close(jax.jit(kernel)(*args), want, FWD, seed, "forward")
     wrt = tuple(i for i, a in enumerate(args) if a.dtype == jnp.float32) if wrt is None else wrt
@@ -68,7 +71,7 @@ def check(diagram, schedule, reference, args, seed, *, wrt=None, backward="lower
     ours = jax.jit(jax.grad(loss(kernel), argnums=wrt))(*args)
     theirs = jax.grad(loss(reference), argnums=wrt)(*args)
     for i, g, w in zip(wrt, ours, theirs, strict=True):
-        close(g, w, GRAD, seed, f"gradient of input {i} ({kernel.differentiation} backward)")
+        close(g, w, grad_tol, seed, f"gradient of input {i} ({kernel.differentiation} backward)")
     return kernel
 
 
@@ -187,8 +190,9 @@ def test_normalised_attention_ragged(key, seed):
 
 
 @settings(max_examples=2, deadline=None)
-@given(nq=st.integers(1, 40), nx=st.integers(1, 40), groups=st.sampled_from([1, 2]))
+@given(nq=st.integers(1, 40), nx=st.integers(2, 40), groups=st.sampled_from([1, 2]))
 def test_cross_attention_gqa_ragged(nq, nx, groups):
+    """From two keys: with one, dQ is identically 0 and a relative error is undefined."""
     seed = int(np.random.SeedSequence().entropy % 2**31)
     g = nc.Axis("g", groups)
     Q, K, V = normal(jax.random.key(seed), (H, groups, nq, 16), (H, nx, 16), (H, nx, 16))
@@ -205,9 +209,8 @@ def test_cross_entropy_large_logits_wide_vocabulary(key, seed):
     labels = jax.random.randint(jax.random.fold_in(key, 1), (rows,), 0, vocab)
     Y = jax.nn.one_hot(labels, vocab)
     ref = lambda X, Y: jax.nn.logsumexp(X, -1) - jnp.sum(X * Y, -1)  # noqa: E731
-    # backward="reference": the generic lowered backward (lowering/_backward.py) fails on this diagram today
     schedule = (tile(n_, 16), stream(v_, 256))
-    check(L.cross_entropy(n_, v_), schedule, ref, [X, Y], seed, wrt=(0,), backward="reference")
+    check(L.cross_entropy(n_, v_), schedule, ref, [X, Y], seed, wrt=(0,), grad_tol=GRAD_LARGE_LOGITS)
 
 
 @pytest.mark.parametrize("width", [96, 768])
@@ -223,8 +226,11 @@ def test_norms_at_any_width(key, seed, width):
     def rms_norm(X, gamma):
         return X / jnp.sqrt((X**2).mean(-1, keepdims=True) + 1e-6) * gamma
 
-    check(L.layer_norm(n_, d_), (tile(n_, 16),), layer_norm, [X, gamma, beta], seed)
-    check(L.rms_norm(n_, d_), (tile(n_, 16),), rms_norm, [X, gamma], seed)
+    # at 768 (padded to 1024) in f32 the dγ, dβ kernel streams rows of 16 × 1024 of X and dY: one pipeline
+    # stage fits an H100's shared memory (the default three would not, and lowering refuses them by name)
+    config = Config(num_warps=4, num_stages=1) if width > 512 else None
+    check(L.layer_norm(n_, d_), (tile(n_, 16),), layer_norm, [X, gamma, beta], seed, config=config)
+    check(L.rms_norm(n_, d_), (tile(n_, 16),), rms_norm, [X, gamma], seed, config=config)
 
 
 def test_closure_over_an_array_is_refused():

@@ -223,6 +223,12 @@ class Generator(Box):
         mask and blocks wholly above it are skipped. None for every other box."""
         return None
 
+    def with_residual(self) -> Generator | None:
+        """The same box whose last output is also the row statistic its backward reads along the axis it
+        normalises (a softmax·contract's log-sum-exp, a normalised contraction's sum), so a forward kernel
+        keeps it and the backward streams without recomputing it (``lowering._backward``); else None."""
+        return None
+
     def in_base2(self) -> Generator | None:
         """The same box reading base-2 scores (``s·log₂e``), where it has such a form; else None."""
         return None

@@ -157,6 +157,18 @@ class SoftmaxContract(Generator):
             return None
         return type(self)(self.name, self.dom, self.cod, data=(*self.data, ("base", 2)))
 
+    def with_residual(self):
+        """With the log-sum-exp ``L`` as a second output (itself, where it has one; None in base 2).
+
+        >>> from napkin_cat import axes
+        >>> q, x, d = axes("q x d")
+        >>> print(softmax_contract(Array(q, x), Array(x, d), x, Array(q, d)).with_residual().cod)
+        q×d ⊗ q
+        """
+        if self.base2 or len(self.cod) == 2:
+            return None if self.base2 else self
+        return type(self)(self.name, self.dom, Ty(self.out, _row_stat(self)), data=self.data)
+
     def lines(self, prog, ins, outs):
         (s, v), a = ins, self.params["axis"]
         return [(f"{prog.ix(outs[0])} = Σ_{a} softmax_{a}({prog.ix(s)})·{prog.ix(v)}", outs, ins)]
@@ -269,10 +281,17 @@ def softmax_contract(s: Array, v: Array, axis: Axis | str, out: Array) -> Softma
     return SoftmaxContract(f"softmax·contract {name}", Ty(s, v), Ty(out), data=(("axis", name),))
 
 
+def _row_stat(box) -> Array:
+    """A row statistic of ``box``'s scores along the axis it normalises (f32)."""
+    s = box.dom.inside[0]
+    return s.with_(axes=[a for a in s.axes if a.name != box.params["axis"]], dtype=f32)
+
+
 class NormalisedContract(Generator):
     """A normalised contraction (spherical-attention paper): ``N(s)ᵢ = a₁(sᵢ) / b(Σⱼ a₂(sⱼ))``, then
     contraction with ``v`` over the axis. Streamable: accumulate ``Σ a₂`` and ``Σ a₁(s)·v``.
     ``a1``, ``a2``, ``b`` are JAX-traceable callables (hashable, e.g. module-level functions).
+    With a second output, the sum ``Z = Σⱼ a₂(sⱼ)`` (the backward's residual, :meth:`with_residual`).
 
     >>> import jax.numpy as jnp
     >>> from napkin_cat import axes
@@ -300,6 +319,22 @@ class NormalisedContract(Generator):
     def accumulator(self, axis):
         return NormalisedContraction(self, axis) if axis == self.params["axis"] else None
 
+    def with_residual(self):
+        """With the sum ``Z`` as a second output (itself, where it has one).
+
+        >>> import jax.numpy as jnp
+        >>> from napkin_cat import axes
+        >>> q, x, d = axes("q x d")
+        >>> box = normalised_contract(Array(q, x), Array(x, d), x, Array(q, d), a1=jnp.exp, a2=jnp.exp, b=jnp.sqrt)
+        >>> print(box.with_residual().cod)
+        q×d ⊗ q
+        """
+        return (
+            self
+            if len(self.cod) == 2
+            else type(self)(self.name, self.dom, Ty(self.out, _row_stat(self)), data=self.data)
+        )
+
     def lines(self, prog, ins, outs):
         (s, v), a, p = ins, self.params["axis"], self.params
         text = (
@@ -309,16 +344,20 @@ class NormalisedContract(Generator):
         return [(text, outs, ins)]
 
     def backward(self, t, ins, outs, cts):
-        """``O = (a₁(s)·v) / b(Z)`` with ``Z = Σ_axis a₂(s)``."""
-        (s, v), (y,), (ct,), p = ins, outs, cts, self.params
+        """``O = (a₁(s)·v) / b(Z)`` with ``Z = Σ_axis a₂(s)``: ``Z`` is read from the box with its residual
+        (the forward's, where a kernel kept it), never summed again here, so the backward streams."""
+        (s, v), p = ins, self.params
+        y, Z = outs if len(outs) == 2 else t.apply(self.with_residual(), s, v)
+        ct, dz = (*cts, None)[:2]
         S = t.ty(s).with_(dtype=f32)
         rows = S.with_(axes=[a for a in S.axes if a.name != p["axis"]])
         A = t.ew(p["a1"], s, out=S)
-        Z = t(reduce_sum(S, p["axis"]), t.ew(p["a2"], s, out=S))
         B = t.ew(p["b"], Z, out=rows)
         dAv = t.ew("divide", ct, B, out=t.ty(ct))
         dB = t.ew("neg", t.ew("divide", t.contract([ct, y], rows), B, out=rows))
         dZ = t.ew(Partial(p["b"], 0), dB, Z, out=rows)
+        if dz is not None:
+            dZ = t.ew("add", dZ, dz, out=rows)
         ds = t.ew(
             "add",
             t.ew(Partial(p["a1"], 0), t.transpose([A, v], 0, dAv), s, out=S),
@@ -355,8 +394,8 @@ class NormalisedContraction(Accumulator):
 
     def finalize(self, state, ctx):
         (z, o), xp = state, ctx.xp
-        z = align(xp, xp.lift(self.box.params["b"])(z), self.rows(), self.box.out)
-        return [xp.cast(o / z, self.box.out.dtype)]
+        b = align(xp, xp.lift(self.box.params["b"])(z), self.rows(), self.box.out)
+        return [xp.cast(o / b, self.box.out.dtype)] + ([z] if len(self.box.cod) == 2 else [])
 
     def identity(self, like, ctx):
         return ctx.xp.full(like[0].shape, 0), ctx.xp.full(like[1].shape, 0)
