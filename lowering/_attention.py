@@ -317,14 +317,18 @@ class AttentionKernel:
 
     @property
     def backend(self) -> str:
+        """The backend that emitted the kernel (``"triton"`` or ``"mosaic"``)."""
         return self.kernel.backend
 
     @property
     def differentiation(self) -> str:
+        """How gradients are computed: ``"lowered"`` (derived backward kernels) or another mode the
+        kernel states (see :class:`~lowering.Kernel`)."""
         return self.kernel.differentiation
 
     @property
     def why_not(self) -> str | None:
+        """Why the kernel has no lowered backward, or None when it has one."""
         return self.kernel.why_not
 
     def __call__(self, query, key, value, bias=None, mask=None, segment_ids=None):

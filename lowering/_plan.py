@@ -35,7 +35,14 @@ LOG2E = math.log2(math.e)
 
 
 class NotLowerable(NapkinError, ValueError):
-    """The lowering cannot produce a kernel for this diagram; the message says which box or axis and why."""
+    """The lowering cannot produce a kernel for this diagram; the message says which box or axis and why.
+
+    >>> from lowering import Config
+    >>> Config(num_warps=3)
+    Traceback (most recent call last):
+    ...
+    lowering._plan.NotLowerable: Config: num_warps must be one of 1, 2, 4, 8, 16, 32, got 3
+    """
 
 
 def _pow2(n: int) -> bool:

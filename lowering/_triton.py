@@ -208,7 +208,19 @@ def _block_axes(p: Plan, wire) -> list:
 
 
 class Lowered:
-    """A kernel for a scheduled diagram: call it with arrays in the diagram's axis order."""
+    """A kernel for a scheduled diagram: call it with arrays in the diagram's axis order.
+
+    >>> import jax, jax.numpy as jnp
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> from lowering import plan
+    >>> a, b, c = nc.axes("a b c")
+    >>> mm = nc.library.matmul(a, b, c)
+    >>> kernel = Lowered(plan(derive(mm, tile(a, 16), stream(b, 16), verify=False).diagram), interpret=True)
+    >>> A, B = jax.random.normal(jax.random.key(0), (20, 24)), jax.random.normal(jax.random.key(1), (24, 8))
+    >>> bool(jnp.allclose(kernel(A, B), A @ B, atol=1e-4))
+    True
+    """
 
     def __init__(
         self, p: Plan, *, interpret: bool | None = None, config: Config | None = None, hardware: Hardware | None = None

@@ -268,18 +268,30 @@ def multi_head_attention(h: Axis, q: Axis, x: Axis, d: Axis, *, batch: tuple[Axi
     return attention(q, x, d, **kw).weave(*batch, h)
 
 
-def grouped_query_attention(hk: Axis, g_: Axis, q: Axis, x: Axis, d: Axis, *, batch: tuple[Axis, ...] = (), **kw):
+def grouped_query_attention(
+    hk: Axis, g_: Axis, q: Axis, x: Axis, d: Axis, *, batch: tuple[Axis, ...] = (), **kw
+) -> Diagram:
     """Grouped-query attention: ``hk`` key/value heads, each shared by ``g_`` query heads.
 
     ``Q[*batch,hk,g,q,d] ⊗ K[*batch,hk,x,d] ⊗ V[*batch,hk,x,d] → O[*batch,hk,g,q,d]``.
+
+    >>> from napkin_cat import axes
+    >>> gqa = grouped_query_attention(*axes("hk g q x d"), causal=True)
+    >>> print(gqa.dom, "→", gqa.cod)
+    hk×g×q×d ⊗ hk×x×d ⊗ hk×x×d → hk×g×q×d
     """
     return attention(q, x, d, batch=(hk, g_), kv_batch=(hk,), **kw).weave(*batch)
 
 
-def multi_query_attention(h: Axis, q: Axis, x: Axis, d: Axis, *, batch: tuple[Axis, ...] = (), **kw):
+def multi_query_attention(h: Axis, q: Axis, x: Axis, d: Axis, *, batch: tuple[Axis, ...] = (), **kw) -> Diagram:
     """Multi-query attention: ``h`` query heads share one key/value head.
 
     ``Q[*batch,h,q,d] ⊗ K[*batch,x,d] ⊗ V[*batch,x,d] → O[*batch,h,q,d]``.
+
+    >>> from napkin_cat import axes
+    >>> b, h, q, x, d = axes("b h q x d")
+    >>> print(multi_query_attention(h, q, x, d, batch=(b,)).dom)
+    b×h×q×d ⊗ b×x×d ⊗ b×x×d
     """
     return attention(q, x, d, batch=(h,), kv_batch=(), **kw).weave(*batch)
 
@@ -546,12 +558,26 @@ def _mods(kw: dict) -> dict:
 
 
 def softmax(n: Axis, x: Axis, *, dtype: Dtype | str = f32) -> Diagram:
-    """Softmax of ``S[n, x]`` over ``x``."""
+    """Softmax of ``S[n, x]`` over ``x``.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from napkin_cat import axes, to_jax
+    >>> S = jax.random.normal(jax.random.key(0), (3, 5))
+    >>> bool(jnp.allclose(to_jax(softmax(*axes("n x")))(S), jax.nn.softmax(S, axis=1), atol=1e-6))
+    True
+    """
     return g.softmax(Array(n, x, dtype=dtype), x)
 
 
 def matmul(a: Axis, b: Axis, c: Axis, *, dtype: Dtype | str = f32) -> Diagram:
-    """``A[a,b] ⊗ B[b,c] → C[a,c]``."""
+    """``A[a,b] ⊗ B[b,c] → C[a,c]``.
+
+    >>> import jax.numpy as jnp
+    >>> from napkin_cat import axes, to_jax
+    >>> A, B = jnp.arange(6.0).reshape(2, 3), jnp.ones((3, 4))
+    >>> to_jax(matmul(*axes("a b c")))(A, B).tolist()
+    [[3.0, 3.0, 3.0, 3.0], [12.0, 12.0, 12.0, 12.0]]
+    """
     return g.contract(f"{a.name} {b.name}, {b.name} {c.name} -> {a.name} {c.name}", a, b, c, dtype=dtype)
 
 
@@ -569,7 +595,15 @@ def _normalise(n: Axis, d: Axis, eps: float, dtype, centre: bool) -> Diagram:
 
 
 def layer_norm(n: Axis, d: Axis, *, eps: float = 1e-5, dtype: Dtype | str = f32) -> Diagram:
-    """Layer norm over ``d`` with scale ``γ[d]`` and bias ``β[d]``: ``X[n,d] ⊗ γ ⊗ β → Y[n,d]``."""
+    """Layer norm over ``d`` with scale ``γ[d]`` and bias ``β[d]``: ``X[n,d] ⊗ γ ⊗ β → Y[n,d]``.
+
+    >>> import jax.numpy as jnp, numpy as np
+    >>> from napkin_cat import axes, to_jax
+    >>> X = jnp.array([[1.0, 2.0, 3.0], [0.0, 0.0, 6.0]])
+    >>> Y = to_jax(layer_norm(*axes("n d")))(X, jnp.ones(3), jnp.zeros(3))
+    >>> np.asarray(Y, np.float64).round(3).tolist()
+    [[-1.225, 0.0, 1.225], [-0.707, -0.707, 1.414]]
+    """
     Y = Array(n, d)
     norm = _normalise(n, d, eps, dtype, centre=True)
     return (
@@ -581,7 +615,14 @@ def layer_norm(n: Axis, d: Axis, *, eps: float = 1e-5, dtype: Dtype | str = f32)
 
 
 def rms_norm(n: Axis, d: Axis, *, eps: float = 1e-6, dtype: Dtype | str = f32) -> Diagram:
-    """RMS norm over ``d`` with scale ``γ[d]``: ``X[n,d] ⊗ γ[d] → Y[n,d]``."""
+    """RMS norm over ``d`` with scale ``γ[d]``: ``X[n,d] ⊗ γ[d] → Y[n,d]``.
+
+    >>> import jax.numpy as jnp, numpy as np
+    >>> from napkin_cat import axes, to_jax
+    >>> Y = to_jax(rms_norm(*axes("n d")))(jnp.array([[3.0, 4.0]]), jnp.array([1.0, 2.0]))
+    >>> np.asarray(Y, np.float64).round(3).tolist()
+    [[0.849, 2.263]]
+    """
     Y = Array(n, d)
     norm = _normalise(n, d, eps, dtype, centre=False)
     return (norm @ identity(Array(d))) >> g.multiply(Y, Array(d)) >> _cast_back(Y, dtype)
@@ -594,7 +635,13 @@ def _cast_back(Y: Array, dtype) -> Diagram:
 
 
 def mlp(n: Axis, i: Axis, h: Axis, o: Axis, *, activation: str = "gelu", dtype: Dtype | str = f32) -> Diagram:
-    """Two-layer perceptron ``act(X W₁ + b₁) W₂ + b₂``: ``X[n,i] ⊗ W₁[i,h] ⊗ b₁[h] ⊗ W₂[h,o] ⊗ b₂[o] → Y[n,o]``."""
+    """Two-layer perceptron ``act(X W₁ + b₁) W₂ + b₂``: ``X[n,i] ⊗ W₁[i,h] ⊗ b₁[h] ⊗ W₂[h,o] ⊗ b₂[o] → Y[n,o]``.
+
+    >>> from napkin_cat import axes
+    >>> m = mlp(*axes("n i h o"), activation="relu")
+    >>> print(m.dom, "→", m.cod)
+    n×i ⊗ i×h ⊗ h ⊗ h×o ⊗ o → n×o
+    """
     hidden, out = Array(n, h, dtype=dtype), Array(n, o, dtype=dtype)
     first = g.contract(f"{n.name} {i.name}, {i.name} {h.name} -> {n.name} {h.name}", n, i, h, dtype=dtype)
     second = g.contract(f"{n.name} {h.name}, {h.name} {o.name} -> {n.name} {o.name}", n, h, o, dtype=dtype)

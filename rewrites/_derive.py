@@ -74,10 +74,26 @@ class Derivation:
 
     @property
     def diagram(self) -> Diagram:
+        """The scheduled diagram: the last step's (what the lowering consumes).
+
+        >>> import napkin_cat as nc
+        >>> from rewrites import derive, tile
+        >>> q, x, d = nc.axes("q x d")
+        >>> print(derive(nc.library.attention(q, x, d), tile(q, 8), verify=False).diagram.cod)
+        q/8×d
+        """
         return self.steps[-1].diagram
 
     @property
     def original(self) -> Diagram:
+        """The diagram the derivation started from.
+
+        >>> import napkin_cat as nc
+        >>> from rewrites import derive, tile
+        >>> attn = nc.library.attention(*nc.axes("q x d"))
+        >>> derive(attn, tile("q", 8), verify=False).original == attn
+        True
+        """
         return self.steps[0].diagram
 
     def then(

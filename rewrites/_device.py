@@ -134,7 +134,12 @@ def _reads(box) -> set[str]:
 
 
 class DeviceRule(Rule):
-    """A device-level relabelling: from a diagram (or a :class:`Sharded`) to a :class:`Sharded`."""
+    """A device-level relabelling: from a diagram (or a :class:`Sharded`) to a :class:`Sharded`.
+
+    >>> import napkin_cat as nc
+    >>> isinstance(ring("q", "x", "sp", 2), DeviceRule), isinstance(ring("q", "x", "sp", 2), Rule)
+    (True, True)
+    """
 
     def _mesh_free(self, s: Sharded, mesh_axis: str, devices: int):
         if s.mesh.get(mesh_axis, devices) != devices:
@@ -468,7 +473,16 @@ def _ring_semantics(s: Sharded):
 
 @dataclass(frozen=True)
 class DeviceStep:
-    """One device-level step: the rule, the :class:`Sharded` after it, its check."""
+    """One device-level step: the rule, the :class:`Sharded` after it, its check.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> q, x, d = nc.axes("q x d")
+    >>> flash = derive(nc.library.attention(q, x, d), tile(q, 16), stream(x, 16), verify=False)
+    >>> step = derive_devices(flash, ring("q", "x", "sp", 2), verify=False).steps[1]
+    >>> str(step.rule), step.verification is None
+    ('ring(q, x, sp, 2)', True)
+    """
 
     rule: Rule | str
     sharded: Sharded
@@ -481,13 +495,30 @@ class DeviceStep:
 @dataclass(frozen=True)
 class DeviceDerivation:
     """Verified device-level relabellings of a scheduled diagram; ``.sharded`` is what :func:`lowering.lower_devices`
-    consumes."""
+    consumes.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> q, x, d = nc.axes("q x d")
+    >>> flash = derive(nc.library.attention(q, x, d), tile(q, 16), stream(x, 16), verify=False)
+    >>> len(derive_devices(flash, ring("q", "x", "sp", 2), verify=False).steps)
+    2
+    """
 
     steps: tuple[DeviceStep, ...] = field(default_factory=tuple)
     seed: int | None = None
 
     @property
     def sharded(self) -> Sharded:
+        """The last step's :class:`Sharded`: the diagram with its device partitions.
+
+            >>> import napkin_cat as nc
+            >>> from rewrites import derive, tile, stream
+            >>> q, x, d = nc.axes("q x d")
+            >>> flash = derive(nc.library.attention(q, x, d), tile(q, 16), stream(x, 16), verify=False)
+        >>> derive_devices(flash, ring("q", "x", "sp", 2), verify=False).sharded.mesh
+        {'sp': 2}
+        """
         return self.steps[-1].sharded
 
     def __str__(self):

@@ -49,7 +49,15 @@ from rewrites._proofs import Proof, prove_equivalent
 class Residual:
     """What a softmax·contract of the forward leaves the backward: the tape inputs of its log-sum-exp
     ``lse`` (a normalised contraction's sum) and of its output ``out``, the wires ``scores`` and ``values``
-    it reads, its ``axis``."""
+    it reads, its ``axis``.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import fuse_softmax_contract
+    >>> t, _ = nc.pullback(fuse_softmax_contract(nc.library.attention(*nc.axes("q x d")), "x"))
+    >>> (r,) = lse_residual(t)
+    >>> r.axis, str(t.ty(r.lse)), str(t.ty(r.out))
+    ('x', 'q', 'q×d')
+    """
 
     lse: str
     out: str
@@ -72,6 +80,14 @@ def lse_residual(t: Tape) -> list[Residual]:
     where the forward uses it: attention sinks, cross-entropy) reads the residuals instead, which are
     those values. So is every box with a residual (``Generator.with_residual``: a normalised
     contraction's sum ``Z``, read by its backward).
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import fuse_softmax_contract
+    >>> t, grads = nc.pullback(fuse_softmax_contract(nc.library.attention(*nc.axes("q x d")), "x"))
+    >>> [r.scores in t.types for r in lse_residual(t)]
+    [True]
+    >>> "softmax x" in {b.name for b in t.diagram(grads).boxes}
+    False
     """
     residuals, by_scores, steps = [], {}, list(t.steps)
     made, kept = {}, {}  # the residual of each (scores, values, axis); the recomputed wires it replaces
@@ -106,6 +122,12 @@ def delta_lemma(t: Tape, residuals: list[Residual]) -> list[str]:
 
     rewrite: Σ_x (P ⊙ c·Vᵀ)  →  Σ_d (c ⊙ O).   Sound because Σ_x P_x (Σ_d c_d V_xd) = Σ_d c_d (Σ_x P_x V_xd)
     and O = P·V.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import fuse_softmax_contract
+    >>> t, grads = nc.pullback(fuse_softmax_contract(nc.library.attention(*nc.axes("q x d")), "x"))
+    >>> len(delta_lemma(t, lse_residual(t))), "sum x" in {b.name for b in t.diagram(grads).boxes}
+    (1, False)
     """
     made = {outs[0]: (box, ins) for box, ins, outs in t.steps if len(outs) == 1}
     probabilities = {}
@@ -146,7 +168,14 @@ def _contract(t: Tape, ins: list[str], out: Array) -> g.Contract:
 
 
 def reduced(t: Tape, name: str) -> tuple[Axis, ...]:
-    """The axes the contraction making ``name`` sums (through casts and sums of cotangents); () if none does."""
+    """The axes the contraction making ``name`` sums (through casts and sums of cotangents); () if none does.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import fuse_softmax_contract
+    >>> t, (dq, dk, dv) = nc.pullback(fuse_softmax_contract(nc.library.attention(*nc.axes("q x d")), "x"))
+    >>> [a.name for a in reduced(t, dq)], [a.name for a in reduced(t, dk)]
+    (['x'], ['q'])
+    """
     made = {outs[0]: (box, ins) for box, ins, outs in t.steps if len(outs) == 1}
     while name in made:
         box, ins = made[name]
@@ -165,6 +194,14 @@ def widened(t: Tape, name: str, extra: tuple[Axis, ...]) -> str | None:
     is not a cast or a sum of equally typed cotangents). Summing ``extra`` afterwards gives ``name``.
 
     rewrite: Σ_{x,g} A·B → [x]   →   Σ_x A·B → [x, g], then Σ_g.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import fuse_softmax_contract
+    >>> hk, g, q, x, d = nc.axes("hk g q x d")
+    >>> gqa = nc.library.grouped_query_attention(hk, g, q, x, d)
+    >>> t, (dq, dk, dv) = nc.pullback(fuse_softmax_contract(gqa, "x"))
+    >>> print(t.ty(dk), "→", t.ty(widened(t, dk, (g,))))
+    hk×x×d → hk×x×d×g
     """
     if not extra:
         return name

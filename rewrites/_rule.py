@@ -47,6 +47,8 @@ class Rule:
     """
 
     def apply(self, d: Diagram) -> Diagram:
+        """Check the rule's side conditions on ``d`` and return the relabelled diagram, or raise
+        :class:`RewriteError` naming the box, the axis and the failed condition (see :class:`Rule`)."""
         raise NotImplementedError(f"{type(self).__name__}.apply")
 
     def __call__(self, d: Diagram) -> Diagram:

@@ -272,6 +272,12 @@ class stream(Rule):  # noqa: N801
 
     @property
     def name(self) -> str:
+        """The streamed axis's name (the rule accepts an :class:`~napkin_cat.Axis` or its name).
+
+        >>> import napkin_cat as nc
+        >>> stream(nc.Axis("x"), 64).name, stream("x", 64).name
+        ('x', 'x')
+        """
         return getattr(self.axis, "name", self.axis)
 
     def __repr__(self):

@@ -59,6 +59,12 @@ class tile(Rule):  # noqa: N801 - rules are named as verbs, like functions
 
     @property
     def name(self) -> str:
+        """The tiled axis's name (the rule accepts an :class:`~napkin_cat.Axis` or its name).
+
+        >>> import napkin_cat as nc
+        >>> tile(nc.Axis("q"), 16).name, tile("q", 16).name
+        ('q', 'q')
+        """
         return getattr(self.axis, "name", self.axis)
 
     def __repr__(self):

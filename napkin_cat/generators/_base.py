@@ -27,7 +27,16 @@ from napkin_cat.generators._arrays import JAX
 
 
 class NoDerivative(NapkinError, NotImplementedError):
-    """A box of the diagram has no derivative rule (no ``backward`` method)."""
+    """A box of the diagram has no derivative rule (no ``backward`` method).
+
+    >>> import napkin_cat as nc
+    >>> n, d = nc.axes("n d")
+    >>> one, t = nc.Axis("one", 1), nc.Axis("t", n.size + 1)
+    >>> nc.reverse(nc.concat(nc.Array(one, d), nc.Array(n, d), "one", n, into=t))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    napkin_cat.generators._base.NoDerivative: reverse: no derivative rule for Concat box 'concat t' ...
+    """
 
 
 @dataclass
