@@ -235,6 +235,13 @@ def _chunks(box, axis: str, sizes: dict, pieces: int):
     return ctx, values, chunks
 
 
+def _sizes_or_threes(box, sizes: dict | None) -> dict:
+    """``sizes``, or 3 for every symbol in ``box``'s input sizes (each chunk then holds values to compare)."""
+    if sizes is not None:
+        return dict(sizes)
+    return {str(s): 3 for w in box.dom.inside for a in w.axes for s in a.size.free_symbols}
+
+
 def prove_accumulator(box, axis: str, *, sizes: dict | None = None) -> Proof:
     """Prove ``finalize(combine(partial(a), partial(b))) = f(a ⊕ b)`` for ``box``'s accumulator
     along ``axis`` (FAN's B(f(x), y) = f(x ⊕ y)), and the same for its fused ``step``.
@@ -245,11 +252,7 @@ def prove_accumulator(box, axis: str, *, sizes: dict | None = None) -> Proof:
     {'a': 1, 'k': 3, 'c': 2}
     """
     start = time.perf_counter()
-    sizes = (
-        dict(sizes)
-        if sizes is not None
-        else {str(s): 3 for w in box.dom.inside for a in w.axes for s in a.size.free_symbols}
-    )
+    sizes = _sizes_or_threes(box, sizes)
     acc = _accumulator(box, axis)
     ctx, whole, (a, b) = _chunks(box, axis, sizes, 2)
     want = box.evaluate(whole, ctx)
@@ -269,11 +272,7 @@ def prove_monoid(box, axis: str, *, sizes: dict | None = None) -> Proof:
     proved: combine is associative with unit identity, at n=3 (3 identities, 1 case)
     """
     start = time.perf_counter()
-    sizes = (
-        dict(sizes)
-        if sizes is not None
-        else {str(s): 3 for w in box.dom.inside for a in w.axes for s in a.size.free_symbols}
-    )
+    sizes = _sizes_or_threes(box, sizes)
     acc = _accumulator(box, axis)
     ctx, _, chunks = _chunks(box, axis, sizes, 3)
     pa, pb, pc = (acc.partial(c, ctx) for c in chunks)
