@@ -57,8 +57,7 @@ from napkin_cat import library
 from napkin_cat.axes import axes
 from napkin_cat.dtypes import bf16, f16, f32
 from napkin_cat.errors import EvaluationError
-from napkin_cat.generators import fname
-from napkin_cat.generators._index import index_names
+from napkin_cat.generators import fname, index_names
 from napkin_cat.hardware import Hardware
 from rewrites import Derivation, derive, stream, tile
 

@@ -60,7 +60,17 @@ from napkin_cat.generators._elementwise import (
     subtract,
     tanh,
 )
-from napkin_cat.generators._index import Causal, IndexMap, Kept, Mask, ScoreDerivative, causal_mask, mask, score_mod
+from napkin_cat.generators._index import (
+    Causal,
+    IndexMap,
+    Kept,
+    Mask,
+    ScoreDerivative,
+    causal_mask,
+    index_names,
+    mask,
+    score_mod,
+)
 from napkin_cat.generators._reduce import Monoid, Reduce, attains, broadcast, reduce_max, reduce_min, reduce_sum
 from napkin_cat.generators._softmax import (
     NormalisedContract,
@@ -110,6 +120,7 @@ __all__ = [
     "broadcast",
     "cast",
     "causal_mask",
+    "index_names",
     "contract",
     "contraction_size",
     "divide",
