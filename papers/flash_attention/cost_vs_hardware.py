@@ -114,11 +114,14 @@ def worker(name: str):
         jax.block_until_ready(f(*args))
 
 
-def _ncu(name: str) -> dict:
+def _ncu(name: str, timeout: float = 150) -> dict:
     cmd = ["ncu", "--clock-control", "none", "--metrics", ",".join(METRICS), "--print-units", "base", "--csv"]
     cmd += ["-k", "regex:napkin_kernel", "--launch-skip", "1", "--launch-count", "1"]
     cmd += [sys.executable, "-m", "papers.flash_attention.cost_vs_hardware", "--worker", name]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:  # one kernel that ncu cannot finish is a result, not the end of the run
+        return {"error": f"ncu did not finish within {timeout} s"}
     rows = [line for line in out.stdout.splitlines() if line.startswith('"')]
     values = {}
     for row in csv.DictReader(io.StringIO("\n".join(rows))):
@@ -172,15 +175,19 @@ def tile_grid(budget_s: float) -> list:
     return out
 
 
-def measure(out_dir: Path, budget_s: float):
+def measure(out_dir: Path, budget_s: float, only: list[str] | None = None, grid: bool = True):
+    """The (tile, stream) grid timed (``grid``), then each kernel (or those named in ``only``) under ncu."""
     import jax
 
     kind = jax.devices()[0].device_kind
     path = out_dir / f"cost_vs_hardware_{kind.replace(' ', '_')}.json"
     result = {"device": kind, "sizes": SIZES, "metrics": METRICS, "kernels": {}, "grid": []}
-    result["grid"] = tile_grid(budget_s)
+    result["grid"] = tile_grid(budget_s) if grid else []
     path.write_text(json.dumps(result, indent=1))
-    for name in kernels():
+    unknown = set(only or ()) - set(kernels())
+    if unknown:
+        raise SystemExit(f"--only: no kernel named {sorted(unknown)}; known: {sorted(kernels())}")
+    for name in only or kernels():
         result["kernels"][name] = _ncu(name)
         print(name, result["kernels"][name], flush=True)
         path.write_text(json.dumps(result, indent=1))
@@ -372,11 +379,13 @@ def main(argv=None):
     ap.add_argument("--report", type=Path)
     ap.add_argument("--out-dir", type=Path, default=Path(os.environ.get("OUT", ".")))
     ap.add_argument("--budget-s", type=float, default=110.0)
+    ap.add_argument("--only", help="comma-separated kernel names to measure (default: all)")
+    ap.add_argument("--no-grid", action="store_true", help="skip timing the (tile, stream) grid")
     args = ap.parse_args(argv)
     if args.worker:
         worker(args.worker)
     elif args.measure:
-        measure(args.out_dir, args.budget_s)
+        measure(args.out_dir, args.budget_s, args.only.split(",") if args.only else None, not args.no_grid)
     elif args.report:
         report(args.report)
     else:
