@@ -120,7 +120,7 @@ def pieces(D, N, B, H, causal=False):
     return kernel, b, values
 
 
-def sweep(tokens, heads, quick, deadline, grid=True):
+def sweep(tokens, heads, quick, deadline, grid=True, only=None):
     rows = []
     N = 64 if quick else 8192
     for D in (16,) if quick else (128, 64):
@@ -146,10 +146,10 @@ def sweep(tokens, heads, quick, deadline, grid=True):
                 row["tflops"] = (3 if name == "dQ" else 4) * matmul / t / 1e12
             rows.append(row)
             print("kernel", row, flush=True)
-            if p.feeds or not grid:
+            if p.feeds or not grid or (only and name not in only):
                 continue
             tiled = [str(r).startswith("tile") for r in p.rules]
-            for g, s in ((16, 16),) if quick else ((128, 64), (64, 64), (128, 32), (128, 128)):
+            for g, s in ((16, 16),) if quick else ((128, 64), (64, 64), (128, 32), (64, 32), (128, 128), (64, 128)):
                 for warps in (4,) if quick else (4, 8):
                     for stages in (2,) if quick else (2, 3):
                         if time.time() > deadline:
@@ -185,6 +185,7 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--sections", default="check,fwdbwd,kernels,grid", help="any of check, fwdbwd, kernels, grid")
+    ap.add_argument("--grid-kernels", default="", help="sweep only these kernels (dQ, dKV; default: both)")
     args = ap.parse_args(argv)
     start = time.time()
     deadline = start + args.budget_s
@@ -205,7 +206,8 @@ def main(argv=None):
         result["fwd_bwd"] = end_to_end(tokens, heads, args.quick, deadline)
         save()
     if "kernels" in sections:
-        result["kernels"] = sweep(tokens, heads, args.quick, deadline, grid="grid" in sections)
+        only = set(filter(None, args.grid_kernels.split(",")))
+        result["kernels"] = sweep(tokens, heads, args.quick, deadline, grid="grid" in sections, only=only)
         save()
     return result
 
