@@ -138,11 +138,11 @@ def _fit(
     kernel's shared memory (:func:`lowering._plan.smem_bytes`, at the padded sizes of the axes kept
     whole, where they are known) exceeds ``hardware.smem_per_block``; :class:`NotLowerable` where even
     16 × 16 blocks exceed it."""
+    size = {a.name: a.size for w in naive.dom.inside for a in w.axes}  # the naive diagram's, fixed by the loop
     while True:
         rules = tuple(tile(a, tile_size) for a in tiled) + tuple(stream(a, stream_size) for a in streamed)
         scheduled = derive(naive, *rules, verify=False).diagram
         p = plan(scheduled)
-        size = {a.name: a.size for w in naive.dom.inside for a in w.axes}
         if not all(size[a].is_number for a in p.whole):
             return rules, scheduled
         padded = {a: max(next_pow2(int(size[a])), 16) for a in p.whole}
