@@ -25,7 +25,7 @@ from rewrites._device import (
     shard,
     zigzag,
 )
-from rewrites._io_aware import Residual, delta_lemma, lse_residual, prove_lemmas, reduced, widened
+from rewrites._io_aware import Residual, delta_lemma, lse_residual, narrow_operands, prove_lemmas, reduced, widened
 from rewrites._level import level
 from rewrites._proofs import Proof, prove_accumulator, prove_equivalent, prove_monoid
 from rewrites._pseudocode import pseudocode
@@ -39,7 +39,8 @@ __all__ = [
     "DeviceDerivation", "DeviceRule", "DeviceStep", "Sequence", "Sharded", "chunking", "derive_devices",  # devices
     "execute_devices", "has_causal_mask", "merge_lse", "pair_diagrams", "ring", "shard", "zigzag",  # (rewrites._device)
     "AUTO", "Derivation", "OpenSize", "Proof", "Residual", "RewriteError", "Rule", "Step", "Trial", "Verification",
-    "delta_lemma", "derive", "execute", "fuse_softmax_contract", "level", "lse_residual", "open_sizes", "partitions",
-    "prove_accumulator", "prove_equivalent", "prove_lemmas", "prove_monoid", "pseudocode", "random_inputs", "reduced",
-    "relative_error", "resolve", "stream", "streamability", "tile", "tolerance", "walk", "widened",
+    "delta_lemma", "derive", "execute", "fuse_softmax_contract", "level", "lse_residual", "narrow_operands",
+    "open_sizes", "partitions", "prove_accumulator", "prove_equivalent", "prove_lemmas", "prove_monoid", "pseudocode",
+    "random_inputs", "reduced", "relative_error", "resolve", "stream", "streamability", "tile", "tolerance", "walk",
+    "widened",
 ]

@@ -161,6 +161,42 @@ def delta_lemma(t: Tape, residuals: list[Residual]) -> list[str]:
     return rewritten
 
 
+def narrow_operands(t: Tape) -> int:
+    """Let every contraction read the narrow wire an exact widening cast (bf16 or f16 → f32) was made from;
+    the number of operands rewritten. The casts no contraction reads any more drop out of the diagrams.
+
+    rewrite: c ─cast f32→ ─contract→   →   c ─contract→.   Sound because widening a 16-bit float is exact
+    and a contraction accumulates in f32 whatever its operands' dtype. The reverse of a forward cast to
+    bf16 widens the output cotangent ``dO``; read narrow, ``dV = Pᵀ·dO`` and ``dP = dO·Vᵀ`` run as 16-bit
+    tensor-core products (the kernel casts ``P`` to ``dO``'s dtype, as FlashAttention-2 does), not f32 ones.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import fuse_softmax_contract
+    >>> q, x, d = nc.axes("q x d")
+    >>> t, grads = nc.pullback(fuse_softmax_contract(nc.library.attention(q, x, d, dtype="bf16"), "x"))
+    >>> narrow_operands(t)
+    2
+    >>> sorted({w.dtype.name for b in t.diagram(grads[2:]).boxes if b.name.startswith("q x, q d") for w in b.dom.inside})
+    ['bf16', 'f32']
+    """
+    widened = {
+        outs[0]: ins[0]
+        for box, ins, outs in t.steps
+        if isinstance(box, g.Cast) and t.ty(outs[0]).dtype == f32 and t.ty(ins[0]).dtype.name in ("bf16", "f16")
+    }
+    rewritten = 0
+    for j, (box, ins, outs) in enumerate(t.steps):
+        if not isinstance(box, g.Contract) or not widened.keys() & set(ins):
+            continue
+        narrow = tuple(widened.get(i, i) for i in ins)
+        rewritten += sum(a != b for a, b in zip(ins, narrow, strict=True))
+        made = _contract(t, list(narrow), t.ty(outs[0]))
+        if box.params.get("scale") is not None:
+            made = made.scaled(box.params["scale"])
+        t.steps[j] = (made, narrow, outs)
+    return rewritten
+
+
 def _contract(t: Tape, ins: list[str], out: Array) -> g.Contract:
     arrays = [t.ty(n) for n in ins]
     name = ", ".join(" ".join(a.names) for a in arrays) + " → " + " ".join(out.names)
