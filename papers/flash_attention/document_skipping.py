@@ -8,7 +8,7 @@ skip by: it visits every block). Cases:
 * ``causal``: ``is_causal=True``, the comparison point;
 * ``documents 8``: 8 documents of N/8, non-causal;
 * ``documents 8 + causal``: both masks (the kernel skips by both);
-* ``documents 8, ragged``: 8 documents of random lengths (boundaries off the blocks);
+* ``documents 8 ragged``: 8 documents of random lengths (boundaries off the blocks);
 * ``documents 8 as a mask array``: the same mask as ``documents 8``, no skipping (the cost without it).
 
 Times are the median over batches of back-to-back calls (``lowering._search.median_time``). TFLOP/s are
@@ -82,7 +82,7 @@ def case(name: str, n: int, batch: int, interpret: bool):
     return fn, ids, causal
 
 
-CASES = ("causal", "documents 8", "documents 8 + causal", "documents 8, ragged", "documents 8 as a mask array")
+CASES = ("causal", "documents 8", "documents 8 + causal", "documents 8 ragged", "documents 8 as a mask array")
 
 
 def inputs(B, N, H, D, seed=0):
