@@ -476,11 +476,12 @@ def segment_blocks(tiled, streamed, tile: int, chunk: int):
     ``streamed`` (``[..., m]``, leading axes broadcast) it visits, ``[first, last)``, and keeps whole,
     ``[full_lo, full_hi)``: an int32 array ``[..., cdiv(n, tile), 4]`` of ``(first, full_lo, full_hi, last)``.
 
-    A pair of blocks may meet where their ranges of labels overlap, and is kept whole where both hold one
-    and the same label. Over prefix maxima and suffix minima of the chunks' ranges (sorted, so each
-    bound is a binary search: O(n + m), and O(n/tile · log(m/chunk)) searches), the ranges are exact for
-    sorted labels and otherwise still a superset (visited) and a subset (whole). Labels beyond the
-    arrays' ends (padding) take part in no range.
+    A block and a chunk may meet where their ranges of labels overlap, and are kept whole where both hold
+    one and the same label. Each block's range is looked up, by binary search, among the prefix maxima and
+    suffix minima of the chunks' ranges (both nondecreasing): O(n + m) for the ranges, a search per block.
+    For sorted labels this is exact (the chunks whose range overlaps the block's, which for the same labels
+    on both sides are those it meets); otherwise the visited chunks are a superset and the whole ones a
+    subset, so a kernel stays correct. Positions beyond the arrays' ends (padding) take part in no range.
 
     >>> ids = jnp.array([0] * 5 + [1] * 7 + [2] * 4)  # three documents over 16 positions, blocks of 4
     >>> segment_blocks(ids, ids, 4, 4).tolist()
