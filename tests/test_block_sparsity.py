@@ -198,6 +198,29 @@ def test_skipped_chunks_are_not_read(key, seed):
     assert bool(jnp.isnan(out[-1]).any())  # the NaN's own document does see it
 
 
+def test_ids_per_batch_and_head(key, seed):
+    """Ids over two grid axes (``document_attention(batch=(b, h))``: ids ``[b, h, n]``), each (b, h) with its
+    own documents: each program reads its own ranges."""
+    b, h = nc.axes("b h")
+    made = lower(
+        derive(nc.library.document_attention(q, x, d, batch=(b, h)), tile(q, 16), stream(x, 16), verify=False),
+        interpret=True,
+    )
+    keys = jax.random.split(key, 7)
+    ids = jnp.stack([jnp.stack([documents(keys[3 * i + j], 50, 2 + i + j) for j in range(3)]) for i in range(2)])
+    Q, K, V, dO = normal(keys[6], *[(2, 3, 50, 16)] * 4)
+
+    @jax.jit
+    def both(Q, K, V):
+        (out, pull), (want, pull_ref) = (jax.vjp(lambda *a, f=f: f(*a, ids, ids), Q, K, V) for f in (made, reference))
+        return out, want, pull(dO), pull_ref(dO)
+
+    out, want, grads, wants = both(Q, K, V)
+    assert rel(out, want) <= FWD, f"forward: {rel(out, want):.2e} (NAPKIN_SEED={seed})"
+    for name, got, exp in zip("QKV", grads, wants, strict=True):
+        assert rel(got, exp) <= GRAD, f"d{name}: {rel(got, exp):.2e} (NAPKIN_SEED={seed})"
+
+
 def test_entry_with_causal_and_grouped_heads(key, seed):
     """``nc.attention(..., is_causal=True, segment_ids=)``: batch 2 with different documents per batch, four
     query heads sharing two key/value heads, 200 positions (2 tiles of 128, 4 chunks of 64)."""
