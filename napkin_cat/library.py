@@ -329,11 +329,11 @@ class SameSegment:
     """The mask of a labelling: score ``s`` where the query's label ``a`` equals the key's label ``b``
     (``ids_q[q] = ids_x[x]``, the equivalence "same segment"), else −∞. Called as ``(s, a, b)``.
 
-    Unlike an :class:`Affine` mask, which blocks it hides or keeps whole depends on the labels, so a
-    kernel finds them at call time from the ids: a pair of blocks may meet only where their ranges of
-    ids overlap, and is kept whole where both hold one and the same id (exact for sorted ids, packed
-    documents; a superset and a subset otherwise). The lowering recognises this class, and the
-    derivative of its score argument, which masks the same entries (``lowering._triton.segment_blocks``).
+    Which blocks it hides or keeps whole depends on the labels, not (as for an :class:`Affine` mask) on
+    the indices alone, so a kernel finds them at call time from the ids: a pair of blocks may meet only
+    where their ranges of ids overlap, and is kept whole where both hold one and the same id (exact for
+    sorted ids, packed documents; a superset and a subset otherwise). The lowering recognises this class,
+    and the derivative in its score, which hides the same entries (``lowering._triton.segment_blocks``).
 
     >>> same_document(jnp.ones(3), jnp.array([1, 1, 2]), jnp.array([1, 2, 2])).tolist()
     [1.0, -inf, 1.0]
