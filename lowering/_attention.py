@@ -22,7 +22,8 @@ as in ``jax.nn``) broadcast like ``jax.nn``'s, ``[B or 1, H or 1, Nq, Nk]`` (few
 1; a size-1 axis is not read per batch or head, and the bias's gradient is summed over it). ``bias`` is
 differentiable (a learnable bias). ``segment_ids`` (integers, ``[B, Nq]`` for self-attention or a pair
 ``(q_ids [B, Nq], kv_ids [B, Nk])``) mask document boundaries: query ``i`` sees key ``j`` only when their
-ids agree; the kernel reads the ids at call time, so they may change between calls. A row whose every key
+ids agree; the kernel reads the ids at call time, so they may change between calls, and skips the blocks
+where no query and key share an id (``docs/lowering.md``, *Block sparsity*). A row whose every key
 is masked gives 0, where ``jax.nn`` gives the mean of ``V`` over the keys (it masks with a large finite
 negative number); see :mod:`lowering._api`. Bad shapes and dtypes raise
 :class:`~napkin_cat.errors.EvaluationError` naming the argument and the expected shape, before anything

@@ -6,7 +6,9 @@ with ``Context`` supplying the block offsets (for masks and score modifiers), 2-
 contractions (f32 accumulation) and ``exp2`` for exponentials; index functions read the program's
 position along the grid's batch axes like any other index. The streamed axis becomes a ``fori_loop``
 folding the accumulators (FAN §3); affine masks (causal, sliding window, prefix) say which chunks of a
-block they hide (never visited), keep whole (run unmasked) or cut (run masked).
+block they hide (never visited), keep whole (run unmasked) or cut (run masked), symbolically; a
+:class:`~napkin_cat.library.SameSegment` mask (document masking) says it from its ids, at call time: the
+wrapper computes each block's chunk ranges (:func:`segment_blocks`) and passes them to the kernel.
 
 Ragged sizes are padded to whole blocks in the wrapper and masked: padded chunk elements take the
 accumulator's neutral value (``-inf`` scores, zero values), so fully masked rows give 0, not NaN; an
@@ -38,7 +40,7 @@ from lowering._plan import (
 )
 from lowering._source import describe
 from napkin_cat.diagram import Diagram
-from napkin_cat.generators import Causal, Context, IndexMap, Jax, Kept, Mask
+from napkin_cat.generators import Causal, Context, Elementwise, Generator, IndexMap, Jax, Kept, Mask, Partial
 from napkin_cat.hardware import H100, HARDWARE, Hardware, for_device
 from napkin_cat.semantics import bind
 from rewrites import walk
@@ -238,8 +240,9 @@ class Lowered:
         extent = {a.name: int(a.size.subs(sizes)) for w in d.dom.inside for a in w.axes}
         config = self.config or Config.get_default(p)
         padded = launch(p, extent, config, self.hardware)  # the guards, before padding allocates anything
+        bounds = [_segment_bounds(p, m, arrays, extent) for m in segments(d, p)]  # from the ids, unpadded
         arrays = [_pad(v, w, padded) for v, w in zip(arrays, d.dom.inside, strict=True)]
-        outs = self._call(arrays, sizes, extent, padded, config)
+        outs = self._call(arrays, sizes, extent, padded, config, bounds)
         outs = [o[tuple(slice(0, extent[a.name]) for a in w.axes)] for o, w in zip(outs, d.cod.inside, strict=True)]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
@@ -280,21 +283,40 @@ class Lowered:
                 shape.append(padded[a.name])
         return pl.BlockSpec(tuple(shape), self._index_map(wire, padded))
 
-    def _call(self, arrays, sizes, extent, padded, config):
+    def _bound_specs(self, bounds, padded) -> list:
+        """Four scalar blocks of each segment mask's bounds (:func:`segment_blocks`): this program's tile,
+        at its index along each batch axis the ids have (0 along the others, where the bounds broadcast)."""
+        p = self.plan
+        nb, strides = len(p.tiles), _strides(p, padded)
+        tile_pos = {a: i for i, a in enumerate(p.tiles)}
+        specs = []
+        for m, b in zip(segments(p.diagram, p), bounds, strict=True):
+
+            def index_map(*ids, k, m=m, b=b):
+                at = [
+                    lax.rem(lax.div(ids[nb], strides[a]), padded[a]) if n > 1 else 0
+                    for a, n in zip(p.batch, b.shape, strict=False)
+                ]
+                return (*at, ids[tile_pos[m.axis]], k)
+
+            specs += [pl.BlockSpec((None,) * b.ndim, functools.partial(index_map, k=k)) for k in range(4)]
+        return specs
+
+    def _call(self, arrays, sizes, extent, padded, config, bounds=()):
         p, d = self.plan, self.plan.diagram
-        kernel = functools.partial(_kernel, p, sizes, extent, padded)
+        kernel = functools.partial(_kernel, p, sizes, extent, padded, 4 * len(bounds))
         out_shape = [jax.ShapeDtypeStruct(tuple(padded[a.name] for a in w.axes), w.dtype.jnp) for w in d.cod.inside]
         call = pl.pallas_call(
             kernel,
             grid=self._grid(padded),
-            in_specs=[self._spec(w, padded) for w in d.dom.inside],
+            in_specs=[self._spec(w, padded) for w in d.dom.inside] + self._bound_specs(bounds, padded),
             out_specs=[self._spec(w, padded) for w in d.cod.inside],
             out_shape=out_shape,
             compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
             interpret=self.interpret,
             name="napkin_kernel",
         )
-        return call(*arrays)
+        return call(*arrays, *(b for b in bounds for _ in range(4)))
 
     @property
     def source(self) -> str:
@@ -372,6 +394,148 @@ def _visited(masks, x: str, s: int, n_chunks: int, ranges: dict, extent: int) ->
     return first, full_lo, full_hi, last
 
 
+def _combine(a: tuple, b: tuple) -> tuple:
+    """The chunk ranges of two masks together: a chunk is visited where both may keep something, and run
+    unmasked where both keep it whole (intervals intersect)."""
+    first = jnp.maximum(a[0], b[0])
+    last = jnp.maximum(first, jnp.minimum(a[3], b[3]))
+    full_lo = jnp.clip(jnp.maximum(a[1], b[1]), first, last)
+    full_hi = jnp.clip(jnp.minimum(a[2], b[2]), full_lo, last)
+    return first, full_lo, full_hi, last
+
+
+def segment_mask(box) -> tuple[int, int] | None:
+    """Where a :class:`~napkin_cat.library.SameSegment` box reads its two label arrays (positions among its
+    inputs), or the derivative of one in its score (``Partial(same, 0)``: the cotangent where the labels
+    agree, else 0), which hides the same entries and is the identity where the mask keeps all; None for
+    any other box.
+
+    >>> import napkin_cat as nc
+    >>> q, x, d = nc.axes("q x d")
+    >>> [segment_mask(b) for b in nc.library.document_attention(q, x, d).boxes if segment_mask(b)]
+    [(1, 2)]
+    """
+    from napkin_cat.library import SameSegment
+
+    fn = box.params["fn"] if isinstance(box, Elementwise) else None
+    if isinstance(fn, SameSegment):
+        return (1, 2)
+    if isinstance(fn, Partial) and fn.arg == 0 and isinstance(fn.fn, SameSegment):
+        return (2, 3)
+    return None
+
+
+@dataclass(frozen=True)
+class Segments:
+    """A segment mask of a kernel that tiles ``axis`` and streams the other axis it reads: its ``box``, and
+    the kernel inputs holding the labels along the tiled axis (``tiled``) and the streamed one (``streamed``)."""
+
+    box: object
+    tiled: int
+    streamed: int
+    axis: str
+
+
+def segments(d: Diagram, p: Plan) -> tuple[Segments, ...]:
+    """The segment masks of ``d`` (the plan's diagram or a kernel body) whose blocks the ids can say: each
+    reads labels along a tiled axis and along the streamed one, both inputs of the kernel (through copies
+    and swaps). Others run masked on every chunk, as any elementwise box.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> from lowering import plan
+    >>> q, x, d = nc.axes("q x d")
+    >>> p = plan(derive(nc.library.document_attention(q, x, d), tile(q, 16), stream(x, 16), verify=False).diagram)
+    >>> [(m.tiled, m.streamed, m.axis) for m in segments(p.diagram, p)]
+    [(3, 4, 'q')]
+    """
+    if p.stream is None:
+        return ()
+    x, found = p.stream[0], []
+
+    def axis(j):  # the one axis of input j's labels that is not a grid (batch) axis
+        names = [n for n in d.dom.inside[j].names if n not in p.batch]
+        return names[0] if len(names) == 1 else None
+
+    def step(i, box, ins):
+        pos = segment_mask(box)
+        labels = [ins[k] for k in pos or ()]
+        if labels and None not in labels:
+            along = {axis(j): j for j in labels}
+            t = next((a for a in along if a != x), None)
+            if x in along and t in p.tiles:
+                found.append(Segments(box, along[t], along[x], t))
+        return [None] * len(box.cod)
+
+    d.dataflow(list(range(len(d.dom))), step)
+    return tuple(found)
+
+
+def segment_blocks(tiled, streamed, tile: int, chunk: int):
+    """For each block of ``tile`` labels of ``tiled`` (``[..., n]``), the chunks of ``chunk`` labels of
+    ``streamed`` (``[..., m]``, leading axes broadcast) it visits, ``[first, last)``, and keeps whole,
+    ``[full_lo, full_hi)``: an int32 array ``[..., cdiv(n, tile), 4]`` of ``(first, full_lo, full_hi, last)``.
+
+    A block and a chunk may meet where their ranges of labels overlap, and are kept whole where both hold
+    one and the same label. Each block's range is looked up, by binary search, among the prefix maxima and
+    suffix minima of the chunks' ranges (both nondecreasing): O(n + m) for the ranges, a search per block.
+    For sorted labels this is exact (the chunks whose range overlaps the block's, which for the same labels
+    on both sides are those it meets); otherwise the visited chunks are a superset and the whole ones a
+    subset, so a kernel stays correct. Positions beyond the arrays' ends (padding) take part in no range.
+
+    >>> ids = jnp.array([0] * 5 + [1] * 7 + [2] * 4)  # three documents over 16 positions, blocks of 4
+    >>> segment_blocks(ids, ids, 4, 4).tolist()
+    [[0, 0, 1, 2], [0, 0, 0, 3], [1, 2, 3, 3], [3, 3, 4, 4]]
+    """
+    big, small = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
+
+    def spans(ids, size):
+        n = ids.shape[-1]
+        m = -(-n // size)
+        widths = [(0, 0)] * (ids.ndim - 1) + [(0, m * size - n)]
+        blocks = (*ids.shape[:-1], m, size)
+        lo = jnp.pad(ids, widths, constant_values=big).reshape(blocks).min(-1)
+        hi = jnp.pad(ids, widths, constant_values=small).reshape(blocks).max(-1)
+        return lo, hi
+
+    tiled, streamed = jnp.asarray(tiled, jnp.int32), jnp.asarray(streamed, jnp.int32)
+    lo, hi = spans(tiled, tile)
+    clo, chi = spans(streamed, chunk)
+    reach = lax.cummax(chi, axis=chi.ndim - 1)  # the largest label up to each chunk: nondecreasing
+    floor = lax.cummin(clo, axis=clo.ndim - 1, reverse=True)  # the smallest from each chunk on: nondecreasing
+
+    def search(side):
+        return jnp.vectorize(functools.partial(jnp.searchsorted, side=side), signature="(m),(n)->(n)")
+
+    first = search("left")(reach, lo)  # chunks before it end below the block's smallest label
+    last = search("right")(floor, hi)  # chunks from it on start above the block's largest
+    full_lo = jnp.clip(search("left")(floor, lo), first, last)  # from it on, nothing below the label
+    full_hi = jnp.clip(search("right")(reach, hi), full_lo, last)  # up to it, nothing above
+    full_hi = jnp.where(lo == hi, full_hi, full_lo)  # a block of several labels is never kept whole
+    return jnp.stack(jnp.broadcast_arrays(first, full_lo, full_hi, last), axis=-1).astype(jnp.int32)
+
+
+def _segment_bounds(p: Plan, m: Segments, arrays: list, extent: dict):
+    """:func:`segment_blocks` of a kernel's segment mask, on its unpadded label inputs laid out as the grid's
+    batch axes (size 1 where the labels lack one) then the tiled or streamed axis."""
+    d, x = p.diagram, p.stream[0]
+
+    def laid_out(j, a):
+        w, v = d.dom.inside[j], arrays[j]
+        order = [w.names.index(b) for b in p.batch if w.has(b)] + [w.names.index(a)]
+        v = jnp.transpose(v, order)[..., : extent[a]]
+        return jnp.expand_dims(v, [i for i, b in enumerate(p.batch) if not w.has(b)])
+
+    return segment_blocks(laid_out(m.tiled, m.axis), laid_out(m.streamed, x), p.tiles[m.axis], p.stream[1])
+
+
+class _KeptWhole(Generator):
+    """A mask on a chunk it keeps whole: its first input (the score, or the score's cotangent), unchanged."""
+
+    def evaluate(self, ins, ctx):
+        return [ins[0]]
+
+
 def tiled_first(d: Diagram, p: Plan) -> Diagram:
     """``d`` with each wire that holds the streamed axis and a tiled one laid out tiled axes first.
 
@@ -409,13 +573,13 @@ def tiled_first(d: Diagram, p: Plan) -> Diagram:
     return d.map_arrays(reorder)
 
 
-def _kernel(p: Plan, sizes, extent, padded, *refs):
+def _kernel(p: Plan, sizes, extent, padded, n_bounds, *refs):
     d = tiled_first(base2(unweave(p.diagram, p.batch)), p)
     for a in p.whole:  # axes padded to a power of two: the padding holds each reduction's neutral value
         if padded[a] != extent[a]:
             d = pad_neutral(d, a, extent[a])
     n_in = len(d.dom)
-    in_refs, out_refs = refs[:n_in], refs[n_in:]
+    in_refs, bound_refs, out_refs = refs[:n_in], refs[n_in : n_in + n_bounds], refs[n_in + n_bounds :]
     offsets = {a: pl.program_id(i) * g for i, (a, g) in enumerate(p.tiles.items())}
     program = pl.program_id(len(p.tiles))
     strides = _strides(p, padded)
@@ -449,8 +613,15 @@ def _kernel(p: Plan, sizes, extent, padded, *refs):
             ]
         return acc.step(state, ins, cctx)
 
-    # affine masks reading the streamed axis: the chunks they hide are skipped, those they keep whole unmasked
+    # affine masks reading the streamed axis, and segment masks (their bounds come from the wrapper): the
+    # chunks they hide are skipped, those they all keep whole run without them
     masks = {id(b): m for b in d.boxes if (m := affine_mask(b)) is not None and x in m.axes}
+    segs = segments(d, p)
+    assert 4 * len(segs) == n_bounds, "the wrapper and the kernel see different segment masks"
+    hidden = set(masks) | {id(m.box) for m in segs}
+    whole = d.with_layers(
+        [(left, _KeptWhole(b.name, b.dom, b.cod) if id(b) in hidden else b, right) for left, b, right in d.inside]
+    )
 
     # The accumulators' states start at their identity, shaped by one abstract chunk.
     def probe(*vals):
@@ -468,25 +639,19 @@ def _kernel(p: Plan, sizes, extent, padded, *refs):
     def body(unmasked):
         def run(c, carry):
             states = dict(zip(keys, carry, strict=True))
-            walk(
-                d,
-                chunk_values(c),
-                ctx.at(**{x: c * s}),
-                x,
-                "chunk",
-                states,
-                fold=fold,
-                skip=lambda box: unmasked and id(box) in masks,
-            )
+            walk(whole if unmasked else d, chunk_values(c), ctx.at(**{x: c * s}), x, "chunk", states, fold=fold)
             return tuple(states[i] for i in keys)
 
         return run
 
     n_chunks = padded[x] // s
-    if masks:
+    if hidden:
         ranges = {a: (offsets[a], jnp.minimum(offsets[a] + g, extent[a])) for a, g in p.tiles.items()}
         ranges |= {a: (grid[a], grid[a] + 1) for a in p.batch} | {a: (0, extent[a]) for a in p.whole}
-        first, full_lo, full_hi, last = _visited(masks.values(), x, s, n_chunks, ranges, extent[x])
+        bounds = _visited(masks.values(), x, s, n_chunks, ranges, extent[x])
+        for i in range(0, n_bounds, 4):
+            bounds = _combine(bounds, tuple(r[()] for r in bound_refs[i : i + 4]))
+        first, full_lo, full_hi, last = bounds
         carry = lax.fori_loop(first, full_lo, body(False), init)
         carry = lax.fori_loop(full_lo, full_hi, body(True), carry)
         carry = lax.fori_loop(full_hi, last, body(False), carry)

@@ -324,19 +324,43 @@ def prefix_lm_attention(q: Axis, x: Axis, d: Axis, *, prefix: int, **kw) -> Diag
     return attention(q, x, d, mask=seen.named(f"prefix {prefix}"), **kw)
 
 
-def same_document(s, a, b):
-    """The score ``s`` where the query's segment ``a`` is the key's segment ``b``, else −∞.
+@dataclass(frozen=True)
+class SameSegment:
+    """The mask of a labelling: score ``s`` where the query's label ``a`` equals the key's label ``b``
+    (``ids_q[q] = ids_x[x]``, the equivalence "same segment"), else −∞. Called as ``(s, a, b)``.
 
-    >>> same_document(jnp.ones(2), jnp.array([1, 1]), jnp.array([1, 2])).tolist()
-    [1.0, -inf]
+    Which blocks it hides or keeps whole depends on the labels, not (as for an :class:`Affine` mask) on
+    the indices alone, so a kernel finds them at call time from the ids: a pair of blocks may meet only
+    where their ranges of ids overlap, and is kept whole where both hold one and the same id (exact for
+    sorted ids, packed documents; a superset and a subset otherwise). The lowering recognises this class,
+    and the derivative in its score, which hides the same entries (``lowering._triton.segment_blocks``).
+
+    >>> same_document(jnp.ones(3), jnp.array([1, 1, 2]), jnp.array([1, 2, 2])).tolist()
+    [1.0, -inf, 1.0]
+    >>> same_document.__name__
+    'same_document'
     """
-    return jnp.where(a == b, s, -jnp.inf)
+
+    name: str = "same_document"
+
+    def __call__(self, s, a, b):
+        return jnp.where(a == b, s, -jnp.inf)
+
+    @property
+    def __name__(self):
+        return self.name
+
+
+#: the document mask: a query sees the keys of its own segment (``SameSegment``, recognised by the kernels)
+same_document = SameSegment()
 
 
 def document_attention(q: Axis, x: Axis, d: Axis, **kw) -> Diagram:
     """Attention within documents: ``Q ⊗ K ⊗ V ⊗ segments_q[q] ⊗ segments_x[x] → O``, query ``i`` seeing
-    key ``j`` only when their segment ids (i32) agree. The ids are inputs, read per query and key index;
-    a kernel runs this mask on every block it visits (no block is skipped because of the ids).
+    key ``j`` only when their segment ids (i32) agree. The ids are inputs, read per query and key index.
+    The mask is a :class:`SameSegment`: a kernel finds, from the ids at call time, the blocks where no
+    query and key share an id (skipped) and those holding one document only (run unmasked), forward and
+    backward.
 
     >>> from napkin_cat import axes
     >>> print(document_attention(*axes("q x d")).dom.inside[3].describe())
@@ -718,6 +742,7 @@ __all__ = [
     "normalised_attention",
     "prefix_lm_attention",
     "rms_norm",
+    "SameSegment",
     "same_document",
     "sigmoid_attention",
     "sink_attention",
