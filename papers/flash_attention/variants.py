@@ -28,8 +28,9 @@ layout before timing: [B, H, N, D] for napkin-cat and jnp, [B, N, H, D] for jax.
 window's count is ~N²/8 pairs, causal's N²/2), 3.5× that forward + backward. It checks the forward's last
 64 query rows against an f32 reference, compares the gradients with the baseline's, and reads XLA's memory
 analysis of the compiled forward + backward: ``temp_bytes`` above B·H·N² (a byte per score of every head,
-less than any materialised score matrix) flags a quadratic buffer; the O(N) residuals at D = 128 and
-N = 8192 are 1/8 of that. It prints ratios to the plain causal kernel and to XLA, the issue's targets
+less than any materialised score matrix; plus an f32 copy of the extra inputs, as a learned [H, N, N] bias
+is itself quadratic) flags a quadratic buffer; the O(N) residuals (~8·B·H·N·D bytes) are 1/8 of that at
+D = 128, N = 8192. It prints ratios to the plain causal kernel and to XLA, the issue's targets
 (fwd+bwd ≥ 0.9× causal's TFLOP/s; window ≥ 4× faster than causal; every variant ≥ 3× XLA; no quadratic
 buffer), and writes ``variants_<GPU>.json`` and ``.png`` under ``results/`` (or ``--out``).
 
@@ -352,6 +353,7 @@ class Implementation:
     grad_args: tuple[int, ...] = (0, 1, 2)
     to_bhnd: Callable = lambda a: a  # noqa: E731
     unavailable: str | None = None
+    no_backward: str | None = None  # why its forward + backward cannot be measured (the forward still is)
 
 
 def napkin(variant: Variant, z: Sizes, q, k, v, extra) -> Implementation:
@@ -364,14 +366,13 @@ def napkin(variant: Variant, z: Sizes, q, k, v, extra) -> Implementation:
         kernel = lower(derive(diagram, tile(qa, z.tile), stream(xa, z.stream), verify=False))
     except Exception as e:  # noqa: BLE001 - a failure to lower is a result
         return Implementation("napkin", None, unavailable=f"{type(e).__name__}: {e}")
-    if kernel.differentiation != "lowered":
-        return Implementation("napkin", None, unavailable=f"no lowered backward: {kernel.why_not}")
     to_bhnd = lambda a: a  # noqa: E731
     if variant.name == "gqa":
         q = q.reshape(z.batch, z.kv_heads, z.heads // z.kv_heads, z.seq, z.head_dim)
         to_bhnd = lambda a: a.reshape(a.shape[0], -1, *a.shape[-2:]) if a.ndim == 5 else a  # noqa: E731
     grads = (0, 1, 2, *(3 + i for i in variant.grad_extra))
-    return Implementation("napkin", kernel, (q, k, v, *extra), grads, to_bhnd)
+    no_backward = None if kernel.differentiation == "lowered" else f"no lowered backward: {kernel.why_not}"
+    return Implementation("napkin", kernel, (q, k, v, *extra), grads, to_bhnd, no_backward=no_backward)
 
 
 def baseline(variant: Variant, z: Sizes, q, k, v, extra) -> Implementation:
@@ -403,8 +404,8 @@ def baseline(variant: Variant, z: Sizes, q, k, v, extra) -> Implementation:
 def measure(impl: Implementation, flops: float, opts, clock: bench.Clock, backward: bool, keep: dict) -> dict:
     """Time and check one implementation's forward or forward + backward; ``keep["out"]`` receives its result
     (in [B, H, N, D]) for the comparison of the two implementations."""
-    if impl.unavailable:
-        return {"status": "unavailable", "error": impl.unavailable}
+    if impl.unavailable or (backward and impl.no_backward):
+        return {"status": "unavailable", "error": impl.unavailable or impl.no_backward}
     if clock.spent():
         return {"status": "skipped", "error": f"time budget of {clock.budget_s:.0f} s spent"}
     fn = impl.fn
@@ -441,7 +442,8 @@ def run_variant(variant: Variant, z: Sizes, opts, clock: bench.Clock) -> dict:
         "pairs": pairs,
         "flops_fwd": flops,
         "flops_fwd_bwd": flops * bench.FWD_BWD_FACTOR,
-        "quadratic_bytes": z.batch * z.heads * z.seq**2,
+        # a byte per score of every head, beyond an f32 copy of the extra inputs (a learned bias is itself N²)
+        "quadratic_bytes": z.batch * z.heads * z.seq**2 + sum(4 * a.size for a in extra),
     }
     outs = {}
     impls = {"napkin": napkin(variant, z, q, k, v, extra), "baseline": baseline(variant, z, q, k, v, extra)}
