@@ -4,8 +4,8 @@ every parameter) with ``mask=``, ``bias=`` and ``segment_ids=`` passed through (
 mask), grouped-query and causal or not; and ``v_head_dim=`` against an attention written here by einsum
 (``jax.nn`` requires equal head dims).
 
-Tolerance: f32 relative error (max |error| / max |reference|), as tests/test_attention_entry.py's 1e-5 (the
-entry measured ≤ 6e-7; the projections add matmuls at the highest precision, tests/conftest.py).
+Tolerance: f32 relative error (max |error| / max |reference|): measured ≤ 7e-7 over outputs and every gradient
+(3 seeds, 21 tokens, grouped and not, all three arguments given); 1e-5, as tests/test_attention_entry.py.
 """
 
 import jax
