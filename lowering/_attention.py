@@ -29,8 +29,9 @@ negative number); see :mod:`lowering._api`. Bad shapes and dtypes raise
 :class:`~napkin_cat.errors.EvaluationError` naming the argument and the expected shape, before anything
 is built.
 
-**Not supported yet**, refused with :class:`~lowering._plan.NotLowerable` rather than ignored: a value head
-dim different from the query/key head dim.
+**Head dims**: ``v`` may have a head dim of its own (as in MLA: q and k 192, v 128); the output has ``v``'s.
+The diagram then has two dim axes, ``d`` for q and k and ``dv`` for v and the output, and the default
+``scale`` is ``1/√d`` (q's head dim, as in ``jax.nn``).
 
 >>> import jax, jax.numpy as jnp
 >>> q, k, v = (jax.random.normal(jax.random.key(i), (2, 20, 4, 16)) for i in range(3))
@@ -66,18 +67,22 @@ from rewrites import Derivation, derive, stream, tile
 DTYPES = {"float32": f32, "bfloat16": bf16, "float16": f16}
 
 
-def schedule(q_len: int, kv_len: int, dim: int) -> tuple[int, int]:
+def schedule(q_len: int, kv_len: int, dim: int, value_dim: int | None = None) -> tuple[int, int]:
     """The rule choosing ``(tile, stream)``: queries per tile and keys per streamed chunk.
 
     FlashAttention-2's blocks (Dao 2023, §3.3), as benchmarked in ``papers/flash_attention``: 128 queries
-    per tile (64 when the head dim exceeds 128, so the tile fits shared memory) and 64 keys per chunk,
-    never more than the sequence needs: short sequences take the next power of two, at least 16 (the
-    smallest block every 16-bit dot accepts).
+    per tile and 64 keys per chunk, never more than the sequence needs: short sequences take the next
+    power of two, at least 16 (the smallest block every 16-bit dot accepts). A tile holds a query row of
+    ``dim`` and an output row of ``value_dim`` (default: ``dim``) per query, so it halves to 64 queries when
+    the two exceed 2 × 128 (so it fits shared memory; for equal dims: a head dim above 128).
 
     >>> schedule(8192, 8192, 128), schedule(8192, 8192, 256), schedule(20, 40, 64), schedule(3, 3, 8)
     ((128, 64), (64, 64), (32, 64), (16, 16))
+    >>> schedule(8192, 8192, 192, 128), schedule(8192, 8192, 160, 96)  # MLA's 192/128; 160 + 96 = 256
+    ((64, 64), (128, 64))
     """
-    return min(128 if dim <= 128 else 64, max(16, next_pow2(q_len))), min(64, max(16, next_pow2(kv_len)))
+    width = dim + (dim if value_dim is None else value_dim)
+    return min(128 if width <= 256 else 64, max(16, next_pow2(q_len))), min(64, max(16, next_pow2(kv_len)))
 
 
 @dataclass(frozen=True)
@@ -114,7 +119,8 @@ class HeadOfGroup:
 @dataclass(frozen=True)
 class Signature:
     """What a kernel depends on, and so the cache's key: the dtype, the heads per key/value head
-    (``group``; 1 is multi-head attention), the schedule :func:`schedule` picks from the shapes, the
+    (``group``; 1 is multi-head attention), whether v's head dim differs from q's and k's (``value_dim``:
+    the diagram then has an axis of its own for it), the schedule :func:`schedule` picks from the shapes, the
     flags, the index functions (by identity), how to lower, and which arrays come beside q, k, v: the batch
     axes (``"b"``, ``"h"``) a bias or a mask is read over (none: not given), the bias's dtype, whether
     segment ids are. Shapes with the same schedule share a kernel: the diagram's sizes stay symbolic, bound
@@ -127,6 +133,9 @@ class Signature:
     >>> s = Signature.of(x, x, x, jnp.zeros((1, 4, 20, 20)), jnp.ones((1, 1, 20, 20), bool))
     >>> s.bias, s.mask, s.segments
     (('h',), (), False)
+    >>> s = Signature.of(jnp.zeros((1, 20, 4, 192)), jnp.zeros((1, 20, 4, 192)), jnp.zeros((1, 20, 4, 128)))
+    >>> s.value_dim, s.tile
+    (True, 32)
     """
 
     dtype: str
@@ -145,6 +154,7 @@ class Signature:
     bias_dtype: str = "float32"
     mask: tuple[str, ...] | None = None
     segments: bool = False
+    value_dim: bool = False
 
     @classmethod
     def of(
@@ -169,8 +179,8 @@ class Signature:
         the rest as :func:`batched` gives them), checked before anything is built."""
         if backend != "auto" and backend not in BACKENDS:
             raise NotLowerable(f"attention: backend {backend!r}: choose 'auto', {', '.join(map(repr, BACKENDS))}")
-        group, dim = _check(query, key, value)
-        t, s = schedule(query.shape[-3], key.shape[-3], dim)
+        group, dim, value_dim = _check(query, key, value)
+        t, s = schedule(query.shape[-3], key.shape[-3], dim, value_dim)
         shape = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
         biased = None if bias is None else _broadcast("bias", bias, shape, DTYPES)
         masked = None if mask is None else _broadcast("mask", mask, shape, ("bool",))
@@ -193,11 +203,12 @@ class Signature:
             "float32" if bias is None else jnp.dtype(bias.dtype).name,
             masked,
             segment_ids is not None,
+            value_dim != dim,
         )
 
     def derivation(self) -> Derivation:
         """The diagram, derived by the schedule and verified (each step and the lowered kernel, on a trial)."""
-        b, q, x, d = axes("b q_idx kv_idx d")
+        b, q, x, d, dv = axes("b q_idx kv_idx d dv")
         if self.group == 1:
             heads = axes("h")
             kw = dict(batch=(b, *heads))
@@ -217,6 +228,7 @@ class Signature:
             bias_dtype=DTYPES[self.bias_dtype],
             mask_batch=None if self.mask is None else tuple(a for n in self.mask for a in axis[n]),
             segment_batch=(b,) if self.segments else None,
+            value_dim=dv if self.value_dim else None,
             **{k: f for k, f in mods.items() if f is not None},
             **kw,
         )
@@ -236,15 +248,14 @@ class Signature:
         return HeadOfGroup(fn, self.group)
 
 
-def _check(query, key, value) -> tuple[int, int]:
-    """Refuse arrays the entry cannot take, naming the condition; the group size and head dim otherwise."""
+def _check(query, key, value) -> tuple[int, int, int]:
+    """Refuse arrays the entry cannot take, naming the condition; the group size, q's and k's head dim and
+    v's otherwise."""
     shapes = f"q {tuple(query.shape)}, k {tuple(key.shape)}, v {tuple(value.shape)}"
     if not query.ndim == key.ndim == value.ndim or query.ndim not in (3, 4):
         raise EvaluationError(f"attention: q, k, v must all be [batch, seq, heads, dim] or [seq, heads, dim]; {shapes}")
-    if key.shape != value.shape[:-1] + key.shape[-1:]:
+    if key.shape[:-1] != value.shape[:-1]:
         raise EvaluationError(f"attention: k and v must agree on batch, keys and heads; {shapes}")
-    if value.shape[-1] != key.shape[-1]:
-        raise NotLowerable(f"attention: a value head dim ≠ the query/key head dim is not supported yet; {shapes}")
     if query.shape[-1] != key.shape[-1] or query.shape[:-3] != key.shape[:-3]:
         raise EvaluationError(f"attention: q and k must agree on batch and head dim; {shapes}")
     heads, kv_heads = query.shape[-2], key.shape[-2]
@@ -253,7 +264,7 @@ def _check(query, key, value) -> tuple[int, int]:
     dtypes = {jnp.dtype(a.dtype).name for a in (query, key, value)}
     if len(dtypes) != 1 or not dtypes <= DTYPES.keys():
         raise EvaluationError(f"attention: q, k, v must share one dtype of {', '.join(DTYPES)}; got {sorted(dtypes)}")
-    return heads // kv_heads, query.shape[-1]
+    return heads // kv_heads, query.shape[-1], value.shape[-1]
 
 
 def _broadcast(name: str, array, shape: tuple[int, int, int, int], dtypes) -> tuple[str, ...]:
@@ -336,10 +347,10 @@ class AttentionKernel:
         query, key, value, bias, mask, segment_ids = batched(query, key, value, bias, mask, segment_ids)
         sig = self.signature
         got = Signature.of(query, key, value, bias, mask, segment_ids=segment_ids)
-        mine = (sig.dtype, sig.group, sig.bias, sig.bias_dtype, sig.mask, sig.segments)
-        theirs = (got.dtype, got.group, got.bias, got.bias_dtype, got.mask, got.segments)
+        mine = (sig.dtype, sig.group, sig.value_dim, sig.bias, sig.bias_dtype, sig.mask, sig.segments)
+        theirs = (got.dtype, got.group, got.value_dim, got.bias, got.bias_dtype, got.mask, got.segments)
         if mine != theirs:
-            fields = "(dtype, group, bias axes, bias dtype, mask axes, segment ids)"
+            fields = "(dtype, group, value dim, bias axes, bias dtype, mask axes, segment ids)"
             raise EvaluationError(f"attention kernel for {fields} = {mine}, called with {theirs}")
         group, kv_heads = sig.group, key.shape[2]
         # the diagram's wires are heads-major: [b, h, seq, d], or [b, h_kv, g, seq, d] for the queries
@@ -351,7 +362,7 @@ class AttentionKernel:
             extra += [a.astype(jnp.int32) for a in segment_ids]
         out = self.kernel(qs, jnp.moveaxis(key, 1, 2), jnp.moveaxis(value, 1, 2), *extra)
         out = jnp.moveaxis(out, 3, 1) if group > 1 else jnp.moveaxis(out, 2, 1)
-        out = out.reshape(query.shape)
+        out = out.reshape(*query.shape[:-1], value.shape[-1])
         return out[0] if squeeze else out
 
 

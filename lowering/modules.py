@@ -11,10 +11,14 @@
 ...                           rngs=nnx.Rngs(0))
 >>> bool(jnp.allclose(y, reference(x), atol=1e-5))
 True
+>>> ids = jnp.array([[0] * 8 + [1] * 12, [0] * 20])                 # two documents, then one
+>>> bool(jnp.allclose(layer(x, segment_ids=ids), reference(x, segment_ids=ids), atol=1e-5))
+True
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import jax.numpy as jnp
@@ -31,6 +35,15 @@ class SelfAttention(nnx.Module):
     ``attention_fn`` takes ``jax.nn.dot_product_attention``'s arguments; it is the napkin-cat entry by
     default, and ``jax.nn.dot_product_attention`` itself gives the reference model with the same parameters.
     ``score_mod``/``mask_mod`` (FlexAttention's, see :mod:`lowering._attention`) reach only the entry.
+    ``v_head_dim`` (default: ``head_dim``) gives the values a head dim of their own (as in MLA); the output
+    projection reads ``heads × v_head_dim`` features.
+
+    Called as ``layer(x, mask=None, bias=None, segment_ids=None)``: ``mask`` and ``bias`` broadcast as in
+    ``jax.nn`` (``[B or 1, H or 1, N, N]``, fewer leading axes read as 1) and reach ``attention_fn`` as given;
+    ``segment_ids`` (integers ``[B, N]``: a token sees the tokens of its own document) reach an
+    ``attention_fn`` that takes them (the entry, which reads them block by block), and become the mask
+    ``ids[i] == ids[j]`` (and-ed with ``mask``) for one that does not, such as ``jax.nn``'s: so both give the
+    same layer, though the mask costs ``jax.nn`` an ``N × N`` array. Only the arguments given are passed.
 
     >>> from flax import nnx
     >>> SelfAttention(30, heads=4, rngs=nnx.Rngs(0))
@@ -46,6 +59,7 @@ class SelfAttention(nnx.Module):
         *,
         kv_heads: int | None = None,
         head_dim: int | None = None,
+        v_head_dim: int | None = None,
         causal: bool = False,
         score_mod: Callable | None = None,
         mask_mod: Callable | None = None,
@@ -62,6 +76,7 @@ class SelfAttention(nnx.Module):
             raise AxisError(f"SelfAttention: {heads} query heads do not share {kv_heads} key/value heads evenly")
         self.heads, self.kv_heads = heads, kv_heads
         self.head_dim = features // heads if head_dim is None else head_dim
+        self.v_head_dim = self.head_dim if v_head_dim is None else v_head_dim
         self.causal, self.attention_fn = causal, attention_fn
         self.mods = {k: f for k, f in (("score_mod", score_mod), ("mask_mod", mask_mod)) if f is not None}
 
@@ -70,16 +85,38 @@ class SelfAttention(nnx.Module):
 
         self.query = linear(features, heads * self.head_dim)
         self.key = linear(features, kv_heads * self.head_dim)
-        self.value = linear(features, kv_heads * self.head_dim)
-        self.out = linear(heads * self.head_dim, features)
+        self.value = linear(features, kv_heads * self.v_head_dim)
+        self.out = linear(heads * self.v_head_dim, features)
 
-    def __call__(self, x):
+    def __call__(self, x, *, mask=None, bias=None, segment_ids=None):
         *lead, seq, _ = x.shape
 
-        def split(y, n):
-            return y.reshape(*lead, seq, n, self.head_dim)
+        def split(y, n, dim):
+            return y.reshape(*lead, seq, n, dim)
 
-        q = split(self.query(x), self.heads)
-        k, v = split(self.key(x), self.kv_heads), split(self.value(x), self.kv_heads)
-        o = self.attention_fn(q, k, v, is_causal=self.causal, **self.mods)
-        return self.out(o.reshape(*lead, seq, self.heads * self.head_dim))
+        q = split(self.query(x), self.heads, self.head_dim)
+        k, v = split(self.key(x), self.kv_heads, self.head_dim), split(self.value(x), self.kv_heads, self.v_head_dim)
+        given = {"mask": mask, "bias": bias}
+        if segment_ids is not None and not takes_segment_ids(self.attention_fn):
+            # [*lead, 1, N, N]: the same documents for every head
+            same = segment_ids[..., None, :, None] == segment_ids[..., None, None, :]
+            given["mask"] = same if mask is None else jnp.logical_and(mask, same)
+        elif segment_ids is not None:
+            given["segment_ids"] = segment_ids
+        options = {name: a for name, a in given.items() if a is not None}
+        o = self.attention_fn(q, k, v, is_causal=self.causal, **options, **self.mods)
+        return self.out(o.reshape(*lead, seq, self.heads * self.v_head_dim))
+
+
+def takes_segment_ids(fn: Callable) -> bool:
+    """Whether ``fn`` takes a ``segment_ids`` keyword (napkin-cat's entry does; ``jax.nn``'s does not).
+
+    >>> import jax
+    >>> takes_segment_ids(attention), takes_segment_ids(jax.nn.dot_product_attention)
+    (True, False)
+    """
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a callable without a signature: pass only what jax.nn takes
+        return False
+    return "segment_ids" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())

@@ -167,6 +167,7 @@ def attention(
     dtype: Dtype | str = f32,
     batch: tuple[Axis, ...] = (),
     kv_batch: tuple[Axis, ...] | None = None,
+    value_dim: Axis | None = None,
 ) -> Diagram:
     """Naive attention ``softmax(Q Kᵀ · scale) V``: ``Q[q,d] ⊗ K[x,d] ⊗ V[x,d] → O[q,d]``.
 
@@ -174,15 +175,16 @@ def attention(
     the query; ``mask(q=, x=)`` (FlexAttention's ``mask_mod``) and ``score_mod(s, q=, x=)`` read indices,
     of any axis of the scores, ``batch`` axes included (ALiBi reads the head). ``batch`` axes index the
     queries; ``kv_batch`` (default: the same) the keys and values, so grouped-query attention has
-    ``batch=(h_kv, g)``, ``kv_batch=(h_kv,)``. Scores and the softmax are f32; the output has the
-    inputs' ``dtype``.
+    ``batch=(h_kv, g)``, ``kv_batch=(h_kv,)``. ``value_dim`` (default: ``d``) is the values' and the
+    output's head dim, when it differs from the queries' and keys' (as in MLA: ``V[x,e] → O[q,e]``).
+    Scores and the softmax are f32; the output has the inputs' ``dtype``.
 
     >>> from napkin_cat import axes
     >>> q, x, d = axes("q x d")
     >>> print(attention(q, x, d, causal=True).boxes[1].name)
     mask causal(q ≥ x)
     """
-    a = _Attention(q, x, d, scale, dtype, batch, kv_batch)
+    a = _Attention(q, x, d, scale, dtype, batch, kv_batch, value_dim)
     return a.scores(causal=causal, mask=mask, score_mod=score_mod) >> (g.softmax(a.S, x) @ identity(a.V)) >> a.out()
 
 
@@ -197,9 +199,11 @@ class _Attention:
     dtype: Dtype | str
     batch: tuple
     kv_batch: tuple | None
+    value_dim: Axis | None = None
 
     def __post_init__(self):
-        names = [a.name for a in (*self.batch, self.q, self.x, self.d)]
+        dims = (self.d,) if self.value_dim is None else (self.d, self.value_dim)
+        names = [a.name for a in (*self.batch, self.q, self.x, *dims)]
         if len(set(names)) != len(names):
             raise AxisError(f"attention: axes must be distinct, got {names}")
         for a in self.kv:
@@ -211,8 +215,13 @@ class _Attention:
         return self.batch if self.kv_batch is None else self.kv_batch
 
     @property
+    def e(self) -> Axis:
+        """The values' and the output's head dim."""
+        return self.d if self.value_dim is None else self.value_dim
+
+    @property
     def V(self) -> Array:
-        return Array(*self.kv, self.x, self.d, dtype=self.dtype)
+        return Array(*self.kv, self.x, self.e, dtype=self.dtype)
 
     @property
     def S(self) -> Array:
@@ -220,7 +229,7 @@ class _Attention:
 
     @property
     def O(self) -> Array:  # noqa: E743 - the output, as in the papers
-        return Array(*self.batch, self.q, self.d, dtype=self.dtype)
+        return Array(*self.batch, self.q, self.e, dtype=self.dtype)
 
     @property
     def rows(self) -> Array:
@@ -251,10 +260,10 @@ class _Attention:
 
     def out(self, weights: Array | None = None) -> Diagram:
         """``P ⊗ V → O``: the contraction of the weights with the values over the keys."""
-        b, q, x, d = self.batch, self.q, self.x, self.d
-        spec = f"{self._spec(*b, q, x)}, {self._spec(*self.kv, x, d)} -> {self._spec(*b, q, d)}"
+        b, q, x, e = self.batch, self.q, self.x, self.e
+        spec = f"{self._spec(*b, q, x)}, {self._spec(*self.kv, x, e)} -> {self._spec(*b, q, e)}"
         w = weights or self.S
-        return g.contract(spec, *b, q, x, d, dtype=(w.dtype, self.dtype), out_dtype=self.dtype)
+        return g.contract(spec, *b, q, x, e, dtype=(w.dtype, self.dtype), out_dtype=self.dtype)
 
 
 def multi_head_attention(h: Axis, q: Axis, x: Axis, d: Axis, *, batch: tuple[Axis, ...] = (), **kw) -> Diagram:
@@ -570,11 +579,12 @@ def normalised_attention(q: Axis, x: Axis, d: Axis, *, a1, a2, b, **kw) -> Diagr
 
 
 def _attention(q: Axis, x: Axis, d: Axis, kw: dict) -> _Attention:
-    keys = ("scale", "dtype", "batch", "kv_batch")
+    keys = ("scale", "dtype", "batch", "kv_batch", "value_dim")
     unknown = set(kw) - {*keys, "causal", "mask", "score_mod"}
     if unknown:
         raise AxisError(f"attention: unknown keywords {sorted(unknown)}")
-    return _Attention(q, x, d, kw.get("scale"), kw.get("dtype", f32), tuple(kw.get("batch", ())), kw.get("kv_batch"))
+    batch = tuple(kw.get("batch", ()))
+    return _Attention(q, x, d, kw.get("scale"), kw.get("dtype", f32), batch, kw.get("kv_batch"), kw.get("value_dim"))
 
 
 def _mods(kw: dict) -> dict:

@@ -115,3 +115,62 @@ def test_napkin_candidate_when_lowerable(tmp_path):
     for entry in res["forward"]:
         cand = entry["results"]["candidate"]
         assert cand["status"] == "ok" and cand["max_rel_err"] < 2e-2, cand
+
+
+# --- papers/flash_attention/variants.py: the variant benchmark (issue 12), at tiny sizes -------------------------
+
+from papers.flash_attention import variants  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def variants_run(tmp_path_factory):
+    """One variant with an extra differentiated input and a jnp baseline (the sinks): ~10 s in interpret mode."""
+    out = tmp_path_factory.mktemp("variants")
+    return variants.main(["--quick", "--variants=sinks", f"--out={out}"]), out
+
+
+def test_variants_quick_run_measures_checks_and_writes(variants_run):
+    res, out = variants_run
+    saved = json.loads((out / "variants_cpu_quick.json").read_text())
+    assert saved["quick"] and saved["sizes"]["seq"] == 64 and (out / "variants_cpu_quick.png").stat().st_size > 0
+    (entry,) = saved["variants"]
+    assert entry["name"] == "sinks" and entry["baseline"]["impl"] == "jnp" and entry["napkin"]["impl"] == "napkin"
+    for who in ("napkin", "baseline"):
+        for section in ("fwd", "fwd_bwd"):
+            r = entry[who][section]
+            assert r["status"] == "ok" and r["tflops"] > 0 and r["temp_bytes"] >= 0, (who, section, r)
+    assert 0 < entry["napkin"]["fwd"]["err_f32"] < 2e-2  # bf16
+    assert all(0 < entry["napkin_vs_baseline"][s] < 2e-2 for s in ("fwd", "fwd_bwd"))  # outputs; q, k, v, sink grads
+    assert entry["quadratic_buffer"] is None  # N = 64 < 16·D: the check cannot tell O(N) from O(N²) here
+    assert set(entry["ratios"]["fwd_bwd"]) == {"vs_causal_tflops", "vs_baseline_speed", "vs_causal_speed"}
+    assert len(saved["targets"]) == 4
+    assert "| sinks | jnp |" in variants.render(res)
+
+
+@pytest.mark.parametrize("name", list(variants.VARIANTS))
+def test_variant_baselines_agree_with_the_index_form(name):
+    """Each baseline (jax.nn's mask, bias or window, or jnp) in f32 against the variant's scores written by
+    index (``semantics``); and the diagram builds. No kernel is lowered: fast."""
+    variant = variants.VARIANTS[name]
+    z = variants.Sizes(batch=2, heads=4, seq=32, head_dim=16, tile=16, stream=16, dtype="f32")
+    q, k, v, extra = variants.inputs(variant, z, seed=3)
+    impl = variants.baseline(variant, z, q, k, v, extra)
+    got = impl.to_bhnd(impl.fn(*impl.args))
+    want = variants.semantics(variant, z, q, k, v, extra)
+    assert float(at.max_rel_err(got, want)) < 1e-5, name
+    assert variant.pairs(z) == int(jnp_count_kept(variant, z, q, k, v, extra))
+    diagram, _ = variant.diagram(z)
+    assert len(diagram.dom) == 3 + len(extra)
+
+
+def jnp_count_kept(variant, z, q, k, v, extra):
+    """(query, key) pairs of head 0, batch 0 whose score stays finite: the mask the FLOP count reads."""
+    i, j = at.jnp.arange(z.seq)[:, None], at.jnp.arange(z.seq)[None]
+    s = at.jnp.zeros((z.batch, z.heads, z.seq, z.seq))
+    kept = (variant.scores or variants._masked(variant.keep))(s, i, j, extra, z)
+    return at.jnp.isfinite(kept[0, 0]).sum()
+
+
+def test_variants_doctests():
+    result = doctest.testmod(variants, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0
