@@ -102,6 +102,19 @@ class Hardware:
     max_regs_per_thread: int
     warp_size: int = 32
     ceilings: tuple[tuple[str, float], ...] = ()
+    l2_partitions: int = 1
+
+    @property
+    def l2_shared_capacity(self) -> int:
+        """Bytes of L2 that data read by SMs all over the chip can occupy: one partition's share.
+
+        A100 and GH100 split L2 into ``l2_partitions`` halves, each caching the accesses of the SMs
+        wired to it, so a line read from both sides is held twice (see the models' sources).
+
+        >>> H100.l2_shared_capacity // MiB, replace(H100, l2_partitions=1).l2_shared_capacity // MiB
+        (25, 50)
+        """
+        return self.capacity(L2) // self.l2_partitions
 
     def ceiling(self, what: str) -> float | None:
         """A measured ceiling, where one was measured on this GPU: a dtype's name (dense tensor-core FLOP/s
@@ -238,6 +251,9 @@ A100 = Hardware(
     l1_smem_per_sm=192 * KiB,  # whitepaper: 192 KB combined L1/shared memory per SM
     max_warps_per_sm=64,  # CUDA guide cc 8.0: 2048 threads per SM
     max_regs_per_thread=255,  # CUDA guide: 255 registers per thread
+    # whitepaper, "L2 Cache": "The L2 cache is divided into two partitions [...] Each L2 partition localizes
+    # and caches data for memory accesses from SMs in the GPCs directly connected to the partition."
+    l2_partitions=2,
 )
 
 # --- NVIDIA H100 SXM5 80GB -------------------------------------------------------------------------
@@ -273,6 +289,8 @@ H100 = Hardware(
     # (papers/flash_attention/results/mosaic_NVIDIA_H100_80GB_HBM3.json). No device copy has been measured on the
     # H100, so DRAM keeps the datasheet bandwidth.
     ceilings=(("bf16", 733e12), ("f16", 689e12)),
+    # whitepaper: GH100 keeps A100's L2 in two partitions joined by a crossbar, each caching for its own GPCs
+    l2_partitions=2,
 )
 
 # --- NVIDIA H200 SXM 141GB -------------------------------------------------------------------------

@@ -1,5 +1,7 @@
 """The cost functor against FAN's formulas (REFERENCE §1.3 rows 1, 4, 6, 7) and XLA's own counts."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -219,18 +221,44 @@ def test_softmax_against_xla():
     assert passes == 3 * 2 and rows <= 16 * 4 * 256
 
 
+def _survival(ratio: float) -> float:
+    """The random-replacement fixed point h = exp(-ratio (1 - h)) below 1, by bisection (independent of LambertW)."""
+    lo, hi = 0.0, 1.0 - 1e-12
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if math.exp(-ratio * (1 - mid)) > mid else (lo, mid)
+    return lo
+
+
+def test_l2_survival_is_the_random_replacement_fixed_point():
+    from napkin_cat._cost import l2_survival
+
+    assert l2_survival(sympy.Rational(9, 10)) == 1 and l2_survival(1) == 1  # fits: every wave hits
+    for r in (1.2, 1.5, 3.0, 8.0):
+        assert float(l2_survival(sympy.Float(r))) == pytest.approx(_survival(r), abs=1e-9)
+
+
 def test_dram_misses_l2_when_the_working_set_does_not_fit():
-    """A matmul whose concurrent blocks touch more operand panels than L2 holds re-reads them from DRAM."""
+    """A matmul whose wave of blocks touches more operand panels than one L2 partition holds re-reads them."""
     a, b, c = nc.axes("a b c")
     m = relabel(nc.library.matmul(a, b, c, dtype="bf16"), a=("group", 128), b=("stream", 64), c=("group", 128))
     m = level(nc.SMEM)(m)
-    small, big = (cost(m, H100).subs(a=n, b=n, c=n) for n in (2048, 16384))
+    small, mid, big = (cost(m, H100).subs(a=n, b=n, c=n) for n in (2048, 4096, 16384))
     assert small.dram_bytes == 3 * 2048 * 2048 * 2  # A, B read once, C written once
-    # 16384: 128 A panels of 4 MiB touched at once > 50 MiB; 132 blocks share each A panel 132/128 ways
-    panels = 16384 // 128
-    a_reads = sympy.Integer(16384**2 * 2) * panels / (sympy.Integer(132) / 128)
-    b_reads = sympy.Integer(16384**2 * 2) * panels / (sympy.Integer(132) / 2)
-    assert big.dram_bytes == a_reads + b_reads + 16384**2 * 2
+    for n, got in ((4096, mid), (16384, big)):
+        panels, panel = n // 128, 128 * n * 2  # slabs per operand, bytes per slab
+        # a wave of 132 blocks (a fastest) touches every A panel and ⌈132/panels⌉ B panels
+        touched_b = -(-132 // panels)
+        ratio = (panels + touched_b) * panel / (25 * 2**20)  # against one of the H100's two 25 MiB partitions
+        miss = 1 - _survival(ratio)
+        waves_a = panels / (132 / panels)  # 132/panels blocks of a wave share each A panel
+        waves_b = panels / min(panels, 132 / touched_b)
+        expected = n * n * 2 * (2 + (waves_a - 1 + waves_b - 1) * miss) + n * n * 2
+        assert float(got.dram_bytes) == pytest.approx(expected, rel=1e-9)
+    # at 4096³ a 50 MiB L2 would hold the 37 MiB wave; one 25 MiB partition keeps part of A between waves:
+    # between once (2 operands) and a miss on every wave (A fetched by 32/(132/32) waves, B by 32/26.4)
+    reads = float(mid.dram_bytes) - 4096**2 * 2
+    assert 2 * 4096**2 * 2 < reads < 4096**2 * 2 * (32 / (132 / 32) + 32 / (132 / 5))
 
 
 def test_serial_time_uses_measured_ceilings_where_the_model_has_them():
