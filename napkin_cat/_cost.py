@@ -581,17 +581,47 @@ def _column(walk: _Walk, hw: Hardware | None, ids: Iterable[int], extra: Iterabl
     return Cost(hw, memory=memory, memory_bytes=memory_bytes)
 
 
+def _rescale(box, k: _Kernel) -> tuple[Expr, Expr]:
+    """FLOPs and exponentials a streamed normalising box spends rescaling its state, over every chunk.
+
+    The online softmax (FlashAttention-2's step, :class:`~napkin_cat.generators.OnlineSoftmax`) rescales
+    its accumulated outputs by ``δ = exp(m − m')`` at every chunk: one multiply per output value, and per
+    row of the scores the new max, ``δ``'s subtraction, the sum's rescale and add (4 FLOPs) and ``δ`` itself
+    (one exponential). The unstreamed box does none of it, so it grows as the chunk shrinks.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream, level
+    >>> q, x, d = nc.axes("q x d")
+    >>> fa = derive(nc.library.attention(q, x, d), tile(q, 64), stream(x), level(SMEM), verify=False)
+    >>> sympy.factor(cost(fa.diagram).flops - cost(nc.library.attention(q, x, d)).flops)
+    q*x*(d + 4)/s_x
+    """
+    if not getattr(box, "normalises", False) or not box.dom.inside:
+        return ZERO, ZERO
+    scores = box.dom.inside[0]
+    for name, axis in k.streamed.items():
+        if scores.has(name) and box.accumulator(name) is not None:
+            chunks = axis.size / axis.stream
+            rows = scores.size / axis.size
+            outputs = sympy.Add(*(w.size for w in box.cod.inside))
+            return chunks * (outputs + 4 * rows), chunks * rows
+    return ZERO, ZERO
+
+
 def _layer(walk: _Walk, kernels: dict, hw: Hardware | None, onchip: Level, layer) -> Cost:
     """``id(left) ⊗ F(box) ⊗ id(right)``: the box's work and transfers, the column's memory."""
     whiskers, box, ins, outs = layer
     column = whiskers + ins + outs
     wires = [i for i in ins + outs if walk.arrays[i].level > HBM]
     visited = sympy.Integer(1)
+    rescale = (ZERO, ZERO)
     if wires:
         k = kernels[walk.root(wires[0])]
         if any(walk.arrays[i].has(s) for i in wires for s in k.streamed):
             column = column + sorted(k.resident)
             visited = k.visited
+            if not is_structural(box):
+                rescale = _rescale(box, k)
     if is_structural(box):
         return _column(walk, hw, column, ())
     moves: list[tuple[Level, Level, Array, Expr]] = []
@@ -627,8 +657,8 @@ def _layer(walk: _Walk, kernels: dict, hw: Hardware | None, onchip: Level, layer
     narrowest = min((w.dtype for w in box.dom.inside), key=lambda t: t.bits, default=f32)
     return replace(
         record,
-        flops=sympy.sympify(box.flops()) * visited,
-        transcendentals=sympy.sympify(box.transcendentals()) * visited,
+        flops=(sympy.sympify(box.flops()) + rescale[0]) * visited,
+        transcendentals=(sympy.sympify(box.transcendentals()) + rescale[1]) * visited,
         tensor_flops={narrowest: tensor} if tensor != 0 else {},
         moves=_add(*({(o, i): a.size * k} for o, i, a, k in moves)),
         move_bytes=_add(*({(o, i): a.size * k * a.dtype.bytes} for o, i, a, k in moves)),

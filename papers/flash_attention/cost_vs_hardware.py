@@ -198,10 +198,13 @@ def measure(out_dir: Path, budget_s: float, only: list[str] | None = None, grid:
 
 def predict(name: str, hardware) -> dict:
     """GMEM→SMEM read bytes, DRAM bytes and time (overlapped and serial) of one kernel, from ``nc.cost``."""
+    from lowering import predicted_time
     from napkin_cat import Cost, cost
     from rewrites import level
 
     lowered, sizes = kernels()[name]()
+    config = getattr(lowered, "config", None)
+    stages = config.num_stages if config else 3  # Config.get_default's, which a Lowered without one runs
     c = cost(level("SMEM")(lowered.plan.diagram), hardware).subs(**sizes)
     terms = {k: float(v) for k, v in c.kernel_times.items()}
     compute = terms["tensor"] + terms["vector"] + terms["sfu"]
@@ -211,7 +214,8 @@ def predict(name: str, hardware) -> dict:
         "gmem_read": float(c.gmem_bytes - c.gmem_write_bytes),
         "dram": float(c.dram_bytes),
         "time": float(c.time),
-        "time_serial": float(c.time_serial),
+        "time_serial": predicted_time(lowered.plan.diagram, hardware, sizes, stages=stages),
+        "time_unwaved": float(c.time_serial),
         "flops": float(sum(c.tensor_flops.values())),
         "terms": terms,
         "tensor_by_dtype": {
