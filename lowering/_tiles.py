@@ -37,7 +37,7 @@ from napkin_cat.hardware import H100, Hardware, lookup
 from napkin_cat.levels import SMEM
 from rewrites import RewriteError, level, open_sizes, resolve
 
-__all__ = ["Choice", "Occupancy", "choose_tiles", "occupancy", "predicted_time"]
+__all__ = ["Choice", "Occupancy", "choose_tiles", "occupancy", "predicted_occupancy", "predicted_time"]
 
 #: the sizes tried for an open partition: Triton's blocks are powers of two ≥ 16 (16-bit dots need K ≥ 16);
 #: above 256 no block fits an H100's shared memory beside another operand at D ≥ 64
@@ -244,21 +244,43 @@ def _live_values(c: Cost, p, sizes: Mapping[str, int], padded: Mapping[str, int]
     return max(0, int(column) - staged) if column.is_number else 0
 
 
-def _kernel_time(c: Cost, d: Diagram, sizes: Mapping[str, int], hw: Hardware, stages: int) -> float:
-    """``c`` at ``sizes``, run in waves with its blocks' prologue and epilogue (:meth:`Occupancy.time`);
-    :attr:`Cost.time_serial` alone when the diagram does not lower to one kernel."""
-    numbers = c.subs(**sizes)
-    serial = float(numbers.time_serial)
+def _occupancy_at(c: Cost, d: Diagram, sizes: Mapping[str, int], hw: Hardware, stages: int) -> Occupancy | None:
+    """The occupancy of ``d``'s kernel at ``sizes``; None when the diagram does not lower to one kernel there."""
     try:
         p = plan(d)
         extent = _problem_sizes(d, sizes, "the predicted time")
         padded = launch(p, extent, Config(num_stages=stages), hw)
     except NotLowerable:
-        return serial
-    sizes = {**extent, **sizes}
+        return None
     config = Config(num_warps=Config.get_default(p).num_warps, num_stages=stages)
-    times = {k: float(v) for k, v in numbers.kernel_times.items()}
-    return occupancy(p, padded, config, hw, _live_values(c, p, sizes, padded)).time(times, hw)
+    return occupancy(p, padded, config, hw, _live_values(c, p, {**extent, **sizes}, padded))
+
+
+def _kernel_time(c: Cost, d: Diagram, sizes: Mapping[str, int], hw: Hardware, stages: int) -> float:
+    """``c`` at ``sizes``, run in waves with its blocks' prologue and epilogue (:meth:`Occupancy.time`);
+    :attr:`Cost.time_serial` alone when the diagram does not lower to one kernel."""
+    numbers = c.subs(**sizes)
+    o = _occupancy_at(c, d, sizes, hw, stages)
+    if o is None:
+        return float(numbers.time_serial)
+    return o.time({k: float(v) for k, v in numbers.kernel_times.items()}, hw)
+
+
+def predicted_occupancy(scheduled, hardware: Hardware | str, sizes: Mapping[str, int], *, stages: int = 3):
+    """The :class:`Occupancy` :func:`predicted_time` runs a scheduled diagram's kernel at (None if it does not
+    lower to one kernel at ``sizes``).
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> n, k, c = nc.axes("n k c")
+    >>> mm = derive(nc.library.matmul(n, k, c, dtype="bf16"), tile(n, 128), tile(c, 128), stream(k, 64), verify=False)
+    >>> o = predicted_occupancy(mm, "H100", {"n": 4096, "k": 4096, "c": 4096})
+    >>> o.blocks, o.per_sm, o.limit, o.waves(H100)
+    (1024, 2, 'shared memory', 4)
+    """
+    d = getattr(scheduled, "diagram", scheduled)
+    hw = lookup(hardware)
+    return _occupancy_at(cost(_costed(d), hw), d, sizes, hw, stages)
 
 
 def predicted_time(scheduled, hardware: Hardware | str, sizes: Mapping[str, int], *, stages: int = 3) -> float:

@@ -288,3 +288,55 @@ def test_open_sizes_stay_symbolic_in_the_cost():
     assert {g_q, s_x} <= c.memory_bytes[nc.SMEM].free_symbols
     assert g_q in c.gmem_bytes.free_symbols
     assert float(c.subs(q=4096, x=4096, g_q=128, s_x=64).time_serial) > 0
+
+
+def test_online_softmax_rescales_its_state_at_every_chunk():
+    """Streaming x in chunks of s_x adds, per chunk, one multiply per output value and 4 FLOPs + 1 exp per row."""
+    from rewrites import derive, stream, tile
+
+    q, x, d = nc.axes("q x d")
+    naive = cost(nc.library.attention(q, x, d), H100)
+    flash = cost(derive(nc.library.attention(q, x, d), tile(q, 64), stream(x), level(nc.SMEM), verify=False).diagram)
+    Q, X, D = q.size, x.size, d.size
+    chunks = X / s_x
+    assert sympy.simplify(flash.flops - naive.flops - chunks * (Q * D + 4 * Q)) == 0
+    assert sympy.simplify(flash.transcendentals - naive.transcendentals - chunks * Q) == 0
+    assert sympy.simplify(flash.tensor_flops[nc.f32] - naive.tensor_flops[nc.f32]) == 0  # the matmuls are unchanged
+    # a matmul's stream loop sums without rescaling: no extra work
+    a, b, c_ = nc.axes("a b c")
+    mm = relabel(nc.library.matmul(a, b, c_), a=("group", 64), b=("stream", s_b), c=("group", 64))
+    assert cost(level(nc.SMEM)(mm)).flops == cost(nc.library.matmul(a, b, c_)).flops
+
+
+def test_kernel_time_runs_in_waves_of_resident_blocks():
+    """Attention D=128, tile 64, stream 64, 4 warps, 3 stages on an H100, every limit computed by hand."""
+    from lowering import Config, plan, predicted_time
+    from lowering._tiles import occupancy, predicted_occupancy
+    from rewrites import derive, stream, tile
+
+    b, h, q, x = nc.axes("b h q x")
+    mha = nc.library.multi_head_attention(h, q, x, nc.Axis("d", 128), batch=(b,), dtype="bf16")
+    flash = derive(mha, tile(q, 64), stream(x, 64), verify=False)
+    sizes = {"b": 4, "h": 16, "q": 4096, "x": 4096, "d": 128}
+    o = predicted_occupancy(flash, H100, sizes)
+    # shared memory: Q's 64×128 block once, K's and V's 64×128 chunks three times, bf16; 1 KiB reserved per block
+    smem = 64 * 128 * 2 + 3 * 2 * 64 * 128 * 2
+    assert (o.blocks, o.per_sm, o.limit) == (4096 // 64 * 64, 228 * 1024 // (smem + 1024), "shared memory") == (
+        4096,
+        2,
+        "shared memory",
+    )
+    assert o.prologue == 64 * 128 * 2 + 2 * 64 * 128 * 2  # Q and the first K, V chunk
+    assert o.epilogue == 64 * 128 * 2  # the output block
+    # 4096 blocks on 132 × 2 slots: 16 waves, the last partial
+    t = cost(level(nc.SMEM)(flash.diagram), H100).subs(**sizes).kernel_times
+    compute = float(t["tensor"] + t["vector"] + t["sfu"])
+    wave = compute * 264 / 4096 + 264 * (o.prologue + o.epilogue) / 12e12
+    assert predicted_time(flash, H100, sizes) == pytest.approx(16 * wave, rel=1e-12)
+    assert 16 * wave > compute * (1 + 1 / 32)  # quantization (16 waves for 15.5) and the prologues cost time
+    # registers bound the blocks once each thread holds more: 8 warps × 255 registers leave room for one block
+    p = plan(flash.diagram)
+    few = occupancy(p, sizes, Config(num_warps=8, num_stages=1), H100, live_values=10**6)
+    assert (few.registers, few.per_sm, few.limit) == (256, 1, "registers")
+    # a link-bound kernel takes its link's time: its bytes are shared by whichever blocks run
+    assert o.time({"tensor": 0.0, "vector": 0.0, "sfu": 0.0, "→L2": 1.0}, H100) == 1.0
