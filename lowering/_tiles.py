@@ -33,7 +33,7 @@ from lowering._triton import Config, launch
 from napkin_cat import Cost, cost
 from napkin_cat.diagram import Diagram
 from napkin_cat.errors import NapkinError
-from napkin_cat.hardware import H100, Hardware, lookup
+from napkin_cat.hardware import Hardware, lookup
 from napkin_cat.levels import SMEM
 from rewrites import RewriteError, level, open_sizes, resolve
 
@@ -132,6 +132,7 @@ class Occupancy:
     (``limit`` names the resource that bounds it), and the bytes a block moves outside its loop:
     ``prologue`` before its first compute, ``epilogue`` after its last.
 
+    >>> from napkin_cat.hardware import H100
     >>> Occupancy(blocks=264, per_sm=1, limit="shared memory", prologue=0, epilogue=0).waves(H100)
     2
     """
@@ -157,6 +158,7 @@ class Occupancy:
         one (wave quantization). The links' bytes are shared by whichever blocks run, so a link-bound kernel
         takes its slowest link's time, as in :attr:`Cost.time_serial`.
 
+        >>> from napkin_cat.hardware import H100
         >>> o = Occupancy(blocks=133, per_sm=1, limit="warps", prologue=0, epilogue=0)
         >>> round(o.time({"tensor": 1.0, "vector": 0.0, "sfu": 0.0, "→SMEM": 0.5}, H100), 4)  # two waves of 132
         1.985
@@ -186,6 +188,7 @@ def occupancy(p, padded: Mapping[str, int], config: Config, hw: Hardware, live_v
     >>> b, h, q, x = nc.axes("b h q x")
     >>> mha = nc.library.multi_head_attention(h, q, x, nc.Axis("d", 128), batch=(b,), dtype="bf16")
     >>> p = plan(derive(mha, tile(q, 128), stream(x, 64), verify=False).diagram)
+    >>> from napkin_cat.hardware import H100
     >>> o = occupancy(p, {"b": 4, "h": 16, "q": 4096, "x": 4096, "d": 128}, Config(8, 3), H100)
     >>> o.blocks, o.per_sm, o.limit, o.prologue // 1024, o.epilogue // 1024
     (2048, 1, 'shared memory', 64, 32)
@@ -193,9 +196,7 @@ def occupancy(p, padded: Mapping[str, int], config: Config, hw: Hardware, live_v
     tiles = [padded[a] // g for a, g in p.tiles.items()]
     blocks = math.prod(tiles) * math.prod(padded[a] for a in p.batch)
     smem = smem_bytes(p, padded, config.num_stages)
-    staged = smem_bytes(p, padded, 1)
-    chunk = staged - _resident_bytes(p, padded)
-    prologue = staged  # the resident blocks and the first chunk: the loop waits for nothing more
+    prologue = smem_bytes(p, padded, 1)  # the resident blocks and the first chunk: the loop waits for nothing more
     epilogue = sum(_block_values(p, w, padded) * w.dtype.bytes for w in p.diagram.cod.inside)
     threads = config.num_warps * hw.warp_size
     per_thread = hw.max_regs_per_thread
@@ -226,15 +227,6 @@ def _block_values(p, wire, padded) -> int:
     return n
 
 
-def _resident_bytes(p, padded) -> int:
-    """Bytes of the input blocks not indexed by the streamed axis (loaded once, before the loop)."""
-    return sum(
-        _block_values(p, w, padded) * w.dtype.bytes
-        for w in p.diagram.dom.inside
-        if not (p.stream and w.has(p.stream[0]))
-    )
-
-
 def _live_values(c: Cost, p, sizes: Mapping[str, int], padded: Mapping[str, int]) -> int:
     """The block's on-chip values outside shared memory: the cost functor's largest column at one block,
     less the input blocks shared memory stages."""
@@ -244,7 +236,9 @@ def _live_values(c: Cost, p, sizes: Mapping[str, int], padded: Mapping[str, int]
     return max(0, int(column) - staged) if column.is_number else 0
 
 
-def _occupancy_at(c: Cost, d: Diagram, sizes: Mapping[str, int], hw: Hardware, stages: int) -> Occupancy | None:
+def _occupancy_at(
+    c: Cost, d: Diagram, sizes: Mapping[str, int], hw: Hardware, stages: int, warps: int | None = None
+) -> Occupancy | None:
     """The occupancy of ``d``'s kernel at ``sizes``; None when the diagram does not lower to one kernel there."""
     try:
         p = plan(d)
@@ -252,21 +246,25 @@ def _occupancy_at(c: Cost, d: Diagram, sizes: Mapping[str, int], hw: Hardware, s
         padded = launch(p, extent, Config(num_stages=stages), hw)
     except NotLowerable:
         return None
-    config = Config(num_warps=Config.get_default(p).num_warps, num_stages=stages)
+    config = Config(num_warps=warps or Config.get_default(p).num_warps, num_stages=stages)
     return occupancy(p, padded, config, hw, _live_values(c, p, {**extent, **sizes}, padded))
 
 
-def _kernel_time(c: Cost, d: Diagram, sizes: Mapping[str, int], hw: Hardware, stages: int) -> float:
+def _kernel_time(
+    c: Cost, d: Diagram, sizes: Mapping[str, int], hw: Hardware, stages: int, warps: int | None = None
+) -> float:
     """``c`` at ``sizes``, run in waves with its blocks' prologue and epilogue (:meth:`Occupancy.time`);
     :attr:`Cost.time_serial` alone when the diagram does not lower to one kernel."""
     numbers = c.subs(**sizes)
-    o = _occupancy_at(c, d, sizes, hw, stages)
+    o = _occupancy_at(c, d, sizes, hw, stages, warps)
     if o is None:
         return float(numbers.time_serial)
     return o.time({k: float(v) for k, v in numbers.kernel_times.items()}, hw)
 
 
-def predicted_occupancy(scheduled, hardware: Hardware | str, sizes: Mapping[str, int], *, stages: int = 3):
+def predicted_occupancy(
+    scheduled, hardware: Hardware | str, sizes: Mapping[str, int], *, stages: int = 3, warps: int | None = None
+):
     """The :class:`Occupancy` :func:`predicted_time` runs a scheduled diagram's kernel at (None if it does not
     lower to one kernel at ``sizes``).
 
@@ -275,19 +273,22 @@ def predicted_occupancy(scheduled, hardware: Hardware | str, sizes: Mapping[str,
     >>> n, k, c = nc.axes("n k c")
     >>> mm = derive(nc.library.matmul(n, k, c, dtype="bf16"), tile(n, 128), tile(c, 128), stream(k, 64), verify=False)
     >>> o = predicted_occupancy(mm, "H100", {"n": 4096, "k": 4096, "c": 4096})
-    >>> o.blocks, o.per_sm, o.limit, o.waves(H100)
+    >>> o.blocks, o.per_sm, o.limit, o.waves(lookup("H100"))
     (1024, 2, 'shared memory', 4)
     """
     d = getattr(scheduled, "diagram", scheduled)
     hw = lookup(hardware)
-    return _occupancy_at(cost(_costed(d), hw), d, sizes, hw, stages)
+    return _occupancy_at(cost(_costed(d), hw), d, sizes, hw, stages, warps)
 
 
-def predicted_time(scheduled, hardware: Hardware | str, sizes: Mapping[str, int], *, stages: int = 3) -> float:
+def predicted_time(
+    scheduled, hardware: Hardware | str, sizes: Mapping[str, int], *, stages: int = 3, warps: int | None = None
+) -> float:
     """Seconds the cost model predicts for a scheduled diagram (or Derivation) at ``sizes`` (by axis name, and
     by symbol name for open partition sizes): :attr:`Cost.time_serial` of its cost, run as one kernel, in
     waves of the blocks the SMs hold at once, each wave with its blocks' prologue and epilogue
-    (:func:`occupancy`, :meth:`Occupancy.time`; ``stages`` as the kernel runs them, Triton's default warps).
+    (:func:`occupancy`, :meth:`Occupancy.time`; ``stages`` and ``warps`` as the kernel runs them, by default
+    :meth:`lowering.Config.get_default`'s).
 
     >>> import napkin_cat as nc
     >>> from rewrites import derive, tile, stream
@@ -299,7 +300,7 @@ def predicted_time(scheduled, hardware: Hardware | str, sizes: Mapping[str, int]
     """
     d = getattr(scheduled, "diagram", scheduled)
     hw = lookup(hardware)
-    return _kernel_time(cost(_costed(d), hw), d, sizes, hw, stages)
+    return _kernel_time(cost(_costed(d), hw), d, sizes, hw, stages, warps)
 
 
 def _fits(d: Diagram, c: Cost, choice: dict, at: dict, stages: int, hw: Hardware) -> bool:

@@ -84,11 +84,11 @@ class Hardware:
     non-tensor FP16 rate (FLOP per SM per clock), ``smem_bytes_per_clk`` the SMEM → register bandwidth
     per SM. ``ceilings`` are rates measured on the GPU (:meth:`ceiling`), which the cost model's predicted
     time (``Cost.time_serial``) prefers to the datasheet's. ``l2_partitions`` is how many halves L2 is split
-into (:attr:`l2_shared_capacity`). Occupancy limits (CUDA C++ Programming Guide, compute capability 8.0
-and 9.0 tables and its note on shared memory; CUDA Occupancy Calculator): ``max_blocks_per_sm`` resident
-blocks (32), ``smem_reserved_per_block`` bytes of an SM's shared memory the system keeps per resident block
-(1 KB: why 227 KB of 228 KB are a block's maximum), ``reg_alloc_unit`` registers a warp's allocation is
-rounded up to (256).
+    into (:attr:`l2_shared_capacity`). Occupancy limits (CUDA C++ Programming Guide, compute capability 8.0
+    and 9.0 tables and its note on shared memory; CUDA Occupancy Calculator): ``max_blocks_per_sm`` resident
+    blocks (32), ``smem_reserved_per_block`` bytes of an SM's shared memory the system keeps per resident block
+    (1 KB: why 227 KB of 228 KB are a block's maximum), ``reg_alloc_unit`` registers a warp's allocation is
+    rounded up to (256).
 
     >>> [m.level for m in H100.memories]
     [HBM, L2, SMEM, REG]

@@ -321,11 +321,8 @@ def test_kernel_time_runs_in_waves_of_resident_blocks():
     o = predicted_occupancy(flash, H100, sizes)
     # shared memory: Q's 64×128 block once, K's and V's 64×128 chunks three times, bf16; 1 KiB reserved per block
     smem = 64 * 128 * 2 + 3 * 2 * 64 * 128 * 2
-    assert (o.blocks, o.per_sm, o.limit) == (4096 // 64 * 64, 228 * 1024 // (smem + 1024), "shared memory") == (
-        4096,
-        2,
-        "shared memory",
-    )
+    expected = (4096 // 64 * 64, 228 * 1024 // (smem + 1024), "shared memory")
+    assert (o.blocks, o.per_sm, o.limit) == expected == (4096, 2, "shared memory")
     assert o.prologue == 64 * 128 * 2 + 2 * 64 * 128 * 2  # Q and the first K, V chunk
     assert o.epilogue == 64 * 128 * 2  # the output block
     # 4096 blocks on 132 × 2 slots: 16 waves, the last partial

@@ -76,7 +76,7 @@ def _alibi(s, q, x):
 def kernels() -> dict:
     """Each kernel's name → (the Lowered to run, its sizes by axis name), built lazily."""
     import napkin_cat as nc
-    from lowering import lower
+    from lowering import Config, lower
     from rewrites import derive, stream, tile
 
     b, h, q, x, d, hk, g = nc.axes("b h q x d hk g")
@@ -93,6 +93,8 @@ def kernels() -> dict:
         return lambda: (lower(m).forward, {"n": size, "k": size, "c": size})
 
     attn = dict(SIZES)
+    norm = derive(nc.library.layer_norm(n, k, dtype="bf16"), tile(n, 16), verify=False)
+    norm_sizes = {"n": 65536, "k": 1024}
     return {
         "attention": lambda: (flash(mha()).forward, attn),
         "attention causal": lambda: (flash(mha(causal=True)).forward, attn),
@@ -108,10 +110,10 @@ def kernels() -> dict:
         "score_mod (ALiBi)": lambda: (flash(mha(score_mod=_alibi)).forward, attn),
         "matmul 4096³": matmul(4096),
         "matmul 8192³": matmul(8192),
-        "layer norm": lambda: (
-            lower(derive(nc.library.layer_norm(n, k, dtype="bf16"), tile(n, 16), verify=False)).forward,
-            {"n": 65536, "k": 1024},
-        ),
+        "layer norm": lambda: (lower(norm).forward, norm_sizes),
+        # 8 warps hold 64 f32 values of the 16×1024 block per thread where 4 hold 128: spills or not, and
+        # whether γ, β's re-reads beyond one per SM are L1 misses, side by side
+        "layer norm (8 warps)": lambda: (lower(norm, config=Config(num_warps=8, num_stages=3)).forward, norm_sizes),
     }
 
 
@@ -265,8 +267,9 @@ def predict(name: str, hardware) -> dict:
     lowered, sizes = kernels()[name]()
     config = getattr(lowered, "config", None)
     stages = config.num_stages if config else 3  # Config.get_default's, which a Lowered without one runs
+    warps = config.num_warps if config else None
     c = cost(level("SMEM")(lowered.plan.diagram), hardware).subs(**sizes)
-    occ = predicted_occupancy(lowered.plan.diagram, hardware, sizes, stages=stages)
+    occ = predicted_occupancy(lowered.plan.diagram, hardware, sizes, stages=stages, warps=warps)
     terms = {k: float(v) for k, v in c.kernel_times.items()}
     compute = terms["tensor"] + terms["vector"] + terms["sfu"]
     links = {k: v for k, v in terms.items() if k.startswith("→")}
@@ -275,7 +278,7 @@ def predict(name: str, hardware) -> dict:
         "gmem_read": float(c.gmem_bytes - c.gmem_write_bytes),
         "dram": float(c.dram_bytes),
         "time": float(c.time),
-        "time_serial": predicted_time(lowered.plan.diagram, hardware, sizes, stages=stages),
+        "time_serial": predicted_time(lowered.plan.diagram, hardware, sizes, stages=stages, warps=warps),
         "occupancy": None if occ is None else {**asdict(occ), "waves": occ.waves(hardware)},
         "time_unwaved": float(c.time_serial),
         "flops": float(sum(c.tensor_flops.values())),
@@ -376,6 +379,7 @@ def report(path: Path):
                 f"{causal} / {full}: measured time ratio {measured_ratio:.2f}, predicted "
                 f"{ps[1]['time_serial'] / ps[0]['time_serial']:.2f} (the causal mask's visited fraction of the loop)."
             )
+    lines += [_layer_norm_note(name, m, hw) for name, m in data["kernels"].items() if name.startswith("layer norm")]
     lines.append("")
     b, h, q, x = nc.axes("b h q x")
     summary = {}
@@ -433,6 +437,26 @@ def report(path: Path):
     fig.tight_layout()
     fig.savefig(path.with_suffix(".png"), dpi=120)
     print("\n".join(lines))
+
+
+def _layer_norm_note(name: str, m: dict, hw) -> str:
+    """Layer norm's GMEM→SMEM read bytes taken apart: X once, then γ and β (f32) once per block (the model's
+    count: every block loads them with ``ld.global``), against once per SM (what L1 would leave if it kept
+    them between an SM's blocks), and what ncu saw beyond X, beside its spilled bytes and L1's hit rate."""
+    if "error" in m:
+        return ""
+    n, k, rows = 65536, 1024, 16  # kernels()'s layer norm
+    x, params = n * k * 2, 2 * k * 4
+    beyond = m["l1tex__m_xbar2l1tex_read_bytes.sum"] - x
+    spill = m.get("l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum")
+    hit = m.get("l1tex__t_sector_pipe_lsu_mem_global_op_ld_hit_rate.pct")
+    return (
+        f"{name}: GMEM→SMEM reads beyond X ({x / 1e6:.1f} MB) {beyond / 1e6:.1f} MB measured; γ, β once per block "
+        f"{n // rows * params / 1e6:.1f} MB (the model), once per SM {hw.sms * params / 1e6:.1f} MB"
+        + ("" if spill is None else f"; spill loads {spill / 1e6:.1f} MB")
+        + ("" if hit is None else f"; L1 hit rate of global loads {hit:.1f}%")
+        + "."
+    )
 
 
 def _launch(p: dict, m: dict) -> str:
