@@ -16,7 +16,7 @@ sizes), then the largest chunks. Here rather than in :mod:`napkin_cat.optimize` 
 >>> mha = nc.library.multi_head_attention(h, q, x, nc.Axis("d", 128), batch=(b,), dtype="bf16")
 >>> flash = derive(mha, tile(q), stream(x), verify=False)
 >>> print(choose_tiles(flash, "H100", {"b": 4, "h": 16, "q": 4096, "x": 4096}))
-tile(q, 256), stream(x, 64) on H100: largest tiles whose blocks fit 232,448 B, then fastest predicted (1.108 ms)
+tile(q, 256), stream(x, 64) on H100: largest tiles whose blocks fit 232,448 B, then fastest predicted (1.196 ms)
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import sympy
 
-from lowering._plan import NotLowerable, next_pow2, plan
+from lowering._plan import NotLowerable, next_pow2, plan, smem_bytes
 from lowering._triton import Config, launch
 from napkin_cat import Cost, cost
 from napkin_cat.diagram import Diagram
@@ -37,7 +37,7 @@ from napkin_cat.hardware import Hardware, lookup
 from napkin_cat.levels import SMEM
 from rewrites import RewriteError, level, open_sizes, resolve
 
-__all__ = ["Choice", "choose_tiles", "predicted_time"]
+__all__ = ["Choice", "Occupancy", "choose_tiles", "occupancy", "predicted_occupancy", "predicted_time"]
 
 #: the sizes tried for an open partition: Triton's blocks are powers of two ≥ 16 (16-bit dots need K ≥ 16);
 #: above 256 no block fits an H100's shared memory beside another operand at D ≥ 64
@@ -126,9 +126,169 @@ def _problem_sizes(d: Diagram, sizes: Mapping[str, int] | None, why: str) -> dic
     return out
 
 
-def predicted_time(scheduled, hardware: Hardware | str, sizes: Mapping[str, int]) -> float:
+@dataclass(frozen=True)
+class Occupancy:
+    """How a kernel's grid runs on a GPU: ``blocks`` in the grid, ``per_sm`` of them resident on each SM
+    (``limit`` names the resource that bounds it), and the bytes a block moves outside its loop:
+    ``prologue`` before its first compute, ``epilogue`` after its last.
+
+    >>> from napkin_cat.hardware import H100
+    >>> Occupancy(blocks=264, per_sm=1, limit="shared memory", prologue=0, epilogue=0).waves(H100)
+    2
+    """
+
+    blocks: int
+    per_sm: int
+    limit: str
+    prologue: int
+    epilogue: int
+    registers: int = 0
+
+    def waves(self, hw: Hardware) -> int:
+        """Rounds of ``SMs × per_sm`` blocks the grid needs (the last one possibly partial)."""
+        return -(-self.blocks // (hw.sms * self.per_sm))
+
+    def time(self, times: Mapping[str, float], hw: Hardware) -> float:
+        """Seconds for a kernel whose per-resource ``times`` (:attr:`Cost.kernel_times`: the work spread
+        evenly over every SM) run in waves.
+
+        Each wave runs ``SMs × per_sm`` blocks: their share of the compute (tensor + CUDA cores + exp unit,
+        in series as in :attr:`Cost.time_serial`), after their prologue and before their epilogue, which all
+        blocks of a wave move at once through the link into shared memory; a partial last wave costs a whole
+        one (wave quantization). The links' bytes are shared by whichever blocks run, so a link-bound kernel
+        takes its slowest link's time, as in :attr:`Cost.time_serial`.
+
+        >>> from napkin_cat.hardware import H100
+        >>> o = Occupancy(blocks=133, per_sm=1, limit="warps", prologue=0, epilogue=0)
+        >>> round(o.time({"tensor": 1.0, "vector": 0.0, "sfu": 0.0, "→SMEM": 0.5}, H100), 4)  # two waves of 132
+        1.985
+        """
+        slots = hw.sms * self.per_sm
+        compute = times["tensor"] + times["vector"] + times["sfu"]
+        moved = slots * (self.prologue + self.epilogue) / hw.bandwidth(SMEM)
+        links = [t for k, t in times.items() if k.startswith("→")]
+        return max(*links, self.waves(hw) * (compute * slots / self.blocks + moved))
+
+
+def occupancy(p, padded: Mapping[str, int], config: Config, hw: Hardware, live_values=None) -> Occupancy:
+    """The grid, blocks resident per SM and per-block prologue/epilogue bytes of a plan's kernel.
+
+    Blocks per SM is the least of: the hardware's resident-block limit; its warps over the block's
+    (``config.num_warps``); its shared memory over the block's footprint (resident blocks plus ``stages``
+    buffers of each chunk, :func:`lowering._plan.smem_bytes`) plus the per-block reservation; its
+    registers over the block's, where a thread holds ``live_values`` (the block's on-chip values that
+    shared memory does not stage, one 32-bit register each, at most the hardware's per-thread limit: a
+    lower bound, since Triton also keeps addresses and temporaries) rounded up to the allocation unit.
+    The prologue is what the first iteration waits for: the resident input blocks and the first chunk
+    (Triton's pipeliner issues ``stages − 1`` chunks before its loop, served in order, and the later ones
+    arrive under the first iteration's compute); the epilogue writes the output blocks.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> b, h, q, x = nc.axes("b h q x")
+    >>> mha = nc.library.multi_head_attention(h, q, x, nc.Axis("d", 128), batch=(b,), dtype="bf16")
+    >>> p = plan(derive(mha, tile(q, 128), stream(x, 64), verify=False).diagram)
+    >>> from napkin_cat.hardware import H100
+    >>> o = occupancy(p, {"b": 4, "h": 16, "q": 4096, "x": 4096, "d": 128}, Config(8, 3), H100)
+    >>> o.blocks, o.per_sm, o.limit, o.prologue // 1024, o.epilogue // 1024
+    (2048, 1, 'shared memory', 64, 32)
+    """
+    tiles = [padded[a] // g for a, g in p.tiles.items()]
+    blocks = math.prod(tiles) * math.prod(padded[a] for a in p.batch)
+    smem = smem_bytes(p, padded, config.num_stages)
+    prologue = smem_bytes(p, padded, 1)  # the resident blocks and the first chunk: the loop waits for nothing more
+    epilogue = sum(_block_values(p, w, padded) * w.dtype.bytes for w in p.diagram.cod.inside)
+    threads = config.num_warps * hw.warp_size
+    per_thread = hw.max_regs_per_thread
+    if live_values is not None:
+        per_thread = min(per_thread, max(1, -(-int(live_values) // threads)))
+    unit = hw.reg_alloc_unit // hw.warp_size  # registers per thread in one allocation unit
+    registers = -(-per_thread // unit) * unit
+    limits = {
+        "resident blocks": hw.max_blocks_per_sm,
+        "warps": hw.max_warps_per_sm // config.num_warps,
+        "shared memory": hw.capacity(SMEM) // (smem + hw.smem_reserved_per_block),
+        "registers": hw.regs_per_sm // (threads * registers),
+    }
+    limit = min(limits, key=limits.get)
+    return Occupancy(blocks, max(1, limits[limit]), limit, prologue, epilogue, registers)
+
+
+def _block_values(p, wire, padded) -> int:
+    """Values of one block of ``wire``: a tile of each tiled axis, a chunk of the streamed one, whole otherwise."""
+    n = 1
+    for a in wire.axes:
+        if a.name in p.batch:
+            continue
+        if p.stream and a.name == p.stream[0]:
+            n *= p.stream[1]
+        else:
+            n *= p.tiles.get(a.name, padded[a.name])
+    return n
+
+
+def _live_values(c: Cost, p, sizes: Mapping[str, int], padded: Mapping[str, int]) -> int:
+    """The block's on-chip values outside shared memory: the cost functor's largest column at one block,
+    less the input blocks shared memory stages."""
+    per_block = {**sizes, **dict.fromkeys(p.batch, 1)}
+    column = c.subs(**per_block).memory.get(SMEM, sympy.Integer(0))
+    staged = sum(_block_values(p, w, padded) for w in p.diagram.dom.inside)
+    return max(0, int(column) - staged) if column.is_number else 0
+
+
+def _occupancy_at(
+    c: Cost, d: Diagram, sizes: Mapping[str, int], hw: Hardware, stages: int, warps: int | None = None
+) -> Occupancy | None:
+    """The occupancy of ``d``'s kernel at ``sizes``; None when the diagram does not lower to one kernel there."""
+    try:
+        p = plan(d)
+        extent = _problem_sizes(d, sizes, "the predicted time")
+        padded = launch(p, extent, Config(num_stages=stages), hw)
+    except NotLowerable:
+        return None
+    config = Config(num_warps=warps or Config.get_default(p).num_warps, num_stages=stages)
+    return occupancy(p, padded, config, hw, _live_values(c, p, {**extent, **sizes}, padded))
+
+
+def _kernel_time(
+    c: Cost, d: Diagram, sizes: Mapping[str, int], hw: Hardware, stages: int, warps: int | None = None
+) -> float:
+    """``c`` at ``sizes``, run in waves with its blocks' prologue and epilogue (:meth:`Occupancy.time`);
+    :attr:`Cost.time_serial` alone when the diagram does not lower to one kernel."""
+    numbers = c.subs(**sizes)
+    o = _occupancy_at(c, d, sizes, hw, stages, warps)
+    if o is None:
+        return float(numbers.time_serial)
+    return o.time({k: float(v) for k, v in numbers.kernel_times.items()}, hw)
+
+
+def predicted_occupancy(
+    scheduled, hardware: Hardware | str, sizes: Mapping[str, int], *, stages: int = 3, warps: int | None = None
+):
+    """The :class:`Occupancy` :func:`predicted_time` runs a scheduled diagram's kernel at (None if it does not
+    lower to one kernel at ``sizes``).
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> n, k, c = nc.axes("n k c")
+    >>> mm = derive(nc.library.matmul(n, k, c, dtype="bf16"), tile(n, 128), tile(c, 128), stream(k, 64), verify=False)
+    >>> o = predicted_occupancy(mm, "H100", {"n": 4096, "k": 4096, "c": 4096})
+    >>> o.blocks, o.per_sm, o.limit, o.waves(lookup("H100"))
+    (1024, 2, 'shared memory', 4)
+    """
+    d = getattr(scheduled, "diagram", scheduled)
+    hw = lookup(hardware)
+    return _occupancy_at(cost(_costed(d), hw), d, sizes, hw, stages, warps)
+
+
+def predicted_time(
+    scheduled, hardware: Hardware | str, sizes: Mapping[str, int], *, stages: int = 3, warps: int | None = None
+) -> float:
     """Seconds the cost model predicts for a scheduled diagram (or Derivation) at ``sizes`` (by axis name, and
-    by symbol name for open partition sizes): :attr:`Cost.time_serial` of its cost, run as one kernel.
+    by symbol name for open partition sizes): :attr:`Cost.time_serial` of its cost, run as one kernel, in
+    waves of the blocks the SMs hold at once, each wave with its blocks' prologue and epilogue
+    (:func:`occupancy`, :meth:`Occupancy.time`; ``stages`` and ``warps`` as the kernel runs them, by default
+    :meth:`lowering.Config.get_default`'s).
 
     >>> import napkin_cat as nc
     >>> from rewrites import derive, tile, stream
@@ -136,10 +296,11 @@ def predicted_time(scheduled, hardware: Hardware | str, sizes: Mapping[str, int]
     >>> mha = nc.library.multi_head_attention(h, q, x, d, batch=(b,), dtype="bf16")
     >>> flash = derive(mha, tile(q, 128), stream(x, 64), verify=False)
     >>> round(predicted_time(flash, "H100", {"b": 4, "h": 16, "q": 4096, "x": 4096, "d": 128}) * 1e3, 3)
-    1.108
+    1.198
     """
     d = getattr(scheduled, "diagram", scheduled)
-    return cost(_costed(d), lookup(hardware)).number("time_serial", **sizes)
+    hw = lookup(hardware)
+    return _kernel_time(cost(_costed(d), hw), d, sizes, hw, stages, warps)
 
 
 def _fits(d: Diagram, c: Cost, choice: dict, at: dict, stages: int, hw: Hardware) -> bool:
@@ -173,7 +334,7 @@ def choose_tiles(
     >>> n, k, c = nc.axes("n k c")
     >>> mm = derive(nc.library.matmul(n, k, c, dtype="bf16"), tile(n), tile(c), stream(k), verify=False)
     >>> choose_tiles(mm, "H100", {"n": 4096, "k": 4096, "c": 4096}).sizes
-    {'g_n': 256, 's_k': 64, 'g_c': 256}
+    {'g_n': 256, 's_k': 32, 'g_c': 256}
     >>> choose_tiles(derive(nc.library.attention(*nc.axes("q x d")), tile("q"), verify=False), "H100")
     Traceback (most recent call last):
     ...
@@ -217,7 +378,7 @@ diagram leaves symbolic: give each a size (nc.Axis('q', n)) or pass lower(..., s
     streams = [o.symbol.name for o in opens if o.rule == "stream"]
 
     def predicted(choice: dict) -> float:
-        return float(c.subs(**choice, **at).time_serial)
+        return _kernel_time(c, resolve(d, choice), {**at, **choice}, hw, stages)
 
     def key(choice: dict):
         t = predicted(choice)

@@ -26,13 +26,14 @@ Two global-memory figures, measured differently (REFERENCE §5):
   A causal mask between the tiled and the streamed axis skips the chunks past the diagonal: the loop's
   transfers and work take the visited fraction ``(n + max(g, s)) / 2n`` (exact for a square mask and
   ``g``, ``s`` powers of two). This is ncu's ``l1tex__m_xbar2l1tex_read_bytes`` plus the writes.
-* **DRAM bytes** (:attr:`Cost.dram_bytes`): what reaches HBM itself, after the L2 cache. A re-read input
-  is served by L2 when the working set of the blocks running at once fits L2's capacity: the grid runs
-  its first tiled axis fastest, then the others, then the batch axes (``lowering._plan``), and
-  ``SMs × blocks_per_sm`` consecutive blocks touch, per grid axis indexing the array,
-  ``min(n_j, ⌈C/σ_j⌉)`` of its ``n_j`` slabs (``σ_j`` blocks per step of axis ``j``). Fits: read once;
-  else each wave of concurrent blocks reads a slab from DRAM once, shared by the ``C/touched`` blocks of
-  the wave that read it (a ``Piecewise``).
+* **DRAM bytes** (:attr:`Cost.dram_bytes`): what reaches HBM itself, after the L2 cache. The grid runs
+  its first tiled axis fastest, then the others, then the batch axes (``lowering._plan``; Pallas' Triton
+  lowering maps grid dimension 0 to CUDA's ``blockIdx.x``, which the hardware dispatches fastest), and a
+  wave of ``SMs × blocks_per_sm`` consecutive blocks touches, per grid axis indexing the array,
+  ``min(n_j, ⌈C/σ_j⌉)`` of its ``n_j`` slabs (``σ_j`` blocks per step of axis ``j``). The blocks of a wave
+  reading one slab share its trip from DRAM; a slab that later waves read again is still in L2 with the
+  probability :func:`l2_survival` gives for the wave's working set against one L2 partition
+  (:attr:`~napkin_cat.hardware.Hardware.l2_shared_capacity`): 1 when it fits, so each input is read once.
 
 >>> import napkin_cat as nc
 >>> from napkin_cat.hardware import H100
@@ -485,29 +486,46 @@ def cost(d: Diagram, hardware: Hardware | str | None = None, *, onchip: Level = 
     return total
 
 
+def l2_survival(ratio) -> Expr:
+    """The fraction of a re-read slab still in L2 when the next wave of blocks reads it again.
+
+    ``ratio`` is the wave's working set over the L2 capacity it can use. Between two reads of a line, the
+    other lines of the working set are read once each; L2's replacement policy is undocumented, so take
+    each miss to evict a uniformly random line (random replacement: strict LRU would keep nothing of a
+    cyclic working set over capacity, where the matmul at 4096³ on an H100 keeps part of it). A line
+    survives the ``ratio·(1 − h)`` capacities' worth of misses between its reads with probability
+    ``h = exp(−ratio·(1 − h))``; the root below 1 is ``h = −W₀(−ratio·e^(−ratio))/ratio`` (Lambert's W,
+    principal branch), and ``h = 1`` when the working set fits (``ratio ≤ 1``).
+
+    >>> l2_survival(sympy.Rational(1, 2)), round(float(l2_survival(2)), 4), round(float(l2_survival(6)), 4)
+    (1, 0.2032, 0.0025)
+    """
+    r = sympy.sympify(ratio)
+    root = -sympy.LambertW(-r * sympy.exp(-r)) / r
+    return sympy.Piecewise((sympy.Integer(1), r <= 1), (root, True))
+
+
 def _dram_rereads(kernels: dict, hw: Hardware | None, blocks_per_sm: int) -> Expr:
-    """DRAM bytes of the re-read inputs: read once if the concurrent blocks' working set fits L2, else every time."""
+    """DRAM bytes of the re-read inputs, wave by wave through L2.
+
+    A wave is the ``SMs × blocks_per_sm`` consecutive blocks that run at once; the blocks of a wave that
+    read the same slab share one trip from DRAM, so a slab re-read ``n`` times is fetched by ``n/share``
+    waves (``share = min(n, C/touched)``, :meth:`_Kernel.touched`). The first fetch is compulsory; each
+    later one hits L2 with the probability :func:`l2_survival` gives for the wave's working set against
+    :attr:`Hardware.l2_shared_capacity` (a slab read by blocks on every SM is cached in both L2 partitions).
+    """
     out = ZERO
     for k in kernels.values():
         if not k.rereads:
             continue
-        once = sympy.Add(*(a.size * a.dtype.bytes for a, _ in k.rereads))
         if hw is None or not any(m.level == L2 for m in hw.memories):
             out += sympy.Add(*(a.size * a.dtype.bytes * n for a, n in k.rereads))
             continue
         c = sympy.Integer(hw.sms * blocks_per_sm)
-        # blocks reading one slab at the same time share its trip from DRAM; later waves read it again
-        every = sympy.Add(
-            *(a.size * a.dtype.bytes * n / sympy.Min(n, sympy.Max(1, c / k.touched(a, c))) for a, n in k.rereads)
-        )
-        fits = k.working_set(c) <= hw.capacity(L2)
-        out += (
-            once
-            if fits is sympy.true
-            else every
-            if fits is sympy.false
-            else sympy.Piecewise((once, fits), (every, True))
-        )
+        miss = 1 - l2_survival(k.working_set(c) / hw.l2_shared_capacity)
+        for a, n in k.rereads:
+            waves = n / sympy.Min(n, sympy.Max(1, c / k.touched(a, c)))
+            out += a.size * a.dtype.bytes * (1 + (waves - 1) * miss)
     return out
 
 
@@ -563,17 +581,47 @@ def _column(walk: _Walk, hw: Hardware | None, ids: Iterable[int], extra: Iterabl
     return Cost(hw, memory=memory, memory_bytes=memory_bytes)
 
 
+def _rescale(box, k: _Kernel) -> tuple[Expr, Expr]:
+    """FLOPs and exponentials a streamed normalising box spends rescaling its state, over every chunk.
+
+    The online softmax (FlashAttention-2's step, :class:`~napkin_cat.generators.OnlineSoftmax`) rescales
+    its accumulated outputs by ``δ = exp(m − m')`` at every chunk: one multiply per output value, and per
+    row of the scores the new max, ``δ``'s subtraction, the sum's rescale and add (4 FLOPs) and ``δ`` itself
+    (one exponential). The unstreamed box does none of it, so it grows as the chunk shrinks.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream, level
+    >>> q, x, d = nc.axes("q x d")
+    >>> fa = derive(nc.library.attention(q, x, d), tile(q, 64), stream(x), level(SMEM), verify=False)
+    >>> sympy.factor(cost(fa.diagram).flops - cost(nc.library.attention(q, x, d)).flops)
+    q*x*(d + 4)/s_x
+    """
+    if not getattr(box, "normalises", False) or not box.dom.inside:
+        return ZERO, ZERO
+    scores = box.dom.inside[0]
+    for name, axis in k.streamed.items():
+        if scores.has(name) and box.accumulator(name) is not None:
+            chunks = axis.size / axis.stream
+            rows = scores.size / axis.size
+            outputs = sympy.Add(*(w.size for w in box.cod.inside))
+            return chunks * (outputs + 4 * rows), chunks * rows
+    return ZERO, ZERO
+
+
 def _layer(walk: _Walk, kernels: dict, hw: Hardware | None, onchip: Level, layer) -> Cost:
     """``id(left) ⊗ F(box) ⊗ id(right)``: the box's work and transfers, the column's memory."""
     whiskers, box, ins, outs = layer
     column = whiskers + ins + outs
     wires = [i for i in ins + outs if walk.arrays[i].level > HBM]
     visited = sympy.Integer(1)
+    rescale = (ZERO, ZERO)
     if wires:
         k = kernels[walk.root(wires[0])]
         if any(walk.arrays[i].has(s) for i in wires for s in k.streamed):
             column = column + sorted(k.resident)
             visited = k.visited
+            if not is_structural(box):
+                rescale = _rescale(box, k)
     if is_structural(box):
         return _column(walk, hw, column, ())
     moves: list[tuple[Level, Level, Array, Expr]] = []
@@ -609,8 +657,8 @@ def _layer(walk: _Walk, kernels: dict, hw: Hardware | None, onchip: Level, layer
     narrowest = min((w.dtype for w in box.dom.inside), key=lambda t: t.bits, default=f32)
     return replace(
         record,
-        flops=sympy.sympify(box.flops()) * visited,
-        transcendentals=sympy.sympify(box.transcendentals()) * visited,
+        flops=(sympy.sympify(box.flops()) + rescale[0]) * visited,
+        transcendentals=(sympy.sympify(box.transcendentals()) + rescale[1]) * visited,
         tensor_flops={narrowest: tensor} if tensor != 0 else {},
         moves=_add(*({(o, i): a.size * k} for o, i, a, k in moves)),
         move_bytes=_add(*({(o, i): a.size * k * a.dtype.bytes} for o, i, a, k in moves)),

@@ -83,7 +83,12 @@ class Hardware:
     is derived. ``exp_per_clk`` is the SFU rate (exponentials per SM per clock), ``alu16_per_clk`` the
     non-tensor FP16 rate (FLOP per SM per clock), ``smem_bytes_per_clk`` the SMEM → register bandwidth
     per SM. ``ceilings`` are rates measured on the GPU (:meth:`ceiling`), which the cost model's predicted
-    time (``Cost.time_serial``) prefers to the datasheet's.
+    time (``Cost.time_serial``) prefers to the datasheet's. ``l2_partitions`` is how many halves L2 is split
+    into (:attr:`l2_shared_capacity`). Occupancy limits (CUDA C++ Programming Guide, compute capability 8.0
+    and 9.0 tables and its note on shared memory; CUDA Occupancy Calculator): ``max_blocks_per_sm`` resident
+    blocks (32), ``smem_reserved_per_block`` bytes of an SM's shared memory the system keeps per resident block
+    (1 KB: why 227 KB of 228 KB are a block's maximum), ``reg_alloc_unit`` registers a warp's allocation is
+    rounded up to (256).
 
     >>> [m.level for m in H100.memories]
     [HBM, L2, SMEM, REG]
@@ -102,6 +107,31 @@ class Hardware:
     max_regs_per_thread: int
     warp_size: int = 32
     ceilings: tuple[tuple[str, float], ...] = ()
+    l2_partitions: int = 1
+    max_blocks_per_sm: int = 32
+    smem_reserved_per_block: int = 1 * KiB
+    reg_alloc_unit: int = 256
+
+    @property
+    def regs_per_sm(self) -> int:
+        """32-bit registers per SM: the REG level's capacity in 4-byte words.
+
+        >>> H100.regs_per_sm
+        65536
+        """
+        return self.capacity(REG) // 4
+
+    @property
+    def l2_shared_capacity(self) -> int:
+        """Bytes of L2 that data read by SMs all over the chip can occupy: one partition's share.
+
+        A100 and GH100 split L2 into ``l2_partitions`` halves, each caching the accesses of the SMs
+        wired to it, so a line read from both sides is held twice (see the models' sources).
+
+        >>> H100.l2_shared_capacity // MiB, replace(H100, l2_partitions=1).l2_shared_capacity // MiB
+        (25, 50)
+        """
+        return self.capacity(L2) // self.l2_partitions
 
     def ceiling(self, what: str) -> float | None:
         """A measured ceiling, where one was measured on this GPU: a dtype's name (dense tensor-core FLOP/s
@@ -238,6 +268,9 @@ A100 = Hardware(
     l1_smem_per_sm=192 * KiB,  # whitepaper: 192 KB combined L1/shared memory per SM
     max_warps_per_sm=64,  # CUDA guide cc 8.0: 2048 threads per SM
     max_regs_per_thread=255,  # CUDA guide: 255 registers per thread
+    # whitepaper, "L2 Cache": "The L2 cache is divided into two partitions [...] Each L2 partition localizes
+    # and caches data for memory accesses from SMs in the GPCs directly connected to the partition."
+    l2_partitions=2,
 )
 
 # --- NVIDIA H100 SXM5 80GB -------------------------------------------------------------------------
@@ -273,6 +306,8 @@ H100 = Hardware(
     # (papers/flash_attention/results/mosaic_NVIDIA_H100_80GB_HBM3.json). No device copy has been measured on the
     # H100, so DRAM keeps the datasheet bandwidth.
     ceilings=(("bf16", 733e12), ("f16", 689e12)),
+    # whitepaper: GH100 keeps A100's L2 in two partitions joined by a crossbar, each caching for its own GPCs
+    l2_partitions=2,
 )
 
 # --- NVIDIA H200 SXM 141GB -------------------------------------------------------------------------

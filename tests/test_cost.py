@@ -1,5 +1,7 @@
 """The cost functor against FAN's formulas (REFERENCE §1.3 rows 1, 4, 6, 7) and XLA's own counts."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -219,18 +221,44 @@ def test_softmax_against_xla():
     assert passes == 3 * 2 and rows <= 16 * 4 * 256
 
 
+def _survival(ratio: float) -> float:
+    """The random-replacement fixed point h = exp(-ratio (1 - h)) below 1, by bisection (independent of LambertW)."""
+    lo, hi = 0.0, 1.0 - 1e-12
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if math.exp(-ratio * (1 - mid)) > mid else (lo, mid)
+    return lo
+
+
+def test_l2_survival_is_the_random_replacement_fixed_point():
+    from napkin_cat._cost import l2_survival
+
+    assert l2_survival(sympy.Rational(9, 10)) == 1 and l2_survival(1) == 1  # fits: every wave hits
+    for r in (1.2, 1.5, 3.0, 8.0):
+        assert float(l2_survival(sympy.Float(r))) == pytest.approx(_survival(r), abs=1e-9)
+
+
 def test_dram_misses_l2_when_the_working_set_does_not_fit():
-    """A matmul whose concurrent blocks touch more operand panels than L2 holds re-reads them from DRAM."""
+    """A matmul whose wave of blocks touches more operand panels than one L2 partition holds re-reads them."""
     a, b, c = nc.axes("a b c")
     m = relabel(nc.library.matmul(a, b, c, dtype="bf16"), a=("group", 128), b=("stream", 64), c=("group", 128))
     m = level(nc.SMEM)(m)
-    small, big = (cost(m, H100).subs(a=n, b=n, c=n) for n in (2048, 16384))
+    small, mid, big = (cost(m, H100).subs(a=n, b=n, c=n) for n in (2048, 4096, 16384))
     assert small.dram_bytes == 3 * 2048 * 2048 * 2  # A, B read once, C written once
-    # 16384: 128 A panels of 4 MiB touched at once > 50 MiB; 132 blocks share each A panel 132/128 ways
-    panels = 16384 // 128
-    a_reads = sympy.Integer(16384**2 * 2) * panels / (sympy.Integer(132) / 128)
-    b_reads = sympy.Integer(16384**2 * 2) * panels / (sympy.Integer(132) / 2)
-    assert big.dram_bytes == a_reads + b_reads + 16384**2 * 2
+    for n, got in ((4096, mid), (16384, big)):
+        panels, panel = n // 128, 128 * n * 2  # slabs per operand, bytes per slab
+        # a wave of 132 blocks (a fastest) touches every A panel and ⌈132/panels⌉ B panels
+        touched_b = -(-132 // panels)
+        ratio = (panels + touched_b) * panel / (25 * 2**20)  # against one of the H100's two 25 MiB partitions
+        miss = 1 - _survival(ratio)
+        waves_a = panels / (132 / panels)  # 132/panels blocks of a wave share each A panel
+        waves_b = panels / min(panels, 132 / touched_b)
+        expected = n * n * 2 * (2 + (waves_a - 1 + waves_b - 1) * miss) + n * n * 2
+        assert float(got.dram_bytes) == pytest.approx(expected, rel=1e-9)
+    # at 4096³ a 50 MiB L2 would hold the 37 MiB wave; one 25 MiB partition keeps part of A between waves:
+    # between once (2 operands) and a miss on every wave (A fetched by 32/(132/32) waves, B by 32/26.4)
+    reads = float(mid.dram_bytes) - 4096**2 * 2
+    assert 2 * 4096**2 * 2 < reads < 4096**2 * 2 * (32 / (132 / 32) + 32 / (132 / 5))
 
 
 def test_serial_time_uses_measured_ceilings_where_the_model_has_them():
@@ -260,3 +288,52 @@ def test_open_sizes_stay_symbolic_in_the_cost():
     assert {g_q, s_x} <= c.memory_bytes[nc.SMEM].free_symbols
     assert g_q in c.gmem_bytes.free_symbols
     assert float(c.subs(q=4096, x=4096, g_q=128, s_x=64).time_serial) > 0
+
+
+def test_online_softmax_rescales_its_state_at_every_chunk():
+    """Streaming x in chunks of s_x adds, per chunk, one multiply per output value and 4 FLOPs + 1 exp per row."""
+    from rewrites import derive, stream, tile
+
+    q, x, d = nc.axes("q x d")
+    naive = cost(nc.library.attention(q, x, d), H100)
+    flash = cost(derive(nc.library.attention(q, x, d), tile(q, 64), stream(x), level(nc.SMEM), verify=False).diagram)
+    Q, X, D = q.size, x.size, d.size
+    chunks = X / s_x
+    assert sympy.simplify(flash.flops - naive.flops - chunks * (Q * D + 4 * Q)) == 0
+    assert sympy.simplify(flash.transcendentals - naive.transcendentals - chunks * Q) == 0
+    assert sympy.simplify(flash.tensor_flops[nc.f32] - naive.tensor_flops[nc.f32]) == 0  # the matmuls are unchanged
+    # a matmul's stream loop sums without rescaling: no extra work
+    a, b, c_ = nc.axes("a b c")
+    mm = relabel(nc.library.matmul(a, b, c_), a=("group", 64), b=("stream", s_b), c=("group", 64))
+    assert cost(level(nc.SMEM)(mm)).flops == cost(nc.library.matmul(a, b, c_)).flops
+
+
+def test_kernel_time_runs_in_waves_of_resident_blocks():
+    """Attention D=128, tile 64, stream 64, 4 warps, 3 stages on an H100, every limit computed by hand."""
+    from lowering import Config, plan, predicted_time
+    from lowering._tiles import occupancy, predicted_occupancy
+    from rewrites import derive, stream, tile
+
+    b, h, q, x = nc.axes("b h q x")
+    mha = nc.library.multi_head_attention(h, q, x, nc.Axis("d", 128), batch=(b,), dtype="bf16")
+    flash = derive(mha, tile(q, 64), stream(x, 64), verify=False)
+    sizes = {"b": 4, "h": 16, "q": 4096, "x": 4096, "d": 128}
+    o = predicted_occupancy(flash, H100, sizes)
+    # shared memory: Q's 64×128 block once, K's and V's 64×128 chunks three times, bf16; 1 KiB reserved per block
+    smem = 64 * 128 * 2 + 3 * 2 * 64 * 128 * 2
+    expected = (4096 // 64 * 64, 228 * 1024 // (smem + 1024), "shared memory")
+    assert (o.blocks, o.per_sm, o.limit) == expected == (4096, 2, "shared memory")
+    assert o.prologue == 64 * 128 * 2 + 2 * 64 * 128 * 2  # Q and the first K, V chunk
+    assert o.epilogue == 64 * 128 * 2  # the output block
+    # 4096 blocks on 132 × 2 slots: 16 waves, the last partial
+    t = cost(level(nc.SMEM)(flash.diagram), H100).subs(**sizes).kernel_times
+    compute = float(t["tensor"] + t["vector"] + t["sfu"])
+    wave = compute * 264 / 4096 + 264 * (o.prologue + o.epilogue) / 12e12
+    assert predicted_time(flash, H100, sizes) == pytest.approx(16 * wave, rel=1e-12)
+    assert 16 * wave > compute * (1 + 1 / 32)  # quantization (16 waves for 15.5) and the prologues cost time
+    # registers bound the blocks once each thread holds more: 8 warps × 255 registers leave room for one block
+    p = plan(flash.diagram)
+    few = occupancy(p, sizes, Config(num_warps=8, num_stages=1), H100, live_values=10**6)
+    assert (few.registers, few.per_sm, few.limit) == (256, 1, "registers")
+    # a link-bound kernel takes its link's time: its bytes are shared by whichever blocks run
+    assert o.time({"tensor": 0.0, "vector": 0.0, "sfu": 0.0, "→L2": 1.0}, H100) == 1.0

@@ -114,3 +114,13 @@ def test_ampere_warps():  # FAN v1: "13 warps per SM (FlashAttention fits 8)"
     w = opt.ampere_warps(A100_40GB)
     assert (w.needed, w.flash, w.register_limit, w.flash_rows) == (13, 8, 8, 128)
     assert opt.ampere_warps(A100).needed == 10  # the 80 GB part's faster HBM
+
+
+def test_occupancy_constants_and_l2_partitions():
+    """CUDA guide cc 8.0/9.0: 32 resident blocks, 1 KB reserved per block (228 − 227 KB), 64K registers per SM;
+    A100/GH100 whitepapers: L2 in two partitions, each caching for its own GPCs."""
+    for hw in (A100, H100, H200):
+        assert hw.max_blocks_per_sm == 32 and hw.regs_per_sm == 65536
+        assert hw.capacity(SMEM) - hw.smem_per_block == hw.smem_reserved_per_block == 1024
+        assert hw.l2_partitions == 2 and hw.l2_shared_capacity * 2 == hw.capacity(L2)
+    assert replace(H100, l2_partitions=1).l2_shared_capacity == 50 * MiB

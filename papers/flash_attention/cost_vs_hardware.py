@@ -1,16 +1,20 @@
 """The cost functor against the hardware counters: predicted vs ncu-measured bytes and time, per lowered kernel.
 
 Every lowered kernel (attention forward, causal and not, the three backward kernels, grouped-query
-attention, a score modifier, tiled matmuls that fit and miss L2, layer norm) runs once per worker process
-under Nsight Compute (``--clock-control none``, caches flushed before the profiled launch, the warm-up
-launch skipped); ``nc.cost`` of the same scheduled diagram (recoloured to SMEM) predicts GMEM→SMEM read
-bytes (``l1tex__m_xbar2l1tex_read_bytes``), DRAM bytes (``dram__bytes_read + dram__bytes_write``) and
-time (``gpu__time_duration``). A grid of (tile, stream) sizes for attention at D ∈ {64, 128} is timed
-without ncu and ranked against the model's predicted time (:attr:`napkin_cat.Cost.time_serial`: the slowest
-link, or tensor-core + CUDA-core + exp-unit time in series, at the measured ceilings of
-:meth:`napkin_cat.hardware.Hardware.ceiling`); the model's pick is what ``lower`` does with ``tile(q),
-stream(x)`` (:func:`lowering.choose_tiles`), restricted to the grid that was measured. The report also names,
-per kernel, the term that bounds the prediction, so a missed target says which term is wrong.
+attention, a score modifier, tiled matmuls that fit and miss L2, layer norm) runs under Nsight Compute
+(``--clock-control none``, caches flushed before each profiled launch), seven to a worker process that
+launches each kernel twice (the profile keeps the second launch; a kernel its batch misses gets a process of
+its own while the budget lasts); ``nc.cost`` of the same scheduled diagram (recoloured to SMEM) predicts
+GMEM→SMEM read bytes (``l1tex__m_xbar2l1tex_read_bytes``), DRAM bytes (``dram__bytes_read +
+dram__bytes_write``) and time (``gpu__time_duration``). ncu also records, where it has them, register
+spills (local-memory bytes), registers per thread and its occupancy limits, beside the model's blocks per
+SM. A grid of (tile, stream) sizes for attention at D ∈ {64, 128} is timed without ncu and ranked against
+the model's predicted time (:func:`lowering.predicted_time`: :attr:`napkin_cat.Cost.time_serial`'s terms
+at the measured ceilings of :meth:`napkin_cat.hardware.Hardware.ceiling`, the compute run in waves of the
+blocks the SMs hold at once with each wave's prologue and epilogue); the model's pick is what ``lower``
+does with ``tile(q), stream(x)`` (:func:`lowering.choose_tiles`), restricted to the grid that was measured.
+The report also names, per kernel, the term that bounds the prediction, so a missed target says which term
+is wrong. ``--budget-s`` (default 270) bounds the whole measurement: ncu first, the grid in what is left.
 
 On the GPU (discopy carried as a wheel), from the repository root::
 
@@ -35,6 +39,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 METRICS = (
@@ -43,6 +48,23 @@ METRICS = (
     "dram__bytes_write.sum",
     "gpu__time_duration.sum",
 )
+#: recorded where this ncu has them (a run without them keeps the four above): register spills (local-memory
+#: bytes through L1, which ``l1tex__m_xbar2l1tex_read_bytes`` also counts when they miss), registers per thread,
+#: the occupancy limits ncu computes (against ``lowering._tiles.occupancy``) and L1's share of global loads
+EXTRA_METRICS = (
+    "l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum",
+    "l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum",
+    "launch__registers_per_thread",
+    "launch__shared_mem_per_block_allocated",
+    "launch__occupancy_limit_blocks",
+    "launch__occupancy_limit_registers",
+    "launch__occupancy_limit_shared_mem",
+    "launch__occupancy_limit_warps",
+    "launch__waves_per_multiprocessor",
+    "l1tex__t_bytes_pipe_lsu_mem_global_op_ld.sum",
+    "l1tex__t_sector_pipe_lsu_mem_global_op_ld_hit_rate.pct",
+)
+LAUNCHED = "napkin-launched "
 SIZES = {"b": 4, "h": 16, "q": 4096, "x": 4096, "d": 128, "hk": 4, "g": 4}
 GRID_TILES, GRID_STREAMS, GRID_D = (64, 128, 256), (32, 64, 128), (64, 128)
 
@@ -54,7 +76,7 @@ def _alibi(s, q, x):
 def kernels() -> dict:
     """Each kernel's name → (the Lowered to run, its sizes by axis name), built lazily."""
     import napkin_cat as nc
-    from lowering import lower
+    from lowering import Config, lower
     from rewrites import derive, stream, tile
 
     b, h, q, x, d, hk, g = nc.axes("b h q x d hk g")
@@ -71,6 +93,8 @@ def kernels() -> dict:
         return lambda: (lower(m).forward, {"n": size, "k": size, "c": size})
 
     attn = dict(SIZES)
+    norm = derive(nc.library.layer_norm(n, k, dtype="bf16"), tile(n, 16), verify=False)
+    norm_sizes = {"n": 65536, "k": 1024}
     return {
         "attention": lambda: (flash(mha()).forward, attn),
         "attention causal": lambda: (flash(mha(causal=True)).forward, attn),
@@ -86,10 +110,10 @@ def kernels() -> dict:
         "score_mod (ALiBi)": lambda: (flash(mha(score_mod=_alibi)).forward, attn),
         "matmul 4096³": matmul(4096),
         "matmul 8192³": matmul(8192),
-        "layer norm": lambda: (
-            lower(derive(nc.library.layer_norm(n, k, dtype="bf16"), tile(n, 16), verify=False)).forward,
-            {"n": 65536, "k": 1024},
-        ),
+        "layer norm": lambda: (lower(norm).forward, norm_sizes),
+        # 8 warps hold 64 f32 values of the 16×1024 block per thread where 4 hold 128: spills or not, and
+        # whether γ, β's re-reads beyond one per SM are L1 misses, side by side
+        "layer norm (8 warps)": lambda: (lower(norm, config=Config(num_warps=8, num_stages=3)).forward, norm_sizes),
     }
 
 
@@ -103,32 +127,57 @@ def _inputs(lowered, sizes, seed=0):
     ]
 
 
-def worker(name: str):
-    """Build one kernel, launch it twice (ncu skips the first)."""
+def worker(names: str):
+    """Build each kernel named (comma-separated), launch it twice (the profile keeps the second), and print
+    ``napkin-launched <name>`` after every launch, so a profile of many launches maps back to its kernels."""
     import jax
 
-    lowered, sizes = kernels()[name]()
-    args = _inputs(lowered, sizes)
-    f = jax.jit(lowered)
-    for _ in range(2):
-        jax.block_until_ready(f(*args))
+    for name in names.split(","):
+        try:
+            lowered, sizes = kernels()[name]()
+            f, args = jax.jit(lowered), _inputs(lowered, sizes)
+            for _ in range(2):
+                jax.block_until_ready(f(*args))
+                print(LAUNCHED + name, flush=True)
+            del f, args
+        except Exception as e:  # one kernel that fails to build is a result, not the end of the batch
+            print(f"napkin-failed {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
 
-def _ncu(name: str, timeout: float = 150) -> dict:
-    cmd = ["ncu", "--clock-control", "none", "--metrics", ",".join(METRICS), "--print-units", "base", "--csv"]
-    cmd += ["-k", "regex:napkin_kernel", "--launch-skip", "1", "--launch-count", "1"]
-    cmd += [sys.executable, "-m", "papers.flash_attention.cost_vs_hardware", "--worker", name]
+def _profile(names: list[str], metrics: tuple, timeout: float) -> tuple[dict, str]:
+    """One ncu process profiling every launch of ``names`` (in one worker): the second launch's metrics per
+    kernel, and ncu's output tail where something went wrong."""
+    cmd = ["ncu", "--clock-control", "none", "--metrics", ",".join(metrics), "--print-units", "base", "--csv"]
+    cmd += ["-k", "regex:napkin_kernel"]
+    cmd += [sys.executable, "-m", "papers.flash_attention.cost_vs_hardware", "--worker", ",".join(names)]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:  # one kernel that ncu cannot finish is a result, not the end of the run
-        return {"error": f"ncu did not finish within {timeout} s"}
+    except subprocess.TimeoutExpired:
+        return {}, f"ncu did not finish within {timeout:.0f} s"
+    launches = [line[len(LAUNCHED) :] for line in out.stdout.splitlines() if line.startswith(LAUNCHED)]
     rows = [line for line in out.stdout.splitlines() if line.startswith('"')]
-    values = {}
+    by_id: dict = {}
     for row in csv.DictReader(io.StringIO("\n".join(rows))):
-        values[row["Metric Name"]] = float(row["Metric Value"].replace(",", ""))  # base units: bytes, ns
-    if set(values) != set(METRICS):
-        return {"error": (out.stdout[-1500:] + out.stderr[-1500:])}
-    return values
+        try:  # base units: bytes, ns, registers, blocks
+            by_id.setdefault(int(row["ID"]), {})[row["Metric Name"]] = float(row["Metric Value"].replace(",", ""))
+        except (KeyError, ValueError):
+            continue
+    tail = out.stdout[-1500:] + out.stderr[-1500:]
+    if len(by_id) != len(launches):  # a launch without its profile (or one more): the order cannot be trusted
+        return {}, f"{len(by_id)} profiles for {len(launches)} launches\n{tail}"
+    results: dict = {}
+    for name, values in zip(launches, (by_id[i] for i in sorted(by_id)), strict=True):
+        results[name] = values  # the second launch overwrites the first
+    missing = {n: sorted(set(METRICS) - set(v)) for n, v in results.items() if not set(METRICS) <= set(v)}
+    return {n: v for n, v in results.items() if n not in missing}, tail if missing or not results else ""
+
+
+def _ncu(names: list[str], timeout: float) -> dict:
+    """Every kernel in ``names`` under ncu, in one process; the extra metrics dropped if this ncu lacks one."""
+    results, why = _profile(names, METRICS + EXTRA_METRICS, timeout)
+    if not results and "metric" in why.lower():
+        results, why = _profile(names, METRICS, timeout)
+    return {n: results.get(n, {"error": why or "not profiled"}) for n in names}
 
 
 def _time(f, args, reps=20) -> float:
@@ -176,21 +225,36 @@ def tile_grid(budget_s: float) -> list:
 
 
 def measure(out_dir: Path, budget_s: float, only: list[str] | None = None, grid: bool = True):
-    """The (tile, stream) grid timed (``grid``), then each kernel (or those named in ``only``) under ncu."""
+    """Each kernel (or those named in ``only``) under ncu, then the (tile, stream) grid timed (``grid``), within
+    ``budget_s`` seconds in all: one ncu process per batch of seven kernels, one per kernel a batch missed
+    while time is left, the grid in what remains."""
     import jax
 
+    start = time.time()
+    left = lambda: budget_s - (time.time() - start)  # noqa: E731
     kind = jax.devices()[0].device_kind
     path = out_dir / f"cost_vs_hardware_{kind.replace(' ', '_')}.json"
-    result = {"device": kind, "sizes": SIZES, "metrics": METRICS, "kernels": {}, "grid": []}
-    result["grid"] = tile_grid(budget_s) if grid else []
-    path.write_text(json.dumps(result, indent=1))
+    metrics = METRICS + EXTRA_METRICS
+    result = {"device": kind, "sizes": SIZES, "metrics": metrics, "kernels": {}, "grid": []}
     unknown = set(only or ()) - set(kernels())
     if unknown:
         raise SystemExit(f"--only: no kernel named {sorted(unknown)}; known: {sorted(kernels())}")
-    for name in only or kernels():
-        result["kernels"][name] = _ncu(name)
-        print(name, result["kernels"][name], flush=True)
+    names = list(only or kernels())
+    batches = [names[i : i + 7] for i in range(0, len(names), 7)]  # a batch that times out loses only itself
+    for i, batch in enumerate(batches):
+        result["kernels"].update(_ncu(batch, timeout=max(30.0, (left() - 40) / (len(batches) - i))))
+        print(f"ncu, {len(batch)} kernels in one process: {time.time() - start:.0f} s", flush=True)
         path.write_text(json.dumps(result, indent=1))
+    for name in [n for n in names if "error" in result["kernels"][n]]:
+        if left() < 45:
+            break
+        result["kernels"][name] = _ncu([name], timeout=min(60.0, left() - 30))[name]
+        print(name, result["kernels"][name], flush=True)
+    path.write_text(json.dumps(result, indent=1))
+    if grid:
+        result["grid"] = tile_grid(max(0.0, left() - 10))
+    path.write_text(json.dumps(result, indent=1))
+    print(f"total {time.time() - start:.0f} s", flush=True)
 
 
 # --- the report (CPU): predictions, ratios, table, plot ---------------------------------------------------
@@ -198,11 +262,17 @@ def measure(out_dir: Path, budget_s: float, only: list[str] | None = None, grid:
 
 def predict(name: str, hardware) -> dict:
     """GMEM→SMEM read bytes, DRAM bytes and time (overlapped and serial) of one kernel, from ``nc.cost``."""
+    from lowering import predicted_time
+    from lowering._tiles import predicted_occupancy
     from napkin_cat import Cost, cost
     from rewrites import level
 
     lowered, sizes = kernels()[name]()
+    config = getattr(lowered, "config", None)
+    stages = config.num_stages if config else 3  # Config.get_default's, which a Lowered without one runs
+    warps = config.num_warps if config else None
     c = cost(level("SMEM")(lowered.plan.diagram), hardware).subs(**sizes)
+    occ = predicted_occupancy(lowered.plan.diagram, hardware, sizes, stages=stages, warps=warps)
     terms = {k: float(v) for k, v in c.kernel_times.items()}
     compute = terms["tensor"] + terms["vector"] + terms["sfu"]
     links = {k: v for k, v in terms.items() if k.startswith("→")}
@@ -211,7 +281,9 @@ def predict(name: str, hardware) -> dict:
         "gmem_read": float(c.gmem_bytes - c.gmem_write_bytes),
         "dram": float(c.dram_bytes),
         "time": float(c.time),
-        "time_serial": float(c.time_serial),
+        "time_serial": predicted_time(lowered.plan.diagram, hardware, sizes, stages=stages, warps=warps),
+        "occupancy": None if occ is None else {**asdict(occ), "waves": occ.waves(hardware)},
+        "time_unwaved": float(c.time_serial),
         "flops": float(sum(c.tensor_flops.values())),
         "terms": terms,
         "tensor_by_dtype": {
@@ -261,13 +333,13 @@ def report(path: Path):
     hw = for_device(data["device"])
     rows = [
         "| kernel | GMEM→SMEM read pred / ncu | DRAM pred / ncu | time roofline (predicted) / ncu | predicted time "
-        "bound by |",
-        "|---|---|---|---|---|",
+        "bound by | blocks/SM pred / ncu (limit) | registers/thread pred / ncu | spills ld + st (ncu) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     plot, missed = [], []
     for name, m in data["kernels"].items():
         if "error" in m:
-            rows.append(f"| {name} | ncu failed | | | |")
+            rows.append(f"| {name} | ncu failed | | | | | | |")
             continue
         p = data.setdefault("predicted", {})[name] = predict(name, hw)
         m = {**m, "gpu__time_duration.sum": m["gpu__time_duration.sum"] * 1e-9}  # ncu's base unit: ns
@@ -279,7 +351,7 @@ def report(path: Path):
             f"| {name} | {p['gmem_read'] / 1e9:.3f} / {m['l1tex__m_xbar2l1tex_read_bytes.sum'] / 1e9:.3f} GB "
             f"(**{r[0]:.3f}**) | {p['dram'] / 1e9:.3f} / {dram / 1e9:.3f} GB (**{r[1]:.2f}**) | "
             f"{p['time'] * 1e3:.3f} ({p['time_serial'] * 1e3:.3f}) / {m['gpu__time_duration.sum'] * 1e3:.3f} ms "
-            f"(**{t[0]:.2f}**, predicted **{t[1]:.2f}**) | {p['bound']} |"
+            f"(**{t[0]:.2f}**, predicted **{t[1]:.2f}**) | {p['bound']} | {_launch(p, m)} |"
         )
         if abs(t[1] - 1) > 0.3:
             parts = ", ".join(
@@ -292,9 +364,10 @@ def report(path: Path):
             )
     lines = [f"### Cost model vs ncu on {data['device']} (model: {hw.name})", "", *rows, ""]
     lines += [
-        "Predicted time: `Cost.time_serial`, at the model's measured ceilings "
+        "Predicted time: `lowering.predicted_time`: `Cost.time_serial`'s terms at the model's measured ceilings "
         f"({', '.join(f'{k} {v / 1e12:.3g} T/s' for k, v in hw.ceilings) or 'none: datasheet rates'}) and f32 "
-        "contractions as TF32 (`Cost.kernel_times`). "
+        "contractions as TF32 (`Cost.kernel_times`), the compute in waves of the blocks resident per SM with "
+        "each wave's prologue and epilogue (`Occupancy.time`); the roofline column is `Cost.time`. "
         f"Time target (within 30%) missed by {len(missed)} of {len(plot)} kernels"
         + (": " + "; ".join(missed) + "." if missed else "."),
         "",
@@ -309,6 +382,7 @@ def report(path: Path):
                 f"{causal} / {full}: measured time ratio {measured_ratio:.2f}, predicted "
                 f"{ps[1]['time_serial'] / ps[0]['time_serial']:.2f} (the causal mask's visited fraction of the loop)."
             )
+    lines += [_layer_norm_note(name, m, hw) for name, m in data["kernels"].items() if name.startswith("layer norm")]
     lines.append("")
     b, h, q, x = nc.axes("b h q x")
     summary = {}
@@ -368,6 +442,42 @@ def report(path: Path):
     print("\n".join(lines))
 
 
+def _layer_norm_note(name: str, m: dict, hw) -> str:
+    """Layer norm's GMEM→SMEM read bytes taken apart: X once, then γ and β (f32) once per block (the model's
+    count: every block loads them with ``ld.global``), against once per SM (what L1 would leave if it kept
+    them between an SM's blocks), and what ncu saw beyond X, beside its spilled bytes and L1's hit rate."""
+    if "error" in m:
+        return ""
+    n, k, rows = 65536, 1024, 16  # kernels()'s layer norm
+    x, params = n * k * 2, 2 * k * 4
+    beyond = m["l1tex__m_xbar2l1tex_read_bytes.sum"] - x
+    spill = m.get("l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum")
+    hit = m.get("l1tex__t_sector_pipe_lsu_mem_global_op_ld_hit_rate.pct")
+    return (
+        f"{name}: GMEM→SMEM reads beyond X ({x / 1e6:.1f} MB) {beyond / 1e6:.1f} MB measured; γ, β once per block "
+        f"{n // rows * params / 1e6:.1f} MB (the model), once per SM {hw.sms * params / 1e6:.1f} MB"
+        + ("" if spill is None else f"; spill loads {spill / 1e6:.1f} MB")
+        + ("" if hit is None else f"; L1 hit rate of global loads {hit:.1f}%")
+        + "."
+    )
+
+
+def _launch(p: dict, m: dict) -> str:
+    """Blocks per SM, registers per thread and spilled bytes, predicted (``lowering._tiles.occupancy``)
+    against ncu's launch statistics and local-memory traffic, where the run recorded them."""
+    o = p.get("occupancy") or {}
+    limits = {k: m.get(f"launch__occupancy_limit_{k}") for k in ("blocks", "registers", "shared_mem", "warps")}
+    known = {k: v for k, v in limits.items() if v is not None}
+    ncu_blocks = f"{min(known.values()):.0f} ({min(known, key=known.get)})" if known else "–"
+    regs = m.get("launch__registers_per_thread")
+    spill = [m.get(f"l1tex__t_bytes_pipe_lsu_mem_local_op_{op}.sum") for op in ("ld", "st")]
+    return (
+        f"{o.get('per_sm', '–')} ({o.get('limit', '–')}) / {ncu_blocks} | ≥{o.get('registers', '–')} / "
+        f"{'–' if regs is None else f'{regs:.0f}'} | "
+        + ("–" if None in spill else f"{spill[0] / 1e6:.1f} + {spill[1] / 1e6:.1f} MB")
+    )
+
+
 def _ms(t: float) -> str:
     return f"{t * 1e3:.3f} ms"
 
@@ -378,7 +488,7 @@ def main(argv=None):
     ap.add_argument("--measure", action="store_true")
     ap.add_argument("--report", type=Path)
     ap.add_argument("--out-dir", type=Path, default=Path(os.environ.get("OUT", ".")))
-    ap.add_argument("--budget-s", type=float, default=110.0)
+    ap.add_argument("--budget-s", type=float, default=270.0, help="seconds for the whole measurement (ncu + grid)")
     ap.add_argument("--only", help="comma-separated kernel names to measure (default: all)")
     ap.add_argument("--no-grid", action="store_true", help="skip timing the (tile, stream) grid")
     args = ap.parse_args(argv)
