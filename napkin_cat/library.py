@@ -14,6 +14,7 @@ import functools
 import inspect
 import operator
 from dataclasses import dataclass
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -351,6 +352,8 @@ class SameSegment:
     """
 
     name: str = "same_document"
+    #: a mask of the scores: it commutes with scaling them (``lowering``'s exp2 fold passes through it)
+    passes_base: ClassVar[bool] = True
 
     def __call__(self, s, a, b):
         return jnp.where(a == b, s, -jnp.inf)
@@ -403,6 +406,9 @@ def keep_where(s, m):
     [1.0, -inf]
     """
     return jnp.where(m, s, -jnp.inf)
+
+
+keep_where.passes_base = True  # a mask of the scores: it commutes with scaling them
 
 
 def dot_product_attention(

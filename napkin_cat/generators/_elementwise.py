@@ -161,9 +161,24 @@ class Elementwise(Generator):
         rule = DERIVATIVES.get(fn) if isinstance(fn, str) else None
         if rule is not None:
             parts = rule(t, ct, ins, y, const)
-        else:
-            parts = [t.ew(Partial(fn, i), ct, *ins, const=const, out=t.ty(ct)) for i in range(len(ins))]
-        return [t.unbroadcast(v, t.ty(x).with_(dtype=f32)) for v, x in zip(parts, ins, strict=True)]
+        else:  # integer and boolean inputs (ids, masks) have no cotangent: nothing is computed for them
+            parts = [
+                t.ew(Partial(fn, i), ct, *ins, const=const, out=t.ty(ct)) if _real(t.ty(x)) else None
+                for i, x in enumerate(ins)
+            ]
+        return [
+            None if v is None else t.unbroadcast(v, t.ty(x).with_(dtype=f32)) for v, x in zip(parts, ins, strict=True)
+        ]
+
+    def passes_base(self):
+        """True where ``fn`` declares it (``fn.passes_base``): a mask of its first argument, such as
+        ``where(keep, s, −∞)``, commutes with scaling the scores."""
+        return bool(getattr(self.params["fn"], "passes_base", False))
+
+
+def _real(a: Array) -> bool:
+    """Whether a wire holds real numbers (so has a cotangent): not integers, not booleans."""
+    return a.dtype.name not in ("i32", "bool")
 
 
 def elementwise(fn: str | Callable, *arrays: Array, const=None, out: Array | None = None) -> Elementwise:
