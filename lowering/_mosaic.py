@@ -34,13 +34,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from lowering._plan import NotLowerable, Plan, plan
+from lowering._triton import tiled_first
 from napkin_cat.diagram import Diagram
 from napkin_cat.generators import JAX, Context, Generator
 from napkin_cat.hardware import H100
 from napkin_cat.levels import REG
 from napkin_cat.semantics import bind
 
-__all__ = ["MosaicArrays", "MosaicConfig", "MosaicLowered", "base2", "choose", "plan"]
+__all__ = ["MosaicArrays", "MosaicConfig", "MosaicLowered", "base2", "choose", "faster", "plan"]
 
 LOG2E = math.log2(math.e)
 #: wgmma's row count per warpgroup
@@ -81,6 +82,9 @@ class Smem:
     def __init__(self, ref, barrier=None):
         self.ref, self.barrier = ref, barrier
         self.shape, self.dtype = tuple(ref.shape), ref.dtype
+        #: the register layout a load gives: wgmma's for a block; a vector of the rows (the tiled axis) in the
+        #: layout of a block's row statistics, a vector of the columns (the streamed axis) in that of its columns
+        self.layout = plgpu.Layout.WGMMA
 
     def ready(self):
         """The ref, once its TMA copy has landed (the wait is issued once per chunk)."""
@@ -91,7 +95,13 @@ class Smem:
 
     def value(self):
         """The operand loaded into registers."""
-        return self.ready()[...]
+        return plgpu.load(self.ready(), layout=self.layout)
+
+    def along(self, axis: int) -> Smem:
+        """A vector as the rows (``axis`` 0) or the columns (1) of the blocks it is broadcast against."""
+        if len(self.shape) == 1:
+            self.layout = plgpu.Layout.WGMMA.reduce(1 - axis)
+        return self
 
 
 class Product:
@@ -102,7 +112,7 @@ class Product:
         self.xp, self.a, self.b, self.shape, self.dtype = xp, a, b, shape, jnp.float32
 
     def into(self, acc):
-        a, b = self.xp.operand_a(self.a), self.b.ready()
+        a, b = self.xp.operand_a(self.a, self.b.dtype), self.b.ready()
         first = self.xp.issued == 0
         self.xp.issued += 1
 
@@ -176,6 +186,10 @@ class MosaicArrays:
         """``wgmma`` for a 2-operand, 2-D contraction over one axis whose B operand is in shared memory."""
         ins, out = spec.split("->")
         terms = ins.split(",")
+        if len(terms) == 2 and terms[0] == terms[1] and len(terms[0]) == 2 and out in (terms[0][0], terms[0][1]):
+            # a row-wise inner product (Δ = Σ_d dO ⊙ O): on registers, no tensor cores
+            a, b = (self.f32(_value(v)) for v in xs)
+            return self.sum(a * b, 1 - terms[0].index(out))
         if len(terms) != 2 or len(out) != 2 or any(len(t) != 2 for t in terms):
             raise NotLowerable(f"einsum {spec!r}: wgmma takes two 2-D operands and gives a 2-D product")
         (k,) = set(terms[0]) & set(terms[1]) - set(out) or (None,)
@@ -194,12 +208,18 @@ class MosaicArrays:
         m, n = va.shape[0] if isinstance(va, Smem) else jnp.shape(va)[0], vb.shape[1]
         return Product(self, va, vb, (m, n))
 
-    def operand_a(self, a):
-        """wgmma's A operand: a shared-memory ref, or a register array (directly, or through ``staging``)."""
+    def operand_a(self, a, dtype):
+        """wgmma's A operand: a shared-memory ref, or a register array in ``dtype`` (directly, or through
+        ``staging``)."""
         if isinstance(a, Smem):
             return a.ready()
+        a = a.astype(dtype)  # the operands meet in B's 16-bit type (FA2 casts P to V's)
         if self.staging is None:
             return a
+        if tuple(a.shape) != tuple(self.staging.shape):
+            raise NotLowerable(
+                f"interpret mode stages a register A operand through a {self.staging.shape} buffer, got {a.shape}"
+            )
         self.staging[...] = a.astype(self.staging.dtype)
         plgpu.commit_smem()
         return self.staging
@@ -249,12 +269,42 @@ def choose(d: Diagram, *, interpret: bool | None, config=None) -> tuple[MosaicLo
         return None, f"config is a {type(config).__name__}, which tunes Triton"
     try:
         kernel = MosaicLowered(plan(d), interpret=False, config=config)
-        size = {a.name: a.size for w in d.dom.inside for a in w.axes}
-        if all(size[a].is_number for a in kernel.plan.whole):
-            kernel.check({a: int(n) if n.is_number else 1 for a, n in size.items()})
+        kernel.guard()
     except NotLowerable as e:
         return None, f"Mosaic refused: {e}"
     return kernel, None
+
+
+#: where Mosaic's forward was measured faster than Triton's (H100, docs/mosaic.md v2 and v3): consumer blocks of
+#: 128 rows (a tile of 256 split over two warpgroups) at D ∈ {64, 128}; with 64-row blocks it was slower
+#: (253 against 344 TFLOP/s at D = 64, N = 2048)
+FASTER_ROWS, FASTER_WHOLE = 128, (64, 128)
+
+
+def faster(kernel: MosaicLowered) -> str | None:
+    """None where ``backend="auto"`` expects ``kernel`` to beat Triton's (measured, :data:`FASTER_ROWS`,
+    :data:`FASTER_WHOLE`), else why not.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> q, x, d = nc.axes("q x d", d=128)
+    >>> attn = nc.library.attention(q, x, d, dtype="bf16")
+    >>> [faster(MosaicLowered(plan(derive(attn, tile(q, g), stream(x, 64), verify=False).diagram))) for g in (256, 128)]
+    [None, "64-row consumer blocks (tile q/128 over 2 warpgroups): Mosaic measured slower than Triton there; \
+'auto' takes Mosaic at 128-row blocks with whole axes of 64 or 128"]
+    """
+    size = {a.name: a.size for w in kernel.plan.diagram.dom.inside for a in w.axes}
+    whole = {a: size[a] for a in kernel.plan.whole}
+    if kernel.rows == FASTER_ROWS and all(n.is_number and int(n) in FASTER_WHOLE for n in whole.values()):
+        return None
+    where = f"{kernel.rows}-row consumer blocks (tile {kernel.q}/{kernel.plan.tiles[kernel.q]} over "
+    where += f"{kernel.config.consumers} warpgroups)"
+    if kernel.rows == FASTER_ROWS:
+        where = ", ".join(f"whole axis {a} = {n}" for a, n in whole.items())
+    return (
+        f"{where}: Mosaic measured slower than Triton there; 'auto' takes Mosaic at {FASTER_ROWS}-row blocks "
+        f"with whole axes of {' or '.join(map(str, FASTER_WHOLE))}"
+    )
 
 
 def base2(d: Diagram) -> Diagram:
@@ -305,17 +355,21 @@ class MosaicLowered:
     ('q', 'x', 64, 64, True)
     """
 
+    #: what ``lower``'s ``kernel.backends`` reports; the hardware model the budgets come from
+    backend, hardware = "mosaic", H100
+
     def __init__(self, p: Plan, *, interpret: bool | None = None, config: MosaicConfig | None = None):
         self.plan = p
         self.interpret = (jax.default_backend() != "gpu") if interpret is None else interpret
         self.config = config or MosaicConfig(interpretable=self.interpret)
         self.__name__ = "napkin_mosaic_kernel"
-        if not p.tiles or p.stream is None:
+        if not p.tiles:
             raise NotLowerable(
-                f"Mosaic backend: tiled axes (the first output's first one split over consumer warpgroups) and one "
-                f"streamed axis, got tiles {p.tiles} and stream {p.stream}"
+                "Mosaic backend: tiled axes (the first output's first one split over consumer warpgroups) and at "
+                f"most one streamed axis, got tiles {p.tiles} and stream {p.stream}"
             )
-        self.x, self.s = p.stream
+        #: the streamed axis and its chunk (None, None for a kernel without a loop: the backward's Δ)
+        self.x, self.s = p.stream or (None, None)
         first = _unweave(p.diagram, p.batch).cod.inside[0].names[0]
         self.q = first if first in p.tiles else next(iter(p.tiles))
         g = p.tiles[self.q]
@@ -328,8 +382,8 @@ class MosaicLowered:
                 f"multiples of wgmma's {WGMMA_M}"
             )
         self.rows = g // c
-        self.pingpong = self.config.pingpong and c == 2
-        if self.s % WGMMA_M:
+        self.pingpong = self.config.pingpong and c == 2 and p.stream is not None
+        if p.stream is not None and self.s % WGMMA_M:
             raise NotLowerable(f"axis {self.x!r}: the stream size s = {self.s} must be a multiple of {WGMMA_M}")
         consumer_regs, producer_regs = self.config.registers()
         if 128 * (c * consumer_regs + producer_regs) > REGISTERS:
@@ -337,14 +391,16 @@ class MosaicLowered:
                 f"warpgroup level: {c} consumers × {self.config.consumer_registers} registers plus a producer "
                 f"× {self.config.producer_registers} exceed the SM's {REGISTERS} registers"
             )
-        self.d = base2(_unweave(p.diagram, p.batch))
+        # blocks holding both loop axes laid out tiled axis first: the kept block is wgmma's A operand (Sᵀ = K·Qᵀ)
+        self.d = tiled_first(base2(_unweave(p.diagram, p.batch)), p)
         for w in self.d.dom.inside:
             role = self._role(w)
             if role is None:
                 raise NotLowerable(
-                    f"input {w.describe()}: a block must be 2-D (the tiled or streamed axis, and one whole axis)"
+                    f"input {w.describe()}: a block must be 2-D (the tiled or streamed axis, and one whole axis) "
+                    f"or a vector along the tiled or streamed axis"
                 )
-            if w.dtype.bits != 16:
+            if len(w.axes) == 2 and w.dtype.bits != 16:
                 raise NotLowerable(f"input {w.describe()}: wgmma takes 16-bit operands, got {w.dtype}")
         for w in self.d.cod.inside:
             if self._role(w) != "tile" or w.names[0] != self.q:
@@ -360,6 +416,17 @@ class MosaicLowered:
             self.reuse.append(None if k is None else free[k])
             if k is not None:
                 free[k] = None
+        #: the shared-memory buffers of the other outputs, one per block shape and dtype (outputs sharing one
+        #: are stored one after another: dK and dV in f32 would not fit side by side at D = 128), and each
+        #: output's buffer among them (None where it reuses an input's tile)
+        self.own: list = []
+        self.shared: list[int | None] = []
+        for w, i in zip(self.d.cod.inside, self.reuse, strict=True):
+            j = next((j for j, v in enumerate(self.own) if _same_block(v, w)), None) if i is None else None
+            if i is None and j is None:
+                self.own.append(w)
+                j = len(self.own) - 1
+            self.shared.append(j)
 
     @property
     def source(self) -> str:
@@ -379,7 +446,9 @@ class MosaicLowered:
                 f"plgpu.kernel grid ({', '.join(f'{a}/{n}' for a, n in p.tiles.items())}, batch) × {c.consumers + 1} "
                 f"warpgroups: {c.consumers} "
                 f"consumers of {self.rows} {self.q}-rows each (wgmma), 1 TMA producer",
-                f"ring: {c.stages} stages of {self.x}~{self.s} chunks per streamed input; ping-pong: {self.pingpong}",
+                f"ring: {c.stages} stages of {self.x}~{self.s} chunks per streamed input; ping-pong: {self.pingpong}"
+                if self.x
+                else "no loop: every input a resident tile",
                 f"consumers walk: {' ; '.join(b.name for b in self.d.boxes)}",
                 *(
                     f"output {w.describe()} stored through the shared-memory tile of {self.d.dom.inside[i].describe()}"
@@ -389,9 +458,19 @@ class MosaicLowered:
             ]
         )
 
+    def guard(self) -> None:
+        """:meth:`check` now where the sizes it reads (the axes kept whole) are known: the tiled and streamed
+        axes enter it only through their blocks."""
+        size = {a.name: a.size for w in self.plan.diagram.dom.inside for a in w.axes}
+        if all(size[a].is_number for a in self.plan.whole):
+            self.check({a: int(n) if n.is_number else 1 for a, n in size.items()})
+
     def _role(self, w) -> str | None:
-        """``stream`` (a ring chunk, whole tile rows when it holds the split axis), ``tile`` (per-consumer rows)."""
+        """``stream`` (a ring chunk, whole tile rows when it holds the split axis), ``tile`` (per-consumer rows):
+        2-D blocks, or vectors along the split or the streamed axis (the backward's ``L`` and ``Δ``)."""
         names = w.names
+        if len(names) == 1 and names[0] in (self.q, self.x):
+            return "stream" if names[0] == self.x else "tile"
         if len(names) != 2 or len(set(names)) != 2:
             return None
         if any(n not in (self.q, self.x, *self.others, *self.plan.whole) for n in names):
@@ -407,7 +486,7 @@ class MosaicLowered:
         sizes = bind(full.dom, arrays)
         extent = {a.name: int(a.size.subs(sizes)) for w in full.dom.inside for a in w.axes}
         g = p.tiles[self.q]
-        for a, block in ((self.q, g), (self.x, self.s), *self.others.items()):
+        for a, block in ((self.q, g), *([(self.x, self.s)] if self.x else []), *self.others.items()):
             if extent[a] % block:
                 raise NotLowerable(f"axis {a!r} of size {extent[a]}: the Mosaic backend needs whole blocks of {block}")
         self.check(extent)
@@ -482,9 +561,9 @@ class MosaicLowered:
             ring = self._role(w) == "stream"
             n = math.prod(self.block(w, extent, ring=ring)) * w.dtype.bytes
             total += n * (c.stages if ring else c.consumers)
-        for w, reused in zip(self.d.cod.inside, self.reuse, strict=True):
-            total += 0 if reused is not None else math.prod(self.block(w, extent)) * w.dtype.bytes * c.consumers
-        if c.interpretable:
+        for w in self.own:
+            total += math.prod(self.block(w, extent)) * w.dtype.bytes * c.consumers
+        if c.interpretable and self.x:
             total += self.rows * self.s * 2 * c.consumers
         return total
 
@@ -494,24 +573,24 @@ class MosaicLowered:
         streamed = [i for i, w in enumerate(wires) if self._role(w) == "stream"]
         resident = [i for i, w in enumerate(wires) if self._role(w) == "tile"]
         g = p.tiles[self.q]
-        n_tiles, n_chunks = extent[self.q] // g, extent[self.x] // self.s
+        n_tiles, n_chunks = extent[self.q] // g, (extent[self.x] // self.s if self.x else 0)
         batch = [extent[a] for a in p.batch]
 
-        def smem(shape, dtype):
-            return plgpu.SMEM(shape, dtype, transforms=_swizzle(shape[-1], jnp.dtype(dtype).itemsize))
+        def smem(shape, dtype):  # stages or consumers of a block, swizzled for wgmma; of a vector, as is
+            swizzle = _swizzle(shape[-1], jnp.dtype(dtype).itemsize) if len(shape) == 3 else ()
+            return plgpu.SMEM(shape, dtype, transforms=swizzle)
 
-        own = [w for w, reused in zip(self.d.cod.inside, self.reuse, strict=True) if reused is None]
         scratch = [
             [smem((c.stages, *self.block(wires[i], extent, ring=True)), wires[i].dtype.jnp) for i in streamed],
             [smem((c.consumers, *self.block(wires[i], extent)), wires[i].dtype.jnp) for i in resident],
-            [smem((c.consumers, *self.block(w, extent)), w.dtype.jnp) for w in own],
+            [smem((c.consumers, *self.block(w, extent)), w.dtype.jnp) for w in self.own],
             [plgpu.Barrier(num_barriers=c.stages) for _ in streamed],
             [plgpu.Barrier(num_arrivals=c.consumers, num_barriers=c.stages) for _ in streamed],
             [plgpu.Barrier(num_barriers=c.consumers) for _ in resident],
         ]
         scratch.append([plgpu.Barrier(num_arrivals=c.consumers)] if self.pingpong else [])
-        if c.interpretable:
-            value_dtype = next(wires[i].dtype.jnp for i in streamed)
+        if c.interpretable and streamed:
+            value_dtype = next(wires[i].dtype.jnp for i in streamed if len(wires[i].axes) == 2)
             scratch.append([smem((c.consumers, self.rows, self.s), value_dtype)])
         causal = [b.diagonal() for b in self.d.boxes if isinstance(b, Generator) and b.diagonal()]
         causal = [dq for dq in causal if dq == (self.q, self.x)]
@@ -576,6 +655,8 @@ class _Kernel:
         g, s = low.plan.tiles[low.q], low.s
         # chunks this block streams: up to the diagonal of its last row when causal
         chunks = lax.div(tile * g + g + s - 1, _i32(s)) if self.causal else _i32(self.n_chunks)
+        if not self.streamed:  # no loop (the backward's Δ): the producer has nothing to fill
+            chunks = _i32(0)
         consumer_regs, producer_regs = c.registers()
 
         @pl.when(wg < c.consumers)
@@ -588,7 +669,8 @@ class _Kernel:
         @pl.when(wg == c.consumers)
         def _producer():
             plgpu.set_max_registers(producer_regs, action="decrease")
-            self.produce(in_refs, rings, loaded, consumed, bid, tile, chunks)
+            if self.streamed:
+                self.produce(in_refs, rings, loaded, consumed, bid, tile, chunks)
 
     def produce(self, in_refs, rings, loaded, consumed, bid, tile, chunks):
         low, hbm, stages, s = self.low, self.low.plan.diagram.dom.inside, self.low.config.stages, self.low.s
@@ -621,7 +703,7 @@ class _Kernel:
         from rewrites import walk
 
         low, d, stages = self.low, self.low.d, self.low.config.stages
-        wires, x, s, rows = d.dom.inside, low.x, low.s, low.rows
+        wires, x, s, rows = d.dom.inside, low.x or "", low.s, low.rows
         start = tile * low.plan.tiles[low.q] + wg * rows
         for k, i in enumerate(self.resident):
             view = in_refs[i].at[self._index(low.plan.diagram.dom.inside[i], bid, **{low.q: pl.ds(start, rows)})]
@@ -629,7 +711,7 @@ class _Kernel:
         xp = MosaicArrays(staging.at[wg] if staging is not None else None)
         pingpong = MosaicArrays(xp.staging, turn)
         ctx = Context(sizes=self.sizes, offsets={low.q: start}, xp=xp)
-        resident = {i: Smem(tiles[k].at[wg], arrived[k].at[wg]) for k, i in enumerate(self.resident)}
+        resident = {i: Smem(tiles[k].at[wg], arrived[k].at[wg]).along(0) for k, i in enumerate(self.resident)}
         for v in resident.values():
             v.ready()  # waited once, before the loop
         box_at = [None]
@@ -649,7 +731,9 @@ class _Kernel:
 
         def values(chunk):
             slot = lax.rem(chunk, _i32(stages))
-            ring = {i: Smem(rows_of(i, rings[k].at[slot]), loaded[k].at[slot]) for k, i in enumerate(self.streamed)}
+            ring = {
+                i: Smem(rows_of(i, rings[k].at[slot]), loaded[k].at[slot]).along(1) for k, i in enumerate(self.streamed)
+            }
             return [ring.get(i, resident.get(i)) for i in range(len(wires))], ring, slot
 
         def traced(f, *args, **kw):
@@ -672,7 +756,8 @@ class _Kernel:
             )
             return shapes
 
-        like = jax.eval_shape(probe, *(jax.ShapeDtypeStruct(low.block(w, self.extent), w.dtype.jnp) for w in wires))
+        blocks = (jax.ShapeDtypeStruct(low.block(w, self.extent), w.dtype.jnp) for w in wires)
+        like = jax.eval_shape(probe, *blocks) if self.streamed else {}
         keys = sorted(like)
         init = tuple(d.inside[i][1].accumulator(x).identity(like[i], ctx) for i in keys)
 
@@ -719,8 +804,10 @@ class _Kernel:
                     plgpu.barrier_arrive(consumed[k].at[slot])
                 for _ in range(pingpong.issued):  # the turns the other warpgroup still takes
                     pingpong.schedule()
-        else:
+        elif self.streamed:
             carry = lax.fori_loop(0, chunks, body(False), init)
+        else:
+            carry = init
         if turn is not None:  # and the first one ends one turn later
 
             @pl.when(wg == 0)
@@ -732,14 +819,15 @@ class _Kernel:
         results = traced(walk, d, final, ctx, x, "final", states, skip=skipping(False))
         # every result in registers before any store: an output may overwrite a resident input's tile
         results = [_value(v) for v in results]
-        own = iter(outs)
-        buffers = [next(own) if i is None else tiles[self.resident.index(i)] for i in low.reuse]
-        for buf, v in zip(buffers, results, strict=True):
+        stored = set()
+        for i, j, v, w, out in zip(low.reuse, low.shared, results, low.plan.diagram.cod.inside, out_refs, strict=True):
+            buf = outs[j] if i is None else tiles[self.resident.index(i)]
+            if j is not None and j in stored:  # the buffer's previous output has left for HBM before it is overwritten
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            stored.add(j)
             buf.at[wg][...] = v.astype(buf.dtype)
-        plgpu.commit_smem()
-        for buf, w, out in zip(buffers, low.plan.diagram.cod.inside, out_refs, strict=True):
-            view = out.at[self._index(w, bid, **{low.q: pl.ds(start, rows)})]
-            plgpu.copy_smem_to_gmem(buf.at[wg], view)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(buf.at[wg], out.at[self._index(w, bid, **{low.q: pl.ds(start, rows)})])
         plgpu.wait_smem_to_gmem(0)
 
 
