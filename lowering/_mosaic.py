@@ -248,6 +248,25 @@ class MosaicArrays:
         return plgpu.layout_cast(jnp.full(shape, value, jnp.float32), layout)
 
 
+def _wgmma(spec: str) -> bool:
+    """A contraction :meth:`MosaicArrays.einsum` issues as one ``wgmma`` (two 2-D operands, a 2-D product)."""
+    ins, out = spec.split("->")
+    terms = ins.split(",")
+    return len(terms) == 2 and len(out) == 2 and all(len(t) == 2 for t in terms) and terms[0] != terms[1]
+
+
+class _Counting(type(JAX)):
+    """:data:`~napkin_cat.generators.JAX`, counting the contractions a chunk issues as ``wgmma``: the ping-pong
+    turns a consumer takes for a chunk it only observes."""
+
+    def __init__(self):
+        self.wgmma = 0
+
+    def einsum(self, spec: str, *xs):
+        self.wgmma += _wgmma(spec)
+        return super().einsum(spec, *xs)
+
+
 def choose(d: Diagram, *, interpret: bool | None, config=None) -> tuple[MosaicLowered | None, str | None]:
     """``backend="auto"``'s Mosaic candidate: a compiled kernel when the device is sm_90 and the diagram lowers
     there (its shared memory checked when the whole axes are known), else None and why not.
@@ -393,6 +412,10 @@ class MosaicLowered:
             )
         # blocks holding both loop axes laid out tiled axis first: the kept block is wgmma's A operand (Sᵀ = K·Qᵀ)
         self.d = tiled_first(base2(_unweave(p.diagram, p.batch)), p)
+        diagonals = {b.diagonal() for b in self.d.boxes if isinstance(b, Generator) and b.diagonal()}
+        #: a causal mask between the tiled and the streamed axis: "below" keeps the chunks up to the diagonal (the
+        #: tiled axis is the mask's query), "above" those from it (the dK·dV kernel: the streamed axis is), else None
+        self.causal = "below" if (self.q, self.x) in diagonals else "above" if (self.x, self.q) in diagonals else None
         for w in self.d.dom.inside:
             role = self._role(w)
             if role is None:
@@ -592,9 +615,7 @@ class MosaicLowered:
         if c.interpretable and streamed:
             value_dtype = next(wires[i].dtype.jnp for i in streamed if len(wires[i].axes) == 2)
             scratch.append([smem((c.consumers, self.rows, self.s), value_dtype)])
-        causal = [b.diagonal() for b in self.d.boxes if isinstance(b, Generator) and b.diagonal()]
-        causal = [dq for dq in causal if dq == (self.q, self.x)]
-        kernel = _Kernel(self, sizes, extent, streamed, resident, n_tiles, n_chunks, batch, bool(causal))
+        kernel = _Kernel(self, sizes, extent, streamed, resident, n_tiles, n_chunks, batch, self.causal)
         others = [extent[a] // n for a, n in self.others.items()]
         out_type = [jax.ShapeDtypeStruct(tuple(extent[a.name] for a in w.axes), w.dtype.jnp) for w in full.cod.inside]
         call = plgpu.kernel(
@@ -650,11 +671,16 @@ class _Kernel:
         staging = scratch[7][0] if len(scratch) > 7 else None
         wg, bid = lax.axis_index("wg"), lax.axis_index("batch")
         tile = lax.axis_index("tile")
-        if self.causal:  # the longest rows first: the last tiles see the most keys
+        if self.causal == "below":  # the longest rows first: the last tiles see the most keys
             tile = self.n_tiles - 1 - tile
         g, s = low.plan.tiles[low.q], low.s
-        # chunks this block streams: up to the diagonal of its last row when causal
-        chunks = lax.div(tile * g + g + s - 1, _i32(s)) if self.causal else _i32(self.n_chunks)
+        # the chunks [first, chunks) this block streams: up to the diagonal of its last row (below), from the
+        # diagonal of its first row (above), all of them (no causal mask)
+        first, chunks = _i32(0), _i32(self.n_chunks)
+        if self.causal == "below":
+            chunks = lax.div(tile * g + g + s - 1, _i32(s))
+        elif self.causal == "above":
+            first = lax.div(tile * g, _i32(s))
         if not self.streamed:  # no loop (the backward's Δ): the producer has nothing to fill
             chunks = _i32(0)
         consumer_regs, producer_regs = c.registers()
@@ -663,16 +689,29 @@ class _Kernel:
         def _consumer():
             plgpu.set_max_registers(consumer_regs, action="increase")
             self.consume(
-                in_refs, out_refs, rings, tiles, outs, loaded, consumed, arrived, staging, turn, wg, bid, tile, chunks
+                in_refs,
+                out_refs,
+                rings,
+                tiles,
+                outs,
+                loaded,
+                consumed,
+                arrived,
+                staging,
+                turn,
+                wg,
+                bid,
+                tile,
+                (first, chunks),
             )
 
         @pl.when(wg == c.consumers)
         def _producer():
             plgpu.set_max_registers(producer_regs, action="decrease")
             if self.streamed:
-                self.produce(in_refs, rings, loaded, consumed, bid, tile, chunks)
+                self.produce(in_refs, rings, loaded, consumed, bid, tile, first, chunks)
 
-    def produce(self, in_refs, rings, loaded, consumed, bid, tile, chunks):
+    def produce(self, in_refs, rings, loaded, consumed, bid, tile, first, chunks):
         low, hbm, stages, s = self.low, self.low.plan.diagram.dom.inside, self.low.config.stages, self.low.s
         g = low.plan.tiles[low.q]
 
@@ -683,22 +722,25 @@ class _Kernel:
                 plgpu.copy_gmem_to_smem(view, rings[k].at[slot], loaded[k].at[slot])
 
         for j in range(min(stages, self.n_chunks)):  # a slice past the axis would not even trace
-            pl.when(j < chunks)(lambda j=j: load(j, j))
 
-        @pl.loop(stages, jnp.maximum(chunks, stages))
+            @pl.when(first + j < chunks)
+            def _(j=j):
+                load(first + j, lax.rem(first + j, _i32(stages)))
+
+        @pl.loop(first + stages, jnp.maximum(chunks, first + stages))
         def _(chunk):
             slot = lax.rem(chunk, _i32(stages))
             for k in range(len(self.streamed)):
                 plgpu.barrier_wait(consumed[k].at[slot])
             load(chunk, slot)
 
-        @pl.loop(jnp.maximum(chunks - stages, 0), chunks)
+        @pl.loop(jnp.maximum(chunks - stages, first), chunks)
         def _(chunk):  # the last releases: every phase of a barrier is observed before it is freed
             for k in range(len(self.streamed)):
                 plgpu.barrier_wait(consumed[k].at[lax.rem(chunk, _i32(stages))])
 
     def consume(
-        self, in_refs, out_refs, rings, tiles, outs, loaded, consumed, arrived, staging, turn, wg, bid, tile, chunks
+        self, in_refs, out_refs, rings, tiles, outs, loaded, consumed, arrived, staging, turn, wg, bid, tile, block
     ):
         from rewrites import walk
 
@@ -719,7 +761,7 @@ class _Kernel:
         def skipping(unmasked):
             def skip(box):
                 box_at[0] = box
-                return unmasked and isinstance(box, Generator) and box.diagonal() == (low.q, x)
+                return unmasked and isinstance(box, Generator) and box.diagonal() in ((low.q, x), (x, low.q))
 
             return skip
 
@@ -743,12 +785,14 @@ class _Kernel:
                 box = box_at[0]
                 raise NotLowerable(f"box {getattr(box, 'name', box)!r}: {e}") from e
 
+        counting = _Counting()
+
         def probe(*vals):
             shapes: dict = {}
             walk(
                 d,
                 list(vals),
-                Context(self.sizes, {}, JAX),
+                Context(self.sizes, {}, counting),
                 x,
                 "chunk",
                 shapes,
@@ -777,6 +821,10 @@ class _Kernel:
                     fold=lambda acc, st, ins, cc: acc.step(st, ins, cc),
                     skip=skipping(unmasked),
                 )
+                if pingpong.issued != counting.wgmma:  # the turns an observed chunk takes would not match
+                    raise NotLowerable(
+                        f"a chunk issued {pingpong.issued} wgmma, the shape probe counted {counting.wgmma}"
+                    )
                 for k, i in enumerate(self.streamed):
                     ring[i].ready()  # an input no box read still completes its phase
                     plgpu.barrier_arrive(consumed[k].at[slot])
@@ -790,20 +838,29 @@ class _Kernel:
             def _():
                 pingpong.schedule()
 
-        if self.causal:
-            needed = lax.div(start + rows + s - 1, _i32(s))
-            visible = jnp.minimum(lax.div(start + 1, _i32(s)), needed)
-            carry = lax.fori_loop(0, visible, body(True), init)
-            carry = lax.fori_loop(visible, needed, body(False), carry)
-
-            @pl.loop(needed, chunks)
+        def observe(lo, hi):
+            @pl.loop(lo, hi)
             def _(chunk):  # chunks only the other consumers read: observe their arrival, release them
                 slot = lax.rem(chunk, _i32(stages))
                 for k in range(len(self.streamed)):
                     plgpu.barrier_wait(loaded[k].at[slot])
                     plgpu.barrier_arrive(consumed[k].at[slot])
-                for _ in range(pingpong.issued):  # the turns the other warpgroup still takes
+                for _ in range(counting.wgmma):  # the turns the other warpgroup takes meanwhile
                     pingpong.schedule()
+
+        first, chunks = block
+        if self.causal == "below":  # keys up to the diagonal: unmasked, then diagonal chunks
+            needed = lax.div(start + rows + s - 1, _i32(s))
+            visible = jnp.minimum(lax.div(start + 1, _i32(s)), needed)
+            carry = lax.fori_loop(0, visible, body(True), init)
+            carry = lax.fori_loop(visible, needed, body(False), carry)
+            observe(needed, chunks)
+        elif self.causal == "above":  # queries from the diagonal (dK·dV): diagonal chunks, then unmasked
+            mine = lax.div(start, _i32(s))
+            whole = jnp.maximum(jnp.minimum(lax.div(start + rows - 1 + s - 1, _i32(s)), chunks), mine)
+            observe(first, mine)
+            carry = lax.fori_loop(mine, whole, body(False), init)
+            carry = lax.fori_loop(whole, chunks, body(True), carry)
         elif self.streamed:
             carry = lax.fori_loop(0, chunks, body(False), init)
         else:

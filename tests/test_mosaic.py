@@ -231,11 +231,16 @@ def test_backward_lowers_for_cuda(causal):
     to Mosaic GPU on CPU; dK and dV in f32 share one output buffer per consumer."""
     kernel = lower(attention(128, 256, 64, causal=causal, score_mod=soft_cap), backend="mosaic", interpret=False)
     *_, dkv = kernel.kernels
-    assert [kernel.diagram.dom.inside[i].names[-2] for i in (1, 2)] == ["x", "x"]
-    assert dkv.q == "x" and dkv.x == "q" and dkv.shared == [0, 0] and dkv.smem_bytes({"d": 128}) <= mosaic.SMEM_LIMIT
+    assert (
+        dkv.q == "x"
+        and dkv.x == "q"
+        and dkv.causal == ("above" if causal else None)
+        and dkv.shared == [0, 0]
+        and dkv.smem_bytes({"d": 128}) <= mosaic.SMEM_LIMIT
+    )
     sd = jax.ShapeDtypeStruct((1, 2, 512, 128), jnp.bfloat16)
     text = jax.jit(lambda *a: gradients(kernel, *a)).trace(sd, sd, sd, sd).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("mosaic_gpu.custom_call") >= 4 if "mosaic_gpu.custom_call" in text else "mosaic_gpu" in text
+    assert "mosaic_gpu" in text
 
 
 def test_a_backward_kernel_mosaic_cannot_lower_is_named():
