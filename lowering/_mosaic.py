@@ -1,7 +1,8 @@
 """The Mosaic GPU backend (Hopper): a scheduled diagram becomes one warp-specialised ``plgpu.kernel``.
 
 FAN's Hopper algorithm, read from the plan: the tiled axis is split over ``consumers`` warpgroups (a
-group partition one level below the thread block, ``g/consumers`` rows each, a multiple of wgmma's 64);
+group partition one level below the thread block, ``g/consumers`` rows each, a multiple of wgmma's 64:
+the diagram's label ``q/g÷w`` from ``rewrites.split(q, w)``, else 2);
 the streamed axis becomes a ring of ``stages`` shared-memory buffers per streamed input, filled by TMA
 from one producer warpgroup and released through ``consumed`` barriers; contractions become ``wgmma``
 (A from shared memory or registers, B from shared memory) whose accumulators, like the accumulators'
@@ -14,18 +15,21 @@ chunks above the diagonal are never loaded.
 Anything this cannot express raises :class:`NotLowerable` naming the box or axis, before compiling.
 
 >>> import napkin_cat as nc
->>> from rewrites import derive, tile, stream
+>>> from rewrites import derive, split, tile, stream
 >>> b, h, q, x, d = nc.axes("b h q x d", d=64)
 >>> attn = nc.library.multi_head_attention(h, q, x, d, batch=(b,), dtype="bf16", causal=True)
 >>> k = MosaicLowered(plan(derive(attn, tile(q, 128), stream(x, 64), verify=False).diagram))
 >>> k.rows, k.config.consumers, k.plan.stream
 (64, 2, ('x', 64))
+>>> k = MosaicLowered(plan(derive(attn, tile(q, 256), split(q, 1), stream(x, 64), verify=False).diagram))
+>>> k.rows, k.config.consumers, k.pingpong
+(256, 1, False)
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +56,10 @@ SMEM_LIMIT, REGISTERS = H100.smem_per_block, H100.capacity(REG) // 4
 
 @dataclass(frozen=True)
 class MosaicConfig:
-    """The Hopper knobs the diagram does not carry (yet): consumer warpgroups, ring stages, registers.
+    """The Hopper knobs the diagram does not carry (yet): ring stages, ping-pong, registers.
+
+    ``consumers`` (the warpgroups a tile is split over) comes from the diagram's ``split`` label; given here
+    it must agree with the label, and without either it is 2.
 
     ``interpretable`` keeps to what Mosaic's interpret mode runs: a register A operand is staged through
     shared memory, and a product is added to its accumulator after the ``wgmma`` instead of the ``wgmma``
@@ -64,7 +71,7 @@ class MosaicConfig:
     (232, 40)
     """
 
-    consumers: int = 2
+    consumers: int | None = None
     stages: int = 2
     pingpong: bool = True
     interpretable: bool = False
@@ -394,6 +401,7 @@ class MosaicLowered:
         g = p.tiles[self.q]
         #: the other tiled axes: grid dimensions whose blocks every warpgroup shares
         self.others = {a: n for a, n in p.tiles.items() if a != self.q}
+        self.config = replace(self.config, consumers=_consumers(p.diagram, self.q, self.config.consumers))
         c = self.config.consumers
         if g % (c * WGMMA_M):
             raise NotLowerable(
@@ -886,6 +894,19 @@ class _Kernel:
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(buf.at[wg], out.at[self._index(w, bid, **{low.q: pl.ds(start, rows)})])
         plgpu.wait_smem_to_gmem(0)
+
+
+def _consumers(d: Diagram, q: str, given: int | None) -> int:
+    """The consumer warpgroups: the diagram's split of ``q`` (``rewrites.split``), else ``given``, else 2
+    (FA3's); a ``given`` number other than the diagram's is refused."""
+    parts = {a.split for w in (*d.dom.inside, *d.cod.inside) for a in w.axes if a.name == q and a.split is not None}
+    label = int(next(iter(parts))) if parts else None
+    if given is not None and label is not None and given != label:
+        raise NotLowerable(
+            f"axis {q!r}: the diagram splits each tile over {label} warpgroups (split({q}, {label})) but "
+            f"MosaicConfig(consumers={given}) asks for {given}; drop one of them"
+        )
+    return label or given or 2
 
 
 def _i32(n):

@@ -12,7 +12,9 @@ import napkin_cat as nc
 from lowering import MosaicConfig, MosaicLowered, NotLowerable, lower, plan
 from lowering import _mosaic as mosaic
 from lowering import _triton as lowering_triton
-from rewrites import derive, stream, tile
+from napkin_cat.drawing import draw
+from napkin_cat.hardware import H100
+from rewrites import RewriteError, derive, level, split, stream, tile
 
 
 def attention(D, g, s, dtype="bf16", **kw):
@@ -269,3 +271,35 @@ def test_compiled_backward_matches_jax_grad(key, D, causal, dtype):
     want = gradients(lambda *a: reference(*a, causal), Q, K, V, dO.astype(jnp.float32))
     for name, g, w in zip(("O", "dQ", "dK", "dV"), got, want, strict=True):
         assert relative_error(g, w) <= BF16_GRAD, name
+
+
+# -- the warpgroup split: a relabelling the diagram shows, the cost functor prices and the lowering reads
+
+
+def test_split_is_a_verified_relabelling_drawn_priced_and_lowered():
+    q, x, d = nc.axes("q x d")
+    flash = derive(nc.library.attention(q, x, d), tile(q, 32), split(q, 2), stream(x, 16))  # verified
+    assert str(flash.diagram.cod) == "q/32÷2×d" and str(flash.steps[2]).startswith("split(q, 2): verified")
+    assert "q/32$\\div$2" in draw(flash.diagram, to_tikz=True)
+    q, x, d = nc.axes("q x d", d=128)
+    attn = nc.library.attention(q, x, d, dtype="bf16")
+    whole, halves = (
+        nc.cost(derive(attn, tile(q, 256), *w, stream(x, 64), level("REG"), verify=False).diagram, H100)
+        for w in ((), (split(q, 2),))
+    )
+    assert halves.memory[nc.REG] < whole.memory[nc.REG] and (whole.warpgroups, halves.warpgroups) == (1, 2)
+    quarters = plan(derive(attn, tile(q, 256), split(q, 4), stream(x, 64), verify=False).diagram)
+    four = MosaicLowered(quarters, config=MosaicConfig(consumer_registers=112))  # 4 × 112 + 40 fit 512 per thread
+    assert four.config.consumers == 4 and four.rows == 64 and "4 consumers of 64 q-rows" in four.source
+
+
+def test_split_refusals_name_the_condition():
+    q, x, d = nc.axes("q x d", d=64)
+    attn = nc.library.attention(q, x, d, dtype="bf16")
+    with pytest.raises(RewriteError, match=r"split\(x, 2\): axis 'x': x is not tiled"):
+        derive(attn, tile(q, 128), split(x, 2), verify=False)
+    with pytest.raises(RewriteError, match=r"split\(q, 3\): axis 'q': a tile of 128 does not split into 3"):
+        derive(attn, tile(q, 128), split(q, 3), verify=False)
+    halves = plan(derive(attn, tile(q, 256), split(q, 2), stream(x, 64), verify=False).diagram)
+    with pytest.raises(NotLowerable, match=r"splits each tile over 2 warpgroups .* MosaicConfig\(consumers=4\)"):
+        MosaicLowered(halves, config=MosaicConfig(consumers=4))
