@@ -23,6 +23,7 @@ from typing import Literal
 import jax
 
 from lowering._backward import Piece, backward_of, differentiable
+from lowering._mosaic import MosaicConfig, MosaicLowered, choose, faster
 from lowering._plan import NotLowerable, plan
 from lowering._search import refine
 from lowering._tiles import Choice, choose_tiles, missing_sizes
@@ -239,8 +240,8 @@ def _backend(backend: str) -> str:
         return "auto"
     if backend not in BACKENDS:
         raise NotLowerable(
-            f"backend {backend!r}: choose 'auto', 'triton' or 'mosaic' (Hopper); 'auto' takes Mosaic on sm_90 "
-            "where it lowers and is measured faster, else Triton, and says why"
+            f"backend {backend!r}: choose 'auto' (Mosaic on sm_90 where it lowers and was measured faster, else "
+            "Triton; kernel.refused says why), 'triton' or 'mosaic' (Hopper)"
         )
     return backend
 
@@ -267,15 +268,14 @@ class _Emitter:
     def __init__(self, backend: str, interpret, config, hw: Hardware | None):
         if backend == "mosaic" and isinstance(config, Config):
             raise NotLowerable("backend 'mosaic': a lowering.Config tunes Triton; pass a lowering.MosaicConfig")
-        if backend == "triton" and config is not None and not isinstance(config, Config):
+        mosaic = backend == "auto" and isinstance(config, MosaicConfig)  # tunes the kernels auto puts on Mosaic
+        if backend != "mosaic" and config is not None and not isinstance(config, Config) and not mosaic:
             raise NotLowerable(f"config must be a lowering.Config, got {type(config).__name__}")
         self.backend, self.interpret, self.config, self.hw = backend, interpret, config, hw
         #: per kernel (by role): the backend that emitted it and, under "auto", why not Mosaic (else None)
         self.chosen: dict[str, tuple[str, str | None]] = {}
 
     def __call__(self, d: Diagram, what: str):
-        from lowering._mosaic import MosaicLowered, choose, faster
-
         if self.backend == "mosaic":
             try:
                 kernel = MosaicLowered(plan(d), interpret=self.interpret, config=self.config)

@@ -213,6 +213,7 @@ def gradients(f, Q, K, V, dO):
 
 # bf16 operands and cotangents against an f32 jax.grad: measured 2.5e-3 .. 2.9e-3 (interpret, N = 256, D = 64)
 BF16_GRAD = 6e-3
+COMPILED_GRAD = 1e-2
 
 
 def test_backward_interpret_matches_jax_grad(key, causal=True):
@@ -269,8 +270,8 @@ def test_compiled_backward_matches_jax_grad(key, D, causal, dtype):
     assert set(kernel.backends.values()) == {"mosaic"}
     got = gradients(kernel, Q, K, V, dO)
     want = gradients(lambda *a: reference(*a, causal), Q, K, V, dO.astype(jnp.float32))
-    for name, g, w in zip(("O", "dQ", "dK", "dV"), got, want, strict=True):
-        assert relative_error(g, w) <= BF16_GRAD, name
+    for name, g, w in zip(("O", "dQ", "dK", "dV"), got, want, strict=True):  # N = 1024: not measured yet, so the
+        assert relative_error(g, w) <= COMPILED_GRAD, name  # issue's 1e-2 until the first GPU run
 
 
 # -- the warpgroup split: a relabelling the diagram shows, the cost functor prices and the lowering reads
