@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from lowering._plan import NotLowerable, Plan, plan
-from lowering._triton import tiled_first
+from lowering._triton import _visited, affine_mask, tiled_first
 from napkin_cat.diagram import Diagram
 from napkin_cat.generators import JAX, Context, Generator
 from napkin_cat.hardware import H100
@@ -420,10 +420,11 @@ class MosaicLowered:
             )
         # blocks holding both loop axes laid out tiled axis first: the kept block is wgmma's A operand (Sᵀ = K·Qᵀ)
         self.d = tiled_first(base2(_unweave(p.diagram, p.batch)), p)
-        diagonals = {b.diagonal() for b in self.d.boxes if isinstance(b, Generator) and b.diagonal()}
-        #: a causal mask between the tiled and the streamed axis: "below" keeps the chunks up to the diagonal (the
-        #: tiled axis is the mask's query), "above" those from it (the dK·dV kernel: the streamed axis is), else None
-        self.causal = "below" if (self.q, self.x) in diagonals else "above" if (self.x, self.q) in diagonals else None
+        #: the affine masks reading the streamed axis (causal, sliding window, prefix; a mask's backward ``Kept``),
+        #: by box: the chunks they hide are never loaded, those they keep whole run without them (block sparsity)
+        self.masks = {id(b): m for b in self.d.boxes if (m := affine_mask(b)) is not None and self.x in m.axes}
+        #: tiles launched longest first: with a causal mask on the tiled queries, the last tiles see the most keys
+        self.longest_first = any(isinstance(b, Generator) and b.diagonal() == (self.q, self.x) for b in self.d.boxes)
         for w in self.d.dom.inside:
             role = self._role(w)
             if role is None:
@@ -623,7 +624,7 @@ class MosaicLowered:
         if c.interpretable and streamed:
             value_dtype = next(wires[i].dtype.jnp for i in streamed if len(wires[i].axes) == 2)
             scratch.append([smem((c.consumers, self.rows, self.s), value_dtype)])
-        kernel = _Kernel(self, sizes, extent, streamed, resident, n_tiles, n_chunks, batch, self.causal)
+        kernel = _Kernel(self, sizes, extent, streamed, resident, n_tiles, n_chunks, batch)
         others = [extent[a] // n for a, n in self.others.items()]
         out_type = [jax.ShapeDtypeStruct(tuple(extent[a.name] for a in w.axes), w.dtype.jnp) for w in full.cod.inside]
         call = plgpu.kernel(
@@ -644,22 +645,38 @@ class MosaicLowered:
 class _Kernel:
     """The kernel body: a producer warpgroup filling the rings, consumer warpgroups walking the diagram."""
 
-    def __init__(self, low: MosaicLowered, sizes, extent, streamed, resident, n_tiles, n_chunks, batch, causal):
+    def __init__(self, low: MosaicLowered, sizes, extent, streamed, resident, n_tiles, n_chunks, batch):
         self.low, self.sizes, self.extent = low, sizes, extent
         self.streamed, self.resident, self.n_tiles, self.n_chunks = streamed, resident, n_tiles, n_chunks
-        self.batch, self.causal = batch, causal
+        self.batch = batch
+
+    def _batch(self, bid) -> dict:
+        """Each batch axis's index in the flattened grid position ``bid``."""
+        out, acc = {}, 1
+        for a, n in zip(reversed(self.low.plan.batch), reversed(self.batch), strict=True):
+            out[a] = lax.rem(lax.div(bid, _i32(acc)), _i32(n))
+            acc *= n
+        return out
+
+    def visited(self, bid, lo, n) -> tuple:
+        """The chunks rows ``[lo, lo + n)`` of the split axis visit, ``first ≤ full_lo ≤ full_hi ≤ last``: the masks
+        hide every chunk outside ``[first, last)`` and keep ``[full_lo, full_hi)`` whole (``lowering._triton``'s
+        rule, on the same :class:`~napkin_cat.library.Affine` intervals)."""
+        low = self.low
+        ranges = {low.q: (lo, lo + n)} | {a: (0, self.extent[a]) for a in low.plan.whole}
+        ranges |= {
+            a: (lax.axis_index(f"tile_{a}") * g, lax.axis_index(f"tile_{a}") * g + g) for a, g in low.others.items()
+        }
+        ranges |= {a: (i, i + 1) for a, i in self._batch(bid).items()}
+        visit = _visited(low.masks.values(), low.x, low.s, self.n_chunks, ranges, self.extent[low.x])
+        return tuple(v.astype(jnp.int32) for v in visit)
 
     def _index(self, wire, bid, **blocks):
         """The view of an HBM ref for one block: batch axes fixed, the tiled/streamed axis sliced."""
-        p, idx, stride = self.low.plan, [], {}
-        acc = 1
-        for a, n in zip(reversed(p.batch), reversed(self.batch), strict=True):
-            stride[a] = (acc, n)
-            acc *= n
+        idx, batch = [], self._batch(bid)
         for a in wire.axes:
-            if a.name in stride:
-                k, n = stride[a.name]
-                idx.append(lax.rem(lax.div(bid, _i32(k)), _i32(n)))
+            if a.name in batch:
+                idx.append(batch[a.name])
             elif a.name in blocks:
                 idx.append(blocks[a.name])
             elif a.name in self.low.others:
@@ -679,16 +696,13 @@ class _Kernel:
         staging = scratch[7][0] if len(scratch) > 7 else None
         wg, bid = lax.axis_index("wg"), lax.axis_index("batch")
         tile = lax.axis_index("tile")
-        if self.causal == "below":  # the longest rows first: the last tiles see the most keys
+        if low.longest_first:
             tile = self.n_tiles - 1 - tile
-        g, s = low.plan.tiles[low.q], low.s
-        # the chunks [first, chunks) this block streams: up to the diagonal of its last row (below), from the
-        # diagonal of its first row (above), all of them (no causal mask)
+        g = low.plan.tiles[low.q]
+        # the chunks [first, chunks) this block streams: those some row of its tile sees
         first, chunks = _i32(0), _i32(self.n_chunks)
-        if self.causal == "below":
-            chunks = lax.div(tile * g + g + s - 1, _i32(s))
-        elif self.causal == "above":
-            first = lax.div(tile * g, _i32(s))
+        if low.masks:
+            first, _, _, chunks = self.visited(bid, tile * g, g)
         if not self.streamed:  # no loop (the backward's Δ): the producer has nothing to fill
             chunks = _i32(0)
         consumer_regs, producer_regs = c.registers()
@@ -769,7 +783,7 @@ class _Kernel:
         def skipping(unmasked):
             def skip(box):
                 box_at[0] = box
-                return unmasked and isinstance(box, Generator) and box.diagonal() in ((low.q, x), (x, low.q))
+                return unmasked and id(box) in low.masks
 
             return skip
 
@@ -857,18 +871,13 @@ class _Kernel:
                     pingpong.schedule()
 
         first, chunks = block
-        if self.causal == "below":  # keys up to the diagonal: unmasked, then diagonal chunks
-            needed = lax.div(start + rows + s - 1, _i32(s))
-            visible = jnp.minimum(lax.div(start + 1, _i32(s)), needed)
-            carry = lax.fori_loop(0, visible, body(True), init)
-            carry = lax.fori_loop(visible, needed, body(False), carry)
-            observe(needed, chunks)
-        elif self.causal == "above":  # queries from the diagonal (dK·dV): diagonal chunks, then unmasked
-            mine = lax.div(start, _i32(s))
-            whole = jnp.maximum(jnp.minimum(lax.div(start + rows - 1 + s - 1, _i32(s)), chunks), mine)
-            observe(first, mine)
-            carry = lax.fori_loop(mine, whole, body(False), init)
-            carry = lax.fori_loop(whole, chunks, body(True), carry)
+        if low.masks:  # this consumer's rows: chunks hidden from them observed, whole ones unmasked, cut ones masked
+            lo, full_lo, full_hi, hi = self.visited(bid, start, rows)
+            observe(first, lo)
+            carry = lax.fori_loop(lo, full_lo, body(False), init)
+            carry = lax.fori_loop(full_lo, full_hi, body(True), carry)
+            carry = lax.fori_loop(full_hi, hi, body(False), carry)
+            observe(hi, chunks)
         elif self.streamed:
             carry = lax.fori_loop(0, chunks, body(False), init)
         else:

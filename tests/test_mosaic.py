@@ -228,20 +228,27 @@ def test_backward_interpret_matches_jax_grad(key, causal=True):
         assert relative_error(g, w) <= (BF16 if name == "O" else BF16_GRAD), name
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_backward_lowers_for_cuda(causal):
-    """Every backward kernel (register A operands, in-place accumulation, ping-pong, Δ without a loop) lowers
-    to Mosaic GPU on CPU; dK and dV in f32 share one output buffer per consumer."""
-    kernel = lower(attention(128, 256, 64, causal=causal, score_mod=soft_cap), backend="mosaic", interpret=False)
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+def test_backward_lowers_for_cuda(mask):
+    """Every backward kernel (register A operands, in-place accumulation, ping-pong, Δ without a loop, the chunks a
+    mask hides skipped) lowers to Mosaic GPU on CPU; dK and dV in f32 share one output buffer per consumer."""
+    if mask == "window":
+        q, x, d = nc.axes("q x d", d=128)
+        attn = nc.library.sliding_window_attention(q, x, d, window=300, dtype="bf16")
+        kernel = lower(derive(attn, tile(q, 256), stream(x, 64), verify=False), backend="mosaic", interpret=False)
+        sd = jax.ShapeDtypeStruct((1024, 128), jnp.bfloat16)
+    else:
+        made = attention(128, 256, 64, causal=mask == "causal", score_mod=soft_cap)
+        kernel = lower(made, backend="mosaic", interpret=False)
+        sd = jax.ShapeDtypeStruct((1, 2, 512, 128), jnp.bfloat16)
     *_, dkv = kernel.kernels
     assert (
         dkv.q == "x"
         and dkv.x == "q"
-        and dkv.causal == ("above" if causal else None)
+        and len(dkv.masks) == (0 if mask == "none" else 2)  # the mask and its backward (Kept), both affine
         and dkv.shared == [0, 0]
         and dkv.smem_bytes({"d": 128}) <= mosaic.SMEM_LIMIT
     )
-    sd = jax.ShapeDtypeStruct((1, 2, 512, 128), jnp.bfloat16)
     text = jax.jit(lambda *a: gradients(kernel, *a)).trace(sd, sd, sd, sd).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
@@ -304,3 +311,41 @@ def test_split_refusals_name_the_condition():
     halves = plan(derive(attn, tile(q, 256), split(q, 2), stream(x, 64), verify=False).diagram)
     with pytest.raises(NotLowerable, match=r"splits each tile over 2 warpgroups .* MosaicConfig\(consumers=4\)"):
         MosaicLowered(halves, config=MosaicConfig(consumers=4))
+
+
+def test_sliding_window_backward_interpret_visits_only_the_band(key):
+    """Any affine mask, not only causal: a 100-key band over 64-row consumers and 64-key chunks, so each consumer
+    observes chunks before and after its band, runs some unmasked and some masked (forward, dQ and dK·dV)."""
+    q, x, d = nc.axes("q x d", d=64)
+    band = derive(nc.library.sliding_window_attention(q, x, d, window=100, dtype="bf16"), tile(q, 128), stream(x, 64))
+    kernel = lower(band, backend="mosaic", interpret=True)
+    assert all(k.masks for k in (kernel.forward, *kernel.kernels[:1], *kernel.kernels[2:]))
+    Q, K, V, dO = (jax.random.normal(k, (256, 64), jnp.bfloat16) for k in jax.random.split(key, 4))
+    i, j = jnp.arange(256)[:, None], jnp.arange(256)[None, :]
+
+    def reference(Q, K, V):
+        s = jnp.einsum("qd,kd->qk", Q, K) / 8
+        return jax.nn.softmax(jnp.where((j <= i) & (j > i - 100), s, -jnp.inf), axis=-1) @ V
+
+    got = gradients(kernel, Q, K, V, dO)
+    want = gradients(reference, *(a.astype(jnp.float32) for a in (Q, K, V, dO)))
+    for name, g, w in zip(("O", "dQ", "dK", "dV"), got, want, strict=True):
+        assert relative_error(g, w) <= (BF16 if name == "O" else BF16_GRAD), name
+
+
+@pytest.mark.gpu
+def test_compiled_sliding_window_backward_matches_jax_grad(key):
+    q, x, d = nc.axes("q x d", d=128)
+    band = derive(nc.library.sliding_window_attention(q, x, d, window=300, dtype="bf16"), tile(q, 256), stream(x, 64))
+    kernel = lower(band, backend="mosaic")
+    Q, K, V, dO = (jax.random.normal(k, (2048, 128), jnp.bfloat16) for k in jax.random.split(key, 4))
+    i, j = jnp.arange(2048)[:, None], jnp.arange(2048)[None, :]
+
+    def reference(Q, K, V):
+        s = jnp.einsum("qd,kd->qk", Q, K) / 128**0.5
+        return jax.nn.softmax(jnp.where((j <= i) & (j > i - 300), s, -jnp.inf), axis=-1) @ V
+
+    got = gradients(kernel, Q, K, V, dO)
+    want = gradients(reference, *(a.astype(jnp.float32) for a in (Q, K, V, dO)))
+    for name, g, w in zip(("O", "dQ", "dK", "dV"), got, want, strict=True):
+        assert relative_error(g, w) <= COMPILED_GRAD, name
