@@ -27,6 +27,9 @@ from rewrites import derive, stream, tile
 from rewrites._io_aware import prove_lemmas
 
 TOL = 1e-5  # f32: measured ≤ 8e-7
+#: a parameter whose cotangent sums every score (one slope per head, Σ_q,x dS·|q − x|) loses digits to cancellation
+#: (each row's dS sums to 0): measured ≤ 1.5e-5 over 14 seeds
+SUMMED_TOL = 1e-4
 
 
 def sizes(seed, n=2, lo=17, hi=48):
@@ -40,14 +43,14 @@ def normal(key, *shapes):
     ]
 
 
-def check_gradients(kernel, reference, args, key):
+def check_gradients(kernel, reference, args, key, summed=()):
     assert (kernel.differentiation, kernel.why_not) == ("lowered", None)
     out = kernel(*args)
     (ct,) = normal(jax.random.fold_in(key, 7), out.shape)
     ours, want = pullback(kernel, *args, ct=ct), pullback(reference, *args, ct=ct)
     assert R.rel_err(out, reference(*args)) <= TOL
     for i, (a, w) in enumerate(zip(ours, want, strict=True)):
-        assert R.rel_err(a, w) <= TOL, f"gradient of input {i}"
+        assert R.rel_err(a, w) <= (SUMMED_TOL if i in summed else TOL), f"gradient of input {i}"
 
 
 def pullback(f, *args, ct):
@@ -129,7 +132,7 @@ def test_index_bias_with_learnable_slopes_and_key_bias(seed, key):
         return jnp.einsum("hqx,hxd->hqd", jax.nn.softmax(s, axis=-1), V)
 
     args = normal(key, (2, nq, 16), (2, nx, 16), (2, nx, 16), (2,), (nx,))
-    check_gradients(kernel, reference, args, key)
+    check_gradients(kernel, reference, args, key, summed=(3,))
 
 
 @pytest.mark.parametrize("causal", [False, True])
