@@ -473,6 +473,7 @@ class MosaicLowered:
         plgpu.kernel grid (q/128, batch) × 3 warpgroups: 2 consumers of 64 q-rows each (wgmma), 1 TMA producer
         """
         c, p = self.config, self.plan
+        outs = list(zip(self.d.cod.inside, self.shared, strict=True))
         return "\n".join(
             [
                 f"plgpu.kernel grid ({', '.join(f'{a}/{n}' for a, n in p.tiles.items())}, batch) × {c.consumers + 1} "
@@ -483,9 +484,20 @@ class MosaicLowered:
                 else "no loop: every input a resident tile",
                 f"consumers walk: {' ; '.join(b.name for b in self.d.boxes)}",
                 *(
+                    f"block sparsity: the chunks {', '.join(b.name for b in self.d.boxes if id(b) in self.masks)} "
+                    f"hide are never loaded, those kept whole run without the mask{'s' * (len(self.masks) > 1)}"
+                    for _ in range(bool(self.masks))
+                ),
+                *(
                     f"output {w.describe()} stored through the shared-memory tile of {self.d.dom.inside[i].describe()}"
                     for w, i in zip(self.d.cod.inside, self.reuse, strict=True)
                     if i is not None
+                ),
+                *(
+                    f"outputs {', '.join(w.describe() for w, k in outs if k == j)} stored in turn through one "
+                    "shared-memory buffer per consumer"
+                    for j in range(len(self.own))
+                    if self.shared.count(j) > 1
                 ),
             ]
         )

@@ -4,17 +4,17 @@ napkin-cat's Triton kernels, cuDNN and tokamax's Mosaic GPU attention, in one pr
 bf16 and fp16, B·N = 16k tokens, H = 16, D ∈ {64, 128}, N ∈ {2048, 8192}, causal and not. Forward: the napkin
 Mosaic kernel at the tiles measured best (g256 s64 at D = 128, g256 s128 at D = 64, two consumer warpgroups,
 ping-pong), napkin Triton (g128 s64), cuDNN, tokamax. Forward + backward (``jax.vjp`` with a random cotangent):
-napkin ``backend="mosaic"`` (every kernel on Mosaic: the forward with its log-sum-exp, Δ, dQ, dK·dV),
-``backend="auto"`` (each kernel where it was measured fastest, ``kernel.backends``), napkin Triton, cuDNN,
-tokamax. Every implementation gets its inputs in its own layout ([B, H, N, D] for napkin-cat, [B, N, H, D]
-for cuDNN and tokamax); each time is the median over batches of back-to-back calls; every output and
+napkin ``backend="mosaic"`` (every kernel on Mosaic: the forward with its log-sum-exp, Δ, dQ, dK·dV), with
+``--auto`` ``backend="auto"`` too (each kernel where it was measured fastest, ``kernel.backends``), napkin
+Triton, cuDNN, tokamax. Every implementation gets its inputs in its own layout ([B, H, N, D] for napkin-cat,
+[B, N, H, D] for cuDNN and tokamax); each time is the median over batches of back-to-back calls; every output and
 gradient is checked against an f32 reference (batch 0, two heads) before it is timed. TFLOP/s: 4·B·H·N²·D
 forward (halved when causal), 3.5× that forward + backward. Writes ``mosaic_<GPU>.json`` and ``.png`` under
 ``--out`` after every configuration (a run cut short keeps its rows) and prints the tables with ratios.
 Configurations left when ``--budget-s`` runs out are recorded as skipped.
 
     python papers/flash_attention/mosaic_bench.py [--out DIR] [--only D,N,causal] [--dtypes bf16,f16]
-        [--sections fwd,fwdbwd] [--budget-s 540] [--matmul]
+        [--sections fwd,fwdbwd] [--budget-s 540] [--matmul] [--auto]
     python papers/flash_attention/mosaic_bench.py --profile   # one D=128 N=8k forward, for ncu
 """
 
@@ -51,6 +51,9 @@ MATMUL_SIZE = 8192
 #: seconds one implementation may take (build, compile, check, time) before the run is saved and ended: a
 #: deadlocked kernel never returns, and the rows measured so far must survive it
 HANG_S = 150
+#: whether forward + backward also times ``backend="auto"`` (``--auto``; off by default to fit a 10-minute run:
+#: on sm_90 it is Mosaic's forward with Triton's backward kernels, both timed here)
+AUTO = False
 #: where ``main`` saves the rows measured so far (with a row it adds), for the watchdog
 SAVE = {"rows": [], "save": lambda rows: None}
 
@@ -111,7 +114,8 @@ def implementations(D: int, causal: bool, dtype: str, section: str):
                 raise RuntimeError(kernel.why_not)
             return kernel, "bhnd", ", ".join(f"{r}: {b}" for r, b in kernel.backends.items())
 
-        impls[f"napkin auto g{g} s{s}"] = lambda: made("auto")
+        if AUTO:
+            impls[f"napkin auto g{g} s{s}"] = lambda: made("auto")
         impls[f"napkin mosaic g{g} s{s}"] = lambda: made("mosaic")
     return impls
 
@@ -320,9 +324,12 @@ def main():
     ap.add_argument("--sections", default="fwd,fwdbwd")
     ap.add_argument("--budget-s", type=float, default=540, help="configurations left after this are skipped")
     ap.add_argument("--matmul", action="store_true", help="also the tiled matmul against XLA's dot at 8192³")
+    ap.add_argument("--auto", action="store_true", help="also backend='auto' forward + backward")
     ap.add_argument("--profile", action="store_true", help="run the D=128 N=8k g256 s64 forward twice (for ncu)")
     args = ap.parse_args()
     start = time.perf_counter()
+    global AUTO
+    AUTO = args.auto
     gpu = jax.devices()[0].device_kind
     print(f"device: {gpu}; jax {jax.__version__}", flush=True)
     if args.profile:
