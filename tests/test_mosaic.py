@@ -2,6 +2,9 @@
 shared memory there), lower to Mosaic GPU for an abstract CUDA device (the compiled path, register A
 operand included), and run compiled on a GPU (``gpu``-marked); refusals name the box, axis or level."""
 
+import os
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -349,3 +352,13 @@ def test_compiled_sliding_window_backward_matches_jax_grad(key):
     want = gradients(reference, *(a.astype(jnp.float32) for a in (Q, K, V, dO)))
     for name, g, w in zip(("O", "dQ", "dK", "dV"), got, want, strict=True):
         assert relative_error(g, w) <= COMPILED_GRAD, name
+
+
+def test_mosaic_source_matches_golden():
+    """The emitted kernels, described (forward, forward with residuals, Δ, dQ, dK·dV): NAPKIN_REGEN_GOLDEN=1
+    rewrites the golden file."""
+    text = lower(attention(128, 256, 64, causal=True), backend="mosaic", interpret=False).source + "\n"
+    path = Path(__file__).parent / "golden" / "kernels" / "mosaic_causal_mha_with_backward.txt"
+    if os.environ.get("NAPKIN_REGEN_GOLDEN") == "1":
+        path.write_text(text)
+    assert text == path.read_text(), "the Mosaic kernels changed; NAPKIN_REGEN_GOLDEN=1 rewrites the golden file"
