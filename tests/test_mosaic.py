@@ -225,6 +225,9 @@ def test_backward_interpret_matches_jax_grad(key, causal=True):
     Q, K, V, dO = (jax.random.normal(k, (1, 1, 256, 64), jnp.bfloat16) for k in jax.random.split(key, 4))
     kernel = lower(attention(64, 128, 64, causal=causal), backend="mosaic", interpret=True)
     assert kernel.differentiation == "lowered" and set(kernel.backends.values()) == {"mosaic"}
+    # FA3's ping-pong turns where a chunk issues S and P·V (the forwards), none for Δ, dQ (3 wgmmas), dK·dV (4)
+    turns = [(k.products, k.pingpong) for k in (kernel.forward, *kernel.kernels)]
+    assert turns == [(2, True), (2, True), (0, False), (3, False), (4, False)]
     got = gradients(kernel, Q, K, V, dO)
     want = gradients(lambda *a: reference(*a, causal), Q, K, V, dO.astype(jnp.float32))
     for name, g, w in zip(("O", "dQ", "dK", "dV"), got, want, strict=True):
@@ -318,11 +321,13 @@ def test_split_refusals_name_the_condition():
 
 def test_sliding_window_backward_interpret_visits_only_the_band(key):
     """Any affine mask, not only causal: a 100-key band over 64-row consumers and 64-key chunks, so each consumer
-    observes chunks before and after its band, runs some unmasked and some masked (forward, dQ and dK·dV)."""
+    observes chunks before and after its band, runs some unmasked and some masked (forward, dQ and dK·dV), the
+    observed chunks taking their ping-pong turns."""
     q, x, d = nc.axes("q x d", d=64)
     band = derive(nc.library.sliding_window_attention(q, x, d, window=100, dtype="bf16"), tile(q, 128), stream(x, 64))
-    kernel = lower(band, backend="mosaic", interpret=True)
-    assert all(k.masks for k in (kernel.forward, *kernel.kernels[:1], *kernel.kernels[2:]))
+    forced = MosaicConfig(pingpong=True, interpretable=True)  # the backward's turns too (off by default)
+    kernel = lower(band, backend="mosaic", interpret=True, config=forced)
+    assert all(k.masks and k.pingpong for k in (kernel.forward, *kernel.kernels[:1], *kernel.kernels[2:]))
     Q, K, V, dO = (jax.random.normal(k, (256, 64), jnp.bfloat16) for k in jax.random.split(key, 4))
     i, j = jnp.arange(256)[:, None], jnp.arange(256)[None, :]
 
