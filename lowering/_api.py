@@ -284,16 +284,45 @@ class _Emitter:
                 raise NotLowerable(f"Mosaic, {what}: {e}") from e
             self.chosen[what] = ("mosaic", None)
             return kernel
+        config = self.config if isinstance(self.config, Config) else None
+
+        def triton() -> Lowered:
+            return _guard(Lowered(plan(d), interpret=self.interpret, config=config, hardware=self.hw))
+
         why = None
         if self.backend == "auto":
             candidate, why = choose(d, interpret=self.interpret, config=self.config)
             why = why or faster(candidate)
             if why is None:
                 self.chosen[what] = ("mosaic", None)
-                return candidate
-        config = self.config if isinstance(self.config, Config) else None
+                sizes = {a.name: a.size for w in d.dom.inside for a in w.axes}
+                if all(sizes[a].is_number for a in (*candidate.plan.tiles, *(candidate.plan.stream or ())[:1])):
+                    return candidate  # whole blocks, checked by choose
+                return _WholeBlocks(candidate, triton, lambda shape, why: self._ragged(what, shape, why))
         self.chosen[what] = ("triton", why)
-        return _guard(Lowered(plan(d), interpret=self.interpret, config=config, hardware=self.hw))
+        return triton()
+
+    def _ragged(self, what: str, shape: tuple, why: str) -> None:
+        self.chosen[f"{what} at {shape}"] = ("triton", why)
+
+
+class _WholeBlocks:
+    """``backend="auto"``'s Mosaic kernel of a diagram whose axis sizes are known only when called: arrays that
+    split into whole blocks run on Mosaic; any others (Mosaic pads nothing) on the Triton kernel of the same
+    diagram, which pads them, each such shape recorded in :attr:`Kernel.backends` and :attr:`Kernel.refused`."""
+
+    def __init__(self, mosaic, triton: Callable[[], Lowered], note: Callable[[tuple, str], None]):
+        self.mosaic, self._triton, self._note = mosaic, functools.cache(triton), note
+
+    def __getattr__(self, name):
+        return getattr(self.mosaic, name)
+
+    def __call__(self, *arrays):
+        why = self.mosaic.ragged(*arrays)
+        if why is None:
+            return self.mosaic(*arrays)
+        self._note(tuple(tuple(jax.numpy.shape(a)) for a in arrays), why)
+        return self._triton()(*arrays)
 
 
 def lower(

@@ -300,6 +300,8 @@ def choose(d: Diagram, *, interpret: bool | None, config=None) -> tuple[MosaicLo
         kernel.guard()
     except NotLowerable as e:
         return None, f"Mosaic refused: {e}"
+    if why := kernel._ragged({a.name: a.size for w in d.dom.inside for a in w.axes}):
+        return None, f"Mosaic refused: {why}"
     return kernel, None
 
 
@@ -546,15 +548,39 @@ class MosaicLowered:
         return "tile" if self.q in names else None
 
     # -- the wrapper: bind sizes, check them, launch --------------------------------------------
+    def ragged(self, *arrays) -> str | None:
+        """Why these arrays do not split into whole blocks (Mosaic pads nothing), else None.
+
+        >>> import jax.numpy as jnp, napkin_cat as nc
+        >>> from rewrites import derive, tile, stream
+        >>> q, x, d = nc.axes("q x d", d=64)
+        >>> k = MosaicLowered(plan(derive(nc.library.attention(q, x, d, dtype="bf16"), tile(q, 128), stream(x, 64),
+        ...                                verify=False).diagram))
+        >>> k.ragged(*(jnp.zeros((200, 64), jnp.bfloat16),) * 3)
+        "axis 'q' of size 200: the Mosaic backend needs whole blocks of 128"
+        """
+        full = self.plan.diagram
+        sizes = bind(full.dom, [jnp.asarray(a) for a in arrays])
+        return self._ragged({a.name: a.size.subs(sizes) for w in full.dom.inside for a in w.axes})
+
+    def _ragged(self, size: dict) -> str | None:
+        blocks = ((self.q, self.plan.tiles[self.q]), *([(self.x, self.s)] if self.x else []), *self.others.items())
+        return next(
+            (
+                f"axis {a!r} of size {size[a]}: the Mosaic backend needs whole blocks of {n}"
+                for a, n in blocks
+                if size[a].is_number and int(size[a]) % n
+            ),
+            None,
+        )
+
     def __call__(self, *arrays):
-        p, full = self.plan, self.plan.diagram
+        full = self.plan.diagram
         arrays = [jnp.asarray(a) for a in arrays]
         sizes = bind(full.dom, arrays)
         extent = {a.name: int(a.size.subs(sizes)) for w in full.dom.inside for a in w.axes}
-        g = p.tiles[self.q]
-        for a, block in ((self.q, g), *([(self.x, self.s)] if self.x else []), *self.others.items()):
-            if extent[a] % block:
-                raise NotLowerable(f"axis {a!r} of size {extent[a]}: the Mosaic backend needs whole blocks of {block}")
+        if why := self.ragged(*arrays):
+            raise NotLowerable(why)
         self.check(extent)
         outs = self._call(arrays, sizes, extent)
         return outs[0] if len(outs) == 1 else tuple(outs)

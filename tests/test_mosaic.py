@@ -130,7 +130,7 @@ def test_auto_takes_mosaic_per_kernel_where_measured_faster(monkeypatch):
     each kernel saying why; 64-row forward blocks stay on Triton too."""
     monkeypatch.setattr(mosaic.jax, "devices", lambda: [Hopper()])
     auto = lower(attention(128, 256, 64, causal=True), backend="auto", interpret=False)
-    assert auto.backend == "mosaic" and isinstance(auto.forward, MosaicLowered)
+    assert auto.backend == "mosaic" and isinstance(auto.forward.mosaic, MosaicLowered)
     backends = auto.backends
     assert backends["forward"] == backends["forward with residuals"] == "mosaic"
     pieces = [r for r in backends if r.startswith("backward kernel")]
@@ -138,6 +138,28 @@ def test_auto_takes_mosaic_per_kernel_where_measured_faster(monkeypatch):
     assert all("64-row consumer blocks" in auto.refused[r] for r in pieces)
     slow = lower(attention(64, 128, 64), backend="auto", interpret=False)
     assert slow.backend == "triton" and "Mosaic measured slower than Triton" in slow.refused["forward"]
+    b, h, q, x, d = nc.axes("b h q x d", q=1000, x=1000, d=128)
+    ragged = nc.library.multi_head_attention(h, q, x, d, batch=(b,), dtype="bf16")
+    fixed = lower(derive(ragged, tile(q, 256), stream(x, 64), verify=False), backend="auto", interpret=False)
+    assert (
+        fixed.backend == "triton"
+        and "axis 'q' of size 1000: the Mosaic backend needs whole blocks of 256" in (fixed.refused["forward"])
+    )
+
+
+def test_auto_runs_shapes_of_ragged_blocks_on_triton_and_says_so(monkeypatch, key):
+    """Axis sizes known only when called: Mosaic pads nothing, so a shape that is not whole blocks runs on the
+    Triton kernel of the same diagram (which pads), recorded per shape."""
+    monkeypatch.setattr(mosaic.jax, "devices", lambda: [Hopper()])
+    made = attention(64, 256, 128)
+    auto = lower(made, backend="auto", interpret=False)
+    assert auto.backends["forward"] == "mosaic"
+    auto.forward._triton = lambda: lowering_triton.Lowered(plan(made.diagram), interpret=True)  # CPU: interpreted
+    Q, K, V = inputs(key, (1, 2, 200, 64))
+    assert relative_error(auto(Q, K, V), reference(Q, K, V)) <= BF16
+    shape = ((1, 2, 200, 64),) * 3
+    assert auto.backends[f"forward at {shape}"] == "triton"
+    assert auto.refused[f"forward at {shape}"] == "axis 'q' of size 200: the Mosaic backend needs whole blocks of 256"
 
 
 @settings(max_examples=2, deadline=None)
