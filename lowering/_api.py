@@ -22,7 +22,8 @@ from typing import Literal
 
 import jax
 
-from lowering._backward import backward_of, differentiable
+from lowering._backward import Piece, backward_of, differentiable
+from lowering._mosaic import MosaicConfig, MosaicLowered, choose, faster
 from lowering._plan import NotLowerable, plan
 from lowering._search import refine
 from lowering._tiles import Choice, choose_tiles, missing_sizes
@@ -35,7 +36,7 @@ from rewrites import open_sizes, resolve
 
 Differentiation = Literal["lowered", "reference", "none"]
 
-#: the backends ``lower`` can emit; ``backend="auto"`` chooses Triton and says why not Mosaic
+#: the backends ``lower`` can emit; ``backend="auto"`` chooses between them per kernel and says why
 BACKENDS = ("triton", "mosaic")
 
 
@@ -46,9 +47,10 @@ class Kernel:
     ``"lowered"`` (derived backward kernels, built when first differentiated), ``"reference"``
     (``jax.vjp`` of the reference semantics, asked for explicitly) or ``"none"`` (differentiating
     raises :class:`NotLowerable`); ``why_not`` says why there is no lowered backward, else None;
-    ``refused`` maps each backend ``backend="auto"`` passed over to why; ``tiles`` maps every partition
-    size of the kernel to its value (``{"g_q": 16, "s_x": 16}``) and ``choice`` says how sizes the derivation
-    left open were chosen (None when it left none).
+    ``backends`` maps each of its kernels (forward, then the backward's, built if need be) to the backend
+    that emitted it, and ``refused`` each kernel ``backend="auto"`` kept off Mosaic to why; ``tiles`` maps
+    every partition size of the kernel to its value (``{"g_q": 16, "s_x": 16}``) and ``choice`` says how
+    sizes the derivation left open were chosen (None when it left none).
 
     >>> import jax, jax.numpy as jnp
     >>> import napkin_cat as nc
@@ -57,6 +59,8 @@ class Kernel:
     >>> kernel = lower(derive(nc.library.attention(q, x, d), tile(q, 16), stream(x, 16), verify=False))
     >>> kernel.backend, kernel.differentiation, kernel.why_not, kernel.tiles
     ('triton', 'lowered', None, {'g_q': 16, 's_x': 16})
+    >>> kernel.refused["forward"]
+    "device 'cpu' (cpu) is not an sm_90 (Hopper) GPU"
     >>> Q, K, V = (jax.random.normal(jax.random.key(i), (24, 16)) for i in range(3))
     >>> dQ = jax.grad(lambda Q: kernel(Q, K, V).sum())(Q)
     >>> bool(jnp.allclose(dQ, jax.grad(lambda Q: nc.to_jax(kernel.diagram)(Q, K, V).sum())(Q), atol=1e-4))
@@ -77,11 +81,11 @@ class Kernel:
         differentiation: Differentiation,
         why_not: str | None = None,
         backward: Callable[[], tuple[Lowered, ...]] | None = None,
-        refused: dict[str, str] | None = None,
+        emitted: dict[str, tuple[str, str | None]] | None = None,
         choice: Choice | None = None,
     ):
         self.diagram, self.forward, self._fn, self.backend = diagram, forward, fn, backend
-        self.refused, self.choice = refused or {}, choice
+        self._emitted, self.choice = emitted if emitted is not None else {"forward": (backend, None)}, choice
         self.differentiation, self.why_not, self._backward = differentiation, why_not, backward
         self.__name__ = "napkin_kernel"
 
@@ -90,6 +94,18 @@ class Kernel:
         """Every partition size of the kernel by its symbol's name: ``g_a`` for a tiled axis, ``s_x`` for the
         streamed one, as the cost functor names them."""
         return _tiles(self.diagram)
+
+    @property
+    def backends(self) -> dict[str, str]:
+        """The backend of each kernel by its role (``"forward"``, ``"forward with residuals"``, each backward
+        kernel's :func:`role`), the backward's built if need be."""
+        _ = self.kernels  # the backward's kernels choose their backends when built
+        return {what: backend for what, (backend, _) in self._emitted.items()}
+
+    @property
+    def refused(self) -> dict[str, str]:
+        """Why ``backend="auto"`` kept each kernel (by role) that is not on Mosaic off it, for those built."""
+        return {what: why for what, (_, why) in self._emitted.items() if why is not None}
 
     @property
     def kernels(self) -> tuple[Lowered, ...]:
@@ -219,21 +235,94 @@ def _guard(k: Lowered) -> Lowered:
     return k
 
 
-#: why ``backend="auto"`` passes over a Mosaic kernel that would lower: measured on an H100 (docs/mosaic.md), Mosaic
-#: at a derivation's own tiles ran at 0.70-0.89× Triton's forward at D = 64 and N = 2048, and it refuses ragged sizes
-#: only when called; auto will take it once it chooses by measured speed and checks sizes up front.
-AUTO_KEEPS_TRITON = "'auto' keeps to Triton on sm_90 too; pass backend='mosaic' for the Hopper kernel (forward only)"
-
-
 def _backend(backend: str) -> str:
     if backend == "auto":
         return "auto"
     if backend not in BACKENDS:
         raise NotLowerable(
-            f"backend {backend!r}: choose 'auto' (Triton), 'triton' or 'mosaic' (Hopper, forward only); "
-            "'auto' takes Triton and says why not Mosaic"
+            f"backend {backend!r}: choose 'auto' (Mosaic on sm_90 where it lowers and was measured faster, else "
+            "Triton; kernel.refused says why), 'triton' or 'mosaic' (Hopper)"
         )
     return backend
+
+
+def role(piece: Piece) -> str:
+    """A backward kernel's name in messages: what it computes and its schedule.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> q, x, d = nc.axes("q x d")
+    >>> b = backward_of(derive(nc.library.attention(q, x, d), tile(q, 16), stream(x, 16), verify=False).diagram)
+    >>> [role(p) for p in b.pieces]
+    ['backward kernel Δ (tile(q, 16))', 'backward kernel d(input 0) (tile(q, 16), stream(x, 16))', \
+'backward kernel d(input 1), d(input 2) (tile(x, 16), stream(q, 16))']
+    """
+    what = "Δ" if piece.feeds else ", ".join(f"d(input {i})" for i in piece.outputs)
+    return f"backward kernel {what} ({', '.join(map(str, piece.rules))})"
+
+
+class _Emitter:
+    """Lowers each kernel of a :class:`Kernel` (forward, forward with residuals, backward pieces) with one
+    backend, or with ``"auto"``'s choice per kernel, recording which backend each got and why not Mosaic."""
+
+    def __init__(self, backend: str, interpret, config, hw: Hardware | None):
+        if backend == "mosaic" and isinstance(config, Config):
+            raise NotLowerable("backend 'mosaic': a lowering.Config tunes Triton; pass a lowering.MosaicConfig")
+        mosaic = backend == "auto" and isinstance(config, MosaicConfig)  # tunes the kernels auto puts on Mosaic
+        if backend != "mosaic" and config is not None and not isinstance(config, Config) and not mosaic:
+            raise NotLowerable(f"config must be a lowering.Config, got {type(config).__name__}")
+        self.backend, self.interpret, self.config, self.hw = backend, interpret, config, hw
+        #: per kernel (by role): the backend that emitted it and, under "auto", why not Mosaic (else None)
+        self.chosen: dict[str, tuple[str, str | None]] = {}
+
+    def __call__(self, d: Diagram, what: str):
+        if self.backend == "mosaic":
+            try:
+                kernel = MosaicLowered(plan(d), interpret=self.interpret, config=self.config)
+                kernel.guard()
+            except NotLowerable as e:
+                raise NotLowerable(f"Mosaic, {what}: {e}") from e
+            self.chosen[what] = ("mosaic", None)
+            return kernel
+        config = self.config if isinstance(self.config, Config) else None
+
+        def triton() -> Lowered:
+            return _guard(Lowered(plan(d), interpret=self.interpret, config=config, hardware=self.hw))
+
+        why = None
+        if self.backend == "auto":
+            candidate, why = choose(d, interpret=self.interpret, config=self.config)
+            why = why or faster(candidate)
+            if why is None:
+                self.chosen[what] = ("mosaic", None)
+                sizes = {a.name: a.size for w in d.dom.inside for a in w.axes}
+                if all(sizes[a].is_number for a in (*candidate.plan.tiles, *(candidate.plan.stream or ())[:1])):
+                    return candidate  # whole blocks, checked by choose
+                return _WholeBlocks(candidate, triton, lambda shape, why: self._ragged(what, shape, why))
+        self.chosen[what] = ("triton", why)
+        return triton()
+
+    def _ragged(self, what: str, shape: tuple, why: str) -> None:
+        self.chosen[f"{what} at {shape}"] = ("triton", why)
+
+
+class _WholeBlocks:
+    """``backend="auto"``'s Mosaic kernel of a diagram whose axis sizes are known only when called: arrays that
+    split into whole blocks run on Mosaic; any others (Mosaic pads nothing) on the Triton kernel of the same
+    diagram, which pads them, each such shape recorded in :attr:`Kernel.backends` and :attr:`Kernel.refused`."""
+
+    def __init__(self, mosaic, triton: Callable[[], Lowered], note: Callable[[tuple, str], None]):
+        self.mosaic, self._triton, self._note = mosaic, functools.cache(triton), note
+
+    def __getattr__(self, name):
+        return getattr(self.mosaic, name)
+
+    def __call__(self, *arrays):
+        why = self.mosaic.ragged(*arrays)
+        if why is None:
+            return self.mosaic(*arrays)
+        self._note(tuple(tuple(jax.numpy.shape(a)) for a in arrays), why)
+        return self._triton()(*arrays)
 
 
 def lower(
@@ -250,10 +339,13 @@ def lower(
     """A JAX-callable Pallas kernel for a scheduled diagram (a ``Derivation`` or its ``.diagram``).
 
     ``interpret=None`` interprets on CPU and compiles on GPU. Works under ``jax.jit``, ``jax.vmap`` and
-    ``jax.grad``; arrays are passed in the diagram's axis order. ``backend="auto"`` chooses Triton, and
-    ``kernel.refused`` says why not Mosaic; ``backend="mosaic"`` lowers the
-    forward for Hopper (:mod:`lowering._mosaic`, tuned by its ``MosaicConfig``) and differentiates only
-    with ``backward="reference"``. ``config`` reaches every kernel built, backward included. ``hardware``
+    ``jax.grad``; arrays are passed in the diagram's axis order. ``backend="mosaic"`` lowers every kernel,
+    forward and backward, for Hopper (:mod:`lowering._mosaic`, tuned by a ``MosaicConfig``); a kernel it
+    cannot lower is named in the error (the forward) or in ``kernel.why_not`` (a backward kernel), never
+    replaced by Triton's. ``backend="auto"`` chooses per kernel: Mosaic on an sm_90 GPU where the kernel
+    lowers there and its configuration was measured faster than Triton's (:func:`lowering._mosaic.faster`),
+    else Triton; ``kernel.backends`` says which, ``kernel.refused`` why not Mosaic. ``config`` reaches every
+    kernel of its backend, backward included. ``hardware``
     (a :class:`~napkin_cat.hardware.Hardware` or its name) sets the per-block shared-memory limit; by
     default the detected GPU's model, H100 when interpreting.
 
@@ -350,45 +442,26 @@ def _lower(
 ) -> Kernel:
     """:func:`lower` of a diagram whose partition sizes are all concrete (``choice``: how open ones were chosen)."""
     name = _backend(backend)
-    refused: dict = {}
-    if name == "auto":  # Triton, saying why not Mosaic
-        from lowering._mosaic import choose
-
-        candidate, why = choose(d, interpret=interpret, config=config)
-        name, refused = "triton", {"mosaic": why if candidate is None else AUTO_KEEPS_TRITON}
-    # Hopper (lowering/_mosaic.py): forward kernels; gradients only by the reference
-    if name == "mosaic":
-        if isinstance(config, Config):
-            raise NotLowerable("backend 'mosaic': a lowering.Config tunes Triton; pass a lowering._mosaic.MosaicConfig")
-        from lowering._mosaic import MosaicLowered
-
-        fwd = MosaicLowered(plan(d), interpret=interpret, config=config)
-        if backward == "reference":
-            return Kernel(d, fwd, _reference(fwd, d), backend=name, differentiation="reference", choice=choice)
-        why = "the Mosaic backend lowers no backward kernels yet"
-        return Kernel(d, fwd, _refuse(fwd, why), backend=name, differentiation="none", why_not=why, choice=choice)
-    if config is not None and not isinstance(config, Config):
-        raise NotLowerable(f"config must be a lowering.Config, got {type(config).__name__}")
-
-    def kernel(diagram: Diagram) -> Lowered:
-        return _guard(Lowered(plan(diagram), interpret=interpret, config=config, hardware=hw))
-
-    primal = kernel(d)
-    made = functools.partial(Kernel, d, primal, backend=name, refused=refused, choice=choice)
+    emit = _Emitter(name, interpret, config, hw)
+    primal = emit(d, "forward")
+    made = functools.partial(Kernel, d, primal, backend=emit.chosen["forward"][0], emitted=emit.chosen, choice=choice)
     if backward == "reference":
         return made(_reference(primal, d), differentiation="reference")
     try:  # the backward's diagrams and schedules now (cheap, and they say whether it exists); kernels when needed
-        b = backward_of(d, primal.hardware, config)
-        pieces = [p.scheduled for p in b.pieces]
-        for p in pieces:
-            plan(p)
+        b = backward_of(d, primal.hardware, config if isinstance(config, Config) else None)
+        for p in b.pieces:
+            plan(p.scheduled)
+        if name == "mosaic":  # every Mosaic kernel now: a piece it cannot lower is named before any call
+            kernels = (emit(b.forward, "forward with residuals"), *(emit(p.scheduled, role(p)) for p in b.pieces))
     except NapkinError as e:
         why = f"no lowered backward: {e}"
         return made(_refuse(primal, why), differentiation="none", why_not=why)
 
     @functools.cache
-    def build() -> tuple[Lowered, ...]:
+    def build() -> tuple:
         # The backward's rules and schedules are verified in tests/test_lowered_backward.py; here only relabelled.
-        return (kernel(b.forward), *(kernel(p) for p in pieces))
+        if name == "mosaic":
+            return kernels
+        return (emit(b.forward, "forward with residuals"), *(emit(p.scheduled, role(p)) for p in b.pieces))
 
     return made(differentiable(primal, build, b, d), differentiation="lowered", backward=build)

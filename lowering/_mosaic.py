@@ -1,7 +1,8 @@
 """The Mosaic GPU backend (Hopper): a scheduled diagram becomes one warp-specialised ``plgpu.kernel``.
 
 FAN's Hopper algorithm, read from the plan: the tiled axis is split over ``consumers`` warpgroups (a
-group partition one level below the thread block, ``g/consumers`` rows each, a multiple of wgmma's 64);
+group partition one level below the thread block, ``g/consumers`` rows each, a multiple of wgmma's 64:
+the diagram's label ``q/g÷w`` from ``rewrites.split(q, w)``, else 2);
 the streamed axis becomes a ring of ``stages`` shared-memory buffers per streamed input, filled by TMA
 from one producer warpgroup and released through ``consumed`` barriers; contractions become ``wgmma``
 (A from shared memory or registers, B from shared memory) whose accumulators, like the accumulators'
@@ -14,18 +15,21 @@ chunks above the diagonal are never loaded.
 Anything this cannot express raises :class:`NotLowerable` naming the box or axis, before compiling.
 
 >>> import napkin_cat as nc
->>> from rewrites import derive, tile, stream
+>>> from rewrites import derive, split, tile, stream
 >>> b, h, q, x, d = nc.axes("b h q x d", d=64)
 >>> attn = nc.library.multi_head_attention(h, q, x, d, batch=(b,), dtype="bf16", causal=True)
 >>> k = MosaicLowered(plan(derive(attn, tile(q, 128), stream(x, 64), verify=False).diagram))
 >>> k.rows, k.config.consumers, k.plan.stream
 (64, 2, ('x', 64))
+>>> k = MosaicLowered(plan(derive(attn, tile(q, 256), split(q, 1), stream(x, 64), verify=False).diagram))
+>>> k.rows, k.config.consumers, k.pingpong
+(256, 1, False)
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -34,13 +38,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from lowering._plan import NotLowerable, Plan, plan
+from lowering._triton import _visited, affine_mask, tiled_first
 from napkin_cat.diagram import Diagram
 from napkin_cat.generators import JAX, Context, Generator
 from napkin_cat.hardware import H100
 from napkin_cat.levels import REG
 from napkin_cat.semantics import bind
 
-__all__ = ["MosaicArrays", "MosaicConfig", "MosaicLowered", "base2", "choose", "plan"]
+__all__ = ["MosaicArrays", "MosaicConfig", "MosaicLowered", "base2", "choose", "faster", "plan"]
 
 LOG2E = math.log2(math.e)
 #: wgmma's row count per warpgroup
@@ -51,21 +56,26 @@ SMEM_LIMIT, REGISTERS = H100.smem_per_block, H100.capacity(REG) // 4
 
 @dataclass(frozen=True)
 class MosaicConfig:
-    """The Hopper knobs the diagram does not carry (yet): consumer warpgroups, ring stages, registers.
+    """The Hopper knobs the diagram does not carry (yet): ring stages, ping-pong, registers.
+
+    ``consumers`` (the warpgroups a tile is split over) comes from the diagram's ``split`` label; given here
+    it must agree with the label, and without either it is 2.
 
     ``interpretable`` keeps to what Mosaic's interpret mode runs: a register A operand is staged through
     shared memory, and a product is added to its accumulator after the ``wgmma`` instead of the ``wgmma``
     accumulating in place. Compiled kernels use neither detour. ``pingpong`` orders the two consumer
     warpgroups' matrix products around a shared barrier so that one's softmax runs under the other's
-    ``wgmma`` (FA3's schedule).
+    ``wgmma`` (FA3's schedule); None (the default) turns it on where a chunk issues two wgmmas, FA3's forward
+    (S, then P·V; measured +12% at D = 128), and off where it issues more (the backward's 3 and 4, whose few
+    exponentials leave little to hide: JAX's Mosaic GPU attention backward has no such barrier either).
 
     >>> MosaicConfig().registers()
     (232, 40)
     """
 
-    consumers: int = 2
+    consumers: int | None = None
     stages: int = 2
-    pingpong: bool = True
+    pingpong: bool | None = None
     interpretable: bool = False
     consumer_registers: int = 232
     producer_registers: int = 40
@@ -81,6 +91,9 @@ class Smem:
     def __init__(self, ref, barrier=None):
         self.ref, self.barrier = ref, barrier
         self.shape, self.dtype = tuple(ref.shape), ref.dtype
+        #: the register layout a load gives: wgmma's for a block; a vector of the rows (the tiled axis) in the
+        #: layout of a block's row statistics, a vector of the columns (the streamed axis) in that of its columns
+        self.layout = plgpu.Layout.WGMMA
 
     def ready(self):
         """The ref, once its TMA copy has landed (the wait is issued once per chunk)."""
@@ -91,7 +104,13 @@ class Smem:
 
     def value(self):
         """The operand loaded into registers."""
-        return self.ready()[...]
+        return plgpu.load(self.ready(), layout=self.layout)
+
+    def along(self, axis: int) -> Smem:
+        """A vector as the rows (``axis`` 0) or the columns (1) of the blocks it is broadcast against."""
+        if len(self.shape) == 1:
+            self.layout = plgpu.Layout.WGMMA.reduce(1 - axis)
+        return self
 
 
 class Product:
@@ -102,7 +121,7 @@ class Product:
         self.xp, self.a, self.b, self.shape, self.dtype = xp, a, b, shape, jnp.float32
 
     def into(self, acc):
-        a, b = self.xp.operand_a(self.a), self.b.ready()
+        a, b = self.xp.operand_a(self.a, self.b.dtype), self.b.ready()
         first = self.xp.issued == 0
         self.xp.issued += 1
 
@@ -176,6 +195,10 @@ class MosaicArrays:
         """``wgmma`` for a 2-operand, 2-D contraction over one axis whose B operand is in shared memory."""
         ins, out = spec.split("->")
         terms = ins.split(",")
+        if len(terms) == 2 and terms[0] == terms[1] and len(terms[0]) == 2 and out in (terms[0][0], terms[0][1]):
+            # a row-wise inner product (Δ = Σ_d dO ⊙ O): on registers, no tensor cores
+            a, b = (self.f32(_value(v)) for v in xs)
+            return self.sum(a * b, 1 - terms[0].index(out))
         if len(terms) != 2 or len(out) != 2 or any(len(t) != 2 for t in terms):
             raise NotLowerable(f"einsum {spec!r}: wgmma takes two 2-D operands and gives a 2-D product")
         (k,) = set(terms[0]) & set(terms[1]) - set(out) or (None,)
@@ -194,12 +217,18 @@ class MosaicArrays:
         m, n = va.shape[0] if isinstance(va, Smem) else jnp.shape(va)[0], vb.shape[1]
         return Product(self, va, vb, (m, n))
 
-    def operand_a(self, a):
-        """wgmma's A operand: a shared-memory ref, or a register array (directly, or through ``staging``)."""
+    def operand_a(self, a, dtype):
+        """wgmma's A operand: a shared-memory ref, or a register array in ``dtype`` (directly, or through
+        ``staging``)."""
         if isinstance(a, Smem):
             return a.ready()
+        a = a.astype(dtype)  # the operands meet in B's 16-bit type (FA2 casts P to V's)
         if self.staging is None:
             return a
+        if tuple(a.shape) != tuple(self.staging.shape):
+            raise NotLowerable(
+                f"interpret mode stages a register A operand through a {self.staging.shape} buffer, got {a.shape}"
+            )
         self.staging[...] = a.astype(self.staging.dtype)
         plgpu.commit_smem()
         return self.staging
@@ -228,6 +257,25 @@ class MosaicArrays:
         return plgpu.layout_cast(jnp.full(shape, value, jnp.float32), layout)
 
 
+def _wgmma(spec: str) -> bool:
+    """A contraction :meth:`MosaicArrays.einsum` issues as one ``wgmma`` (two 2-D operands, a 2-D product)."""
+    ins, out = spec.split("->")
+    terms = ins.split(",")
+    return len(terms) == 2 and len(out) == 2 and all(len(t) == 2 for t in terms) and terms[0] != terms[1]
+
+
+class _Counting(type(JAX)):
+    """:data:`~napkin_cat.generators.JAX`, counting the contractions a chunk issues as ``wgmma``: the ping-pong
+    turns a consumer takes for a chunk it only observes."""
+
+    def __init__(self):
+        self.wgmma = 0
+
+    def einsum(self, spec: str, *xs):
+        self.wgmma += _wgmma(spec)
+        return super().einsum(spec, *xs)
+
+
 def choose(d: Diagram, *, interpret: bool | None, config=None) -> tuple[MosaicLowered | None, str | None]:
     """``backend="auto"``'s Mosaic candidate: a compiled kernel when the device is sm_90 and the diagram lowers
     there (its shared memory checked when the whole axes are known), else None and why not.
@@ -249,12 +297,44 @@ def choose(d: Diagram, *, interpret: bool | None, config=None) -> tuple[MosaicLo
         return None, f"config is a {type(config).__name__}, which tunes Triton"
     try:
         kernel = MosaicLowered(plan(d), interpret=False, config=config)
-        size = {a.name: a.size for w in d.dom.inside for a in w.axes}
-        if all(size[a].is_number for a in kernel.plan.whole):
-            kernel.check({a: int(n) if n.is_number else 1 for a, n in size.items()})
+        kernel.guard()
     except NotLowerable as e:
         return None, f"Mosaic refused: {e}"
+    if why := kernel._ragged({a.name: a.size for w in d.dom.inside for a in w.axes}):
+        return None, f"Mosaic refused: {why}"
     return kernel, None
+
+
+#: where Mosaic's forward was measured faster than Triton's (H100, docs/mosaic.md v2 and v3): consumer blocks of
+#: 128 rows (a tile of 256 split over two warpgroups) at D ∈ {64, 128}; with 64-row blocks it was slower
+#: (253 against 344 TFLOP/s at D = 64, N = 2048)
+FASTER_ROWS, FASTER_WHOLE = 128, (64, 128)
+
+
+def faster(kernel: MosaicLowered) -> str | None:
+    """None where ``backend="auto"`` expects ``kernel`` to beat Triton's (measured, :data:`FASTER_ROWS`,
+    :data:`FASTER_WHOLE`), else why not.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> q, x, d = nc.axes("q x d", d=128)
+    >>> attn = nc.library.attention(q, x, d, dtype="bf16")
+    >>> [faster(MosaicLowered(plan(derive(attn, tile(q, g), stream(x, 64), verify=False).diagram))) for g in (256, 128)]
+    [None, "64-row consumer blocks (tile q/128 over 2 warpgroups): Mosaic measured slower than Triton there; \
+'auto' takes Mosaic at 128-row blocks with whole axes of 64 or 128"]
+    """
+    size = {a.name: a.size for w in kernel.plan.diagram.dom.inside for a in w.axes}
+    whole = {a: size[a] for a in kernel.plan.whole}
+    if kernel.rows == FASTER_ROWS and all(n.is_number and int(n) in FASTER_WHOLE for n in whole.values()):
+        return None
+    where = f"{kernel.rows}-row consumer blocks (tile {kernel.q}/{kernel.plan.tiles[kernel.q]} over "
+    where += f"{kernel.config.consumers} warpgroups)"
+    if kernel.rows == FASTER_ROWS:
+        where = ", ".join(f"whole axis {a} = {n}" for a, n in whole.items())
+    return (
+        f"{where}: Mosaic measured slower than Triton there; 'auto' takes Mosaic at {FASTER_ROWS}-row blocks "
+        f"with whole axes of {' or '.join(map(str, FASTER_WHOLE))}"
+    )
 
 
 def base2(d: Diagram) -> Diagram:
@@ -305,22 +385,27 @@ class MosaicLowered:
     ('q', 'x', 64, 64, True)
     """
 
+    #: what ``lower``'s ``kernel.backends`` reports; the hardware model the budgets come from
+    backend, hardware = "mosaic", H100
+
     def __init__(self, p: Plan, *, interpret: bool | None = None, config: MosaicConfig | None = None):
         self.plan = p
         self.interpret = (jax.default_backend() != "gpu") if interpret is None else interpret
         self.config = config or MosaicConfig(interpretable=self.interpret)
         self.__name__ = "napkin_mosaic_kernel"
-        if not p.tiles or p.stream is None:
+        if not p.tiles:
             raise NotLowerable(
-                f"Mosaic backend: tiled axes (the first output's first one split over consumer warpgroups) and one "
-                f"streamed axis, got tiles {p.tiles} and stream {p.stream}"
+                "Mosaic backend: tiled axes (the first output's first one split over consumer warpgroups) and at "
+                f"most one streamed axis, got tiles {p.tiles} and stream {p.stream}"
             )
-        self.x, self.s = p.stream
+        #: the streamed axis and its chunk (None, None for a kernel without a loop: the backward's Δ)
+        self.x, self.s = p.stream or (None, None)
         first = _unweave(p.diagram, p.batch).cod.inside[0].names[0]
         self.q = first if first in p.tiles else next(iter(p.tiles))
         g = p.tiles[self.q]
         #: the other tiled axes: grid dimensions whose blocks every warpgroup shares
         self.others = {a: n for a, n in p.tiles.items() if a != self.q}
+        self.config = replace(self.config, consumers=_consumers(p.diagram, self.q, self.config.consumers))
         c = self.config.consumers
         if g % (c * WGMMA_M):
             raise NotLowerable(
@@ -328,8 +413,7 @@ class MosaicLowered:
                 f"multiples of wgmma's {WGMMA_M}"
             )
         self.rows = g // c
-        self.pingpong = self.config.pingpong and c == 2
-        if self.s % WGMMA_M:
+        if p.stream is not None and self.s % WGMMA_M:
             raise NotLowerable(f"axis {self.x!r}: the stream size s = {self.s} must be a multiple of {WGMMA_M}")
         consumer_regs, producer_regs = self.config.registers()
         if 128 * (c * consumer_regs + producer_regs) > REGISTERS:
@@ -337,14 +421,21 @@ class MosaicLowered:
                 f"warpgroup level: {c} consumers × {self.config.consumer_registers} registers plus a producer "
                 f"× {self.config.producer_registers} exceed the SM's {REGISTERS} registers"
             )
-        self.d = base2(_unweave(p.diagram, p.batch))
+        # blocks holding both loop axes laid out tiled axis first: the kept block is wgmma's A operand (Sᵀ = K·Qᵀ)
+        self.d = tiled_first(base2(_unweave(p.diagram, p.batch)), p)
+        #: the affine masks reading the streamed axis (causal, sliding window, prefix; a mask's backward ``Kept``),
+        #: by box: the chunks they hide are never loaded, those they keep whole run without them (block sparsity)
+        self.masks = {id(b): m for b in self.d.boxes if (m := affine_mask(b)) is not None and self.x in m.axes}
+        #: tiles launched longest first: with a causal mask on the tiled queries, the last tiles see the most keys
+        self.longest_first = any(isinstance(b, Generator) and b.diagonal() == (self.q, self.x) for b in self.d.boxes)
         for w in self.d.dom.inside:
             role = self._role(w)
             if role is None:
                 raise NotLowerable(
-                    f"input {w.describe()}: a block must be 2-D (the tiled or streamed axis, and one whole axis)"
+                    f"input {w.describe()}: a block must be 2-D (the tiled or streamed axis, and one whole axis) "
+                    f"or a vector along the tiled or streamed axis"
                 )
-            if w.dtype.bits != 16:
+            if len(w.axes) == 2 and w.dtype.bits != 16:
                 raise NotLowerable(f"input {w.describe()}: wgmma takes 16-bit operands, got {w.dtype}")
         for w in self.d.cod.inside:
             if self._role(w) != "tile" or w.names[0] != self.q:
@@ -360,6 +451,38 @@ class MosaicLowered:
             self.reuse.append(None if k is None else free[k])
             if k is not None:
                 free[k] = None
+        #: the shared-memory buffers of the other outputs, one per block shape and dtype (outputs sharing one
+        #: are stored one after another: dK and dV in f32 would not fit side by side at D = 128), and each
+        #: output's buffer among them (None where it reuses an input's tile)
+        self.own: list = []
+        self.shared: list[int | None] = []
+        for w, i in zip(self.d.cod.inside, self.reuse, strict=True):
+            j = next((j for j, v in enumerate(self.own) if _same_block(v, w)), None) if i is None else None
+            if i is None and j is None:
+                self.own.append(w)
+                j = len(self.own) - 1
+            self.shared.append(j)
+        #: the wgmmas one chunk issues, counted on abstract blocks
+        self.products = self._products() if p.stream is not None else 0
+        want = self.config.pingpong
+        self.pingpong = c == 2 and p.stream is not None and (self.products == 2 if want is None else want)
+
+    def _products(self) -> int:
+        """The contractions a chunk issues as wgmma: the diagram walked once on abstract blocks (whole axes of
+        unknown size stand at 64, which no count depends on)."""
+        from rewrites import walk
+
+        size = {a.name: a.size for w in self.plan.diagram.dom.inside for a in w.axes}
+        extent = {a: int(n) if n.is_number else 64 for a, n in size.items()}
+        sizes = {n: 64 for n in size.values() if not n.is_number}
+        counting = _Counting()
+
+        def probe(*vals):
+            fold = lambda acc, st, ins, cc: acc.partial(ins, cc)  # noqa: E731
+            walk(self.d, list(vals), Context(sizes, {}, counting), self.x, "chunk", {}, fold=fold)
+
+        jax.eval_shape(probe, *(jax.ShapeDtypeStruct(self.block(w, extent), w.dtype.jnp) for w in self.d.dom.inside))
+        return counting.wgmma
 
     @property
     def source(self) -> str:
@@ -374,24 +497,48 @@ class MosaicLowered:
         plgpu.kernel grid (q/128, batch) × 3 warpgroups: 2 consumers of 64 q-rows each (wgmma), 1 TMA producer
         """
         c, p = self.config, self.plan
+        outs = list(zip(self.d.cod.inside, self.shared, strict=True))
         return "\n".join(
             [
                 f"plgpu.kernel grid ({', '.join(f'{a}/{n}' for a, n in p.tiles.items())}, batch) × {c.consumers + 1} "
                 f"warpgroups: {c.consumers} "
                 f"consumers of {self.rows} {self.q}-rows each (wgmma), 1 TMA producer",
-                f"ring: {c.stages} stages of {self.x}~{self.s} chunks per streamed input; ping-pong: {self.pingpong}",
+                f"ring: {c.stages} stages of {self.x}~{self.s} chunks per streamed input; ping-pong: {self.pingpong}"
+                if self.x
+                else "no loop: every input a resident tile",
                 f"consumers walk: {' ; '.join(b.name for b in self.d.boxes)}",
+                *(
+                    f"block sparsity: the chunks {', '.join(b.name for b in self.d.boxes if id(b) in self.masks)} "
+                    f"hide are never loaded, those kept whole run without the mask{'s' * (len(self.masks) > 1)}"
+                    for _ in range(bool(self.masks))
+                ),
                 *(
                     f"output {w.describe()} stored through the shared-memory tile of {self.d.dom.inside[i].describe()}"
                     for w, i in zip(self.d.cod.inside, self.reuse, strict=True)
                     if i is not None
                 ),
+                *(
+                    f"outputs {', '.join(w.describe() for w, k in outs if k == j)} stored in turn through one "
+                    "shared-memory buffer per consumer"
+                    for j in range(len(self.own))
+                    if self.shared.count(j) > 1
+                ),
             ]
         )
 
+    def guard(self) -> None:
+        """:meth:`check` now where the sizes it reads (the axes kept whole) are known: the tiled and streamed
+        axes enter it only through their blocks."""
+        size = {a.name: a.size for w in self.plan.diagram.dom.inside for a in w.axes}
+        if all(size[a].is_number for a in self.plan.whole):
+            self.check({a: int(n) if n.is_number else 1 for a, n in size.items()})
+
     def _role(self, w) -> str | None:
-        """``stream`` (a ring chunk, whole tile rows when it holds the split axis), ``tile`` (per-consumer rows)."""
+        """``stream`` (a ring chunk, whole tile rows when it holds the split axis), ``tile`` (per-consumer rows):
+        2-D blocks, or vectors along the split or the streamed axis (the backward's ``L`` and ``Δ``)."""
         names = w.names
+        if len(names) == 1 and names[0] in (self.q, self.x):
+            return "stream" if names[0] == self.x else "tile"
         if len(names) != 2 or len(set(names)) != 2:
             return None
         if any(n not in (self.q, self.x, *self.others, *self.plan.whole) for n in names):
@@ -401,15 +548,39 @@ class MosaicLowered:
         return "tile" if self.q in names else None
 
     # -- the wrapper: bind sizes, check them, launch --------------------------------------------
+    def ragged(self, *arrays) -> str | None:
+        """Why these arrays do not split into whole blocks (Mosaic pads nothing), else None.
+
+        >>> import jax.numpy as jnp, napkin_cat as nc
+        >>> from rewrites import derive, tile, stream
+        >>> q, x, d = nc.axes("q x d", d=64)
+        >>> k = MosaicLowered(plan(derive(nc.library.attention(q, x, d, dtype="bf16"), tile(q, 128), stream(x, 64),
+        ...                                verify=False).diagram))
+        >>> k.ragged(*(jnp.zeros((200, 64), jnp.bfloat16),) * 3)
+        "axis 'q' of size 200: the Mosaic backend needs whole blocks of 128"
+        """
+        full = self.plan.diagram
+        sizes = bind(full.dom, [jnp.asarray(a) for a in arrays])
+        return self._ragged({a.name: a.size.subs(sizes) for w in full.dom.inside for a in w.axes})
+
+    def _ragged(self, size: dict) -> str | None:
+        blocks = ((self.q, self.plan.tiles[self.q]), *([(self.x, self.s)] if self.x else []), *self.others.items())
+        return next(
+            (
+                f"axis {a!r} of size {size[a]}: the Mosaic backend needs whole blocks of {n}"
+                for a, n in blocks
+                if size[a].is_number and int(size[a]) % n
+            ),
+            None,
+        )
+
     def __call__(self, *arrays):
-        p, full = self.plan, self.plan.diagram
+        full = self.plan.diagram
         arrays = [jnp.asarray(a) for a in arrays]
         sizes = bind(full.dom, arrays)
         extent = {a.name: int(a.size.subs(sizes)) for w in full.dom.inside for a in w.axes}
-        g = p.tiles[self.q]
-        for a, block in ((self.q, g), (self.x, self.s), *self.others.items()):
-            if extent[a] % block:
-                raise NotLowerable(f"axis {a!r} of size {extent[a]}: the Mosaic backend needs whole blocks of {block}")
+        if why := self.ragged(*arrays):
+            raise NotLowerable(why)
         self.check(extent)
         outs = self._call(arrays, sizes, extent)
         return outs[0] if len(outs) == 1 else tuple(outs)
@@ -482,9 +653,9 @@ class MosaicLowered:
             ring = self._role(w) == "stream"
             n = math.prod(self.block(w, extent, ring=ring)) * w.dtype.bytes
             total += n * (c.stages if ring else c.consumers)
-        for w, reused in zip(self.d.cod.inside, self.reuse, strict=True):
-            total += 0 if reused is not None else math.prod(self.block(w, extent)) * w.dtype.bytes * c.consumers
-        if c.interpretable:
+        for w in self.own:
+            total += math.prod(self.block(w, extent)) * w.dtype.bytes * c.consumers
+        if c.interpretable and self.x:
             total += self.rows * self.s * 2 * c.consumers
         return total
 
@@ -494,28 +665,26 @@ class MosaicLowered:
         streamed = [i for i, w in enumerate(wires) if self._role(w) == "stream"]
         resident = [i for i, w in enumerate(wires) if self._role(w) == "tile"]
         g = p.tiles[self.q]
-        n_tiles, n_chunks = extent[self.q] // g, extent[self.x] // self.s
+        n_tiles, n_chunks = extent[self.q] // g, (extent[self.x] // self.s if self.x else 0)
         batch = [extent[a] for a in p.batch]
 
-        def smem(shape, dtype):
-            return plgpu.SMEM(shape, dtype, transforms=_swizzle(shape[-1], jnp.dtype(dtype).itemsize))
+        def smem(shape, dtype):  # stages or consumers of a block, swizzled for wgmma; of a vector, as is
+            swizzle = _swizzle(shape[-1], jnp.dtype(dtype).itemsize) if len(shape) == 3 else ()
+            return plgpu.SMEM(shape, dtype, transforms=swizzle)
 
-        own = [w for w, reused in zip(self.d.cod.inside, self.reuse, strict=True) if reused is None]
         scratch = [
             [smem((c.stages, *self.block(wires[i], extent, ring=True)), wires[i].dtype.jnp) for i in streamed],
             [smem((c.consumers, *self.block(wires[i], extent)), wires[i].dtype.jnp) for i in resident],
-            [smem((c.consumers, *self.block(w, extent)), w.dtype.jnp) for w in own],
+            [smem((c.consumers, *self.block(w, extent)), w.dtype.jnp) for w in self.own],
             [plgpu.Barrier(num_barriers=c.stages) for _ in streamed],
             [plgpu.Barrier(num_arrivals=c.consumers, num_barriers=c.stages) for _ in streamed],
             [plgpu.Barrier(num_barriers=c.consumers) for _ in resident],
         ]
         scratch.append([plgpu.Barrier(num_arrivals=c.consumers)] if self.pingpong else [])
-        if c.interpretable:
-            value_dtype = next(wires[i].dtype.jnp for i in streamed)
+        if c.interpretable and streamed:
+            value_dtype = next(wires[i].dtype.jnp for i in streamed if len(wires[i].axes) == 2)
             scratch.append([smem((c.consumers, self.rows, self.s), value_dtype)])
-        causal = [b.diagonal() for b in self.d.boxes if isinstance(b, Generator) and b.diagonal()]
-        causal = [dq for dq in causal if dq == (self.q, self.x)]
-        kernel = _Kernel(self, sizes, extent, streamed, resident, n_tiles, n_chunks, batch, bool(causal))
+        kernel = _Kernel(self, sizes, extent, streamed, resident, n_tiles, n_chunks, batch)
         others = [extent[a] // n for a, n in self.others.items()]
         out_type = [jax.ShapeDtypeStruct(tuple(extent[a.name] for a in w.axes), w.dtype.jnp) for w in full.cod.inside]
         call = plgpu.kernel(
@@ -536,22 +705,38 @@ class MosaicLowered:
 class _Kernel:
     """The kernel body: a producer warpgroup filling the rings, consumer warpgroups walking the diagram."""
 
-    def __init__(self, low: MosaicLowered, sizes, extent, streamed, resident, n_tiles, n_chunks, batch, causal):
+    def __init__(self, low: MosaicLowered, sizes, extent, streamed, resident, n_tiles, n_chunks, batch):
         self.low, self.sizes, self.extent = low, sizes, extent
         self.streamed, self.resident, self.n_tiles, self.n_chunks = streamed, resident, n_tiles, n_chunks
-        self.batch, self.causal = batch, causal
+        self.batch = batch
+
+    def _batch(self, bid) -> dict:
+        """Each batch axis's index in the flattened grid position ``bid``."""
+        out, acc = {}, 1
+        for a, n in zip(reversed(self.low.plan.batch), reversed(self.batch), strict=True):
+            out[a] = lax.rem(lax.div(bid, _i32(acc)), _i32(n))
+            acc *= n
+        return out
+
+    def visited(self, bid, lo, n) -> tuple:
+        """The chunks rows ``[lo, lo + n)`` of the split axis visit, ``first ≤ full_lo ≤ full_hi ≤ last``: the masks
+        hide every chunk outside ``[first, last)`` and keep ``[full_lo, full_hi)`` whole (``lowering._triton``'s
+        rule, on the same :class:`~napkin_cat.library.Affine` intervals)."""
+        low = self.low
+        ranges = {low.q: (lo, lo + n)} | {a: (0, self.extent[a]) for a in low.plan.whole}
+        ranges |= {
+            a: (lax.axis_index(f"tile_{a}") * g, lax.axis_index(f"tile_{a}") * g + g) for a, g in low.others.items()
+        }
+        ranges |= {a: (i, i + 1) for a, i in self._batch(bid).items()}
+        visit = _visited(low.masks.values(), low.x, low.s, self.n_chunks, ranges, self.extent[low.x])
+        return tuple(v.astype(jnp.int32) for v in visit)
 
     def _index(self, wire, bid, **blocks):
         """The view of an HBM ref for one block: batch axes fixed, the tiled/streamed axis sliced."""
-        p, idx, stride = self.low.plan, [], {}
-        acc = 1
-        for a, n in zip(reversed(p.batch), reversed(self.batch), strict=True):
-            stride[a] = (acc, n)
-            acc *= n
+        idx, batch = [], self._batch(bid)
         for a in wire.axes:
-            if a.name in stride:
-                k, n = stride[a.name]
-                idx.append(lax.rem(lax.div(bid, _i32(k)), _i32(n)))
+            if a.name in batch:
+                idx.append(batch[a.name])
             elif a.name in blocks:
                 idx.append(blocks[a.name])
             elif a.name in self.low.others:
@@ -571,26 +756,44 @@ class _Kernel:
         staging = scratch[7][0] if len(scratch) > 7 else None
         wg, bid = lax.axis_index("wg"), lax.axis_index("batch")
         tile = lax.axis_index("tile")
-        if self.causal:  # the longest rows first: the last tiles see the most keys
+        if low.longest_first:
             tile = self.n_tiles - 1 - tile
-        g, s = low.plan.tiles[low.q], low.s
-        # chunks this block streams: up to the diagonal of its last row when causal
-        chunks = lax.div(tile * g + g + s - 1, _i32(s)) if self.causal else _i32(self.n_chunks)
+        g = low.plan.tiles[low.q]
+        # the chunks [first, chunks) this block streams: those some row of its tile sees
+        first, chunks = _i32(0), _i32(self.n_chunks)
+        if low.masks:
+            first, _, _, chunks = self.visited(bid, tile * g, g)
+        if not self.streamed:  # no loop (the backward's Δ): the producer has nothing to fill
+            chunks = _i32(0)
         consumer_regs, producer_regs = c.registers()
 
         @pl.when(wg < c.consumers)
         def _consumer():
             plgpu.set_max_registers(consumer_regs, action="increase")
             self.consume(
-                in_refs, out_refs, rings, tiles, outs, loaded, consumed, arrived, staging, turn, wg, bid, tile, chunks
+                in_refs,
+                out_refs,
+                rings,
+                tiles,
+                outs,
+                loaded,
+                consumed,
+                arrived,
+                staging,
+                turn,
+                wg,
+                bid,
+                tile,
+                (first, chunks),
             )
 
         @pl.when(wg == c.consumers)
         def _producer():
             plgpu.set_max_registers(producer_regs, action="decrease")
-            self.produce(in_refs, rings, loaded, consumed, bid, tile, chunks)
+            if self.streamed:
+                self.produce(in_refs, rings, loaded, consumed, bid, tile, first, chunks)
 
-    def produce(self, in_refs, rings, loaded, consumed, bid, tile, chunks):
+    def produce(self, in_refs, rings, loaded, consumed, bid, tile, first, chunks):
         low, hbm, stages, s = self.low, self.low.plan.diagram.dom.inside, self.low.config.stages, self.low.s
         g = low.plan.tiles[low.q]
 
@@ -601,27 +804,30 @@ class _Kernel:
                 plgpu.copy_gmem_to_smem(view, rings[k].at[slot], loaded[k].at[slot])
 
         for j in range(min(stages, self.n_chunks)):  # a slice past the axis would not even trace
-            pl.when(j < chunks)(lambda j=j: load(j, j))
 
-        @pl.loop(stages, jnp.maximum(chunks, stages))
+            @pl.when(first + j < chunks)
+            def _(j=j):
+                load(first + j, lax.rem(first + j, _i32(stages)))
+
+        @pl.loop(first + stages, jnp.maximum(chunks, first + stages))
         def _(chunk):
             slot = lax.rem(chunk, _i32(stages))
             for k in range(len(self.streamed)):
                 plgpu.barrier_wait(consumed[k].at[slot])
             load(chunk, slot)
 
-        @pl.loop(jnp.maximum(chunks - stages, 0), chunks)
+        @pl.loop(jnp.maximum(chunks - stages, first), chunks)
         def _(chunk):  # the last releases: every phase of a barrier is observed before it is freed
             for k in range(len(self.streamed)):
                 plgpu.barrier_wait(consumed[k].at[lax.rem(chunk, _i32(stages))])
 
     def consume(
-        self, in_refs, out_refs, rings, tiles, outs, loaded, consumed, arrived, staging, turn, wg, bid, tile, chunks
+        self, in_refs, out_refs, rings, tiles, outs, loaded, consumed, arrived, staging, turn, wg, bid, tile, block
     ):
         from rewrites import walk
 
         low, d, stages = self.low, self.low.d, self.low.config.stages
-        wires, x, s, rows = d.dom.inside, low.x, low.s, low.rows
+        wires, x, s, rows = d.dom.inside, low.x or "", low.s, low.rows
         start = tile * low.plan.tiles[low.q] + wg * rows
         for k, i in enumerate(self.resident):
             view = in_refs[i].at[self._index(low.plan.diagram.dom.inside[i], bid, **{low.q: pl.ds(start, rows)})]
@@ -629,7 +835,7 @@ class _Kernel:
         xp = MosaicArrays(staging.at[wg] if staging is not None else None)
         pingpong = MosaicArrays(xp.staging, turn)
         ctx = Context(sizes=self.sizes, offsets={low.q: start}, xp=xp)
-        resident = {i: Smem(tiles[k].at[wg], arrived[k].at[wg]) for k, i in enumerate(self.resident)}
+        resident = {i: Smem(tiles[k].at[wg], arrived[k].at[wg]).along(0) for k, i in enumerate(self.resident)}
         for v in resident.values():
             v.ready()  # waited once, before the loop
         box_at = [None]
@@ -637,7 +843,7 @@ class _Kernel:
         def skipping(unmasked):
             def skip(box):
                 box_at[0] = box
-                return unmasked and isinstance(box, Generator) and box.diagonal() == (low.q, x)
+                return unmasked and id(box) in low.masks
 
             return skip
 
@@ -649,7 +855,9 @@ class _Kernel:
 
         def values(chunk):
             slot = lax.rem(chunk, _i32(stages))
-            ring = {i: Smem(rows_of(i, rings[k].at[slot]), loaded[k].at[slot]) for k, i in enumerate(self.streamed)}
+            ring = {
+                i: Smem(rows_of(i, rings[k].at[slot]), loaded[k].at[slot]).along(1) for k, i in enumerate(self.streamed)
+            }
             return [ring.get(i, resident.get(i)) for i in range(len(wires))], ring, slot
 
         def traced(f, *args, **kw):
@@ -659,12 +867,14 @@ class _Kernel:
                 box = box_at[0]
                 raise NotLowerable(f"box {getattr(box, 'name', box)!r}: {e}") from e
 
+        counting = _Counting()
+
         def probe(*vals):
             shapes: dict = {}
             walk(
                 d,
                 list(vals),
-                Context(self.sizes, {}, JAX),
+                Context(self.sizes, {}, counting),
                 x,
                 "chunk",
                 shapes,
@@ -672,7 +882,8 @@ class _Kernel:
             )
             return shapes
 
-        like = jax.eval_shape(probe, *(jax.ShapeDtypeStruct(low.block(w, self.extent), w.dtype.jnp) for w in wires))
+        blocks = (jax.ShapeDtypeStruct(low.block(w, self.extent), w.dtype.jnp) for w in wires)
+        like = jax.eval_shape(probe, *blocks) if self.streamed else {}
         keys = sorted(like)
         init = tuple(d.inside[i][1].accumulator(x).identity(like[i], ctx) for i in keys)
 
@@ -692,6 +903,10 @@ class _Kernel:
                     fold=lambda acc, st, ins, cc: acc.step(st, ins, cc),
                     skip=skipping(unmasked),
                 )
+                if pingpong.issued != counting.wgmma:  # the turns an observed chunk takes would not match
+                    raise NotLowerable(
+                        f"a chunk issued {pingpong.issued} wgmma, the shape probe counted {counting.wgmma}"
+                    )
                 for k, i in enumerate(self.streamed):
                     ring[i].ready()  # an input no box read still completes its phase
                     plgpu.barrier_arrive(consumed[k].at[slot])
@@ -705,22 +920,28 @@ class _Kernel:
             def _():
                 pingpong.schedule()
 
-        if self.causal:
-            needed = lax.div(start + rows + s - 1, _i32(s))
-            visible = jnp.minimum(lax.div(start + 1, _i32(s)), needed)
-            carry = lax.fori_loop(0, visible, body(True), init)
-            carry = lax.fori_loop(visible, needed, body(False), carry)
-
-            @pl.loop(needed, chunks)
+        def observe(lo, hi):
+            @pl.loop(lo, hi)
             def _(chunk):  # chunks only the other consumers read: observe their arrival, release them
                 slot = lax.rem(chunk, _i32(stages))
                 for k in range(len(self.streamed)):
                     plgpu.barrier_wait(loaded[k].at[slot])
                     plgpu.barrier_arrive(consumed[k].at[slot])
-                for _ in range(pingpong.issued):  # the turns the other warpgroup still takes
+                for _ in range(counting.wgmma):  # the turns the other warpgroup takes meanwhile
                     pingpong.schedule()
-        else:
+
+        first, chunks = block
+        if low.masks:  # this consumer's rows: chunks hidden from them observed, whole ones unmasked, cut ones masked
+            lo, full_lo, full_hi, hi = self.visited(bid, start, rows)
+            observe(first, lo)
+            carry = lax.fori_loop(lo, full_lo, body(False), init)
+            carry = lax.fori_loop(full_lo, full_hi, body(True), carry)
+            carry = lax.fori_loop(full_hi, hi, body(False), carry)
+            observe(hi, chunks)
+        elif self.streamed:
             carry = lax.fori_loop(0, chunks, body(False), init)
+        else:
+            carry = init
         if turn is not None:  # and the first one ends one turn later
 
             @pl.when(wg == 0)
@@ -732,15 +953,29 @@ class _Kernel:
         results = traced(walk, d, final, ctx, x, "final", states, skip=skipping(False))
         # every result in registers before any store: an output may overwrite a resident input's tile
         results = [_value(v) for v in results]
-        own = iter(outs)
-        buffers = [next(own) if i is None else tiles[self.resident.index(i)] for i in low.reuse]
-        for buf, v in zip(buffers, results, strict=True):
+        stored = set()
+        for i, j, v, w, out in zip(low.reuse, low.shared, results, low.plan.diagram.cod.inside, out_refs, strict=True):
+            buf = outs[j] if i is None else tiles[self.resident.index(i)]
+            if j is not None and j in stored:  # the buffer's previous output has left for HBM before it is overwritten
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            stored.add(j)
             buf.at[wg][...] = v.astype(buf.dtype)
-        plgpu.commit_smem()
-        for buf, w, out in zip(buffers, low.plan.diagram.cod.inside, out_refs, strict=True):
-            view = out.at[self._index(w, bid, **{low.q: pl.ds(start, rows)})]
-            plgpu.copy_smem_to_gmem(buf.at[wg], view)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(buf.at[wg], out.at[self._index(w, bid, **{low.q: pl.ds(start, rows)})])
         plgpu.wait_smem_to_gmem(0)
+
+
+def _consumers(d: Diagram, q: str, given: int | None) -> int:
+    """The consumer warpgroups: the diagram's split of ``q`` (``rewrites.split``), else ``given``, else 2
+    (FA3's); a ``given`` number other than the diagram's is refused."""
+    parts = {a.split for w in (*d.dom.inside, *d.cod.inside) for a in w.axes if a.name == q and a.split is not None}
+    label = int(next(iter(parts))) if parts else None
+    if given is not None and label is not None and given != label:
+        raise NotLowerable(
+            f"axis {q!r}: the diagram splits each tile over {label} warpgroups (split({q}, {label})) but "
+            f"MosaicConfig(consumers={given}) asks for {given}; drop one of them"
+        )
+    return label or given or 2
 
 
 def _i32(n):

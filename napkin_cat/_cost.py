@@ -16,6 +16,9 @@ FAN's rules (REFERENCE §1.1–1.2):
   writes its HBM outputs back, with the same re-read rule for its tiled axes (the unscheduled cost);
 * memory at a level is the largest column: on per-SM levels a tiled axis counts ``g`` and a streamed axis
   ``s``; inside a stream loop the loop-invariant inputs and the accumulated outputs stay resident.
+  Registers are private to a warpgroup, so memory at REG is one warpgroup's: a tile split over ``w``
+  warpgroups (``rewrites.split``, ``a/g÷w``) counts ``g/w`` there, and :attr:`Cost.warpgroups` says how many
+  such warpgroups fit an SM's register file (FAN §1.3 row 14).
 
 Two global-memory figures, measured differently (REFERENCE §5):
 
@@ -67,7 +70,7 @@ from napkin_cat.diagram import Array, Diagram, is_structural
 from napkin_cat.dtypes import Dtype, f32
 from napkin_cat.errors import CostError
 from napkin_cat.hardware import Hardware, lookup
-from napkin_cat.levels import HBM, L2, SMEM, Level
+from napkin_cat.levels import HBM, L2, REG, SMEM, Level
 
 Expr = sympy.Expr
 ZERO = sympy.Integer(0)
@@ -332,6 +335,26 @@ class Cost:
             raise CostError(f"{what}{on} needs sizes for {missing} (bound: {', '.join(sizes)})")
         return float(value)
 
+    @property
+    def warpgroups(self) -> Expr:
+        """How many warpgroups holding this record's registers (one warpgroup's: a split tile counts its part)
+        fit an SM's register file, FAN §1.3 row 14's N_max; :class:`CostError` without registers.
+
+        >>> import napkin_cat as nc
+        >>> from napkin_cat.hardware import H100
+        >>> from rewrites import derive, tile, split, stream, level
+        >>> q, x, d = nc.axes("q x d", d=128)
+        >>> attn = nc.library.attention(q, x, d, dtype="bf16")
+        >>> [cost(derive(attn, tile(q, 256), *w, stream(x, 64), level(REG), verify=False).diagram, H100).warpgroups
+        ...  for w in ((), (split(q, 2),))]
+        [1, 2]
+        """
+        hw = self._hardware("warpgroups per SM")
+        need = self.memory_bytes.get(REG, ZERO)
+        if need == 0:
+            raise CostError("warpgroups per SM: the record holds no registers (recolour with rewrites.level(REG))")
+        return sympy.floor(hw.capacity(REG) / need)
+
     def check(self, **sizes) -> Cost:
         """Raise a :class:`CostError` if the peak memory of a level exceeds the hardware's capacity.
 
@@ -562,8 +585,11 @@ def _kernels(walk: _Walk) -> dict:
 
 
 def _footprint(hw: Hardware | None, array: Array) -> Expr:
-    """Values of ``array`` resident at its level: one group's or chunk's share on per-SM levels."""
+    """Values of ``array`` resident at its level: one group's or chunk's share on per-SM levels, one
+    warpgroup's part of a split group in registers."""
     per_sm = hw.memory(array.level).per_sm if hw is not None else array.level > L2
+    if array.level == REG:
+        return array.local_size / sympy.Mul(*(a.parts for a in array.axes))
     return array.local_size if per_sm else array.size
 
 

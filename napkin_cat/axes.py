@@ -1,7 +1,8 @@
 """Axes: the wires of neural circuit diagrams.
 
 An :class:`Axis` has a name and a size, a sympy expression (a positive integer symbol by default).
-It may carry FAN's partition labels: a *group* size ``g`` (tiling, a → (a/g) × g, one group per core)
+It may carry FAN's partition labels: a *group* size ``g`` (tiling, a → (a/g) × g, one group per core),
+a *split* of each group over ``w`` warpgroups one level below (a → (a/g) × w × (g/w), drawn ``a/g÷w``)
 and a *stream* size ``s`` (streaming, the axis is visited in chunks of ``s``). Relabellings only change
 these labels; the size stays the whole axis, ``(a/g)·g``.
 
@@ -16,6 +17,8 @@ q
 (q/128, 128)
 >>> x.streamed(64)
 Axis('x', stream=64)
+>>> print(q.tiled(256).divided(2))
+q/256÷2
 """
 
 from __future__ import annotations
@@ -64,8 +67,9 @@ class Axis:
     size: sympy.Expr
     group: sympy.Expr | None = None
     stream: sympy.Expr | None = None
+    split: sympy.Expr | None = None
 
-    def __init__(self, name: str, size=None, *, group=None, stream=None):
+    def __init__(self, name: str, size=None, *, group=None, stream=None, split=None):
         if not isinstance(name, str) or not name.isidentifier():
             raise AxisError(f"axis name must be an identifier, got {name!r}")
         object.__setattr__(self, "name", name)
@@ -78,16 +82,26 @@ class Axis:
                 if value.is_number and self.size.is_number and value > self.size:
                     raise AxisError(f"axis {name!r}: {label} size {value} exceeds the axis size {self.size}")
             object.__setattr__(self, label, value)
+        if split is not None:
+            split = sympy.sympify(split)
+            if self.group is None or not (split.is_integer and split.is_positive):
+                raise AxisError(f"axis {name!r}: a split is a positive integer number of parts of a group, got {split}")
+            if (self.group / split).is_integer is False:
+                raise AxisError(f"axis {name!r}: a group of {self.group} does not split into {split} equal parts")
+        object.__setattr__(self, "split", split)
 
     def __repr__(self) -> str:
         args = [repr(self.name)]
         if self.size != sympy.Symbol(self.name, positive=True, integer=True):
             args.append(str(self.size) if self.size.is_number else f"sympy.sympify({str(self.size)!r})")
-        args += [f"{k}={v}" for k, v in (("group", self.group), ("stream", self.stream)) if v is not None]
+        labels = (("group", self.group), ("stream", self.stream), ("split", self.split))
+        args += [f"{k}={v}" for k, v in labels if v is not None]
         return f"Axis({', '.join(args)})"
 
     def __str__(self) -> str:
-        labels = "".join(f"{m}{v}" for m, v in (("/", self.group), ("~", self.stream)) if v is not None)
+        labels = "".join(
+            f"{m}{v}" for m, v in (("/", self.group), ("÷", self.split), ("~", self.stream)) if v is not None
+        )
         return self.name + labels
 
     @property
@@ -115,21 +129,30 @@ class Axis:
         outer = self.group if self.group is not None else self.size
         return outer / self.stream if self.stream is not None else sympy.Integer(1)
 
+    @property
+    def parts(self) -> sympy.Expr:
+        """The warpgroups each group is split over (:meth:`divided`); 1 when not split."""
+        return self.split if self.split is not None else sympy.Integer(1)
+
     def tiled(self, g) -> Axis:
         """This axis relabelled with group size ``g`` (FAN's group partition)."""
-        return Axis(self.name, self.size, group=g, stream=self.stream)
+        return Axis(self.name, self.size, group=g, stream=self.stream, split=self.split)
 
     def streamed(self, s) -> Axis:
         """This axis relabelled with stream size ``s`` (FAN's stream partition)."""
-        return Axis(self.name, self.size, group=self.group, stream=s)
+        return Axis(self.name, self.size, group=self.group, stream=s, split=self.split)
+
+    def divided(self, w) -> Axis:
+        """This tiled axis with each group split over ``w`` warpgroups (a group partition one level below)."""
+        return Axis(self.name, self.size, group=self.group, stream=self.stream, split=w)
 
     def unlabelled(self) -> Axis:
         """This axis without partition labels."""
-        return replace(self, group=None, stream=None) if self.group or self.stream else self
+        return replace(self, group=None, stream=None, split=None) if self.group or self.stream else self
 
     def resized(self, size) -> Axis:
         """This axis with a concrete (or other symbolic) size, labels kept."""
-        return Axis(self.name, size, group=self.group, stream=self.stream)
+        return Axis(self.name, size, group=self.group, stream=self.stream, split=self.split)
 
 
 def axes(names: str, **sizes) -> tuple[Axis, ...]:

@@ -1,4 +1,4 @@
-"""Relabellings as verified functors: tile, stream, recolour; derivations and their verification.
+"""Relabellings as verified functors: tile, split, stream, recolour; derivations and their verification.
 
 >>> import napkin_cat as nc
 >>> from rewrites import derive, tile, stream
@@ -31,6 +31,7 @@ from rewrites._proofs import Proof, prove_accumulator, prove_equivalent, prove_m
 from rewrites._pseudocode import pseudocode
 from rewrites._rule import AUTO, OpenSize, RewriteError, Rule, open_sizes, resolve
 from rewrites._schedule import execute, partitions, walk
+from rewrites._split import split
 from rewrites._stream import fuse_softmax_contract, stream, streamability
 from rewrites._tile import tile
 from rewrites._verify import Trial, Verification, random_inputs, relative_error, tolerance
@@ -41,6 +42,6 @@ __all__ = [
     "AUTO", "Derivation", "OpenSize", "Proof", "Residual", "RewriteError", "Rule", "Step", "Trial", "Verification",
     "delta_lemma", "derive", "execute", "fuse_softmax_contract", "level", "lse_residual", "narrow_operands",
     "open_sizes", "partitions", "prove_accumulator", "prove_equivalent", "prove_lemmas", "prove_monoid", "pseudocode",
-    "random_inputs", "reduced", "relative_error", "resolve", "stream", "streamability", "tile", "tolerance", "walk",
-    "widened",
+    "random_inputs", "reduced", "relative_error", "resolve", "split", "stream", "streamability", "tile", "tolerance",
+    "walk", "widened",
 ]

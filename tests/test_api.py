@@ -51,7 +51,7 @@ def test_backend_auto_chooses_triton_and_others_are_refused():
     q, x, d = nc.axes("q x d")
     flash = scheduled(nc.library.attention(q, x, d), q, x)
     assert lower(flash, backend="auto").backend == "triton" == lower(flash, backend="triton").backend
-    with pytest.raises(NotLowerable, match=re.escape("backend 'cuda': choose 'auto' (Triton), 'triton' or 'mosaic'")):
+    with pytest.raises(NotLowerable, match=re.escape("backend 'cuda': choose 'auto' (Mosaic on sm_90 where it lowers")):
         lower(flash, backend="cuda")
     with pytest.raises(NotLowerable, match="backend 'mosaic': a lowering.Config tunes Triton; pass a .*MosaicConfig"):
         lower(flash, backend="mosaic", config=Config())

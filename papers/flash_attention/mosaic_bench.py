@@ -1,14 +1,20 @@
-"""The Mosaic GPU backend on Hopper: build, check and time it against napkin-cat's Triton kernel, cuDNN and
-tokamax's Mosaic GPU attention, in one process (issue 13).
+"""The Mosaic GPU backend on Hopper, forward and forward + backward: build, check and time it against
+napkin-cat's Triton kernels, cuDNN and tokamax's Mosaic GPU attention, in one process (issue 13).
 
-bf16 and fp16, B·N = 16k tokens, H = 16, D ∈ {64, 128}, N ∈ {2048, 8192}, causal and not; and the same lowering's
-tiled matmul (``tile(m), tile(n), stream(k)``) against XLA's dot at 8192³. Every implementation
-gets its inputs already in its own layout ([B, H, N, D] for napkin-cat, [B, N, H, D] for cuDNN and
-tokamax); each time is the median over batches of back-to-back calls; every output is checked against
-an f32 reference (batch 0, two heads) before it is timed (relative error ≤ 1e-2). Writes
-``results/mosaic_<GPU>.json`` and ``.png``.
+bf16 and fp16, B·N = 16k tokens, H = 16, D ∈ {64, 128}, N ∈ {2048, 8192}, causal and not. Forward: the napkin
+Mosaic kernel at the tiles measured best (g256 s64 at D = 128, g256 s128 at D = 64, two consumer warpgroups,
+ping-pong), napkin Triton (g128 s64), cuDNN, tokamax. Forward + backward (``jax.vjp`` with a random cotangent):
+napkin ``backend="mosaic"`` (every kernel on Mosaic: the forward with its log-sum-exp, Δ, dQ, dK·dV), with
+``--auto`` ``backend="auto"`` too (each kernel where it was measured fastest, ``kernel.backends``), napkin
+Triton, cuDNN, tokamax. Every implementation gets its inputs in its own layout ([B, H, N, D] for napkin-cat,
+[B, N, H, D] for cuDNN and tokamax); each time is the median over batches of back-to-back calls; every output and
+gradient is checked against an f32 reference (batch 0, two heads) before it is timed. TFLOP/s: 4·B·H·N²·D
+forward (halved when causal), 3.5× that forward + backward. Writes ``mosaic_<GPU>.json`` and ``.png`` under
+``--out`` after every configuration (a run cut short keeps its rows) and prints the tables with ratios.
+Configurations left when ``--budget-s`` runs out are recorded as skipped.
 
     python papers/flash_attention/mosaic_bench.py [--out DIR] [--only D,N,causal] [--dtypes bf16,f16]
+        [--sections fwd,fwdbwd] [--budget-s 540] [--matmul] [--auto] [--pingpong]
     python papers/flash_attention/mosaic_bench.py --profile   # one D=128 N=8k forward, for ncu
 """
 
@@ -16,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -28,17 +36,28 @@ import napkin_cat as nc
 from lowering import MosaicConfig, MosaicLowered, lower, plan
 from rewrites import derive, stream, tile
 
-TOKENS, HEADS, TOLERANCE = 16384, 16, 1e-2
+TOKENS, HEADS = 16384, 16
+#: relative error against the f32 reference: outputs (measured ≤ 2.2e-3 in bf16) and gradients
+TOLERANCE, GRAD_TOLERANCE = 1e-2, 2e-2
+FWD_BWD_FACTOR = 3.5  # the backward does 2.5× the forward's matrix products (REFERENCE §2)
 CONFIGS = [(D, N, causal) for D in (128, 64) for N in (8192, 2048) for causal in (False, True)]
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16}
-#: napkin-cat Mosaic variants: (tile g, stream s, consumer warpgroups, ring stages, ping-pong)
-VARIANTS = [
-    (256, 64, 2, 2, True),
-    (256, 128, 2, 2, True),
-]
+SECTIONS = ("fwd", "fwdbwd")
+#: napkin-cat Mosaic forward tiles per head dim (g, s): the fastest of docs/mosaic.md v2–v3
+TILES = {128: (256, 64), 64: (256, 128)}
 #: napkin-cat Mosaic matmul variants: (tile m, tile n, stream k, ring stages, ping-pong)
 MATMULS = [(256, 128, 64, 3, False), (128, 256, 64, 3, False), (256, 128, 64, 3, True)]
 MATMUL_SIZE = 8192
+#: seconds one implementation may take (build, compile, check, time) before the run is saved and ended: a
+#: deadlocked kernel never returns, and the rows measured so far must survive it
+HANG_S = 150
+#: whether forward + backward also times ``backend="auto"`` (``--auto``; off by default to fit a 10-minute run:
+#: on sm_90 it is Mosaic's forward with Triton's backward kernels, both timed here)
+AUTO = False
+#: whether forward + backward also times Mosaic with ping-pong turns in the backward's kernels (``--pingpong``)
+PINGPONG = False
+#: where ``main`` saves the rows measured so far (with a row it adds), for the watchdog
+SAVE = {"rows": [], "save": lambda rows: None}
 
 
 def scheduled(D: int, causal: bool, g: int, s: int, dtype: str = "bf16"):
@@ -52,7 +71,7 @@ def matmul(g_m: int, g_n: int, s: int, dtype: str):
     return derive(nc.library.matmul(m, k, n, dtype=dtype), tile(m, g_m), tile(n, g_n), stream(k, s), verify=False)
 
 
-def median_time(f, args, batches: int = 7, budget: float = 0.05) -> float:
+def median_time(f, args, batches: int = 5, budget: float = 0.03) -> float:
     """Seconds per call by :func:`lowering.median_time`, with batches of about ``budget`` s each."""
     jax.block_until_ready(f(*args))
     t0 = time.perf_counter()
@@ -71,23 +90,52 @@ def reference(q, k, v, causal: bool):
     return jnp.einsum("hqk,khd->qhd", jax.nn.softmax(s, axis=-1), v)
 
 
-def implementations(D: int, causal: bool, dtype: str = "bf16"):
-    """name → (function, layout) for one configuration; a failure to build is recorded, not raised."""
+def with_gradients(f):
+    """``(q, k, v, dO) ↦ (O, dQ, dK, dV)``: the forward and its pullback of the cotangent ``dO``."""
+
+    def g(q, k, v, do):
+        out, pull = jax.vjp(f, q, k, v)
+        return (out, *pull(do))
+
+    return g
+
+
+def implementations(D: int, causal: bool, dtype: str, section: str):
+    """name → builder of (function of q, k, v, layout, note) for one configuration and section; a failure to
+    build is recorded by the caller, not raised."""
+    g, s = TILES[D]
+    napkin = scheduled(D, causal, g, s, dtype)
+    impls = baselines(D, causal, dtype)  # first: a Mosaic kernel that hung would end the run (see ``hung``)
+    if section == "fwd":
+        impls[f"napkin mosaic g{g} s{s}"] = lambda: (MosaicLowered(plan(napkin.diagram), interpret=False), "bhnd", "")
+    else:
+
+        def made(backend, config=None):
+            kernel = lower(napkin, backend=backend, config=config)
+            if kernel.why_not:
+                raise RuntimeError(kernel.why_not)
+            return kernel, "bhnd", ", ".join(f"{r}: {b}" for r, b in kernel.backends.items())
+
+        if AUTO:
+            impls[f"napkin auto g{g} s{s}"] = lambda: made("auto")
+        if PINGPONG:
+            impls[f"napkin mosaic g{g} s{s} pp"] = lambda: made("mosaic", MosaicConfig(pingpong=True))
+        impls[f"napkin mosaic g{g} s{s}"] = lambda: made("mosaic")
+    return impls
+
+
+def baselines(D: int, causal: bool, dtype: str) -> dict:
+    """napkin Triton, cuDNN and tokamax: name → builder of (function of q, k, v, layout, note)."""
     impls = {}
-    for g, s, consumers, stages, pingpong in VARIANTS:
-        name = f"napkin mosaic g{g} s{s} c{consumers} k{stages}{' pp' if pingpong else ''}"
-        impls[name] = lambda g=g, s=s, c=consumers, k=stages, pp=pingpong: (
-            MosaicLowered(
-                plan(scheduled(D, causal, g, s, dtype).diagram),
-                interpret=False,
-                config=MosaicConfig(consumers=c, stages=k, pingpong=pp),
-            ),
-            "bhnd",
-        )
-    impls["napkin triton g128 s64"] = lambda: (lower(scheduled(D, causal, 128, 64, dtype), backend="triton"), "bhnd")
+    impls["napkin triton g128 s64"] = lambda: (
+        lower(scheduled(D, causal, 128, 64, dtype), backend="triton"),
+        "bhnd",
+        "",
+    )
     impls["cudnn"] = lambda: (
         lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn"),
         "bnhd",
+        "",
     )
 
     def tokamax_attention():
@@ -96,41 +144,73 @@ def implementations(D: int, causal: bool, dtype: str = "bf16"):
         return (
             lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=causal, implementation="mosaic"),
             "bnhd",
+            "",
         )
 
     impls["tokamax mosaic"] = tokamax_attention
     return impls
 
 
-def run(D: int, N: int, causal: bool, dtype: str = "bf16") -> list[dict]:
+def relative_error(got, want) -> float:
+    return float(jnp.linalg.norm(got.astype(jnp.float32) - want) / jnp.linalg.norm(want))
+
+
+def run(D: int, N: int, causal: bool, dtype: str, section: str) -> list[dict]:
     B = TOKENS // N
-    flops = 4 * B * HEADS * N * N * D / (2 if causal else 1)
-    keys = jax.random.split(jax.random.key(D * N + causal), 3)
+    flops = 4 * B * HEADS * N * N * D / (2 if causal else 1) * (FWD_BWD_FACTOR if section == "fwdbwd" else 1)
+    keys = jax.random.split(jax.random.key(D * N + causal), 4)
     bnhd = [jax.random.normal(k_, (B, N, HEADS, D), DTYPES[dtype]) for k_ in keys]
     bhnd = [jnp.swapaxes(a, 1, 2) for a in bnhd]
-    ref = reference(*(a[0, :, :2] for a in bnhd), causal)
+    sliced = [a[0, :, :2] for a in bnhd]  # batch 0, two heads: [N, 2, D]
+    if section == "fwd":
+        want = [reference(*sliced[:3], causal)]
+    else:
+        out, pull = jax.vjp(lambda q, k, v: reference(q, k, v, causal), *sliced[:3])
+        want = [out, *pull(sliced[3].astype(jnp.float32))]
     rows = []
-    for name, build in implementations(D, causal, dtype).items():
-        row = {"impl": name, "D": D, "N": N, "B": B, "H": HEADS, "causal": causal, "dtype": dtype}
+    for name, build in implementations(D, causal, dtype, section).items():
+        row = {"impl": name, "section": section, "D": D, "N": N, "B": B, "H": HEADS, "causal": causal, "dtype": dtype}
+        watchdog = threading.Timer(HANG_S, hung, args=(rows, row))
+        watchdog.start()
         try:
-            f, layout = build()
-            f = jax.jit(f)
-            args = bhnd if layout == "bhnd" else bnhd
-            out = f(*args)
-            got = (jnp.swapaxes(out, 1, 2) if layout == "bhnd" else out)[0, :, :2].astype(jnp.float32)
-            err = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
-            row["rel_err"] = err
-            if not err <= TOLERANCE:
-                row["error"] = f"relative error {err:.3g} over {TOLERANCE}"
+            t0 = time.perf_counter()
+            f, layout, note = build()
+            if note:
+                row["backends"] = note
+            f = jax.jit(f if section == "fwd" else with_gradients(f))
+            args = (bhnd if layout == "bhnd" else bnhd)[: 3 if section == "fwd" else 4]
+            outs = f(*args)
+            outs = [outs] if section == "fwd" else list(outs)
+            jax.block_until_ready(outs)
+            row["compile_s"] = round(time.perf_counter() - t0, 1)
+            errs = []
+            for o, w in zip(outs, want, strict=True):
+                o = jnp.swapaxes(o, 1, 2) if layout == "bhnd" else o
+                errs.append(relative_error(o[0, :, :2], w))
+            row["rel_err"] = errs
+            tolerances = [TOLERANCE, GRAD_TOLERANCE, GRAD_TOLERANCE, GRAD_TOLERANCE][: len(errs)]
+            worst = [e for e, tol in zip(errs, tolerances, strict=True) if not e <= tol]
+            if worst:
+                row["error"] = f"relative errors {[f'{e:.3g}' for e in errs]} over {TOLERANCE} (O) / {GRAD_TOLERANCE}"
             else:
                 t = median_time(f, args)
                 row["ms"], row["tflops"] = t * 1e3, flops / t / 1e12
         except Exception as e:  # recorded per implementation: one failure must not hide the others
             row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
             traceback.print_exc(limit=3)
+        watchdog.cancel()
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
+
+
+def hung(rows: list[dict], row: dict):
+    """The watchdog's end: save every row so far and this one as hung, then leave (a kernel that never returns
+    cannot be interrupted from Python)."""
+    row["error"] = f"no result after {HANG_S} s: hung (a deadlocked kernel?); the run ended here"
+    print(json.dumps(row), flush=True)
+    SAVE["save"](SAVE["rows"] + rows + [row])
+    os._exit(3)
 
 
 def run_matmul(dtype: str) -> list[dict]:
@@ -167,32 +247,40 @@ def run_matmul(dtype: str) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [
-        "| dtype, D, N, causal | best napkin mosaic | napkin triton | cuDNN | tokamax | ×cuDNN | ×tokamax |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for dtype, (D, N, causal) in [(t, c) for t in DTYPES for c in CONFIGS]:
-        here = [r for r in rows if (r.get("dtype"), r.get("D"), r.get("N"), r.get("causal")) == (dtype, D, N, causal)]
-        if not here:
-            continue
-        tf = {r["impl"]: r.get("tflops") for r in here}
-        mos = [r for r in here if r["impl"].startswith("napkin mosaic") and r.get("tflops")]
-        best = max(mos, key=lambda r: r["tflops"], default=None)
-        bt = best["tflops"] if best else None
+    """Per section and configuration: the napkin kernels, cuDNN and tokamax (TFLOP/s), napkin Mosaic's ratios."""
+    lines = []
+    heads = {
+        "fwd": ["napkin mosaic", "napkin triton g128 s64", "cudnn", "tokamax mosaic"],  # TFLOP/s, the best of each
+        "fwdbwd": ["napkin mosaic", "napkin auto", "napkin triton g128 s64", "cudnn", "tokamax mosaic"],
+    }
+    for section, names in heads.items():
+        lines += [
+            f"{'forward' if section == 'fwd' else 'forward + backward'} TFLOP/s",
+            f"| dtype, D, N, causal | {' | '.join(names)} | mosaic ×cuDNN | mosaic ×tokamax | mosaic ×triton |",
+            "|---" * (len(names) + 4) + "|",
+        ]
+        for dtype, (D, N, causal) in [(t, c) for t in DTYPES for c in CONFIGS]:
+            key = (section, dtype, D, N, causal)
+            here = [
+                r for r in rows if (r.get("section"), r.get("dtype"), r.get("D"), r.get("N"), r.get("causal")) == key
+            ]
+            if not here:
+                continue
+            # the best row of each (napkin mosaic with and without --pingpong's variant)
+            tf = {n: max((r.get("tflops") or 0 for r in here if r["impl"].startswith(n)), default=0) for n in names}
 
-        def cell(v):
-            return f"{v:.0f}" if v else "—"
+            def cell(v):
+                return f"{v:.0f}" if v else "—"
 
-        def ratio(a, b):
-            return f"{a / b:.2f}" if a and b else "—"
+            def ratio(a, b):
+                return f"{a / b:.2f}" if a and b else "—"
 
-        name = best["impl"].removeprefix("napkin mosaic ") if best else ""
-        lines.append(
-            f"| {dtype}, {D}, {N}, {'yes' if causal else 'no'} | {cell(bt)} ({name}) | "
-            f"{cell(tf.get('napkin triton g128 s64'))} | {cell(tf.get('cudnn'))} | "
-            f"{cell(tf.get('tokamax mosaic'))} | {ratio(bt, tf.get('cudnn'))} | "
-            f"{ratio(bt, tf.get('tokamax mosaic'))} |"
-        )
+            mosaic = tf["napkin mosaic"]
+            lines.append(
+                f"| {dtype}, {D}, {N}, {'yes' if causal else 'no'} | {' | '.join(cell(tf[n]) for n in names)} | "
+                f"{ratio(mosaic, tf['cudnn'])} | {ratio(mosaic, tf['tokamax mosaic'])} | "
+                f"{ratio(mosaic, tf['napkin triton g128 s64'])} |"
+            )
     for dtype in DTYPES:
         mm = [r for r in rows if r.get("matmul") and r["dtype"] == dtype and r.get("tflops")]
         xla = next((r["tflops"] for r in mm if r["impl"] == "xla dot"), None)
@@ -211,23 +299,24 @@ def plot(rows: list[dict], gpu: str, path: Path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    attn = [r for r in rows if not r.get("matmul")]
-    names = list(dict.fromkeys(r["impl"] for r in attn))
     cases = [(t, *c) for t in DTYPES for c in CONFIGS]
     labels = [f"{t} D{D} N{N}{' c' if c else ''}" for t, D, N, c in cases]
-    fig, ax = plt.subplots(figsize=(20, 5))
-    width = 0.8 / max(len(names), 1)
-    for i, name in enumerate(names):
-        vals = []
-        for t, D, N, c in cases:
-            key = (name, t, D, N, c)
-            r = next((r for r in attn if (r["impl"], r["dtype"], r["D"], r["N"], r["causal"]) == key), {})
-            vals.append(r.get("tflops") or 0)
-        ax.bar([j + i * width for j in range(len(cases))], vals, width, label=name)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))], labels, rotation=30, fontsize=7)
-    ax.set_ylabel("forward TFLOP/s")
-    ax.set_title(f"attention forward, bf16 and fp16, B·N = 16k, H = 16 — {gpu}")
-    ax.legend(fontsize=7, ncol=2)
+    fig, axes = plt.subplots(2, 1, figsize=(20, 9))
+    for ax, section in zip(axes, SECTIONS, strict=True):
+        attn = [r for r in rows if r.get("section") == section]
+        names = list(dict.fromkeys(r["impl"] for r in attn))
+        width = 0.8 / max(len(names), 1)
+        for i, name in enumerate(names):
+            vals = []
+            for t, D, N, c in cases:
+                key = (name, t, D, N, c)
+                r = next((r for r in attn if (r["impl"], r["dtype"], r["D"], r["N"], r["causal"]) == key), {})
+                vals.append(r.get("tflops") or 0)
+            ax.bar([j + i * width for j in range(len(cases))], vals, width, label=name)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))], labels, rotation=30, fontsize=7)
+        ax.set_ylabel(f"{'forward' if section == 'fwd' else 'forward + backward'} TFLOP/s")
+        ax.legend(fontsize=7, ncol=3)
+    axes[0].set_title(f"attention, bf16 and fp16, B·N = 16k, H = 16 — {gpu}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -237,8 +326,16 @@ def main():
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--only", default=None, help="one configuration 'D,N,causal', e.g. 128,8192,0")
     ap.add_argument("--dtypes", default="bf16,f16")
+    ap.add_argument("--sections", default="fwd,fwdbwd")
+    ap.add_argument("--budget-s", type=float, default=540, help="configurations left after this are skipped")
+    ap.add_argument("--matmul", action="store_true", help="also the tiled matmul against XLA's dot at 8192³")
+    ap.add_argument("--auto", action="store_true", help="also backend='auto' forward + backward")
+    ap.add_argument("--pingpong", action="store_true", help="also Mosaic with ping-pong in the backward's kernels")
     ap.add_argument("--profile", action="store_true", help="run the D=128 N=8k g256 s64 forward twice (for ncu)")
     args = ap.parse_args()
+    start = time.perf_counter()
+    global AUTO, PINGPONG
+    AUTO, PINGPONG = args.auto, args.pingpong
     gpu = jax.devices()[0].device_kind
     print(f"device: {gpu}; jax {jax.__version__}", flush=True)
     if args.profile:
@@ -251,17 +348,30 @@ def main():
     if args.only:
         D, N, c = (int(v) for v in args.only.split(","))
         configs = [(D, N, bool(c))]
-    dtypes = args.dtypes.split(",")
+    dtypes, sections = args.dtypes.split(","), args.sections.split(",")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "mosaic_" + gpu.replace(" ", "_")
     rows: list[dict] = []
-    runs = [lambda t=t: run_matmul(t) for t in dtypes] + [lambda t=t, c=c: run(*c, t) for t in dtypes for c in configs]
-    for one in runs:  # written after each, so a run cut short still leaves its rows
-        rows += one()
+
+    def save(rows):
         (out / f"{stem}.json").write_text(json.dumps({"gpu": gpu, "jax": jax.__version__, "rows": rows}, indent=1))
+
+    SAVE.update(rows=rows, save=save)
+    runs = [(lambda t=t: run_matmul(t)) for t in dtypes if args.matmul]
+    # every dtype's configurations, forward then forward + backward: the first dtype's complete first
+    runs += [lambda t=t, c=c, s=s: run(*c, t, s) for t in dtypes for c in configs for s in sections]
+    for one in runs:  # written after each, so a run cut short still leaves its rows
+        if time.perf_counter() - start > args.budget_s:
+            kw = one.__defaults__
+            rows.append({"skipped": f"budget of {args.budget_s:.0f} s spent", "case": repr(kw)})
+            continue
+        rows += one()
+        save(rows)
+    save(rows)
     plot(rows, gpu, out / f"{stem}.png")
     print(table(rows))
+    print(f"total {time.perf_counter() - start:.0f} s", flush=True)
 
 
 if __name__ == "__main__":
