@@ -256,7 +256,8 @@ def mosaic_fa3(spec: Spec) -> Impl:
 
 
 def napkin(spec: Spec) -> Impl:
-    """The napkin-cat kernel: naive attention, derived with ``tile(q, 128), stream(x, 64)``, lowered.
+    """The napkin-cat kernel: naive attention, derived with the drop-in entry's blocks for long sequences
+    (``lowering._attention.schedule``: ``tile(q, 128)``, and ``stream(x, 128)`` at head dim 128, else 64), lowered.
 
     The derivation's steps are not re-verified here (the tests do that); the error column checks the
     kernel. The diagram is woven over batch and heads (``batch=(b, h)``) so the kernel takes [B, H, N, D];
@@ -286,7 +287,10 @@ def _napkin_kernel(nc, lower, derive, tile, stream, spec: Spec):
     # Verifying the derivation's steps takes ~20 s per diagram on CPU; the tests verify them, and the
     # benchmark checks the lowered kernel itself against the f32 reference.
     quick = {"verify": False} if "verify" in inspect.signature(derive).parameters else {}
-    flash = derive(nc.library.attention(q, x, d, **kwargs), tile(q, 128), stream(x, 64), **quick)
+    from lowering._attention import schedule
+
+    g, s = schedule(1 << 16, 1 << 16, spec.head_dim)  # the entry's rule, unclamped by the sequence length
+    flash = derive(nc.library.attention(q, x, d, **kwargs), tile(q, g), stream(x, s), **quick)
     return lower(flash), "scale" in kwargs
 
 
