@@ -118,7 +118,7 @@ class Affine:
         for a, b in spans[1:]:
             empty, other_empty = hi <= lo, b <= a
             if every:  # a union of two intervals is one interval where they meet; else keep one (a subset)
-                meet = (a <= hi) & (lo <= b) & ~empty & ~other_empty
+                meet = _all(a <= hi, lo <= b, _not(empty), _not(other_empty))
                 lo, hi = (
                     _where(empty, a, _where(meet, jnp.minimum(lo, a), lo)),
                     _where(empty, b, _where(meet, jnp.maximum(hi, b), hi)),
@@ -149,7 +149,47 @@ class Affine:
 
 
 def _where(c, a, b):
-    return a if c is True else b if c is False else jnp.where(c, a, b)
+    """``a`` where ``c`` else ``b``, for integer bounds; a Python value where ``c`` is a Python bool.
+
+    Integers under a traced ``c`` are blended arithmetically (``c·a + (1 − c)·b``, exact for bounds within
+    ±2³⁰): Pallas' Triton lowering gives a literal operand of a scalar select the predicate's type (i1).
+
+    >>> _where(True, 1, 2), int(_where(jnp.asarray(False), 1, 2))
+    (1, 2)
+    """
+    if isinstance(c, bool):
+        return a if c else b
+    if all(isinstance(v, int) or jnp.issubdtype(jnp.result_type(v), jnp.integer) for v in (a, b)):
+        k = jnp.asarray(c).astype(jnp.int32)
+        return k * a + (1 - k) * b
+    return jnp.where(c, a, b)
+
+
+# Bounds mix Python and traced values: a Python bool stays one (``~True`` is the integer −2, and ``bool & int``
+# an integer array, which Triton's lowering then compares with mismatched types), a traced one stays boolean.
+def _not(c):
+    """Logical not of a Python or traced boolean.
+
+    >>> _not(True), bool(_not(jnp.asarray(True)))
+    (False, False)
+    """
+    return (not c) if isinstance(c, bool) else jnp.logical_not(c)
+
+
+def _all(*cs):
+    """Logical and of Python and traced booleans; a Python bool where every one is.
+
+    >>> _all(True, 1 <= 2), bool(_all(True, jnp.asarray(False)))
+    (True, False)
+    """
+    out = True
+    for c in cs:
+        if isinstance(c, bool):
+            if not c:
+                return False
+            continue
+        out = c if out is True else jnp.logical_and(out, c)
+    return out
 
 
 def _scale(d: Axis, scale):
