@@ -163,9 +163,18 @@ def launch(p: Plan, extent: dict, config: Config, hardware: Hardware) -> dict:
     return padded
 
 
-def block_einsum(spec: str, *xs):
+def block_einsum(spec: str, *xs, operands=None):
     """A contraction of blocks: one ``jnp.dot`` (f32 accumulation) for a 2-D matrix product, else a
-    broadcast product summed over the contracted axes (matrix-vector and other small cases)."""
+    broadcast product summed over the contracted axes (matrix-vector and other small cases).
+
+    ``operands`` (a 16-bit dtype, or None) is the dtype the tensor cores multiply in: two f32 blocks a
+    kernel computed (a cotangent rescaled by a row weight, as attention sinks make it) are rounded to it,
+    as FlashAttention-2 rounds ``P`` and ``dS``, rather than multiplied as f32 at a fraction of the rate.
+
+    >>> a = jnp.full((16, 16), 1 + 2**-12, jnp.float32)
+    >>> [float(block_einsum("ik,kj->ij", a, a, operands=t)[0, 0]) for t in (None, jnp.bfloat16)]
+    [16.0078125, 16.0]
+    """
     ins, out = spec.split("->")
     terms = ins.split(",")
     shared = set(terms[0]) & set(terms[1]) - set(out) if len(terms) == 2 else set()
@@ -177,6 +186,8 @@ def block_einsum(spec: str, *xs):
         (lt, x), (rt, y) = (terms[first], xs[first]), (terms[1 - first], xs[1 - first])
         x = x if lt == out[0] + k else x.T
         y = y if rt == k + out[1] else y.T
+        if operands is not None and x.dtype == y.dtype == jnp.float32:
+            x, y = x.astype(operands), y.astype(operands)
         if x.dtype != y.dtype:  # Triton's dot needs one operand type: the narrower one (FA2 casts P to V's dtype)
             narrow = min(x.dtype, y.dtype, key=lambda t: jnp.dtype(t).itemsize)
             x, y = x.astype(narrow), y.astype(narrow)
@@ -192,9 +203,19 @@ def block_einsum(spec: str, *xs):
 
 
 class Blocks(Jax):
-    """The array namespace of a kernel body: 2-D ``jnp.dot`` for contractions, ``exp2`` for exponentials."""
+    """The array namespace of a kernel body: 2-D ``jnp.dot`` for contractions in ``operands`` (the
+    kernel's 16-bit input dtype, or None: as given), ``exp2`` for exponentials.
 
-    einsum = staticmethod(block_einsum)
+    >>> Blocks(jnp.bfloat16).operands
+    <class 'jax.numpy.bfloat16'>
+    """
+
+    def __init__(self, operands=None):
+        self.operands = operands
+
+    def einsum(self, spec: str, *xs):
+        """:func:`block_einsum` in this kernel's operand dtype."""
+        return block_einsum(spec, *xs, operands=self.operands)
 
     @staticmethod
     def exp(v):
@@ -203,6 +224,17 @@ class Blocks(Jax):
 
 
 BLOCKS = Blocks()
+
+
+def operand_dtype(d: Diagram):
+    """The 16-bit float dtype of a kernel's inputs, which its products multiply in; None where it has none.
+
+    >>> import napkin_cat as nc
+    >>> operand_dtype(nc.library.attention(*nc.axes("q x d"), dtype="bf16"))
+    <class 'jax.numpy.bfloat16'>
+    """
+    narrow = {w.dtype.name for w in d.dom.inside} & {"bf16", "f16"}
+    return {"bf16": jnp.bfloat16, "f16": jnp.float16}[min(narrow)] if narrow else None
 
 
 def _block_axes(p: Plan, wire) -> list:
@@ -584,7 +616,7 @@ def _kernel(p: Plan, sizes, extent, padded, n_bounds, *refs):
     program = pl.program_id(len(p.tiles))
     strides = _strides(p, padded)
     grid = {a: lax.rem(lax.div(program, strides[a]), padded[a]) for a in p.batch}
-    ctx = BlockContext(sizes=sizes, offsets=offsets, xp=BLOCKS, grid=grid)
+    ctx = BlockContext(sizes=sizes, offsets=offsets, xp=Blocks(operand_dtype(d)), grid=grid)
     if p.stream is None:
         outs = walk(d, [r[...] for r in in_refs], ctx, "", "final", {})
         for r, v in zip(out_refs, outs, strict=True):
