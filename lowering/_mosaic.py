@@ -481,7 +481,16 @@ class MosaicLowered:
             fold = lambda acc, st, ins, cc: acc.partial(ins, cc)  # noqa: E731
             walk(self.d, list(vals), Context(sizes, {}, counting), self.x, "chunk", {}, fold=fold)
 
-        jax.eval_shape(probe, *(jax.ShapeDtypeStruct(self.block(w, extent), w.dtype.jnp) for w in self.d.dom.inside))
+        blocks = (jax.ShapeDtypeStruct(self.block(w, extent), w.dtype.jnp) for w in self.d.dom.inside)
+        try:
+            jax.eval_shape(probe, *blocks)
+        except KeyError as e:  # an index function read an axis the consumers' context lacks
+            if e.args and e.args[0] in self.plan.batch:
+                raise NotLowerable(
+                    f"an index function reads the grid axis {e.args[0]!r} (as ALiBi reads the head); the Mosaic "
+                    "kernel gives its consumers the block offsets only"
+                ) from None
+            raise
         return counting.wgmma
 
     @property

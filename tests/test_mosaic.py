@@ -389,3 +389,12 @@ def test_mosaic_source_matches_golden():
     if os.environ.get("NAPKIN_REGEN_GOLDEN") == "1":
         path.write_text(text)
     assert text == path.read_text(), "the Mosaic kernels changed; NAPKIN_REGEN_GOLDEN=1 rewrites the golden file"
+
+
+def test_index_function_reading_the_grid_is_refused_by_name():
+    """ALiBi reads the head, a grid axis the Mosaic consumers do not get: refused (so 'auto' takes Triton), named."""
+    b, q, x, d = nc.axes("b q x d", d=64)
+    alibi = nc.library.alibi_attention(nc.Axis("h", 4), q, x, d, causal=True, batch=(b,), dtype="bf16")
+    flash = derive(alibi, tile(q, 256), stream(x, 64), verify=False)
+    with pytest.raises(NotLowerable, match="reads the grid axis 'h'"):
+        MosaicLowered(plan(flash.diagram), interpret=False)
