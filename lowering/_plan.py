@@ -237,6 +237,22 @@ def _check_closure(box: Generator):
         )
 
 
+def block_values(p: Plan, wire, padded: dict) -> int:
+    """Values of one block of ``wire``: a tile of each tiled axis, a chunk of the streamed one, whole otherwise
+    (``padded`` gives each axis's padded extent by name); batch axes are the grid's, one per program."""
+    n = 1
+    for a in wire.axes:
+        if a.name in p.batch:
+            continue
+        if p.stream and a.name == p.stream[0]:
+            n *= p.stream[1]
+        elif a.name in p.tiles:
+            n *= p.tiles[a.name]
+        else:  # kept whole: ``padded`` needs only these axes
+            n *= padded[a.name]
+    return n
+
+
 def smem_bytes(p: Plan, padded: dict, stages: int) -> int:
     """Shared memory a kernel holds: its resident input blocks, plus ``stages`` buffers of each chunk.
 
@@ -244,18 +260,8 @@ def smem_bytes(p: Plan, padded: dict, stages: int) -> int:
     """
     total = 0
     for w in p.diagram.dom.inside:
-        n = 1
-        for a in w.axes:
-            if a.name in p.batch:
-                continue
-            if p.stream and a.name == p.stream[0]:
-                n *= p.stream[1]
-            elif a.name in p.tiles:
-                n *= p.tiles[a.name]
-            else:
-                n *= padded[a.name]
         streamed = p.stream is not None and w.has(p.stream[0])
-        total += n * w.dtype.bytes * (stages if streamed else 1)
+        total += block_values(p, w, padded) * w.dtype.bytes * (stages if streamed else 1)
     return total
 
 

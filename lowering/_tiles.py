@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import sympy
 
-from lowering._plan import NotLowerable, next_pow2, plan, smem_bytes
+from lowering._plan import NotLowerable, block_values, next_pow2, plan, smem_bytes
 from lowering._triton import Config, launch
 from napkin_cat import Cost, cost
 from napkin_cat.diagram import Diagram
@@ -197,7 +197,7 @@ def occupancy(p, padded: Mapping[str, int], config: Config, hw: Hardware, live_v
     blocks = math.prod(tiles) * math.prod(padded[a] for a in p.batch)
     smem = smem_bytes(p, padded, config.num_stages)
     prologue = smem_bytes(p, padded, 1)  # the resident blocks and the first chunk: the loop waits for nothing more
-    epilogue = sum(_block_values(p, w, padded) * w.dtype.bytes for w in p.diagram.cod.inside)
+    epilogue = sum(block_values(p, w, padded) * w.dtype.bytes for w in p.diagram.cod.inside)
     threads = config.num_warps * hw.warp_size
     per_thread = hw.max_regs_per_thread
     if live_values is not None:
@@ -214,25 +214,12 @@ def occupancy(p, padded: Mapping[str, int], config: Config, hw: Hardware, live_v
     return Occupancy(blocks, max(1, limits[limit]), limit, prologue, epilogue, registers)
 
 
-def _block_values(p, wire, padded) -> int:
-    """Values of one block of ``wire``: a tile of each tiled axis, a chunk of the streamed one, whole otherwise."""
-    n = 1
-    for a in wire.axes:
-        if a.name in p.batch:
-            continue
-        if p.stream and a.name == p.stream[0]:
-            n *= p.stream[1]
-        else:
-            n *= p.tiles.get(a.name, padded[a.name])
-    return n
-
-
 def _live_values(c: Cost, p, sizes: Mapping[str, int], padded: Mapping[str, int]) -> int:
     """The block's on-chip values outside shared memory: the cost functor's largest column at one block,
     less the input blocks shared memory stages."""
     per_block = {**sizes, **dict.fromkeys(p.batch, 1)}
     column = c.subs(**per_block).memory.get(SMEM, sympy.Integer(0))
-    staged = sum(_block_values(p, w, padded) for w in p.diagram.dom.inside)
+    staged = sum(block_values(p, w, padded) for w in p.diagram.dom.inside)
     return max(0, int(column) - staged) if column.is_number else 0
 
 
