@@ -40,7 +40,7 @@ from lowering._plan import (
 )
 from lowering._source import describe
 from napkin_cat.diagram import Diagram
-from napkin_cat.generators import Causal, Context, Elementwise, Generator, IndexMap, Jax, Kept, Mask, Partial
+from napkin_cat.generators import Causal, Context, Elementwise, IndexMap, Jax, Kept, Mask, Partial
 from napkin_cat.hardware import H100, HARDWARE, Hardware, for_device
 from napkin_cat.semantics import bind
 from rewrites import walk
@@ -221,9 +221,6 @@ class Blocks(Jax):
     def exp(v):
         """``exp(v) = 2^(v·log₂e)``: the GPU's native ``exp2``."""
         return jnp.exp2(v * LOG2E)
-
-
-BLOCKS = Blocks()
 
 
 def operand_dtype(d: Diagram):
@@ -561,13 +558,6 @@ def _segment_bounds(p: Plan, m: Segments, arrays: list, extent: dict):
     return segment_blocks(laid_out(m.tiled, m.axis), laid_out(m.streamed, x), p.tiles[m.axis], p.stream[1])
 
 
-class _KeptWhole(Generator):
-    """A mask on a chunk it keeps whole: its first input (the score, or the score's cotangent), unchanged."""
-
-    def evaluate(self, ins, ctx):
-        return [ins[0]]
-
-
 def tiled_first(d: Diagram, p: Plan) -> Diagram:
     """``d`` with each wire that holds the streamed axis and a tiled one laid out tiled axes first.
 
@@ -651,9 +641,6 @@ def _kernel(p: Plan, sizes, extent, padded, n_bounds, *refs):
     segs = segments(d, p)
     assert 4 * len(segs) == n_bounds, "the wrapper and the kernel see different segment masks"
     hidden = set(masks) | {id(m.box) for m in segs}
-    whole = d.with_layers(
-        [(left, _KeptWhole(b.name, b.dom, b.cod) if id(b) in hidden else b, right) for left, b, right in d.inside]
-    )
 
     # The accumulators' states start at their identity, shaped by one abstract chunk.
     def probe(*vals):
@@ -671,7 +658,16 @@ def _kernel(p: Plan, sizes, extent, padded, n_bounds, *refs):
     def body(unmasked):
         def run(c, carry):
             states = dict(zip(keys, carry, strict=True))
-            walk(whole if unmasked else d, chunk_values(c), ctx.at(**{x: c * s}), x, "chunk", states, fold=fold)
+            walk(
+                d,
+                chunk_values(c),
+                ctx.at(**{x: c * s}),
+                x,
+                "chunk",
+                states,
+                fold=fold,
+                skip=lambda box: unmasked and id(box) in hidden,
+            )
             return tuple(states[i] for i in keys)
 
         return run

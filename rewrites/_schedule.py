@@ -89,7 +89,8 @@ def walk(
     ``phase`` "chunk" folds a chunk into the accumulators of the boxes removing ``axis`` (``states``
     maps their layer index to their state); "final" finalizes them and evaluates the boxes after the
     reductions. ``None`` marks a wire not computed in this pass. Boxes for which ``skip(box)`` holds
-    pass their inputs through (a kernel uses it to drop masks on blocks it knows are unmasked).
+    pass their first inputs through, one per output (a kernel uses it to drop masks on blocks it knows
+    are unmasked: a mask passes its score, whatever labels it also reads).
 
     >>> import jax.numpy as jnp
     >>> import napkin_cat as nc
@@ -110,7 +111,7 @@ def walk(
             return acc.finalize(states[i], ctx)
         if any(v is None for v in ins):  # downstream of a pending reduction, or a chunk in the final pass
             return [None] * len(box.cod)
-        return ins if skip(box) else box.evaluate(ins, ctx)
+        return ins[: len(box.cod)] if skip(box) else box.evaluate(ins, ctx)
 
     return d.dataflow(values, step)
 
