@@ -447,21 +447,19 @@ def _lower(
     made = functools.partial(Kernel, d, primal, backend=emit.chosen["forward"][0], emitted=emit.chosen, choice=choice)
     if backward == "reference":
         return made(_reference(primal, d), differentiation="reference")
+    @functools.cache
+    def build() -> tuple:
+        # The backward's rules and schedules are verified in tests/test_lowered_backward.py; here only relabelled.
+        return (emit(b.forward, "forward with residuals"), *(emit(p.scheduled, role(p)) for p in b.pieces))
+
     try:  # the backward's diagrams and schedules now (cheap, and they say whether it exists); kernels when needed
         b = backward_of(d, primal.hardware, config if isinstance(config, Config) else None)
         for p in b.pieces:
             plan(p.scheduled)
         if name == "mosaic":  # every Mosaic kernel now: a piece it cannot lower is named before any call
-            kernels = (emit(b.forward, "forward with residuals"), *(emit(p.scheduled, role(p)) for p in b.pieces))
+            build()
     except NapkinError as e:
         why = f"no lowered backward: {e}"
         return made(_refuse(primal, why), differentiation="none", why_not=why)
-
-    @functools.cache
-    def build() -> tuple:
-        # The backward's rules and schedules are verified in tests/test_lowered_backward.py; here only relabelled.
-        if name == "mosaic":
-            return kernels
-        return (emit(b.forward, "forward with residuals"), *(emit(p.scheduled, role(p)) for p in b.pieces))
 
     return made(differentiable(primal, build, b, d), differentiation="lowered", backward=build)

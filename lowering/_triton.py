@@ -269,7 +269,7 @@ class Lowered:
         extent = {a.name: int(a.size.subs(sizes)) for w in d.dom.inside for a in w.axes}
         config = self.config or Config.get_default(p)
         padded = launch(p, extent, config, self.hardware)  # the guards, before padding allocates anything
-        bounds = [_segment_bounds(p, m, arrays, extent) for m in segments(d, p)]  # from the ids, unpadded
+        bounds = [(m, _segment_bounds(p, m, arrays, extent)) for m in segments(d, p)]  # from the ids, unpadded
         arrays = [_pad(v, w, padded) for v, w in zip(arrays, d.dom.inside, strict=True)]
         outs = self._call(arrays, sizes, extent, padded, config, bounds)
         outs = [o[tuple(slice(0, extent[a.name]) for a in w.axes)] for o, w in zip(outs, d.cod.inside, strict=True)]
@@ -313,13 +313,13 @@ class Lowered:
         return pl.BlockSpec(tuple(shape), self._index_map(wire, padded))
 
     def _bound_specs(self, bounds, padded) -> list:
-        """Four scalar blocks of each segment mask's bounds (:func:`segment_blocks`): this program's tile,
+        """Four scalar blocks of each segment mask's bounds (``(mask, segment_blocks)`` pairs): this program's tile,
         at its index along each batch axis the ids have (0 along the others, where the bounds broadcast)."""
         p = self.plan
         nb, strides = len(p.tiles), _strides(p, padded)
         tile_pos = {a: i for i, a in enumerate(p.tiles)}
         specs = []
-        for m, b in zip(segments(p.diagram, p), bounds, strict=True):
+        for m, b in bounds:
 
             def index_map(*ids, k, m=m, b=b):
                 at = [
@@ -345,7 +345,7 @@ class Lowered:
             interpret=self.interpret,
             name="napkin_kernel",
         )
-        return call(*arrays, *(b for b in bounds for _ in range(4)))
+        return call(*arrays, *(b for _, b in bounds for _ in range(4)))
 
     @property
     def source(self) -> str:
