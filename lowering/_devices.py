@@ -12,7 +12,8 @@
   ``zigzag`` every branch runs the same work.
 * The backward is an exact ``jax.custom_vjp`` of the per-device function, through the *lowered backward
   kernels* of the pair diagrams (``lowering._backward``: ``P = exp(S − L)``, ``Δ = rowsum(dO ⊙ O)``), fed the
-  global ``L`` and ``O``: each pair's dQ, dK, dV are then exact partial sums. dQ accumulates in place; dK and dV
+  global ``L`` and ``O``: each pair's dQ, dK, dV are then exact partial sums. Δ reads neither K nor V, so it
+  is computed once per device, before the ring, and each pair reads its rows. dQ accumulates in place; dK and dV
   (f32) travel the ring with K and V and take one more step home (``all_gather``: summed by ``psum_scatter``).
 
 >>> import jax, jax.numpy as jnp
@@ -29,6 +30,7 @@ True
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import jax
@@ -313,15 +315,36 @@ def _ring_body(s: Sharded, kernels: _PairKernels, keys: int):
             P, fetch, body, lambda kv: step(0, kv), lambda kv, acc: merge_lse(acc, step(P - 1, kv), out_w.names, rows)
         )
 
-    def grad_branch(pairs, local, do, o, lse):
+    def row_values(do, o, lse):
+        """Each kind's fed values (Δ = rowsum(dO ⊙ O)) on all local query rows, once before the ring: they read
+        neither K nor V. ``{kind: [(value, its query axis)]}``; a kind whose Δ reads a key-side input is left
+        to its pairs."""
+        out = {}
+        for kind, b in kernels.backward.items():
+            fed = [(p, k) for p, k in zip(b.pieces, kernels.pieces(kind), strict=True) if p.feeds]
+            if any(j < len(ins) for p, _ in fed for j in p.inputs):
+                continue
+            values = [None] * len(ins) + [do] + [(o, lse)[p] for p in b.residuals]
+            out[kind] = []
+            for p, kernel in fed:
+                res = kernel(*(values[j] for j in p.inputs))
+                res = res if isinstance(res, tuple) else (res,)
+                values += res
+                out[kind] += [(r, w.names.index(seq.queries)) for r, w in zip(res, p.diagram.cod.inside, strict=True)]
+        return out
+
+    def grad_branch(pairs, local, do, o, lse, rowed):
         def branch():
             grads = [jnp.zeros(x.shape, jnp.float32) for x in local]
             for kind, qc, kc, cut in pairs:
-                b = kernels.backward[kind]
+                b, hoisted = kernels.backward[kind], iter(rowed.get(kind, ()))
                 values = [*pair_inputs(local, qc, kc, cut), part(do, o_at, qc)]
                 residual = (part(o, o_at, qc), part(lse, l_at, qc))  # the forward with residuals gives (O, L)
                 values += [residual[p] for p in b.residuals]
                 for piece, kernel in zip(b.pieces, kernels.pieces(kind), strict=True):
+                    if piece.feeds and kind in rowed:  # computed once, before the ring: this pair's rows of it
+                        values += [part(r, a, qc) for r, a in itertools.islice(hoisted, len(piece.outputs))]
+                        continue
                     res = kernel(*(values[j] for j in piece.inputs))
                     res = res if isinstance(res, tuple) else (res,)
                     if piece.feeds:  # Δ = rowsum(dO ⊙ O), read by the pieces after it
@@ -347,7 +370,7 @@ def _ring_body(s: Sharded, kernels: _PairKernels, keys: int):
     def f_bwd(saved, do):
         xs, o, lse = saved
         do, i = do.astype(out_w.dtype.jnp), jax.lax.axis_index(seq.mesh_axis)
-        fetch = exchange(xs)
+        fetch, rowed = exchange(xs), row_values(do, o, lse)
         keyed_at = [a for a, q in zip(at, is_q, strict=True) if not q]
         gathered = seq.exchange == "all_gather"
         dq = [jnp.zeros(x.shape, jnp.float32) for x, q in zip(xs, is_q, strict=True) if q]
@@ -358,7 +381,7 @@ def _ring_body(s: Sharded, kernels: _PairKernels, keys: int):
 
         def step(t, kv, dq, dk):
             local = with_keys(xs, kv)
-            grads = _branches(plan(i, t), lambda pairs: grad_branch(pairs, local, do, o, lse))
+            grads = _branches(plan(i, t), lambda pairs: grad_branch(pairs, local, do, o, lse, rowed))
             dq = [a + g for a, g in zip(dq, (g for g, q in zip(grads, is_q, strict=True) if q), strict=True)]
             kg = [g for g, q in zip(grads, is_q, strict=True) if not q]
             if not gathered:
