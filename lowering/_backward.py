@@ -162,6 +162,15 @@ def _fit(
             )
 
 
+def _summed_alone(t, name: str) -> bool:
+    """Whether the cotangent ``name`` is a sum of one array (through casts): its summed axes are then batch
+    axes of every product before it, which a kernel may stream one element at a time."""
+    step = next((s for s in t.steps if s[2] == (name,)), None)
+    while step is not None and isinstance(step[0], g.Cast):
+        step = next((s for s in t.steps if s[2] == (step[1][0],)), None)
+    return step is not None and isinstance(step[0], g.Contract) and len(step[1]) == 1
+
+
 def backward_of(d: Diagram, hardware: Hardware = H100, config: Config | None = None) -> Backward:
     """The lowered backward's diagrams and schedules for the scheduled forward ``d`` (see the module),
     its blocks fitted to ``hardware``'s shared memory with ``config``'s pipeline stages.
@@ -209,10 +218,14 @@ def backward_of(d: Diagram, hardware: Hardware = H100, config: Config | None = N
         missing = [a for a in keyed if a not in names]
         along = next((a for a in streams if a in missing), missing[0] if missing else None)
         extra = tuple(a for a in reduced(t, ct) if a.name != along)
+        if along is None and extra and _summed_alone(t, ct):
+            # every keyed axis kept, batch axes summed (a bias shared by the batch): the kernel streams one of
+            # them an element at a time and sums it in registers, rather than writing it out to sum after
+            along, extra = extra[0].name, extra[1:]
         wide = widened(t, ct, extra)
         if wide is None:
             wide, extra = ct, ()
-        left = [a for a in keyed if a not in t.ty(wide).names]
+        left = [a for a in dict.fromkeys((*keyed, along)) if a is not None and a not in t.ty(wide).names]
         if len(left) > 1:
             raise NotLowerable(
                 f"the cotangent of input {i} ({t.ty(ct).describe()}) sums {left}; one kernel streams one axis"
@@ -224,7 +237,11 @@ def backward_of(d: Diagram, hardware: Hardware = H100, config: Config | None = N
         outs = [wide for _, wide, _ in group]
         inputs = _live(t, outs)
         naive = t.diagram(outs, inputs=inputs)
-        rules, scheduled = _fit(naive, list(kept), list(left), tile_size, stream_size, hardware, config)
+        if not left or left[0] in keyed:
+            rules, scheduled = _fit(naive, list(kept), list(left), tile_size, stream_size, hardware, config)
+        else:  # a summed batch axis, one element at a time: each step loads a tile of every input (Q, K, V, dO
+            # at the same b), so the pipeline's stages hold four tiles each; 64 rows fit D = 128 in 3 stages
+            rules, scheduled = _fit(naive, list(kept), list(left), min(tile_size, 64), 1, hardware, config)
         pieces.append(
             Piece(
                 naive,

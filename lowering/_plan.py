@@ -109,15 +109,40 @@ def plan(d: Diagram) -> Plan:
             raise NotLowerable(f"axis {a!r} is tiled but a box combines elements along it")
         if not _pow2(g) or g < 16:
             raise NotLowerable(f"axis {a!r}: Triton blocks need a power-of-two tile ≥ 16, got g = {g}")
-    if stream is not None and (not _pow2(stream[1]) or stream[1] < 16):
+    if stream is not None and stream[1] == 1:
+        _check_unit_stream(d, stream[0])
+    elif stream is not None and (not _pow2(stream[1]) or stream[1] < 16):
         raise NotLowerable(
-            f"axis {stream[0]!r}: Triton blocks need a power-of-two stream size ≥ 16, got s = {stream[1]}"
+            f"axis {stream[0]!r}: Triton blocks need a power-of-two stream size ≥ 16 (or 1 along an axis only "
+            f"summed), got s = {stream[1]}"
         )
     streamed = {stream[0]} if stream else set()
     batch = tuple(n for n in names if n not in mixed and n not in tiles and n not in streamed)
     whole = tuple(n for n in names if n in mixed and n not in streamed and n not in tiles)
     _check_contractions(d, streamed)
     return Plan(dict(tiles), stream, batch, whole, d)
+
+
+def _check_unit_stream(d: Diagram, x: str):
+    """A stream of one element at a time: each chunk's blocks keep a unit ``x`` (dropped by the dots, which
+    see 2-D blocks), so no product may contract ``x``; only a sum of one array (a batch axis summed, as a
+    bias shared by the batch sums its cotangent) may reduce it.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> n, k, c = nc.axes("n k c")
+    >>> plan(derive(nc.library.matmul(n, k, c), tile(n, 64), tile(c, 64), stream(k, 1), verify=False).diagram)
+    Traceback (most recent call last):
+    ...
+    lowering._plan.NotLowerable: box 'n k, k c → n c' contracts 'k' over 2 operands: a stream of 1 along 'k' \
+would make each chunk's product a sum of one term; stream it in chunks that are a power of two ≥ 16
+    """
+    for box in d.boxes:
+        if not is_structural(box) and box.contracts and x in box.reduced and len(box.dom) > 1:
+            raise NotLowerable(
+                f"box {box.name!r} contracts {x!r} over {len(box.dom)} operands: a stream of 1 along {x!r} would "
+                "make each chunk's product a sum of one term; stream it in chunks that are a power of two ≥ 16"
+            )
 
 
 def _check_contractions(d: Diagram, streamed: set):

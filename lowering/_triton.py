@@ -174,9 +174,24 @@ def block_einsum(spec: str, *xs, operands=None):
     >>> a = jnp.full((16, 16), 1 + 2**-12, jnp.float32)
     >>> [float(block_einsum("ik,kj->ij", a, a, operands=t)[0, 0]) for t in (None, jnp.bfloat16)]
     [16.0078125, 16.0]
+
+    Axes of size 1 in every operand and the output (a chunk of a batch axis streamed one at a time) are
+    dropped for the product, so it is still one 2-D ``jnp.dot``:
+
+    >>> block_einsum("bik,bkj->bij", a[None], a[None]).shape
+    (1, 16, 16)
     """
     ins, out = spec.split("->")
     terms = ins.split(",")
+    unit = [c for c in out if all(c in t and v.shape[t.index(c)] == 1 for t, v in zip(terms, xs, strict=True))]
+    if unit and len(terms) == 2:  # a chunk of 1 (a streamed batch axis): the 2-D product, the unit axes put back
+        xs = [jnp.squeeze(v, [t.index(c) for c in unit]) for t, v in zip(terms, xs, strict=True)]
+        inner = (
+            ",".join("".join(c for c in t if c not in unit) for t in terms)
+            + "->"
+            + "".join(c for c in out if c not in unit)
+        )
+        return jnp.expand_dims(block_einsum(inner, *xs, operands=operands), [out.index(c) for c in unit])
     shared = set(terms[0]) & set(terms[1]) - set(out) if len(terms) == 2 else set()
     if len(terms) == 2 and all(len(t) == 2 for t in terms) and len(out) == 2 and len(shared) == 1:
         (k,) = shared

@@ -157,6 +157,33 @@ def test_shared_relative_bias(key, seed):
     check(diagram, (tile(q, 16), stream(x, 16)), ref, [Q, K, V, Bias], seed, wrt=(3,))  # the bias's gradient
 
 
+def test_bias_shared_by_the_batch(key, seed):
+    """A learned [h, q, x] bias shared by an odd batch (3): its gradient sums the batch inside one kernel."""
+    nb, nq, nx = 3, 24, 40
+    Q, K, V, Bias = normal(key, (nb, H, nq, 16), (nb, H, nx, 16), (nb, H, nx, 16), (H, nq, nx))
+    i, j = grid(nq, nx)
+    ref = lambda Q, K, V, Bias: softmax_rows(jnp.where(j <= i, scores(Q, K) + Bias, -jnp.inf), V)  # noqa: E731
+    b3 = nc.Axis("b", nb)
+    diagram = L.biased_attention(q, x, d, batch=(b3, h), bias_batch=(h,), causal=True)
+    check(diagram, (tile(q, 16), stream(x, 16)), ref, [Q, K, V, Bias], seed)
+
+
+def test_bias_gradient_streams_the_batch():
+    """No widened [h, q, x, b] temporary: the bias's cotangent kernel streams b one element at a time and
+    writes [h, q, x] once, nothing summed after it."""
+    from lowering._backward import backward_of
+
+    diagram = L.biased_attention(q, x, d, batch=(b, h), bias_batch=(h,), causal=True)
+    (piece,) = [
+        p
+        for p in backward_of(derive(diagram, tile(q, 16), stream(x, 16), verify=False).diagram).pieces
+        if p.outputs == (3,)
+    ]
+    assert piece.sums == ((),)
+    assert [str(r) for r in piece.rules] == ["tile(q, 16)", "tile(x, 16)", "stream(b, 1)"]
+    assert piece.scheduled.cod.inside[0].names == ("h", "q", "x")
+
+
 def test_attention_sinks(key, seed):
     nq, nx = 24, 40
     Q, K, V, sink = normal(key, (H, nq, 16), (H, nx, 16), (H, nx, 16), (H,))
