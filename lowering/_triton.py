@@ -40,7 +40,7 @@ from lowering._plan import (
 )
 from lowering._source import describe
 from napkin_cat.diagram import Diagram
-from napkin_cat.generators import Causal, Context, Elementwise, IndexMap, Jax, Kept, Mask, Partial
+from napkin_cat.generators import Causal, Context, Contract, Elementwise, IndexMap, Jax, Kept, Mask, Partial
 from napkin_cat.hardware import H100, HARDWARE, Hardware, for_device
 from napkin_cat.semantics import bind
 from rewrites import walk
@@ -438,6 +438,51 @@ def _visited(masks, x: str, s: int, n_chunks: int, ranges: dict, extent: int) ->
     return first, full_lo, full_hi, last
 
 
+def zeroing_mask(d: Diagram, x: str):
+    """The affine mask that zeroes every accumulator's input in a kernel streaming ``x``: one ``Kept`` box
+    (a score's cotangent where the mask keeps the score, else 0) on axes other than ``x``, read directly by
+    every box that reduces ``x``, each a contraction (multilinear: a zero operand gives its identity, 0). A
+    tile it hides then adds nothing in any chunk, so the kernel runs none: a bias's gradient streamed over
+    the batch skips the causal mask's empty tiles. None where there is no such mask.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> from lowering._backward import backward_of
+    >>> b, h, q, x, d = nc.axes("b h q x d")
+    >>> att = nc.library.biased_attention(q, x, d, batch=(b, h), bias_batch=(h,), causal=True)
+    >>> db = backward_of(derive(att, tile(q, 16), stream(x, 16), verify=False).diagram).pieces[-1].scheduled
+    >>> zeroing_mask(db, "b").axes
+    ('q', 'x')
+    """
+    producer: dict = {}  # a value's producing mask, by token
+    masks, readers = set(), []
+
+    def step(i, box, ins):
+        m = affine_mask(box)
+        if isinstance(box, IndexMap) and m is not None and x not in m.axes:
+            masks.add(i)
+            producer[i] = m
+            return [("mask", i)] * len(box.cod)
+        if x in getattr(box, "reduced", ()):
+            readers.append((box, {v[1] for v in ins if isinstance(v, tuple) and v[0] == "mask"}))
+        return [None] * len(box.cod)
+
+    d.dataflow([None] * len(d.dom), step)
+    common = set(masks)
+    for box, fed in readers:
+        common &= fed if isinstance(box, Contract) else set()
+    return producer[min(common)] if readers and common else None
+
+
+def _tile_kept(m, p: Plan, offsets: dict, extent: dict):
+    """1 (int32) where the affine mask ``m`` (on tiled axes only) keeps something of this program's tile, else
+    0: a factor of the loop's bounds (arithmetic, as Pallas' Triton lowering types a select of literals i1)."""
+    a = m.axes[0]
+    ranges = {t: (offsets[t], jnp.minimum(offsets[t] + g, extent[t])) for t, g in p.tiles.items() if t != a}
+    lo, hi = m.interval(a, ranges)
+    return ((hi > offsets[a]) & (lo < jnp.minimum(offsets[a] + p.tiles[a], extent[a]))).astype(jnp.int32)
+
+
 def _combine(a: tuple, b: tuple) -> tuple:
     """The chunk ranges of two masks together: a chunk is visited where both may keep something, and run
     unmasked where both keep it whole (intervals intersect)."""
@@ -656,6 +701,8 @@ def _kernel(p: Plan, sizes, extent, padded, n_bounds, *refs):
     segs = segments(d, p)
     assert 4 * len(segs) == n_bounds, "the wrapper and the kernel see different segment masks"
     hidden = set(masks) | {id(m.box) for m in segs}
+    zero = zeroing_mask(d, x)  # a mask on the tiles that zeroes every accumulator's input: hidden tiles run no chunk
+    zero = zero if zero is not None and set(zero.axes) <= set(p.tiles) else None
 
     # The accumulators' states start at their identity, shaped by one abstract chunk.
     def probe(*vals):
@@ -694,12 +741,17 @@ def _kernel(p: Plan, sizes, extent, padded, n_bounds, *refs):
         bounds = _visited(masks.values(), x, s, n_chunks, ranges, extent[x])
         for i in range(0, n_bounds, 4):
             bounds = _combine(bounds, tuple(r[()] for r in bound_refs[i : i + 4]))
+        if zero is not None:
+            bounds = tuple(v * _tile_kept(zero, p, offsets, extent) for v in bounds)
         first, full_lo, full_hi, last = bounds
         carry = lax.fori_loop(first, full_lo, body(False), init)
         carry = lax.fori_loop(full_lo, full_hi, body(True), carry)
         carry = lax.fori_loop(full_hi, last, body(False), carry)
     else:
-        carry = lax.fori_loop(0, n_chunks, body(False), init)
+        if zero is None:
+            carry = lax.fori_loop(0, n_chunks, body(False), init)
+        else:
+            carry = lax.fori_loop(0, n_chunks * _tile_kept(zero, p, offsets, extent), body(False), init)
     states = dict(zip(keys, carry, strict=True))
     final = [None if c else v for v, c in zip(resident, carried, strict=True)]
     outs = walk(d, final, ctx, x, "final", states)
