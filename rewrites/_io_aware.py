@@ -176,7 +176,8 @@ def narrow_operands(t: Tape) -> int:
     >>> t, grads = nc.pullback(fuse_softmax_contract(nc.library.attention(q, x, d, dtype="bf16"), "x"))
     >>> narrow_operands(t)
     2
-    >>> sorted({w.dtype.name for b in t.diagram(grads[2:]).boxes if b.name.startswith("q x, q d") for w in b.dom.inside})
+    >>> dv = [b for b in t.diagram(grads[2:]).boxes if b.name.startswith("q x, q d")]
+    >>> sorted({w.dtype.name for b in dv for w in b.dom.inside})
     ['bf16', 'f32']
     """
     widened = {
