@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from lowering._plan import NotLowerable, Plan, plan
+from lowering._plan import NotLowerable, Plan, base2, plan, unweave
 from lowering._triton import _visited, affine_mask, tiled_first
 from napkin_cat.diagram import Diagram
 from napkin_cat.generators import JAX, Context, Generator
@@ -45,9 +45,8 @@ from napkin_cat.hardware import H100
 from napkin_cat.levels import REG
 from napkin_cat.semantics import bind
 
-__all__ = ["MosaicArrays", "MosaicConfig", "MosaicLowered", "base2", "choose", "faster", "plan"]
+__all__ = ["MosaicArrays", "MosaicConfig", "MosaicLowered", "choose", "faster", "plan"]
 
-LOG2E = math.log2(math.e)
 #: wgmma's row count per warpgroup
 WGMMA_M = 64
 #: the Hopper budgets a configuration is refused against before compiling (the hardware model's H100)
@@ -337,34 +336,6 @@ def faster(kernel: MosaicLowered) -> str | None:
     )
 
 
-def base2(d: Diagram) -> Diagram:
-    """Fold log₂e into the scale of the contraction feeding each box that has a base-2 form.
-
-    rewrite: S = A·B·c ; [boxes passing the base] ; f  →  S = A·B·(c·log₂e) ; [same] ; f₂, sound because
-    the base-2 form reads ``s·log₂e`` and the boxes between commute with scaling (masks send −∞ to −∞).
-
-    >>> import napkin_cat as nc
-    >>> from rewrites import derive, stream
-    >>> q, x, d = nc.axes("q x d")
-    >>> flash = derive(nc.library.attention(q, x, d), stream(x, 16), verify=False).diagram
-    >>> [b.params.get("base") for b in base2(flash).boxes if b.normalises]
-    [2]
-    """
-    layers = list(d.inside)
-    for j, (left, box, right) in enumerate(d.inside):
-        if not isinstance(box, Generator) or box.in_base2() is None:
-            continue
-        i, _ = d.producer(j, len(left))
-        while i is not None and isinstance(d.inside[i][1], Generator) and d.inside[i][1].passes_base():
-            i, _ = d.producer(i, len(d.inside[i][0]))
-        scaled = None if i is None or not isinstance(d.inside[i][1], Generator) else d.inside[i][1].scaled(LOG2E)
-        if scaled is None:
-            continue
-        layers[i] = (layers[i][0], scaled, layers[i][2])
-        layers[j] = (left, box.in_base2(), right)
-    return d.with_layers(layers)
-
-
 def _swizzle(minor: int, itemsize: int) -> tuple:
     row = minor * itemsize
     swizzle = next((s for s in (128, 64, 32) if row % s == 0), None)
@@ -400,7 +371,7 @@ class MosaicLowered:
             )
         #: the streamed axis and its chunk (None, None for a kernel without a loop: the backward's Δ)
         self.x, self.s = p.stream or (None, None)
-        first = _unweave(p.diagram, p.batch).cod.inside[0].names[0]
+        first = unweave(p.diagram, p.batch).cod.inside[0].names[0]
         self.q = first if first in p.tiles else next(iter(p.tiles))
         g = p.tiles[self.q]
         #: the other tiled axes: grid dimensions whose blocks every warpgroup shares
@@ -422,7 +393,7 @@ class MosaicLowered:
                 f"× {self.config.producer_registers} exceed the SM's {REGISTERS} registers"
             )
         # blocks holding both loop axes laid out tiled axis first: the kept block is wgmma's A operand (Sᵀ = K·Qᵀ)
-        self.d = tiled_first(base2(_unweave(p.diagram, p.batch)), p)
+        self.d = tiled_first(base2(unweave(p.diagram, p.batch)), p)
         #: the affine masks reading the streamed axis (causal, sliding window, prefix; a mask's backward ``Kept``),
         #: by box: the chunks they hide are never loaded, those they keep whole run without them (block sparsity)
         self.masks = {id(b): m for b in self.d.boxes if (m := affine_mask(b)) is not None and self.x in m.axes}
@@ -994,7 +965,3 @@ def _i32(n):
 def _same_block(a, b) -> bool:
     """Two wires whose blocks have one shape and dtype (same axes in the same order)."""
     return a.names == b.names and a.dtype == b.dtype
-
-
-def _unweave(d: Diagram, axes: tuple) -> Diagram:
-    return d.map_arrays(lambda w: w.with_(axes=[a for a in w.axes if a.name not in axes]))
