@@ -9,7 +9,8 @@
    Σ_d dO ⊙ O``, contractions reading ``dO`` in its own 16-bit dtype, group sums kept until after the kernel;
 3. one kernel per schedule: every input's cotangent is computed by the kernel that tiles the forward's
    tiled and streamed axes it has and streams the one it lacks (``dQ``: tile queries, stream keys;
-   ``dK, dV``: tile keys, stream queries; a bias over both: tile both), derived with ``tile``/``stream``
+   ``dK, dV``: tile keys, stream queries; a bias over both: tile both, and stream a batch axis it is
+   shared by one element at a time, summing it in the kernel), derived with ``tile``/``stream``
    and lowered by the same lowering; before them, a kernel tiling queries computes each ``Δ`` the Δ
    lemma made (FlashAttention-2's preprocessing step), which the others read as an input.
 
