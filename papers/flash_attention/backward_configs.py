@@ -1,0 +1,96 @@
+"""The backward kernels' blocks, warps and stages (dQ, and dK·dV), each timed and checked against the default.
+
+Causal and not, D ∈ {128, 64}, B = 2, H = 16, N = 8192, bf16: the lowered backward of attention scheduled
+``tile(q, 128), stream(x, 64)``; each of its dQ and dK·dV kernels re-derived over a grid of (tile, stream,
+warps, stages), checked against the kernel as lowered (relative error) and timed (median of batches).
+``--ncu`` runs D = 128, non-causal, each configuration once and untimed, for Nsight Compute's register and
+local-memory (spill) counts::
+
+    python -m papers.flash_attention.backward_configs results/backward_configs_<GPU>.json         # GPU
+    ncu --clock-control none --kernel-name regex:napkin --csv --metrics \
+        launch__registers_per_thread,l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum,gpu__time_duration.sum \
+        python -m papers.flash_attention.backward_configs /tmp/x.json --ncu
+
+On CPU it runs tiny sizes in interpret mode (a smoke test).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import napkin_cat as nc
+from lowering import lower, median_time, plan
+from lowering._backward import backward_of
+from lowering._triton import Config, Lowered
+from rewrites import derive, stream, tile
+
+#: (tile, stream, warps, stages); the first is the default schedule
+GRID = [(128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 4, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 4, 3)]
+GRID += [(128, 128, 8, 2), (128, 32, 4, 4)]
+
+
+def log(*parts):
+    print(time.strftime("%H:%M:%S"), *parts, flush=True)
+
+
+def run(out: str, ncu: bool) -> list:
+    """Sweep every backward kernel of each case over :data:`GRID`; write ``{"gpu", sizes, "rows"}`` to ``out``."""
+    cpu = jax.devices()[0].platform == "cpu"
+    B, N, H = (1, 64, 2) if cpu else (2, 8192, 16)  # noqa: N806 - the usual names
+    timing = not (cpu or ncu)
+    cases = [(128, False)] if ncu else [(128, True), (128, False), (64, False), (64, True)]
+    rows = []
+    for D, causal in cases:  # noqa: N806
+        b, h, q, x, d = nc.axes("b h q x d", d=D)
+        attn = nc.library.multi_head_attention(h, q, x, d, batch=(b,), causal=causal, dtype="bf16")
+        sched = derive(attn, tile(q, 16 if cpu else 128), stream(x, 16 if cpu else 64), verify=False).diagram
+        forward, *kernels = lower(sched, interpret=cpu).kernels
+        bw = backward_of(sched)
+        keys = jax.random.split(jax.random.key(0), 4)
+        xs = [jax.random.normal(k, (B, H, N, D), jnp.bfloat16) for k in keys[:3]]
+        do = jax.random.normal(keys[3], (B, H, N, D), jnp.bfloat16)
+        outs = forward(*xs)
+        values = [*xs, do, *(outs[p] for p in bw.residuals)]
+        for piece, kernel in zip(bw.pieces, kernels, strict=True):
+            ins = [values[i] for i in piece.inputs]
+            res = kernel(*ins)
+            res = res if isinstance(res, tuple) else (res,)
+            if piece.feeds:
+                values += res
+                continue
+            name = "dQ" if piece.outputs == (0,) else "dKdV"
+            want = [np.asarray(r, np.float32) for r in res]
+            tiled, streamed = (q, x) if name == "dQ" else (x, q)
+            flops = 4 * B * H * N * N * D * (0.5 if causal else 1) * (1.0 if name == "dQ" else 1.5)
+            base = median_time(jax.jit(kernel), *ins) if timing else 1.0
+            log(f"D={D} causal={causal} {name} as lowered {[str(r) for r in piece.rules]} {base * 1e3:.3f} ms")
+            for g, s, warps, stages in [(16, 16, 4, 3)] if cpu else GRID:
+                row = dict(D=D, causal=causal, kernel=name, tile=g, stream=s, warps=warps, stages=stages)
+                try:
+                    sc = derive(piece.diagram, tile(tiled, g), stream(streamed, s), verify=False).diagram
+                    f = jax.jit(Lowered(plan(sc), interpret=cpu, config=Config(warps, stages)))
+                    got = f(*ins)
+                    got = got if isinstance(got, tuple) else (got,)
+                    pairs = zip(got, want, strict=True)
+                    err = max(
+                        float(np.max(np.abs(np.asarray(a, np.float32) - w)) / np.max(np.abs(w))) for a, w in pairs
+                    )
+                    t = median_time(f, *ins) if timing else 1.0
+                    row |= dict(ms=t * 1e3, tflops=flops / t / 1e12, vs_default=base / t, err=err)
+                except Exception as e:  # a configuration over a limit is a result
+                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                log(row)
+                rows.append(row)
+    with open(out, "w") as fh:
+        json.dump({"gpu": jax.devices()[0].device_kind, "B": B, "N": N, "H": H, "rows": rows}, fh, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    run(sys.argv[1] if len(sys.argv) > 1 else "backward_configs.json", "--ncu" in sys.argv)
