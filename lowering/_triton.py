@@ -622,14 +622,16 @@ def _segment_bounds(p: Plan, m: Segments, arrays: list, extent: dict):
     return segment_blocks(laid_out(m.tiled, m.axis), laid_out(m.streamed, x), p.tiles[m.axis], p.stream[1])
 
 
-def tiled_first(d: Diagram, p: Plan) -> Diagram:
+def tiled_first(d: Diagram, p: Plan, *, inputs: bool = False) -> Diagram:
     """``d`` with each wire that holds the streamed axis and a tiled one laid out tiled axes first.
 
     rewrite: S[q, x] → S[x, q] on the wires inside a kernel tiling ``x`` and streaming ``q``. Sound because
     axes are named and every box reads its wires by name (a relabelling of layouts, not of values). The
     dK, dV kernel then computes ``Sᵀ = K·Q_cᵀ`` and accumulates ``Pᵀ·dO`` and ``dSᵀ·Q`` with the block it
     holds as the left operand, never transposing a computed block (FlashAttention-2's Triton kernels do the
-    same). Left as is where an input or output holds both axes, as its block layout is the caller's.
+    same). Left as is where an output holds both axes, as its block layout is the caller's, and where an
+    input does unless ``inputs`` (the Triton kernel then transposes that input's block as it loads it: one
+    block moved, rather than every computed block that meets it).
 
     >>> import napkin_cat as nc
     >>> from rewrites import derive, tile, stream
@@ -648,7 +650,7 @@ def tiled_first(d: Diagram, p: Plan) -> Diagram:
     def both(w) -> bool:
         return w.has(x) and any(w.has(a) for a in p.tiles)
 
-    if any(both(w) for w in (*d.dom.inside, *d.cod.inside)):
+    if any(both(w) for w in (*(() if inputs else d.dom.inside), *d.cod.inside)):
         return d
 
     def reorder(w):
@@ -660,7 +662,8 @@ def tiled_first(d: Diagram, p: Plan) -> Diagram:
 
 
 def _kernel(p: Plan, sizes, extent, padded, n_bounds, *refs):
-    d = tiled_first(base2(unweave(p.diagram, p.batch)), p)
+    laid = unweave(p.diagram, p.batch).dom.inside  # the inputs' blocks as the caller lays them out
+    d = tiled_first(base2(unweave(p.diagram, p.batch)), p, inputs=True)
     for a in p.whole:  # axes padded to a power of two: the padding holds each reduction's neutral value
         if padded[a] != extent[a]:
             d = pad_neutral(d, a, extent[a])
@@ -678,14 +681,20 @@ def _kernel(p: Plan, sizes, extent, padded, n_bounds, *refs):
         return
     x, s = p.stream
     carried = [w.has(x) for w in d.dom.inside]
+    # an input laid out otherwise than the kernel's wire (tiled_first): its block transposed as it loads
+    perms = [
+        None if a.names == w.names else [a.names.index(n) for n in w.names]
+        for a, w in zip(laid, d.dom.inside, strict=True)
+    ]
     resident = [None if c else r[...] for r, c in zip(in_refs, carried, strict=True)]
 
     def chunk_values(c):
         vals = []
-        for r, w, v in zip(in_refs, d.dom.inside, resident, strict=True):
+        for r, w, v, perm in zip(in_refs, laid, resident, perms, strict=True):
             if v is None:
                 pos = w.names.index(x)
                 v = r[tuple(pl.ds(c * s, s) if i == pos else slice(None) for i in range(len(w.axes)))]
+                v = v if perm is None else jnp.transpose(v, perm)
             vals.append(v)
         return vals
 
