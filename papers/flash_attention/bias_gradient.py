@@ -26,6 +26,7 @@ import napkin_cat as nc
 from lowering import lower, median_time, plan
 from lowering._backward import backward_of
 from lowering._triton import Config, Lowered
+from papers.flash_attention.backward_configs import pieces
 from rewrites import derive, stream, tile
 
 HERE = Path(__file__).parent
@@ -54,16 +55,9 @@ def run(out: Path, quick: bool) -> Path:
     ]
     do = jax.random.normal(keys[-1], (B, H, N, D), jnp.bfloat16)
     outs = forward(*xs)
-    values = [*xs, do, *(outs[p] for p in bw.residuals)]
     timing = (lambda f, *a: 0.0) if quick else median_time
     kernels_ms, rows = [], []
-    for piece, kernel in zip(bw.pieces, kernels, strict=True):
-        ins = [values[i] for i in piece.inputs]
-        res = kernel(*ins)
-        res = res if isinstance(res, tuple) else (res,)
-        if piece.feeds:
-            values += res
-            continue
+    for piece, kernel, ins, res in pieces(bw, kernels, [*xs, do, *(outs[p] for p in bw.residuals)]):
         kernels_ms.append({"rules": [str(r) for r in piece.rules], "ms": timing(jax.jit(kernel), *ins) * 1e3})
         print(kernels_ms[-1], flush=True)
         if piece.outputs != (3,):  # the bias is input 3
