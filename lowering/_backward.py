@@ -256,6 +256,35 @@ def backward_of(d: Diagram, hardware: Hardware = H100, config: Config | None = N
     return Backward(forward, positions, tuple(pieces))
 
 
+def run_pieces(b: Backward, kernels, values: list):
+    """Run the backward kernels of ``b`` in order on ``values`` (the primal inputs, the output cotangents,
+    the residuals), feeding each Δ to the pieces after it; yield ``(piece, kernel, its inputs, its outputs)``
+    for each kernel that gives cotangents.
+
+    >>> import jax.numpy as jnp
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> from lowering import lower
+    >>> q, x, d = nc.axes("q x d")
+    >>> flash = derive(nc.library.attention(q, x, d), tile(q, 16), stream(x, 16), verify=False).diagram
+    >>> forward, *kernels = lower(flash, interpret=True).kernels
+    >>> Q = jnp.ones((16, 16))
+    >>> b = backward_of(flash)
+    >>> outs = forward(Q, Q, Q)
+    >>> [p.outputs for p, *_ in run_pieces(b, kernels, [Q, Q, Q, Q, *(outs[i] for i in b.residuals)])]
+    [(0,), (1, 2)]
+    """
+    values = list(values)
+    for piece, kernel in zip(b.pieces, kernels, strict=True):
+        ins = [values[i] for i in piece.inputs]
+        outs = kernel(*ins)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        if piece.feeds:  # Δ, read by the pieces after it
+            values += outs
+            continue
+        yield piece, kernel, ins, outs
+
+
 def differentiable(primal: Callable, kernels: Callable[[], tuple], b: Backward, d: Diagram) -> Callable:
     """``primal`` (the kernel of ``d``) with a ``jax.custom_vjp`` whose backward runs lowered kernels.
 
@@ -280,13 +309,8 @@ def differentiable(primal: Callable, kernels: Callable[[], tuple], b: Backward, 
     def f_bwd(saved, cts):
         xs, res = saved
         cts = [c.astype(t) for c, t in zip(tupled(cts), cot_dtypes, strict=True)]
-        values = [*xs, *cts, *res]
         grads: list = [None] * len(xs)
-        for piece, kernel in zip(b.pieces, kernels()[1:], strict=True):
-            outs = tupled(kernel(*(values[i] for i in piece.inputs)))
-            if piece.feeds:  # Δ, read by the pieces after it
-                values += outs
-                continue
+        for piece, _, _, outs in run_pieces(b, kernels()[1:], [*xs, *cts, *res]):
             for i, out, summed in zip(piece.outputs, outs, piece.sums, strict=True):
                 grads[i] = (jnp.sum(out.astype(jnp.float32), axis=summed) if summed else out).astype(xs[i].dtype)
         return tuple(grads)

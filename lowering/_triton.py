@@ -458,14 +458,13 @@ def zeroing_mask(d: Diagram, x: str):
     >>> zeroing_mask(db, "b").axes
     ('q', 'x')
     """
-    producer: dict = {}  # a value's producing mask, by token
-    masks, readers = set(), []
+    masks: dict = {}  # layer → the affine form of a Kept mask there; its outputs carry the layer as a token
+    readers = []
 
     def step(i, box, ins):
         m = affine_mask(box)
         if isinstance(box, IndexMap) and m is not None and x not in m.axes:
-            masks.add(i)
-            producer[i] = m
+            masks[i] = m
             return [("mask", i)] * len(box.cod)
         if x in getattr(box, "reduced", ()):
             readers.append((box, {v[1] for v in ins if isinstance(v, tuple) and v[0] == "mask"}))
@@ -475,7 +474,7 @@ def zeroing_mask(d: Diagram, x: str):
     common = set(masks)
     for box, fed in readers:
         common &= fed if isinstance(box, Contract) else set()
-    return producer[min(common)] if readers and common else None
+    return masks[min(common)] if readers and common else None
 
 
 def _tile_kept(m, p: Plan, offsets: dict, extent: dict):
@@ -662,8 +661,9 @@ def tiled_first(d: Diagram, p: Plan, *, inputs: bool = False) -> Diagram:
 
 
 def _kernel(p: Plan, sizes, extent, padded, n_bounds, *refs):
-    laid = unweave(p.diagram, p.batch).dom.inside  # the inputs' blocks as the caller lays them out
-    d = tiled_first(base2(unweave(p.diagram, p.batch)), p, inputs=True)
+    block = unweave(p.diagram, p.batch)
+    laid = block.dom.inside  # the inputs' blocks as the caller lays them out
+    d = tiled_first(base2(block), p, inputs=True)
     for a in p.whole:  # axes padded to a power of two: the padding holds each reduction's neutral value
         if padded[a] != extent[a]:
             d = pad_neutral(d, a, extent[a])
@@ -755,7 +755,8 @@ def _kernel(p: Plan, sizes, extent, padded, n_bounds, *refs):
         for i in range(0, n_bounds, 4):
             bounds = _combine(bounds, tuple(r[()] for r in bound_refs[i : i + 4]))
         if zero is not None:
-            bounds = tuple(v * _tile_kept(zero, p, offsets, extent) for v in bounds)
+            kept = _tile_kept(zero, p, offsets, extent)
+            bounds = tuple(v * kept for v in bounds)
         first, full_lo, full_hi, last = bounds
         carry = lax.fori_loop(first, full_lo, body(False), init)
         carry = lax.fori_loop(full_lo, full_hi, body(True), carry)

@@ -26,27 +26,13 @@ import numpy as np
 
 import napkin_cat as nc
 from lowering import lower, median_time, plan
-from lowering._backward import backward_of
+from lowering._backward import backward_of, run_pieces
 from lowering._triton import Config, Lowered
 from rewrites import derive, stream, tile
 
 #: (tile, stream, warps, stages); the first is the default schedule
 GRID = [(128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 4, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 4, 3)]
 GRID += [(128, 128, 8, 2), (128, 32, 4, 4)]
-
-
-def pieces(bw, kernels, values: list):
-    """Run the backward kernels in order on ``values`` (inputs, output cotangents, residuals), feeding each Δ
-    to the pieces after it; yield ``(piece, kernel, its inputs, its outputs)`` for each gradient kernel."""
-    values = list(values)
-    for piece, kernel in zip(bw.pieces, kernels, strict=True):
-        ins = [values[i] for i in piece.inputs]
-        res = kernel(*ins)
-        res = res if isinstance(res, tuple) else (res,)
-        if piece.feeds:
-            values += res
-            continue
-        yield piece, kernel, ins, res
 
 
 def log(*parts):
@@ -70,7 +56,7 @@ def run(out: str, ncu: bool) -> list:
         xs = [jax.random.normal(k, (B, H, N, D), jnp.bfloat16) for k in keys[:3]]
         do = jax.random.normal(keys[3], (B, H, N, D), jnp.bfloat16)
         outs = forward(*xs)
-        for piece, kernel, ins, res in pieces(bw, kernels, [*xs, do, *(outs[p] for p in bw.residuals)]):
+        for piece, kernel, ins, res in run_pieces(bw, kernels, [*xs, do, *(outs[p] for p in bw.residuals)]):
             name = "dQ" if piece.outputs == (0,) else "dKdV"
             want = [np.asarray(r, np.float32) for r in res]
             tiled, streamed = (q, x) if name == "dQ" else (x, q)

@@ -24,9 +24,8 @@ import numpy as np
 
 import napkin_cat as nc
 from lowering import lower, median_time, plan
-from lowering._backward import backward_of
+from lowering._backward import backward_of, run_pieces
 from lowering._triton import Config, Lowered
-from papers.flash_attention.backward_configs import pieces
 from rewrites import derive, stream, tile
 
 HERE = Path(__file__).parent
@@ -57,7 +56,7 @@ def run(out: Path, quick: bool) -> Path:
     outs = forward(*xs)
     timing = (lambda f, *a: 0.0) if quick else median_time
     kernels_ms, rows = [], []
-    for piece, kernel, ins, res in pieces(bw, kernels, [*xs, do, *(outs[p] for p in bw.residuals)]):
+    for piece, kernel, ins, res in run_pieces(bw, kernels, [*xs, do, *(outs[p] for p in bw.residuals)]):
         kernels_ms.append({"rules": [str(r) for r in piece.rules], "ms": timing(jax.jit(kernel), *ins) * 1e3})
         print(kernels_ms[-1], flush=True)
         if piece.outputs != (3,):  # the bias is input 3
