@@ -70,3 +70,27 @@ def test_forward_and_backward_lower_for_cuda(abstract_hopper, name):
 
     jax.jit(kernel).trace(*args).lower(lowering_platforms=("cuda",))
     jax.jit(jax.grad(loss, argnums=floats)).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize(("dtype", "native"), [("bf16", True), ("f32", False)])
+def test_soft_cap_tanh_is_the_hardware_instruction_in_16_bit_kernels(abstract_hopper, monkeypatch, dtype, native):
+    """A compiled bf16 kernel computes the soft-cap's ``jnp.tanh`` (forward, and its derivative in the backward)
+    with ``tanh.approx.f32``, libdevice's ``__nv_tanhf`` nowhere; an f32 kernel keeps libdevice's."""
+    modules = []
+    build = registration.lowering.lower_jaxpr_to_triton_module
+
+    def kept(*args, **kwargs):
+        made = build(*args, **kwargs)
+        modules.append(str(made.module))
+        return made
+
+    monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", kept)
+    diagram = lib.softcap_attention(q, x, d, cap=50.0, causal=True, batch=(b, h), dtype=dtype)
+    kernel = lower(derive(diagram, tile(q, 64), stream(x, 32), verify=False), interpret=False, hardware=H100)
+    args = [abstract(w, {"b": B, "h": H, "q": N, "x": N}) for w in diagram.dom.inside]
+    jax.jit(jax.grad(lambda *a: kernel(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))).trace(*args).lower(
+        lowering_platforms=("cuda",)
+    )
+    hardware = [m for m in modules if "tanh.approx.f32" in m]
+    libdevice = [m for m in modules if "__nv_tanhf" in m]
+    assert (len(hardware), len(libdevice)) == ((3, 0) if native else (0, 3))  # the forward, dQ and dK·dV kernels

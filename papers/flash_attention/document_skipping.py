@@ -8,6 +8,8 @@ skip by: it visits every block). Cases:
 * ``causal``: ``is_causal=True``, the comparison point;
 * ``documents 8``: 8 documents of N/8, non-causal;
 * ``documents 8 + causal``: both masks (the kernel skips by both);
+* ``8 sequences + causal``: the documents of ``documents 8 + causal`` unpacked, as a batch 8× larger with
+  ``is_causal=True`` and no ids: the same work without reading ids, the bound packing is measured against;
 * ``documents 8 ragged``: 8 documents of random lengths (boundaries off the blocks);
 * ``documents 8 as a mask array``: the same mask as ``documents 8``, no skipping (the cost without it).
 
@@ -74,6 +76,14 @@ def case(name: str, n: int, batch: int, interpret: bool):
         ids = np.zeros((batch, n), np.int32)
         return (lambda q, k, v: nc.attention(q, k, v, is_causal=True, interpret=interpret)), ids, True
     ids = np.stack([documents(n, 8, "ragged" in name, seed=b) for b in range(batch)]).astype(np.int32)
+    if name.startswith("8 sequences"):  # the same documents unpacked: a batch 8× larger, no ids to read
+
+        def unpacked(q, k, v):
+            b, _, heads, dim = q.shape
+            q, k, v = (a.reshape(8 * b, n // 8, heads, dim) for a in (q, k, v))
+            return nc.attention(q, k, v, is_causal=causal, interpret=interpret).reshape(b, n, heads, dim)
+
+        return unpacked, ids, causal
     if "mask array" in name:
         mask = jnp.asarray(ids[:, None, :, None] == ids[:, None, None, :])
         return (lambda q, k, v: nc.attention(q, k, v, mask=mask, interpret=interpret)), ids, causal
@@ -82,7 +92,14 @@ def case(name: str, n: int, batch: int, interpret: bool):
     return fn, ids, causal
 
 
-CASES = ("causal", "documents 8", "documents 8 + causal", "documents 8 ragged", "documents 8 as a mask array")
+CASES = (
+    "causal",
+    "documents 8",
+    "documents 8 + causal",
+    "8 sequences + causal",
+    "documents 8 ragged",
+    "documents 8 as a mask array",
+)
 
 
 def inputs(B, N, H, D, seed=0):
