@@ -172,13 +172,52 @@ def _summed_alone(t, name: str) -> bool:
     return step is not None and isinstance(step[0], g.Contract) and len(step[1]) == 1
 
 
+def row_values(t, keyed: list[str], grads) -> list[list[str]]:
+    """The values of the tape ``t`` that a backward computes once, before the kernels that read them, by a
+    kernel of their own tiling the one keyed axis they hold (FlashAttention-2's preprocessing of Δ,
+    generalised): each holds exactly one keyed axis (``keyed``: the forward's tiled and streamed axes), is
+    computed from inputs holding no other keyed axis, sums some axis on the way (a row sum: Δ = Σ_d dO ⊙ O,
+    or the sink's Σ_d dO ⊙ O through σ′), and is read by a step holding another keyed axis, inside a loop
+    that would otherwise recompute it for every chunk. Grouped by their axis, one kernel per group;
+    cotangents of the inputs (``grads``) are left to their own kernels.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import delta_lemma, lse_residual, fuse_softmax_contract
+    >>> q, x, d = nc.axes("q x d")
+    >>> t, grads = nc.pullback(fuse_softmax_contract(nc.library.sink_attention(q, x, d), "x"))
+    >>> _ = delta_lemma(t, lse_residual(t))
+    >>> [[str(t.ty(v)) for v in rows] for rows in row_values(t, ["q", "x"], grads)]  # Δ and the sink's dL
+    [['q', 'q']]
+    """
+    keys, ends = set(keyed), set(grads)
+    reach = {n: keys & set(a.names) for n, a in t.inputs.items()}  # the keyed axes each value is computed from
+    sums = dict.fromkeys(t.inputs, False)  # whether some step on the way summed an axis
+    for _, ins, outs in t.steps:
+        seen = set().union(*(set(t.ty(i).names) for i in ins)) if ins else set()
+        summed = any(sums.get(i, False) for i in ins) or bool(seen - set().union(*(t.ty(o).names for o in outs)))
+        for o in outs:
+            reach[o] = set().union(keys & set(t.ty(o).names), *(reach.get(i, set()) for i in ins))
+            sums[o] = summed
+
+    def row(n):
+        return n not in t.inputs and n not in ends and sums[n] and len(reach[n]) == 1 and reach[n] <= set(t.ty(n).names)
+
+    found: dict[str, list[str]] = {}
+    for _, ins, outs in t.steps:
+        inner = set().union(*(keys & set(t.ty(o).names) for o in outs))
+        for n in ins:
+            if row(n) and inner - reach[n] and n not in found.get(next(iter(reach[n])), []):
+                found.setdefault(next(iter(reach[n])), []).append(n)
+    return [found[a] for a in keyed if a in found]
+
+
 def backward_of(d: Diagram, hardware: Hardware = H100, config: Config | None = None) -> Backward:
     """The lowered backward's diagrams and schedules for the scheduled forward ``d`` (see the module),
     its blocks fitted to ``hardware``'s shared memory with ``config``'s pipeline stages.
 
-    Δ = Σ_d dO ⊙ O (the Δ lemma's right side) is computed once per query row, by a kernel of its own
-    (a piece that ``feeds`` the others, run first), and read by the kernels that need it, rather than
-    recomputed for every chunk of the loop that streams queries.
+    Δ = Σ_d dO ⊙ O (the Δ lemma's right side), and any other row sum the kernels read (:func:`row_values`), is
+    computed once per query row, by a kernel of its own (a piece that ``feeds`` the others, run first), and
+    read by the kernels that need it, rather than recomputed for every chunk of the loop that streams queries.
 
     Raises a :class:`~napkin_cat.errors.NapkinError` naming the box and the reason where a cotangent
     cannot be computed by one streamed kernel (``NoDerivative``, ``RewriteError``, ``NotLowerable``).
@@ -194,21 +233,19 @@ def backward_of(d: Diagram, hardware: Hardware = H100, config: Config | None = N
     residuals = lse_residual(t)
     narrow_operands(t)  # dO read in its own dtype by the contractions: 16-bit tensor-core products
     pieces = []
-    for delta in delta_lemma(t, residuals):
-        inputs = _live(t, [delta])
-        have = {n for i in inputs for n in t.ty(i).names}
-        tiled = [a for a in keyed if a in t.ty(delta).names]
-        if not tiled or any(a in have and a not in tiled for a in keyed):
-            continue  # Δ would need a streamed loop of its own: left where the lemma put it
-        naive = t.diagram([delta], inputs=inputs)
+    delta_lemma(t, residuals)
+    for rows in row_values(t, keyed, grads):
+        inputs = _live(t, rows)
+        tiled = [a for a in keyed if a in t.ty(rows[0]).names]
+        naive = t.diagram(rows, inputs=inputs)
         rules, scheduled = _fit(naive, tiled, [], tile_size, stream_size, hardware, config)
-        t.steps = [s for s in t.steps if s[2] != (delta,)]
-        t.inputs[delta] = t.ty(delta)  # Δ becomes an input of the kernels reading it
+        made = set(rows)
+        t.steps = [s for s in t.steps if not made & set(s[2])]
+        t.inputs.update((r, t.ty(r)) for r in rows)  # each row value becomes an input of the kernels reading it
         order = list(t.inputs)
+        at = tuple(order.index(r) for r in rows)
         pieces.append(
-            Piece(
-                naive, tuple(order.index(n) for n in inputs), (order.index(delta),), ((),), rules, scheduled, feeds=True
-            )
+            Piece(naive, tuple(order.index(n) for n in inputs), at, ((),) * len(rows), rules, scheduled, True)
         )
     order = list(t.inputs)
     schedules: dict[tuple, list] = {}

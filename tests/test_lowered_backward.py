@@ -192,6 +192,21 @@ def test_delta_is_computed_once_per_query_row_and_blocks_follow_flash_attention_
         assert Config.get_default(k.plan) == Config(num_warps=8, num_stages=3)
 
 
+def test_the_sinks_row_sums_are_computed_once_with_delta():
+    """Attention sinks make a second row sum, the cotangent of the sink's weight σ(L − sink), Σ_d dO ⊙ O
+    through σ′: it joins Δ in the kernel that tiles queries (``lowering._backward.row_values``), so the dK·dV
+    kernel, which streams queries, reads two rows (h×q) and not the output O (h×q×d) it was summed from.
+    The gradients themselves are checked against jax.grad in tests/test_variants.py."""
+    h, q, x, d = nc.axes("h q x d", d=64)
+    sinks = nc.library.sink_attention(q, x, d, causal=True, batch=(h,), dtype=nc.bf16)
+    _, rows, dq, dkv = lower(derive(sinks, tile(q, 128), stream(x, 64), verify=False)).kernels
+    assert [str(w) for w in rows.plan.diagram.cod] == ["h×q/128", "h×q/128"]
+    assert rows.plan.stream is None
+    assert [str(w) for w in dkv.plan.diagram.dom if str(w).startswith("h×q")] == ["h×q~64×d", "h×q~64×d"] + [
+        "h×q~64"
+    ] * 3  # Q, dO; L and the two rows
+
+
 def test_blocks_shrink_to_fit_shared_memory_and_what_cannot_fit_is_refused(key):
     """At d = 256 the 128 × 64 blocks of dK, dV would hold 320 KiB: the stream halves until they fit the
     H100's 227 KiB. Where even 16 × 16 blocks exceed the budget (dQ holds more than the forward), the
