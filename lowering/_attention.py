@@ -220,6 +220,7 @@ class Signature:
         else:
             heads = axes("h_kv g")
             kw = dict(batch=(b, *heads), kv_batch=(b, heads[0]))
+        kw["seq_at"] = 1  # the caller's [b, seq, heads, d], read in place: no transpose before or after the kernel
         mods = {"score_mod": self._indexed(self.score_mod, True), "mask": self._indexed(self.mask_mod, False)}
         axis = {"b": (b,), "h": heads}  # a bias's or a mask's axes among the batch's (heads: query heads)
         diagram = library.dot_product_attention(
@@ -358,16 +359,13 @@ class AttentionKernel:
             fields = "(dtype, group, value dim, bias axes, bias dtype, mask axes, segment ids)"
             raise EvaluationError(f"attention kernel for {fields} = {mine}, called with {theirs}")
         group, kv_heads = sig.group, key.shape[2]
-        # the diagram's wires are heads-major: [b, h, seq, d], or [b, h_kv, g, seq, d] for the queries
-        qs = query.reshape(*query.shape[:2], kv_heads, group, query.shape[3])
-        qs = jnp.moveaxis(qs, 1, 3) if group > 1 else jnp.moveaxis(qs[:, :, :, 0], 1, 2)
+        # the diagram's wires are the caller's layout: [b, seq, h, d], the queries [b, seq, h_kv, g, d] (a reshape)
+        qs = query.reshape(*query.shape[:2], kv_heads, group, query.shape[3]) if group > 1 else query
         pairs = ((bias, sig.bias), (mask, sig.mask))
         extra = [_operand(a, axes, kv_heads, group) for a, axes in pairs if a is not None]
         if segment_ids is not None:
             extra += [a.astype(jnp.int32) for a in segment_ids]
-        out = self.kernel(qs, jnp.moveaxis(key, 1, 2), jnp.moveaxis(value, 1, 2), *extra)
-        out = jnp.moveaxis(out, 3, 1) if group > 1 else jnp.moveaxis(out, 2, 1)
-        out = out.reshape(*query.shape[:-1], value.shape[-1])
+        out = self.kernel(qs, key, value, *extra).reshape(*query.shape[:-1], value.shape[-1])
         return out[0] if squeeze else out
 
 

@@ -209,6 +209,7 @@ def attention(
     batch: tuple[Axis, ...] = (),
     kv_batch: tuple[Axis, ...] | None = None,
     value_dim: Axis | None = None,
+    seq_at: int | None = None,
 ) -> Diagram:
     """Naive attention ``softmax(Q Kᵀ · scale) V``: ``Q[q,d] ⊗ K[x,d] ⊗ V[x,d] → O[q,d]``.
 
@@ -218,14 +219,18 @@ def attention(
     queries; ``kv_batch`` (default: the same) the keys and values, so grouped-query attention has
     ``batch=(h_kv, g)``, ``kv_batch=(h_kv,)``. ``value_dim`` (default: ``d``) is the values' and the
     output's head dim, when it differs from the queries' and keys' (as in MLA: ``V[x,e] → O[q,e]``).
-    Scores and the softmax are f32; the output has the inputs' ``dtype``.
+    Scores and the softmax are f32; the output has the inputs' ``dtype``. ``seq_at`` lays the sequence axis
+    of Q, K, V and O at that position among their batch axes (default: after them, heads-major), so that
+    ``seq_at=1`` takes ``jax.nn.dot_product_attention``'s ``[b, seq, h, d]`` as it is laid out in memory.
 
     >>> from napkin_cat import axes
-    >>> q, x, d = axes("q x d")
+    >>> b, h, q, x, d = axes("b h q x d")
     >>> print(attention(q, x, d, causal=True).boxes[1].name)
     mask causal(q ≥ x)
+    >>> print(attention(q, x, d, batch=(b, h), seq_at=1).dom)
+    b×q×h×d ⊗ b×x×h×d ⊗ b×x×h×d
     """
-    a = _Attention(q, x, d, scale, dtype, batch, kv_batch, value_dim)
+    a = _Attention(q, x, d, scale, dtype, batch, kv_batch, value_dim, seq_at)
     return a.scores(causal=causal, mask=mask, score_mod=score_mod) >> (g.softmax(a.S, x) @ identity(a.V)) >> a.out()
 
 
@@ -241,6 +246,7 @@ class _Attention:
     batch: tuple
     kv_batch: tuple | None
     value_dim: Axis | None = None
+    seq_at: int | None = None
 
     def __post_init__(self):
         dims = (self.d,) if self.value_dim is None else (self.d, self.value_dim)
@@ -260,9 +266,15 @@ class _Attention:
         """The values' and the output's head dim."""
         return self.d if self.value_dim is None else self.value_dim
 
+    def lay(self, lead: tuple, seq: Axis, last: Axis) -> tuple:
+        """The axes of a Q, K, V or O wire: ``lead`` (batch) axes with the sequence axis ``seq`` at ``seq_at``
+        among them (default: after them), then ``last``."""
+        at = len(lead) if self.seq_at is None else min(self.seq_at, len(lead))
+        return (*lead[:at], seq, *lead[at:], last)
+
     @property
     def V(self) -> Array:
-        return Array(*self.kv, self.x, self.e, dtype=self.dtype)
+        return Array(*self.lay(self.kv, self.x, self.e), dtype=self.dtype)
 
     @property
     def S(self) -> Array:
@@ -270,7 +282,7 @@ class _Attention:
 
     @property
     def O(self) -> Array:  # noqa: E743 - the output, as in the papers
-        return Array(*self.batch, self.q, self.e, dtype=self.dtype)
+        return Array(*self.lay(self.batch, self.q, self.e), dtype=self.dtype)
 
     @property
     def rows(self) -> Array:
@@ -282,7 +294,7 @@ class _Attention:
     def scores(self, *, causal=False, mask=None, score_mod=None, extra: tuple = (), combine=None) -> Diagram:
         """``Q ⊗ K ⊗ V ⊗ extra → S ⊗ V``: the scaled scores, ``combine`` (``S ⊗ extra → S``) and the masks."""
         b, q, x, d = self.batch, self.q, self.x, self.d
-        spec = f"{self._spec(*b, q, d)}, {self._spec(*self.kv, x, d)} -> {self._spec(*b, q, x)}"
+        spec = f"{self._spec(*self.lay(b, q, d))}, {self._spec(*self.lay(self.kv, x, d))} -> {self._spec(*b, q, x)}"
         s = g.contract(spec, *b, q, x, d, scale=_scale(d, self.scale), dtype=self.dtype, out_dtype=f32)
         out = s @ identity(self.V)
         if extra:
@@ -302,7 +314,7 @@ class _Attention:
     def out(self, weights: Array | None = None) -> Diagram:
         """``P ⊗ V → O``: the contraction of the weights with the values over the keys."""
         b, q, x, e = self.batch, self.q, self.x, self.e
-        spec = f"{self._spec(*b, q, x)}, {self._spec(*self.kv, x, e)} -> {self._spec(*b, q, e)}"
+        spec = f"{self._spec(*b, q, x)}, {self._spec(*self.lay(self.kv, x, e))} -> {self._spec(*self.lay(b, q, e))}"
         w = weights or self.S
         return g.contract(spec, *b, q, x, e, dtype=(w.dtype, self.dtype), out_dtype=self.dtype)
 
@@ -625,12 +637,14 @@ def normalised_attention(q: Axis, x: Axis, d: Axis, *, a1, a2, b, **kw) -> Diagr
 
 
 def _attention(q: Axis, x: Axis, d: Axis, kw: dict) -> _Attention:
-    keys = ("scale", "dtype", "batch", "kv_batch", "value_dim")
+    keys = ("scale", "dtype", "batch", "kv_batch", "value_dim", "seq_at")
     unknown = set(kw) - {*keys, "causal", "mask", "score_mod"}
     if unknown:
         raise AxisError(f"attention: unknown keywords {sorted(unknown)}")
     batch = tuple(kw.get("batch", ()))
-    return _Attention(q, x, d, kw.get("scale"), kw.get("dtype", f32), batch, kw.get("kv_batch"), kw.get("value_dim"))
+    return _Attention(
+        q, x, d, kw.get("scale"), kw.get("dtype", f32), batch, kw.get("kv_batch"), kw.get("value_dim"), kw.get("seq_at")
+    )
 
 
 def _mods(kw: dict) -> dict:
