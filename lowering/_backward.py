@@ -6,7 +6,8 @@
    output ``O`` is kept (FlashAttention-2, Dao 2023 §3.2);
 2. the pullback of ``d`` (``napkin_cat._reverse``: each box differentiated by its own rule, forward
    values recomputed), rewritten by :mod:`rewrites._io_aware`: ``P = exp(S − L)``, ``Σ_x P ⊙ dP =
-   Σ_d dO ⊙ O``, contractions reading ``dO`` in its own 16-bit dtype, group sums kept until after the kernel;
+   Σ_d dO ⊙ O``, a positive row weight on the output folded into ``L`` (attention sinks), contractions
+   reading ``dO`` in its own 16-bit dtype, group sums kept until after the kernel;
 3. one kernel per schedule: every input's cotangent is computed by the kernel that tiles the forward's
    tiled and streamed axes it has and streams the one it lacks (``dQ``: tile queries, stream keys;
    ``dK, dV``: tile keys, stream queries; a bias over both: tile both, and stream a batch axis it is
@@ -46,7 +47,18 @@ from napkin_cat import generators as g
 from napkin_cat.diagram import Diagram
 from napkin_cat.hardware import H100, Hardware
 from napkin_cat.levels import HBM
-from rewrites import delta_lemma, derive, lse_residual, narrow_operands, partitions, reduced, stream, tile, widened
+from rewrites import (
+    delta_lemma,
+    derive,
+    lse_residual,
+    narrow_operands,
+    partitions,
+    reduced,
+    row_weight_lemma,
+    stream,
+    tile,
+    widened,
+)
 
 #: the backward's blocks (FlashAttention-2, Dao 2023 §3.2, and its kernels at d = 128): each kernel tiles
 #: the axis it keeps in blocks of ``TILE`` and streams the other in chunks of ``STREAM``, never larger than the
@@ -231,9 +243,10 @@ def backward_of(d: Diagram, hardware: Hardware = H100, config: Config | None = N
     forward, positions = with_residuals(d)
     t, grads = pullback(plain(d))
     residuals = lse_residual(t)
+    delta_lemma(t, residuals)
+    row_weight_lemma(t, residuals, grads)  # a sink's weight folded into L: plain attention's kernels
     narrow_operands(t)  # dO read in its own dtype by the contractions: 16-bit tensor-core products
     pieces = []
-    delta_lemma(t, residuals)
     for rows in row_values(t, keyed, grads):
         inputs = _live(t, rows)
         tiled = [a for a in keyed if a in t.ty(rows[0]).names]

@@ -16,7 +16,6 @@ import operator
 from dataclasses import dataclass
 from typing import ClassVar
 
-import jax
 import jax.numpy as jnp
 import sympy
 
@@ -593,18 +592,14 @@ def sink_attention(q: Axis, x: Axis, d: Axis, **kw) -> Diagram:
     a = _attention(q, x, d, kw)
     sink, lse = Array(*a.batch), a.rows
     fused = g.SoftmaxContract(f"softmax·contract {x.name}", Ty(a.S, a.V), Ty(a.O, lse), data=(("axis", x.name),))
-    weight = g.elementwise(_sink_weight, lse, sink, out=lse)
+    # σ(lse − sink) from named maps: a positive row weight, which the backward folds into the probabilities
+    weight = g.subtract(lse, sink) >> g.elementwise("sigmoid", lse)
     return (
         (a.scores(**_mods(kw)) @ identity(sink))
         >> (fused @ identity(sink))
         >> (identity(a.O) @ weight)
         >> g.multiply(a.O, lse)
     )
-
-
-def _sink_weight(lse, sink):
-    """``σ(lse − sink)``: the share of the normaliser the keys hold beside the sink."""
-    return jax.nn.sigmoid(lse - sink)
 
 
 def sigmoid_attention(q: Axis, x: Axis, d: Axis, *, bias=None, **kw) -> Diagram:

@@ -25,7 +25,16 @@ from rewrites._device import (
     shard,
     zigzag,
 )
-from rewrites._io_aware import Residual, delta_lemma, lse_residual, narrow_operands, prove_lemmas, reduced, widened
+from rewrites._io_aware import (
+    Residual,
+    delta_lemma,
+    lse_residual,
+    narrow_operands,
+    prove_lemmas,
+    reduced,
+    row_weight_lemma,
+    widened,
+)
 from rewrites._level import level
 from rewrites._proofs import Proof, prove_accumulator, prove_equivalent, prove_monoid
 from rewrites._pseudocode import pseudocode
@@ -42,6 +51,6 @@ __all__ = [
     "AUTO", "Derivation", "OpenSize", "Proof", "Residual", "RewriteError", "Rule", "Step", "Trial", "Verification",
     "delta_lemma", "derive", "execute", "fuse_softmax_contract", "level", "lse_residual", "narrow_operands",
     "open_sizes", "partitions", "prove_accumulator", "prove_equivalent", "prove_lemmas", "prove_monoid", "pseudocode",
-    "random_inputs", "reduced", "relative_error", "resolve", "split", "stream", "streamability", "tile", "tolerance",
-    "walk", "widened",
+    "random_inputs", "reduced", "relative_error", "resolve", "row_weight_lemma", "split", "stream", "streamability",
+    "tile", "tolerance", "walk", "widened",
 ]

@@ -1,7 +1,7 @@
 """The IO-aware form of a backward: rewrites of ``nc.reverse``'s tape (FlashAttention-2, Dao 2023 §3.2).
 
 ``reverse(d)`` recomputes ``P = softmax_x(S)`` from the scores and sums ``Σ_x P ⊙ dP``, both over the
-whole key axis ``x``: a kernel that streams keys can do neither. Three rules turn it into a program
+whole key axis ``x``: a kernel that streams keys can do neither. These rules turn it into a program
 whose every cotangent streams one axis:
 
 * **log-sum-exp residual** (:func:`lse_residual`): ``softmax_x(S) = exp(S − L)`` with
@@ -11,6 +11,10 @@ whose every cotangent streams one axis:
 * **Δ lemma** (:func:`delta_lemma`): where ``dP = dO·Vᵀ`` is the transpose of ``O = softmax_x(S)·V``,
   ``Σ_x P ⊙ dP = Σ_d dO ⊙ O``: the row sum over keys becomes one over the value dim, of the forward's
   output ``O``.
+* **row weight** (:func:`row_weight_lemma`): where a positive row weight ``w`` scales the output
+  (``O = w ⊙ softmax_x(S)·V``, an attention sink's ``σ(L − sink)``), ``w·exp(S − L) = exp(S − (L − log w))``:
+  the kernels recompute ``exp(S − L′)`` with ``L′ = L − log w`` and read one row value ``R/w``, as plain
+  attention's kernels read Δ, instead of rescaling ``dO`` per chunk and adding per score.
 * **group sums** (:func:`widened`): a cotangent whose last contraction sums axes besides the one its
   kernel streams (the query heads sharing a key/value head in GQA/MQA, the queries of a per-head
   bias) keeps them; they are summed after the kernel, in O(N) memory.
@@ -43,6 +47,7 @@ from napkin_cat.diagram import Array, Diagram, Ty, copy, discard, swap
 from napkin_cat.diagram import id as identity
 from napkin_cat.dtypes import f32
 from rewrites._proofs import Proof, prove_equivalent
+from rewrites._rule import RewriteError
 
 
 @dataclass(frozen=True)
@@ -159,6 +164,149 @@ def delta_lemma(t: Tape, residuals: list[Residual]) -> list[str]:
         t.steps[j] = (_contract(t, [c, r.out], t.ty(outs[0])), (c, r.out), outs)
         rewritten.append(outs[0])
     return rewritten
+
+
+#: named maps whose values are positive: a row weight they make has a logarithm
+POSITIVE = ("exp", "sigmoid")
+#: the least row weight divided by: below it the folded probabilities are below TINY·P, and R/w stays finite
+TINY = 1e-30
+
+
+def row_weight_lemma(t: Tape, residuals: list[Residual], grads: list) -> int:
+    """Fold a positive row weight ``w`` scaling a softmax·contract's output (``O = w ⊙ softmax_x(S)·V``: an
+    attention sink's ``σ(lse − sink)``) into its recomputed probabilities; the number of folds.
+
+    rewrite: P = exp(S − L), c = a ⊙ w, dV = Pᵀc, dS = P ⊙ (c·Vᵀ + R)
+        →    P′ = exp(S − L′), L′ = L − log w, dV = P′ᵀa, dS = P′ ⊙ (a·Vᵀ + R/w).
+    Sound because w·exp(S − L) = exp(S − (L − log w)) for w > 0, and w factors out of both contractions
+    (``R``: the row values added to ``c·Vᵀ`` on the way, such as −Δ). ``w`` must be made by a named map
+    with positive values (:data:`POSITIVE`); R/w divides by ``max(w, TINY)``, so a weight that underflows
+    to 0 gives ``P′ = 0`` and a finite ``R/w``. The kernels streaming keys or queries then compute what
+    plain attention's do, with ``L′`` for ``L``: no rescaled cotangent per chunk, no extra add per score.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import fuse_softmax_contract
+    >>> q, x, d = nc.axes("q x d")
+    >>> t, grads = nc.pullback(fuse_softmax_contract(nc.library.sink_attention(q, x, d), "x"))
+    >>> residuals = lse_residual(t)
+    >>> _ = delta_lemma(t, residuals)
+    >>> row_weight_lemma(t, residuals, grads)
+    1
+    >>> [b.name for b in t.diagram(grads[:1]).boxes if b.name in ("add", "log")]
+    ['log', 'add']
+    """
+    _tidy(t, grads)
+    made = {outs[0]: (box, ins) for box, ins, outs in t.steps if len(outs) == 1}
+    users: dict[str, list[int]] = {}
+    for j, (_, ins, _) in enumerate(t.steps):
+        for n in set(ins):
+            users.setdefault(n, []).append(j)
+
+    def fn(name):
+        box = made.get(name, (None,))[0]
+        return box.params["fn"] if isinstance(box, g.Elementwise) and "const" not in box.params else None
+
+    folds = 0
+    for r in residuals:
+        rows = t.ty(r.lse).names
+        for P, (_, (sub,)) in [(n, m) for n, m in made.items() if fn(n) == "exp"]:
+            if fn(sub) != "subtract" or made[sub][1] != (r.scores, r.lse):
+                continue
+            fold = _fold(t, P, users, made, fn, rows, r)
+            if fold is None:
+                continue
+            (a, w, dv, ds), (dp, terms, (_, (c, v))) = fold
+            # the new row values: L′ = L − log w, R/w; then the kernels' values, as plain attention's
+            lse = t.ew("subtract", r.lse, t.ew("log", w), out=t.ty(r.lse))
+            p = t.ew("exp", t.ew("subtract", r.scores, lse, out=t.ty(sub)), out=t.ty(P))
+            rest = None
+            for sign, term in terms:
+                rest = (
+                    (term if sign > 0 else t.ew("neg", term))
+                    if rest is None
+                    else t.ew("add" if sign > 0 else "subtract", rest, term, out=t.ty(term))
+                )
+            scores = t.contract([a, v], t.ty(dp), made[dp][0].params.get("scale"))
+            if rest is not None:
+                floor = t.ew("maximum", w, const=TINY)
+                scores = t.ew("add", scores, t.ew("divide", rest, floor, out=t.ty(rest)), out=t.ty(dp))
+            for j, (box, ins, outs) in enumerate(t.steps):
+                if outs[0] == ds:
+                    t.steps[j] = (g.elementwise("multiply", t.ty(p), t.ty(scores), out=t.ty(ds)), (p, scores), outs)
+                elif outs[0] in dv:
+                    new = [p if i == P else a if i == c else i for i in ins]
+                    product = _contract(t, new, t.ty(outs[0]))
+                    if box.params.get("scale") is not None:
+                        product = product.scaled(box.params["scale"])
+                    t.steps[j] = (product, tuple(new), outs)
+            folds += 1
+    if folds:
+        _tidy(t, grads)
+    return folds
+
+
+def _fold(t, P, users, made, fn, rows, r):
+    """The parts of the pattern :func:`row_weight_lemma` folds around the probabilities ``P``, or None."""
+    dv, ds, c = [], None, None
+    for j in users.get(P, []):
+        box, ins, outs = t.steps[j]
+        if isinstance(box, g.Contract) and len(ins) == 2 and P in ins and ins[1 - ins.index(P)] in made:
+            c = c or ins[1 - ins.index(P)]
+            if ins[1 - ins.index(P)] != c:
+                return None
+            dv.append(outs[0])
+        elif isinstance(box, g.Elementwise) and fn(outs[0]) == "multiply" and len(ins) == 2 and ds is None:
+            ds, E = outs[0], ins[1 - ins.index(P)]
+        else:
+            return None
+    if c is None or ds is None or fn(c) != "multiply":
+        return None
+    a, w = made[c][1]
+    if t.ty(a).names == rows:
+        a, w = w, a
+    if t.ty(w).names != rows or fn(w) not in POSITIVE or t.ty(a).names != t.ty(c).names:
+        return None
+    terms = []  # the row values added to dP on the way to dS: (sign, value)
+    while fn(E) in ("add", "subtract") and len(users.get(E, [])) == 1:
+        x, y = made[E][1]
+        if t.ty(y).names == rows and t.ty(x).names != rows:
+            terms.append((1 if fn(E) == "add" else -1, y))
+            E = x
+        elif fn(E) == "add" and t.ty(x).names == rows and t.ty(y).names != rows:
+            terms.append((1, x))
+            E = y
+        else:
+            return None
+    step = made.get(E)
+    if step is None or not isinstance(step[0], g.Contract) or len(step[1]) != 2 or step[1][0] != c:
+        return None
+    if step[1][1] != r.values or len(users.get(E, [])) != 1:
+        return None
+    # c may be read elsewhere only by row values (Δ = Σ_d c ⊙ O): what holds the residual's axis reads a
+    for j in users.get(c, []):
+        box, ins, outs = t.steps[j]
+        if outs[0] not in (E, *dv) and r.axis in {n for o in outs for n in t.ty(o).names}:
+            return None
+    return (a, w, dv, ds), (E, terms[::-1], step)
+
+
+def _tidy(t: Tape, grads: list) -> None:
+    """Order the tape's steps so each comes after the steps making its inputs (stable otherwise), and drop
+    the steps no cotangent in ``grads`` needs (the unfolded probabilities and Δ's old readers, which would
+    otherwise look like readers of row values)."""
+    ready, left, ordered = set(t.inputs), list(t.steps), []
+    while left:
+        k = next((k for k, (_, ins, _) in enumerate(left) if set(ins) <= ready), None)
+        if k is None:
+            raise RewriteError("row_weight_lemma", f"no order of the tape's steps: {left[0][0].name} waits")
+        ordered.append(left.pop(k))
+        ready |= set(ordered[-1][2])
+    live, kept = set(grads) - {None}, []
+    for step in reversed(ordered):
+        if live & set(step[2]):
+            kept.append(step)
+            live |= set(step[1])
+    t.steps = kept[::-1]
 
 
 def narrow_operands(t: Tape) -> int:
@@ -294,16 +442,38 @@ def lemmas(q: Axis, x: Axis, d: Axis) -> dict[str, tuple[Diagram, Diagram]]:
     )
     out = g.softmax_contract(S, V, x, Y)
     delta_rhs = out @ identity(C) >> g.contract(f"{q.name} {d.name}, {q.name} {d.name} -> {q.name}", q, d)
-    return {"lse": (P @ discard(V), lse), "delta": (delta_lhs, delta_rhs)}
+    return {"lse": (P @ discard(V), lse), "delta": (delta_lhs, delta_rhs), "row weight": _row_weight_sides(q, x, d)}
+
+
+def _row_weight_sides(q: Axis, x: Axis, d: Axis) -> tuple[Diagram, Diagram]:
+    """Both sides of :func:`row_weight_lemma` on ``S[q,x]``, ``L[q]``, ``A[q,d]``, ``V[x,d]``, ``u[q]``,
+    ``R[q]``, with the positive weight ``w = exp(u)``: ``(dS, dV)`` = ``(P ⊙ ((A⊙w)·Vᵀ + R), Pᵀ(A⊙w))``,
+    ``P = exp(S − L)``, against ``(P′ ⊙ (A·Vᵀ + R/w), P′ᵀA)``, ``P′ = exp(S − (L − log w))``."""
+    sides = []
+    for folded in (False, True):
+        t = Tape()
+        S, L, A, V, u, R = (t.input(a) for a in (Array(q, x), Array(q), Array(q, d), Array(x, d), Array(q), Array(q)))
+        w = t.ew("exp", u)
+        lse = t.ew("subtract", L, t.ew("log", w)) if folded else L
+        P = t.ew("exp", t.ew("subtract", S, lse))
+        c = A if folded else t.ew("multiply", A, w)
+        dP = t.contract([c, V], Array(q, x))
+        ds = t.ew("multiply", P, t.ew("add", dP, t.ew("divide", R, w) if folded else R))
+        sides.append(t.diagram([ds, t.contract([P, c], Array(x, d))]))
+    return sides[0], sides[1]
 
 
 def prove_lemmas(sizes: dict | None = None) -> dict[str, Proof]:
-    """Prove both lemmas symbolically (at ``q=1, x=3, d=2`` by default), each over every ordering of the scores.
+    """Prove the lemmas symbolically (at ``q=1, x=3, d=2`` by default), each over every ordering of the scores.
 
     >>> {name: proof.identities for name, proof in prove_lemmas().items()}
-    {'lse': 3, 'delta': 1}
+    {'lse': 3, 'delta': 1, 'row weight': 9}
     """
     sizes = sizes or {"q": 1, "x": 3, "d": 2}
     q, x, d = (Axis(n) for n in ("q", "x", "d"))
-    claims = {"lse": "softmax_x(S) = exp(S − logsumexp_x S)", "delta": "Σ_x P ⊙ (C·Vᵀ) = Σ_d C ⊙ (P·V)"}
+    claims = {
+        "lse": "softmax_x(S) = exp(S − logsumexp_x S)",
+        "delta": "Σ_x P ⊙ (C·Vᵀ) = Σ_d C ⊙ (P·V)",
+        "row weight": "P ⊙ ((A⊙w)·Vᵀ + R), Pᵀ(A⊙w) = P′ ⊙ (A·Vᵀ + R/w), P′ᵀA with P′ = exp(S − (L − log w))",
+    }
     return {k: prove_equivalent(a, b, sizes=sizes, claim=claims[k]) for k, (a, b) in lemmas(q, x, d).items()}

@@ -66,7 +66,7 @@ def softmax_rows(s, keep):
 
 def test_lemmas_are_proved():
     proofs = prove_lemmas()
-    assert {k: p.identities for k, p in proofs.items()} == {"lse": 3, "delta": 1}
+    assert {k: p.identities for k, p in proofs.items()} == {"lse": 3, "delta": 1, "row weight": 9}
 
 
 def test_gqa_sums_the_group_after_the_kernel(seed, key):
@@ -192,19 +192,32 @@ def test_delta_is_computed_once_per_query_row_and_blocks_follow_flash_attention_
         assert Config.get_default(k.plan) == Config(num_warps=8, num_stages=3)
 
 
-def test_the_sinks_row_sums_are_computed_once_with_delta():
-    """Attention sinks make a second row sum, the cotangent of the sink's weight σ(L − sink), Σ_d dO ⊙ O
-    through σ′: it joins Δ in the kernel that tiles queries (``lowering._backward.row_values``), so the dK·dV
-    kernel, which streams queries, reads two rows (h×q) and not the output O (h×q×d) it was summed from.
-    The gradients themselves are checked against jax.grad in tests/test_variants.py."""
+def test_the_sinks_weight_folds_into_the_log_sum_exp():
+    """Attention sinks scale the softmax's output by the row weight w = σ(L − sink). The row-weight lemma folds
+    it into the recomputed probabilities, exp(S − (L − log w)), and into one row value R/w, computed once by
+    the kernel that tiles queries (``lowering._backward.row_values``) from Δ and the weight's cotangent: the
+    kernels streaming keys or queries then do what plain attention's do (no dO rescaled per chunk, no extra
+    add per score) and read L and that one row, not O. The gradients themselves are checked against
+    jax.grad in tests/test_variants.py."""
     h, q, x, d = nc.axes("h q x d", d=64)
     sinks = nc.library.sink_attention(q, x, d, causal=True, batch=(h,), dtype=nc.bf16)
     _, rows, dq, dkv = lower(derive(sinks, tile(q, 128), stream(x, 64), verify=False)).kernels
-    assert [str(w) for w in rows.plan.diagram.cod] == ["h×q/128", "h×q/128"]
+    assert [str(w) for w in rows.plan.diagram.cod] == ["h×q/128"]
     assert rows.plan.stream is None
     assert [str(w) for w in dkv.plan.diagram.dom if str(w).startswith("h×q")] == ["h×q~64×d", "h×q~64×d"] + [
         "h×q~64"
-    ] * 3  # Q, dO; L and the two rows
+    ] * 2  # Q, dO; L and R/w
+    plain = nc.library.attention(q, x, d, causal=True, batch=(h,), dtype=nc.bf16)
+    *_, causal = lower(derive(plain, tile(q, 128), stream(x, 64), verify=False)).kernels
+
+    def per_score(k):  # the work on each [q, x] block, by name (an add of a row value is a subtraction's cost)
+        named = [
+            b.name.replace("subtract", "add") for b in k.plan.diagram.boxes if not b.name.startswith(("Copy", "Swap"))
+        ]
+        blocks = [b for b in k.plan.diagram.boxes if not b.name.startswith(("Copy", "Swap"))]
+        return sorted(n for n, b in zip(named, blocks, strict=True) if {"q", "x"} <= set(b.cod.inside[0].names))
+
+    assert per_score(dkv) == per_score(causal)
 
 
 def test_blocks_shrink_to_fit_shared_memory_and_what_cannot_fit_is_refused(key):

@@ -198,6 +198,28 @@ def test_attention_sinks(key, seed):
     check(diagram, (tile(q, 16), stream(x, 16)), ref, [Q, K, V, sink], seed)
 
 
+def test_a_sink_holding_nearly_all_of_the_normaliser(key, seed):
+    """Sinks of 60 and 200 against scores of order 1: the keys' weight σ(L − sink) is about e⁻⁵⁵ in head 0 and
+    underflows to 0 in head 1, where the backward's folded log-sum-exp L − log w is +∞ and R/w divides by
+    the floor instead of 0. Outputs and gradients are tiny or zero, finite, and match the reference."""
+    nq, nx = 24, 40
+    Q, K, V = normal(key, (H, nq, 16), (H, nx, 16), (H, nx, 16))
+    sink = jnp.array([60.0, 200.0])
+    i, j = grid(nq, nx)
+
+    def ref(Q, K, V, sink):
+        s = jnp.where(j <= i, scores(Q, K), -jnp.inf)
+        s = jnp.concatenate([s, jnp.broadcast_to(sink[:, None, None], (H, nq, 1))], -1)
+        return jnp.einsum("hqx,hxd->hqd", jax.nn.softmax(s, -1)[..., :-1], V)
+
+    kernel = check(
+        L.sink_attention(q, x, d, batch=(h,), causal=True), (tile(q, 16), stream(x, 16)), ref, [Q, K, V, sink], seed
+    )
+    grads = jax.grad(lambda *a: kernel(*a).sum(), argnums=(0, 1, 2, 3))(Q, K, V, sink)
+    assert all(bool(jnp.isfinite(g_).all()) for g_ in grads)
+    assert float(jnp.abs(kernel(Q, K, V, sink)[1]).max()) == 0.0
+
+
 def test_sigmoid_attention(key, seed):
     nq, nx = 24, 40
     Q, K, V = normal(key, (nq, 16), (nx, 16), (nx, 16))
