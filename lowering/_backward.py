@@ -188,10 +188,13 @@ def row_values(t, keyed: list[str], grads) -> list[list[str]]:
     """The values of the tape ``t`` that a backward computes once, before the kernels that read them, by a
     kernel of their own tiling the one keyed axis they hold (FlashAttention-2's preprocessing of Δ,
     generalised): each holds exactly one keyed axis (``keyed``: the forward's tiled and streamed axes), is
-    computed from inputs holding no other keyed axis, sums some axis on the way (a row sum: Δ = Σ_d dO ⊙ O,
-    or the sink's Σ_d dO ⊙ O through σ′), and is read by a step holding another keyed axis, inside a loop
-    that would otherwise recompute it for every chunk. Grouped by their axis, one kernel per group;
-    cotangents of the inputs (``grads``) are left to their own kernels.
+    computed from inputs holding no other keyed axis, sums some axis or runs a transcendental on the way (a
+    row sum: Δ = Σ_d dO ⊙ O, or the sink's Σ_d dO ⊙ O through σ′; the sink's folded log-sum-exp
+    L − log σ(L − sink)), and is read by a step holding another keyed axis, inside a loop that would
+    otherwise recompute it for every chunk (in the kernel streaming queries, where the rows lie across the
+    scores' tiled-first layout: on the H100 the sink's L′ per chunk cost 0.84 ms of dK·dV's 3.03). A
+    transcendental alone hoists only a row, never a block with a summed axis (a q×d cotangent). Grouped by
+    their axis, one kernel per group; cotangents of the inputs (``grads``) are left to their own kernels.
 
     >>> import napkin_cat as nc
     >>> from rewrites import delta_lemma, lse_residual, fuse_softmax_contract
@@ -204,15 +207,23 @@ def row_values(t, keyed: list[str], grads) -> list[list[str]]:
     keys, ends = set(keyed), set(grads)
     reach = {n: keys & set(a.names) for n, a in t.inputs.items()}  # the keyed axes each value is computed from
     sums = dict.fromkeys(t.inputs, False)  # whether some step on the way summed an axis
-    for _, ins, outs in t.steps:
+    costly = dict.fromkeys(t.inputs, False)  # ... or ran a transcendental
+    contracted = set()  # the axes some step sums
+    for box, ins, outs in t.steps:
         seen = set().union(*(set(t.ty(i).names) for i in ins)) if ins else set()
-        summed = any(sums.get(i, False) for i in ins) or bool(seen - set().union(*(t.ty(o).names for o in outs)))
+        gone = seen - set().union(*(t.ty(o).names for o in outs))
+        contracted |= gone
+        summed = any(sums.get(i, False) for i in ins) or bool(gone)
+        dear = any(costly.get(i, False) for i in ins) or (isinstance(box, g.Elementwise) and box.transcendentals() != 0)
         for o in outs:
             reach[o] = set().union(keys & set(t.ty(o).names), *(reach.get(i, set()) for i in ins))
-            sums[o] = summed
+            sums[o], costly[o] = summed, dear
 
     def row(n):
-        return n not in t.inputs and n not in ends and sums[n] and len(reach[n]) == 1 and reach[n] <= set(t.ty(n).names)
+        if n in t.inputs or n in ends or len(reach[n]) != 1 or not reach[n] <= set(t.ty(n).names):
+            return False
+        # a transcendental alone hoists only a row (no summed axis beside its own: never a q×d block)
+        return sums[n] or (costly[n] and not (set(t.ty(n).names) - reach[n]) & contracted)
 
     found: dict[str, list[str]] = {}
     for _, ins, outs in t.steps:

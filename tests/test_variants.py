@@ -55,13 +55,15 @@ def grid(nq, nx):
     return jnp.arange(nq)[:, None], jnp.arange(nx)[None, :]
 
 
-def check(diagram, schedule, reference, args, seed, *, wrt=None, backward="lowered", grad_tol=GRAD, config=None):
+def check(
+    diagram, schedule, reference, args, seed, *, wrt=None, backward="lowered", fwd_tol=FWD, grad_tol=GRAD, config=None
+):
     """The kernel's output against ``reference``; the gradients of a random projection w.r.t. ``wrt``
     (default: every float input) against jax.grad of the reference."""
     kernel = lower(derive(diagram, *schedule, verify=False), backward=backward, config=config)
     assert kernel.differentiation == backward, kernel.why_not
     want = reference(*args)
-    close(jax.jit(kernel)(*args), want, FWD, seed, "forward")
+    close(jax.jit(kernel)(*args), want, fwd_tol, seed, "forward")
     wrt = tuple(i for i, a in enumerate(args) if a.dtype == jnp.float32) if wrt is None else wrt
     (ct,) = normal(jax.random.key(seed + 1), want.shape)
 
@@ -201,9 +203,14 @@ def test_attention_sinks(key, seed):
 def test_a_sink_holding_nearly_all_of_the_normaliser(key, seed):
     """Sinks of 60 and 200 against scores of order 1: the keys' weight σ(L − sink) is about e⁻⁵⁵ in head 0 and
     underflows to 0 in head 1, where the backward's folded log-sum-exp L − log w is +∞ and R/w divides by
-    the floor instead of 0. Outputs and gradients are tiny or zero, finite, and match the reference."""
+    the floor instead of 0. Outputs and gradients are tiny or zero, finite, and match the reference.
+
+    Tolerances: the exponent s − 60 carries f32 rounding of eps·60 ≈ 7e-6 (relative, in the reference too):
+    forward measured ≤ 3.8e-6 over 9 seeds, so 1e-5; Q, K, V's gradients ≤ 3e-7, so GRAD. The sink's
+    gradient −Σ_q p_sink·Δ_q sums terms of both signs of order e⁻⁵⁵: its error is bounded against Σ_q |Δ_q|
+    (measured ≤ 7.4e-7 of it over 10 seeds, so 3e-6), not against the near-cancelled sum."""
     nq, nx = 24, 40
-    Q, K, V = normal(key, (H, nq, 16), (H, nx, 16), (H, nx, 16))
+    Q, K, V, ct = normal(key, (H, nq, 16), (H, nx, 16), (H, nx, 16), (H, nq, 16))
     sink = jnp.array([60.0, 200.0])
     i, j = grid(nq, nx)
 
@@ -212,12 +219,18 @@ def test_a_sink_holding_nearly_all_of_the_normaliser(key, seed):
         s = jnp.concatenate([s, jnp.broadcast_to(sink[:, None, None], (H, nq, 1))], -1)
         return jnp.einsum("hqx,hxd->hqd", jax.nn.softmax(s, -1)[..., :-1], V)
 
-    kernel = check(
-        L.sink_attention(q, x, d, batch=(h,), causal=True), (tile(q, 16), stream(x, 16)), ref, [Q, K, V, sink], seed
-    )
-    grads = jax.grad(lambda *a: kernel(*a).sum(), argnums=(0, 1, 2, 3))(Q, K, V, sink)
-    assert all(bool(jnp.isfinite(g_).all()) for g_ in grads)
+    diagram = L.sink_attention(q, x, d, batch=(h,), causal=True)
+    kernel = check(diagram, (tile(q, 16), stream(x, 16)), ref, [Q, K, V, sink], seed, wrt=(0, 1, 2), fwd_tol=1e-5)
     assert float(jnp.abs(kernel(Q, K, V, sink)[1]).max()) == 0.0
+
+    def loss(f):
+        return lambda s: jnp.sum(f(Q, K, V, s) * ct)
+
+    ours, theirs = jax.grad(loss(kernel))(sink), jax.grad(loss(ref))(sink)
+    scale = jnp.abs(jnp.sum(ct * ref(Q, K, V, sink), -1)).sum(-1)  # Σ_q |Δ_q| per head (p_sink ≈ 1)
+    assert bool(jnp.isfinite(ours).all()) and float(ours[1]) == 0.0
+    err = float(jnp.abs(ours - theirs)[0] / scale[0])
+    assert err <= 3e-6, f"sink gradient: error {err:.2e} of Σ_q |Δ_q| (NAPKIN_SEED={seed})"
 
 
 def test_sigmoid_attention(key, seed):
