@@ -294,6 +294,8 @@ def backward_of(d: Diagram, hardware: Hardware = H100, config: Config | None = N
             )
         kept = tuple(a for a in keyed if a not in left)
         summed = tuple(range(len(names), len(names) + len(extra)))
+        if not summed:  # stored in the input's own dtype by the kernel: no f32 copy written, read and cast after
+            wide = t.cast(wide, d.dom.inside[i].dtype)
         schedules.setdefault((kept, tuple(left)), []).append((i, wide, summed))
     for (kept, left), group in schedules.items():
         outs = [wide for _, wide, _ in group]
