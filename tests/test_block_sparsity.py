@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import napkin_cat as nc
 from lowering import lower
-from lowering._triton import segment_blocks
+from lowering._triton import heavy_last, segment_blocks
 from rewrites import derive, stream, tile
 
 FWD, GRAD = 1e-6, 3e-6
@@ -269,3 +269,23 @@ def test_compiled_documents_skip_on_gpu(seed):
         assert rel(a.astype(jnp.float32), b) <= 4e-2, f"d{name}: NAPKIN_SEED={seed}"
     poisoned = entry(Q, K, V.at[:, -1].set(jnp.nan))
     assert bool(jnp.isfinite(poisoned[:, ids[0] == 0]).all()), f"a skipped chunk was read (NAPKIN_SEED={seed})"
+
+
+def test_the_heaviest_tiles_launch_first():
+    """Causal attention's last query tile reads every key block and its first one block: the forward and dQ
+    launch query tiles last-first. dK·dV's first key tile is its heaviest already, a sliding window's tiles
+    all read the same number of blocks away from the start, and unmasked tiles are equal: none is reordered.
+    (Every causal kernel test checks the outputs in this order.)"""
+    b, h, q, x, d = nc.axes("b h q x d", d=16)
+    sizes = {"b": 1, "h": 2, "q": 256, "x": 256, "d": 16}
+    L = nc.library
+
+    def order(diagram):
+        kernels = lower(derive(diagram, tile(q, 32), stream(x, 32), verify=False), interpret=True).kernels
+        return [heavy_last(k.plan, sizes, sizes) for k in kernels]
+
+    causal = order(L.attention(q, x, d, causal=True, batch=(b, h)))
+    assert causal == [("q",), (), ("q",), ()]  # forward, Δ, dQ, dK·dV
+    assert order(L.sliding_window_attention(q, x, d, window=64, batch=(b, h)))[0] == ()
+    assert set(order(L.attention(q, x, d, batch=(b, h)))) == {()}
+
