@@ -38,9 +38,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from lowering._plan import NotLowerable, Plan, base2, plan, unweave
-from lowering._triton import _visited, affine_mask, tiled_first
+from lowering._triton import _visited, affine_mask, heavy_last, tiled_first
 from napkin_cat.diagram import Diagram
-from napkin_cat.generators import JAX, Context, Generator
+from napkin_cat.generators import JAX, Context
 from napkin_cat.hardware import H100
 from napkin_cat.levels import REG
 from napkin_cat.semantics import bind
@@ -397,8 +397,6 @@ class MosaicLowered:
         #: the affine masks reading the streamed axis (causal, sliding window, prefix; a mask's backward ``Kept``),
         #: by box: the chunks they hide are never loaded, those they keep whole run without them (block sparsity)
         self.masks = {id(b): m for b in self.d.boxes if (m := affine_mask(b)) is not None and self.x in m.axes}
-        #: tiles launched longest first: with a causal mask on the tiled queries, the last tiles see the most keys
-        self.longest_first = any(isinstance(b, Generator) and b.diagonal() == (self.q, self.x) for b in self.d.boxes)
         for w in self.d.dom.inside:
             role = self._role(w)
             if role is None:
@@ -736,7 +734,7 @@ class _Kernel:
         staging = scratch[7][0] if len(scratch) > 7 else None
         wg, bid = lax.axis_index("wg"), lax.axis_index("batch")
         tile = lax.axis_index("tile")
-        if low.longest_first:
+        if low.q in heavy_last(low.plan, self.extent, self.extent):  # the heaviest tiles launch first
             tile = self.n_tiles - 1 - tile
         g = low.plan.tiles[low.q]
         # the chunks [first, chunks) this block streams: those some row of its tile sees
