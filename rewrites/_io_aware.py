@@ -192,8 +192,10 @@ def row_weight_lemma(t: Tape, residuals: list[Residual], grads: list) -> int:
     >>> _ = delta_lemma(t, residuals)
     >>> row_weight_lemma(t, residuals, grads)
     1
-    >>> [b.name for b in t.diagram(grads[:1]).boxes if b.name in ("add", "log")]
-    ['log', 'add']
+    >>> per_score = [b.name for b in t.diagram(grads[:1]).boxes if b.name[:4] not in ("Copy", "Swap")
+    ...              and "x" in b.cod.inside[0].names]  # dQ's work per score: plain attention's
+    >>> sorted(per_score)
+    ['add', 'exp', 'multiply', 'q d, x d → q x', 'q d, x d → q x', 'subtract']
     """
     _tidy(t, grads)
     made = {outs[0]: (box, ins) for box, ins, outs in t.steps if len(outs) == 1}

@@ -111,8 +111,8 @@ def gqa_group():
     index_map = method(lowered, "_index_map")
 
     @functools.wraps(index_map)
-    def wrapper(self, wire, padded):
-        real = index_map(self, wire, padded)
+    def wrapper(self, wire, padded, *rest):
+        real = index_map(self, wire, padded, *rest)
         batch = self.plan.batch
         missing = [a for a in batch if not wire.has(a)]
         if not missing:
