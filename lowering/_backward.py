@@ -234,9 +234,14 @@ def row_values(t, keyed: list[str], grads) -> list[list[str]]:
     return [found[a] for a in keyed if a in found]
 
 
-def backward_of(d: Diagram, hardware: Hardware = H100, config: Config | None = None) -> Backward:
+def backward_of(
+    d: Diagram, hardware: Hardware = H100, config: Config | None = None, *, narrow: bool = True
+) -> Backward:
     """The lowered backward's diagrams and schedules for the scheduled forward ``d`` (see the module),
     its blocks fitted to ``hardware``'s shared memory with ``config``'s pipeline stages.
+
+    With ``narrow`` each kernel stores a cotangent in its input's dtype; without, in f32: partial gradients a
+    caller sums further (a ring's steps, ``lowering._devices``) keep their precision until summed.
 
     Δ = Σ_d dO ⊙ O (the Δ lemma's right side), and any other row sum the kernels read (:func:`row_values`), is
     computed once per query row, by a kernel of its own (a piece that ``feeds`` the others, run first), and
@@ -294,7 +299,7 @@ def backward_of(d: Diagram, hardware: Hardware = H100, config: Config | None = N
             )
         kept = tuple(a for a in keyed if a not in left)
         summed = tuple(range(len(names), len(names) + len(extra)))
-        if not summed:  # stored in the input's own dtype by the kernel: no f32 copy written, read and cast after
+        if narrow and not summed:  # stored in the input's dtype by the kernel: no f32 copy written, read, cast
             wide = t.cast(wide, d.dom.inside[i].dtype)
         schedules.setdefault((kept, tuple(left)), []).append((i, wide, summed))
     for (kept, left), group in schedules.items():

@@ -204,12 +204,13 @@ class _PairKernels:
     def __init__(self, s: Sharded, options: dict):
         self.forward = {k: lower(v, **options).forward for k, v in pair_diagrams(s).items()}
         plain = pair_diagrams(s, lse=False)
-        self.backward = {k: backward_of(v) for k, v in plain.items()}
-        self._plain, self._options = plain, options
+        # each step's gradients in f32: they are partial sums, added over the ring's steps before the cast
+        self.backward = {k: backward_of(v, narrow=False) for k, v in plain.items()}
+        self._options = options
 
     @functools.cache  # noqa: B019 - one per lowered device kernel, kept as long as it is
     def pieces(self, kind: str) -> tuple:
-        return lower(self._plain[kind], **self._options).kernels[1:]
+        return tuple(lower(p.scheduled, **self._options).forward for p in self.backward[kind].pieces)
 
 
 def _ring_body(s: Sharded, kernels: _PairKernels, keys: int):
