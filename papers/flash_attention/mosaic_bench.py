@@ -15,7 +15,7 @@ Configurations left when ``--budget-s`` runs out are recorded as skipped.
 
     python papers/flash_attention/mosaic_bench.py [--out DIR] [--only D,N,causal] [--dtypes bf16,f16]
         [--sections fwd,fwdbwd] [--budget-s 540] [--matmul] [--auto] [--pingpong]
-    python papers/flash_attention/mosaic_bench.py --profile   # one D=128 N=8k forward, for ncu
+    python papers/flash_attention/mosaic_bench.py --profile [--only 128,8192,1]   # one forward, for ncu
 """
 
 from __future__ import annotations
@@ -331,16 +331,17 @@ def main():
     ap.add_argument("--matmul", action="store_true", help="also the tiled matmul against XLA's dot at 8192³")
     ap.add_argument("--auto", action="store_true", help="also backend='auto' forward + backward")
     ap.add_argument("--pingpong", action="store_true", help="also Mosaic with ping-pong in the backward's kernels")
-    ap.add_argument("--profile", action="store_true", help="run the D=128 N=8k g256 s64 forward twice (for ncu)")
+    ap.add_argument("--profile", action="store_true", help="run one forward twice, for ncu (--only: which; D=128 N=8k)")
     args = ap.parse_args()
     start = time.perf_counter()
     global AUTO, PINGPONG
     AUTO, PINGPONG = args.auto, args.pingpong
     gpu = jax.devices()[0].device_kind
     print(f"device: {gpu}; jax {jax.__version__}", flush=True)
-    if args.profile:
-        f = jax.jit(MosaicLowered(plan(scheduled(128, False, 256, 64).diagram), interpret=False))
-        q = [jax.random.normal(jax.random.key(i), (2, HEADS, 8192, 128), jnp.bfloat16) for i in range(3)]
+    if args.profile:  # --only picks the configuration (default 128,8192,0)
+        D, N, c = (int(v) for v in (args.only or "128,8192,0").split(","))
+        f = jax.jit(MosaicLowered(plan(scheduled(D, bool(c), 256, 64 if D == 128 else 128).diagram), interpret=False))
+        q = [jax.random.normal(jax.random.key(i), (16384 // N, HEADS, N, D), jnp.bfloat16) for i in range(3)]
         jax.block_until_ready(f(*q))
         jax.block_until_ready(f(*q))
         return
