@@ -10,6 +10,9 @@ and writes ``results/backward_pieces_<GPU>.json``. It is the measurement behind 
 
     python -m papers.flash_attention.backward_pieces --out $OUT                       # GPU
     python -m papers.flash_attention.backward_pieces --quick --variants causal,sinks  # CPU: tiny, interpret mode
+    ncu --clock-control none -k regex:napkin_kernel --launch-skip 1 --launch-count 1 --section SpeedOfLight \
+        --section WarpStateStats --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy \
+        python -m papers.flash_attention.backward_pieces --profile learned_bias       # dK·dV alone, under ncu
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ VARIANTS = {
     "causal": lambda L, q, x, d, kw: L.attention(q, x, d, **kw),
     "sinks": lambda L, q, x, d, kw: L.sink_attention(q, x, d, **kw),
     "softcap": lambda L, q, x, d, kw: L.softcap_attention(q, x, d, cap=50.0, **kw),
+    "learned_bias": lambda L, q, x, d, kw: L.dot_product_attention(
+        q, x, d, bias_batch=(kw["batch"][1],), bias_dtype="bf16", **kw
+    ),
 }
 
 
@@ -75,13 +81,36 @@ def run(variants: list[str], out: Path, quick: bool) -> Path:
     return path
 
 
-def main(argv=None) -> Path:
+def profile(name: str, quick: bool) -> None:
+    """Run only the variant's dK·dV kernel, twice, on random inputs (its time does not depend on their values):
+    for ``ncu --launch-skip 1 --launch-count 1``."""
+    B, N, H, D = (1, 256, 2, 64) if quick else (2, 8192, 16, 128)  # noqa: N806 - the usual names
+    b, h, q, x, d = nc.axes("b h q x d", d=D)
+    att = VARIANTS[name](nc.library, q, x, d, dict(causal=True, batch=(b, h), dtype=nc.bf16))
+    sched = derive(att, tile(q, 128), stream(x, 64), verify=False).diagram
+    _, *kernels = lower(sched, interpret=quick).kernels
+    piece, kernel = next((p, k) for p, k in zip(backward_of(sched).pieces, kernels, strict=True) if 1 in p.outputs)
+    size = {"b": B, "h": H, "q": N, "x": N, "d": D}
+    ins = [
+        jax.random.normal(jax.random.key(i), tuple(size[a.name] for a in w.axes), w.dtype.jnp)
+        for i, w in enumerate(piece.diagram.dom.inside)
+    ]
+    f = jax.jit(kernel)
+    for _ in range(2):
+        jax.block_until_ready(f(*ins))
+    print(f"{name}: dK·dV ran twice on {[str(w) for w in piece.diagram.dom.inside]}")
+
+
+def main(argv=None) -> Path | None:
     """Parse ``argv`` and run."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, from " + ", ".join(VARIANTS))
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--quick", action="store_true", help="tiny sizes, interpret mode (CPU)")
+    p.add_argument("--profile", metavar="VARIANT", help="only run VARIANT's dK·dV kernel twice, for ncu")
     args = p.parse_args(argv)
+    if args.profile:
+        return profile(args.profile, args.quick)
     return run(args.variants.split(","), args.out, args.quick)
 
 
