@@ -130,10 +130,7 @@ def with_residuals(d: Diagram) -> tuple[Diagram, tuple[int, ...]]:
 
 def _live(t: Tape, outs: list[str]) -> list[str]:
     """The tape inputs that ``outs`` depend on, in tape order."""
-    live = set(outs)
-    for _, ins, made in reversed(t.steps):
-        if live & set(made):
-            live |= set(ins)
+    live = set(outs).union(*(ins for _, ins, _ in t.needed(outs)))
     return [n for n in t.inputs if n in live]
 
 

@@ -210,7 +210,10 @@ class _PairKernels:
 
     @functools.cache  # noqa: B019 - one per lowered device kernel, kept as long as it is
     def pieces(self, kind: str) -> tuple:
-        return tuple(lower(p.scheduled, **self._options).forward for p in self.backward[kind].pieces)
+        # each piece is one kernel: backward="reference" skips deriving a backward of the backward piece
+        return tuple(
+            lower(p.scheduled, backward="reference", **self._options).forward for p in self.backward[kind].pieces
+        )
 
 
 def _ring_body(s: Sharded, kernels: _PairKernels, keys: int):

@@ -528,11 +528,7 @@ def heavy_last(p: Plan, extent: dict, padded: dict) -> tuple[str, ...]:
     if not masks:
         return ()
     n_chunks = padded[x] // s
-    ranges = (
-        {a: (0, extent[a]) for a in p.tiles}
-        | {a: (0, extent[a]) for a in p.batch}
-        | {a: (0, extent[a]) for a in p.whole}
-    )
+    ranges = {a: (0, extent[a]) for a in (*p.tiles, *p.batch, *p.whole)}
     flipped = []
     with jax.ensure_compile_time_eval():  # concrete sizes: evaluated now, also while a caller's jit traces
         for a, g in p.tiles.items():

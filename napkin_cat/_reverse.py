@@ -158,12 +158,24 @@ class Tape:
         >>> print(t.diagram([t.ew("exp", a), a]))
         Copy(n)[n → n ⊗ n] >> exp[n → n] >> Swap(n, n)[n ⊗ n → n ⊗ n]
         """
+        return _wire(self.types, list(self.inputs) if inputs is None else inputs, self.needed(outs), list(outs))
+
+    def needed(self, outs) -> list:
+        """The steps the wires ``outs`` depend on, in tape order (the steps must be in dataflow order).
+
+        >>> import napkin_cat as nc
+        >>> t = Tape()
+        >>> a = t.input(nc.Array(*nc.axes("n")))
+        >>> y, _ = t.ew("exp", a), t.ew("log", a)
+        >>> [box.name for box, _, _ in t.needed([y])]
+        ['exp']
+        """
         live, kept = set(outs), []
         for step in reversed(self.steps):
             if live & set(step[2]):
                 kept.append(step)
                 live |= set(step[1])
-        return _wire(self.types, list(self.inputs) if inputs is None else inputs, kept[::-1], list(outs))
+        return kept[::-1]
 
 
 def _wire(types: dict, inputs: list[str], steps: list, outs: list[str]) -> Diagram:

@@ -303,12 +303,8 @@ def _tidy(t: Tape, grads: list) -> None:
             raise RewriteError("row_weight_lemma", f"no order of the tape's steps: {left[0][0].name} waits")
         ordered.append(left.pop(k))
         ready |= set(ordered[-1][2])
-    live, kept = set(grads) - {None}, []
-    for step in reversed(ordered):
-        if live & set(step[2]):
-            kept.append(step)
-            live |= set(step[1])
-    t.steps = kept[::-1]
+    t.steps = ordered
+    t.steps = t.needed([n for n in grads if n is not None])
 
 
 def narrow_operands(t: Tape) -> int:
