@@ -22,7 +22,6 @@ import json
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
 import napkin_cat as nc
 from lowering import lower, median_time
@@ -41,27 +40,38 @@ VARIANTS = {
 }
 
 
+def sizes(quick: bool) -> dict:
+    """B, H, N (queries and keys), D by axis name: tiny for a CPU smoke test."""
+    B, N, H, D = (1, 256, 2, 64) if quick else (2, 8192, 16, 128)  # noqa: N806 - the usual names
+    return {"b": B, "h": H, "q": N, "x": N, "d": D}
+
+
+def build(name: str, quick: bool):
+    """The variant's diagram, its lowered kernels (the forward with residuals first) and its backward's pieces."""
+    b, h, q, x, d = nc.axes("b h q x d", d=sizes(quick)["d"])
+    att = VARIANTS[name](nc.library, q, x, d, dict(causal=True, batch=(b, h), dtype=nc.bf16))
+    sched = derive(att, tile(q, 128), stream(x, 64), verify=False).diagram
+    return att, lower(sched, interpret=quick).kernels, backward_of(sched)
+
+
+def normal(key, wires, size: dict) -> list:
+    """Random arrays for ``wires``, one key each from ``key``."""
+    keys = jax.random.split(key, len(wires))
+    return [
+        jax.random.normal(k, tuple(size[a.name] for a in w.axes), w.dtype.jnp) for k, w in zip(keys, wires, strict=True)
+    ]
+
+
 def run(variants: list[str], out: Path, quick: bool) -> Path:
     """Time every kernel of each variant's forward with residuals and backward; write and return the JSON."""
-    B, N, H, D = (1, 256, 2, 64) if quick else (2, 8192, 16, 128)  # noqa: N806 - the usual names
-    b, h, q, x, d = nc.axes("b h q x d", d=D)
-    kw = dict(causal=True, batch=(b, h), dtype=nc.bf16)
-    size = {"b": B, "h": H, "q": N, "x": N, "d": D}
+    size = sizes(quick)
     timing = (lambda f, *a: 0.0) if quick else median_time
     rows = []
     for name in variants:
-        att = VARIANTS[name](nc.library, q, x, d, kw)
-        sched = derive(att, tile(q, 128), stream(x, 64), verify=False).diagram
-        forward, *kernels = lower(sched, interpret=quick).kernels
-        bw = backward_of(sched)
-        keys = jax.random.split(jax.random.key(0), len(att.dom) + 1)
-        xs = [
-            jax.random.normal(k, tuple(size[a.name] for a in w.axes), w.dtype.jnp)
-            for k, w in zip(keys[:-1], att.dom.inside, strict=True)
-        ]
-        values = [*xs, jax.random.normal(keys[-1], (B, H, N, D), jnp.bfloat16)]
+        att, (forward, *kernels), bw = build(name, quick)
+        *xs, do = normal(jax.random.key(0), [*att.dom.inside, *att.cod.inside], size)
         outs = forward(*xs)
-        values += [outs[p] for p in bw.residuals]
+        values = [*xs, do, *(outs[p] for p in bw.residuals)]
         row = {"variant": name, "forward with residuals": timing(jax.jit(forward), *xs) * 1e3, "kernels": []}
         for piece, kernel in zip(bw.pieces, kernels, strict=True):  # the pieces feeding rows read only values
             if piece.feeds:
@@ -84,17 +94,9 @@ def run(variants: list[str], out: Path, quick: bool) -> Path:
 def profile(name: str, quick: bool) -> None:
     """Run only the variant's dK·dV kernel, twice, on random inputs (its time does not depend on their values):
     for ``ncu --launch-skip 1 --launch-count 1``."""
-    B, N, H, D = (1, 256, 2, 64) if quick else (2, 8192, 16, 128)  # noqa: N806 - the usual names
-    b, h, q, x, d = nc.axes("b h q x d", d=D)
-    att = VARIANTS[name](nc.library, q, x, d, dict(causal=True, batch=(b, h), dtype=nc.bf16))
-    sched = derive(att, tile(q, 128), stream(x, 64), verify=False).diagram
-    _, *kernels = lower(sched, interpret=quick).kernels
-    piece, kernel = next((p, k) for p, k in zip(backward_of(sched).pieces, kernels, strict=True) if 1 in p.outputs)
-    size = {"b": B, "h": H, "q": N, "x": N, "d": D}
-    ins = [
-        jax.random.normal(jax.random.key(i), tuple(size[a.name] for a in w.axes), w.dtype.jnp)
-        for i, w in enumerate(piece.diagram.dom.inside)
-    ]
+    _, (_, *kernels), bw = build(name, quick)
+    piece, kernel = next((p, k) for p, k in zip(bw.pieces, kernels, strict=True) if 1 in p.outputs)
+    ins = normal(jax.random.key(0), piece.diagram.dom.inside, sizes(quick))
     f = jax.jit(kernel)
     for _ in range(2):
         jax.block_until_ready(f(*ins))
