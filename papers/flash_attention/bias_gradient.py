@@ -1,12 +1,14 @@
-"""The gradient kernel of a learned bias shared by the batch, over its blocks, warps and pipeline stages.
+"""The backward kernels of a learned bias shared by the batch, each over its blocks, warps and pipeline stages.
 
-A learnable ``[H, N, N]`` bias (``nc.library.dot_product_attention(..., bias_batch=(h,))``) gets its
-gradient ``dB = Σ_b dS`` from one backward kernel that tiles queries and keys and streams the batch one
-element at a time (``stream(b, 1)``, :func:`lowering._backward.backward_of`). This script builds the causal
-variant's forward and backward kernels at B = 2, H = 16, N = 8192, D = 128 (bf16), times each backward
-kernel as lowered, then the dB kernel over a grid of (query tile, key tile, warps, stages), each checked
-against the lowered one (relative error), and writes ``results/bias_gradient_<GPU>.json``. It is the
-measurement behind ``Config.get_default``'s single stage for a stream of single elements.
+A learnable ``[H, N, N]`` bias (``nc.library.dot_product_attention(..., bias_batch=(h,))``) adds a
+``[q, x]`` block to every score block, and gets its gradient ``dB = Σ_b dS`` from one backward kernel that
+tiles queries and keys and streams the batch one element at a time (``stream(b, 1)``,
+:func:`lowering._backward.backward_of`). This script builds the causal variant's forward and backward kernels
+at B = 2, H = 16, N = 8192, D = 128 (bf16), times each backward kernel as lowered, then each of dQ, dK·dV and
+dB re-derived over its grid of (tile, stream or second tile, warps, stages), each checked against the kernel
+as lowered (relative error), and writes ``results/bias_gradient_<GPU>.json``. It is the measurement behind
+``Config.get_default``'s single stage for a stream of single elements, and behind the blocks the backward
+of a kernel reading a ``[q, x]`` block gets (``lowering._backward``).
 
     python -m papers.flash_attention.bias_gradient --out $OUT          # GPU
     python -m papers.flash_attention.bias_gradient --quick             # CPU: tiny sizes, interpret mode
@@ -29,10 +31,20 @@ from lowering._triton import Config, Lowered
 from rewrites import derive, stream, tile
 
 HERE = Path(__file__).parent
-GRID = [  # (query tile, key tile, warps, stages)
-    (64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 1), (64, 64, 8, 3), (128, 64, 8, 2), (128, 64, 4, 2),
-    (64, 128, 8, 2), (64, 128, 4, 2), (128, 128, 8, 1), (32, 64, 4, 3), (64, 32, 4, 3),
-]  # fmt: skip
+#: per kernel (named by the inputs it differentiates): (tile, stream or key tile, warps, stages)
+GRIDS = {
+    "dQ": [(128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 3)],
+    "dKdV": [
+        (128, 64, 8, 3), (128, 32, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 3),
+        (64, 64, 4, 2), (128, 16, 8, 3),
+    ],
+    "dB": [
+        (64, 64, 4, 1), (64, 64, 4, 2), (128, 64, 8, 1), (64, 128, 8, 1), (128, 64, 4, 1), (64, 128, 4, 1),
+        (128, 128, 8, 1), (32, 64, 4, 1), (64, 32, 4, 1), (32, 32, 4, 1),
+    ],
+}  # fmt: skip
+#: the kernel by the inputs it differentiates (the bias is input 3)
+NAMES = {(0,): "dQ", (1, 2): "dKdV", (3,): "dB"}
 
 
 def run(out: Path, quick: bool) -> Path:
@@ -57,18 +69,28 @@ def run(out: Path, quick: bool) -> Path:
     timing = (lambda f, *a: 0.0) if quick else median_time
     kernels_ms, rows = [], []
     for piece, kernel, ins, res in run_pieces(bw, kernels, [*xs, do, *(outs[p] for p in bw.residuals)]):
-        kernels_ms.append({"rules": [str(r) for r in piece.rules], "ms": timing(jax.jit(kernel), *ins) * 1e3})
+        name = NAMES[piece.outputs]
+        kernels_ms.append(
+            {"kernel": name, "rules": [str(r) for r in piece.rules], "ms": timing(jax.jit(kernel), *ins) * 1e3}
+        )
         print(kernels_ms[-1], flush=True)
-        if piece.outputs != (3,):  # the bias is input 3
-            continue
-        want = np.asarray(res[0], np.float32)
-        for gq, gx, warps, stages in GRID:
-            row = {"gq": gq, "gx": gx, "warps": warps, "stages": stages}
+        want = [np.asarray(r, np.float32) for r in res]
+        for first, second, warps, stages in GRIDS[name][:1] if quick else GRIDS[name]:
+            row = {"kernel": name, "tile": first, "second": second, "warps": warps, "stages": stages}
+            if name == "dB":  # queries and keys tiled, the batch streamed
+                rules = (tile(q, min(first, N)), tile(x, min(second, N)), stream(b, 1))
+            else:
+                tiled, streamed = (q, x) if name == "dQ" else (x, q)
+                rules = (tile(tiled, min(first, N)), stream(streamed, min(second, N)))
             try:
-                sc = derive(piece.diagram, tile(q, min(gq, N)), tile(x, min(gx, N)), stream(b, 1), verify=False)
+                sc = derive(piece.diagram, *rules, verify=False)
                 f = jax.jit(Lowered(plan(sc.diagram), interpret=quick, config=Config(warps, stages)))
-                got = np.asarray(f(*ins), np.float32)
-                row["rel_err"] = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+                got = f(*ins)
+                got = got if isinstance(got, tuple) else (got,)
+                row["rel_err"] = max(
+                    float(np.max(np.abs(np.asarray(g, np.float32) - w)) / np.max(np.abs(w)))
+                    for g, w in zip(got, want, strict=True)
+                )
                 row["ms"] = timing(f, *ins) * 1e3
             except Exception as e:  # a configuration over the shared-memory limit is a result
                 row["error"] = f"{type(e).__name__}: {str(e)[:150]}"
@@ -78,7 +100,7 @@ def run(out: Path, quick: bool) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"bias_gradient_{'cpu_quick' if quick else kind.replace(' ', '_')}.json"
     sizes = {"B": B, "N": N, "H": H, "D": D}
-    path.write_text(json.dumps({"gpu": kind, "sizes": sizes, "kernels": kernels_ms, "db_grid": rows}, indent=1))
+    path.write_text(json.dumps({"gpu": kind, "sizes": sizes, "kernels": kernels_ms, "grid": rows}, indent=1))
     print(f"wrote {path}")
     return path
 

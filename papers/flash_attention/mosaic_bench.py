@@ -2,8 +2,8 @@
 napkin-cat's Triton kernels, cuDNN and tokamax's Mosaic GPU attention, in one process (issue 13).
 
 bf16 and fp16, B·N = 16k tokens, H = 16, D ∈ {64, 128}, N ∈ {2048, 8192}, causal and not. Forward: the napkin
-Mosaic kernel at the tiles measured best (g256 s64 at D = 128, g256 s128 at D = 64, two consumer warpgroups,
-ping-pong), napkin Triton (g128 s64), cuDNN, tokamax. Forward + backward (``jax.vjp`` with a random cotangent):
+Mosaic kernel at the tiles measured best (g256 s64 and the entry's g128 s128 at D = 128, g256 s128 at D = 64, two
+consumer warpgroups, ping-pong; the tables keep the fastest), napkin Triton (g128 s64), cuDNN, tokamax. Forward + backward (``jax.vjp`` with a random cotangent):
 napkin ``backend="mosaic"`` (every kernel on Mosaic: the forward with its log-sum-exp, Δ, dQ, dK·dV), with
 ``--auto`` ``backend="auto"`` too (each kernel where it was measured fastest, ``kernel.backends``), napkin
 Triton, cuDNN, tokamax. Every implementation gets its inputs in its own layout ([B, H, N, D] for napkin-cat,
@@ -14,7 +14,7 @@ forward (halved when causal), 3.5× that forward + backward. Writes ``mosaic_<GP
 Configurations left when ``--budget-s`` runs out are recorded as skipped.
 
     python papers/flash_attention/mosaic_bench.py [--out DIR] [--only D,N,causal] [--dtypes bf16,f16]
-        [--sections fwd,fwdbwd] [--budget-s 540] [--matmul] [--auto] [--pingpong]
+        [--sections fwd,fwdbwd] [--budget-s 540] [--matmul] [--auto] [--pingpong] [--tiles 128x128,...]
     python papers/flash_attention/mosaic_bench.py --profile [--only 128,8192,1]   # one forward, for ncu
 """
 
@@ -44,7 +44,9 @@ CONFIGS = [(D, N, causal) for D in (128, 64) for N in (8192, 2048) for causal in
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16}
 SECTIONS = ("fwd", "fwdbwd")
 #: napkin-cat Mosaic forward tiles per head dim (g, s): the fastest of docs/mosaic.md v2–v3
-TILES = {128: (256, 64), 64: (256, 128)}
+#: and at D = 128 also the entry's schedule (g128 s128, ``lowering._attention.schedule``), which the causal forward
+#: runs fastest at N = 8192 (529 against 440 TFLOP/s on an H100) and g256 s64 at N = 2048 (364 against 312)
+TILES = {128: [(256, 64), (128, 128)], 64: [(256, 128)]}
 #: napkin-cat Mosaic matmul variants: (tile m, tile n, stream k, ring stages, ping-pong)
 MATMULS = [(256, 128, 64, 3, False), (128, 256, 64, 3, False), (256, 128, 64, 3, True)]
 MATMUL_SIZE = 8192
@@ -56,6 +58,8 @@ HANG_S = 150
 AUTO = False
 #: whether forward + backward also times Mosaic with ping-pong turns in the backward's kernels (``--pingpong``)
 PINGPONG = False
+#: further napkin Mosaic tiles (g, s) to time beside :data:`TILES`' (``--tiles 128x64,256x128``)
+EXTRA_TILES: list[tuple[int, int]] = []
 #: where ``main`` saves the rows measured so far (with a row it adds), for the watchdog
 SAVE = {"rows": [], "save": lambda rows: None}
 
@@ -103,24 +107,28 @@ def with_gradients(f):
 def implementations(D: int, causal: bool, dtype: str, section: str):
     """name → builder of (function of q, k, v, layout, note) for one configuration and section; a failure to
     build is recorded by the caller, not raised."""
-    g, s = TILES[D]
-    napkin = scheduled(D, causal, g, s, dtype)
     impls = baselines(D, causal, dtype)  # first: a Mosaic kernel that hung would end the run (see ``hung``)
-    if section == "fwd":
-        impls[f"napkin mosaic g{g} s{s}"] = lambda: (MosaicLowered(plan(napkin.diagram), interpret=False), "bhnd", "")
-    else:
+    for g, s in dict.fromkeys([*TILES[D], *EXTRA_TILES]):  # the table keeps the fastest napkin Mosaic row
+        napkin = scheduled(D, causal, g, s, dtype)
+        if section == "fwd":
+            impls[f"napkin mosaic g{g} s{s}"] = lambda napkin=napkin: (
+                MosaicLowered(plan(napkin.diagram), interpret=False),
+                "bhnd",
+                "",
+            )
+            continue
 
-        def made(backend, config=None):
+        def made(backend, config=None, napkin=napkin):
             kernel = lower(napkin, backend=backend, config=config)
             if kernel.why_not:
                 raise RuntimeError(kernel.why_not)
             return kernel, "bhnd", ", ".join(f"{r}: {b}" for r, b in kernel.backends.items())
 
         if AUTO:
-            impls[f"napkin auto g{g} s{s}"] = lambda: made("auto")
+            impls[f"napkin auto g{g} s{s}"] = lambda made=made: made("auto")
         if PINGPONG:
-            impls[f"napkin mosaic g{g} s{s} pp"] = lambda: made("mosaic", MosaicConfig(pingpong=True))
-        impls[f"napkin mosaic g{g} s{s}"] = lambda: made("mosaic")
+            impls[f"napkin mosaic g{g} s{s} pp"] = lambda made=made: made("mosaic", MosaicConfig(pingpong=True))
+        impls[f"napkin mosaic g{g} s{s}"] = lambda made=made: made("mosaic")
     return impls
 
 
@@ -331,16 +339,18 @@ def main():
     ap.add_argument("--matmul", action="store_true", help="also the tiled matmul against XLA's dot at 8192³")
     ap.add_argument("--auto", action="store_true", help="also backend='auto' forward + backward")
     ap.add_argument("--pingpong", action="store_true", help="also Mosaic with ping-pong in the backward's kernels")
+    ap.add_argument("--tiles", default="", help="further Mosaic forward tiles GxS to time, e.g. 128x128,256x128")
     ap.add_argument("--profile", action="store_true", help="run one forward twice, for ncu (--only: which; D=128 N=8k)")
     args = ap.parse_args()
     start = time.perf_counter()
     global AUTO, PINGPONG
     AUTO, PINGPONG = args.auto, args.pingpong
+    EXTRA_TILES[:] = [tuple(int(n) for n in t.split("x")) for t in args.tiles.split(",") if t]
     gpu = jax.devices()[0].device_kind
     print(f"device: {gpu}; jax {jax.__version__}", flush=True)
     if args.profile:  # --only picks the configuration (default 128,8192,0)
         D, N, c = (int(v) for v in (args.only or "128,8192,0").split(","))
-        f = jax.jit(MosaicLowered(plan(scheduled(D, bool(c), 256, 64 if D == 128 else 128).diagram), interpret=False))
+        f = jax.jit(MosaicLowered(plan(scheduled(D, bool(c), *TILES[D][0]).diagram), interpret=False))
         q = [jax.random.normal(jax.random.key(i), (16384 // N, HEADS, N, D), jnp.bfloat16) for i in range(3)]
         jax.block_until_ready(f(*q))
         jax.block_until_ready(f(*q))
