@@ -472,13 +472,14 @@ class MosaicLowered:
         >>> k = MosaicLowered(plan(derive(nc.library.attention(q, x, d, dtype="bf16"), tile(q, 128), stream(x, 64),
         ...                                verify=False).diagram))
         >>> print(k.source.splitlines()[0])
-        plgpu.kernel grid (q/128, batch) × 3 warpgroups: 2 consumers of 64 q-rows each (wgmma), 1 TMA producer
+        plgpu.kernel grid (batch, q/128) × 3 warpgroups: 2 consumers of 64 q-rows each (wgmma), 1 TMA producer
         """
         c, p = self.config, self.plan
         outs = list(zip(self.d.cod.inside, self.shared, strict=True))
         return "\n".join(
             [
-                f"plgpu.kernel grid ({', '.join(f'{a}/{n}' for a, n in p.tiles.items())}, batch) × {c.consumers + 1} "
+                f"plgpu.kernel grid (batch, {', '.join(f'{a}/{n}' for a, n in reversed(p.tiles.items()))}) × "
+                f"{c.consumers + 1} "
                 f"warpgroups: {c.consumers} "
                 f"consumers of {self.rows} {self.q}-rows each (wgmma), 1 TMA producer",
                 f"ring: {c.stages} stages of {self.x}~{self.s} chunks per streamed input; ping-pong: {self.pingpong}"
@@ -669,8 +670,10 @@ class MosaicLowered:
             kernel,
             out_type=out_type,
             scratch_types=scratch,
-            grid=(n_tiles, *others, math.prod(batch)),
-            grid_names=("tile", *(f"tile_{a}" for a in self.others), "batch"),
+            # the last grid axis is the fastest (CUDA's x): a tile's neighbours in launch order share its batch
+            # element, so they stream the same K and V chunks while those are in L2
+            grid=(math.prod(batch), *reversed(others), n_tiles),
+            grid_names=("batch", *(f"tile_{a}" for a in reversed(self.others)), "tile"),
             num_threads=c.consumers + 1,
             thread_name="wg",
             compiler_params=plgpu.CompilerParams(approx_math=True),

@@ -174,7 +174,7 @@ def test_matmul_interpret_matches_reference(m, n, k):
 
 def test_matmul_lowers_for_cuda():
     k = MosaicLowered(plan(matmul(256, 128, 64).diagram), interpret=False, config=MosaicConfig(stages=3))
-    assert k.rows == 128 and k.others == {"n": 128} and k.source.startswith("plgpu.kernel grid (m/256, n/128, batch)")
+    assert k.rows == 128 and k.others == {"n": 128} and k.source.startswith("plgpu.kernel grid (batch, n/128, m/256)")
     args = [jax.ShapeDtypeStruct((512, 256), jnp.bfloat16), jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)]
     assert "mosaic_gpu" in jax.jit(k).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
