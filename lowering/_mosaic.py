@@ -727,6 +727,39 @@ class _Kernel:
                 idx.append(slice(None))
         return tuple(idx)
 
+    def section(self) -> int:
+        """The batch elements whose streamed inputs fit together in L2 (the hardware model's share that SMs
+        all over the chip reach): at most that many are in flight at once under :meth:`longest_first`."""
+        low, wires = self.low, self.low.plan.diagram.dom.inside
+        each = sum(
+            math.prod(self.extent[a.name] for a in wires[i].axes if a.name not in low.plan.batch)
+            * wires[i].dtype.jnp.dtype.itemsize
+            for i in self.streamed
+        )
+        return max(1, low.hardware.l2_shared_capacity // max(each, 1))
+
+    def longest_first(self, bid, tile) -> tuple:
+        """The batch element and tile that launch position ``(bid, tile)`` runs when the last tile is the
+        heaviest (causal queries): the batch is cut into sections of :meth:`section` elements, and each
+        section's tiles launch heaviest first, every element's tile t before any element's tile t − 1.
+        Longest first keeps the last wave short (FlashAttention-3's LPT scheduler); sections keep the K and V
+        chunks the SMs stream at once in L2 (the tile is the grid's fastest axis, so the launch order is
+        ``bid · tiles + tile``).
+
+        >>> import types
+        >>> k = types.SimpleNamespace(n_tiles=3, batch=[5], section=lambda: 2)
+        >>> order = [_Kernel.longest_first(k, b, t) for b in range(5) for t in range(3)]
+        >>> [(int(b), int(t)) for b, t in order]  # doctest: +NORMALIZE_WHITESPACE
+        [(0, 2), (1, 2), (0, 1), (1, 1), (0, 0), (1, 0), (2, 2), (3, 2), (2, 1), (3, 1), (2, 0), (3, 0),
+         (4, 2), (4, 1), (4, 0)]
+        """
+        n, nb, g = self.n_tiles, math.prod(self.batch), self.section()
+        launched = bid * n + tile
+        first = lax.div(launched, _i32(g * n)) * g  # the section's first batch element
+        size = jnp.minimum(g, nb - first)  # the last section may be shorter
+        r = launched - first * n
+        return first + lax.rem(r, size), n - 1 - lax.div(r, size)
+
     def __call__(self, *refs):
         low, c = self.low, self.low.config
         full = low.plan.diagram
@@ -738,7 +771,7 @@ class _Kernel:
         wg, bid = lax.axis_index("wg"), lax.axis_index("batch")
         tile = lax.axis_index("tile")
         if low.q in heavy_last(low.plan, self.extent, self.extent):  # the heaviest tiles launch first
-            tile = self.n_tiles - 1 - tile
+            bid, tile = self.longest_first(bid, tile)
         g = low.plan.tiles[low.q]
         # the chunks [first, chunks) this block streams: those some row of its tile sees
         first, chunks = _i32(0), _i32(self.n_chunks)

@@ -71,6 +71,16 @@ def test_interpret_matches_reference(key, causal, s, mod):
     assert relative_error(kernel(Q, K, V), reference(Q, K, V, causal, mod)) <= BF16
 
 
+def test_causal_tiles_launch_in_sections_that_fit_l2(key, monkeypatch):
+    """Causal tiles launch longest first within sections of the batch whose K and V fit the L2 share: with an
+    L2 that holds two of three heads' K and V, every (head, tile) is still computed once and right."""
+    Q, K, V = inputs(key, (1, 3, 256, 64))
+    kv = 2 * 256 * 64 * 2  # one head's K and V, bf16
+    monkeypatch.setattr(type(MosaicLowered.hardware), "l2_shared_capacity", property(lambda hw: 2 * kv + 1))
+    kernel = lower(attention(64, 128, 64, causal=True), backend="mosaic", interpret=True)
+    assert relative_error(kernel(Q, K, V), reference(Q, K, V, causal=True)) <= BF16
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_compiled_path_lowers_for_cuda(causal):
     """The GPU path (register A operand, in-place accumulation, ping-pong) lowers to Mosaic GPU on CPU."""
