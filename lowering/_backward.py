@@ -177,7 +177,8 @@ def _crosswise(naive: Diagram, kept: tuple, left: tuple) -> bool:
     bias's ``[q, x]`` block, added to the scores in the kernel that tiles keys and streams queries (dK·dV). Each
     chunk of it is transposed into the kernel's tiled-first layout as it loads
     (:func:`lowering._triton.tiled_first`) and then meets the scores' accumulator layout, and the registers that
-    takes make the kernel spill (an operand of a contraction is transposed for free by the tensor cores); such a kernel gets half the tile and half the chunk. Measured on an H100
+    takes make the kernel spill (an operand of a contraction is transposed for free by the tensor cores); such a
+    kernel gets half the tile and half the chunk. Measured on an H100
     (B = 2, H = 16, N = 8192, D = 128, bf16, causal; ``papers/flash_attention/bias_gradient.py``): the learned
     bias's dK·dV runs in 3.87 ms at 128 keys × 64 queries (8 warps), 3.19 at 128 × 32 and 2.99 at 64 × 32 (4
     warps); keeping the scores [q, x] and transposing P and dS instead runs slower at every size (4.08–7.58 ms).

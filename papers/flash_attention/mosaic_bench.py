@@ -1,17 +1,17 @@
 """The Mosaic GPU backend on Hopper, forward and forward + backward: build, check and time it against
 napkin-cat's Triton kernels, cuDNN and tokamax's Mosaic GPU attention, in one process (issue 13).
 
-bf16 and fp16, B·N = 16k tokens, H = 16, D ∈ {64, 128}, N ∈ {2048, 8192}, causal and not. Forward: the napkin
-Mosaic kernel at the tiles measured best (g256 s64 and the entry's g128 s128 at D = 128, g256 s128 at D = 64, two
-consumer warpgroups, ping-pong; the tables keep the fastest), napkin Triton (g128 s64), cuDNN, tokamax. Forward + backward (``jax.vjp`` with a random cotangent):
-napkin ``backend="mosaic"`` (every kernel on Mosaic: the forward with its log-sum-exp, Δ, dQ, dK·dV), with
-``--auto`` ``backend="auto"`` too (each kernel where it was measured fastest, ``kernel.backends``), napkin
-Triton, cuDNN, tokamax. Every implementation gets its inputs in its own layout ([B, H, N, D] for napkin-cat,
-[B, N, H, D] for cuDNN and tokamax); each time is the median over batches of back-to-back calls; every output and
-gradient is checked against an f32 reference (batch 0, two heads) before it is timed. TFLOP/s: 4·B·H·N²·D
-forward (halved when causal), 3.5× that forward + backward. Writes ``mosaic_<GPU>.json`` and ``.png`` under
-``--out`` after every configuration (a run cut short keeps its rows) and prints the tables with ratios.
-Configurations left when ``--budget-s`` runs out are recorded as skipped.
+bf16 and fp16, B·N = 16k tokens, H = 16, D ∈ {64, 128}, N ∈ {2048, 8192}, causal and not. Forward: the napkin Mosaic
+kernel at the tiles measured best (g256 s64 and the entry's g128 s128 at D = 128, g256 s128 at D = 64, two consumer
+warpgroups, ping-pong; the tables keep the fastest), napkin Triton (g128 s64), cuDNN, tokamax. Forward + backward
+(``jax.vjp`` with a random cotangent): napkin ``backend="mosaic"`` (every kernel on Mosaic: the forward with its
+log-sum-exp, Δ, dQ, dK·dV), with ``--auto`` ``backend="auto"`` too (each kernel where it was measured fastest,
+``kernel.backends``), napkin Triton, cuDNN, tokamax. Every implementation gets its inputs in its own layout ([B, H,
+N, D] for napkin-cat, [B, N, H, D] for cuDNN and tokamax); each time is the median over batches of back-to-back
+calls; every output and gradient is checked against an f32 reference (batch 0, two heads) before it is timed.
+TFLOP/s: 4·B·H·N²·D forward (halved when causal), 3.5× that forward + backward. Writes ``mosaic_<GPU>.json`` and
+``.png`` under ``--out`` after every configuration (a run cut short keeps its rows) and prints the tables with
+ratios. Configurations left when ``--budget-s`` runs out are recorded as skipped.
 
     python papers/flash_attention/mosaic_bench.py [--out DIR] [--only D,N,causal] [--dtypes bf16,f16]
         [--sections fwd,fwdbwd] [--budget-s 540] [--matmul] [--auto] [--pingpong] [--tiles 128x128,...]
