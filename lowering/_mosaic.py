@@ -471,14 +471,15 @@ class MosaicLowered:
         >>> q, x, d = nc.axes("q x d", d=64)
         >>> k = MosaicLowered(plan(derive(nc.library.attention(q, x, d, dtype="bf16"), tile(q, 128), stream(x, 64),
         ...                                verify=False).diagram))
-        >>> print(k.source.splitlines()[0])
-        plgpu.kernel grid (batch, q/128) × 3 warpgroups: 2 consumers of 64 q-rows each (wgmma), 1 TMA producer
+        >>> print(k.source.splitlines()[0])  # doctest: +ELLIPSIS
+        plgpu.kernel grid (sections, q/128, members) × 3 warpgroups: 2 consumers of 64 q-rows each (wgmma), 1 TMA ...
         """
         c, p = self.config, self.plan
         outs = list(zip(self.d.cod.inside, self.shared, strict=True))
         return "\n".join(
             [
-                f"plgpu.kernel grid (batch, {', '.join(f'{a}/{n}' for a, n in reversed(p.tiles.items()))}) × "
+                f"plgpu.kernel grid (sections, {', '.join(f'{a}/{n}' for a, n in reversed(p.tiles.items()))}, "
+                "members) × "
                 f"{c.consumers + 1} "
                 f"warpgroups: {c.consumers} "
                 f"consumers of {self.rows} {self.q}-rows each (wgmma), 1 TMA producer",
@@ -670,10 +671,10 @@ class MosaicLowered:
             kernel,
             out_type=out_type,
             scratch_types=scratch,
-            # the last grid axis is the fastest (CUDA's x): a tile's neighbours in launch order share its batch
-            # element, so they stream the same K and V chunks while those are in L2
-            grid=(math.prod(batch), *reversed(others), n_tiles),
-            grid_names=("batch", *(f"tile_{a}" for a in reversed(self.others)), "tile"),
+            # the last grid axis is the fastest (CUDA's x): sections of the batch, then tiles, then the section's
+            # members (_Kernel.members)
+            grid=(math.prod(batch) // kernel.n_members, *reversed(others), n_tiles, kernel.n_members),
+            grid_names=("section", *(f"tile_{a}" for a in reversed(self.others)), "tile", "member"),
             num_threads=c.consumers + 1,
             thread_name="wg",
             compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -690,6 +691,7 @@ class _Kernel:
         self.low, self.sizes, self.extent = low, sizes, extent
         self.streamed, self.resident, self.n_tiles, self.n_chunks = streamed, resident, n_tiles, n_chunks
         self.batch = batch
+        self.n_members = self.members()
 
     def _batch(self, bid) -> dict:
         """Each batch axis's index in the flattened grid position ``bid``."""
@@ -727,38 +729,26 @@ class _Kernel:
                 idx.append(slice(None))
         return tuple(idx)
 
-    def section(self) -> int:
-        """The batch elements whose streamed inputs fit together in L2 (the hardware model's share that SMs
-        all over the chip reach): at most that many are in flight at once under :meth:`longest_first`."""
+    def members(self) -> int:
+        """The batch elements a section of the launch holds (the grid's fastest axis, after the tile): 1, so that
+        the CTAs launched together share a batch element and stream the same K and V chunks from L2; where the
+        last tile is the heaviest (causal queries) and the tiles launch last-first, the largest divisor of the
+        batch whose streamed inputs fit together in the hardware model's L2 share. A section then launches every
+        element's tile t before any element's tile t − 1: longest first across the section, which keeps the
+        last wave short (FlashAttention-3's LPT scheduler, with its L2 sections), its K and V still in L2.
+
+        On an H100 (a 25 MiB share), causal attention in bf16 at N = 8192, D = 128 streams 4 MiB of K and V per
+        head, so 6 heads fit and B·H = 32 launch in 8 sections of 4; at N = 2048 1 MiB, and 128 in 8 of 16.
+        """
         low, wires = self.low, self.low.plan.diagram.dom.inside
+        if low.q not in heavy_last(low.plan, self.extent, self.extent):
+            return 1
         each = sum(
             math.prod(self.extent[a.name] for a in wires[i].axes if a.name not in low.plan.batch)
             * wires[i].dtype.jnp.dtype.itemsize
             for i in self.streamed
         )
-        return max(1, low.hardware.l2_shared_capacity // max(each, 1))
-
-    def longest_first(self, bid, tile) -> tuple:
-        """The batch element and tile that launch position ``(bid, tile)`` runs when the last tile is the
-        heaviest (causal queries): the batch is cut into sections of :meth:`section` elements, and each
-        section's tiles launch heaviest first, every element's tile t before any element's tile t − 1.
-        Longest first keeps the last wave short (FlashAttention-3's LPT scheduler); sections keep the K and V
-        chunks the SMs stream at once in L2 (the tile is the grid's fastest axis, so the launch order is
-        ``bid · tiles + tile``).
-
-        >>> import types
-        >>> k = types.SimpleNamespace(n_tiles=3, batch=[5], section=lambda: 2)
-        >>> order = [_Kernel.longest_first(k, b, t) for b in range(5) for t in range(3)]
-        >>> [(int(b), int(t)) for b, t in order]  # doctest: +NORMALIZE_WHITESPACE
-        [(0, 2), (1, 2), (0, 1), (1, 1), (0, 0), (1, 0), (2, 2), (3, 2), (2, 1), (3, 1), (2, 0), (3, 0),
-         (4, 2), (4, 1), (4, 0)]
-        """
-        n, nb, g = self.n_tiles, math.prod(self.batch), self.section()
-        launched = bid * n + tile
-        first = lax.div(launched, _i32(g * n)) * g  # the section's first batch element
-        size = jnp.minimum(g, nb - first)  # the last section may be shorter
-        r = launched - first * n
-        return first + lax.rem(r, size), n - 1 - lax.div(r, size)
+        return _divisor_at_most(math.prod(self.batch), low.hardware.l2_shared_capacity // max(each, 1))
 
     def __call__(self, *refs):
         low, c = self.low, self.low.config
@@ -768,10 +758,10 @@ class _Kernel:
         rings, tiles, outs, loaded, consumed, arrived = scratch[:6]
         turn = scratch[6][0] if scratch[6] else None
         staging = scratch[7][0] if len(scratch) > 7 else None
-        wg, bid = lax.axis_index("wg"), lax.axis_index("batch")
-        tile = lax.axis_index("tile")
+        wg, tile = lax.axis_index("wg"), lax.axis_index("tile")
+        bid = lax.axis_index("section") * self.n_members + lax.axis_index("member")
         if low.q in heavy_last(low.plan, self.extent, self.extent):  # the heaviest tiles launch first
-            bid, tile = self.longest_first(bid, tile)
+            tile = self.n_tiles - 1 - tile
         g = low.plan.tiles[low.q]
         # the chunks [first, chunks) this block streams: those some row of its tile sees
         first, chunks = _i32(0), _i32(self.n_chunks)
@@ -990,6 +980,15 @@ def _consumers(d: Diagram, q: str, given: int | None) -> int:
             f"MosaicConfig(consumers={given}) asks for {given}; drop one of them"
         )
     return label or given or 2
+
+
+def _divisor_at_most(n: int, bound: int) -> int:
+    """The largest divisor of ``n`` that is at most ``bound`` (1 at least).
+
+    >>> _divisor_at_most(32, 25 // 4), _divisor_at_most(128, 25 // 1), _divisor_at_most(7, 0)
+    (4, 16, 1)
+    """
+    return max(m for m in range(1, max(1, min(n, bound)) + 1) if n % m == 0)
 
 
 def _i32(n):

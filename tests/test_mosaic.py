@@ -73,12 +73,14 @@ def test_interpret_matches_reference(key, causal, s, mod):
 
 def test_causal_tiles_launch_in_sections_that_fit_l2(key, monkeypatch):
     """Causal tiles launch longest first within sections of the batch whose K and V fit the L2 share: with an
-    L2 that holds two of three heads' K and V, every (head, tile) is still computed once and right."""
-    Q, K, V = inputs(key, (1, 3, 256, 64))
+    L2 that holds two of four heads' K and V (two sections of two), every (head, tile) is computed once and right."""
+    Q, K, V = inputs(key, (1, 4, 256, 64))
     kv = 2 * 256 * 64 * 2  # one head's K and V, bf16
     monkeypatch.setattr(type(MosaicLowered.hardware), "l2_shared_capacity", property(lambda hw: 2 * kv + 1))
     kernel = lower(attention(64, 128, 64, causal=True), backend="mosaic", interpret=True)
     assert relative_error(kernel(Q, K, V), reference(Q, K, V, causal=True)) <= BF16
+    extent = {"b": 1, "h": 4, "q": 256, "x": 256, "d": 64}
+    assert mosaic._Kernel(kernel.forward, {}, extent, [1, 2], [0], 2, 4, [1, 4]).n_members == 2
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -184,7 +186,8 @@ def test_matmul_interpret_matches_reference(m, n, k):
 
 def test_matmul_lowers_for_cuda():
     k = MosaicLowered(plan(matmul(256, 128, 64).diagram), interpret=False, config=MosaicConfig(stages=3))
-    assert k.rows == 128 and k.others == {"n": 128} and k.source.startswith("plgpu.kernel grid (batch, n/128, m/256)")
+    assert k.rows == 128 and k.others == {"n": 128}
+    assert k.source.startswith("plgpu.kernel grid (sections, n/128, m/256, members)")
     args = [jax.ShapeDtypeStruct((512, 256), jnp.bfloat16), jax.ShapeDtypeStruct((256, 256), jnp.bfloat16)]
     assert "mosaic_gpu" in jax.jit(k).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
