@@ -67,6 +67,8 @@ class MosaicConfig:
     ``wgmma`` (FA3's schedule); None (the default) turns it on where a chunk issues two wgmmas, FA3's forward
     (S, then P·V; measured +12% at D = 128), and off where it issues more (the backward's 3 and 4, whose few
     exponentials leave little to hide: JAX's Mosaic GPU attention backward has no such barrier either).
+    ``members`` sets how many batch elements a section of the launch holds (a divisor of the batch; None: the
+    L2 rule of ``_Kernel.members``; ``papers/flash_attention/launch_order.py`` compares them).
 
     >>> MosaicConfig().registers()
     (232, 40)
@@ -76,6 +78,7 @@ class MosaicConfig:
     stages: int = 2
     pingpong: bool | None = None
     interpretable: bool = False
+    members: int | None = None
     consumer_registers: int = 232
     producer_registers: int = 40
 
@@ -691,7 +694,13 @@ class _Kernel:
         self.low, self.sizes, self.extent = low, sizes, extent
         self.streamed, self.resident, self.n_tiles, self.n_chunks = streamed, resident, n_tiles, n_chunks
         self.batch = batch
-        self.n_members = self.members()
+        given = low.config.members
+        if given is not None and math.prod(batch) % given:
+            raise NotLowerable(
+                f"MosaicConfig(members={given}): a launch section's batch elements must divide the batch "
+                f"({math.prod(batch)} = {' × '.join(map(str, batch))})"
+            )
+        self.n_members = self.members() if given is None else given
 
     def _batch(self, bid) -> dict:
         """Each batch axis's index in the flattened grid position ``bid``."""

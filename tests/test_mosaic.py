@@ -83,6 +83,14 @@ def test_causal_tiles_launch_in_sections_that_fit_l2(key, monkeypatch):
     assert mosaic._Kernel(kernel.forward, {}, extent, [1, 2], [0], 2, 4, [1, 4]).n_members == 2
 
 
+def test_a_launch_section_that_does_not_divide_the_batch_is_refused(key):
+    Q, K, V = inputs(key, (1, 4, 256, 64))
+    config = MosaicConfig(members=3, interpretable=True)
+    kernel = MosaicLowered(plan(attention(64, 128, 64, causal=True).diagram), interpret=True, config=config)
+    with pytest.raises(NotLowerable, match=r"members=3.*must divide the batch \(4 = 1 × 4\)"):
+        kernel(Q, K, V)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_compiled_path_lowers_for_cuda(causal):
     """The GPU path (register A operand, in-place accumulation, ping-pong) lowers to Mosaic GPU on CPU."""
