@@ -307,35 +307,41 @@ def choose(d: Diagram, *, interpret: bool | None, config=None) -> tuple[MosaicLo
     return kernel, None
 
 
-#: where Mosaic's forward was measured faster than Triton's (H100, docs/mosaic.md v2 and v3): consumer blocks of
-#: 128 rows (a tile of 256 split over two warpgroups) at D ∈ {64, 128}; with 64-row blocks it was slower
-#: (253 against 344 TFLOP/s at D = 64, N = 2048)
-FASTER_ROWS, FASTER_WHOLE = 128, (64, 128)
+#: where Mosaic's forward was measured faster than Triton's (H100, docs/mosaic.md v2, v3 and v5): consumer blocks of
+#: 128 rows (a tile of 256 split over two warpgroups) at D ∈ {64, 128}, and since the launch order keeps K and V in
+#: L2 (v5) 64-row blocks streaming chunks of 128 (the entry's g128 s128: 290–591 against Triton's 278–440 TFLOP/s
+#: over D ∈ {64, 128}, N ∈ {2048, 8192}, causal and not); 64-row blocks streaming 64 are not measured since
+#: (before: 253 against 344 at D = 64, N = 2048), so they stay on Triton
+FASTER_ROWS, FASTER_CHUNK, FASTER_WHOLE = 128, 128, (64, 128)
 
 
 def faster(kernel: MosaicLowered) -> str | None:
     """None where ``backend="auto"`` expects ``kernel`` to beat Triton's (measured, :data:`FASTER_ROWS`,
-    :data:`FASTER_WHOLE`), else why not.
+    :data:`FASTER_CHUNK`, :data:`FASTER_WHOLE`), else why not.
 
     >>> import napkin_cat as nc
     >>> from rewrites import derive, tile, stream
     >>> q, x, d = nc.axes("q x d", d=128)
     >>> attn = nc.library.attention(q, x, d, dtype="bf16")
-    >>> [faster(MosaicLowered(plan(derive(attn, tile(q, g), stream(x, 64), verify=False).diagram))) for g in (256, 128)]
-    [None, "64-row consumer blocks (tile q/128 over 2 warpgroups): Mosaic measured slower than Triton there; \
-'auto' takes Mosaic at 128-row blocks with whole axes of 64 or 128"]
+    >>> sched = lambda g, s: derive(attn, tile(q, g), stream(x, s), verify=False).diagram
+    >>> [faster(MosaicLowered(plan(sched(g, s)))) for g, s in ((256, 64), (128, 128), (128, 64))]
+    [None, None, "64-row consumer blocks (tile q/128 over 2 warpgroups) streaming chunks of 64: Mosaic not \
+measured faster than Triton there; 'auto' takes Mosaic at 128-row blocks, or 64-row blocks streaming chunks of \
+128, with whole axes of 64 or 128"]
     """
     size = {a.name: a.size for w in kernel.plan.diagram.dom.inside for a in w.axes}
     whole = {a: size[a] for a in kernel.plan.whole}
-    if kernel.rows == FASTER_ROWS and all(n.is_number and int(n) in FASTER_WHOLE for n in whole.values()):
+    blocks = kernel.rows == FASTER_ROWS or (kernel.rows == FASTER_ROWS // 2 and kernel.s == FASTER_CHUNK)
+    if blocks and all(n.is_number and int(n) in FASTER_WHOLE for n in whole.values()):
         return None
     where = f"{kernel.rows}-row consumer blocks (tile {kernel.q}/{kernel.plan.tiles[kernel.q]} over "
-    where += f"{kernel.config.consumers} warpgroups)"
-    if kernel.rows == FASTER_ROWS:
+    where += f"{kernel.config.consumers} warpgroups)" + (f" streaming chunks of {kernel.s}" if kernel.x else "")
+    if blocks:
         where = ", ".join(f"whole axis {a} = {n}" for a, n in whole.items())
     return (
-        f"{where}: Mosaic measured slower than Triton there; 'auto' takes Mosaic at {FASTER_ROWS}-row blocks "
-        f"with whole axes of {' or '.join(map(str, FASTER_WHOLE))}"
+        f"{where}: Mosaic not measured faster than Triton there; 'auto' takes Mosaic at {FASTER_ROWS}-row blocks, "
+        f"or {FASTER_ROWS // 2}-row blocks streaming chunks of {FASTER_CHUNK}, with whole axes of "
+        f"{' or '.join(map(str, FASTER_WHOLE))}"
     )
 
 

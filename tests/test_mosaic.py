@@ -146,8 +146,9 @@ def test_mosaic_is_a_candidate_on_hopper_where_it_lowers(monkeypatch):
 
 
 def test_auto_takes_mosaic_per_kernel_where_measured_faster(monkeypatch):
-    """On sm_90: the forward at 128-row consumer blocks on Mosaic; the backward's 64-row blocks on Triton,
-    each kernel saying why; 64-row forward blocks stay on Triton too."""
+    """On sm_90: the forward at 128-row consumer blocks on Mosaic; the backward's 64-row blocks streaming 64 on
+    Triton, each kernel saying why; 64-row forward blocks on Mosaic streaming 128 (the entry's g128 s128), on
+    Triton streaming 64."""
     monkeypatch.setattr(mosaic.jax, "devices", lambda: [Hopper()])
     auto = lower(attention(128, 256, 64, causal=True), backend="auto", interpret=False)
     assert auto.backend == "mosaic" and isinstance(auto.forward.mosaic, MosaicLowered)
@@ -157,7 +158,8 @@ def test_auto_takes_mosaic_per_kernel_where_measured_faster(monkeypatch):
     assert len(pieces) == 3 and all(backends[r] == "triton" for r in pieces)
     assert all("64-row consumer blocks" in auto.refused[r] for r in pieces)
     slow = lower(attention(64, 128, 64), backend="auto", interpret=False)
-    assert slow.backend == "triton" and "Mosaic measured slower than Triton" in slow.refused["forward"]
+    assert slow.backend == "triton" and "Mosaic not measured faster than Triton" in slow.refused["forward"]
+    assert lower(attention(128, 128, 128), backend="auto", interpret=False).backends["forward"] == "mosaic"
     b, h, q, x, d = nc.axes("b h q x d", q=1000, x=1000, d=128)
     ragged = nc.library.multi_head_attention(h, q, x, d, batch=(b,), dtype="bf16")
     fixed = lower(derive(ragged, tile(q, 256), stream(x, 64), verify=False), backend="auto", interpret=False)
