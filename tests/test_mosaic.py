@@ -101,6 +101,24 @@ def test_compiled_path_lowers_for_cuda(causal):
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_entrys_hopper_forward_reads_b_seq_h_d(key, causal):
+    """What ``backend="auto"`` gives the entry on sm_90 at D = 128 (tile 128, stream 128 over jax.nn's
+    [b, seq, h, d], read in place): interpreted against ``jax.nn.dot_product_attention`` in f32, and lowered
+    for CUDA."""
+    b, h, q, x, d = nc.axes("b h q x d", d=64)
+    att = nc.library.attention(q, x, d, batch=(b, h), seq_at=1, causal=causal, dtype=nc.bf16)
+    sched = derive(att, tile(q, 128), stream(x, 128), verify=False)
+    assert mosaic.faster(MosaicLowered(plan(sched.diagram))) is None
+    Q, K, V = inputs(key, (1, 256, 2, 64))
+    kernel = lower(sched, backend="mosaic", interpret=True, config=MosaicConfig(interpretable=True))
+    want = jax.nn.dot_product_attention(*(a.astype(jnp.float32) for a in (Q, K, V)), is_causal=causal)
+    assert relative_error(kernel(Q, K, V), want) <= BF16
+    compiled = MosaicLowered(plan(sched.diagram), interpret=False)
+    args = [jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)] * 3
+    assert "mosaic_gpu" in jax.jit(compiled).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 def test_refusals_name_the_cause():
     with pytest.raises(NotLowerable, match=r"input .*wgmma takes 16-bit operands"):
         MosaicLowered(plan(attention(64, 128, 64, dtype="f32").diagram))
