@@ -488,10 +488,8 @@ class MosaicLowered:
         return "\n".join(
             [
                 f"plgpu.kernel grid (sections, {', '.join(f'{a}/{n}' for a, n in reversed(p.tiles.items()))}, "
-                "members) × "
-                f"{c.consumers + 1} "
-                f"warpgroups: {c.consumers} "
-                f"consumers of {self.rows} {self.q}-rows each (wgmma), 1 TMA producer",
+                f"members) × {c.consumers + 1} warpgroups: {c.consumers} consumers of {self.rows} {self.q}-rows "
+                "each (wgmma), 1 TMA producer",
                 f"ring: {c.stages} stages of {self.x}~{self.s} chunks per streamed input; ping-pong: {self.pingpong}"
                 if self.x
                 else "no loop: every input a resident tile",
@@ -700,6 +698,8 @@ class _Kernel:
         self.low, self.sizes, self.extent = low, sizes, extent
         self.streamed, self.resident, self.n_tiles, self.n_chunks = streamed, resident, n_tiles, n_chunks
         self.batch = batch
+        #: whether the tiles launch last-first: the last tile is the heaviest (causal queries)
+        self.flip = low.q in heavy_last(low.plan, extent, extent)
         given = low.config.members
         if given is not None and math.prod(batch) % given:
             raise NotLowerable(
@@ -756,7 +756,7 @@ class _Kernel:
         head, so 6 heads fit and B·H = 32 launch in 8 sections of 4; at N = 2048 1 MiB, and 128 in 8 of 16.
         """
         low, wires = self.low, self.low.plan.diagram.dom.inside
-        if low.q not in heavy_last(low.plan, self.extent, self.extent):
+        if not self.flip:
             return 1
         each = sum(
             math.prod(self.extent[a.name] for a in wires[i].axes if a.name not in low.plan.batch)
@@ -775,7 +775,7 @@ class _Kernel:
         staging = scratch[7][0] if len(scratch) > 7 else None
         wg, tile = lax.axis_index("wg"), lax.axis_index("tile")
         bid = lax.axis_index("section") * self.n_members + lax.axis_index("member")
-        if low.q in heavy_last(low.plan, self.extent, self.extent):  # the heaviest tiles launch first
+        if self.flip:  # the heaviest tiles launch first
             tile = self.n_tiles - 1 - tile
         g = low.plan.tiles[low.q]
         # the chunks [first, chunks) this block streams: those some row of its tile sees
