@@ -39,6 +39,16 @@ def log(*parts):
     print(time.strftime("%H:%M:%S"), *parts, flush=True)
 
 
+def rederived(diagram, rules, config: Config, ins: list, want: list, interpret: bool):
+    """A backward piece's ``diagram`` derived by ``rules`` and lowered with ``config``, run on ``ins``: the jitted
+    kernel (to time) and the largest relative error (max |Δ| ÷ max |want|) of its outputs against ``want``."""
+    f = jax.jit(Lowered(plan(derive(diagram, *rules, verify=False).diagram), interpret=interpret, config=config))
+    got = f(*ins)
+    got = got if isinstance(got, tuple) else (got,)
+    pairs = zip(got, want, strict=True)
+    return f, max(float(np.max(np.abs(np.asarray(a, np.float32) - w)) / np.max(np.abs(w))) for a, w in pairs)
+
+
 def run(out: str, ncu: bool) -> list:
     """Sweep every backward kernel of each case over :data:`GRID`; write ``{"gpu", sizes, "rows"}`` to ``out``."""
     cpu = jax.devices()[0].platform == "cpu"
@@ -66,14 +76,8 @@ def run(out: str, ncu: bool) -> list:
             for g, s, warps, stages in [(16, 16, 4, 3)] if cpu else GRID:
                 row = dict(D=D, causal=causal, kernel=name, tile=g, stream=s, warps=warps, stages=stages)
                 try:
-                    sc = derive(piece.diagram, tile(tiled, g), stream(streamed, s), verify=False).diagram
-                    f = jax.jit(Lowered(plan(sc), interpret=cpu, config=Config(warps, stages)))
-                    got = f(*ins)
-                    got = got if isinstance(got, tuple) else (got,)
-                    pairs = zip(got, want, strict=True)
-                    err = max(
-                        float(np.max(np.abs(np.asarray(a, np.float32) - w)) / np.max(np.abs(w))) for a, w in pairs
-                    )
+                    rules = (tile(tiled, g), stream(streamed, s))
+                    f, err = rederived(piece.diagram, rules, Config(warps, stages), ins, want, cpu)
                     t = median_time(f, *ins) if timing else 1.0
                     row |= dict(ms=t * 1e3, tflops=flops / t / 1e12, vs_default=base / t, err=err)
                 except Exception as e:  # a configuration over a limit is a result
