@@ -23,10 +23,10 @@ from typing import Literal
 import jax
 
 from lowering._backward import Piece, backward_of, differentiable
-from lowering._mosaic import MosaicConfig, MosaicLowered, choose, faster
+from lowering._mosaic import BACKWARD_CHUNK, WGMMA_M, MosaicConfig, MosaicLowered, admits, choose, faster
 from lowering._plan import NotLowerable, plan
 from lowering._search import refine
-from lowering._tiles import Choice, choose_tiles, missing_sizes
+from lowering._tiles import Choice, Chunks, choose_tiles, missing_sizes
 from lowering._triton import Config, Lowered, launch, target_hardware
 from napkin_cat.diagram import Diagram
 from napkin_cat.errors import CostError, EvaluationError, NapkinError
@@ -431,6 +431,17 @@ def lower(
     return OpenKernel(d, lambda at: build({**given, **at}))
 
 
+def _blocks(d: Diagram, backend: str, config) -> dict:
+    """``backward_of``'s chunks for ``backend``: Mosaic's own (:data:`lowering._mosaic.BACKWARD_CHUNK`, halved to
+    64 while :func:`lowering._mosaic.admits` refuses) where the sizes its registers depend on (the axes kept
+    whole) are known, else FlashAttention-2's (Triton's, and Mosaic's at sizes bound only when called)."""
+    size = {a.name: a.size for w in d.dom.inside for a in w.axes}
+    if backend != "mosaic" or not all(size[a].is_number for a in plan(d).whole):
+        return {}
+    mosaic = config if isinstance(config, MosaicConfig) else None
+    return {"own": Chunks(BACKWARD_CHUNK, WGMMA_M, functools.partial(admits, config=mosaic))}
+
+
 def _lower(
     d: Diagram,
     backend: str,
@@ -447,13 +458,14 @@ def _lower(
     made = functools.partial(Kernel, d, primal, backend=emit.chosen["forward"][0], emitted=emit.chosen, choice=choice)
     if backward == "reference":
         return made(_reference(primal, d), differentiation="reference")
+
     @functools.cache
     def build() -> tuple:
         # The backward's rules and schedules are verified in tests/test_lowered_backward.py; here only relabelled.
         return (emit(b.forward, "forward with residuals"), *(emit(p.scheduled, role(p)) for p in b.pieces))
 
     try:  # the backward's diagrams and schedules now (cheap, and they say whether it exists); kernels when needed
-        b = backward_of(d, primal.hardware, config if isinstance(config, Config) else None)
+        b = backward_of(d, primal.hardware, config if isinstance(config, Config) else None, **_blocks(d, name, config))
         for p in b.pieces:
             plan(p.scheduled)
         if name == "mosaic":  # every Mosaic kernel now: a piece it cannot lower is named before any call

@@ -46,22 +46,31 @@ The diagram then has two dim axes, ``d`` for q and k and ``dv`` for v and the ou
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import inspect
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
 
 from lowering._api import BACKENDS, Kernel, lower
 from lowering._plan import NotLowerable, next_pow2
+from lowering._tiles import fit_blocks
+from lowering._triton import target_hardware
 from napkin_cat import library
 from napkin_cat.axes import axes
+from napkin_cat.diagram import Diagram
 from napkin_cat.dtypes import bf16, f16, f32
 from napkin_cat.errors import EvaluationError
 from napkin_cat.generators import fname, index_names
-from napkin_cat.hardware import Hardware
+from napkin_cat.hardware import Hardware, lookup
 from rewrites import Derivation, derive, stream, tile
+
+#: the diagram's query and key axes, which the schedule tiles and streams
+QUERIES, KEYS = "q_idx", "kv_idx"
 
 #: the dtypes the entry takes, by ``jnp.dtype`` name (q, k and v share one, as ``jax.nn`` requires)
 DTYPES = {"float32": f32, "bfloat16": bf16, "float16": f16}
@@ -191,7 +200,7 @@ class Signature:
         masked = None if mask is None else _broadcast("mask", mask, shape, ("bool",))
         if segment_ids is not None:
             _check_segments(segment_ids, query.shape[0], query.shape[1], key.shape[1])
-        return cls(
+        made = cls(
             jnp.dtype(query.dtype).name,
             group,
             t,
@@ -210,10 +219,15 @@ class Signature:
             segment_ids is not None,
             value_dim != dim,
         )
+        return _fitted(made, dim, value_dim)
 
     def derivation(self) -> Derivation:
         """The diagram, derived by the schedule and verified (each step and the lowered kernel, on a trial)."""
-        b, q, x, d, dv = axes("b q_idx kv_idx d dv")
+        return derive(self.diagram(), tile(QUERIES, self.tile), stream(KEYS, self.stream), verify="kernel")
+
+    def diagram(self) -> Diagram:
+        """The variant's diagram (``nc.library.dot_product_attention``), its sizes symbolic."""
+        b, q, x, d, dv = axes(f"b {QUERIES} {KEYS} d dv")
         if self.group == 1:
             heads = axes("h")
             kw = dict(batch=(b, *heads))
@@ -223,7 +237,7 @@ class Signature:
         kw["seq_at"] = 1  # the caller's [b, seq, heads, d], read in place: no transpose before or after the kernel
         mods = {"score_mod": self._indexed(self.score_mod, True), "mask": self._indexed(self.mask_mod, False)}
         axis = {"b": (b,), "h": heads}  # a bias's or a mask's axes among the batch's (heads: query heads)
-        diagram = library.dot_product_attention(
+        return library.dot_product_attention(
             q,
             x,
             d,
@@ -238,7 +252,6 @@ class Signature:
             **{k: f for k, f in mods.items() if f is not None},
             **kw,
         )
-        return derive(diagram, tile(q, self.tile), stream(x, self.stream), verify="kernel")
 
     def _indexed(self, fn: Callable | None, score: bool) -> Callable | None:
         if fn is None or self.group == 1:
@@ -252,6 +265,27 @@ class Signature:
                 "(b, h, q_idx, kv_idx), so the query head h can be computed from the key/value head"
             )
         return HeadOfGroup(fn, self.group)
+
+
+@functools.lru_cache(maxsize=256)
+def _fitted(sig: Signature, dim: int, value_dim: int) -> Signature:
+    """``sig`` with the rule's blocks halved (the chunk first) until the variant's kernel fits the target's shared
+    memory (:func:`lowering._tiles.fit_blocks`): a bias or mask array is streamed beside K and V and takes its
+    share. Cached: the entry asks on every call.
+
+    >>> x = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
+    >>> plain = Signature.of(x, x, x, hardware="H100")
+    >>> biased = Signature.of(x, x, x, jnp.zeros((1, 2, 256, 256), jnp.float32), hardware="H100")
+    >>> (plain.tile, plain.stream), (biased.tile, biased.stream)
+    ((128, 128), (128, 64))
+    """
+    if sig.hardware is not None:
+        hw = lookup(sig.hardware)
+    else:
+        hw = target_hardware(jax.default_backend() != "gpu" if sig.interpret is None else sig.interpret)
+    sizes = {"d": dim, "dv": value_dim}
+    (t, s), _ = fit_blocks(sig.diagram(), [QUERIES], [KEYS], sig.tile, sig.stream, hw, None, sizes)
+    return dataclasses.replace(sig, tile=int(t.g), stream=int(s.s))
 
 
 def _check(query, key, value) -> tuple[int, int, int]:

@@ -40,7 +40,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from lowering._plan import NotLowerable, next_pow2, plan, smem_bytes
+from lowering._plan import NotLowerable
+from lowering._tiles import Chunks, fit_blocks
 from lowering._triton import Config
 from napkin_cat import Tape, pullback
 from napkin_cat import generators as g
@@ -49,14 +50,11 @@ from napkin_cat.hardware import H100, Hardware
 from napkin_cat.levels import HBM
 from rewrites import (
     delta_lemma,
-    derive,
     lse_residual,
     narrow_operands,
     partitions,
     reduced,
     row_weight_lemma,
-    stream,
-    tile,
     widened,
 )
 
@@ -132,44 +130,6 @@ def _live(t: Tape, outs: list[str]) -> list[str]:
     """The tape inputs that ``outs`` depend on, in tape order."""
     live = set(outs).union(*(ins for _, ins, _ in t.needed(outs)))
     return [n for n in t.inputs if n in live]
-
-
-def _fit(
-    naive: Diagram,
-    tiled: list,
-    streamed: list,
-    tile_size: int,
-    stream_size: int,
-    hardware: Hardware,
-    config: Config | None,
-) -> tuple[tuple, Diagram]:
-    """The rules and scheduled diagram of one backward kernel: ``tiled`` axes in blocks of ``tile_size``,
-    ``streamed`` in chunks of ``stream_size``, halved (the stream first, then the tile, to 16) while the
-    kernel's shared memory (:func:`lowering._plan.smem_bytes`, at the padded sizes of the axes kept
-    whole, where they are known) exceeds ``hardware.smem_per_block``; :class:`NotLowerable` where even
-    16 × 16 blocks exceed it."""
-    size = {a.name: a.size for w in naive.dom.inside for a in w.axes}  # the naive diagram's, fixed by the loop
-    while True:
-        rules = tuple(tile(a, tile_size) for a in tiled) + tuple(stream(a, stream_size) for a in streamed)
-        scheduled = derive(naive, *rules, verify=False).diagram
-        p = plan(scheduled)
-        if not all(size[a].is_number for a in p.whole):
-            return rules, scheduled
-        padded = {a: max(next_pow2(int(size[a])), 16) for a in p.whole}
-        stages = (config or Config.get_default(p)).num_stages
-        smem = smem_bytes(p, padded, stages)
-        if smem <= hardware.smem_per_block:
-            return rules, scheduled
-        if streamed and stream_size > 16:
-            stream_size //= 2
-        elif tiled and tile_size > 16:
-            tile_size //= 2
-        else:
-            raise NotLowerable(
-                f"the backward kernel {naive.dom} → {naive.cod} ({', '.join(map(str, rules))}) would hold "
-                f"{smem:,} B of shared memory ({stages} stages of each chunk), over the "
-                f"{hardware.smem_per_block:,} B a block may use on {hardware.name}, even at 16-element blocks"
-            )
 
 
 def _crosswise(naive: Diagram, kept: tuple, left: tuple) -> bool:
@@ -268,10 +228,20 @@ def row_values(t, keyed: list[str], grads) -> list[list[str]]:
 
 
 def backward_of(
-    d: Diagram, hardware: Hardware = H100, config: Config | None = None, *, narrow: bool = True
+    d: Diagram,
+    hardware: Hardware = H100,
+    config: Config | None = None,
+    *,
+    narrow: bool = True,
+    own: Chunks | None = None,
 ) -> Backward:
     """The lowered backward's diagrams and schedules for the scheduled forward ``d`` (see the module),
     its blocks fitted to ``hardware``'s shared memory with ``config``'s pipeline stages.
+
+    Each kernel's chunk is :data:`STREAM`, never more than the forward's smallest block (FlashAttention-2's
+    blocks, Triton's); a backend with chunks of its own passes ``own`` (:class:`lowering._tiles.Chunks`): its
+    largest chunk, never more than the forward's largest block, halved while the backend does not admit the
+    kernel (:func:`lowering._tiles.fit_blocks`).
 
     With ``narrow`` each kernel stores a cotangent in its input's dtype; without, in f32: partial gradients a
     caller sums further (a ring's steps, ``lowering._devices``) keep their precision until summed.
@@ -287,7 +257,8 @@ def backward_of(
     if len(streams) > 1:
         raise NotLowerable(f"the forward streams {sorted(streams)}, expected one axis")
     blocks = [*tiles.values(), *streams.values()] or [TILE]
-    tile_size, stream_size = min(max(blocks), TILE), min(min(blocks), STREAM)
+    tile_size = min(max(blocks), TILE)
+    stream_size = min(min(blocks), STREAM) if own is None else min(max(blocks), own.largest)
     keyed = [*tiles, *streams]  # the axes a kernel may tile or stream
     forward, positions = with_residuals(d)
     t, grads = pullback(plain(d))
@@ -300,7 +271,7 @@ def backward_of(
         inputs = _live(t, rows)
         tiled = [a for a in keyed if a in t.ty(rows[0]).names]
         naive = t.diagram(rows, inputs=inputs)
-        rules, scheduled = _fit(naive, tiled, [], tile_size, stream_size, hardware, config)
+        rules, scheduled = fit_blocks(naive, tiled, [], tile_size, stream_size, hardware, config)
         made = set(rows)
         t.steps = [s for s in t.steps if not made & set(s[2])]
         t.inputs.update((r, t.ty(r)) for r in rows)  # each row value becomes an input of the kernels reading it
@@ -343,10 +314,10 @@ def backward_of(
             g_, s_ = (tile_size, stream_size)
             if _crosswise(naive, kept, left):  # halved: see _crosswise
                 g_, s_ = max(16, tile_size // 2), max(16, stream_size // 2)
-            rules, scheduled = _fit(naive, list(kept), list(left), g_, s_, hardware, config)
+            rules, scheduled = fit_blocks(naive, list(kept), list(left), g_, s_, hardware, config, own=own)
         else:  # a summed batch axis, one element at a time: each step loads a tile of every input (Q, K, V, dO
             # at the same b), so the pipeline's stages hold four tiles each; 64 rows fit D = 128 in 3 stages
-            rules, scheduled = _fit(naive, list(kept), list(left), min(tile_size, 64), 1, hardware, config)
+            rules, scheduled = fit_blocks(naive, list(kept), list(left), min(tile_size, 64), 1, hardware, config)
         pieces.append(
             Piece(
                 naive,

@@ -345,6 +345,31 @@ measured faster than Triton there; 'auto' takes Mosaic at 128-row blocks, or 64-
     )
 
 
+#: the chunk the Mosaic backward's kernels stream where the consumers' registers admit it (:func:`admits`),
+#: where Triton's keep FlashAttention-2's 64: measured on an H100 (bf16, N = 8192, docs/mosaic.md v6,
+#: ``backward_configs.py --mosaic``) dQ runs 1.05–1.11× faster than at 64, dK·dV at D = 64 within 2% of it, and
+#: at D = 128 dK·dV's accumulators leave no registers for it
+BACKWARD_CHUNK = 128
+
+
+def admits(d: Diagram, config: MosaicConfig | None = None) -> bool:
+    """Whether the scheduled ``d`` passes the Mosaic lowering's checks before compiling (it plans; shared memory
+    and the consumers' registers, :meth:`MosaicLowered.check`, where the axes kept whole are known).
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> q, x, d = nc.axes("q x d", d=128)
+    >>> attn = nc.library.attention(q, x, d, dtype="bf16")
+    >>> [admits(derive(attn, tile(q, 256), stream(x, s), verify=False).diagram) for s in (64, 128)]
+    [True, False]
+    """
+    try:
+        MosaicLowered(plan(d), interpret=False, config=config).guard()
+    except NotLowerable:
+        return False
+    return True
+
+
 def _swizzle(minor: int, itemsize: int) -> tuple:
     row = minor * itemsize
     swizzle = next((s for s in (128, 64, 32) if row % s == 0), None)

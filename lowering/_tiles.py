@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import sympy
@@ -35,9 +35,18 @@ from napkin_cat.diagram import Diagram
 from napkin_cat.errors import NapkinError
 from napkin_cat.hardware import Hardware, lookup
 from napkin_cat.levels import SMEM
-from rewrites import RewriteError, level, open_sizes, resolve
+from rewrites import RewriteError, derive, level, open_sizes, resolve, stream, tile
 
-__all__ = ["Choice", "Occupancy", "choose_tiles", "occupancy", "predicted_occupancy", "predicted_time"]
+__all__ = [
+    "Choice",
+    "Chunks",
+    "Occupancy",
+    "choose_tiles",
+    "fit_blocks",
+    "occupancy",
+    "predicted_occupancy",
+    "predicted_time",
+]
 
 #: the sizes tried for an open partition: Triton's blocks are powers of two ≥ 16 (16-bit dots need K ≥ 16);
 #: above 256 no block fits an H100's shared memory beside another operand at D ≥ 64
@@ -383,3 +392,73 @@ def _seconds(t: float) -> str:
 
 def _show(sizes: Mapping[str, int]) -> str:
     return ", ".join(f"{k}={v}" for k, v in sizes.items())
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """A backend's own chunks for :func:`fit_blocks`: the ``largest`` it streams, the ``smallest`` it takes, and
+    ``admits``, whether it lowers a scheduled diagram (its checks before compiling: shared memory, registers)."""
+
+    largest: int
+    smallest: int
+    admits: Callable[[Diagram], bool]
+
+
+def fit_blocks(
+    naive: Diagram,
+    tiled: list,
+    streamed: list,
+    tile_size: int,
+    stream_size: int,
+    hardware: Hardware,
+    config: Config | None,
+    sizes: Mapping[str, int] | None = None,
+    own: Chunks | None = None,
+) -> tuple[tuple, Diagram]:
+    """The rules and scheduled diagram of one kernel (a backward piece's, the attention entry's): ``tiled`` axes
+    in blocks of ``tile_size``, ``streamed`` in chunks of ``stream_size``, halved (the stream first, then the
+    tile, to 16) while the kernel's shared memory (:func:`lowering._plan.smem_bytes`, at the padded sizes of the
+    axes kept whole, where the diagram or ``sizes`` (by name) know them, with ``config``'s stages or Triton's
+    default) exceeds ``hardware.smem_per_block``; :class:`NotLowerable` where even 16 × 16 blocks exceed it. A
+    backend with blocks and checks of its own passes them as ``own`` (:class:`Chunks`) instead: the stream
+    halves while ``own.admits`` refuses, down to ``own.smallest``.
+
+    A bias streamed beside K and V takes its share: at D = 128 an f32 [q, x] bias block of 128 × 128 in three
+    stages alone is 196,608 B, so 128-key chunks halve to 64.
+
+    >>> import napkin_cat as nc
+    >>> from napkin_cat.hardware import H100
+    >>> q, x = nc.axes("q x")
+    >>> d = nc.Axis("d", 128)
+    >>> biased = nc.library.dot_product_attention(q, x, d, dtype="bf16", bias_batch=(), bias_dtype="f32")
+    >>> fit_blocks(biased, ["q"], ["x"], 128, 128, H100, None)[0]
+    (tile(q, 128), stream(x, 64))
+    """
+    known = {a.name: int(a.size) for w in naive.dom.inside for a in w.axes if a.size.is_number}
+    known |= dict(sizes or {})
+    while True:
+        rules = tuple(tile(a, tile_size) for a in tiled) + tuple(stream(a, stream_size) for a in streamed)
+        scheduled = derive(naive, *rules, verify=False).diagram
+        if own is not None:  # the backend's own checks, shared memory among them
+            if own.admits(scheduled) or not streamed or stream_size // 2 < own.smallest:
+                return rules, scheduled  # where even the smallest fails, the backend names why when lowering
+            stream_size //= 2
+            continue
+        p = plan(scheduled)
+        if not all(a in known for a in p.whole):
+            return rules, scheduled
+        padded = {a: max(next_pow2(known[a]), 16) for a in p.whole}
+        stages = (config or Config.get_default(p)).num_stages
+        smem = smem_bytes(p, padded, stages)
+        if smem <= hardware.smem_per_block:
+            return rules, scheduled
+        if streamed and stream_size > 16:
+            stream_size //= 2
+        elif tiled and tile_size > 16:
+            tile_size //= 2
+        else:
+            raise NotLowerable(
+                f"the kernel {naive.dom} → {naive.cod} ({', '.join(map(str, rules))}) would hold "
+                f"{smem:,} B of shared memory ({stages} stages of each chunk), over the "
+                f"{hardware.smem_per_block:,} B a block may use on {hardware.name}, even at 16-element blocks"
+            )

@@ -276,6 +276,34 @@ def test_bf16_bias_mask_and_segments(seed):
         assert g.dtype == jnp.bfloat16 and rel(g.astype(jnp.float32), w) <= grad, f"{name}: NAPKIN_SEED={seed}"
 
 
+def test_a_bias_and_a_mask_at_head_dim_128_fit_the_h100s_shared_memory(seed):
+    """At head dim 128 the rule streams 128-key chunks; an f32 bias and a mask streamed beside K and V would
+    take the kernel over an H100 block's 232,448 B (a NotLowerable at the first call, before this was fitted),
+    so the chunk halves, to 32 for both (``lowering._tiles.fit_blocks``: 128 × 64 blocks would hold 248 KiB).
+    Output and every gradient against the reference, bf16 inputs and an f32 bias."""
+    t = s = 128
+    kq, kk, kv, kc, kb, km = jax.random.split(jax.random.key(seed), 6)
+    q, k, v, ct = (jax.random.normal(key, (1, t, 2, 128), jnp.bfloat16) for key in (kq, kk, kv, kc))
+    bias = jax.random.normal(kb, (1, 2, t, s), jnp.float32)
+    mask = jax.random.bernoulli(km, 0.8, (1, 1, t, s)).at[..., 0].set(True)
+    entry = lambda q, k, v, bias: attention(q, k, v, bias, mask, hardware="H100")  # noqa: E731
+    sig = attention.kernel_for(q, k, v, bias, mask, hardware="H100").signature
+    assert (sig.tile, sig.stream) == (128, 32)
+    assert attention.kernel_for(q, k, v, hardware="H100").signature.stream == 128
+    fwd, grad = ARRAY_TOL["bfloat16"]
+
+    def reference(q, k, v, bias):
+        Q, K, V = heads_major(q, k, v)
+        return jnp.swapaxes(R.attention(Q, K, V, bias=lambda i, j: bias, mask=lambda i, j: mask), 1, 2)
+
+    out, pull = jax.vjp(entry, q, k, v, bias)
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    want, pull_ref = jax.vjp(reference, *f32, bias)
+    assert rel(out.astype(jnp.float32), want) <= fwd, f"NAPKIN_SEED={seed}"
+    for name, g, w in zip(("dq", "dk", "dv", "dbias"), pull(ct), pull_ref(ct.astype(jnp.float32)), strict=True):
+        assert rel(g.astype(jnp.float32), w) <= grad, f"{name}: NAPKIN_SEED={seed}"
+
+
 def test_segment_ids_are_read_at_call_time(seed):
     """One kernel for any ids (no derivation on new ids, under jit and vmap); a (q_ids, kv_ids) pair for
     cross attention with q ≠ x; against the reference with the equivalent mask."""

@@ -324,14 +324,34 @@ def test_backward_lowers_for_cuda(mask):
     assert "mosaic_gpu" in text
 
 
+@pytest.mark.parametrize(("D", "chunks"), [(64, (128, 128)), (128, (128, 64)), (None, (64, 64))])
+def test_the_backward_streams_mosaics_own_chunks_where_its_registers_admit_them(D, chunks):
+    """dQ and dK·dV stream 128 on Mosaic (measured faster than 64, docs/mosaic.md v6), halved where the consumers'
+    registers refuse it (dK·dV at D = 128: 256 of 232); with D unknown until called, FlashAttention-2's 64 (a
+    larger chunk could be refused only at the call)."""
+    b, h, q, x = nc.axes("b h q x")
+    d = nc.Axis("d") if D is None else nc.Axis("d", D)
+    attn = nc.library.multi_head_attention(h, q, x, d, batch=(b,), dtype="bf16", causal=True)
+    kernel = lower(derive(attn, tile(q, 128), stream(x, 64), verify=False), backend="mosaic", interpret=True)
+    dq, dkv = kernel.kernels[2:]
+    assert (dq.s, dkv.s) == chunks and all(k.rows == 64 for k in (dq, dkv))
+    triton = lower(derive(attn, tile(q, 128), stream(x, 64), verify=False), backend="triton", interpret=True)
+    assert [str(k) for k in triton.backends][3:] == [
+        "backward kernel d(input 0) (tile(q, 128), stream(x, 64))",
+        "backward kernel d(input 1), d(input 2) (tile(x, 128), stream(q, 64))",
+    ]
+
+
 def test_a_backward_kernel_mosaic_cannot_lower_is_named():
-    """D = 256: the forward fits; the backward's blocks, fitted to shared memory, stream 32 keys in the dQ
-    kernel, which wgmma's 64-row blocks cannot; no Triton kernel stands in."""
+    """D = 256: the forward fits; the backward's dQ kernel, its chunk halved from 128 while Mosaic refuses it,
+    still holds too much shared memory at Mosaic's smallest chunk, 64: the refusal names it and the numbers; no
+    Triton kernel stands in."""
     kernel = lower(attention(256, 128, 64), backend="mosaic", interpret=False)
     assert kernel.backend == "mosaic" and kernel.differentiation == "none"
     assert kernel.why_not == (
-        "no lowered backward: Mosaic, backward kernel d(input 0) (tile(q, 128), stream(x, 32)): axis 'x': the "
-        "stream size s = 32 must be a multiple of 64"
+        "no lowered backward: Mosaic, backward kernel d(input 0) (tile(q, 128), stream(x, 64)): thread-block "
+        "level: the kernel would hold 263,168 B of shared memory (2 stages of each streamed chunk, resident tiles, "
+        "output tiles), over the 232,448 B a block may use"
     )
     Q = jax.ShapeDtypeStruct((1, 1, 256, 256), jnp.bfloat16)
     with pytest.raises(NotLowerable, match=r"no lowered backward: Mosaic, backward kernel d\(input 0\)"):

@@ -11,7 +11,10 @@ skip by: it visits every block). Cases:
 * ``8 sequences + causal``: the documents of ``documents 8 + causal`` unpacked, as a batch 8× larger with
   ``is_causal=True`` and no ids: the same work without reading ids, the bound packing is measured against;
 * ``documents 8 ragged``: 8 documents of random lengths (boundaries off the blocks);
-* ``documents 8 as a mask array``: the same mask as ``documents 8``, no skipping (the cost without it).
+* ``documents 8 as a mask array``: the same mask as ``documents 8``, no skipping (the cost without it);
+* ``cudnn causal`` and ``cudnn 8 sequences + causal``: cuDNN (``jax.nn.dot_product_attention``) on the
+  ``causal`` and ``8 sequences + causal`` shapes, in the same run: how much of the drop in TFLOP/s from
+  N = 8192 to sequences of N/8 a hand-written kernel shows too (GPU only; ``--quick`` leaves them out).
 
 Times are the median over batches of back-to-back calls (``lowering._search.median_time``). TFLOP/s are
 given two ways: ``tflops_kept`` counts the work on the entries the mask keeps (4·B·H·D·Σᵢ kept(i), × 3.5
@@ -72,6 +75,17 @@ def reference(q, k, v, ids, causal):
 def case(name: str, n: int, batch: int, interpret: bool):
     """The function ``(q, k, v) → out`` of one case, its ids ([B, N]) and whether it is causal."""
     causal = "causal" in name
+    if name.startswith("cudnn"):  # the baseline, on the same shapes as the case it names
+        pieces = 8 if "8 sequences" in name else 1
+
+        def cudnn(q, k, v):
+            b, _, heads, dim = q.shape
+            q, k, v = (a.reshape(pieces * b, n // pieces, heads, dim) for a in (q, k, v))
+            out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+            return out.reshape(b, n, heads, dim)
+
+        ids = np.stack([documents(n, pieces, False) for _ in range(batch)]).astype(np.int32)
+        return cudnn, ids, True
     if name == "causal":
         ids = np.zeros((batch, n), np.int32)
         return (lambda q, k, v: nc.attention(q, k, v, is_causal=True, interpret=interpret)), ids, True
@@ -99,6 +113,8 @@ CASES = (
     "8 sequences + causal",
     "documents 8 ragged",
     "documents 8 as a mask array",
+    "cudnn causal",
+    "cudnn 8 sequences + causal",
 )
 
 
@@ -155,9 +171,11 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true", help="tiny sizes, interpret mode (CPU smoke test)")
-    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated, of: " + ", ".join(CASES))
+    ap.add_argument("--cases", default=None, help="comma-separated, of: " + ", ".join(CASES) + " (default: all)")
     args = ap.parse_args(argv)
     interpret = args.quick
+    if args.cases is None:  # cuDNN runs only on a GPU
+        args.cases = ",".join(c for c in CASES if not (interpret and c.startswith("cudnn")))
     B, N, H, D = (1, 256, 2, 16) if args.quick else (2, 8192, 16, 128)
     start = time.time()
     result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "argv": argv, "rows": [], "checks": {}}
