@@ -23,7 +23,16 @@ from typing import Literal
 import jax
 
 from lowering._backward import Piece, backward_of, differentiable
-from lowering._mosaic import BACKWARD_CHUNK, WGMMA_M, MosaicConfig, MosaicLowered, admits, choose, faster
+from lowering._mosaic import (
+    BACKWARD_CHUNK,
+    WGMMA_M,
+    MosaicConfig,
+    MosaicLowered,
+    admits,
+    choose,
+    faster,
+    unavailable,
+)
 from lowering._plan import NotLowerable, plan
 from lowering._search import refine
 from lowering._tiles import Choice, Chunks, choose_tiles, missing_sizes
@@ -292,7 +301,7 @@ class _Emitter:
         why = None
         if self.backend == "auto":
             candidate, why = choose(d, interpret=self.interpret, config=self.config)
-            why = why or faster(candidate)
+            why = why or faster(candidate, backward=what.startswith("backward kernel"))
             if why is None:
                 self.chosen[what] = ("mosaic", None)
                 sizes = {a.name: a.size for w in d.dom.inside for a in w.axes}
@@ -431,15 +440,18 @@ def lower(
     return OpenKernel(d, lambda at: build({**given, **at}))
 
 
-def _blocks(d: Diagram, backend: str, config) -> dict:
+def _blocks(d: Diagram, backend: str, interpret, config) -> dict:
     """``backward_of``'s chunks for ``backend``: Mosaic's own (:data:`lowering._mosaic.BACKWARD_CHUNK`, halved to
-    64 while :func:`lowering._mosaic.admits` refuses) where the sizes its registers depend on (the axes kept
-    whole) are known, else FlashAttention-2's (Triton's, and Mosaic's at sizes bound only when called)."""
+    64 while :func:`lowering._mosaic.admits` refuses, and under ``"auto"`` while the Triton kernel that stands in
+    for shapes Mosaic cannot take would not fit) where Mosaic lowers the backward (``"mosaic"``, or ``"auto"`` on
+    an sm_90 GPU) and the sizes its registers depend on (the axes kept whole) are known, else FlashAttention-2's
+    (Triton's, and Mosaic's at sizes bound only when called)."""
     size = {a.name: a.size for w in d.dom.inside for a in w.axes}
-    if backend != "mosaic" or not all(size[a].is_number for a in plan(d).whole):
+    mosaic = backend == "mosaic" or (backend == "auto" and unavailable(interpret, config) is None)
+    if not mosaic or not all(size[a].is_number for a in plan(d).whole):
         return {}
     mosaic = config if isinstance(config, MosaicConfig) else None
-    return {"own": Chunks(BACKWARD_CHUNK, WGMMA_M, functools.partial(admits, config=mosaic))}
+    return {"own": Chunks(BACKWARD_CHUNK, WGMMA_M, functools.partial(admits, config=mosaic), backend == "auto")}
 
 
 def _lower(
@@ -465,7 +477,8 @@ def _lower(
         return (emit(b.forward, "forward with residuals"), *(emit(p.scheduled, role(p)) for p in b.pieces))
 
     try:  # the backward's diagrams and schedules now (cheap, and they say whether it exists); kernels when needed
-        b = backward_of(d, primal.hardware, config if isinstance(config, Config) else None, **_blocks(d, name, config))
+        triton = config if isinstance(config, Config) else None
+        b = backward_of(d, primal.hardware, triton, **_blocks(d, name, interpret, config))
         for p in b.pieces:
             plan(p.scheduled)
         if name == "mosaic":  # every Mosaic kernel now: a piece it cannot lower is named before any call

@@ -135,10 +135,12 @@ class Signature:
     """What a kernel depends on, and so the cache's key: the dtype, the heads per key/value head
     (``group``; 1 is multi-head attention), whether v's head dim differs from q's and k's (``value_dim``:
     the diagram then has an axis of its own for it), the schedule :func:`schedule` picks from the shapes, the
-    flags, the index functions (by identity), how to lower, and which arrays come beside q, k, v: the batch
+    flags, the index functions (by identity), how to lower, which arrays come beside q, k, v: the batch
     axes (``"b"``, ``"h"``) a bias or a mask is read over (none: not given), the bias's dtype, whether
-    segment ids are. Shapes with the same schedule share a kernel: the diagram's sizes stay symbolic, bound
-    at each call; so do values (segment ids, masks, biases are read when called).
+    segment ids are; and the head dims (``head_dims``: q's and k's, v's), which the diagram holds as sizes, so
+    that the registers and shared memory a kernel needs are known when it is lowered (``backend="auto"`` takes
+    Mosaic only where they are). Shapes with the same schedule and head dims share a kernel: the other sizes
+    stay symbolic, bound at each call; so do values (segment ids, masks, biases are read when called).
 
     >>> x = jnp.zeros((1, 20, 4, 16))
     >>> s = Signature.of(x, x[:, :, :2], x[:, :, :2], is_causal=True)
@@ -169,6 +171,7 @@ class Signature:
     mask: tuple[str, ...] | None = None
     segments: bool = False
     value_dim: bool = False
+    head_dims: tuple[int, int] | None = None
 
     @classmethod
     def of(
@@ -218,8 +221,9 @@ class Signature:
             masked,
             segment_ids is not None,
             value_dim != dim,
+            (dim, value_dim),
         )
-        return _fitted(made, dim, value_dim)
+        return _fitted(made)
 
     def derivation(self) -> Derivation:
         """The diagram, derived by the schedule and verified (each step and the lowered kernel, on a trial)."""
@@ -227,7 +231,8 @@ class Signature:
 
     def diagram(self) -> Diagram:
         """The variant's diagram (``nc.library.dot_product_attention``), its sizes symbolic."""
-        b, q, x, d, dv = axes(f"b {QUERIES} {KEYS} d dv")
+        sizes = {} if self.head_dims is None else dict(zip(("d", "dv"), self.head_dims, strict=True))
+        b, q, x, d, dv = axes(f"b {QUERIES} {KEYS} d dv", **sizes)
         if self.group == 1:
             heads = axes("h")
             kw = dict(batch=(b, *heads))
@@ -268,7 +273,7 @@ class Signature:
 
 
 @functools.lru_cache(maxsize=256)
-def _fitted(sig: Signature, dim: int, value_dim: int) -> Signature:
+def _fitted(sig: Signature) -> Signature:
     """``sig`` with the rule's blocks halved (the chunk first) until the variant's kernel fits the target's shared
     memory (:func:`lowering._tiles.fit_blocks`): a bias or mask array is streamed beside K and V and takes its
     share. Cached: the entry asks on every call.
@@ -283,8 +288,7 @@ def _fitted(sig: Signature, dim: int, value_dim: int) -> Signature:
         hw = lookup(sig.hardware)
     else:
         hw = target_hardware(jax.default_backend() != "gpu" if sig.interpret is None else sig.interpret)
-    sizes = {"d": dim, "dv": value_dim}
-    (t, s), _ = fit_blocks(sig.diagram(), [QUERIES], [KEYS], sig.tile, sig.stream, hw, None, sizes)
+    (t, s), _ = fit_blocks(sig.diagram(), [QUERIES], [KEYS], sig.tile, sig.stream, hw, None)
     return dataclasses.replace(sig, tile=int(t.g), stream=int(s.s))
 
 
@@ -387,10 +391,10 @@ class AttentionKernel:
         query, key, value, bias, mask, segment_ids = batched(query, key, value, bias, mask, segment_ids)
         sig = self.signature
         got = Signature.of(query, key, value, bias, mask, segment_ids=segment_ids)
-        mine = (sig.dtype, sig.group, sig.value_dim, sig.bias, sig.bias_dtype, sig.mask, sig.segments)
-        theirs = (got.dtype, got.group, got.value_dim, got.bias, got.bias_dtype, got.mask, got.segments)
+        mine = (sig.dtype, sig.group, sig.head_dims, sig.bias, sig.bias_dtype, sig.mask, sig.segments)
+        theirs = (got.dtype, got.group, got.head_dims, got.bias, got.bias_dtype, got.mask, got.segments)
         if mine != theirs:
-            fields = "(dtype, group, value dim, bias axes, bias dtype, mask axes, segment ids)"
+            fields = "(dtype, group, head dims, bias axes, bias dtype, mask axes, segment ids)"
             raise EvaluationError(f"attention kernel for {fields} = {mine}, called with {theirs}")
         group, kv_heads = sig.group, key.shape[2]
         # the diagram's wires are the caller's layout: [b, seq, h, d], the queries [b, seq, h_kv, g, d] (a reshape)

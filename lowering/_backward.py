@@ -239,9 +239,11 @@ def backward_of(
     its blocks fitted to ``hardware``'s shared memory with ``config``'s pipeline stages.
 
     Each kernel's chunk is :data:`STREAM`, never more than the forward's smallest block (FlashAttention-2's
-    blocks, Triton's); a backend with chunks of its own passes ``own`` (:class:`lowering._tiles.Chunks`): its
-    largest chunk, never more than the forward's largest block, halved while the backend does not admit the
-    kernel (:func:`lowering._tiles.fit_blocks`).
+    blocks, Triton's). A backend with chunks of its own passes ``own`` (:class:`lowering._tiles.Chunks`) for the
+    kernels that stream the axis the forward streams (dQ: the keys): its largest chunk, never more than the
+    forward's largest block, halved while the backend does not admit the kernel
+    (:func:`lowering._tiles.fit_blocks`). The kernels that stream the forward's tiled axis (dK·dV: the queries)
+    hold more accumulators and keep :data:`STREAM`.
 
     With ``narrow`` each kernel stores a cotangent in its input's dtype; without, in f32: partial gradients a
     caller sums further (a ring's steps, ``lowering._devices``) keep their precision until summed.
@@ -257,8 +259,7 @@ def backward_of(
     if len(streams) > 1:
         raise NotLowerable(f"the forward streams {sorted(streams)}, expected one axis")
     blocks = [*tiles.values(), *streams.values()] or [TILE]
-    tile_size = min(max(blocks), TILE)
-    stream_size = min(min(blocks), STREAM) if own is None else min(max(blocks), own.largest)
+    tile_size, stream_size = min(max(blocks), TILE), min(min(blocks), STREAM)
     keyed = [*tiles, *streams]  # the axes a kernel may tile or stream
     forward, positions = with_residuals(d)
     t, grads = pullback(plain(d))
@@ -314,7 +315,10 @@ def backward_of(
             g_, s_ = (tile_size, stream_size)
             if _crosswise(naive, kept, left):  # halved: see _crosswise
                 g_, s_ = max(16, tile_size // 2), max(16, stream_size // 2)
-            rules, scheduled = fit_blocks(naive, list(kept), list(left), g_, s_, hardware, config, own=own)
+            mine = own if own is not None and left and left[0] in streams else None  # dQ's keys, as the forward
+            if mine is not None:
+                s_ = min(max(blocks), own.largest)
+            rules, scheduled = fit_blocks(naive, list(kept), list(left), g_, s_, hardware, config, own=mine)
         else:  # a summed batch axis, one element at a time: each step loads a tile of every input (Q, K, V, dO
             # at the same b), so the pipeline's stages hold four tiles each; 64 rows fit D = 128 in 3 stages
             rules, scheduled = fit_blocks(naive, list(kept), list(left), min(tile_size, 64), 1, hardware, config)

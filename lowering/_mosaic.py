@@ -64,9 +64,10 @@ class MosaicConfig:
     shared memory, and a product is added to its accumulator after the ``wgmma`` instead of the ``wgmma``
     accumulating in place. Compiled kernels use neither detour. ``pingpong`` orders the two consumer
     warpgroups' matrix products around a shared barrier so that one's softmax runs under the other's
-    ``wgmma`` (FA3's schedule); None (the default) turns it on where a chunk issues two wgmmas, FA3's forward
-    (S, then P·V; measured +12% at D = 128), and off where it issues more (the backward's 3 and 4, whose few
-    exponentials leave little to hide: JAX's Mosaic GPU attention backward has no such barrier either).
+    ``wgmma`` (FA3's schedule); None (the default) turns it on where it was measured faster
+    (:meth:`MosaicLowered._pingpong`): where a chunk issues two wgmmas, FA3's forward (S, then P·V; +12% at
+    D = 128), and the backward's dQ (three) at D = 64, where the shorter products leave its exponentials more
+    to hide; off elsewhere (JAX's Mosaic GPU attention backward has no such barrier).
     ``members`` sets how many batch elements a section of the launch holds (a divisor of the batch; None: the
     L2 rule of ``_Kernel.members``; ``papers/flash_attention/launch_order.py`` compares them).
 
@@ -278,6 +279,24 @@ class _Counting(type(JAX)):
         return super().einsum(spec, *xs)
 
 
+def unavailable(interpret: bool | None, config=None) -> str | None:
+    """Why ``backend="auto"`` takes no Mosaic kernel here whatever the diagram (the device, ``interpret``, a
+    Triton ``config``), else None.
+
+    >>> unavailable(None)  # on a CPU
+    "device 'cpu' (cpu) is not an sm_90 (Hopper) GPU"
+    """
+    device = jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    if device.platform != "gpu" or capability != "9.0":
+        return f"device {device.device_kind!r} ({device.platform}) is not an sm_90 (Hopper) GPU"
+    if interpret:
+        return "interpret=True: 'auto' interprets with Triton"
+    if config is not None and not isinstance(config, MosaicConfig):
+        return f"config is a {type(config).__name__}, which tunes Triton"
+    return None
+
+
 def choose(d: Diagram, *, interpret: bool | None, config=None) -> tuple[MosaicLowered | None, str | None]:
     """``backend="auto"``'s Mosaic candidate: a compiled kernel when the device is sm_90 and the diagram lowers
     there (its shared memory checked when the whole axes are known), else None and why not.
@@ -289,14 +308,8 @@ def choose(d: Diagram, *, interpret: bool | None, config=None) -> tuple[MosaicLo
     >>> choose(flash.diagram, interpret=None)  # on a CPU  # doctest: +ELLIPSIS
     (None, "device 'cpu' (cpu) is not an sm_90 (Hopper) GPU")
     """
-    device = jax.devices()[0]
-    capability = getattr(device, "compute_capability", None)
-    if device.platform != "gpu" or capability != "9.0":
-        return None, f"device {device.device_kind!r} ({device.platform}) is not an sm_90 (Hopper) GPU"
-    if interpret:
-        return None, "interpret=True: 'auto' interprets with Triton"
-    if config is not None and not isinstance(config, MosaicConfig):
-        return None, f"config is a {type(config).__name__}, which tunes Triton"
+    if why := unavailable(interpret, config):
+        return None, why
     try:
         kernel = MosaicLowered(plan(d), interpret=False, config=config)
         kernel.guard()
@@ -315,9 +328,12 @@ def choose(d: Diagram, *, interpret: bool | None, config=None) -> tuple[MosaicLo
 FASTER_ROWS, FASTER_CHUNK, FASTER_WHOLE = 128, 128, (64, 128)
 
 
-def faster(kernel: MosaicLowered) -> str | None:
+def faster(kernel: MosaicLowered, backward: bool = False) -> str | None:
     """None where ``backend="auto"`` expects ``kernel`` to beat Triton's (measured, :data:`FASTER_ROWS`,
-    :data:`FASTER_CHUNK`, :data:`FASTER_WHOLE`), else why not.
+    :data:`FASTER_CHUNK`, :data:`FASTER_WHOLE`), else why not. A ``backward`` kernel (Δ, dQ, dK·dV, at the
+    chunks :func:`lowering._backward.backward_of` gives Mosaic) needs only whole axes of :data:`FASTER_WHOLE`:
+    each was measured faster than Triton's (H100, N = 8192, docs/mosaic.md v6: dK·dV 1.15–1.28×, dQ 1.00–1.36×;
+    forward + backward all on Mosaic 1.05–1.19× Mosaic's forward with Triton's backward, every configuration).
 
     >>> import napkin_cat as nc
     >>> from rewrites import derive, tile, stream
@@ -331,7 +347,7 @@ measured faster than Triton there; 'auto' takes Mosaic at 128-row blocks, or 64-
     """
     size = {a.name: a.size for w in kernel.plan.diagram.dom.inside for a in w.axes}
     whole = {a: size[a] for a in kernel.plan.whole}
-    blocks = kernel.rows == FASTER_ROWS or (kernel.rows == FASTER_ROWS // 2 and kernel.s == FASTER_CHUNK)
+    blocks = backward or kernel.rows == FASTER_ROWS or (kernel.rows == FASTER_ROWS // 2 and kernel.s == FASTER_CHUNK)
     if blocks and all(n.is_number and int(n) in FASTER_WHOLE for n in whole.values()):
         return None
     where = f"{kernel.rows}-row consumer blocks (tile {kernel.q}/{kernel.plan.tiles[kernel.q]} over "
@@ -468,7 +484,15 @@ class MosaicLowered:
         #: the wgmmas one chunk issues, counted on abstract blocks
         self.products = self._products() if p.stream is not None else 0
         want = self.config.pingpong
-        self.pingpong = c == 2 and p.stream is not None and (self.products == 2 if want is None else want)
+        self.pingpong = c == 2 and p.stream is not None and (self._pingpong() if want is None else want)
+
+    def _pingpong(self) -> bool:
+        """Ping-pong by default where it was measured faster (H100, bf16, N = 8192): a chunk of two wgmmas (FA3's
+        forward: +12% at D = 128), or of three whose axes kept whole are 64 (the backward's dQ at D = 64: 1.10×,
+        at D = 128 0.93–1.01×, ``backward_configs.py --mosaic``, docs/mosaic.md v6). Four (dK·dV) lose 2–12%."""
+        size = {a.name: a.size for w in self.plan.diagram.dom.inside for a in w.axes}
+        narrow = bool(self.plan.whole) and all(size[a].is_number and int(size[a]) == 64 for a in self.plan.whole)
+        return self.products == 2 or (self.products == 3 and narrow)
 
     def _products(self) -> int:
         """The contractions a chunk issues as wgmma: the diagram walked once on abstract blocks (whole axes of

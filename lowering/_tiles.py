@@ -396,12 +396,15 @@ def _show(sizes: Mapping[str, int]) -> str:
 
 @dataclass(frozen=True)
 class Chunks:
-    """A backend's own chunks for :func:`fit_blocks`: the ``largest`` it streams, the ``smallest`` it takes, and
-    ``admits``, whether it lowers a scheduled diagram (its checks before compiling: shared memory, registers)."""
+    """A backend's own chunks for :func:`fit_blocks`: the ``largest`` it streams, the ``smallest`` it takes,
+    ``admits``, whether it lowers a scheduled diagram (its checks before compiling: shared memory, registers), and
+    whether ``triton`` must run the same schedule too (``backend="auto"``: a shape Mosaic cannot take, known only
+    when called, runs on the Triton kernel of the same diagram)."""
 
     largest: int
     smallest: int
     admits: Callable[[Diagram], bool]
+    triton: bool = False
 
 
 def fit_blocks(
@@ -421,7 +424,8 @@ def fit_blocks(
     axes kept whole, where the diagram or ``sizes`` (by name) know them, with ``config``'s stages or Triton's
     default) exceeds ``hardware.smem_per_block``; :class:`NotLowerable` where even 16 × 16 blocks exceed it. A
     backend with blocks and checks of its own passes them as ``own`` (:class:`Chunks`) instead: the stream
-    halves while ``own.admits`` refuses, down to ``own.smallest``.
+    halves while ``own.admits`` refuses (or, with ``own.triton``, Triton's shared memory does), down to
+    ``own.smallest``.
 
     A bias streamed beside K and V takes its share: at D = 128 an f32 [q, x] bias block of 128 × 128 in three
     stages alone is 196,608 B, so 128-key chunks halve to 64.
@@ -439,18 +443,19 @@ def fit_blocks(
     while True:
         rules = tuple(tile(a, tile_size) for a in tiled) + tuple(stream(a, stream_size) for a in streamed)
         scheduled = derive(naive, *rules, verify=False).diagram
-        if own is not None:  # the backend's own checks, shared memory among them
-            if own.admits(scheduled) or not streamed or stream_size // 2 < own.smallest:
-                return rules, scheduled  # where even the smallest fails, the backend names why when lowering
-            stream_size //= 2
-            continue
         p = plan(scheduled)
         if not all(a in known for a in p.whole):
             return rules, scheduled
         padded = {a: max(next_pow2(known[a]), 16) for a in p.whole}
         stages = (config or Config.get_default(p)).num_stages
         smem = smem_bytes(p, padded, stages)
-        if smem <= hardware.smem_per_block:
+        fits = smem <= hardware.smem_per_block
+        if own is not None:  # the backend's own checks (shared memory among them), and Triton's where it stands in
+            if (own.admits(scheduled) and (fits or not own.triton)) or not streamed or stream_size // 2 < own.smallest:
+                return rules, scheduled  # where even the smallest fails, the backend names why when lowering
+            stream_size //= 2
+            continue
+        if fits:
             return rules, scheduled
         if streamed and stream_size > 16:
             stream_size //= 2

@@ -164,17 +164,27 @@ def test_mosaic_is_a_candidate_on_hopper_where_it_lowers(monkeypatch):
 
 
 def test_auto_takes_mosaic_per_kernel_where_measured_faster(monkeypatch):
-    """On sm_90: the forward at 128-row consumer blocks on Mosaic; the backward's 64-row blocks streaming 64 on
-    Triton, each kernel saying why; 64-row forward blocks on Mosaic streaming 128 (the entry's g128 s128), on
-    Triton streaming 64."""
+    """On sm_90: the forward at 128-row consumer blocks on Mosaic; the backward's kernels on Mosaic too, at its
+    own chunks where Triton could stand in (D = 64: dQ streams 128, with ping-pong); 64-row forward blocks on
+    Mosaic streaming 128 (the entry's g128 s128), on Triton streaming 64, saying why."""
     monkeypatch.setattr(mosaic.jax, "devices", lambda: [Hopper()])
     auto = lower(attention(128, 256, 64, causal=True), backend="auto", interpret=False)
     assert auto.backend == "mosaic" and isinstance(auto.forward.mosaic, MosaicLowered)
     backends = auto.backends
     assert backends["forward"] == backends["forward with residuals"] == "mosaic"
     pieces = [r for r in backends if r.startswith("backward kernel")]
-    assert len(pieces) == 3 and all(backends[r] == "triton" for r in pieces)
-    assert all("64-row consumer blocks" in auto.refused[r] for r in pieces)
+    assert len(pieces) == 3 and all(backends[r] == "mosaic" for r in pieces) and not auto.refused
+    # D = 128: dQ streams 64 keys, since a shape Mosaic cannot take runs on the Triton kernel of the same diagram,
+    # whose three stages of 128-key chunks would not fit; no ping-pong in the backward at D = 128 (measured)
+    assert "backward kernel d(input 0) (tile(q, 128), stream(x, 64))" in pieces
+    assert all(k.pingpong is False for k in auto.kernels[2:])
+    narrow = lower(attention(64, 256, 128, causal=True), backend="auto", interpret=False)
+    dq = narrow.kernels[2]
+    assert (narrow.backends[next(r for r in narrow.backends if "d(input 0)" in r)], dq.s, dq.pingpong) == (
+        "mosaic",
+        128,
+        True,
+    )
     slow = lower(attention(64, 128, 64), backend="auto", interpret=False)
     assert slow.backend == "triton" and "Mosaic not measured faster than Triton" in slow.refused["forward"]
     assert lower(attention(128, 128, 128), backend="auto", interpret=False).backends["forward"] == "mosaic"
@@ -288,9 +298,10 @@ def test_backward_interpret_matches_jax_grad(key, causal=True):
     Q, K, V, dO = (jax.random.normal(k, (1, 1, 256, 64), jnp.bfloat16) for k in jax.random.split(key, 4))
     kernel = lower(attention(64, 128, 64, causal=causal), backend="mosaic", interpret=True)
     assert kernel.differentiation == "lowered" and set(kernel.backends.values()) == {"mosaic"}
-    # FA3's ping-pong turns where a chunk issues S and P·V (the forwards), none for Δ, dQ (3 wgmmas), dK·dV (4)
-    turns = [(k.products, k.pingpong) for k in (kernel.forward, *kernel.kernels)]
-    assert turns == [(2, True), (2, True), (0, False), (3, False), (4, False)]
+    # FA3's ping-pong turns where a chunk issues S and P·V (the forwards), and dQ's three at D = 64 (measured);
+    # none for Δ or dK·dV (4 wgmmas); dQ streams Mosaic's 128 keys
+    turns = [(k.products, k.pingpong, k.s) for k in (kernel.forward, *kernel.kernels)]
+    assert turns == [(2, True, 64), (2, True, 64), (0, False, None), (3, True, 128), (4, False, 64)]
     got = gradients(kernel, Q, K, V, dO)
     want = gradients(lambda *a: reference(*a, causal), Q, K, V, dO.astype(jnp.float32))
     for name, g, w in zip(("O", "dQ", "dK", "dV"), got, want, strict=True):
@@ -324,11 +335,12 @@ def test_backward_lowers_for_cuda(mask):
     assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize(("D", "chunks"), [(64, (128, 128)), (128, (128, 64)), (None, (64, 64))])
+@pytest.mark.parametrize(("D", "chunks"), [(64, (128, 64)), (128, (128, 64)), (None, (64, 64))])
 def test_the_backward_streams_mosaics_own_chunks_where_its_registers_admit_them(D, chunks):
-    """dQ and dK·dV stream 128 on Mosaic (measured faster than 64, docs/mosaic.md v6), halved where the consumers'
-    registers refuse it (dK·dV at D = 128: 256 of 232); with D unknown until called, FlashAttention-2's 64 (a
-    larger chunk could be refused only at the call)."""
+    """dQ streams 128 keys on Mosaic (measured 1.05–1.11× faster than 64, docs/mosaic.md v6), halved where Mosaic
+    refuses it (D = 256: tests below); dK·dV keeps 64 queries (at D = 64 128 was no faster; at D = 128 its
+    registers refuse it); with D unknown until called, FlashAttention-2's 64 (a larger chunk could be refused only
+    at the call). Triton's backward keeps FlashAttention-2's blocks."""
     b, h, q, x = nc.axes("b h q x")
     d = nc.Axis("d") if D is None else nc.Axis("d", D)
     attn = nc.library.multi_head_attention(h, q, x, d, batch=(b,), dtype="bf16", causal=True)
