@@ -412,3 +412,25 @@ def test_compiled_soft_cap_on_gpu(seed, cap):
     errors += [rel(g.astype(jnp.float32), w) for g, w in zip(pull(ct), pull_ref(ct.astype(jnp.float32)), strict=True)]
     print(f"soft cap {cap}: relative errors (out, dq, dk, dv) {errors}")
     assert max(errors) <= 4e-2, f"relative errors (out, dq, dk, dv) {errors}: NAPKIN_SEED={seed}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_the_entry_runs_on_mosaic_on_hopper(seed, d):
+    """On an sm_90 GPU ``backend="auto"`` gives ``nc.attention`` Mosaic kernels where they were measured faster
+    (D = 128: every kernel; D = 64: the backward's, the forward's 128 × 64 blocks staying on Triton), each named
+    in ``backends``; output and gradients against ``jax.nn.dot_product_attention`` in f32, causal, 1024 tokens,
+    within the compiled bf16 tolerance of tests/test_backward.py (4e-2)."""
+    if getattr(jax.devices()[0], "compute_capability", None) != "9.0":
+        pytest.skip("needs an sm_90 (Hopper) GPU")
+    kq, kk, kv, kc = jax.random.split(jax.random.key(seed), 4)
+    q, k, v, ct = (jax.random.normal(key, (2, 1024, 4, d), jnp.bfloat16) for key in (kq, kk, kv, kc))
+    backends = attention.kernel_for(q, k, v, is_causal=True).kernel.backends
+    backward = [b for r, b in backends.items() if r.startswith("backward kernel")]
+    assert backward == ["mosaic"] * 3 and backends["forward"] == ("mosaic" if d == 128 else "triton"), backends
+    out, pull = jax.vjp(jax.jit(lambda *a: attention(*a, is_causal=True)), q, k, v)
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    want, pull_ref = jax.vjp(lambda *a: jax.nn.dot_product_attention(*a, is_causal=True), *f32)
+    errors = [rel(out.astype(jnp.float32), want)]
+    errors += [rel(g.astype(jnp.float32), w) for g, w in zip(pull(ct), pull_ref(ct.astype(jnp.float32)), strict=True)]
+    assert max(errors) <= 4e-2, f"relative errors (out, dq, dk, dv) {errors}: NAPKIN_SEED={seed}"
