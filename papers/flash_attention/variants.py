@@ -455,6 +455,10 @@ def run_variant(variant: Variant, z: Sizes, opts, clock: bench.Clock) -> dict:
             entry[who][section] = r
             outs[who, section] = keep.get("out")
             _log(clock, variant.name, who, impl.impl, section, r)
+    kernel = impls["napkin"].fn
+    if hasattr(kernel, "backends"):  # which backend ran each kernel (auto: Mosaic or Triton, per kernel)
+        entry["napkin"]["backends"] = dict(kernel.backends)
+        clock.log(f"{variant.name:12} backends {sorted(set(kernel.backends.values()))}: {kernel.backends}")
     rows = min(CHECK_ROWS, z.seq)
     ours = outs["napkin", "fwd"]
     if ours is not None:
