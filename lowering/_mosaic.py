@@ -347,6 +347,8 @@ measured faster than Triton there; 'auto' takes Mosaic at 128-row blocks, or 64-
     """
     size = {a.name: a.size for w in kernel.plan.diagram.dom.inside for a in w.axes}
     whole = {a: size[a] for a in kernel.plan.whole}
+    if other := kernel.unmeasured():
+        return f"{other}: Mosaic compiled and measured only on attention's blocks; 'auto' keeps it on Triton"
     blocks = backward or kernel.rows == FASTER_ROWS or (kernel.rows == FASTER_ROWS // 2 and kernel.s == FASTER_CHUNK)
     if blocks and all(n.is_number and int(n) in FASTER_WHOLE for n in whole.values()):
         return None
@@ -485,6 +487,25 @@ class MosaicLowered:
         self.products = self._products() if p.stream is not None else 0
         want = self.config.pingpong
         self.pingpong = c == 2 and p.stream is not None and (self._pingpong() if want is None else want)
+
+    def unmeasured(self) -> str | None:
+        """An input unlike those Mosaic was compiled, checked and timed on (attention's Q, K, V, dO and O: blocks
+        holding an axis kept whole; the backward's L and Δ: f32 vectors along the tiled or streamed axis), named,
+        else None: segment ids, bias and mask arrays. ``backend="auto"`` keeps such a kernel on Triton.
+
+        >>> import napkin_cat as nc
+        >>> from rewrites import derive, tile, stream
+        >>> b, q, x, d = nc.axes("b q x d", d=64)
+        >>> docs = nc.library.dot_product_attention(q, x, d, dtype="bf16", batch=(b,), segment_batch=(b,))
+        >>> MosaicLowered(plan(derive(docs, tile(q, 128), stream(x, 64), verify=False).diagram)).unmeasured()
+        'input 3 (b×q/128:i32@HBM)'
+        """
+        for i, w in enumerate(self.plan.diagram.dom.inside):
+            names = set(w.names)
+            vector = w.dtype.jnp == jnp.float32 and len(names - set(self.plan.batch)) == 1
+            if not (names & set(self.plan.whole) or (vector and names & {self.q, self.x})):
+                return f"input {i} ({w.describe()})"
+        return None
 
     def _pingpong(self) -> bool:
         """Ping-pong by default where it was measured faster (H100, bf16, N = 8192): a chunk of two wgmmas (FA3's
