@@ -198,15 +198,18 @@ def test_auto_takes_mosaic_per_kernel_where_measured_faster(monkeypatch):
 
 
 def test_auto_keeps_inputs_mosaic_was_not_measured_on_on_triton(monkeypatch):
-    """Segment ids (and bias or mask arrays) were never compiled and timed on Mosaic: on sm_90 'auto' keeps each
-    kernel that reads them on Triton, naming the input; Δ, which reads only O and dO, still runs on Mosaic."""
+    """Segment ids (and bias or mask arrays) were never timed on Mosaic, and a kernel reading segment ids never
+    finished compiled: on sm_90 'auto' keeps each kernel that reads them on Triton, naming the input ('mosaic'
+    refuses the ids); Δ, which reads only O and dO, still runs on Mosaic."""
     monkeypatch.setattr(mosaic.jax, "devices", lambda: [Hopper()])
     b, q, x, d = nc.axes("b q x d", d=128)
     docs = nc.library.dot_product_attention(q, x, d, dtype="bf16", batch=(b,), segment_batch=(b,))
     auto = lower(derive(docs, tile(q, 128), stream(x, 128), verify=False), backend="auto", interpret=False)
     on_mosaic = [r for r, b in auto.backends.items() if b == "mosaic"]
     assert on_mosaic == ["backward kernel Δ (tile(q, 128))"], auto.backends
-    assert auto.refused["forward"].startswith("input 3 (b×q/128:i32@HBM): Mosaic compiled and measured only on")
+    assert "input q/128:i32@HBM: a kernel reading integers (segment ids) never finished" in auto.refused["forward"]
+    with pytest.raises(NotLowerable, match=r"reading integers .* the Triton backend takes it"):
+        lower(derive(docs, tile(q, 128), stream(x, 128), verify=False), backend="mosaic", interpret=False)
 
 
 def test_auto_runs_shapes_of_ragged_blocks_on_triton_and_says_so(monkeypatch, key):
