@@ -501,9 +501,10 @@ class MosaicLowered:
         >>> import napkin_cat as nc
         >>> from rewrites import derive, tile, stream
         >>> b, q, x, d = nc.axes("b q x d", d=64)
-        >>> docs = nc.library.dot_product_attention(q, x, d, dtype="bf16", batch=(b,), segment_batch=(b,))
-        >>> MosaicLowered(plan(derive(docs, tile(q, 128), stream(x, 64), verify=False).diagram)).unmeasured()
-        'input 3 (b×q/128:i32@HBM)'
+        >>> kw = dict(dtype="bf16", batch=(b,), bias_batch=(b,), bias_dtype="bf16")
+        >>> biased = nc.library.dot_product_attention(q, x, d, **kw)
+        >>> MosaicLowered(plan(derive(biased, tile(q, 128), stream(x, 64), verify=False).diagram)).unmeasured()
+        'input 3 (b×q/128×x~64:bf16@HBM)'
         """
         for i, w in enumerate(self.plan.diagram.dom.inside):
             names = set(w.names)
