@@ -36,7 +36,7 @@ from lowering._mosaic import (
 from lowering._plan import NotLowerable, plan
 from lowering._search import refine
 from lowering._tiles import Choice, Chunks, choose_tiles, missing_sizes
-from lowering._triton import Config, Lowered, launch, target_hardware
+from lowering._triton import Config, Lowered, interpreted, launch, target_hardware
 from napkin_cat.diagram import Diagram
 from napkin_cat.errors import CostError, EvaluationError, NapkinError
 from napkin_cat.hardware import Hardware, lookup
@@ -414,7 +414,7 @@ def lower(
     if unknown := sorted(set(sizes or {}) - axes):
         here = ", ".join(sorted(axes))
         raise NotLowerable(f"lower(sizes=): no wire has axis {', '.join(unknown)}; axes here: {here}")
-    on_cpu = (jax.default_backend() != "gpu") if interpret is None else interpret
+    on_cpu = interpreted(interpret)
     if search and on_cpu:
         raise NotLowerable(
             f"lower(search=True) times kernels on a GPU, and here they are interpreted; the sizes of "
@@ -447,11 +447,11 @@ def _blocks(d: Diagram, backend: str, interpret, config) -> dict:
     an sm_90 GPU) and the sizes its registers depend on (the axes kept whole) are known, else FlashAttention-2's
     (Triton's, and Mosaic's at sizes bound only when called)."""
     size = {a.name: a.size for w in d.dom.inside for a in w.axes}
-    mosaic = backend == "mosaic" or (backend == "auto" and unavailable(interpret, config) is None)
-    if not mosaic or not all(size[a].is_number for a in plan(d).whole):
+    on_mosaic = backend == "mosaic" or (backend == "auto" and unavailable(interpret, config) is None)
+    if not on_mosaic or not all(size[a].is_number for a in plan(d).whole):
         return {}
-    mosaic = config if isinstance(config, MosaicConfig) else None
-    return {"own": Chunks(BACKWARD_CHUNK, WGMMA_M, functools.partial(admits, config=mosaic), backend == "auto")}
+    tuned = config if isinstance(config, MosaicConfig) else None
+    return {"own": Chunks(BACKWARD_CHUNK, WGMMA_M, functools.partial(admits, config=tuned), backend == "auto")}
 
 
 def _lower(

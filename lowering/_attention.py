@@ -53,13 +53,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import jax
 import jax.numpy as jnp
 
 from lowering._api import BACKENDS, Kernel, lower
 from lowering._plan import NotLowerable, next_pow2
 from lowering._tiles import fit_blocks
-from lowering._triton import target_hardware
+from lowering._triton import interpreted, target_hardware
 from napkin_cat import library
 from napkin_cat.axes import axes
 from napkin_cat.diagram import Diagram
@@ -133,14 +132,14 @@ class HeadOfGroup:
 @dataclass(frozen=True)
 class Signature:
     """What a kernel depends on, and so the cache's key: the dtype, the heads per key/value head
-    (``group``; 1 is multi-head attention), whether v's head dim differs from q's and k's (``value_dim``:
-    the diagram then has an axis of its own for it), the schedule :func:`schedule` picks from the shapes, the
+    (``group``; 1 is multi-head attention), the schedule :func:`schedule` picks from the shapes, the
     flags, the index functions (by identity), how to lower, which arrays come beside q, k, v: the batch
     axes (``"b"``, ``"h"``) a bias or a mask is read over (none: not given), the bias's dtype, whether
-    segment ids are; and the head dims (``head_dims``: q's and k's, v's), which the diagram holds as sizes, so
-    that the registers and shared memory a kernel needs are known when it is lowered (``backend="auto"`` takes
-    Mosaic only where they are). Shapes with the same schedule and head dims share a kernel: the other sizes
-    stay symbolic, bound at each call; so do values (segment ids, masks, biases are read when called).
+    segment ids are; and the head dims (``head_dims``: q's and k's, v's; ``value_dim`` where they differ, and the
+    diagram has an axis of its own for v's), which the diagram holds as sizes, so that the registers and shared
+    memory a kernel needs are known when it is lowered (``backend="auto"`` takes Mosaic only where they are).
+    Shapes with the same schedule and head dims share a kernel: the other sizes stay symbolic, bound at each
+    call; so do values (segment ids, masks, biases are read when called).
 
     >>> x = jnp.zeros((1, 20, 4, 16))
     >>> s = Signature.of(x, x[:, :, :2], x[:, :, :2], is_causal=True)
@@ -170,8 +169,12 @@ class Signature:
     bias_dtype: str = "float32"
     mask: tuple[str, ...] | None = None
     segments: bool = False
-    value_dim: bool = False
     head_dims: tuple[int, int] | None = None
+
+    @property
+    def value_dim(self) -> bool:
+        """Whether v's head dim differs from q's and k's: the diagram then has an axis of its own for it."""
+        return self.head_dims is not None and self.head_dims[0] != self.head_dims[1]
 
     @classmethod
     def of(
@@ -220,7 +223,6 @@ class Signature:
             "float32" if bias is None else jnp.dtype(bias.dtype).name,
             masked,
             segment_ids is not None,
-            value_dim != dim,
             (dim, value_dim),
         )
         return _fitted(made)
@@ -284,10 +286,7 @@ def _fitted(sig: Signature) -> Signature:
     >>> (plain.tile, plain.stream), (biased.tile, biased.stream)
     ((128, 128), (128, 64))
     """
-    if sig.hardware is not None:
-        hw = lookup(sig.hardware)
-    else:
-        hw = target_hardware(jax.default_backend() != "gpu" if sig.interpret is None else sig.interpret)
+    hw = lookup(sig.hardware) if sig.hardware is not None else target_hardware(interpreted(sig.interpret))
     (t, s), _ = fit_blocks(sig.diagram(), [QUERIES], [KEYS], sig.tile, sig.stream, hw, None)
     return dataclasses.replace(sig, tile=int(t.g), stream=int(s.s))
 

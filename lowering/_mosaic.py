@@ -38,7 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from lowering._plan import NotLowerable, Plan, base2, plan, unweave
-from lowering._triton import _visited, affine_mask, heavy_last, tiled_first
+from lowering._triton import _visited, affine_mask, heavy_last, interpreted, tiled_first
 from napkin_cat.diagram import Diagram
 from napkin_cat.generators import JAX, Context
 from napkin_cat.hardware import H100
@@ -345,8 +345,7 @@ def faster(kernel: MosaicLowered, backward: bool = False) -> str | None:
 measured faster than Triton there; 'auto' takes Mosaic at 128-row blocks, or 64-row blocks streaming chunks of \
 128, with whole axes of 64 or 128"]
     """
-    size = {a.name: a.size for w in kernel.plan.diagram.dom.inside for a in w.axes}
-    whole = {a: size[a] for a in kernel.plan.whole}
+    whole = kernel.whole()
     if other := kernel.unmeasured():
         return f"{other}: Mosaic compiled and measured only on attention's blocks; 'auto' keeps it on Triton"
     blocks = backward or kernel.rows == FASTER_ROWS or (kernel.rows == FASTER_ROWS // 2 and kernel.s == FASTER_CHUNK)
@@ -413,7 +412,7 @@ class MosaicLowered:
 
     def __init__(self, p: Plan, *, interpret: bool | None = None, config: MosaicConfig | None = None):
         self.plan = p
-        self.interpret = (jax.default_backend() != "gpu") if interpret is None else interpret
+        self.interpret = interpreted(interpret)
         self.config = config or MosaicConfig(interpretable=self.interpret)
         self.__name__ = "napkin_mosaic_kernel"
         if not p.tiles:
@@ -517,9 +516,14 @@ class MosaicLowered:
         """Ping-pong by default where it was measured faster (H100, bf16, N = 8192): a chunk of two wgmmas (FA3's
         forward: +12% at D = 128), or of three whose axes kept whole are 64 (the backward's dQ at D = 64: 1.10×,
         at D = 128 0.93–1.01×, ``backward_configs.py --mosaic``, docs/mosaic.md v6). Four (dK·dV) lose 2–12%."""
-        size = {a.name: a.size for w in self.plan.diagram.dom.inside for a in w.axes}
-        narrow = bool(self.plan.whole) and all(size[a].is_number and int(size[a]) == 64 for a in self.plan.whole)
+        whole = self.whole().values()
+        narrow = bool(whole) and all(n.is_number and int(n) == 64 for n in whole)
         return self.products == 2 or (self.products == 3 and narrow)
+
+    def whole(self) -> dict:
+        """The sizes of the axes kept whole (symbols where the diagram leaves them open), by name."""
+        size = {a.name: a.size for w in self.plan.diagram.dom.inside for a in w.axes}
+        return {a: size[a] for a in self.plan.whole}
 
     def _products(self) -> int:
         """The contractions a chunk issues as wgmma: the diagram walked once on abstract blocks (whole axes of

@@ -102,6 +102,15 @@ class Config:
 WARPS = (1, 2, 4, 8, 16, 32)
 
 
+def interpreted(interpret: bool | None) -> bool:
+    """Whether a kernel interprets: as asked, or by default where no GPU is the default backend.
+
+    >>> interpreted(True), interpreted(None)  # on a CPU
+    (True, True)
+    """
+    return (jax.default_backend() != "gpu") if interpret is None else interpret
+
+
 def target_hardware(interpret: bool) -> Hardware:
     """The hardware a kernel's guards assume: the detected GPU's model when compiling, H100 when interpreting.
 
@@ -339,7 +348,7 @@ class Lowered:
         self, p: Plan, *, interpret: bool | None = None, config: Config | None = None, hardware: Hardware | None = None
     ):
         self.plan, self.config = p, config
-        self.interpret = (jax.default_backend() != "gpu") if interpret is None else interpret
+        self.interpret = interpreted(interpret)
         self.hardware = target_hardware(self.interpret) if hardware is None else hardware
         self.__name__ = "napkin_kernel"
 
