@@ -415,17 +415,15 @@ def fit_blocks(
     stream_size: int,
     hardware: Hardware,
     config: Config | None,
-    sizes: Mapping[str, int] | None = None,
     own: Chunks | None = None,
 ) -> tuple[tuple, Diagram]:
     """The rules and scheduled diagram of one kernel (a backward piece's, the attention entry's): ``tiled`` axes
     in blocks of ``tile_size``, ``streamed`` in chunks of ``stream_size``, halved (the stream first, then the
     tile, to 16) while the kernel's shared memory (:func:`lowering._plan.smem_bytes`, at the padded sizes of the
-    axes kept whole, where the diagram or ``sizes`` (by name) know them, with ``config``'s stages or Triton's
-    default) exceeds ``hardware.smem_per_block``; :class:`NotLowerable` where even 16 × 16 blocks exceed it. A
-    backend with blocks and checks of its own passes them as ``own`` (:class:`Chunks`) instead: the stream
-    halves while ``own.admits`` refuses (or, with ``own.triton``, Triton's shared memory does), down to
-    ``own.smallest``.
+    axes kept whole, where the diagram knows them, with ``config``'s stages or Triton's default) exceeds
+    ``hardware.smem_per_block``; :class:`NotLowerable` where even 16 × 16 blocks exceed it. A backend with blocks
+    and checks of its own passes them as ``own`` (:class:`Chunks`) instead: the stream halves while
+    ``own.admits`` refuses (or, with ``own.triton``, Triton's shared memory does), down to ``own.smallest``.
 
     A bias streamed beside K and V takes its share: at D = 128 an f32 [q, x] bias block of 128 × 128 in three
     stages alone is 196,608 B, so 128-key chunks halve to 64.
@@ -439,7 +437,6 @@ def fit_blocks(
     (tile(q, 128), stream(x, 64))
     """
     known = {a.name: int(a.size) for w in naive.dom.inside for a in w.axes if a.size.is_number}
-    known |= dict(sizes or {})
     while True:
         rules = tuple(tile(a, tile_size) for a in tiled) + tuple(stream(a, stream_size) for a in streamed)
         scheduled = derive(naive, *rules, verify=False).diagram
