@@ -72,32 +72,32 @@ def reference(q, k, v, ids, causal):
     return jnp.einsum("bhqk,bkhd->bqhd", jnp.where(keep.any(-1, keepdims=True), p, 0.0), v)
 
 
+def unpacked(attend, pieces: int):
+    """``attend`` on each of ``pieces`` equal parts of every sequence, as a batch ``pieces``× larger."""
+
+    def run(q, k, v):
+        b, n, heads, dim = q.shape
+        q, k, v = (a.reshape(pieces * b, n // pieces, heads, dim) for a in (q, k, v))
+        return attend(q, k, v).reshape(b, n, heads, dim)
+
+    return run
+
+
 def case(name: str, n: int, batch: int, interpret: bool):
     """The function ``(q, k, v) → out`` of one case, its ids ([B, N]) and whether it is causal."""
     causal = "causal" in name
     if name.startswith("cudnn"):  # the baseline, on the same shapes as the case it names
         pieces = 8 if "8 sequences" in name else 1
-
-        def cudnn(q, k, v):
-            b, _, heads, dim = q.shape
-            q, k, v = (a.reshape(pieces * b, n // pieces, heads, dim) for a in (q, k, v))
-            out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-            return out.reshape(b, n, heads, dim)
-
+        cudnn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")  # noqa: E731
         ids = np.stack([documents(n, pieces, False) for _ in range(batch)]).astype(np.int32)
-        return cudnn, ids, True
+        return unpacked(cudnn, pieces), ids, True
     if name == "causal":
         ids = np.zeros((batch, n), np.int32)
         return (lambda q, k, v: nc.attention(q, k, v, is_causal=True, interpret=interpret)), ids, True
     ids = np.stack([documents(n, 8, "ragged" in name, seed=b) for b in range(batch)]).astype(np.int32)
     if name.startswith("8 sequences"):  # the same documents unpacked: a batch 8× larger, no ids to read
-
-        def unpacked(q, k, v):
-            b, _, heads, dim = q.shape
-            q, k, v = (a.reshape(8 * b, n // 8, heads, dim) for a in (q, k, v))
-            return nc.attention(q, k, v, is_causal=causal, interpret=interpret).reshape(b, n, heads, dim)
-
-        return unpacked, ids, causal
+        ours = lambda q, k, v: nc.attention(q, k, v, is_causal=causal, interpret=interpret)  # noqa: E731
+        return unpacked(ours, 8), ids, causal
     if "mask array" in name:
         mask = jnp.asarray(ids[:, None, :, None] == ids[:, None, None, :])
         return (lambda q, k, v: nc.attention(q, k, v, mask=mask, interpret=interpret)), ids, causal
