@@ -103,9 +103,9 @@ def test_compiled_path_lowers_for_cuda(causal):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_entrys_hopper_forward_reads_b_seq_h_d(key, causal):
-    """What ``backend="auto"`` gives the entry on sm_90 at D = 128 (tile 128, stream 128 over jax.nn's
-    [b, seq, h, d], read in place): interpreted against ``jax.nn.dot_product_attention`` in f32, and lowered
-    for CUDA."""
+    """The schedule ``backend="auto"`` gives the entry on sm_90 at D = 128 (tile 128, stream 128 over jax.nn's
+    [b, seq, h, d], read in place), here at d = 64 to interpret quickly: against
+    ``jax.nn.dot_product_attention`` in f32, and lowered for CUDA."""
     b, h, q, x, d = nc.axes("b h q x d", d=64)
     att = nc.library.attention(q, x, d, batch=(b, h), seq_at=1, causal=causal, dtype=nc.bf16)
     sched = derive(att, tile(q, 128), stream(x, 128), verify=False)
@@ -205,7 +205,7 @@ def test_auto_keeps_inputs_mosaic_was_not_measured_on_on_triton(monkeypatch):
     b, q, x, d = nc.axes("b q x d", d=128)
     docs = nc.library.dot_product_attention(q, x, d, dtype="bf16", batch=(b,), segment_batch=(b,))
     auto = lower(derive(docs, tile(q, 128), stream(x, 128), verify=False), backend="auto", interpret=False)
-    on_mosaic = [r for r, b in auto.backends.items() if b == "mosaic"]
+    on_mosaic = [role for role, backend in auto.backends.items() if backend == "mosaic"]
     assert on_mosaic == ["backward kernel Δ (tile(q, 128))"], auto.backends
     assert "input q/128:i32@HBM: a kernel reading integers (segment ids) never finished" in auto.refused["forward"]
     with pytest.raises(NotLowerable, match=r"reading integers .* the Triton backend takes it"):
