@@ -106,8 +106,11 @@ class Smem:
         return self.ref
 
     def value(self):
-        """The operand loaded into registers."""
-        return plgpu.load(self.ready(), layout=self.layout)
+        """The operand loaded into registers; integers (segment ids) as f32, the precision every generator computes
+        in (``xp.f32``): cast after their broadcast, they sent Mosaic GPU's layout inference (jax 0.11.2) into a search
+        of minutes that found no layout, the 'hang' of docs/mosaic.md v6."""
+        v = plgpu.load(self.ready(), layout=self.layout)
+        return v.astype(jnp.float32) if jnp.issubdtype(self.dtype, jnp.integer) else v
 
     def along(self, axis: int) -> Smem:
         """A vector as the rows (``axis`` 0) or the columns (1) of the blocks it is broadcast against."""
@@ -457,11 +460,6 @@ class MosaicLowered:
                 )
             if len(w.axes) == 2 and w.dtype.bits != 16:
                 raise NotLowerable(f"input {w.describe()}: wgmma takes 16-bit operands, got {w.dtype}")
-            if len(w.axes) == 1 and jnp.issubdtype(w.dtype.jnp, jnp.integer):
-                raise NotLowerable(
-                    f"input {w.describe()}: a kernel reading integers (segment ids) never finished when compiled on "
-                    "an H100 (75 s at N = 1024, forward and backward; it runs interpreted); the Triton backend takes it"
-                )
         for w in self.d.cod.inside:
             if self._role(w) != "tile" or w.names[0] != self.q:
                 raise NotLowerable(
