@@ -38,7 +38,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from lowering._plan import NotLowerable, Plan, base2, plan, unweave
-from lowering._triton import _visited, affine_mask, heavy_last, interpreted, tiled_first
+from lowering._triton import (
+    _combine,
+    _segment_bounds,
+    _visited,
+    affine_mask,
+    heavy_last,
+    interpreted,
+    segments,
+    tiled_first,
+)
 from napkin_cat.diagram import Diagram
 from napkin_cat.generators import JAX, Context
 from napkin_cat.hardware import H100
@@ -451,6 +460,11 @@ class MosaicLowered:
         #: the affine masks reading the streamed axis (causal, sliding window, prefix; a mask's backward ``Kept``),
         #: by box: the chunks they hide are never loaded, those they keep whole run without them (block sparsity)
         self.masks = {id(b): m for b in self.d.boxes if (m := affine_mask(b)) is not None and self.x in m.axes}
+        #: the segment masks over the split axis and the streamed one (documents): the wrapper finds from the ids
+        #: which chunks each tile visits and keeps whole (``lowering._triton.segment_blocks``), as Triton's does
+        self.segments = tuple(m for m in segments(self.d, p) if m.axis == self.q)
+        #: the boxes a chunk kept whole by every mask runs without
+        self.hidden = set(self.masks) | {id(m.box) for m in self.segments}
         for w in self.d.dom.inside:
             role = self._role(w)
             if role is None:
@@ -766,7 +780,7 @@ class MosaicLowered:
             kernel_name="napkin_mosaic",
             interpret=plgpu.InterpretGPUParams() if self.interpret else None,
         )
-        return call(*arrays)
+        return call(*arrays, *(_segment_bounds(p, m, arrays, extent) for m in self.segments))
 
 
 class _Kernel:
@@ -794,10 +808,12 @@ class _Kernel:
             acc *= n
         return out
 
-    def visited(self, bid, lo, n) -> tuple:
+    def visited(self, bid, tile, lo, n, bounds=()) -> tuple:
         """The chunks rows ``[lo, lo + n)`` of the split axis visit, ``first ≤ full_lo ≤ full_hi ≤ last``: the masks
         hide every chunk outside ``[first, last)`` and keep ``[full_lo, full_hi)`` whole (``lowering._triton``'s
-        rule, on the same :class:`~napkin_cat.library.Affine` intervals)."""
+        rule, on the same :class:`~napkin_cat.library.Affine` intervals), intersected with the ranges the wrapper
+        found for this ``tile`` from the segment ids (``bounds``: one HBM ref per segment mask; a tile's ranges
+        hold for any of its rows, so producer and consumers agree on them)."""
         low = self.low
         ranges = {low.q: (lo, lo + n)} | {a: (0, self.extent[a]) for a in low.plan.whole}
         ranges |= {
@@ -805,6 +821,10 @@ class _Kernel:
         }
         ranges |= {a: (i, i + 1) for a, i in self._batch(bid).items()}
         visit = _visited(low.masks.values(), low.x, low.s, self.n_chunks, ranges, self.extent[low.x])
+        batch = self._batch(bid)
+        for ref in bounds:  # [batch axes the ids have (else 1), tiles, 4]
+            at = [batch[a] if n > 1 else _i32(0) for a, n in zip(low.plan.batch, ref.shape, strict=False)]
+            visit = _combine(visit, tuple(ref[(*at, tile, _i32(k))] for k in range(4)))
         return tuple(v.astype(jnp.int32) for v in visit)
 
     def _index(self, wire, bid, **blocks):
@@ -846,8 +866,9 @@ class _Kernel:
     def __call__(self, *refs):
         low, c = self.low, self.low.config
         full = low.plan.diagram
-        n_in, n_out = len(full.dom), len(full.cod)
+        n_in, n_out = len(full.dom) + len(low.segments), len(full.cod)
         in_refs, out_refs, scratch = refs[:n_in], refs[n_in : n_in + n_out], refs[n_in + n_out :]
+        in_refs, bounds = in_refs[: len(full.dom)], in_refs[len(full.dom) :]
         rings, tiles, outs, loaded, consumed, arrived = scratch[:6]
         turn = scratch[6][0] if scratch[6] else None
         staging = scratch[7][0] if len(scratch) > 7 else None
@@ -858,8 +879,8 @@ class _Kernel:
         g = low.plan.tiles[low.q]
         # the chunks [first, chunks) this block streams: those some row of its tile sees
         first, chunks = _i32(0), _i32(self.n_chunks)
-        if low.masks:
-            first, _, _, chunks = self.visited(bid, tile * g, g)
+        if low.hidden:
+            first, _, _, chunks = self.visited(bid, tile, tile * g, g, bounds)
         if not self.streamed:  # no loop (the backward's Δ): the producer has nothing to fill
             chunks = _i32(0)
         consumer_regs, producer_regs = c.registers()
@@ -882,6 +903,7 @@ class _Kernel:
                 bid,
                 tile,
                 (first, chunks),
+                bounds,
             )
 
         @pl.when(wg == c.consumers)
@@ -919,7 +941,22 @@ class _Kernel:
                 plgpu.barrier_wait(consumed[k].at[lax.rem(chunk, _i32(stages))])
 
     def consume(
-        self, in_refs, out_refs, rings, tiles, outs, loaded, consumed, arrived, staging, turn, wg, bid, tile, block
+        self,
+        in_refs,
+        out_refs,
+        rings,
+        tiles,
+        outs,
+        loaded,
+        consumed,
+        arrived,
+        staging,
+        turn,
+        wg,
+        bid,
+        tile,
+        block,
+        bounds,
     ):
         from rewrites import walk
 
@@ -940,7 +977,7 @@ class _Kernel:
         def skipping(unmasked):
             def skip(box):
                 box_at[0] = box
-                return unmasked and id(box) in low.masks
+                return unmasked and id(box) in low.hidden
 
             return skip
 
@@ -1028,8 +1065,8 @@ class _Kernel:
                     pingpong.schedule()
 
         first, chunks = block
-        if low.masks:  # this consumer's rows: chunks hidden from them observed, whole ones unmasked, cut ones masked
-            lo, full_lo, full_hi, hi = self.visited(bid, start, rows)
+        if low.hidden:  # this consumer's rows: chunks hidden from them observed, whole ones unmasked, cut ones masked
+            lo, full_lo, full_hi, hi = self.visited(bid, tile, start, rows, bounds)
             observe(first, lo)
             carry = lax.fori_loop(lo, full_lo, body(False), init)
             carry = lax.fori_loop(full_lo, full_hi, body(True), carry)

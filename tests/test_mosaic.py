@@ -256,6 +256,25 @@ def test_segment_ids_run_on_mosaic_and_lower_for_cuda(key):
             assert "mosaic_gpu" in jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def test_mosaic_skips_the_chunks_segment_ids_hide(key):
+    """Block sparsity from the ids (``segment_blocks``, as on Triton): with documents [0, 128), [128, 192) and
+    [192, 256), the first query tile never loads the second key chunk, whose values are NaN: its rows stay finite
+    and right, while the second tile, which reads them, gives NaN. Every kernel of the backward finds the mask."""
+    b, q, x, d = nc.axes("b q x d", d=64)
+    docs = nc.library.dot_product_attention(q, x, d, dtype="bf16", batch=(b,), segment_batch=(b,))
+    kernel = lower(derive(docs, tile(q, 128), stream(x, 128), verify=False), backend="mosaic", interpret=True)
+    # the backward recomputes the mask and differentiates it: two boxes each hide; Δ has no loop
+    assert [len(k.segments) for k in (kernel.forward, *kernel.kernels)] == [1, 1, 0, 2, 2]
+    Q, K, V = inputs(key, (1, 256, 64))
+    ids = jnp.repeat(jnp.array([[0, 1, 2]]), jnp.array([128, 64, 64]), axis=1, total_repeat_length=256)
+    keep = ids[:, :, None] == ids[:, None, :]
+    s = jnp.einsum("bqd,bkd->bqk", *(a.astype(jnp.float32) for a in (Q, K))) / 8.0
+    want = jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(jnp.where(keep, s, -jnp.inf), axis=-1), V.astype(jnp.float32))
+    out = kernel(Q, K, V.at[:, 128:].set(jnp.nan), ids, ids)
+    assert relative_error(out[:, :128], want[:, :128]) <= BF16
+    assert bool(jnp.isnan(out[:, 128:]).all())
+
+
 def test_auto_runs_shapes_of_ragged_blocks_on_triton_and_says_so(monkeypatch, key):
     """Axis sizes known only when called: Mosaic pads nothing, so a shape that is not whole blocks runs on the
     Triton kernel of the same diagram (which pads), recorded per shape."""

@@ -12,6 +12,8 @@ skip by: it visits every block). Cases:
   ``is_causal=True`` and no ids: the same work without reading ids, the bound packing is measured against;
 * ``documents 8 ragged``: 8 documents of random lengths (boundaries off the blocks);
 * ``documents 8 as a mask array``: the same mask as ``documents 8``, no skipping (the cost without it);
+* ``documents 8 (mosaic)`` and ``documents 8 + causal (mosaic)``: those cases with ``backend="mosaic"``
+  (``"auto"`` keeps kernels reading segment ids on Triton until they are measured faster; GPU only);
 * ``cudnn causal`` and ``cudnn 8 sequences + causal``: cuDNN (``jax.nn.dot_product_attention``) on the
   ``causal`` and ``8 sequences + causal`` shapes, in the same run: how much of the drop in TFLOP/s from
   N = 8192 to sequences of N/8 a hand-written kernel shows too (GPU only; ``--quick`` leaves them out).
@@ -101,8 +103,11 @@ def case(name: str, n: int, batch: int, interpret: bool):
     if "mask array" in name:
         mask = jnp.asarray(ids[:, None, :, None] == ids[:, None, None, :])
         return (lambda q, k, v: nc.attention(q, k, v, mask=mask, interpret=interpret)), ids, causal
-    segments = jnp.asarray(ids)
-    fn = lambda q, k, v: nc.attention(q, k, v, is_causal=causal, segment_ids=segments, interpret=interpret)  # noqa: E731
+    segments, backend = jnp.asarray(ids), "mosaic" if "(mosaic)" in name else "auto"
+
+    def fn(q, k, v):
+        return nc.attention(q, k, v, is_causal=causal, segment_ids=segments, interpret=interpret, backend=backend)
+
     return fn, ids, causal
 
 
@@ -113,6 +118,8 @@ CASES = (
     "8 sequences + causal",
     "documents 8 ragged",
     "documents 8 as a mask array",
+    "documents 8 (mosaic)",
+    "documents 8 + causal (mosaic)",
     "cudnn causal",
     "cudnn 8 sequences + causal",
 )
@@ -174,8 +181,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--cases", default=None, help="comma-separated, of: " + ", ".join(CASES) + " (default: all)")
     args = ap.parse_args(argv)
     interpret = args.quick
-    if args.cases is None:  # cuDNN runs only on a GPU
-        args.cases = ",".join(c for c in CASES if not (interpret and c.startswith("cudnn")))
+    if args.cases is None:  # cuDNN and Mosaic run only on a GPU
+        args.cases = ",".join(c for c in CASES if not (interpret and (c.startswith("cudnn") or "(mosaic)" in c)))
     B, N, H, D = (1, 256, 2, 16) if args.quick else (2, 8192, 16, 128)
     start = time.time()
     result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "argv": argv, "rows": [], "checks": {}}
