@@ -33,7 +33,7 @@ from lowering._mosaic import (
     faster,
     unavailable,
 )
-from lowering._plan import NotLowerable, plan
+from lowering._plan import NotLowerable, kept_whole, plan
 from lowering._search import refine
 from lowering._tiles import Choice, Chunks, choose_tiles, missing_sizes
 from lowering._triton import Config, Lowered, interpreted, launch, target_hardware
@@ -41,7 +41,7 @@ from napkin_cat.diagram import Diagram
 from napkin_cat.errors import CostError, EvaluationError, NapkinError
 from napkin_cat.hardware import Hardware, lookup
 from napkin_cat.semantics import to_jax
-from rewrites import open_sizes, resolve
+from rewrites import bind_sizes, open_sizes, resolve
 
 Differentiation = Literal["lowered", "reference", "none"]
 
@@ -144,10 +144,14 @@ def _tiles(d: Diagram) -> dict[str, int]:
 
 
 class OpenKernel:
-    """A lowered diagram whose open partition sizes depend on sizes known only when it is called: each call
-    reads the axis sizes from the arrays' shapes, and the :class:`Kernel` chosen for them (from the cost
-    model, :func:`lowering.choose_tiles`) is built once per sizes and called. ``at(**sizes)`` builds it
-    without calling; ``tiles`` and ``choice`` are those of the last kernel built (None before).
+    """A lowered diagram whose kernels depend on sizes known only when it is called: open partition sizes
+    (chosen from the cost model, :func:`lowering.choose_tiles`), or under ``backend="auto"`` on an sm_90 GPU the
+    sizes of axes kept whole (a head dim), which Mosaic's registers and shared memory, hence the choice of
+    backend, depend on (bound with :func:`rewrites.bind_sizes`). Each call reads the axis sizes from the arrays'
+    shapes, and the :class:`Kernel` for them is built once per sizes it depends on (``keys``: those axes' names;
+    None: every axis) and called. ``at(**sizes)`` builds it without calling. ``tiles``, ``choice`` and what a
+    :class:`Kernel` says of itself (``backend``, ``backends``, ``refused``, ``differentiation``, ``why_not``,
+    ``kernels``, ``forward``, ``source``) are those of the last kernel built (None before the first).
 
     >>> import jax
     >>> import napkin_cat as nc
@@ -161,13 +165,22 @@ class OpenKernel:
     ((40, 16), {'g_q': 64, 's_x': 64})
     """
 
-    def __init__(self, diagram: Diagram, build: Callable[[dict], Kernel]):
-        self.diagram, self._build, self._built, self._last = diagram, build, {}, None
+    #: what the last kernel built says of itself (:class:`Kernel`), None before the first
+    LAST = ("backend", "backends", "refused", "differentiation", "why_not", "kernels", "forward", "source")
+
+    def __init__(self, diagram: Diagram, build: Callable[[dict], Kernel], keys: tuple[str, ...] | None = None):
+        self.diagram, self._build, self._built, self._last, self._keys = diagram, build, {}, None, keys
         self.__name__ = "napkin_kernel"
+
+    def __getattr__(self, name):
+        if name in OpenKernel.LAST:
+            last = self.__dict__.get("_last")
+            return None if last is None else getattr(last, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def at(self, **sizes: int) -> Kernel:
         """The kernel for these axis sizes (by name), chosen and built on first use."""
-        key = tuple(sorted(sizes.items()))
+        key = tuple(sorted((a, n) for a, n in sizes.items() if self._keys is None or a in self._keys))
         if key not in self._built:
             self._built[key] = self._build(dict(sizes))
         self._last = self._built[key]
@@ -404,12 +417,18 @@ def lower(
         hw = None if hardware is None else lookup(hardware)
     except CostError as e:
         raise NotLowerable(f"lower: {e}") from e
-    opens = open_sizes(d)
+    opens, late = open_sizes(d), _late_sizes(d, backend, interpret, config)
     if not opens:
         for what, given in (("search=True", search), ("sizes=", sizes)):
             if given:
                 raise NotLowerable(f"lower({what}): the diagram leaves no partition size open to choose")
-        return _lower(d, backend, interpret, config, backward, hw)
+        if not late:
+            return _lower(d, backend, interpret, config, backward, hw)
+
+        def bound(at: dict) -> Kernel:
+            return _lower(bind_sizes(d, {a: at[a] for a in late}), backend, interpret, config, backward, hw)
+
+        return OpenKernel(d, bound, keys=late)
     axes = {a.name for w in (*d.dom.inside, *d.cod.inside) for a in w.axes}
     if unknown := sorted(set(sizes or {}) - axes):
         here = ", ".join(sorted(axes))
@@ -424,20 +443,39 @@ def lower(
     stages = config.num_stages if isinstance(config, Config) else 3  # Config.get_default's pipeline depth
 
     def build(at: dict) -> Kernel:
-        choice = choose_tiles(d, target, at, stages=stages)
+        d_at = bind_sizes(d, {a: at[a] for a in late})
+        choice = choose_tiles(d_at, target, at, stages=stages)
         chosen = config
         if search:
 
             def make(sizes, cfg):
-                return _lower(resolve(d, sizes), "triton", False, cfg, "reference", target)
+                return _lower(resolve(d_at, sizes), "triton", False, cfg, "reference", target)
 
-            choice, chosen = refine(d, choice, make)
-        return _lower(resolve(d, choice.sizes), backend, interpret, chosen, backward, target, choice)
+            choice, chosen = refine(d_at, choice, make)
+        return _lower(resolve(d_at, choice.sizes), backend, interpret, chosen, backward, target, choice)
 
     given = dict(sizes or {})
     if not missing_sizes(d, given):
         return build(given)
     return OpenKernel(d, lambda at: build({**given, **at}))
+
+
+def _late_sizes(d: Diagram, backend: str, interpret, config) -> tuple[str, ...]:
+    """The axes kept whole whose sizes ``d`` leaves symbolic, where ``backend="auto"`` may take Mosaic (an sm_90
+    GPU): its choice reads them (:func:`lowering._mosaic.faster`, Mosaic's registers), so :func:`lower` binds them
+    at the call; else ().
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> q, x, d = nc.axes("q x d")
+    >>> _late_sizes(derive(nc.library.attention(q, x, d), tile(q, 128), stream(x, 64), verify=False).diagram,
+    ...             "auto", None, None)  # on a CPU, auto takes Triton whatever the sizes
+    ()
+    """
+    if backend != "auto" or unavailable(interpret, config) is not None:
+        return ()
+    size = {a.name: a.size for w in d.dom.inside for a in w.axes}
+    return tuple(a for a in kept_whole(d) if not size[a].is_number)
 
 
 def _blocks(d: Diagram, backend: str, interpret, config) -> dict:

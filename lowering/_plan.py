@@ -118,9 +118,25 @@ def plan(d: Diagram) -> Plan:
         )
     streamed = {stream[0]} if stream else set()
     batch = tuple(n for n in names if n not in mixed and n not in tiles and n not in streamed)
-    whole = tuple(n for n in names if n in mixed and n not in streamed and n not in tiles)
+    whole = kept_whole(d)
     _check_contractions(d, streamed)
     return Plan(dict(tiles), stream, batch, whole, d)
+
+
+def kept_whole(d: Diagram) -> tuple[str, ...]:
+    """The axes every block of a kernel of ``d`` holds whole: some box combines elements along them, and they are
+    neither tiled nor streamed (:attr:`Plan.whole`; read without planning, so with partition sizes still open).
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import tile, stream
+    >>> b, q, x, d = nc.axes("b q x d")
+    >>> kept_whole(stream(x)(tile(q)(nc.library.attention(q, x, d, batch=(b,)))))
+    ('d',)
+    """
+    tiles, streams = partitions(d)
+    mixed = {n for box in d.boxes if isinstance(box, Generator) and not box.transfers for n in box.mixes}
+    names = dict.fromkeys(n for w in (*d.dom.inside, *d.cod.inside) for n in w.names)
+    return tuple(n for n in names if n in mixed and n not in tiles and n not in streams)
 
 
 def _check_unit_stream(d: Diagram, x: str):

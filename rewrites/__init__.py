@@ -38,7 +38,7 @@ from rewrites._io_aware import (
 from rewrites._level import level
 from rewrites._proofs import Proof, prove_accumulator, prove_equivalent, prove_monoid
 from rewrites._pseudocode import pseudocode
-from rewrites._rule import AUTO, OpenSize, RewriteError, Rule, open_sizes, resolve
+from rewrites._rule import AUTO, OpenSize, RewriteError, Rule, bind_sizes, open_sizes, resolve
 from rewrites._schedule import execute, partitions, walk
 from rewrites._split import split
 from rewrites._stream import fuse_softmax_contract, stream, streamability
@@ -46,11 +46,55 @@ from rewrites._tile import tile
 from rewrites._verify import Trial, Verification, random_inputs, relative_error, tolerance
 
 __all__ = [
-    "DeviceDerivation", "DeviceRule", "DeviceStep", "Sequence", "Sharded", "chunking", "derive_devices",  # devices
-    "execute_devices", "has_causal_mask", "merge_lse", "pair_diagrams", "ring", "shard", "zigzag",  # (rewrites._device)
-    "AUTO", "Derivation", "OpenSize", "Proof", "Residual", "RewriteError", "Rule", "Step", "Trial", "Verification",
-    "delta_lemma", "derive", "execute", "fuse_softmax_contract", "level", "lse_residual", "narrow_operands",
-    "open_sizes", "partitions", "prove_accumulator", "prove_equivalent", "prove_lemmas", "prove_monoid", "pseudocode",
-    "random_inputs", "reduced", "relative_error", "resolve", "row_weight_lemma", "split", "stream", "streamability",
-    "tile", "tolerance", "walk", "widened",
+    "DeviceDerivation",
+    "DeviceRule",
+    "DeviceStep",
+    "Sequence",
+    "Sharded",
+    "chunking",
+    "derive_devices",  # devices
+    "execute_devices",
+    "has_causal_mask",
+    "merge_lse",
+    "pair_diagrams",
+    "ring",
+    "shard",
+    "zigzag",  # (rewrites._device)
+    "AUTO",
+    "Derivation",
+    "OpenSize",
+    "Proof",
+    "Residual",
+    "RewriteError",
+    "Rule",
+    "Step",
+    "Trial",
+    "Verification",
+    "bind_sizes",
+    "delta_lemma",
+    "derive",
+    "execute",
+    "fuse_softmax_contract",
+    "level",
+    "lse_residual",
+    "narrow_operands",
+    "open_sizes",
+    "partitions",
+    "prove_accumulator",
+    "prove_equivalent",
+    "prove_lemmas",
+    "prove_monoid",
+    "pseudocode",
+    "random_inputs",
+    "reduced",
+    "relative_error",
+    "resolve",
+    "row_weight_lemma",
+    "split",
+    "stream",
+    "streamability",
+    "tile",
+    "tolerance",
+    "walk",
+    "widened",
 ]

@@ -12,8 +12,10 @@ from typing import NamedTuple
 
 import sympy
 
+from napkin_cat.axes import Axis
 from napkin_cat.diagram import Diagram
 from napkin_cat.errors import NapkinError
+from napkin_cat.generators import Generator
 
 #: what ``tile(a, AUTO)`` / ``stream(x, AUTO)`` (or no size at all) write: the size is left open
 AUTO = "auto"
@@ -161,6 +163,36 @@ def resolve(d: Diagram, sizes: dict) -> Diagram:
         return a if a.group is None and a.stream is None else a.tiled(label(a.group)).streamed(label(a.stream))
 
     return d.map_arrays(lambda w: w.with_(axes=[axis(a) for a in w.axes]))
+
+
+def bind_sizes(d: Diagram, sizes: dict) -> Diagram:
+    """``d`` with the sizes of the axes named in ``sizes`` bound to those integers, on every wire and in every
+    box's parameters (attention's scale 1/√d): what a call's arrays say, fixed in the diagram, so that what
+    depends on them (a backend's registers and shared memory) is known when it is lowered.
+
+    >>> import napkin_cat as nc
+    >>> q, x, d = nc.axes("q x d")
+    >>> bound = bind_sizes(nc.library.attention(q, x, d), {"d": 64})
+    >>> bound.dom.inside[0].axis("d").size, [str(b.params["scale"]) for b in bound.boxes if "scale" in b.params]
+    (64, ['1/8'])
+    """
+    symbols = {s for w in (*d.dom.inside, *d.cod.inside) for a in w.axes for s in a.size.free_symbols}
+    bind = {s: sympy.Integer(sizes[str(s)]) for s in symbols if str(s) in sizes}
+    if not bind:
+        return d
+
+    def axis(a):
+        size = a.size.xreplace(bind)
+        return a if size == a.size else Axis(a.name, size, group=a.group, stream=a.stream, split=a.split)
+
+    def box(b):
+        if not isinstance(b, Generator) or not b.data:
+            return b
+        data = tuple((k, v.xreplace(bind) if isinstance(v, sympy.Basic) else v) for k, v in b.data)
+        return type(b)(b.name, b.dom, b.cod, data=data)
+
+    sized = d.map_arrays(lambda w: w.with_(axes=[axis(a) for a in w.axes]))
+    return sized.with_layers((left, box(b), right) for left, b, right in sized.inside)
 
 
 def axis_names(d: Diagram) -> set[str]:

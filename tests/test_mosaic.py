@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import napkin_cat as nc
-from lowering import MosaicConfig, MosaicLowered, NotLowerable, lower, plan
+from lowering import MosaicConfig, MosaicLowered, NotLowerable, OpenKernel, lower, plan
 from lowering import _mosaic as mosaic
 from lowering import _triton as lowering_triton
 from napkin_cat.drawing import draw
@@ -197,6 +197,25 @@ def test_auto_takes_mosaic_per_kernel_where_measured_faster(monkeypatch):
         fixed.backend == "triton"
         and "axis 'q' of size 1000: the Mosaic backend needs whole blocks of 256" in (fixed.refused["forward"])
     )
+
+
+def test_auto_binds_a_symbolic_head_dim_at_the_call(monkeypatch):
+    """A diagram whose head dim is symbolic (every ``nc.library`` variant, drawn with ``nc.axes("q x d")``) under
+    'auto' on sm_90: Mosaic's registers depend on the head dim, so ``lower`` binds it at the call
+    (:func:`rewrites.bind_sizes`), one kernel per head dim whatever the sequence lengths. At D = 128 every
+    kernel runs on Mosaic; at D = 96, which Mosaic was never measured at, on Triton, saying so."""
+    monkeypatch.setattr(mosaic.jax, "devices", lambda: [Hopper()])
+    b, h, q, x, d = nc.axes("b h q x d")
+    soft = nc.library.multi_head_attention(h, q, x, d, batch=(b,), dtype="bf16", score_mod=soft_cap, causal=True)
+    kernel = lower(derive(soft, tile(q, 128), stream(x, 128), verify=False), backend="auto", interpret=False)
+    assert isinstance(kernel, OpenKernel) and kernel.backend is None
+    at128 = kernel.at(b=1, h=2, q=256, x=256, d=128)
+    assert kernel.at(b=2, h=4, q=1024, x=512, d=128) is at128 and kernel.backend == "mosaic"
+    assert set(at128.backends.values()) == {"mosaic"}, at128.backends
+    assert at128.forward.whole() == {"d": 128} and at128.diagram.dom.inside[0].axis("d").size == 128
+    at96 = kernel.at(b=1, h=2, q=256, x=256, d=96)
+    assert at96.backend == "triton" and "whole axis d = 96" in at96.refused["forward"]
+    assert lower(derive(soft, tile(q, 128), stream(x, 128), verify=False), backend="triton").backend == "triton"
 
 
 def test_auto_keeps_inputs_mosaic_was_not_measured_on_on_triton(monkeypatch):

@@ -190,17 +190,19 @@ def _sigmoid_scores(s, i, j, extra, z):
     return jnp.where(j <= i, s - np.log(z.seq), -jnp.inf)
 
 
-def _napkin_axes():
+def _napkin_axes(head_dim: int):
+    """The axes with the head dim bound (``lower`` would bind it at the first call; bound here, the kernel and
+    what it says of itself, ``differentiation`` and ``backends``, are there before it)."""
     import napkin_cat as nc
 
-    return nc, nc.library, nc.axes("b h q x d")
+    return nc, nc.library, nc.axes("b h q x d", d=head_dim)
 
 
 def _diagram(build: Callable) -> Callable:
     """A diagram builder on the batch and head axes: ``build(L, z, b, h, q, x, d, kw)``."""
 
     def make(z: Sizes):
-        nc, L, (b, h, q, x, d) = _napkin_axes()
+        nc, L, (b, h, q, x, d) = _napkin_axes(z.head_dim)
         kw = dict(scale=z.scale, dtype={"bf16": nc.bf16, "fp16": nc.f16, "f32": nc.f32}[z.dtype])
         return build(nc, L, z, b, h, q, x, d, kw), (q, x)
 
