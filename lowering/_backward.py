@@ -294,7 +294,7 @@ def backward_of(
             # every keyed axis kept, batch axes summed (a bias shared by the batch): the kernel streams one of
             # them an element at a time and sums it in registers, rather than writing it out to sum after
             along, extra = extra[0].name, extra[1:]
-        wide = widened(t, ct, extra)
+        wide = widened(t, ct, extra, frozenset(keyed))
         if wide is None:
             wide, extra = ct, ()
         left = [a for a in dict.fromkeys((*keyed, along)) if a is not None and a not in t.ty(wide).names]
@@ -303,7 +303,7 @@ def backward_of(
                 f"the cotangent of input {i} ({t.ty(ct).describe()}) sums {left}; one kernel streams one axis"
             )
         kept = tuple(a for a in keyed if a not in left)
-        summed = tuple(range(len(names), len(names) + len(extra)))
+        summed = tuple(t.ty(wide).names.index(a.name) for a in extra)
         if narrow and not summed:  # stored in the input's dtype by the kernel: no f32 copy written, read, cast
             wide = t.cast(wide, d.dom.inside[i].dtype)
         schedules.setdefault((kept, tuple(left)), []).append((i, wide, summed))

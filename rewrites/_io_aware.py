@@ -371,12 +371,14 @@ def reduced(t: Tape, name: str) -> tuple[Axis, ...]:
     return ()
 
 
-def widened(t: Tape, name: str, extra: tuple[Axis, ...]) -> str | None:
-    """The cotangent ``name`` with the axes ``extra`` kept (appended last) instead of summed by the
-    contraction making it, or None where that contraction does not sum them all (or a box between
-    is not a cast or a sum of equally typed cotangents). Summing ``extra`` afterwards gives ``name``.
+def widened(t: Tape, name: str, extra: tuple[Axis, ...], inner: frozenset = frozenset()) -> str | None:
+    """The cotangent ``name`` with the axes ``extra`` kept instead of summed by the contraction making it (those
+    named in ``inner``, a kernel's block axes, after its own, the others, grid axes, before them: its innermost
+    axis stays one a block holds contiguously, which TMA needs), or None where that contraction does not sum them
+    all (or a box between is not a cast or a sum of equally typed cotangents). Summing ``extra`` afterwards gives
+    ``name``.
 
-    rewrite: Σ_{x,g} A·B → [x]   →   Σ_x A·B → [x, g], then Σ_g.
+    rewrite: Σ_{x,g} A·B → [x]   →   Σ_x A·B → [g, x] (or [x, g] with g inner), then Σ_g.
 
     >>> import napkin_cat as nc
     >>> from rewrites import fuse_softmax_contract
@@ -384,7 +386,7 @@ def widened(t: Tape, name: str, extra: tuple[Axis, ...]) -> str | None:
     >>> gqa = nc.library.grouped_query_attention(hk, g, q, x, d)
     >>> t, (dq, dk, dv) = nc.pullback(fuse_softmax_contract(gqa, "x"))
     >>> print(t.ty(dk), "→", t.ty(widened(t, dk, (g,))))
-    hk×x×d → hk×x×d×g
+    hk×x×d → g×hk×x×d
     """
     if not extra:
         return name
@@ -393,17 +395,17 @@ def widened(t: Tape, name: str, extra: tuple[Axis, ...]) -> str | None:
         return None
     box, ins, _ = step
     ty = t.ty(name)
-    wide = ty.with_(axes=[*ty.axes, *extra])
+    wide = ty.with_(axes=[*(a for a in extra if a.name not in inner), *ty.axes, *(a for a in extra if a.name in inner)])
     if isinstance(box, g.Contract):
         have = {n for i in ins for n in t.ty(i).names}
         if any(a.name in ty.names or a.name not in have for a in extra):
             return None
         return t.contract(list(ins), wide, box.params.get("scale"))
     if isinstance(box, g.Cast):
-        inner = widened(t, ins[0], extra)
-        return None if inner is None else t(g.cast(t.ty(inner), ty.dtype), inner)
+        wider = widened(t, ins[0], extra, inner)
+        return None if wider is None else t(g.cast(t.ty(wider), ty.dtype), wider)
     if isinstance(box, g.Elementwise) and box.params["fn"] == "add" and all(t.ty(i) == ty for i in ins):
-        parts = [widened(t, i, extra) for i in ins]
+        parts = [widened(t, i, extra, inner) for i in ins]
         return None if None in parts else t.ew("add", *parts, out=wide)
     return None
 

@@ -74,7 +74,7 @@ def test_gqa_sums_the_group_after_the_kernel(seed, key):
     nq, nx = sizes(seed)
     kernel = lower(derive(nc.library.grouped_query_attention(hk, g, q, x, d, causal=True), tile(q, 16), stream(x, 16)))
     (dkv,) = [p for p in backward_of(kernel.diagram).pieces if p.outputs == (1, 2)]
-    assert [str(w) for w in dkv.diagram.cod] == ["hk×x×d×g", "hk×x×d×g"] and dkv.sums == ((3,), (3,))
+    assert [str(w) for w in dkv.diagram.cod] == ["g×hk×x×d", "g×hk×x×d"] and dkv.sums == ((0,), (0,))
 
     def reference(Q, K, V):
         s = jnp.einsum("kgqd,kxd->kgqx", Q, K) / 4.0
@@ -110,7 +110,8 @@ def test_soft_cap_window_and_learnable_bias_with_qk_dim_other_than_v_dim(seed, k
 
 def test_index_bias_with_learnable_slopes_and_key_bias(seed, key):
     """ALiBi-like: S − slope[h]·|q − x| + b[x]; slope's cotangent keeps the queries (summed after the
-    dQ kernel), b's keeps the heads (summed after the dK, dV kernel)."""
+    dQ kernel), b's keeps the heads (summed after the dK, dV kernel); the kept axis goes innermost where the
+    kernel's blocks hold it (q), outermost where the grid does (h)."""
     h, q, x, d = nc.axes("h q x d", h=2, d=16)
     nq, nx = sizes(seed)
     S = Array(h, q, x)
@@ -124,7 +125,7 @@ def test_index_bias_with_learnable_slopes_and_key_bias(seed, key):
     c.let("O", nc.contract("h q x, h x d -> h q d", h, q, x, d), "P", "V")
     kernel = lower(derive(c.diagram("O"), tile(q, 16), stream(x, 16)))
     pieces = {p.outputs: p.sums for p in backward_of(kernel.diagram).pieces if not p.feeds}
-    assert pieces == {(0, 3): ((), (1,)), (1, 2, 4): ((), (), (1,))}
+    assert pieces == {(0, 3): ((), (1,)), (1, 2, 4): ((), (), (0,))}  # slope's [h, q] and b's [h, x]: block axes inner
 
     def reference(Q, K, V, slope, b):
         dist = jnp.abs(jnp.arange(nq)[:, None] - jnp.arange(nx)[None, :])

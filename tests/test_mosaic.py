@@ -218,16 +218,60 @@ def test_auto_binds_a_symbolic_head_dim_at_the_call(monkeypatch):
     assert lower(derive(soft, tile(q, 128), stream(x, 128), verify=False), backend="triton").backend == "triton"
 
 
+def test_gqa_backward_runs_on_mosaic(key):
+    """GQA's dK·dV keeps the group axis its cotangent sums over (summed after the kernel): kept outermost, a grid
+    axis, so every block's innermost axis is the head dim, as TMA needs (kept innermost, the compiled kernel failed
+    on the H100: 'TMA requires the stride of the last dimension ... to be 1, but it is 4'). Interpreted against
+    ``jax.vjp`` of GQA written here; lowered for CUDA."""
+    hk, g, q, x, d = nc.axes("hk g q x d", g=2, d=64)
+    gqa = nc.library.grouped_query_attention(hk, g, q, x, d, dtype="bf16", causal=True)
+    sched = derive(gqa, tile(q, 128), stream(x, 128), verify=False)
+    kernel = lower(sched, backend="mosaic", interpret=True)
+    *_, dkv = kernel.kernels
+    assert [str(w) for w in dkv.plan.diagram.cod.inside] == ["g×hk×x/128×d"] * 2
+    ks = jax.random.split(key, 4)
+    Q, dO = (jax.random.normal(k, (2, 2, 256, 64), jnp.bfloat16) for k in ks[:2])
+    K, V = (jax.random.normal(k, (2, 256, 64), jnp.bfloat16) for k in ks[2:])
+
+    def want(Q, K, V):
+        s = jnp.einsum("hgqd,hxd->hgqx", Q, K) / 8.0
+        s = jnp.where(jnp.arange(256)[:, None] >= jnp.arange(256)[None, :], s, -jnp.inf)
+        return jnp.einsum("hgqx,hxd->hgqd", jax.nn.softmax(s, axis=-1), V)
+
+    got = gradients(kernel, Q, K, V, dO)
+    ref = gradients(want, *(a.astype(jnp.float32) for a in (Q, K, V, dO)))
+    for name, gr, w in zip(("O", "dQ", "dK", "dV"), got, ref, strict=True):
+        assert relative_error(gr, w) <= (BF16 if name == "O" else BF16_GRAD), name
+    compiled = lower(sched, backend="mosaic", interpret=False)
+    sq, sk = jax.ShapeDtypeStruct((2, 2, 256, 64), jnp.bfloat16), jax.ShapeDtypeStruct((2, 256, 64), jnp.bfloat16)
+    lowered = jax.jit(lambda *a: gradients(compiled, *a)).trace(sq, sk, sk, sq).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_a_grid_axis_innermost_is_refused_before_compiling():
+    """TMA copies blocks whose innermost axis is contiguous: a wire whose last axis is a grid (batch) axis is
+    refused by name, before anything compiles."""
+    m, k, n, h = nc.axes("m k n h", h=4)
+    c = nc.contract("m k h, k n h -> m n h", m, k, n, h, dtype="bf16", out_dtype="bf16")
+    with pytest.raises(NotLowerable, match=r"input m/128×k~64×h:bf16@HBM: its innermost axis 'h' is a grid \(batch\)"):
+        lower(derive(c, tile(m, 128), tile(n, 64), stream(k, 64), verify=False), backend="mosaic")
+
+
 def test_auto_keeps_inputs_mosaic_was_not_measured_on_on_triton(monkeypatch):
-    """Segment ids (and bias or mask arrays) were never timed on Mosaic: on sm_90 'auto' keeps each kernel that
-    reads them on Triton, naming the input; Δ, which reads only O and dO, still runs on Mosaic."""
+    """Bias and mask arrays were never timed on Mosaic: on sm_90 'auto' keeps each kernel that reads them on
+    Triton, naming the input; Δ, which reads only O and dO, still runs on Mosaic. Segment ids were measured
+    faster (docs/mosaic.md v7): every kernel of the documents' attention runs on Mosaic."""
     monkeypatch.setattr(mosaic.jax, "devices", lambda: [Hopper()])
     b, q, x, d = nc.axes("b q x d", d=128)
-    docs = nc.library.dot_product_attention(q, x, d, dtype="bf16", batch=(b,), segment_batch=(b,))
-    auto = lower(derive(docs, tile(q, 128), stream(x, 128), verify=False), backend="auto", interpret=False)
+    kw = dict(dtype="bf16", batch=(b,), bias_batch=(b,), bias_dtype="bf16")
+    biased = nc.library.dot_product_attention(q, x, d, **kw)
+    auto = lower(derive(biased, tile(q, 128), stream(x, 64), verify=False), backend="auto", interpret=False)
     on_mosaic = [role for role, backend in auto.backends.items() if backend == "mosaic"]
     assert on_mosaic == ["backward kernel Δ (tile(q, 128))"], auto.backends
-    assert auto.refused["forward"].startswith("input 3 (b×q/128:i32@HBM): Mosaic compiled and measured only on")
+    assert auto.refused["forward"].startswith("input 3 (b×q/128×x~64:bf16@HBM): Mosaic compiled and measured only")
+    docs = nc.library.dot_product_attention(q, x, d, dtype="bf16", batch=(b,), segment_batch=(b,))
+    auto = lower(derive(docs, tile(q, 128), stream(x, 128), verify=False), backend="auto", interpret=False)
+    assert set(auto.backends.values()) == {"mosaic"}, auto.refused
 
 
 @contextlib.contextmanager
