@@ -39,6 +39,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from lowering._plan import NotLowerable, Plan, base2, plan, unweave
 from lowering._triton import (
+    BlockContext,
     _combine,
     _segment_bounds,
     _visited,
@@ -49,7 +50,7 @@ from lowering._triton import (
     tiled_first,
 )
 from napkin_cat.diagram import Diagram
-from napkin_cat.generators import JAX, Context
+from napkin_cat.generators import JAX
 from napkin_cat.hardware import H100
 from napkin_cat.levels import REG
 from napkin_cat.semantics import bind
@@ -210,6 +211,10 @@ class MosaicArrays:
         """``wgmma`` for a 2-operand, 2-D contraction over one axis whose B operand is in shared memory."""
         ins, out = spec.split("->")
         terms = ins.split(",")
+        if len(terms) == 1 and all(a in terms[0] for a in out) and sorted(out, key=terms[0].index) == list(out):
+            # a sum of one array over the axes it drops (a sink's Σ_d dO·O folded): on registers
+            v, gone = self.f32(_value(xs[0])), tuple(i for i, a in enumerate(terms[0]) if a not in out)
+            return self.sum(v, gone) if gone else v
         if len(terms) == 2 and terms[0] == terms[1] and len(terms[0]) == 2 and out in (terms[0][0], terms[0][1]):
             # a row-wise inner product (Δ = Σ_d dO ⊙ O): on registers, no tensor cores
             a, b = (self.f32(_value(v)) for v in xs)
@@ -338,6 +343,13 @@ def choose(d: Diagram, *, interpret: bool | None, config=None) -> tuple[MosaicLo
 #: over D ∈ {64, 128}, N ∈ {2048, 8192}, causal and not); 64-row blocks streaming 64 are not measured since
 #: (before: 253 against 344 at D = 64, N = 2048), so they stay on Triton
 FASTER_ROWS, FASTER_CHUNK, FASTER_WHOLE = 128, 128, (64, 128)
+
+
+#: the forward blocks (tile, chunk) Mosaic was measured fastest at, per head dim, where they differ from the
+#: entry's rule (:func:`lowering._attention.schedule`, FlashAttention-2's, Triton's): at D = 64 a tile of 256
+#: (128 rows per consumer) streaming 128 keys ran at 326–435 TFLOP/s against Triton's 128 × 64 at 282–355
+#: (1.15–1.23×; Mosaic's own 128 × 64 at 259–324), H100, bf16, N ∈ {2048, 8192}, causal and not (docs/mosaic.md v7)
+ENTRY_BLOCKS = {64: (256, 128)}
 
 
 def faster(kernel: MosaicLowered, backward: bool = False) -> str | None:
@@ -469,14 +481,14 @@ class MosaicLowered:
             role = self._role(w)
             if role is None:
                 raise NotLowerable(
-                    f"input {w.describe()}: a block must be 2-D (the tiled or streamed axis, and one whole axis) "
-                    f"or a vector along the tiled or streamed axis"
+                    f"input {w.describe()}: a block must be 2-D (the tiled or streamed axis, and one whole axis), "
+                    f"a vector along the tiled or streamed axis, or one number per program (a scalar)"
                 )
             if len(w.axes) == 2 and w.dtype.bits != 16:
                 raise NotLowerable(f"input {w.describe()}: wgmma takes 16-bit operands, got {w.dtype}")
         for what, wires in (("input", p.diagram.dom.inside), ("output", p.diagram.cod.inside)):
             for w in wires:
-                if w.names[-1] in p.batch:  # e.g. a group sum kept innermost
+                if w.names[-1] in p.batch and not set(w.names) <= set(p.batch):  # e.g. a group sum kept innermost
                     raise NotLowerable(
                         f"{what} {w.describe()}: its innermost axis {w.names[-1]!r} is a grid (batch) axis; TMA copies "
                         "blocks whose innermost axis is contiguous"
@@ -560,18 +572,11 @@ class MosaicLowered:
 
         def probe(*vals):
             fold = lambda acc, st, ins, cc: acc.partial(ins, cc)  # noqa: E731
-            walk(self.d, list(vals), Context(sizes, {}, counting), self.x, "chunk", {}, fold=fold)
+            grid = {a: jnp.int32(0) for a in self.plan.batch}  # the batch indices an index function may read
+            walk(self.d, list(vals), BlockContext(sizes, {}, counting, grid), self.x, "chunk", {}, fold=fold)
 
         blocks = (jax.ShapeDtypeStruct(self.block(w, extent), w.dtype.jnp) for w in self.d.dom.inside)
-        try:
-            jax.eval_shape(probe, *blocks)
-        except KeyError as e:  # an index function read an axis the consumers' context lacks
-            if e.args and e.args[0] in self.plan.batch:
-                raise NotLowerable(
-                    f"an index function reads the grid axis {e.args[0]!r} (as ALiBi reads the head); the Mosaic "
-                    "kernel gives its consumers the block offsets only"
-                ) from None
-            raise
+        jax.eval_shape(probe, *blocks)
         return counting.wgmma
 
     @property
@@ -625,8 +630,11 @@ class MosaicLowered:
 
     def _role(self, w) -> str | None:
         """``stream`` (a ring chunk, whole tile rows when it holds the split axis), ``tile`` (per-consumer rows):
-        2-D blocks, or vectors along the split or the streamed axis (the backward's ``L`` and ``Δ``)."""
+        2-D blocks, or vectors along the split or the streamed axis (the backward's ``L`` and ``Δ``); ``scalar``: one
+        number per program (an attention sink's logit), read from HBM by each consumer."""
         names = w.names
+        if not names:
+            return "scalar"
         if len(names) == 1 and names[0] in (self.q, self.x):
             return "stream" if names[0] == self.x else "tile"
         if len(names) != 2 or len(set(names)) != 2:
@@ -741,6 +749,8 @@ class MosaicLowered:
         c, total = self.config, 0
         for w in self.d.dom.inside:
             ring = self._role(w) == "stream"
+            if self._role(w) == "scalar":  # read from HBM into registers
+                continue
             n = math.prod(self.block(w, extent, ring=ring)) * w.dtype.bytes
             total += n * (c.stages if ring else c.consumers)
         for w in self.own:
@@ -979,8 +989,11 @@ class _Kernel:
             plgpu.copy_gmem_to_smem(view, tiles[k].at[wg], arrived[k].at[wg])
         xp = MosaicArrays(staging.at[wg] if staging is not None else None)
         pingpong = MosaicArrays(xp.staging, turn)
-        ctx = Context(sizes=self.sizes, offsets={low.q: start}, xp=xp)
+        grid = self._batch(bid)  # this program's index along each batch axis (ALiBi reads the head)
+        ctx = BlockContext(sizes=self.sizes, offsets={low.q: start}, xp=xp, grid=grid)
         resident = {i: Smem(tiles[k].at[wg], arrived[k].at[wg]).along(0) for k, i in enumerate(self.resident)}
+        full = low.plan.diagram.dom.inside
+        scalars = {i: in_refs[i][self._index(full[i], bid)] for i, w in enumerate(wires) if low._role(w) == "scalar"}
         for v in resident.values():
             v.ready()  # waited once, before the loop
         box_at = [None]
@@ -1003,7 +1016,7 @@ class _Kernel:
             ring = {
                 i: Smem(rows_of(i, rings[k].at[slot]), loaded[k].at[slot]).along(1) for k, i in enumerate(self.streamed)
             }
-            return [ring.get(i, resident.get(i)) for i in range(len(wires))], ring, slot
+            return [ring.get(i, resident.get(i, scalars.get(i))) for i in range(len(wires))], ring, slot
 
         def traced(f, *args, **kw):
             try:
@@ -1019,7 +1032,7 @@ class _Kernel:
             walk(
                 d,
                 list(vals),
-                Context(self.sizes, {}, counting),
+                BlockContext(self.sizes, {}, counting, {a: jnp.int32(0) for a in grid}),
                 x,
                 "chunk",
                 shapes,
@@ -1041,7 +1054,7 @@ class _Kernel:
                     walk,
                     d,
                     vals,
-                    Context(self.sizes, {low.q: start, x: chunk * s}, pingpong),
+                    BlockContext(self.sizes, {low.q: start, x: chunk * s}, pingpong, grid),
                     x,
                     "chunk",
                     states,
@@ -1094,7 +1107,7 @@ class _Kernel:
                 pingpong.schedule()
 
         states = dict(zip(keys, carry, strict=True))
-        final = [None if w.has(x) else resident[i] for i, w in enumerate(wires)]
+        final = [None if w.has(x) else resident.get(i, scalars.get(i)) for i, w in enumerate(wires)]
         results = traced(walk, d, final, ctx, x, "final", states, skip=skipping(False))
         # every result in registers before any store: an output may overwrite a resident input's tile
         results = [_value(v) for v in results]

@@ -414,11 +414,33 @@ def test_compiled_soft_cap_on_gpu(seed, cap):
     assert max(errors) <= 4e-2, f"relative errors (out, dq, dk, dv) {errors}: NAPKIN_SEED={seed}"
 
 
+def test_the_entrys_blocks_at_head_dim_64_are_mosaics_on_hopper(monkeypatch):
+    """At D = 64 the entry's rule gives FlashAttention-2's 128 × 64, which Mosaic runs slower than Triton; on an
+    sm_90 GPU (compiled, no bias or mask array, which keep the kernels on Triton) it takes Mosaic's measured
+    256 × 128 (``lowering._mosaic.ENTRY_BLOCKS``), and auto runs every kernel on Mosaic."""
+    from lowering import _mosaic, lower
+    from lowering._attention import Signature
+
+    class Hopper:
+        platform, device_kind, compute_capability = "gpu", "NVIDIA H100 80GB HBM3", "9.0"
+
+    x = jnp.zeros((1, 1024, 2, 64), jnp.bfloat16)
+    assert (Signature.of(x, x, x).tile, Signature.of(x, x, x).stream) == (128, 64)  # on the CPU
+    monkeypatch.setattr(_mosaic.jax, "devices", lambda: [Hopper()])
+    sig = Signature.of(x, x, x, interpret=False, is_causal=True)
+    assert (sig.tile, sig.stream) == (256, 128)
+    assert (Signature.of(x, x, x, interpret=True).tile, Signature.of(x, x, x, backend="triton").tile) == (128, 128)
+    bias = jnp.zeros((1, 2, 1024, 1024), jnp.bfloat16)
+    assert (Signature.of(x, x, x, bias, interpret=False).tile, Signature.of(x[:, :100], x, x).tile) == (128, 128)
+    kernel = lower(sig.derivation(), backend="auto", interpret=False)
+    assert set(kernel.backends.values()) == {"mosaic"}, kernel.refused
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [64, 128])
 def test_the_entry_runs_on_mosaic_on_hopper(seed, d):
     """On an sm_90 GPU ``backend="auto"`` gives ``nc.attention`` Mosaic kernels where they were measured faster
-    (D = 128: every kernel; D = 64: the backward's, the forward's 128 × 64 blocks staying on Triton), each named
+    (every kernel, at D = 64 with Mosaic's own 256 × 128 forward blocks), each named
     in ``backends``; output and gradients against ``jax.nn.dot_product_attention`` in f32, causal, 1024 tokens,
     within the compiled bf16 tolerance of tests/test_backward.py (4e-2)."""
     if getattr(jax.devices()[0], "compute_capability", None) != "9.0":
@@ -427,7 +449,7 @@ def test_the_entry_runs_on_mosaic_on_hopper(seed, d):
     q, k, v, ct = (jax.random.normal(key, (2, 1024, 4, d), jnp.bfloat16) for key in (kq, kk, kv, kc))
     backends = attention.kernel_for(q, k, v, is_causal=True).kernel.backends
     backward = [b for r, b in backends.items() if r.startswith("backward kernel")]
-    assert backward == ["mosaic"] * 3 and backends["forward"] == ("mosaic" if d == 128 else "triton"), backends
+    assert backward == ["mosaic"] * 3 and backends["forward"] == "mosaic", backends
     out, pull = jax.vjp(jax.jit(lambda *a: attention(*a, is_causal=True)), q, k, v)
     f32 = [a.astype(jnp.float32) for a in (q, k, v)]
     want, pull_ref = jax.vjp(lambda *a: jax.nn.dot_product_attention(*a, is_causal=True), *f32)

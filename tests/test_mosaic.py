@@ -607,10 +607,57 @@ def test_mosaic_source_matches_golden():
     assert text == path.read_text(), "the Mosaic kernels changed; NAPKIN_REGEN_GOLDEN=1 rewrites the golden file"
 
 
-def test_index_function_reading_the_grid_is_refused_by_name():
-    """ALiBi reads the head, a grid axis the Mosaic consumers do not get: refused (so 'auto' takes Triton), named."""
+def test_alibi_reads_the_head_on_mosaic(key):
+    """ALiBi's score modifier reads the head, a grid axis: the consumers get this program's batch indices
+    (``BlockContext``, as Triton's kernels do). Interpreted against ALiBi written here with ``jax.numpy``, output
+    and gradients; lowered for CUDA, forward and backward."""
     b, q, x, d = nc.axes("b q x d", d=64)
     alibi = nc.library.alibi_attention(nc.Axis("h", 4), q, x, d, causal=True, batch=(b,), dtype="bf16")
-    flash = derive(alibi, tile(q, 256), stream(x, 64), verify=False)
-    with pytest.raises(NotLowerable, match="reads the grid axis 'h'"):
-        MosaicLowered(plan(flash.diagram), interpret=False)
+    sched = derive(alibi, tile(q, 128), stream(x, 128), verify=False)
+    kernel = lower(sched, backend="mosaic", interpret=True)
+    Q, K, V, dO = (jax.random.normal(k, (1, 4, 256, 64), jnp.bfloat16) for k in jax.random.split(key, 4))
+
+    def want(Q, K, V):
+        slope = 2.0 ** (-8.0 * jnp.arange(1, 5) / 4)[:, None, None]
+        i, j = jnp.arange(256)[:, None], jnp.arange(256)[None, :]
+        s = jnp.einsum("bhqd,bhkd->bhqk", Q, K) / 8.0 - slope * jnp.abs(i - j)
+        return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(jnp.where(i >= j, s, -jnp.inf), axis=-1), V)
+
+    got = gradients(kernel, Q, K, V, dO)
+    ref = gradients(want, *(a.astype(jnp.float32) for a in (Q, K, V, dO)))
+    for name, g, w in zip(("O", "dQ", "dK", "dV"), got, ref, strict=True):
+        assert relative_error(g, w) <= (BF16 if name == "O" else BF16_GRAD), name
+    compiled = lower(sched, backend="mosaic", interpret=False)
+    sd = jax.ShapeDtypeStruct((1, 4, 256, 64), jnp.bfloat16)
+    lowered = jax.jit(lambda *a: gradients(compiled, *a)).trace(sd, sd, sd, sd).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_sinks_run_on_mosaic(key):
+    """An attention sink's logit is one number per (batch, head): each consumer reads it from HBM as a scalar, and
+    the backward's folded row values sum a block over d on registers. Interpreted against sink attention written
+    here (the sink an extra logit column), output and every gradient, the sink's included; lowered for CUDA."""
+    b, h, q, x, d = nc.axes("b h q x d", d=64)
+    att = nc.library.sink_attention(q, x, d, batch=(b, h), causal=True, dtype="bf16")
+    sched = derive(att, tile(q, 128), stream(x, 128), verify=False)
+    kernel = lower(sched, backend="mosaic", interpret=True)
+    ks = jax.random.split(key, 5)
+    Q, K, V, dO = (jax.random.normal(k, (1, 2, 256, 64), jnp.bfloat16) for k in ks[:4])
+    sink = jax.random.normal(ks[4], (1, 2))
+
+    def want(Q, K, V, sink):
+        s = jnp.einsum("bhqd,bhkd->bhqk", Q, K) / 8.0
+        s = jnp.where(jnp.arange(256)[:, None] >= jnp.arange(256)[None, :], s, -jnp.inf)
+        column = jnp.broadcast_to(sink[..., None, None], (*s.shape[:-1], 1))
+        p = jax.nn.softmax(jnp.concatenate([s, column], axis=-1), axis=-1)[..., :-1]
+        return jnp.einsum("bhqk,bhkd->bhqd", p, V)
+
+    out, pull = jax.vjp(kernel, Q, K, V, sink)
+    ref, pull_ref = jax.vjp(want, *(a.astype(jnp.float32) for a in (Q, K, V)), sink)
+    assert relative_error(out, ref) <= BF16
+    for name, g, w in zip(("dQ", "dK", "dV", "dsink"), pull(dO), pull_ref(dO.astype(jnp.float32)), strict=True):
+        assert relative_error(g, w) <= BF16_GRAD, name
+    compiled = lower(sched, backend="mosaic", interpret=False)
+    sd, ss = jax.ShapeDtypeStruct((1, 2, 256, 64), jnp.bfloat16), jax.ShapeDtypeStruct((1, 2), jnp.float32)
+    backward = lambda Q, K, V, s, dO: jax.vjp(compiled, Q, K, V, s)[1](dO)  # noqa: E731
+    assert "mosaic_gpu" in jax.jit(backward).trace(sd, sd, sd, ss, sd).lower(lowering_platforms=("cuda",)).as_text()

@@ -360,7 +360,7 @@ class Implementation:
     no_backward: str | None = None  # why its forward + backward cannot be measured (the forward still is)
 
 
-def napkin(variant: Variant, z: Sizes, q, k, v, extra) -> Implementation:
+def napkin(variant: Variant, z: Sizes, q, k, v, extra, backend: str = "auto") -> Implementation:
     """The lowered kernel on the diagram's layout ([B, H, N, D]; GQA's queries [B, H_kv, G, N, D])."""
     try:
         from lowering import lower
@@ -368,7 +368,7 @@ def napkin(variant: Variant, z: Sizes, q, k, v, extra) -> Implementation:
 
         diagram, (qa, xa) = variant.diagram(z)
         chunk = min(z.stream, variant.most_stream or z.stream)
-        kernel = lower(derive(diagram, tile(qa, z.tile), stream(xa, chunk), verify=False))
+        kernel = lower(derive(diagram, tile(qa, z.tile), stream(xa, chunk), verify=False), backend=backend)
     except Exception as e:  # noqa: BLE001 - a failure to lower is a result
         return Implementation("napkin", None, unavailable=f"{type(e).__name__}: {e}")
     to_bhnd = lambda a: a  # noqa: E731
@@ -451,7 +451,8 @@ def run_variant(variant: Variant, z: Sizes, opts, clock: bench.Clock) -> dict:
         "quadratic_bytes": z.batch * z.heads * z.seq**2 + sum(4 * a.size for a in extra),
     }
     outs = {}
-    impls = {"napkin": napkin(variant, z, q, k, v, extra), "baseline": baseline(variant, z, q, k, v, extra)}
+    ours = napkin(variant, z, q, k, v, extra, opts.backend)
+    impls = {"napkin": ours, "baseline": baseline(variant, z, q, k, v, extra)}
     for who, impl in impls.items():
         entry[who] = {"impl": impl.impl}
         for section, backward in (("fwd", False), ("fwd_bwd", True)):
@@ -634,6 +635,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name, value in FULL.items():
         p.add_argument("--" + name.replace("_", "-"), type=type(value), default=None)
     p.add_argument("--dtype", choices=sorted(bench.DTYPES), default="bf16")
+    p.add_argument("--backend", choices=("auto", "triton", "mosaic"), default="auto", help="lower()'s backend")
     p.add_argument("--budget-s", type=float, default=240.0, help="skip what is left after this many seconds")
     p.add_argument("--out", "--out-dir", dest="out", type=Path, default=HERE / "results")
     p.add_argument("--no-plot", action="store_true")
