@@ -61,6 +61,8 @@ __all__ = ["MosaicArrays", "MosaicConfig", "MosaicLowered", "choose", "faster", 
 WGMMA_M = 64
 #: the Hopper budgets a configuration is refused against before compiling (the hardware model's H100)
 SMEM_LIMIT, REGISTERS = H100.smem_per_block, H100.capacity(REG) // 4
+#: where Mosaic GPU starts each shared-memory allocation (jax._src.pallas.mosaic_gpu.core.SMEM_ALIGNMENT)
+SMEM_ALIGNMENT = 1024
 
 
 @dataclass(frozen=True)
@@ -693,7 +695,7 @@ class MosaicLowered:
         >>> MosaicLowered(plan(attn.diagram)).check({"d": 256})  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        lowering._plan.NotLowerable: thread-block level: the kernel would hold 458,752 B of shared memory ...
+        lowering._plan.NotLowerable: thread-block level: the kernel would hold 459,776 B of shared memory ...
         """
         smem = self.smem_bytes(extent)
         if smem > SMEM_LIMIT:
@@ -735,29 +737,32 @@ class MosaicLowered:
 
     def smem_bytes(self, extent: dict) -> int:
         """Shared memory held: per streamed input ``stages`` chunks, per resident input and output one
-        tile per consumer (an output written into a resident input's tile takes none), and the staging
-        buffer of a register operand in interpret mode.
+        tile per consumer (an output written into a resident input's tile takes none), the staging
+        buffer of a register operand in interpret mode, and the barriers; each allocation starts on a 1,024 B
+        boundary, as Mosaic GPU places them (``SMEM_ALIGNMENT``; a vector of 64 f32 rows per consumer takes 1,024 B,
+        not 512: attention sinks' dQ at D = 128 needed 234,656 B where the unaligned count said 230,912).
 
         >>> import napkin_cat as nc
         >>> from rewrites import derive, tile, stream
         >>> m, k, n = nc.axes("m k n")
         >>> mm = nc.library.matmul(m, k, n, dtype="bf16")
         >>> mm = derive(mm, tile(m, 256), tile(n, 128), stream(k, 64), verify=False)
-        >>> MosaicLowered(plan(mm.diagram), config=MosaicConfig(stages=3)).smem_bytes({})  # 3·(256+128)·64·2 + 2·128²·2
-        212992
+        >>> MosaicLowered(plan(mm.diagram), config=MosaicConfig(stages=3)).smem_bytes({})  # 3·384·64·2 + 2·128²·2 + 1,024
+        214016
         """
-        c, total = self.config, 0
+        c, total, barriers = self.config, 0, int(self.pingpong)
         for w in self.d.dom.inside:
-            ring = self._role(w) == "stream"
-            if self._role(w) == "scalar":  # read from HBM into registers
+            role = self._role(w)
+            if role == "scalar":  # read from HBM into registers
                 continue
-            n = math.prod(self.block(w, extent, ring=ring)) * w.dtype.bytes
-            total += n * (c.stages if ring else c.consumers)
+            n = math.prod(self.block(w, extent, ring=role == "stream")) * w.dtype.bytes
+            total += _aligned(n * (c.stages if role == "stream" else c.consumers))
+            barriers += 2 * c.stages if role == "stream" else c.consumers  # loaded and consumed; arrived
         for w in self.own:
-            total += math.prod(self.block(w, extent)) * w.dtype.bytes * c.consumers
+            total += _aligned(math.prod(self.block(w, extent)) * w.dtype.bytes * c.consumers)
         if c.interpretable and self.x:
-            total += self.rows * self.s * 2 * c.consumers
-        return total
+            total += _aligned(self.rows * self.s * 2 * c.consumers)
+        return total + _aligned(8 * barriers)
 
     def _call(self, arrays, sizes, extent):
         p, full, c = self.plan, self.plan.diagram, self.config
@@ -1143,6 +1148,11 @@ def _divisor_at_most(n: int, bound: int) -> int:
     (4, 16, 1)
     """
     return max(m for m in range(1, max(1, min(n, bound)) + 1) if n % m == 0)
+
+
+def _aligned(n: int) -> int:
+    """``n`` bytes rounded up to Mosaic GPU's shared-memory alignment (each allocation starts on it)."""
+    return -(-n // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
 
 
 def _i32(n):
