@@ -528,10 +528,11 @@ class MosaicLowered:
     def unmeasured(self) -> str | None:
         """An input unlike those Mosaic was compiled, checked and timed on (attention's Q, K, V, dO and O: blocks
         holding an axis kept whole; the backward's L and Δ: f32 vectors along the tiled or streamed axis; segment
-        ids: integer vectors along them), named, else None: bias and mask arrays. ``backend="auto"`` keeps such a
-        kernel on Triton. Segment ids were measured in v7 (H100, bf16, B = 2, H = 16, N = 8192, D = 128, 8 packed
-        documents, ``document_skipping.py``): forward 1.35× Triton's, 1.32× with causal; forward + backward 1.27×
-        and 1.24×.
+        ids: integer vectors along them; a sink's logit: an f32 scalar per program), named, else None: bias and mask
+        arrays. ``backend="auto"`` keeps such a kernel on Triton. Measured in v7 (H100, bf16, B = 2, H = 16,
+        N = 8192, D = 128): segment ids (8 packed documents, ``document_skipping.py``) forward 1.35× Triton's, 1.32×
+        with causal, forward + backward 1.27× and 1.24×; sinks (causal, ``variants.py``) forward 1.31×, forward +
+        backward 1.13×.
 
         >>> import napkin_cat as nc
         >>> from rewrites import derive, tile, stream
@@ -545,7 +546,8 @@ class MosaicLowered:
             names = set(w.names)
             numbers = w.dtype.jnp == jnp.float32 or jnp.issubdtype(w.dtype.jnp, jnp.integer)
             vector = numbers and len(names - set(self.plan.batch)) == 1
-            if not (names & set(self.plan.whole) or (vector and names & {self.q, self.x})):
+            scalar = w.dtype.jnp == jnp.float32 and names <= set(self.plan.batch)
+            if not (names & set(self.plan.whole) or (vector and names & {self.q, self.x}) or scalar):
                 return f"input {i} ({w.describe()})"
         return None
 
@@ -747,7 +749,7 @@ class MosaicLowered:
         >>> m, k, n = nc.axes("m k n")
         >>> mm = nc.library.matmul(m, k, n, dtype="bf16")
         >>> mm = derive(mm, tile(m, 256), tile(n, 128), stream(k, 64), verify=False)
-        >>> MosaicLowered(plan(mm.diagram), config=MosaicConfig(stages=3)).smem_bytes({})  # 3·384·64·2 + 2·128²·2 + 1,024
+        >>> MosaicLowered(plan(mm.diagram), config=MosaicConfig(stages=3)).smem_bytes({})  # 3·384·64·2 + 2·128²·2 + 1K
         214016
         """
         c, total, barriers = self.config, 0, int(self.pingpong)

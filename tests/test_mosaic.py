@@ -259,8 +259,8 @@ def test_a_grid_axis_innermost_is_refused_before_compiling():
 
 def test_auto_keeps_inputs_mosaic_was_not_measured_on_on_triton(monkeypatch):
     """Bias and mask arrays were never timed on Mosaic: on sm_90 'auto' keeps each kernel that reads them on
-    Triton, naming the input; Δ, which reads only O and dO, still runs on Mosaic. Segment ids were measured
-    faster (docs/mosaic.md v7): every kernel of the documents' attention runs on Mosaic."""
+    Triton, naming the input; Δ, which reads only O and dO, still runs on Mosaic. Segment ids and sink logits were
+    measured faster (docs/mosaic.md v7): every kernel of the documents' and the sinks' attention runs on Mosaic."""
     monkeypatch.setattr(mosaic.jax, "devices", lambda: [Hopper()])
     b, q, x, d = nc.axes("b q x d", d=128)
     kw = dict(dtype="bf16", batch=(b,), bias_batch=(b,), bias_dtype="bf16")
@@ -271,6 +271,9 @@ def test_auto_keeps_inputs_mosaic_was_not_measured_on_on_triton(monkeypatch):
     assert auto.refused["forward"].startswith("input 3 (b×q/128×x~64:bf16@HBM): Mosaic compiled and measured only")
     docs = nc.library.dot_product_attention(q, x, d, dtype="bf16", batch=(b,), segment_batch=(b,))
     auto = lower(derive(docs, tile(q, 128), stream(x, 128), verify=False), backend="auto", interpret=False)
+    assert set(auto.backends.values()) == {"mosaic"}, auto.refused
+    sinks = nc.library.sink_attention(q, x, d, dtype="bf16", batch=(b,), causal=True)
+    auto = lower(derive(sinks, tile(q, 128), stream(x, 128), verify=False), backend="auto", interpret=False)
     assert set(auto.backends.values()) == {"mosaic"}, auto.refused
 
 
