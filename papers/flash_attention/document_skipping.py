@@ -143,10 +143,10 @@ def rel_err(got, want) -> float:
     return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
 
 
-def check(name: str, n: int, interpret: bool) -> dict:
+def check(name: str, n: int, dim: int, interpret: bool) -> dict:
     """Output and gradients of one case at a small size against the f32 reference."""
     fn, ids, causal = case(name, n, 1, interpret)
-    q, k, v, dO = inputs(1, n, 2, 128 if not interpret else 16, seed=1)
+    q, k, v, dO = inputs(1, n, 2, dim, seed=1)
     got = fwd_bwd(fn)(q, k, v, dO)
     f32 = [a.astype(jnp.float32) for a in (q, k, v, dO)]
     want = fwd_bwd(lambda q, k, v: reference(q, k, v, jnp.asarray(ids), causal))(*f32)
@@ -179,11 +179,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true", help="tiny sizes, interpret mode (CPU smoke test)")
     ap.add_argument("--cases", default=None, help="comma-separated, of: " + ", ".join(CASES) + " (default: all)")
+    ap.add_argument("--head-dim", type=int, default=128, help="D (GPU runs; --quick takes 16)")
     args = ap.parse_args(argv)
     interpret = args.quick
     if args.cases is None:  # cuDNN and Mosaic run only on a GPU
         args.cases = ",".join(c for c in CASES if not (interpret and (c.startswith("cudnn") or "(mosaic)" in c)))
-    B, N, H, D = (1, 256, 2, 16) if args.quick else (2, 8192, 16, 128)
+    B, N, H, D = (1, 256, 2, 16) if args.quick else (2, 8192, 16, args.head_dim)
     start = time.time()
     result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "argv": argv, "rows": [], "checks": {}}
 
@@ -193,7 +194,7 @@ def main(argv=None) -> dict:
         args.out.write_text(json.dumps(result, indent=1))
 
     for name in args.cases.split(","):
-        result["checks"][name] = check(name, 128 if args.quick else 1024, interpret)
+        result["checks"][name] = check(name, 128 if args.quick else 1024, D, interpret)
         print("check", name, result["checks"][name], flush=True)
         save()
     for name in args.cases.split(","):
