@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -811,6 +812,21 @@ class MosaicLowered:
         return call(*arrays, *(_segment_bounds(p, m, arrays, extent) for m in self.segments))
 
 
+class _Scratch(NamedTuple):
+    """A kernel's shared memory and barriers (``MosaicLowered._call``'s ``scratch_types``, in order): the rings of the
+    streamed inputs, the resident tiles, the outputs' own buffers, each ring's ``loaded`` and ``consumed`` barriers,
+    each tile's ``arrived``, the ping-pong ``turn`` and the interpret-mode ``staging`` buffer (None without them)."""
+
+    rings: Any
+    tiles: Any
+    outs: Any
+    loaded: Any
+    consumed: Any
+    arrived: Any
+    turn: Any
+    staging: Any
+
+
 class _Kernel:
     """The kernel body: a producer warpgroup filling the rings, consumer warpgroups walking the diagram."""
 
@@ -897,9 +913,8 @@ class _Kernel:
         n_in, n_out = len(full.dom) + len(low.segments), len(full.cod)
         in_refs, out_refs, scratch = refs[:n_in], refs[n_in : n_in + n_out], refs[n_in + n_out :]
         in_refs, bounds = in_refs[: len(full.dom)], in_refs[len(full.dom) :]
-        rings, tiles, outs, loaded, consumed, arrived = scratch[:6]
-        turn = scratch[6][0] if scratch[6] else None
-        staging = scratch[7][0] if len(scratch) > 7 else None
+        turn, staging = (scratch[6] or [None])[0], (scratch[7] if len(scratch) > 7 else [None])[0]
+        scratch = _Scratch(*scratch[:6], turn, staging)
         wg, tile = lax.axis_index("wg"), lax.axis_index("tile")
         bid = lax.axis_index("section") * self.n_members + lax.axis_index("member")
         if self.flip:  # the heaviest tiles launch first
@@ -916,29 +931,13 @@ class _Kernel:
         @pl.when(wg < c.consumers)
         def _consumer():
             plgpu.set_max_registers(consumer_regs, action="increase")
-            self.consume(
-                in_refs,
-                out_refs,
-                rings,
-                tiles,
-                outs,
-                loaded,
-                consumed,
-                arrived,
-                staging,
-                turn,
-                wg,
-                bid,
-                tile,
-                (first, chunks),
-                bounds,
-            )
+            self.consume(in_refs, out_refs, scratch, wg, bid, tile, (first, chunks), bounds)
 
         @pl.when(wg == c.consumers)
         def _producer():
             plgpu.set_max_registers(producer_regs, action="decrease")
             if self.streamed:
-                self.produce(in_refs, rings, loaded, consumed, bid, tile, first, chunks)
+                self.produce(in_refs, scratch.rings, scratch.loaded, scratch.consumed, bid, tile, first, chunks)
 
     def produce(self, in_refs, rings, loaded, consumed, bid, tile, first, chunks):
         low, hbm, stages, s = self.low, self.low.plan.diagram.dom.inside, self.low.config.stages, self.low.s
@@ -968,25 +967,10 @@ class _Kernel:
             for k in range(len(self.streamed)):
                 plgpu.barrier_wait(consumed[k].at[lax.rem(chunk, _i32(stages))])
 
-    def consume(
-        self,
-        in_refs,
-        out_refs,
-        rings,
-        tiles,
-        outs,
-        loaded,
-        consumed,
-        arrived,
-        staging,
-        turn,
-        wg,
-        bid,
-        tile,
-        block,
-        bounds,
-    ):
+    def consume(self, in_refs, out_refs, scratch: _Scratch, wg, bid, tile, block, bounds):
         from rewrites import walk
+
+        rings, tiles, outs, loaded, consumed, arrived, turn, staging = scratch
 
         low, d, stages = self.low, self.low.d, self.low.config.stages
         wires, x, s, rows = d.dom.inside, low.x or "", low.s, low.rows
