@@ -252,10 +252,10 @@ def test_normalised_attention_ragged(key, seed):
 
 
 @settings(max_examples=2, deadline=None)
-@given(nq=st.integers(1, 40), nx=st.integers(2, 40), groups=st.sampled_from([1, 2]))
-def test_cross_attention_gqa_ragged(nq, nx, groups):
-    """From two keys: with one, dQ is identically 0 and a relative error is undefined."""
-    seed = int(np.random.SeedSequence().entropy % 2**31)
+@given(nq=st.integers(1, 40), nx=st.integers(2, 40), groups=st.sampled_from([1, 2]), seed=st.integers(0, 2**31 - 1))
+def test_cross_attention_gqa_ragged(nq, nx, groups, seed):
+    """From two keys: with one, dQ is identically 0 and a relative error is undefined. The seed is drawn with the
+    sizes, so hypothesis's falsifying example replays a failure."""
     g = nc.Axis("g", groups)
     Q, K, V = normal(jax.random.key(seed), (H, groups, nq, 16), (H, nx, 16), (H, nx, 16))
     ref = lambda Q, K, V: softmax_rows(scores(Q, K[:, None]), V[:, None])  # noqa: E731
