@@ -76,7 +76,9 @@ QUERIES, KEYS = "q_idx", "kv_idx"
 DTYPES = {"float32": f32, "bfloat16": bf16, "float16": f16}
 
 
-def schedule(q_len: int, kv_len: int, dim: int, value_dim: int | None = None) -> tuple[int, int]:
+def schedule(
+    q_len: int, kv_len: int, dim: int, value_dim: int | None = None, *, mosaic: bool = False
+) -> tuple[int, int]:
     """The rule choosing ``(tile, stream)``: queries per tile and keys per streamed chunk.
 
     FlashAttention-2's blocks (Dao 2023, §3.3), as benchmarked in ``papers/flash_attention``: 128 queries
@@ -87,16 +89,23 @@ def schedule(q_len: int, kv_len: int, dim: int, value_dim: int | None = None) ->
     2 × 128 the chunk is 128 keys: measured on an H100 (bf16, N = 8192,
     ``papers/flash_attention/results/schedule_NVIDIA_H100_80GB_HBM3.json``) the forward runs 14% faster
     (462 against 406 TFLOP/s) and forward + backward 4% (the backward keeps 64-key chunks); at head dim 64
-    128-key chunks are 4% slower.
+    128-key chunks are 4% slower. Where the kernels run on Mosaic (``mosaic``: an sm_90 GPU under auto, no bias or
+    mask array) a head dim with blocks of Mosaic's own (:data:`lowering._mosaic.ENTRY_BLOCKS`) takes them, for
+    sequences of at least one such tile: at D = 64, 256 × 128.
 
     >>> schedule(8192, 8192, 128), schedule(8192, 8192, 256), schedule(20, 40, 64), schedule(3, 3, 8)
     ((128, 128), (64, 64), (32, 64), (16, 16))
     >>> schedule(8192, 8192, 64), schedule(8192, 8192, 192, 128), schedule(8192, 8192, 160, 96)  # MLA's 192/128
     ((128, 64), (64, 64), (128, 128))
+    >>> [schedule(n, m, 64, mosaic=True) for n, m in ((8192, 8192), (8192, 100), (100, 8192))]
+    [(256, 128), (256, 128), (128, 64)]
     """
     width = dim + (dim if value_dim is None else value_dim)
-    chunk = 128 if width == 256 else 64
-    return min(128 if width <= 256 else 64, max(16, next_pow2(q_len))), min(chunk, max(16, next_pow2(kv_len)))
+    tile, chunk = 128 if width <= 256 else 64, 128 if width == 256 else 64
+    own = ENTRY_BLOCKS.get(dim) if mosaic and value_dim in (None, dim) else None
+    if own is not None and q_len >= own[0]:
+        tile, chunk = own
+    return min(tile, max(16, next_pow2(q_len))), min(chunk, max(16, next_pow2(kv_len)))
 
 
 @dataclass(frozen=True)
@@ -201,11 +210,8 @@ class Signature:
         if backend != "auto" and backend not in BACKENDS:
             raise NotLowerable(f"attention: backend {backend!r}: choose 'auto', {', '.join(map(repr, BACKENDS))}")
         group, dim, value_dim = _check(query, key, value)
-        t, s = schedule(query.shape[-3], key.shape[-3], dim, value_dim)
-        hopper = backend != "triton" and unavailable(interpret) is None and bias is None and mask is None
-        if hopper and dim == value_dim and dim in ENTRY_BLOCKS and query.shape[-3] >= ENTRY_BLOCKS[dim][0]:
-            # Mosaic's own blocks (auto takes Mosaic there), measured faster than the rule's
-            t, s = ENTRY_BLOCKS[dim][0], min(ENTRY_BLOCKS[dim][1], max(16, next_pow2(key.shape[-3])))
+        mosaic = backend != "triton" and unavailable(interpret) is None and bias is None and mask is None
+        t, s = schedule(query.shape[-3], key.shape[-3], dim, value_dim, mosaic=mosaic)
         shape = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
         biased = None if bias is None else _broadcast("bias", bias, shape, DTYPES)
         masked = None if mask is None else _broadcast("mask", mask, shape, ("bool",))
