@@ -12,8 +12,8 @@ skip by: it visits every block). Cases:
   ``is_causal=True`` and no ids: the same work without reading ids, the bound packing is measured against;
 * ``documents 8 ragged``: 8 documents of random lengths (boundaries off the blocks);
 * ``documents 8 as a mask array``: the same mask as ``documents 8``, no skipping (the cost without it);
-* ``documents 8 (mosaic)`` and ``documents 8 + causal (mosaic)``: those cases with ``backend="mosaic"``
-  (``"auto"`` keeps kernels reading segment ids on Triton until they are measured faster; GPU only);
+* ``documents 8 (mosaic)`` and ``documents 8 + causal (mosaic)``: those cases with ``backend="mosaic"`` (they
+  measured Mosaic against Triton before ``"auto"`` took Mosaic for segment ids; GPU only);
 * ``cudnn causal`` and ``cudnn 8 sequences + causal``: cuDNN (``jax.nn.dot_product_attention``) on the
   ``causal`` and ``8 sequences + causal`` shapes, in the same run: how much of the drop in TFLOP/s from
   N = 8192 to sequences of N/8 a hand-written kernel shows too (GPU only; ``--quick`` leaves them out).
