@@ -65,3 +65,16 @@ def pytest_runtest_makereport(item, call):
     seed = getattr(item, "funcargs", {}).get("seed")
     if report.failed and seed is not None:
         report.sections.append(("random seed", f"replay with NAPKIN_SEED={seed} python -m pytest {item.nodeid}"))
+
+
+class Hopper:
+    """A stand-in for an H100 in ``jax.devices()``: what ``lowering._mosaic.unavailable`` reads."""
+
+    platform, device_kind, compute_capability = "gpu", "NVIDIA H100 80GB HBM3", "9.0"
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """Call it to have ``jax.devices()`` report an H100 for the rest of the test: ``backend="auto"`` then weighs Mosaic
+    (the kernels are only lowered, or interpreted, never compiled here)."""
+    return lambda: monkeypatch.setattr(jax, "devices", lambda: [Hopper()])

@@ -414,19 +414,16 @@ def test_compiled_soft_cap_on_gpu(seed, cap):
     assert max(errors) <= 4e-2, f"relative errors (out, dq, dk, dv) {errors}: NAPKIN_SEED={seed}"
 
 
-def test_the_entrys_blocks_at_head_dim_64_are_mosaics_on_hopper(monkeypatch):
+def test_the_entrys_blocks_at_head_dim_64_are_mosaics_on_hopper(hopper):
     """At D = 64 the entry's rule gives FlashAttention-2's 128 × 64, which Mosaic runs slower than Triton; on an
     sm_90 GPU (compiled, no bias or mask array, which keep the kernels on Triton) it takes Mosaic's measured
     256 × 128 (``lowering._mosaic.ENTRY_BLOCKS``), and auto runs every kernel on Mosaic."""
-    from lowering import _mosaic, lower
+    from lowering import lower
     from lowering._attention import Signature
-
-    class Hopper:
-        platform, device_kind, compute_capability = "gpu", "NVIDIA H100 80GB HBM3", "9.0"
 
     x = jnp.zeros((1, 1024, 2, 64), jnp.bfloat16)
     assert (Signature.of(x, x, x).tile, Signature.of(x, x, x).stream) == (128, 64)  # on the CPU
-    monkeypatch.setattr(_mosaic.jax, "devices", lambda: [Hopper()])
+    hopper()
     sig = Signature.of(x, x, x, interpret=False, is_causal=True)
     assert (sig.tile, sig.stream) == (256, 128)
     assert (Signature.of(x, x, x, interpret=True).tile, Signature.of(x, x, x, backend="triton").tile) == (128, 128)

@@ -149,14 +149,8 @@ def test_auto_takes_triton_off_hopper_and_says_why(key):
     assert relative_error(kernel(Q, K, V), reference(Q, K, V)) <= BF16
 
 
-class Hopper:
-    """A stand-in for an H100 in ``jax.devices()``: what ``choose`` reads."""
-
-    platform, device_kind, compute_capability = "gpu", "NVIDIA H100 80GB HBM3", "9.0"
-
-
-def test_mosaic_is_a_candidate_on_hopper_where_it_lowers(monkeypatch):
-    monkeypatch.setattr(mosaic.jax, "devices", lambda: [Hopper()])
+def test_mosaic_is_a_candidate_on_hopper_where_it_lowers(hopper):
+    hopper()
     kernel, why = mosaic.choose(attention(64, 128, 64).diagram, interpret=None)
     assert isinstance(kernel, MosaicLowered) and why is None
     kernel, why = mosaic.choose(attention(64, 128, 64, dtype="f32").diagram, interpret=None)
@@ -165,11 +159,11 @@ def test_mosaic_is_a_candidate_on_hopper_where_it_lowers(monkeypatch):
     assert kernel is None and "394,240 B of shared memory" in why
 
 
-def test_auto_takes_mosaic_per_kernel_where_measured_faster(monkeypatch):
+def test_auto_takes_mosaic_per_kernel_where_measured_faster(hopper):
     """On sm_90: the forward at 128-row consumer blocks on Mosaic; the backward's kernels on Mosaic too, at its
     own chunks where Triton could stand in (D = 64: dQ streams 128, with ping-pong); 64-row forward blocks on
     Mosaic streaming 128 (the entry's g128 s128), on Triton streaming 64, saying why."""
-    monkeypatch.setattr(mosaic.jax, "devices", lambda: [Hopper()])
+    hopper()
     auto = lower(attention(128, 256, 64, causal=True), backend="auto", interpret=False)
     assert auto.backend == "mosaic" and isinstance(auto.forward.mosaic, MosaicLowered)
     backends = auto.backends
@@ -199,12 +193,12 @@ def test_auto_takes_mosaic_per_kernel_where_measured_faster(monkeypatch):
     )
 
 
-def test_auto_binds_a_symbolic_head_dim_at_the_call(monkeypatch):
+def test_auto_binds_a_symbolic_head_dim_at_the_call(hopper):
     """A diagram whose head dim is symbolic (every ``nc.library`` variant, drawn with ``nc.axes("q x d")``) under
     'auto' on sm_90: Mosaic's registers depend on the head dim, so ``lower`` binds it at the call
     (:func:`rewrites.bind_sizes`), one kernel per head dim whatever the sequence lengths. At D = 128 every
     kernel runs on Mosaic; at D = 96, which Mosaic was never measured at, on Triton, saying so."""
-    monkeypatch.setattr(mosaic.jax, "devices", lambda: [Hopper()])
+    hopper()
     b, h, q, x, d = nc.axes("b h q x d")
     soft = nc.library.multi_head_attention(h, q, x, d, batch=(b,), dtype="bf16", score_mod=soft_cap, causal=True)
     kernel = lower(derive(soft, tile(q, 128), stream(x, 128), verify=False), backend="auto", interpret=False)
@@ -227,11 +221,11 @@ def test_a_grid_axis_innermost_is_refused_before_compiling():
         lower(derive(c, tile(m, 128), tile(n, 64), stream(k, 64), verify=False), backend="mosaic")
 
 
-def test_auto_keeps_inputs_mosaic_was_not_measured_on_on_triton(monkeypatch):
+def test_auto_keeps_inputs_mosaic_was_not_measured_on_on_triton(hopper):
     """Bias and mask arrays were never timed on Mosaic: on sm_90 'auto' keeps each kernel that reads them on
     Triton, naming the input; Δ, which reads only O and dO, still runs on Mosaic. Segment ids and sink logits were
     measured faster (docs/mosaic.md v7): every kernel of the documents' and the sinks' attention runs on Mosaic."""
-    monkeypatch.setattr(mosaic.jax, "devices", lambda: [Hopper()])
+    hopper()
     b, q, x, d = nc.axes("b q x d", d=128)
     kw = dict(dtype="bf16", batch=(b,), bias_batch=(b,), bias_dtype="bf16")
     biased = nc.library.dot_product_attention(q, x, d, **kw)
@@ -311,10 +305,10 @@ def test_mosaic_skips_the_chunks_segment_ids_hide(key):
     assert bool(jnp.isnan(out[:, 128:]).all())
 
 
-def test_auto_runs_shapes_of_ragged_blocks_on_triton_and_says_so(monkeypatch, key):
+def test_auto_runs_shapes_of_ragged_blocks_on_triton_and_says_so(hopper, key):
     """Axis sizes known only when called: Mosaic pads nothing, so a shape that is not whole blocks runs on the
     Triton kernel of the same diagram (which pads), recorded per shape."""
-    monkeypatch.setattr(mosaic.jax, "devices", lambda: [Hopper()])
+    hopper()
     made = attention(64, 256, 128)
     auto = lower(made, backend="auto", interpret=False)
     assert auto.backends["forward"] == "mosaic"
