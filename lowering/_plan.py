@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+import sympy
 
 from napkin_cat.diagram import Diagram, Ty, is_structural
 from napkin_cat.errors import NapkinError
@@ -307,20 +308,24 @@ def smem_bytes(p: Plan, padded: dict, stages: int) -> int:
 
 
 def base2(d: Diagram) -> Diagram:
-    """Fold log₂e into the scale of the box feeding each box that has a base-2 form, which then uses exp2.
+    """Fold log₂e into the scale of the box feeding each box that has a base-2 form, which then uses exp2;
+    a positive scale moves into that box whole.
 
-    rewrite: S = Q·Kᵀ·c ; [masks] ; softmax·contract  →  S = Q·Kᵀ·(c·log₂e) ; [masks] ; softmax₂·contract.
-    Sound because softmax(s) = softmax₂(s·log₂e) and masks send scores to −∞ in either base; it applies
+    rewrite: S = Q·Kᵀ·c ; [masks] ; softmax·contract  →  S = Q·Kᵀ ; [masks] ; softmax₂·contract(c·log₂e)
+    for c > 0, else S = Q·Kᵀ·(c·log₂e) ; [masks] ; softmax₂·contract.
+    Sound because softmax(s) = softmax₂(s·log₂e), masks send scores to −∞ in either base and at any
+    positive scale, and max(c·s) = c·max(s) for c > 0: the box then takes ``exp₂(s·c − m·c)``, one fused
+    multiply-add a score, where the scaled product cost a multiply more (FlashAttention-3's form). It applies
     only when nothing but boxes that commute with the scaling (``passes_base``) lies between a box with a
-    base-2 form (``in_base2``) and one that carries a scale (``scaled``): a score modifier would see the
-    wrong base.
+    base-2 form (``in_base2``) and one that carries a scale (``unscaled``, ``scaled``): a score modifier
+    would see the wrong base.
 
     >>> import napkin_cat as nc
     >>> from rewrites import fuse_softmax_contract
     >>> q, x, d = nc.axes("q x d")
     >>> fused = base2(fuse_softmax_contract(nc.library.attention(q, x, d, causal=True), "x"))
-    >>> [b.params.get("base") or b.params.get("scale") for b in fused.boxes]
-    [1.44269504088896/sqrt(d), None, 2]
+    >>> [(b.params.get("scale"), b.params.get("base")) for b in fused.boxes]
+    [(None, None), (None, None), (1.44269504088896/sqrt(d), 2)]
     """
     layers = list(d.inside)
     for j, (left, box, right) in enumerate(d.inside):
@@ -330,10 +335,14 @@ def base2(d: Diagram) -> Diagram:
         i, _ = d.producer(j, len(left))
         while i is not None and not is_structural(d.inside[i][1]) and d.inside[i][1].passes_base():
             i, _ = d.producer(i, len(d.inside[i][0]))
-        scaled = None if i is None or is_structural(d.inside[i][1]) else d.inside[i][1].scaled(LOG2E)
-        if scaled is None:
+        if i is None or is_structural(d.inside[i][1]):
             continue
-        layers[i] = (d.inside[i][0], scaled, d.inside[i][2])
+        moved = d.inside[i][1].unscaled()
+        if moved is not None and sympy.sympify(moved[1]).is_positive:  # the max commutes with a positive scale
+            producer, folded = moved[0], box.in_base2(scale=moved[1] * LOG2E)
+        elif (producer := d.inside[i][1].scaled(LOG2E)) is None:
+            continue
+        layers[i] = (d.inside[i][0], producer, d.inside[i][2])
         layers[j] = (left, folded, right)
     return d.with_layers(layers)
 

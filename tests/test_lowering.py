@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import napkin_cat as nc
-from lowering import NotLowerable, lower
+from lowering import NotLowerable, lower, plan
+from lowering._plan import LOG2E, base2
 from rewrites import derive, stream, tile
 
 # rel_err = max |error| / max |reference| against tests/references.py, interpret mode on CPU, measured by
@@ -108,3 +109,21 @@ def test_shared_memory_guard(key):
     Q = jnp.ones((128, 512))
     with pytest.raises(NotLowerable, match=r"the kernel would hold 1,835,008 B of shared memory"):
         kernel(Q, Q, Q)
+
+
+@pytest.mark.parametrize("scale", [0.7, -0.7])
+def test_the_score_scale_moves_into_the_softmax_only_when_positive(seed, key, scale):
+    """A positive scale moves from Q·Kᵀ into the online softmax (``exp₂(s·c − m·c)``, its max of unscaled
+    scores); a negative one cannot (the max would be the min), so it stays on the product with log₂e folded
+    in. Both kernels against the independent reference, causal so that masked scores meet either scale."""
+    b, h, q, x, d = nc.axes("b h q x d")
+    attn = nc.library.multi_head_attention(h, q, x, d, batch=(b,), causal=True, scale=scale)
+    sched = derive(attn, tile(q, 16), stream(x, 16), verify=False)
+    boxes = base2(plan(sched.diagram).diagram).boxes
+    on_product = [b.params.get("scale") for b in boxes if b.name.startswith("q d")]
+    on_softmax = [b.params.get("scale") for b in boxes if b.name.startswith("softmax")]
+    moved = [[None], [pytest.approx(scale * LOG2E)]]
+    assert [on_product, on_softmax] == (moved if scale > 0 else moved[::-1])
+    Q, K, V = rand(key, [(1, 2, 40, 16), (1, 2, 40, 16), (1, 2, 40, 16)], nc.f32)
+    out = lower(sched)(Q, K, V)
+    assert R.rel_err(out, R.attention(Q, K, V, scale=scale, causal=True)) <= TOL[nc.f32], f"NAPKIN_SEED={seed}"

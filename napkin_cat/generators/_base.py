@@ -238,8 +238,9 @@ class Generator(Box):
         keeps it and the backward streams without recomputing it (``lowering._backward``); else None."""
         return None
 
-    def in_base2(self) -> Generator | None:
-        """The same box reading base-2 scores (``s·log₂e``), where it has such a form; else None."""
+    def in_base2(self, scale=None) -> Generator | None:
+        """The same box reading base-2 scores (``s·log₂e``), where it has such a form; else None. With a
+        positive ``scale``, the box reads unscaled scores and scales them itself (by ``scale``, log₂e in it)."""
         return None
 
     def passes_base(self) -> bool:
@@ -248,6 +249,10 @@ class Generator(Box):
 
     def scaled(self, c) -> Generator | None:
         """The same box with its output multiplied by ``c``, where it carries a scale; else None."""
+        return None
+
+    def unscaled(self) -> tuple[Generator, object] | None:
+        """The same box without its scale, and that scale, where it carries one; else None."""
         return None
 
     def __repr__(self):

@@ -75,6 +75,11 @@ class Contract(Generator):
     def scaled(self, c):
         return type(self)(self.name, self.dom, self.cod, data=(("scale", self.params.get("scale", 1) * c),))
 
+    def unscaled(self):
+        scale = self.params.get("scale")
+        kept = tuple(kv for kv in self.data if kv[0] != "scale")
+        return None if scale is None else (type(self)(self.name, self.dom, self.cod, data=kept), scale)
+
     def lines(self, prog, ins, outs):
         text = f"{prog.ix(outs[0])} = {sum_of_products(prog, ins, self.reduced)}{scale_text(self)}"
         return [(text, outs, ins)]

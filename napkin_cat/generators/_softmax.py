@@ -107,14 +107,17 @@ class SoftmaxContract(Generator):
 
     Inputs: scores ``s`` and values ``v``, both indexed by ``axis``; output ``softmax(s) · v``, and with a
     second output the log-sum-exp of the scores (the backward's residual). With ``("base", 2)`` in its
-    data the scores are in base 2 (``s·log₂e``; the kernel uses ``exp2``). Streamable along ``axis`` with
-    the online-softmax accumulator (running max, sum and rescaling).
+    data the scores are in base 2 (``s·log₂e``; the kernel uses ``exp2``); with ``("scale", c)`` too, a
+    positive ``c``, it reads unscaled scores and takes ``softmax₂(c·s)``: the running max is of ``s``, and
+    each score costs one fused multiply-add ``s·c − m·c`` (FlashAttention-3's form) where scaling it first
+    costs a multiply of its own. Streamable along ``axis`` with the online-softmax accumulator (running
+    max, sum and rescaling).
 
     >>> from napkin_cat import axes
     >>> q, x, d = axes("q x d")
     >>> box = softmax_contract(Array(q, x), Array(x, d), x, Array(q, d))
-    >>> box.tensor_flops(), box.in_base2().params["base"]
-    (2*d*q*x, 2)
+    >>> box.tensor_flops(), box.in_base2().params["base"], box.in_base2(scale=3).params["scale"]
+    (2*d*q*x, 2, 3)
     """
 
     family, normalises, contracts = "reduction", True, True
@@ -128,7 +131,7 @@ class SoftmaxContract(Generator):
         (s, v), xp = ins, ctx.xp
         s = xp.f32(s)
         if self.base2:
-            s = s * ctx.number(sympy.log(2))
+            s = s * ctx.number(self.params.get("scale", 1) * sympy.log(2))
         i = self.dom.inside[0].names.index(self.params["axis"])
         p = xp.like(safe_softmax(xp, s, i), v)
         dom = Ty(self.dom.inside[0].with_(dtype=f32), self.dom.inside[1])
@@ -152,10 +155,11 @@ class SoftmaxContract(Generator):
     def accumulator(self, axis):
         return OnlineSoftmax(self, axis) if axis == self.params["axis"] else None
 
-    def in_base2(self):
+    def in_base2(self, scale=None):
         if self.params.get("base"):
             return None
-        return type(self)(self.name, self.dom, self.cod, data=(*self.data, ("base", 2)))
+        extra = (("base", 2),) if scale is None else (("base", 2), ("scale", scale))
+        return type(self)(self.name, self.dom, self.cod, data=(*self.data, *extra))
 
     def with_residual(self):
         """With the log-sum-exp ``L`` as a second output (itself, where it has one; None in base 2).
@@ -176,14 +180,15 @@ class SoftmaxContract(Generator):
     def backward(self, t, ins, outs, cts):
         (s, v), axis = ins, self.params["axis"]
         ct, dlse = (*cts, None)[:2]
+        c = self.params.get("scale", 1) * sympy.log(2)
         if self.base2:
-            s = t.ew("multiply", s, const=sympy.log(2))
+            s = t.ew("multiply", s, const=c)
         P = t(softmax(t.ty(s), axis), s)
         dP = dv = None
         if ct is not None:
             dP, dv = t.transpose([P, v], 0, ct), t.transpose([P, v], 1, ct)
         ds = softmax_backward(t, P, dP, axis, dlse)
-        return [t.ew("multiply", ds, const=sympy.log(2)) if self.base2 else ds, dv]
+        return [t.ew("multiply", ds, const=c) if self.base2 else ds, dv]
 
 
 class OnlineSoftmax(Accumulator):
@@ -205,6 +210,12 @@ class OnlineSoftmax(Accumulator):
         """``exp``, or ``exp2`` when the scores are in base 2 (a kernel folds log₂e into their scale)."""
         return ctx.xp.exp2 if self.box.base2 else ctx.xp.exp
 
+    def _c(self, v, ctx):
+        """``v`` times the box's score scale, where it has one (the max ``m`` is of unscaled scores, so
+        ``exp(s·c − m·c)`` is one fused multiply-add a score)."""
+        scale = self.box.params.get("scale")
+        return v if scale is None else v * ctx.number(scale)
+
     def _out(self, xp, stat):
         """A row statistic broadcast to the output's axes."""
         return align(xp, stat, self.rows(), self.box.out)
@@ -217,13 +228,13 @@ class OnlineSoftmax(Accumulator):
         (s, v), xp, i = ins, ctx.xp, self.at
         s = xp.f32(s)
         m = xp.max(s, i)
-        p = self._exp(ctx)(s - xp.expand_dims(_safe(xp, m), i))
+        p = self._exp(ctx)(self._c(s, ctx) - xp.expand_dims(self._c(_safe(xp, m), ctx), i))
         return m, xp.sum(p, i), self._pv(xp, p, v)
 
     def combine(self, a, b, ctx):
         (ma, la, oa), (mb, lb, ob), xp, exp = a, b, ctx.xp, self._exp(ctx)
         m = xp.maximum(ma, mb)
-        da, db = exp(ma - _safe(xp, m)), exp(mb - _safe(xp, m))
+        da, db = exp(self._c(ma - _safe(xp, m), ctx)), exp(self._c(mb - _safe(xp, m), ctx))
         return m, la * da + lb * db, oa * self._out(xp, da) + ob * self._out(xp, db)
 
     def step(self, state, ins, ctx):
@@ -231,8 +242,8 @@ class OnlineSoftmax(Accumulator):
         (m, total, o), (s, v), xp, i, exp = state, ins, ctx.xp, self.at, self._exp(ctx)
         s = xp.f32(s)
         m_new = xp.maximum(m, xp.max(s, i))
-        delta = exp(m - _safe(xp, m_new))
-        p = exp(s - xp.expand_dims(_safe(xp, m_new), i))
+        delta = exp(self._c(m - _safe(xp, m_new), ctx))
+        p = exp(self._c(s, ctx) - xp.expand_dims(self._c(_safe(xp, m_new), ctx), i))
         return m_new, total * delta + xp.sum(p, i), o * self._out(xp, delta) + self._pv(xp, p, v)
 
     def finalize(self, state, ctx):
@@ -240,7 +251,7 @@ class OnlineSoftmax(Accumulator):
         empty = total == 0
         out = [xp.cast(o / self._out(xp, xp.where(empty, 1, total)), self.box.out.dtype)]
         if len(self.box.cod) == 2:  # the log-sum-exp residual for the backward pass; +inf on empty rows
-            lse = (m + xp.log2(total)) * ctx.number(sympy.log(2)) if self.box.base2 else m + xp.log(total)
+            lse = (self._c(m, ctx) + xp.log2(total)) * ctx.number(sympy.log(2)) if self.box.base2 else m + xp.log(total)
             out.append(xp.where(empty, xp.inf, lse))
         return out
 
@@ -252,13 +263,18 @@ class OnlineSoftmax(Accumulator):
         rows = s.wire.with_(axes=[a for a in s.wire.axes if a.name != x])
         m, sm, o = prog.state("m", rows), prog.state("l", rows), prog.state("o", out.wire)
         mn, dl, p = prog.value("m_new", rows), prog.value("δ", rows), prog.value("P", s.wire)
+        scale = self.box.params.get("scale")
+
+        def exp(a, b):  # exp(c·(a − b)) under the box's score scale c
+            return f"exp({a} − {b})" if scale is None else f"exp({sympy.sstr(scale)}·({a} − {b}))"
+
         init = [
             (f"{ix(m)} = −∞; {ix(sm)} = 0; {ix(o)} = 0   # online softmax (running max, sum, output)", [m, sm, o], [])
         ]
         loop = [
             (f"{ix(mn)} = max({ix(m)}, max_{x} {ix(s)})", [], [m, s]),
-            (f"{ix(dl)} = exp({ix(m)} − {ix(mn)})   # rescaling", [], [m]),
-            (f"{ix(p)} = exp({ix(s)} − {ix(mn)})", [], [s]),
+            (f"{ix(dl)} = {exp(ix(m), ix(mn))}   # rescaling", [], [m]),
+            (f"{ix(p)} = {exp(ix(s), ix(mn))}", [], [s]),
             (f"{ix(sm)} = {ix(dl)}·{ix(sm)} + Σ_{x} {ix(p)}", [], [sm]),
             (f"{ix(o)} = {ix(dl)}·{ix(o)} + Σ_{x} {ix(p)}·{ix(v)}", [], [o, v]),
             (f"{ix(m)} = {ix(mn)}", [], [m]),
