@@ -302,6 +302,8 @@ class _Emitter:
             try:
                 kernel = MosaicLowered(plan(d), interpret=self.interpret, config=self.config)
                 kernel.guard()
+                if not kernel.interpret and (why := kernel.lowering_error()):  # here, not at the first call
+                    raise NotLowerable(why)
             except NotLowerable as e:
                 raise NotLowerable(f"Mosaic, {what}: {e}") from e
             self.chosen[what] = ("mosaic", None)

@@ -335,7 +335,7 @@ def choose(d: Diagram, *, interpret: bool | None, config=None) -> tuple[MosaicLo
         kernel.guard()
     except NotLowerable as e:
         return None, f"Mosaic refused: {e}"
-    if why := kernel._ragged({a.name: a.size for w in d.dom.inside for a in w.axes}):
+    if why := kernel._ragged({a.name: a.size for w in d.dom.inside for a in w.axes}) or kernel.lowering_error():
         return None, f"Mosaic refused: {why}"
     return kernel, None
 
@@ -649,6 +649,38 @@ class MosaicLowered:
         if self.x in names:
             return "stream"
         return "tile" if self.q in names else None
+
+    def lowering_error(self) -> str | None:
+        """Why Mosaic GPU does not lower this kernel for CUDA (a primitive it has no rule for, as in a user's score
+        modifier, or layouts its inference cannot find), found by lowering it on example arrays of whole blocks
+        (a tile of each tiled axis, two chunks of the streamed one, one of each batch axis) without compiling;
+        None where it lowers, or where an axis kept whole has no size yet.
+
+        >>> import jax.numpy as jnp, napkin_cat as nc
+        >>> from rewrites import derive, tile, stream
+        >>> q, x, d = nc.axes("q x d", d=64)
+        >>> powed = nc.library.attention(q, x, d, dtype="bf16", score_mod=lambda s, q, x: s * jnp.abs(s) ** 0.5)
+        >>> k = MosaicLowered(plan(derive(powed, tile(q, 128), stream(x, 64), verify=False).diagram), interpret=False)
+        >>> k.lowering_error()  # doctest: +ELLIPSIS
+        'Mosaic GPU does not lower it for CUDA: NotImplementedError: Unimplemented primitive ...: pow ...'
+        """
+        full = self.plan.diagram
+        blocks = {**self.plan.tiles, **({self.x: 2 * self.s} if self.x else {})}
+        sizes = {a.name: a.size for w in full.dom.inside for a in w.axes}
+        if any(not sizes[a].is_number for a in self.plan.whole):
+            return None
+        example = {
+            sym: blocks.get(sym.name, 1) for n in sizes.values() for sym in n.free_symbols
+        }  # a tiled or streamed axis's own symbol gives its blocks; any other (a batch axis) 1
+        structs = [
+            jax.ShapeDtypeStruct(tuple(int(a.size.subs(example)) for a in w.axes), w.dtype.jnp) for w in full.dom.inside
+        ]
+        try:
+            jax.jit(self).trace(*structs).lower(lowering_platforms=("cuda",))
+        except Exception as e:  # noqa: BLE001 - any failure of Mosaic GPU's lowering is the reason reported
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            return f"Mosaic GPU does not lower it for CUDA: {type(e).__name__}: {first[:300]}"
+        return None
 
     # -- the wrapper: bind sizes, check them, launch --------------------------------------------
     def ragged(self, *arrays) -> str | None:

@@ -4,6 +4,7 @@ operand included), and run compiled on a GPU (``gpu``-marked); refusals name the
 
 import contextlib
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -191,6 +192,36 @@ def test_auto_takes_mosaic_per_kernel_where_measured_faster(hopper):
         fixed.backend == "triton"
         and "axis 'q' of size 1000: the Mosaic backend needs whole blocks of 256" in (fixed.refused["forward"])
     )
+
+
+def test_auto_keeps_a_kernel_mosaic_gpu_cannot_lower_on_triton_saying_why(hopper, key):
+    """A score modifier using a primitive Mosaic GPU has no rule for (``pow``): 'auto' on sm_90 finds it when it
+    builds the kernel, by lowering it for CUDA, and takes Triton, naming the primitive (before, the first compiled
+    call failed inside Mosaic GPU's lowering). The forward and gradients stay right, against ``jax.nn``."""
+    hopper()
+
+    def powed(s, q, x):
+        return s * jnp.abs(s) ** 0.5
+
+    b, h, q, x, d = nc.axes("b h q x d", d=64)
+    att = nc.library.multi_head_attention(h, q, x, d, batch=(b,), dtype="bf16", score_mod=powed)
+    kernel = lower(derive(att, tile(q, 256), stream(x, 128), verify=False), backend="auto", interpret=True)
+    assert kernel.backend == "triton"
+    plain = lower(attention(64, 256, 128), backend="auto", interpret=False)  # the same blocks, no pow: Mosaic
+    assert plain.backends["forward"] == "mosaic", plain.refused
+    hopper_again = lower(derive(att, tile(q, 256), stream(x, 128), verify=False), backend="auto", interpret=False)
+    assert hopper_again.backend == "triton"
+    assert re.search(r"Mosaic refused: Mosaic GPU does not lower it for CUDA: .*: pow", hopper_again.refused["forward"])
+    with pytest.raises(NotLowerable, match=r"Mosaic, forward: Mosaic GPU does not lower it for CUDA: .*: pow"):
+        lower(derive(att, tile(q, 256), stream(x, 128), verify=False), backend="mosaic", interpret=False)
+    Q, K, V = inputs(key, (1, 2, 256, 64))
+
+    def want(Q, K, V):
+        s = jnp.einsum("bhqd,bhkd->bhqk", Q, K) / 8.0
+        return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(powed(s, None, None), axis=-1), V)
+
+    f32 = [a.astype(jnp.float32) for a in (Q, K, V)]
+    assert relative_error(kernel(Q, K, V), want(*f32)) <= BF16
 
 
 def test_auto_binds_a_symbolic_head_dim_at_the_call(hopper):
