@@ -308,17 +308,19 @@ def smem_bytes(p: Plan, padded: dict, stages: int) -> int:
 
 
 def base2(d: Diagram) -> Diagram:
-    """Fold log₂e into the scale of the box feeding each box that has a base-2 form, which then uses exp2;
-    a positive scale moves into that box whole.
+    """Give each box that has a base-2 form (``in_base2``: a softmax·contract) a positive scale of its scores,
+    log₂e in it, so that it exponentiates with exp2: the scale of the box feeding it, where that is positive,
+    moves into it whole.
 
     rewrite: S = Q·Kᵀ·c ; [masks] ; softmax·contract  →  S = Q·Kᵀ ; [masks] ; softmax₂·contract(c·log₂e)
-    for c > 0, else S = Q·Kᵀ·(c·log₂e) ; [masks] ; softmax₂·contract.
-    Sound because softmax(s) = softmax₂(s·log₂e), masks send scores to −∞ in either base and at any
-    positive scale, and max(c·s) = c·max(s) for c > 0: the box then takes ``exp₂(s·c − m·c)``, one fused
-    multiply-add a score, where the scaled product cost a multiply more (FlashAttention-3's form). It applies
-    only when nothing but boxes that commute with the scaling (``passes_base``) lies between a box with a
-    base-2 form (``in_base2``) and one that carries a scale (``unscaled``, ``scaled``): a score modifier
-    would see the wrong base.
+    for c > 0; any other scores (a score modifier's, a scale of unknown sign) ; softmax·contract  →  … ;
+    softmax₂·contract(log₂e).
+    Sound because softmax(s) = softmax₂(k·s) for the box's k = c·log₂e, masks send scores to −∞ at any
+    positive scale, and max(k·s) = k·max(s) for k > 0: the box takes ``exp₂(s·k − m·k)``, one fused
+    multiply-add a score, where scaling the product first costs a multiply more (FlashAttention-3's form),
+    and ``exp(s − m)`` a subtraction and a multiply by log₂e before the exp2. The scale moves only through
+    boxes that commute with it (``passes_base``: masks), from a box that carries it (``unscaled``): a score
+    modifier reads the scale it was written for.
 
     >>> import napkin_cat as nc
     >>> from rewrites import fuse_softmax_contract
@@ -326,24 +328,23 @@ def base2(d: Diagram) -> Diagram:
     >>> fused = base2(fuse_softmax_contract(nc.library.attention(q, x, d, causal=True), "x"))
     >>> [(b.params.get("scale"), b.params.get("base")) for b in fused.boxes]
     [(None, None), (None, None), (1.44269504088896/sqrt(d), 2)]
+    >>> capped = base2(fuse_softmax_contract(nc.library.softcap_attention(q, x, d, cap=30), "x"))
+    >>> capped.boxes[0].params["scale"], capped.boxes[-1].params["scale"] == LOG2E  # the score modifier between
+    (1/sqrt(d), True)
     """
     layers = list(d.inside)
     for j, (left, box, right) in enumerate(d.inside):
-        folded = None if is_structural(box) else box.in_base2()
-        if folded is None:
+        if is_structural(box) or box.in_base2() is None:
             continue
         i, _ = d.producer(j, len(left))
         while i is not None and not is_structural(d.inside[i][1]) and d.inside[i][1].passes_base():
             i, _ = d.producer(i, len(d.inside[i][0]))
-        if i is None or is_structural(d.inside[i][1]):
-            continue
-        moved = d.inside[i][1].unscaled()
+        moved = None if i is None or is_structural(d.inside[i][1]) else d.inside[i][1].unscaled()
         if moved is not None and sympy.sympify(moved[1]).is_positive:  # the max commutes with a positive scale
-            producer, folded = moved[0], box.in_base2(scale=moved[1] * LOG2E)
-        elif (producer := d.inside[i][1].scaled(LOG2E)) is None:
-            continue
-        layers[i] = (d.inside[i][0], producer, d.inside[i][2])
-        layers[j] = (left, folded, right)
+            layers[i] = (d.inside[i][0], moved[0], d.inside[i][2])
+            layers[j] = (left, box.in_base2(scale=moved[1] * LOG2E), right)
+        else:
+            layers[j] = (left, box.in_base2(scale=LOG2E), right)
     return d.with_layers(layers)
 
 

@@ -114,16 +114,16 @@ def test_shared_memory_guard(key):
 @pytest.mark.parametrize("scale", [0.7, -0.7])
 def test_the_score_scale_moves_into_the_softmax_only_when_positive(seed, key, scale):
     """A positive scale moves from Q·Kᵀ into the online softmax (``exp₂(s·c − m·c)``, its max of unscaled
-    scores); a negative one cannot (the max would be the min), so it stays on the product with log₂e folded
-    in. Both kernels against the independent reference, causal so that masked scores meet either scale."""
+    scores); a negative one cannot (the max would be the min), so it stays on the product and the softmax takes
+    log₂e alone. Both kernels against the independent reference, causal so that masked scores meet either scale."""
     b, h, q, x, d = nc.axes("b h q x d")
     attn = nc.library.multi_head_attention(h, q, x, d, batch=(b,), causal=True, scale=scale)
     sched = derive(attn, tile(q, 16), stream(x, 16), verify=False)
     boxes = base2(plan(sched.diagram).diagram).boxes
     on_product = [b.params.get("scale") for b in boxes if b.name.startswith("q d")]
     on_softmax = [b.params.get("scale") for b in boxes if b.name.startswith("softmax")]
-    moved = [[None], [pytest.approx(scale * LOG2E)]]
-    assert [on_product, on_softmax] == (moved if scale > 0 else moved[::-1])
+    moved = [[None], [pytest.approx(scale * LOG2E)]] if scale > 0 else [[pytest.approx(scale)], [pytest.approx(LOG2E)]]
+    assert [on_product, on_softmax] == moved
     Q, K, V = rand(key, [(1, 2, 40, 16), (1, 2, 40, 16), (1, 2, 40, 16)], nc.f32)
     out = lower(sched)(Q, K, V)
     assert R.rel_err(out, R.attention(Q, K, V, scale=scale, causal=True)) <= TOL[nc.f32], f"NAPKIN_SEED={seed}"

@@ -10,8 +10,8 @@ A generator declares
 * ``accumulator(axis)`` — where it is streamable along ``axis`` (FAN §3), its accumulator;
 * ``backward(tape, ins, outs, cts)`` — its derivative, as boxes on the reverse-mode tape;
 * ``family``, ``symbol``, ``lines(prog, ins, outs)`` — its picture and its pseudocode;
-* ``contracts``, ``transfers``, ``diagonal()``, ``in_base2()``, ``passes_base()``, ``scaled(c)`` — what
-  a backend needs to lower it.
+* ``contracts``, ``transfers``, ``diagonal()``, ``in_base2(scale)``, ``passes_base()``, ``scaled(c)``,
+  ``unscaled()`` — what a backend needs to lower it.
 
 One module per concept: contraction, elementwise maps and casts, index maps and masks, reductions,
 the softmax family, structure (reshapes, moves).
