@@ -15,7 +15,7 @@ ratios. Configurations left when ``--budget-s`` runs out are recorded as skipped
 
     python papers/flash_attention/mosaic_bench.py [--out DIR] [--only D,N,causal] [--dtypes bf16,f16]
         [--sections fwd,fwdbwd] [--budget-s 540] [--matmul] [--auto] [--pingpong] [--tiles 128x128,...]
-    python papers/flash_attention/mosaic_bench.py --profile [--only 128,8192,1]   # one forward, for ncu
+    python papers/flash_attention/mosaic_bench.py --profile [--only 128,8192,1] [--softcap 50]   # one forward, for ncu
 """
 
 from __future__ import annotations
@@ -64,9 +64,9 @@ EXTRA_TILES: list[tuple[int, int]] = []
 SAVE = {"rows": [], "save": lambda rows: None}
 
 
-def scheduled(D: int, causal: bool, g: int, s: int, dtype: str = "bf16"):
+def scheduled(D: int, causal: bool, g: int, s: int, dtype: str = "bf16", **kw):
     b, h, q, x, d = nc.axes("b h q x d", d=D)
-    attn = nc.library.multi_head_attention(h, q, x, d, batch=(b,), dtype=dtype, causal=causal)
+    attn = nc.library.multi_head_attention(h, q, x, d, batch=(b,), dtype=dtype, causal=causal, **kw)
     return derive(attn, tile(q, g), stream(x, s), verify=False)
 
 
@@ -341,6 +341,7 @@ def main():
     ap.add_argument("--pingpong", action="store_true", help="also Mosaic with ping-pong in the backward's kernels")
     ap.add_argument("--tiles", default="", help="further Mosaic forward tiles GxS to time, e.g. 128x128,256x128")
     ap.add_argument("--profile", action="store_true", help="run one forward twice, for ncu (--only: which; D=128 N=8k)")
+    ap.add_argument("--softcap", type=float, default=None, help="with --profile: soft-capped scores (Gemma 2's cap)")
     args = ap.parse_args()
     start = time.perf_counter()
     global AUTO, PINGPONG
@@ -350,7 +351,8 @@ def main():
     print(f"device: {gpu}; jax {jax.__version__}", flush=True)
     if args.profile:  # --only picks the configuration (default 128,8192,0)
         D, N, c = (int(v) for v in (args.only or "128,8192,0").split(","))
-        f = jax.jit(MosaicLowered(plan(scheduled(D, bool(c), *TILES[D][0]).diagram), interpret=False))
+        mod = {} if args.softcap is None else {"score_mod": nc.library.SoftCap(args.softcap)}
+        f = jax.jit(MosaicLowered(plan(scheduled(D, bool(c), *TILES[D][0], **mod).diagram), interpret=False))
         q = [jax.random.normal(jax.random.key(i), (16384 // N, HEADS, N, D), jnp.bfloat16) for i in range(3)]
         jax.block_until_ready(f(*q))
         jax.block_until_ready(f(*q))
