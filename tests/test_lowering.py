@@ -111,19 +111,25 @@ def test_shared_memory_guard(key):
         kernel(Q, Q, Q)
 
 
-@pytest.mark.parametrize("scale", [0.7, -0.7])
-def test_the_score_scale_moves_into_the_softmax_only_when_positive(seed, key, scale):
-    """A positive scale moves from Q·Kᵀ into the online softmax (``exp₂(s·c − m·c)``, its max of unscaled
-    scores); a negative one cannot (the max would be the min), so it stays on the product and the softmax takes
-    log₂e alone. Both kernels against the independent reference, causal so that masked scores meet either scale."""
+@pytest.mark.parametrize("dtype, scale", [(nc.bf16, 0.7), (nc.bf16, -0.7), (nc.f32, 0.7)])
+def test_the_score_scale_moves_into_the_softmax_only_when_positive(seed, key, dtype, scale):
+    """Where P meets a 16-bit V, a positive scale moves from Q·Kᵀ into the online softmax (``exp₂(s·c − m·c)``,
+    its max of unscaled scores); a negative one cannot (the max would be the min), so it stays on the product and
+    the softmax takes log₂e alone. In f32 nothing moves: log₂e joins the product's scale, so ``s − m`` stays
+    exact. Each kernel against the independent reference, causal so that masked scores meet the scale."""
     b, h, q, x, d = nc.axes("b h q x d")
-    attn = nc.library.multi_head_attention(h, q, x, d, batch=(b,), causal=True, scale=scale)
+    attn = nc.library.multi_head_attention(h, q, x, d, batch=(b,), causal=True, scale=scale, dtype=dtype)
     sched = derive(attn, tile(q, 16), stream(x, 16), verify=False)
     boxes = base2(plan(sched.diagram).diagram).boxes
     on_product = [b.params.get("scale") for b in boxes if b.name.startswith("q d")]
     on_softmax = [b.params.get("scale") for b in boxes if b.name.startswith("softmax")]
-    moved = [[None], [pytest.approx(scale * LOG2E)]] if scale > 0 else [[pytest.approx(scale)], [pytest.approx(LOG2E)]]
-    assert [on_product, on_softmax] == moved
-    Q, K, V = rand(key, [(1, 2, 40, 16), (1, 2, 40, 16), (1, 2, 40, 16)], nc.f32)
+    want = {
+        (nc.bf16, True): [[None], [pytest.approx(scale * LOG2E)]],
+        (nc.bf16, False): [[pytest.approx(scale)], [pytest.approx(LOG2E)]],
+        (nc.f32, True): [[pytest.approx(scale * LOG2E)], [None]],
+    }[dtype, scale > 0]
+    assert [on_product, on_softmax] == want
+    Q, K, V = rand(key, [(1, 2, 40, 16), (1, 2, 40, 16), (1, 2, 40, 16)], dtype)
     out = lower(sched)(Q, K, V)
-    assert R.rel_err(out, R.attention(Q, K, V, scale=scale, causal=True)) <= TOL[nc.f32], f"NAPKIN_SEED={seed}"
+    f32 = [a.astype(jnp.float32) for a in (Q, K, V)]
+    assert R.rel_err(out, R.attention(*f32, scale=scale, causal=True)) <= TOL[dtype], f"NAPKIN_SEED={seed}"

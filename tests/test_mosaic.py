@@ -96,12 +96,13 @@ def test_a_launch_section_that_does_not_divide_the_batch_is_refused(key):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_compiled_path_lowers_for_cuda(causal):
-    """The GPU path (register A operand, in-place accumulation, ping-pong) lowers to Mosaic GPU on CPU."""
+    """The GPU path (register A operand, in-place accumulation, ping-pong) lowers to Mosaic GPU on CPU; its turns pass
+    a named barrier of both consumer warpgroups (``bar.sync``), not an mbarrier, which interpret mode keeps."""
     k = MosaicLowered(plan(attention(128, 256, 64, causal=causal, score_mod=soft_cap).diagram), interpret=False)
     assert not k.config.interpretable and k.pingpong and k.rows == 128
     args = [jax.ShapeDtypeStruct((1, 2, 512, 128), jnp.bfloat16)] * 3
     text = jax.jit(k).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
+    assert "mosaic_gpu" in text and f"bar.sync {mosaic.TURN_BARRIER}, 256;" in text
 
 
 @pytest.mark.parametrize("causal", [False, True])
