@@ -144,7 +144,6 @@ class Product:
         first = self.xp.issued == 0
         self.xp.issued += 1
 
-
         def mma(acc_ref):
             if not first:  # later products of a chunk wait for the other warpgroup's turn
                 self.xp.schedule()

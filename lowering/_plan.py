@@ -342,7 +342,8 @@ def base2(d: Diagram) -> Diagram:
     """
     layers = list(d.inside)
     for j, (left, box, right) in enumerate(d.inside):
-        if is_structural(box) or box.in_base2() is None:
+        folded = None if is_structural(box) else box.in_base2()
+        if folded is None:
             continue
         i, _ = d.producer(j, len(left))
         while i is not None and not is_structural(d.inside[i][1]) and d.inside[i][1].passes_base():
@@ -351,7 +352,7 @@ def base2(d: Diagram) -> Diagram:
         if box.dom.inside[-1].dtype.bits != 16:  # f32 probabilities: the exponent s − m stays exact
             if producer is not None and (scaled := producer.scaled(LOG2E)) is not None:
                 layers[i] = (d.inside[i][0], scaled, d.inside[i][2])
-                layers[j] = (left, box.in_base2(), right)
+                layers[j] = (left, folded, right)
             continue
         moved = None if producer is None else producer.unscaled()
         if moved is not None and sympy.sympify(moved[1]).is_positive:  # the max commutes with a positive scale

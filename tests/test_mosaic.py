@@ -198,7 +198,8 @@ def test_auto_takes_mosaic_per_kernel_where_measured_faster(hopper):
 def test_auto_keeps_a_kernel_mosaic_gpu_cannot_lower_on_triton_saying_why(hopper, key):
     """A score modifier using a primitive Mosaic GPU has no rule for (``pow``): 'auto' on sm_90 finds it when it
     builds the kernel, by lowering it for CUDA, and takes Triton, naming the primitive (before, the first compiled
-    call failed inside Mosaic GPU's lowering). The forward and gradients stay right, against ``jax.nn``."""
+    call failed inside Mosaic GPU's lowering). ``backend="mosaic"`` refuses it by name. The Triton kernel's forward
+    stays right, against ``jax.nn.softmax`` of the modified scores."""
     hopper()
 
     def powed(s, q, x):

