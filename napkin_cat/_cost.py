@@ -6,7 +6,7 @@ work and transfers and takes the larger memory (memory is the largest column); p
 everything. :func:`cost` sends each layer of a diagram to ``id(left) ⊗ F(box) ⊗ id(right)`` and composes
 them, in one flat walk over the layers.
 
-FAN's rules (REFERENCE §1.1–1.2):
+FAN's rules (the paper's §2–3: colours are levels, relabellings are tile and stream):
 
 * a colour change (a :class:`~napkin_cat.generators.Move` box) moves the array's full size, times
   ``a/g_a`` for every tiled axis ``a`` of its kernel that does not index the array (an input not indexed
@@ -20,7 +20,7 @@ FAN's rules (REFERENCE §1.1–1.2):
   warpgroups (``rewrites.split``, ``a/g÷w``) counts ``g/w`` there, and :attr:`Cost.warpgroups` says how many
   such warpgroups fit an SM's register file (FAN §1.3 row 14).
 
-Two global-memory figures, measured differently (REFERENCE §5):
+Two global-memory figures, measured differently (the ncu counts in papers/flash_attention/results/cost_vs_hardware_NVIDIA_H100_80GB_HBM3.md):
 
 * **GMEM→SMEM bytes** (:attr:`Cost.gmem_bytes`; ``hbm_bytes`` is the same figure under its old name): what
   the SMs read from and write to global memory, re-reads included. Every block of a kernel's grid reads
@@ -42,13 +42,13 @@ Two global-memory figures, measured differently (REFERENCE §5):
 >>> from napkin_cat.hardware import H100
 >>> q, x, d = nc.axes("q x d")
 >>> naive = cost(nc.library.attention(q, x, d), H100)
->>> naive.transfers[SMEM]                       # REFERENCE §1.3 row 7: S and P written and read once
+>>> naive.transfers[SMEM]                       # row 7 of papers/flash_attention_on_a_napkin/table.md: S and P written and read once
 2*d*q + 2*d*x + 4*q*x
 >>> naive.flops
 4*d*q*x + 5*q*x
 
 FlashAttention on a 50 MB L2: K and V of the heads in flight fit, so DRAM sees each input once
-(REFERENCE §5: ncu reads 201,646,848 B from DRAM and 8,657,043,456 B into shared memory):
+(papers/flash_attention/results/cost_vs_hardware_NVIDIA_H100_80GB_HBM3.md: ncu reads 201,646,848 B from DRAM and 8,657,043,456 B into shared memory):
 
 >>> from rewrites import derive, tile, stream, level
 >>> b, h = nc.axes("b h")
@@ -488,7 +488,7 @@ def cost(d: Diagram, hardware: Hardware | str | None = None, *, onchip: Level = 
     ...     lambda w: w.with_(axes=[{"a": a.tiled("g_a"), "b": b.streamed("s_b"), "c": c.tiled("g_c")}[x.name]
     ...                              for x in w.axes]))
     >>> t = cost(tiled, H100)
-    >>> sympy.expand(t.transfers[SMEM])            # REFERENCE §1.3 row 1
+    >>> sympy.expand(t.transfers[SMEM])            # row 1 of papers/flash_attention_on_a_napkin/table.md
     a*b*c/g_c + a*b*c/g_a + a*c
     >>> t.memory[SMEM]
     g_a*g_c + g_a*s_b + g_c*s_b

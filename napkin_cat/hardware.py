@@ -1,4 +1,4 @@
-"""Hardware models: GPUs as data (FAN §4–5; REFERENCE §1.3–1.4).
+"""Hardware models: GPUs as data (FAN §4–5; papers/flash_attention_on_a_napkin/table.md; the GPUs' datasheets).
 
 A :class:`Hardware` is a frozen record of a GPU's memory hierarchy (:class:`Memory` per level, each with
 its capacity and the bandwidth *into* it from the next outer level), its compute rates by dtype, and the
@@ -7,7 +7,7 @@ from those constants, never typed in.
 
 >>> H100.sms, H100.memory(SMEM).capacity, H100.smem_per_block
 (132, 233472, 232448)
->>> round(H100.clock / 1e9, 3)                    # REFERENCE §1.3: 1979e12 / (132 · 8192)
+>>> round(H100.clock / 1e9, 3)                    # row 15 of papers/flash_attention_on_a_napkin/table.md: 1979e12 / (132 · 8192)
 1.83
 >>> H100.bandwidth(SMEM)                          # L2 → SMEM (FAN: 6.0e12 values/s at 2 B)
 12000000000000.0
@@ -34,7 +34,7 @@ A user-defined model is the same record; :func:`dataclasses.replace` derives var
 >>> A100_40GB.bandwidth(L2)
 1555000000000.0
 
-Past one chip the device is a level too (DESIGN "Backward, backends and devices"): a :class:`System` is
+Past one chip the device is a level too (docs/multi_device.md): a :class:`System` is
 ``devices`` copies of a GPU joined by an :class:`Interconnect` (NVLink), with per-device memory the GPU's HBM:
 
 >>> H200_X2.devices, H200_X2.memory_per_device == 141 * GB, H200_X2.link.bandwidth / 1e9
@@ -203,7 +203,7 @@ class Hardware:
         return rates[dtype.name]
 
     def flops_per_clk(self, dtype: Dtype) -> int:
-        """Tensor-core FLOP per SM per clock for ``dtype`` (REFERENCE §1.3 row 15).
+        """Tensor-core FLOP per SM per clock for ``dtype`` (row 15 of papers/flash_attention_on_a_napkin/table.md).
 
         >>> from napkin_cat.dtypes import bf16, fp8_e4m3
         >>> H100.flops_per_clk(fp8_e4m3), H100.flops_per_clk(bf16)
@@ -245,7 +245,7 @@ class Hardware:
 
 # --- NVIDIA A100 SXM4 80GB -------------------------------------------------------------------------
 # Sources: NVIDIA A100 datasheet (80GB SXM) and "NVIDIA A100 Tensor Core GPU Architecture" whitepaper
-# (2020); CUDA C++ Programming Guide, compute capability 8.0 table; REFERENCE §1.4.
+# (2020); CUDA C++ Programming Guide, compute capability 8.0 table; NVIDIA's A100 datasheet.
 _A100_FP16 = 312e12  # datasheet: FP16/BF16 tensor, dense
 _A100_CLOCK = _A100_FP16 / (108 * 2048)  # whitepaper: 1024 dense FP16 FMA/clk/SM → 1.41 GHz boost
 A100 = Hardware(
@@ -275,9 +275,9 @@ A100 = Hardware(
 
 # --- NVIDIA H100 SXM5 80GB -------------------------------------------------------------------------
 # Sources: NVIDIA H100 datasheet (SXM5) and "NVIDIA H100 Tensor Core GPU Architecture" whitepaper (2022);
-# CUDA C++ Programming Guide, compute capability 9.0 table; FAN §4–5 (REFERENCE §1.3 rows 13–15).
+# CUDA C++ Programming Guide, compute capability 9.0 table; FAN §4–5 (rows 13–15 of papers/flash_attention_on_a_napkin/table.md).
 _H100_FP8 = 1979e12  # datasheet: FP8 tensor, dense (3,958 with sparsity)
-_H100_CLOCK = _H100_FP8 / (132 * 8192)  # REFERENCE §1.3: 1.830 GHz
+_H100_CLOCK = _H100_FP8 / (132 * 8192)  # row 15 of papers/flash_attention_on_a_napkin/table.md: 1.830 GHz
 H100 = Hardware(
     name="H100",
     sms=132,  # whitepaper: 132 SMs on H100 SXM5
@@ -296,9 +296,9 @@ H100 = Hardware(
         ("tf32", 494.5e12),  # datasheet: TF32 tensor 989 TFLOP/s with sparsity, dense half
     ),
     flop_per_clk=(("f16", 4096), ("bf16", 4096), ("fp8_e4m3", 8192), ("fp8_e5m2", 8192)),  # FAN row 15
-    exp_per_clk=16,  # FAN (REFERENCE §1.3 row 15): SFU exp 16/clk per SM
-    alu16_per_clk=512,  # FAN (REFERENCE §1.3 row 15): FP16 ALU 512/clk per SM
-    smem_per_block=227 * KiB,  # CUDA guide cc 9.0: 227 KB max per block (REFERENCE §2: 232,448 B)
+    exp_per_clk=16,  # FAN (row 15 of papers/flash_attention_on_a_napkin/table.md): SFU exp 16/clk per SM
+    alu16_per_clk=512,  # FAN (row 15 of papers/flash_attention_on_a_napkin/table.md): FP16 ALU 512/clk per SM
+    smem_per_block=227 * KiB,  # CUDA guide cc 9.0: 227 KB max per block (232,448 B, the sm_90 opt-in limit)
     l1_smem_per_sm=256 * KiB,  # whitepaper: 256 KB combined L1/shared memory per SM
     max_warps_per_sm=64,  # CUDA guide cc 9.0: 2048 threads per SM
     max_regs_per_thread=255,  # CUDA guide: 255 registers per thread
@@ -312,14 +312,14 @@ H100 = Hardware(
 
 # --- NVIDIA H200 SXM 141GB -------------------------------------------------------------------------
 # Same GH100 die as H100 SXM5 (compute, SMs, caches); datasheet: 141 GB HBM3e at 4.8 TB/s.
-# L2: 60 MiB, measured (PyTorch's L2_cache_size on the H200 machines here, KINDS.md 2026-10-28; REFERENCE
-# §1.4), where the H100 reports 50 MiB; the cost functor's DRAM model reads it.
+# L2: 60 MiB, measured (PyTorch's L2_cache_size on an H200, 2026-10-28),
+# where the H100 reports 50 MiB; the cost functor's DRAM model reads it.
 H200 = replace(
     H100,
     name="H200",
     memories=replace(H100, memories=H100.with_capacity(HBM, 141 * GB)).with_capacity(L2, 60 * MiB)[:1]
     + replace(H100, memories=H100.with_capacity(L2, 60 * MiB)).with_bandwidth(L2, 4.8e12)[1:],
-    # measured (REFERENCE §3, same runs as its tables): bf16 8192³ matmul 695–747 TFLOP/s, device copy
+    # measured (papers/flash_attention/results/NVIDIA_H200_benchmark.log): bf16 8192³ matmul 695–747 TFLOP/s, device copy
     # 4.0–4.1 TB/s read + write; a ceiling is the best run. No f16 matmul measured here: datasheet.
     ceilings=(("bf16", 747e12), ("dram", 4.1e12)),
 )

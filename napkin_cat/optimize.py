@@ -1,14 +1,14 @@
 """Optimisation on the performance model: thresholds, tile budgets and throughput (FAN §4–5).
 
 Everything here takes a :class:`~napkin_cat.hardware.Hardware` model and computes the paper's numbers from
-its constants (REFERENCE §1.3 rows 3–17). Transfers are counted in *values*; a dtype turns bytes/s into
+its constants (rows 3–17 of papers/flash_attention_on_a_napkin/table.md). Transfers are counted in *values*; a dtype turns bytes/s into
 values/s.
 
 The central quantity is ``r``, the values a level can receive per FLOP at peak compute. An algorithm is
 compute-bound at a level when its transfers per FLOP stay below ``r``.
 
 >>> from napkin_cat.hardware import H100
->>> round(attention_threshold(H100), 1)           # g_q ≥ 295 (REFERENCE §1.3 row 11)
+>>> round(attention_threshold(H100), 1)           # g_q ≥ 295 (row 11 of papers/flash_attention_on_a_napkin/table.md)
 295.2
 >>> round(matmul_min_memory(H100) / KiB)          # ≈ 681 KB of L2 (row 12)
 681
@@ -45,7 +45,7 @@ def matmul_threshold(
 ) -> float:
     """Smallest contraction size ``b`` for which a tiled matmul is compute-bound at ``inner``.
 
-    Square tiles transfer ``M^-1/2 + (2b)^-1`` values per FLOP (REFERENCE §1.3 row 3), so the matmul is
+    Square tiles transfer ``M^-1/2 + (2b)^-1`` values per FLOP (row 3 of papers/flash_attention_on_a_napkin/table.md), so the matmul is
     compute-bound when ``b ≥ 1 / (2 (r − M^-1/2))``. ``memory`` is the level's capacity in bytes
     (``None``: unlimited, the M → ∞ bound).
 
@@ -95,7 +95,7 @@ def attention_threshold(hw: Hardware, inner: Level = L2, dtype: Dtype = f16, out
 
 
 def quantization_gain(beta: float, factor: float = 2) -> float:
-    """Transfer-time gain from storing values in ``1/factor`` the bytes (REFERENCE §1.3 row 10).
+    """Transfer-time gain from storing values in ``1/factor`` the bytes (row 10 of papers/flash_attention_on_a_napkin/table.md).
 
     Bytes moved scale as ``q^(1+β)``: ``q`` per value, and ``M`` holds ``1/q`` times more values, which
     cuts the values moved by ``q^β``. Halving ``q``: attention (β = 1) ×4, matmul (β = 1/2) ×2.83.
@@ -108,7 +108,7 @@ def quantization_gain(beta: float, factor: float = 2) -> float:
 
 @dataclass(frozen=True)
 class WarpgroupBudget:
-    """Per-SM memory one Hopper thread block needs (FAN §5, REFERENCE §1.3 row 14), in bytes.
+    """Per-SM memory one Hopper thread block needs (FAN §5; row 14 of papers/flash_attention_on_a_napkin/table.md), in bytes.
 
     ``block_smem`` is shared by the block (the streamed K, V chunks, all pipeline stages);
     ``warpgroup_smem`` and ``warpgroup_regs`` are needed again for every consumer warpgroup.
@@ -137,7 +137,7 @@ def fan_hopper_budget(
     SMEM per block: ``stages`` buffers of the K chunk (``qk``) and the V chunk (``pv``):
     2 · 64 · 128 · (1 + 2) B = 48 KiB. SMEM per warpgroup: its Q tile (``qk``) and its output tile
     (``pv``): 128 · 128 · (1 + 2) B = 48 KiB. The register budget per warpgroup is the paper's
-    74.75 KiB (REFERENCE §1.3 row 14): the live register arrays we can account for (the f32 O
+    74.75 KiB (row 14 of papers/flash_attention_on_a_napkin/table.md): the live register arrays we can account for (the f32 O
     accumulator, 64 KiB; P in FP8, 8 KiB; row max and sum in f32, 1 KiB) give 73 KiB.
 
     >>> b = fan_hopper_budget()
@@ -177,7 +177,7 @@ class HopperConfiguration:
 
 
 def hopper_configuration(hw: Hardware, budget: WarpgroupBudget | None = None, w_q: int = 128) -> HopperConfiguration:
-    """FAN's warpgroup count for one thread block per SM (REFERENCE §1.3 row 14).
+    """FAN's warpgroup count for one thread block per SM (row 14 of papers/flash_attention_on_a_napkin/table.md).
 
     SMEM: ``(227 KiB − 48 KiB) / 48 KiB = 3.7``; registers: ``256 KiB / 74.75 KiB = 3.4``; so 3 consumer
     warpgroups of ``w_q = 128`` queries, ``g_q = 384``.

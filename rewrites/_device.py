@@ -1,4 +1,4 @@
-"""Relabellings at the device level: a mesh axis is one more level above HBM (DESIGN "devices").
+"""Relabellings at the device level: a mesh axis is one more level above HBM (docs/multi_device.md).
 
 rewrite: a scheduled diagram  →  the same diagram run per device of a mesh axis (a :class:`Sharded` value).
 

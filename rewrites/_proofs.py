@@ -1,4 +1,4 @@
-"""Symbolic proofs at small concrete sizes: verification strength (c) of DESIGN.md.
+"""Symbolic proofs at small concrete sizes: verification strength (c) of docs/user_rewrites.md.
 
 Both sides are evaluated in a sympy semantics — every array element a sympy expression in symbols
 standing for the input elements — and each output element's difference is simplified to 0. The

@@ -1,4 +1,4 @@
-"""Hardware models and the paper's model arithmetic (REFERENCE §1.3 rows 10–17, §1.4)."""
+"""Hardware models and the paper's model arithmetic (rows 10–17 of papers/flash_attention_on_a_napkin/table.md; the GPUs' datasheets)."""
 
 from dataclasses import replace
 
@@ -13,7 +13,7 @@ from napkin_cat.levels import HBM, L2, REG, SMEM, TC
 
 @pytest.mark.parametrize(
     "hw, sms, hbm_bw, fp16, smem, l2",
-    [  # REFERENCE §1.4
+    [  # the GPUs' datasheets (NVIDIA's A100, H100 and H200 product pages)
         (A100, 108, 2.039e12, 312e12, 164 * KiB, 40 * MiB),
         (H100, 132, 3.35e12, 989e12, 228 * KiB, 50 * MiB),
         (H200, 132, 4.8e12, 989e12, 228 * KiB, 60 * MiB),
@@ -35,7 +35,7 @@ def test_models_are_hashable_values():
 
 
 def test_clock_is_derived_from_rates():
-    # REFERENCE §1.3 row 15: clock = 1979e12 / (132 · 8192) = 1.830 GHz
+    # FAN, row 15 of papers/flash_attention_on_a_napkin/table.md: clock = 1979e12 / (132 · 8192) = 1.830 GHz
     assert H100.clock == pytest.approx(1.830e9, rel=1e-3)
     assert A100.clock == pytest.approx(1.41e9, rel=1e-3)
     assert H100.sms * H100.flops_per_clk(f16) * H100.clock == pytest.approx(H100.flops(f16), rel=1e-3)

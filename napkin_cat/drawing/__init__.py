@@ -1,4 +1,4 @@
-"""Drawing: neural-circuit-diagram pictures of diagrams (DESIGN, Semantics 3).
+"""Drawing: neural-circuit-diagram pictures of diagrams (Abbott, *Neural Circuit Diagrams*).
 
 An array is one wire, in its memory level's colour (FAN §1: HBM black, L2 grey, SMEM orange, REG
 green, TC blue), labelled with its axes, partition labels included (``q/128`` tiled, ``x~64``

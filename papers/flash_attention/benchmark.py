@@ -4,7 +4,7 @@ For every configuration (dtype, head dim D, sequence length N with B·N tokens f
 it times the candidate and each baseline (compiled ahead of time, ``--warmup`` calls, then
 ``--batches`` batches of ``--reps`` calls dispatched back to back with one ``block_until_ready`` per
 batch; the median over batches of batch time / reps, inputs laid out beforehand), converts to TFLOP/s
-(4·B·H·N²·D forward, halved when causal; 3.5× that forward + backward, REFERENCE §2), and checks
+(4·B·H·N²·D forward, halved when causal; 3.5× that forward + backward; FlashAttention-2, Dao 2023, §4), and checks
 each output against an f32 reference computed on the same device. It then doubles N at B = 1 until
 each implementation fails (out of memory, or any error), and writes
 ``results/<GPU name>.json`` and ``.png``; ``--write-readme`` renders them into ``README.md``.
@@ -47,7 +47,7 @@ HERE = Path(__file__).resolve().parent
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "f32": jnp.float32}
 BASELINE_NAMES = ("naive", "cudnn", "mha", "mgpu")
 GRAD_NAMES = ("candidate", "cudnn", "mha")
-FWD_BWD_FACTOR = 3.5  # backward ≈ 2.5× forward matmul work (REFERENCE §2)
+FWD_BWD_FACTOR = 3.5  # backward ≈ 2.5× forward matmul work (FlashAttention-2, Dao 2023, §4)
 CHECK_ROWS = 64  # queries checked against the f32 reference in the longest-N sweep
 LONG_REPS = 3  # back-to-back calls timed (one batch) per N in the longest-N sweep: 0.1-200 ms each
 

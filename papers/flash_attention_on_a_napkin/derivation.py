@@ -1,7 +1,7 @@
 """FlashAttention on a napkin, derived: every derivation of issue 7, verified at three strengths.
 
-Each derivation starts from the naive diagram and applies verified relabellings (FAN §1.2 of
-REFERENCE.md): the softmax-contraction lemma, tiling (group partition), streaming (stream partition)
+Each derivation starts from the naive diagram and applies verified relabellings (FAN §3,
+the relabellings): the softmax-contraction lemma, tiling (group partition), streaming (stream partition)
 and recolouring to SMEM. For each it prints the steps with their verification records (strength (a)/(b):
 random ragged sizes), a symbolic proof at small sizes (strength (c)), the pseudocode (FAN §5), and draws
 the sequence of diagrams as a PNG beside this file. It writes DERIVATIONS.md.

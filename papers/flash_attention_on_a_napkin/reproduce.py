@@ -1,4 +1,4 @@
-"""Reproduce the performance model of *FlashAttention on a Napkin* (FAN; REFERENCE §1.3) from napkin-cat.
+"""Reproduce the performance model of *FlashAttention on a Napkin* (FAN §4–5; the rows of table.md) from napkin-cat.
 
 Every number is computed: the transfer and memory formulas by the cost functor (``napkin_cat._cost``) on
 FAN's diagrams, the thresholds and the Hopper budget from those formulas and the hardware models
@@ -266,7 +266,7 @@ def data_rows() -> list[Row]:
 
 
 def rows() -> list[Row]:
-    """Every row of the reproduction, in REFERENCE §1.3's order (FAN v1's Ampere claim last)."""
+    """Every row of the reproduction, in table.md's order (the paper's model, formula by formula) (FAN v1's Ampere claim last)."""
     return symbolic_rows() + quantization_rows() + threshold_rows() + hopper_rows() + data_rows() + ampere_rows()
 
 
