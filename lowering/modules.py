@@ -14,6 +14,14 @@ True
 >>> ids = jnp.array([[0] * 8 + [1] * 12, [0] * 20])                 # two documents, then one
 >>> bool(jnp.allclose(layer(x, segment_ids=ids), reference(x, segment_ids=ids), atol=1e-5))
 True
+
+Flax's own layer takes the entry through :func:`flax_attention` (its ``attention_fn`` convention):
+
+>>> mha = nnx.MultiHeadAttention(4, 32, attention_fn=flax_attention, decode=False, rngs=nnx.Rngs(0))
+>>> causal = nnx.make_causal_mask(jnp.ones((2, 20)))                   # float 1/0, [B, 1, N, N]
+>>> same = nnx.MultiHeadAttention(4, 32, decode=False, rngs=nnx.Rngs(0))  # jax.nn's attention, same parameters
+>>> bool(jnp.allclose(mha(x, mask=causal, deterministic=True), same(x, mask=causal, deterministic=True), atol=1e-5))
+True
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lowering._attention import attention
+from lowering._plan import NotLowerable
 from napkin_cat.errors import AxisError
 
 
@@ -78,7 +87,8 @@ class SelfAttention(nnx.Module):
         self.head_dim = features // heads if head_dim is None else head_dim
         self.v_head_dim = self.head_dim if v_head_dim is None else v_head_dim
         self.causal, self.attention_fn = causal, attention_fn
-        self.mods = {k: f for k, f in (("score_mod", score_mod), ("mask_mod", mask_mod)) if f is not None}
+        # a tuple, not a dict: NNX keeps it in the graphdef, which must hash (jax.jit(..., static_argnums=0))
+        self.mods = tuple((k, f) for k, f in (("score_mod", score_mod), ("mask_mod", mask_mod)) if f is not None)
 
         def linear(n_in, n_out):
             return nnx.Linear(n_in, n_out, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -104,7 +114,7 @@ class SelfAttention(nnx.Module):
         elif segment_ids is not None:
             given["segment_ids"] = segment_ids
         options = {name: a for name, a in given.items() if a is not None}
-        o = self.attention_fn(q, k, v, is_causal=self.causal, **options, **self.mods)
+        o = self.attention_fn(q, k, v, is_causal=self.causal, **options, **dict(self.mods))
         return self.out(o.reshape(*lead, seq, self.heads * self.v_head_dim))
 
 
@@ -120,3 +130,59 @@ def takes_segment_ids(fn: Callable) -> bool:
     except (TypeError, ValueError):  # a callable without a signature: pass only what jax.nn takes
         return False
     return "segment_ids" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def flax_attention(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    broadcast_dropout: bool = True,
+    dropout_rng=None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype=None,
+    precision=None,
+    module=None,
+    promote_dtype=None,
+    is_causal: bool = False,
+    **options,
+):
+    """The entry with Flax's ``attention_fn`` signature (``flax.nnx.dot_product_attention``'s), for
+    ``nnx.MultiHeadAttention(attention_fn=flax_attention)``; ``options`` (``score_mod``, ``segment_ids``, …)
+    reach :data:`lowering._attention.attention`.
+
+    Flax's masks are float (``nnx.make_causal_mask`` gives 1.0 where a score is kept): any mask is read as
+    ``mask != 0``. ``dtype`` casts q, k and v first, as Flax computes in it; ``precision`` is the kernel's own
+    (f32 accumulation). What the kernel does not do is refused, never ignored: dropout (``dropout_rate > 0``
+    while not ``deterministic``) and ``module=`` (Flax's ``sow_weights``: the kernel never forms the
+    attention weights).
+
+    >>> import jax, jax.numpy as jnp
+    >>> q, k, v = (jax.random.normal(jax.random.key(i), (1, 8, 2, 16)) for i in range(3))
+    >>> mask = jnp.tril(jnp.ones((8, 8)))[None, None]                   # float, as Flax's helpers make
+    >>> out = flax_attention(q, k, v, mask=mask)
+    >>> bool(jnp.allclose(out, jax.nn.dot_product_attention(q, k, v, is_causal=True), atol=1e-5))
+    True
+    >>> flax_attention(q, k, v, dropout_rate=0.1, dropout_rng=jax.random.key(0))
+    Traceback (most recent call last):
+    ...
+    lowering._plan.NotLowerable: flax_attention: dropout_rate=0.1 while deterministic=False: the kernel has \
+no dropout; pass deterministic=True (inference) or build the layer with dropout_rate=0.0
+    """
+    if dropout_rate > 0.0 and not deterministic:
+        raise NotLowerable(
+            f"flax_attention: dropout_rate={dropout_rate} while deterministic=False: the kernel has no dropout; "
+            "pass deterministic=True (inference) or build the layer with dropout_rate=0.0"
+        )
+    if module is not None:
+        raise NotLowerable(
+            "flax_attention: module= asks to sow the attention weights, which the kernel never forms; "
+            "build the layer without sow_weights, or use attention_fn=flax.nnx.dot_product_attention to inspect them"
+        )
+    if dtype is not None:
+        query, key, value = (a.astype(dtype) for a in (query, key, value))
+    if mask is not None and mask.dtype != jnp.bool_:
+        mask = mask != 0
+    return attention(query, key, value, bias, mask, is_causal=is_causal, **options)

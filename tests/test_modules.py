@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 flax = pytest.importorskip("flax")
 from flax import nnx  # noqa: E402
 
-from lowering.modules import SelfAttention, takes_segment_ids  # noqa: E402
+from lowering import NotLowerable  # noqa: E402
+from lowering.modules import SelfAttention, flax_attention, takes_segment_ids  # noqa: E402
 
 TOL = 1e-5
 
@@ -102,3 +103,41 @@ def test_value_head_dim_of_its_own(seed):
     kx, kc, kb = jax.random.split(jax.random.key(seed), 3)
     x, ct = jax.random.normal(kx, (2, 19, 32)), jax.random.normal(kc, (2, 19, 32))
     check(seed, ours, theirs, x, ct, bias=jax.random.normal(kb, (1, 4, 19, 19)))
+
+
+@settings(max_examples=2, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(3, 24))
+def test_flax_multi_head_attention_runs_on_the_entry(seed, n):
+    """Flax's own layer with ``attention_fn=flax_attention`` equals the same layer on ``jax.nn`` (outputs and every
+    parameter's gradient), with the float causal mask ``nnx.make_causal_mask`` makes."""
+    x = jax.random.normal(jax.random.key(seed), (2, n, 32))
+    mask = nnx.make_causal_mask(jnp.ones((2, n)))
+    ours, theirs = (
+        nnx.MultiHeadAttention(4, 32, decode=False, rngs=nnx.Rngs(seed), **kw)
+        for kw in ({"attention_fn": flax_attention}, {})
+    )
+
+    def loss(layer):
+        return jnp.sum(jnp.sin(layer(x, mask=mask, deterministic=True)))
+
+    assert rel(ours(x, mask=mask, deterministic=True), theirs(x, mask=mask, deterministic=True)) <= TOL, seed
+    g_ours, g_theirs = (jax.tree.leaves(nnx.grad(loss)(layer)) for layer in (ours, theirs))
+    # against the largest gradient: the key projection's bias has gradient 0 exactly (a shift of every score in
+    # a row), so both sides are rounding there and a per-leaf relative error would compare noise with noise
+    scale = max(float(jnp.max(jnp.abs(b))) for b in g_theirs)
+    for a, b in zip(g_ours, g_theirs, strict=True):
+        assert float(jnp.max(jnp.abs(a - b))) / scale <= TOL, seed
+
+
+def test_flax_attention_refuses_what_the_kernel_does_not_do():
+    q = jax.random.normal(jax.random.key(0), (1, 4, 2, 16))
+    with pytest.raises(NotLowerable, match="dropout_rate=0.5 while deterministic=False"):
+        flax_attention(q, q, q, dropout_rate=0.5, dropout_rng=jax.random.key(1))
+    with pytest.raises(NotLowerable, match="sow the attention weights"):
+        flax_attention(q, q, q, module=object())
+
+
+def test_the_module_graphdef_hashes_so_jit_can_take_it_static():
+    layer = SelfAttention(32, heads=4, causal=True, score_mod=lambda s, q_idx, kv_idx: s, rngs=nnx.Rngs(0))
+    graphdef, _ = nnx.split(layer)
+    assert hash(graphdef) == hash(nnx.split(layer)[0])
