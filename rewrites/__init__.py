@@ -36,13 +36,13 @@ from rewrites._io_aware import (
     widened,
 )
 from rewrites._level import level
-from rewrites._lowering_rules import LOG2E, Neutral, base2, fuse_softmax, neutral_padding, pad_neutral, tiled_first
+from rewrites._lowering_rules import LOG2E, Neutral, base2, neutral_padding, pad_neutral, tiled_first
 from rewrites._proofs import Proof, prove_accumulator, prove_equivalent, prove_monoid
 from rewrites._pseudocode import pseudocode
 from rewrites._rule import AUTO, OpenSize, RewriteError, Rule, bind_sizes, open_sizes, resolve
 from rewrites._schedule import execute, partitions, walk
 from rewrites._split import split
-from rewrites._stream import fuse_softmax_contract, stream, streamability
+from rewrites._stream import fuse_softmax, fuse_softmax_contract, stream, streamability
 from rewrites._tile import tile
 from rewrites._verify import Trial, Verification, random_inputs, relative_error, tolerance
 

@@ -1,8 +1,8 @@
 """The rewrites a kernel's lowering makes, as rules: verified like ``tile`` and ``stream``, applied by the
 lowering through :class:`~rewrites.Rule` (so their side conditions run), and listed as the kernel's steps.
 
-* :class:`fuse_softmax` — ``softmax_x ; [swaps, c·] ; contract_x  →  softmax·contract_x ; c·`` (FAN's
-  softmax-contraction lemma; ``stream(x, s)`` applies it first);
+* :class:`~rewrites.fuse_softmax` — ``softmax_x ; [swaps, c·] ; contract_x  →  softmax·contract_x ; c·`` (FAN's
+  softmax-contraction lemma, in :mod:`rewrites._stream`: ``stream(x, s)`` applies it first);
 * :class:`base2` — ``S = Q·Kᵀ·c ; [masks] ; softmax·contract  →  S = Q·Kᵀ ; [masks] ; softmax₂·contract(c·log₂e)``;
 * :class:`tiled_first` — ``S[q, x]  →  S[x, q]`` on the wires holding the streamed axis and a tiled one;
 * :class:`pad_neutral` — ``f(X)  →  f(X where a < n else ν)`` for each box ``f`` combining along ``a``, ``ν`` a
@@ -14,6 +14,7 @@ verification strength (a) of ``docs/user_rewrites.md``. At lowering time only th
 ``pad_neutral``'s evaluates each box on a one-element padding (a few scalars, no compilation).
 
 >>> import napkin_cat as nc
+>>> from rewrites import fuse_softmax
 >>> q, x, d = nc.axes("q x d")
 >>> fused = fuse_softmax(x)(nc.library.attention(q, x, d))
 >>> [b.name for b in base2()(fused).boxes]
@@ -35,10 +36,9 @@ import sympy
 
 from napkin_cat.axes import Axis
 from napkin_cat.diagram import Diagram, Ty, is_structural
-from napkin_cat.generators import IndexMap, Softmax, fname
-from napkin_cat.semantics import to_jax
+from napkin_cat.generators import Context, IndexMap, Softmax, fname
+from napkin_cat.semantics import bind, run
 from rewrites._rule import RewriteError, Rule, axis_names
-from rewrites._stream import fuse_softmax_contract
 from rewrites._verify import relative_error, tolerance
 
 LOG2E = math.log2(math.e)
@@ -47,38 +47,7 @@ CANDIDATES = (0.0, -math.inf, math.inf)
 
 
 @dataclass(frozen=True)
-class fuse_softmax(Rule):  # noqa: N801 - rules are named as verbs, like functions
-    """FAN's softmax-contraction lemma along ``axis`` (:func:`rewrites.fuse_softmax_contract`).
-
-    rewrite: softmax_x ; [swaps, c·] ; contract_x  →  softmax·contract_x ; c·
-
-    Side conditions: ``axis`` is on some wire; each softmax over it is fused where its output reaches, through
-    swaps and constant scales only, a two-operand contraction removing ``axis`` (others are left, and
-    ``stream`` names them). ``stream(x, s)`` applies this rule before relabelling; writing it as its own step
-    of a derivation verifies it alone (``stream`` then has nothing left to fuse).
-
-    >>> import napkin_cat as nc
-    >>> from rewrites import derive, stream
-    >>> q, x, d = nc.axes("q x d")
-    >>> flash = derive(nc.library.attention(q, x, d), fuse_softmax(x), stream(x, 8), seed=0)
-    >>> [str(s.rule) for s in flash.steps], [b.name for b in flash.steps[1].diagram.boxes]
-    (['original', 'fuse_softmax(x)', 'stream(x, 8)'], ['q d, x d → q x', 'softmax·contract x'])
-    """
-
-    axis: str
-
-    def __repr__(self):
-        return f"fuse_softmax({getattr(self.axis, 'name', self.axis)})"
-
-    def apply(self, d: Diagram) -> Diagram:
-        x = getattr(self.axis, "name", self.axis)
-        if x not in axis_names(d):
-            raise self.fail(f"no wire has axis {x}; axes here: {', '.join(sorted(axis_names(d)))}", axis=x)
-        return fuse_softmax_contract(d, x)
-
-
-@dataclass(frozen=True)
-class base2(Rule):  # noqa: N801
+class base2(Rule):  # noqa: N801 - rules are named as verbs, like functions
     """Have each box with a base-2 form (``in_base2``: a softmax·contract) exponentiate with exp2.
 
     Where its probabilities meet a 16-bit value (attention's P·V), the box takes a positive scale of its scores,
@@ -100,6 +69,7 @@ class base2(Rule):  # noqa: N801
     S = Q·Kᵀ·(c·log₂e) ; [masks] ; softmax₂·contract.
 
     >>> import napkin_cat as nc
+    >>> from rewrites import fuse_softmax
     >>> q, x, d = nc.axes("q x d")
     >>> fused = base2()(fuse_softmax(x)(nc.library.attention(q, x, d, causal=True, dtype="bf16")))
     >>> [(b.params.get("scale") == LOG2E / sympy.sqrt(d.size), b.params.get("base")) for b in fused.boxes]
@@ -226,26 +196,20 @@ def _declared(box, axis: str) -> tuple | None:
 
 def _probe(box, axis: str, pads: tuple) -> bool:
     """Whether padding ``box``'s inputs along ``axis`` with ``pads`` leaves its outputs (restricted to the true
-    extent) unchanged: the box evaluated on random inputs with 2 elements along ``axis``, and with a third, the
-    padding, appended."""
-    real = {a.name: 2 for w in box.dom.inside for a in w.axes}
-
-    def sized(extra: int):
-        size = dict(real, **{axis: 2 + extra})
-        return box.map_arrays(lambda w: w.with_(axes=[Axis(a.name, size[a.name]) for a in w.axes]))  # unlabelled
-
+    extent) unchanged: the box evaluated on random inputs of 2 elements along each axis, and again with a third
+    along ``axis``, the padding, appended, its sizes bound to the true extent as a kernel binds them."""
+    plain = box.map_arrays(lambda w: w.with_(axes=[Axis(a.name) for a in w.axes]))  # symbolic, unlabelled
     rng = np.random.default_rng(0)
-    xs = [rng.standard_normal([2] * len(w.axes), np.float32).astype(w.dtype.jnp) for w in box.dom.inside]
-    padded = []
-    for v, w, pad in zip(xs, box.dom.inside, pads, strict=True):
-        if w.has(axis):
-            i = w.names.index(axis)
-            tail = np.full([1 if k == i else 2 for k in range(v.ndim)], pad, np.float32).astype(v.dtype)
-            v = np.concatenate([v, tail], axis=i)
-        padded.append(v)
     with jax.ensure_compile_time_eval():  # concrete numbers, also where a kernel or a jit is being traced
-        want, got = to_jax(sized(0))(*map(jnp.asarray, xs)), to_jax(sized(1))(*map(jnp.asarray, padded))
-    want, got = (want if isinstance(want, tuple) else (want,)), (got if isinstance(got, tuple) else (got,))
+        xs = [jnp.asarray(rng.standard_normal([2] * len(w.axes), np.float32), w.dtype.jnp) for w in box.dom.inside]
+        padded = []
+        for v, w, pad in zip(xs, box.dom.inside, pads, strict=True):
+            if w.has(axis):
+                i = w.names.index(axis)
+                v = jnp.concatenate([v, jnp.full([1 if k == i else 2 for k in range(v.ndim)], pad, v.dtype)], axis=i)
+            padded.append(v)
+        ctx = Context(sizes=bind(plain.dom, xs))
+        want, got = run(plain, xs, ctx), run(plain, padded, ctx)
     tol = tolerance(box)
     for w, g, wire in zip(want, got, box.cod.inside, strict=True):
         g = np.asarray(g, np.float64)
@@ -273,9 +237,7 @@ def _neutral(box, axis: str) -> tuple[tuple | None, tuple | None]:
     the box's own padding (None where it has none)."""
     declared = _declared(box, axis)
     first = [declared] if declared is not None else []
-    per_input = [
-        tuple(dict.fromkeys(((declared[k],) if declared else ()) + CANDIDATES)) for k in range(len(box.dom))
-    ]
+    per_input = [tuple(dict.fromkeys(((declared[k],) if declared else ()) + CANDIDATES)) for k in range(len(box.dom))]
     for pads in (*first, *itertools.product(*per_input)):
         if _probe(box, axis, pads):
             return pads, declared
