@@ -13,6 +13,9 @@ wrapper computes each block's chunk ranges (:func:`segment_blocks`) and passes t
 Ragged sizes are padded to whole blocks in the wrapper and masked: padded chunk elements take the
 accumulator's neutral value (``-inf`` scores, zero values), so fully masked rows give 0, not NaN; an
 axis kept whole pads to a power of two, its padding set to the neutral value of each box reducing it.
+Both are the rule :class:`rewrites.pad_neutral`, whose side condition evaluates each box on its padding
+and refuses (naming the box, its functions' values and the fix) where no value is neutral. The rewrites
+of the block diagram are rules too, applied in order (:func:`kernel_rules`, ``Lowered.steps``).
 """
 
 from __future__ import annotations

@@ -8,7 +8,10 @@ lowering through :class:`~rewrites.Rule` (so their side conditions run), and lis
 * :class:`pad_neutral` — ``f(X)  →  f(X where a < n else ν)`` for each box ``f`` combining along ``a``, ``ν`` a
   value the side condition checks to be neutral for ``f`` (its image is the unit of the reduction).
 
-Each is checked per generator by the commuting square ``to_jax ∘ rule = to_jax`` on random inputs
+The Triton backend lists the rules it applies to a kernel's block diagram as ``kernel.forward.steps``
+(``lowering.Lowered.steps``; ``pad_neutral`` joins them at a call whose sizes pad an axis); ``stream(x, s)``
+is ``fuse_softmax(x)`` then the relabelling, and a derivation that writes ``fuse_softmax(x)`` shows and
+verifies the fusion as its own step. Each is checked per generator by the commuting square ``to_jax ∘ rule = to_jax`` on random inputs
 (``tests/test_lowering_rules.py``; for ``pad_neutral`` on inputs padded with random values beyond ``n``):
 verification strength (a) of ``docs/user_rewrites.md``. At lowering time only the side conditions run;
 ``pad_neutral``'s evaluates each box on a one-element padding (a few scalars, no compilation).
