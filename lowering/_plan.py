@@ -18,21 +18,20 @@ compilation, and raise :class:`NotLowerable`.
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import sympy
 
-from napkin_cat.diagram import Diagram, Ty, is_structural
+import rewrites
+from napkin_cat.diagram import Diagram, is_structural
 from napkin_cat.errors import NapkinError
-from napkin_cat.generators import Generator, IndexMap, Mask, Softmax, fname
+from napkin_cat.generators import Generator, IndexMap, Mask, fname
+from rewrites import LOG2E as LOG2E  # the rules live in rewrites; these names stay importable here
+from rewrites import Neutral as Neutral
+from rewrites import neutral_padding as neutral_padding
 from rewrites import open_sizes, partitions
-
-LOG2E = math.log2(math.e)
 
 
 class NotLowerable(NapkinError, ValueError):
@@ -172,86 +171,15 @@ def _check_contractions(d: Diagram, streamed: set):
                     raise NotLowerable(f"box {box.name!r}: a contraction over {a!r} must involve two operands")
 
 
-def neutral_padding(d: Diagram, axis: str) -> dict | None:
-    """Per layer of a box combining elements along ``axis``, the value each of its inputs must hold in
-    padding along ``axis`` to contribute nothing (its accumulator's ``padding``: 0 for a sum or a
-    contraction, −∞ for a max or a softmax's scores); None when some such box has no neutral value.
-
-    >>> import napkin_cat as nc
-    >>> n, d = nc.axes("n d")
-    >>> neutral_padding(nc.library.rms_norm(n, d), "d")
-    {2: (0.0,)}
-    >>> print(neutral_padding(nc.normalised_contract(nc.Array(n, d), nc.Array(d), d, nc.Array(n),
-    ...                                              a1=jnp.exp, a2=jnp.exp, b=jnp.sqrt), "d"))
-    {0: (-inf, 0.0)}
-    """
-    pads = {}
-    for i, (_, box, _) in enumerate(d.inside):
-        if is_structural(box) or axis not in box.mixes:
-            continue
-        acc = box.accumulator(axis) if axis in box.reduced else None
-        if box.contracts and axis in box.reduced:
-            pads[i] = (0.0,) * len(box.dom)
-        elif acc is not None and len(acc.padding) == len(box.dom):
-            pads[i] = tuple(acc.padding)
-        elif isinstance(box, Softmax):
-            pads[i] = (-float("inf"),)
-        else:
-            return None
-    return pads
-
-
-@dataclass(frozen=True)
-class Neutral:
-    """The value unchanged inside the axis's true extent, ``pad`` beyond it (in the padding).
-
-    >>> Neutral("d", 2, 0.0)(jnp.ones(3), d=jnp.arange(3)).tolist()
-    [1.0, 1.0, 0.0]
-    """
-
-    axis: str
-    extent: int
-    pad: float
-
-    def __call__(self, v, **idx):
-        return jnp.where(idx[self.axis] < self.extent, v, jnp.asarray(self.pad, v.dtype))
-
-    @property
-    def __signature__(self):
-        kw = inspect.Parameter.KEYWORD_ONLY
-        return inspect.Signature(
-            [inspect.Parameter("v", inspect.Parameter.POSITIONAL_ONLY)] + [inspect.Parameter(self.axis, kw)]
-        )
-
-    @property
-    def __name__(self):
-        return f"pad {self.axis} ≥ {self.extent} with {self.pad}"
-
-
 def pad_neutral(d: Diagram, axis: str, extent: int) -> Diagram:
-    """``d`` with each input of a box combining along ``axis`` set to its neutral value beyond ``extent``.
-
-    rewrite: f(X) → f(X where index < extent else neutral); sound because the padded elements then
-    contribute the unit of the box's reduction (``neutral_padding``), whatever earlier boxes left there.
+    """``d`` after the rule :class:`rewrites.pad_neutral` (its side condition checks each padding neutral).
 
     >>> import napkin_cat as nc
     >>> n, d = nc.axes("n d")
     >>> [b.name for b in pad_neutral(nc.library.rms_norm(n, d), "d", 3).boxes][2:4]
     ['pad d ≥ 3 with 0.0', 'sum d']
     """
-    pads = neutral_padding(d, axis)
-    if pads is None:
-        raise NotLowerable(f"axis {axis!r}: a box combining elements along it has no neutral padding value")
-    layers = []
-    for i, (left, box, right) in enumerate(d.inside):
-        for k, pad in enumerate(pads.get(i, ())):
-            wire = box.dom.inside[k]
-            if wire.has(axis):
-                keep = Neutral(axis, extent, pad)
-                fix = IndexMap(keep.__name__, Ty(wire), Ty(wire), data=(("fn", keep),))
-                layers.append((left @ Ty(*box.dom.inside[:k]), fix, Ty(*box.dom.inside[k + 1 :]) @ right))
-        layers.append((left, box, right))
-    return d.with_layers(layers)
+    return rewrites.pad_neutral(axis, extent)(d)
 
 
 def _captured(fn: Callable) -> dict:
@@ -308,59 +236,18 @@ def smem_bytes(p: Plan, padded: dict, stages: int) -> int:
 
 
 def base2(d: Diagram) -> Diagram:
-    """Have each box with a base-2 form (``in_base2``: a softmax·contract) exponentiate with exp2.
+    """``d`` after the rule :class:`rewrites.base2` (the lowering's base-2 exponent, the positive score scale
+    moved into the online softmax where its probabilities meet a 16-bit value).
 
-    Where its probabilities meet a 16-bit value (attention's P·V), the box takes a positive scale of its scores,
-    log₂e in it: the scale of the box feeding it, where that is positive, moves into it whole.
-    rewrite: S = Q·Kᵀ·c ; [masks] ; softmax·contract  →  S = Q·Kᵀ ; [masks] ; softmax₂·contract(c·log₂e)
-    for c > 0; any other scores (a score modifier's, a scale of unknown sign) ; softmax·contract  →  … ;
-    softmax₂·contract(log₂e).
-    Sound because softmax(s) = softmax₂(k·s) for the box's k = c·log₂e, masks send scores to −∞ at any
-    positive scale, and max(k·s) = k·max(s) for k > 0: the box takes ``exp₂(s·k − m·k)``, one fused
-    multiply-add a score, where scaling the product first costs a multiply more (FlashAttention-3's form),
-    and ``exp(s − m)`` a subtraction and a multiply by log₂e before the exp2. The scale moves only through
-    boxes that commute with it (``passes_base``: masks), from a box that carries it (``unscaled``): a score
-    modifier reads the scale it was written for.
-
-    In f32 (cross-entropy's logits) the product ``m·k`` rounds by f32's eps·|m·k|, an error in every exponent
-    that 16-bit probabilities hide but f32 ones do not (cross-entropy's gradient at logits near ±1000: 1.5–3e-5
-    becomes 6–8.5e-5, measured on 6 seeds); there ``s − m`` stays exact, and log₂e folds into the scale of the box
-    feeding the softmax where it carries one (``scaled``): S = Q·Kᵀ·(c·log₂e) ; [masks] ; softmax₂·contract.
-
+    >>> import sympy
     >>> import napkin_cat as nc
     >>> from rewrites import fuse_softmax_contract
     >>> q, x, d = nc.axes("q x d")
-    >>> fused = base2(fuse_softmax_contract(nc.library.attention(q, x, d, causal=True, dtype="bf16"), "x"))
+    >>> fused = base2(fuse_softmax_contract(nc.library.attention(q, x, d, dtype="bf16"), "x"))
     >>> [(b.params.get("scale") == LOG2E / sympy.sqrt(d.size), b.params.get("base")) for b in fused.boxes]
-    [(False, None), (False, None), (True, 2)]
-    >>> capped = base2(fuse_softmax_contract(nc.library.softcap_attention(q, x, d, cap=30, dtype="bf16"), "x"))
-    >>> capped.boxes[0].params["scale"], capped.boxes[-1].params["scale"] == LOG2E  # the score modifier between
-    (1/sqrt(d), True)
-    >>> exact = base2(fuse_softmax_contract(nc.library.attention(q, x, d, causal=True), "x"))  # f32
-    >>> [(b.params.get("scale") == LOG2E / sympy.sqrt(d.size), b.params.get("base")) for b in exact.boxes]
-    [(True, None), (False, None), (False, 2)]
+    [(False, None), (True, 2)]
     """
-    layers = list(d.inside)
-    for j, (left, box, right) in enumerate(d.inside):
-        folded = None if is_structural(box) else box.in_base2()
-        if folded is None:
-            continue
-        i, _ = d.producer(j, len(left))
-        while i is not None and not is_structural(d.inside[i][1]) and d.inside[i][1].passes_base():
-            i, _ = d.producer(i, len(d.inside[i][0]))
-        producer = None if i is None or is_structural(d.inside[i][1]) else d.inside[i][1]
-        if box.dom.inside[-1].dtype.bits != 16:  # f32 probabilities: the exponent s − m stays exact
-            if producer is not None and (scaled := producer.scaled(LOG2E)) is not None:
-                layers[i] = (d.inside[i][0], scaled, d.inside[i][2])
-                layers[j] = (left, folded, right)
-            continue
-        moved = None if producer is None else producer.unscaled()
-        if moved is not None and sympy.sympify(moved[1]).is_positive:  # the max commutes with a positive scale
-            layers[i] = (d.inside[i][0], moved[0], d.inside[i][2])
-            layers[j] = (left, box.in_base2(scale=moved[1] * LOG2E), right)
-        else:
-            layers[j] = (left, box.in_base2(scale=LOG2E), right)
-    return d.with_layers(layers)
+    return rewrites.base2()(d)
 
 
 def unweave(d: Diagram, axes: tuple) -> Diagram:

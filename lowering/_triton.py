@@ -13,6 +13,9 @@ wrapper computes each block's chunk ranges (:func:`segment_blocks`) and passes t
 Ragged sizes are padded to whole blocks in the wrapper and masked: padded chunk elements take the
 accumulator's neutral value (``-inf`` scores, zero values), so fully masked rows give 0, not NaN; an
 axis kept whole pads to a power of two, its padding set to the neutral value of each box reducing it.
+Both are the rule :class:`rewrites.pad_neutral`, whose side condition evaluates each box on its padding
+and refuses (naming the box, its functions' values and the fix) where no value is neutral. The rewrites
+of the block diagram are rules too, applied in order (:func:`kernel_rules`, ``Lowered.steps``).
 """
 
 from __future__ import annotations
@@ -28,14 +31,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jax.extend.core import Literal
 
+import rewrites
 from lowering._plan import (
     LOG2E,
     NotLowerable,
     Plan,
-    base2,
     neutral_padding,
     next_pow2,
-    pad_neutral,
     smem_bytes,
     unweave,
 )
@@ -44,7 +46,7 @@ from napkin_cat.diagram import Diagram
 from napkin_cat.generators import Causal, Context, Contract, Elementwise, IndexMap, Jax, Kept, Mask, Partial
 from napkin_cat.hardware import H100, HARDWARE, Hardware, for_device
 from napkin_cat.semantics import bind
-from rewrites import walk
+from rewrites import RewriteError, Rule, walk
 
 
 @dataclass(frozen=True)
@@ -161,11 +163,7 @@ def launch(p: Plan, extent: dict, config: Config, hardware: Hardware) -> dict:
     for a in p.whole:
         want = max(next_pow2(extent[a]), 16)
         if want != extent[a]:
-            if neutral_padding(d, a) is None:
-                raise NotLowerable(
-                    f"axis {a!r} of size {extent[a]} is not a power of two ≥ 16, and a box combining elements "
-                    "along it has no neutral value (sum, max, min, softmax, contraction), so it cannot be padded"
-                )
+            paddable(d, a, extent[a], f"is not a power of two ≥ 16, so it is padded to {want}")
             padded[a] = want
     smem = smem_bytes(p, padded, config.num_stages)
     if smem > hardware.smem_per_block:
@@ -175,6 +173,26 @@ def launch(p: Plan, extent: dict, config: Config, hardware: Hardware) -> dict:
             "choose smaller tiles or stream sizes"
         )
     return padded
+
+
+def paddable(d: Diagram, a: str, extent: int, why: str) -> None:
+    """Refuse, naming the box, its functions' values and the fix, to pad axis ``a`` of size ``extent`` (``why``
+    it is padded) where the padding rule's side condition finds no neutral value for some box.
+
+    >>> import jax.numpy as jnp
+    >>> import napkin_cat as nc
+    >>> n, d = nc.axes("n d")
+    >>> S, V, O = nc.Array(n, d), nc.Array(d), nc.Array(n)
+    >>> signed = nc.normalised_contract(S, V, d, O, a1=jnp.negative, a2=jnp.exp, b=jnp.sqrt)
+    >>> paddable(signed, "d", 40, "is padded to 64")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    lowering._plan.NotLowerable: axis 'd' of size 40 is padded to 64: pad_neutral(d, 40): box ... a2(-inf) = 0.0; ...
+    """
+    try:
+        rewrites.pad_neutral(a, extent).check(d)
+    except RewriteError as e:
+        raise NotLowerable(f"axis {a!r} of size {extent} {why}: {e}") from e
 
 
 def block_einsum(spec: str, *xs, operands=None):
@@ -360,6 +378,9 @@ class Lowered:
         extent = {a.name: int(a.size.subs(sizes)) for w in d.dom.inside for a in w.axes}
         config = self.config or Config.get_default(p)
         padded = launch(p, extent, config, self.hardware)  # the guards, before padding allocates anything
+        if p.stream and padded[p.stream[0]] != extent[p.stream[0]]:
+            x, s = p.stream
+            paddable(d, x, extent[x], f"is not a multiple of the stream size {s}, so its last chunk is padded")
         bounds = [(m, _segment_bounds(p, m, arrays, extent)) for m in segments(d, p)]  # from the ids, unpadded
         arrays = [_pad(v, w, padded) for v, w in zip(arrays, d.dom.inside, strict=True)]
         outs = self._call(arrays, sizes, extent, padded, config, bounds)
@@ -444,6 +465,20 @@ class Lowered:
     def source(self) -> str:
         """The kernel's launch description: grid axes, block shapes, loop and accumulators."""
         return describe(self)
+
+    @property
+    def steps(self) -> tuple[Rule, ...]:
+        """The rules the kernel applies to its block diagram, in order (:func:`kernel_rules`); at a call whose
+        sizes pad an axis, ``pad_neutral`` of that axis follows them.
+
+        >>> import napkin_cat as nc
+        >>> from rewrites import derive, tile, stream
+        >>> from lowering import plan
+        >>> q, x, d = nc.axes("q x d")
+        >>> Lowered(plan(derive(nc.library.attention(q, x, d), tile(q, 16), stream(x, 16), verify=False).diagram)).steps
+        (base2(), tiled_first(x, ('q',), inputs=True))
+        """
+        return kernel_rules(self.plan)
 
 
 def _pad(v, wire, padded):
@@ -743,15 +778,8 @@ def _segment_bounds(p: Plan, m: Segments, arrays: list, extent: dict):
 
 
 def tiled_first(d: Diagram, p: Plan, *, inputs: bool = False) -> Diagram:
-    """``d`` with each wire that holds the streamed axis and a tiled one laid out tiled axes first.
-
-    rewrite: S[q, x] → S[x, q] on the wires inside a kernel tiling ``x`` and streaming ``q``. Sound because
-    axes are named and every box reads its wires by name (a relabelling of layouts, not of values). The
-    dK, dV kernel then computes ``Sᵀ = K·Q_cᵀ`` and accumulates ``Pᵀ·dO`` and ``dSᵀ·Q`` with the block it
-    holds as the left operand, never transposing a computed block (FlashAttention-2's Triton kernels do the
-    same). Left as is where an output holds both axes, as its block layout is the caller's, and where an
-    input does unless ``inputs`` (the Triton kernel then transposes that input's block as it loads it: one
-    block moved, rather than every computed block that meets it).
+    """``d`` after the rule :class:`rewrites.tiled_first` for ``p``'s streamed and tiled axes (``d`` where nothing
+    streams): each wire holding the streamed axis and a tiled one laid out tiled axes first.
 
     >>> import napkin_cat as nc
     >>> from rewrites import derive, tile, stream
@@ -763,22 +791,29 @@ def tiled_first(d: Diagram, p: Plan, *, inputs: bool = False) -> Diagram:
     >>> sorted({str(w) for b in tiled_first(p.diagram, p).boxes for w in b.cod.inside if w.has("q") and w.has("x")})
     ['x/16×q~16']
     """
-    if p.stream is None:
-        return d
-    x = p.stream[0]
+    return d if p.stream is None else rewrites.tiled_first(p.stream[0], tuple(p.tiles), inputs)(d)
 
-    def both(w) -> bool:
-        return w.has(x) and any(w.has(a) for a in p.tiles)
 
-    if any(both(w) for w in (*(() if inputs else d.dom.inside), *d.cod.inside)):
-        return d
+def kernel_rules(p: Plan, extent: dict | None = None, padded: dict | None = None) -> tuple[Rule, ...]:
+    """The rules a Triton kernel applies to its block diagram (``unweave(p.diagram, p.batch)``), in order: the
+    base-2 exponent, the tiled-first layout where it streams, and, at sizes (``extent``, ``padded``) where an axis
+    kept whole is padded to a power of two, the neutral padding of that axis. A ragged streamed axis is padded
+    chunk by chunk with the values the same rule's side condition checks (:func:`rewrites.neutral_padding`).
 
-    def reorder(w):
-        if not both(w):
-            return w
-        return w.with_(axes=sorted(w.axes, key=lambda a: a.name not in p.tiles))
-
-    return d.map_arrays(reorder)
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> from lowering import plan
+    >>> q, x, d = nc.axes("q x d")
+    >>> p = plan(derive(nc.library.attention(q, x, d), tile(q, 16), stream(x, 16), verify=False).diagram)
+    >>> kernel_rules(p, {"q": 40, "x": 40, "d": 40}, {"q": 48, "x": 48, "d": 64})
+    (base2(), tiled_first(x, ('q',), inputs=True), pad_neutral(d, 40))
+    """
+    rules: list[Rule] = [rewrites.base2()]
+    if p.stream is not None:
+        rules.append(rewrites.tiled_first(p.stream[0], tuple(p.tiles), inputs=True))
+    if extent is not None:
+        rules += [rewrites.pad_neutral(a, extent[a]) for a in p.whole if padded[a] != extent[a]]
+    return tuple(rules)
 
 
 def _tile_id(pid, a: str, p: Plan, padded: dict, flip):
@@ -789,10 +824,7 @@ def _tile_id(pid, a: str, p: Plan, padded: dict, flip):
 def _kernel(p: Plan, sizes, extent, padded, xp: Blocks, n_bounds, flip, *refs):
     block = unweave(p.diagram, p.batch)
     laid = block.dom.inside  # the inputs' blocks as the caller lays them out
-    d = tiled_first(base2(block), p, inputs=True)
-    for a in p.whole:  # axes padded to a power of two: the padding holds each reduction's neutral value
-        if padded[a] != extent[a]:
-            d = pad_neutral(d, a, extent[a])
+    d = functools.reduce(lambda d, rule: rule(d), kernel_rules(p, extent, padded), block)
     n_in = len(d.dom)
     in_refs, bound_refs, out_refs = refs[:n_in], refs[n_in : n_in + n_bounds], refs[n_in + n_bounds :]
     offsets = {a: _tile_id(pl.program_id(i), a, p, padded, flip) * g for i, (a, g) in enumerate(p.tiles.items())}
@@ -824,13 +856,14 @@ def _kernel(p: Plan, sizes, extent, padded, xp: Blocks, n_bounds, flip, *refs):
             vals.append(v)
         return vals
 
-    ragged = extent[x] != padded[x]
+    # the ragged last chunk's padding: each accumulator's inputs set to values its side condition checked neutral
+    pads = {id(d.inside[i][1]): v for i, v in neutral_padding(d, x).items()} if extent[x] != padded[x] else {}
 
     def fold(acc, state, ins, cctx):
-        if ragged:
+        if id(acc.box) in pads:
             ins = [
-                _mask_padding(v, w, x, cctx.offsets[x], extent[x], pad) if w.has(x) and pad is not None else v
-                for v, w, pad in zip(ins, acc.box.dom.inside, acc.padding, strict=True)
+                _mask_padding(v, w, x, cctx.offsets[x], extent[x], pad) if w.has(x) else v
+                for v, w, pad in zip(ins, acc.box.dom.inside, pads[id(acc.box)], strict=True)
             ]
         return acc.step(state, ins, cctx)
 

@@ -36,18 +36,20 @@ from rewrites._io_aware import (
     widened,
 )
 from rewrites._level import level
+from rewrites._lowering_rules import LOG2E, Neutral, base2, neutral_padding, pad_neutral, tiled_first
 from rewrites._proofs import Proof, prove_accumulator, prove_equivalent, prove_monoid
 from rewrites._pseudocode import pseudocode
 from rewrites._rule import AUTO, OpenSize, RewriteError, Rule, bind_sizes, open_sizes, resolve
 from rewrites._schedule import execute, partitions, walk
 from rewrites._split import split
-from rewrites._stream import fuse_softmax_contract, stream, streamability
+from rewrites._stream import fuse_softmax, fuse_softmax_contract, stream, streamability
 from rewrites._tile import tile
 from rewrites._verify import Trial, Verification, random_inputs, relative_error, tolerance
 
 __all__ = [
     "DeviceDerivation", "DeviceRule", "DeviceStep", "Sequence", "Sharded", "chunking", "derive_devices",  # devices
     "execute_devices", "has_causal_mask", "merge_lse", "pair_diagrams", "ring", "shard", "zigzag",  # (rewrites._device)
+    "LOG2E", "Neutral", "base2", "fuse_softmax", "neutral_padding", "pad_neutral", "tiled_first",  # (lowering rules)
     "AUTO", "Derivation", "OpenSize", "Proof", "Residual", "RewriteError", "Rule", "Step", "Trial", "Verification",
     "bind_sizes", "delta_lemma", "derive", "execute", "fuse_softmax_contract", "level", "lse_residual",
     "narrow_operands", "open_sizes", "partitions", "prove_accumulator", "prove_equivalent", "prove_lemmas",

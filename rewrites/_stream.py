@@ -8,9 +8,12 @@ accumulator ``B(f(a), b) = f(a ⊕ b)``, and no wire carrying ``x`` leaves the d
 after the reduction. Composition and weaving preserve this (the Fusion Theorem), so the check is local
 to boxes and wires; what it accepts is streamable by construction, what it refuses is named.
 
-Before checking, :func:`fuse_softmax_contract` applies FAN's softmax-contraction lemma: a softmax over
-``x`` whose output reaches a contraction over ``x`` becomes one streamable box (online softmax). A
-softmax that stays unfused would be normalised per chunk, so it is refused.
+``stream(x, s)`` is the composite ``fuse_softmax(x) ; relabel``: before checking, it applies the rule
+:class:`fuse_softmax` (FAN's softmax-contraction lemma): a softmax over ``x`` whose output reaches a
+contraction over ``x`` becomes one streamable box (online softmax). A softmax that stays unfused would be
+normalised per chunk, so it is refused. Writing ``fuse_softmax(x)`` before ``stream(x, s)`` in a derivation
+shows and verifies the fusion as its own step; the lemma is verified per generator in
+``tests/test_lowering_rules.py``.
 
 >>> import napkin_cat as nc
 >>> q, x, d = nc.axes("q x d")
@@ -161,6 +164,37 @@ def fuse_softmax_contract(d: Diagram, axis: str) -> Diagram:
             return d
 
 
+@dataclass(frozen=True)
+class fuse_softmax(Rule):  # noqa: N801 - rules are named as verbs, like functions
+    """FAN's softmax-contraction lemma along ``axis`` (:func:`rewrites.fuse_softmax_contract`).
+
+    rewrite: softmax_x ; [swaps, c·] ; contract_x  →  softmax·contract_x ; c·
+
+    Side conditions: ``axis`` is on some wire; each softmax over it is fused where its output reaches, through
+    swaps and constant scales only, a two-operand contraction removing ``axis`` (others are left, and
+    ``stream`` names them). ``stream(x, s)`` applies this rule before relabelling; writing it as its own step
+    of a derivation verifies it alone (``stream`` then has nothing left to fuse).
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive
+    >>> q, x, d = nc.axes("q x d")
+    >>> flash = derive(nc.library.attention(q, x, d), fuse_softmax(x), stream(x, 8), seed=0)
+    >>> [str(s.rule) for s in flash.steps], [b.name for b in flash.steps[1].diagram.boxes]
+    (['original', 'fuse_softmax(x)', 'stream(x, 8)'], ['q d, x d → q x', 'softmax·contract x'])
+    """
+
+    axis: str
+
+    def __repr__(self):
+        return f"fuse_softmax({getattr(self.axis, 'name', self.axis)})"
+
+    def apply(self, d: Diagram) -> Diagram:
+        x = getattr(self.axis, "name", self.axis)
+        if x not in axis_names(d):
+            raise self.fail(f"no wire has axis {x}; axes here: {', '.join(sorted(axis_names(d)))}", axis=x)
+        return fuse_softmax_contract(d, x)
+
+
 def streamability(d: Diagram, axis: str, rule: str = "stream") -> list:
     """Check the Fusion Theorem's conditions; return the accumulators of the boxes that remove ``axis``.
 
@@ -293,6 +327,6 @@ class stream(Rule):  # noqa: N801
                     raise self.fail(f"stream size {self.s} exceeds the axis size {a.size}", axis=x)
                 if a.name == x and a.stream is not None:
                     raise self.fail(f"{x} is already streamed by {a.stream}", axis=x)
-        fused = fuse_softmax_contract(d, x)
+        fused = fuse_softmax(x)(d)  # the lemma, as its own rule (a derivation may also write it as a step)
         streamability(fused, x, repr(self))
         return relabel_axis(fused, x, lambda a: a.streamed(self.s))
