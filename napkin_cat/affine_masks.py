@@ -49,6 +49,8 @@ class _NotAffine(TypeError):
 
 def _number(v) -> Fraction:
     """A captured constant as an exact rational: Python and NumPy numbers, 0-d arrays; never a bool."""
+    if isinstance(v, Fraction):
+        return v
     a = np.asarray(v)
     if a.ndim or a.dtype.kind not in "iuf" or not np.isfinite(a):
         raise _NotAffine(f"{v!r} is not a number")
