@@ -301,6 +301,7 @@ class Combined:
 
     @property
     def positional(self) -> bool:
+        """Whether every part is FlexAttention's ``mask_mod``: four parameters, passed by position."""
         return all(_takes_four(p) for p in self.parts)
 
     def __call__(self, *args, **indices):

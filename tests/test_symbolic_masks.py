@@ -5,8 +5,8 @@ left as written; FlexAttention's positional ``score_mod(score, b, h, q_idx, kv_i
 a sliding window written as a lambda against a reference written here in jax.numpy, its forward skipping the
 key blocks outside the window (a NaN there never reaches the outputs, as in tests/test_block_sparsity.py).
 
-Tolerance (f32, relative: max |error| / max |reference|): measured over 6 seeds at these sizes ≤ 4.1e-7
-forward and ≤ 6.6e-7 for gradients, so 1e-6 and 3e-6.
+Tolerance (f32, relative: max |error| / max |reference|): measured over 4 seeds at these sizes ≤ 7.2e-7
+forward (the window's 200 queries) and ≤ 4.7e-7 for gradients, so 2e-6 for both.
 """
 
 import jax
@@ -23,7 +23,7 @@ from napkin_cat.errors import AxisError
 from napkin_cat.generators import Positional, positional
 from napkin_cat.library import Affine
 
-FWD, GRAD = 1e-6, 3e-6
+FWD = GRAD = 2e-6
 FLEX = ("b", "h", "q_idx", "kv_idx")
 N = 48  # the grid of (query, key) indices the conversions are checked on, every point
 QS, XS = np.arange(N)[:, None], np.arange(N)[None, :]
