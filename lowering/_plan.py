@@ -292,7 +292,8 @@ def _reads(code) -> tuple[frozenset, frozenset]:
 
 
 def _holder(f) -> str:
-    return f.__qualname__.rpartition("<locals>.")[2]
+    """A function's name in messages: its qualified name, without ``<locals>`` (``make.<lambda>``)."""
+    return f.__qualname__.replace("<locals>.", "")
 
 
 def _contents(cell):
@@ -314,6 +315,15 @@ def _function_parts(f: types.FunctionType) -> list:
     named = code.co_varnames[code.co_argcount - len(defaults) : code.co_argcount]
     parts += [(f"default {n}", v) for n, v in (*zip(named, defaults, strict=True), *(f.__kwdefaults__ or {}).items())]
     return [((what, by), v, attrs) for what, v in parts]
+
+
+def _attribute(v, n: str):
+    """``v``'s attribute ``n`` as its instance or class holds it, run by nothing: a property's getter, a static or
+    class method's function; ``_EMPTY`` where it has none."""
+    x = inspect.getattr_static(v, n, _EMPTY)
+    if isinstance(x, property):
+        return x.fget
+    return x.__func__ if isinstance(x, staticmethod | classmethod) else x
 
 
 def _parts(v, label: tuple, attrs: frozenset | None) -> list:
@@ -341,21 +351,21 @@ def _parts(v, label: tuple, attrs: frozenset | None) -> list:
         parts.append((label, call, attrs))
         attrs = (attrs or frozenset()) | _reads(call.__code__)[1]
         what, where = what or "self", where or _holder(call)
-    names = attrs if attrs is not None else getattr(v, "__dict__", {})
-    for n in sorted(names):
-        x = inspect.getattr_static(v, n, _EMPTY)
-        x = x.fget if isinstance(x, property) else x.__func__ if isinstance(x, staticmethod | classmethod) else x
-        if x is not _EMPTY:
-            parts.append(((f"{what}.{n}", where), x, attrs))
-    return parts
+    names, held = set(attrs if attrs is not None else getattr(v, "__dict__", {})), {}
+    while missing := names - held.keys():
+        for n in missing:
+            held[n] = _attribute(v, n)
+            if isinstance(held[n], types.FunctionType):  # a method: what it reads of the object is read too
+                names |= _reads(held[n].__code__)[1]
+    return parts + [((f"{what}.{n}", where), x, frozenset(names)) for n, x in sorted(held.items()) if x is not _EMPTY]
 
 
 def _captured(fn: Callable) -> dict:
-    """The arrays a call of ``fn`` reads besides its arguments, at any depth, each labelled ``(what, where)`` (its
-    name and the function holding it): the free variables and the globals its code reads, its defaults, the same
-    of every function among them, a ``functools.partial``'s arguments, a bound method's or a callable object's
-    attributes that its code reads (and theirs), the items of tuples, lists and dicts. Each value is visited once
-    (cycles end).
+    """The arrays a call of ``fn`` reads besides its arguments, at any depth, each labelled ``(what, where)``: its
+    name and the function holding it ("" for ``fn`` itself). It finds the free variables and the globals its code
+    reads, its defaults, the same of every function among them, a ``functools.partial``'s arguments, a bound
+    method's or a callable object's attributes that its code reads (and theirs), the items of tuples, lists and
+    dicts. Each value is visited once (cycles end); libraries' functions (jax, numpy) are not entered.
 
     >>> seg = jnp.arange(4)
     >>> def same(q, x): return seg[q] == seg[x]
@@ -375,7 +385,10 @@ def _captured(fn: Callable) -> dict:
         if isinstance(v, _ATOMS) or id(v) in seen or (_library(v) and not isinstance(v, _CONTAINERS)):
             continue
         seen.add(id(v))
-        todo += reversed(_parts(v, label, attrs))
+        parts = _parts(v, label, attrs)
+        if v is fn and isinstance(fn, types.FunctionType):  # its own variables need no "where"
+            parts = [((what, ""), x, names) for (what, _), x, names in parts]
+        todo += reversed(parts)
     return found
 
 
@@ -393,8 +406,7 @@ def _check_closure(box: Generator):
             continue
         name = fname(fn)
         shown = ", ".join(
-            f"{what} {tuple(np.shape(v))}" + ("" if where in ("", name) else f" in {where}")
-            for (what, where), v in arrays.items()
+            f"{what} {tuple(np.shape(v))}" + (f" in {where}" if where else "") for (what, where), v in arrays.items()
         )
         scalar = any(np.ndim(v) == 0 for v in arrays.values())
         raise NotLowerable(
