@@ -788,7 +788,8 @@ class MosaicLowered:
         >>> m, k, n = nc.axes("m k n")
         >>> mm = nc.library.matmul(m, k, n, dtype="bf16")
         >>> mm = derive(mm, tile(m, 256), tile(n, 128), stream(k, 64), verify=False)
-        >>> MosaicLowered(plan(mm.diagram), config=MosaicConfig(stages=3)).smem_bytes({})  # 3·384·64·2 + 2·128²·2 + 1K
+        >>> compiled = MosaicLowered(plan(mm.diagram), interpret=False, config=MosaicConfig(stages=3))
+        >>> compiled.smem_bytes({})  # 3·384·64·2 + 2·128²·2 + 1K
         214016
         """
         c, total, barriers = self.config, 0, int(self.pingpong and self.interpret)  # compiled: a named barrier
