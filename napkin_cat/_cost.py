@@ -20,7 +20,8 @@ FAN's rules (the paper's §2–3: colours are levels, relabellings are tile and 
   warpgroups (``rewrites.split``, ``a/g÷w``) counts ``g/w`` there, and :attr:`Cost.warpgroups` says how many
   such warpgroups fit an SM's register file (FAN §1.3 row 14).
 
-Two global-memory figures, measured differently (the ncu counts in papers/flash_attention/results/cost_vs_hardware_NVIDIA_H100_80GB_HBM3.md):
+Two global-memory figures, measured differently (the ncu counts in
+``papers/flash_attention/results/cost_vs_hardware_NVIDIA_H100_80GB_HBM3.md``):
 
 * **GMEM→SMEM bytes** (:attr:`Cost.gmem_bytes`; ``hbm_bytes`` is the same figure under its old name): what
   the SMs read from and write to global memory, re-reads included. Every block of a kernel's grid reads
@@ -42,13 +43,14 @@ Two global-memory figures, measured differently (the ncu counts in papers/flash_
 >>> from napkin_cat.hardware import H100
 >>> q, x, d = nc.axes("q x d")
 >>> naive = cost(nc.library.attention(q, x, d), H100)
->>> naive.transfers[SMEM]                       # row 7 of papers/flash_attention_on_a_napkin/table.md: S and P written and read once
+>>> naive.transfers[SMEM]   # FAN's row 7 (papers/flash_attention_on_a_napkin/table.md): S and P written and read once
 2*d*q + 2*d*x + 4*q*x
 >>> naive.flops
 4*d*q*x + 5*q*x
 
 FlashAttention on a 50 MB L2: K and V of the heads in flight fit, so DRAM sees each input once
-(papers/flash_attention/results/cost_vs_hardware_NVIDIA_H100_80GB_HBM3.md: ncu reads 201,646,848 B from DRAM and 8,657,043,456 B into shared memory):
+(``papers/flash_attention/results/cost_vs_hardware_NVIDIA_H100_80GB_HBM3.md``: ncu reads 201,646,848 B from DRAM
+and 8,657,043,456 B into shared memory):
 
 >>> from rewrites import derive, tile, stream, level
 >>> b, h = nc.axes("b h")

@@ -43,7 +43,8 @@ import numpy as np
 import napkin_cat as nc
 from lowering._search import median_time
 
-FWD_BWD_FACTOR = 3.5  # backward ≈ 2.5× the forward's matmul work (FlashAttention-2, Dao 2023, §4), as benchmark.py counts
+# backward ≈ 2.5× the forward's matmul work (FlashAttention-2, Dao 2023, §4), as benchmark.py counts
+FWD_BWD_FACTOR = 3.5
 
 
 def documents(n: int, count: int, ragged: bool, seed: int = 0) -> np.ndarray:

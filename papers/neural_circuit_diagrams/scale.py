@@ -2,7 +2,7 @@
 
 Builds chains of n boxes (a residual MLP-like block repeated) with ``Diagram.then(*parts)``, then times
 ``to_jax`` tracing and evaluation (eager and under ``jax.jit``). Prints a table; discopy's ``>>`` in a
-Python loop and its stock functor are quadratic, which this library avoids (discopy 1.2.2's ``Diagram.then`` in a loop and ``Functor``).
+Python loop and its stock functor are quadratic (discopy 1.2.2), which this library avoids.
 """
 
 from __future__ import annotations
