@@ -295,6 +295,7 @@ def _captured(fn: Callable) -> dict:
     method's or a callable object's attributes that its code reads (and theirs), the items of tuples, lists and
     dicts. Each value is visited once (cycles end); libraries' functions (jax, numpy) are not entered.
 
+    >>> import jax.numpy as jnp
     >>> seg = jnp.arange(4)
     >>> def same(q, x): return seg[q] == seg[x]
     >>> list(_captured(lambda q, x: same(q, x) | (q == x)))
