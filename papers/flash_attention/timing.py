@@ -7,10 +7,10 @@
   is the kernels' summed duration over ``reps`` back-to-back calls ÷ ``reps``. It excludes the host's
   dispatch and the gaps between kernels, and it adds up every device's kernels, so a function sharded
   over several GPUs must ask for ``method="wall"``.
-* ``"wall"``: everywhere else (CPU, or CUPTI unavailable: ``Timing.note`` says why), the wall clock of
-  ``reps`` calls dispatched back to back with one ``block_until_ready`` at the end, ÷ ``reps``. jax
-  dispatches asynchronously, so the device runs the calls back to back and the host round trip
-  (~0.7 ms on a cloud VM) is paid once per batch instead of once per call.
+* ``"wall"``: everywhere else (CPU, a function that is not jitted, or CUPTI unavailable: ``Timing.note``
+  says why), the wall clock of ``reps`` calls dispatched back to back with one ``block_until_ready`` at
+  the end, ÷ ``reps``. jax dispatches asynchronously, so the device runs the calls back to back and the
+  host round trip (~0.7 ms on a cloud VM) is paid once per batch instead of once per call.
 
 Either way, ``warmup`` waited-on calls come first (compilation), then ``batches`` samples, and
 ``Timing.seconds`` is their median. :func:`once` times one-off costs (tracing, compiling, a training
@@ -89,6 +89,8 @@ def _cupti(f: Callable, args, reps: int, batches: int) -> tuple[list[float] | No
     """Per-batch kernel seconds per call by CUPTI, or None and why it cannot be used here."""
     if jax.devices()[0].platform != "gpu":
         return None, f"no CUPTI on {jax.devices()[0].platform}"
+    if not isinstance(f, jax.stages.Wrapped | jax.stages.Compiled):  # measure would jit it: another function
+        return None, f"{getattr(f, '__name__', f)!r} is not jitted, and CUPTI times jitted functions"
     try:
         from jax.experimental.mosaic.gpu import profiler
 
