@@ -298,7 +298,9 @@ class _Attention:
     def _spec(self, *axes) -> str:
         return " ".join(a.name for a in axes)
 
-    def scores(self, *, causal=False, mask=None, score_mod=None, bias: Array | None = None, masks: tuple = ()) -> Diagram:
+    def scores(
+        self, *, causal=False, mask=None, score_mod=None, bias: Array | None = None, masks: tuple = ()
+    ) -> Diagram:
         """``Q ⊗ K ⊗ V ⊗ [B] ⊗ [mask inputs] → S ⊗ V`` by the rule of the module's docstring: the scaled
         scores plus ``bias`` ``B`` (``S ⊗ B → S``), then ``score_mod``, then every mask: ``causal``, ``mask``
         (a mask_mod) and ``masks``, pairs ``(box, wires)`` of a box ``S ⊗ wires → S`` and the inputs it reads."""
