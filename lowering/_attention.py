@@ -5,16 +5,25 @@ For users who want the kernel without writing the diagram: ``attention(q, k, v, 
 :mod:`napkin_cat.library` (grouped-query attention when ``k``/``v`` have fewer heads than ``q``),
 derives its schedule by the rule of :func:`schedule`, verifies the derivation once (every step, and the
 lowered kernel, on a random trial), lowers it with :func:`lowering.lower` and caches the result per
-:class:`Signature`. A second call with the same signature derives, verifies and lowers nothing, under
-``jax.jit``, ``jax.vmap`` and ``jax.grad`` alike. ``attention.kernel_for(q, k, v, ...)`` returns the
-cached :class:`AttentionKernel`, which states how it was made: backend, differentiation, derivation.
+:class:`Signature`. A second call with an equal signature derives, verifies and lowers nothing, under
+``jax.jit``, ``jax.vmap`` and ``jax.grad`` alike. The cache keeps the :data:`CACHE_SIZE` kernels used last
+(least recently used first out; ``Attention(maxsize=...)`` or ``attention.maxsize = n`` sets another
+bound, ``attention.cache_clear()`` empties it, ``attention.cache_info()`` counts hits and misses).
+``attention.kernel_for(q, k, v, ...)`` returns the cached :class:`AttentionKernel`, which states how it was
+made: backend, differentiation, derivation.
+
+**The scores**, by the one rule of :mod:`napkin_cat.library`: ``s = score_mod(scale · q kᵀ + bias)``, and then
+every mask (``is_causal``, ``mask_mod``, ``mask``, ``segment_ids``) sends the scores it hides to −∞: a
+``score_mod`` never sees a masked score, so one sending −∞ to a finite number (a soft-cap, ``exp``) gives a
+masked key no weight, and the kernels skip the blocks a mask hides whole.
 
 **Index functions** use FlexAttention's index names: ``score_mod(score, b, h, q_idx, kv_idx)`` and
 ``mask_mod(b, h, q_idx, kv_idx)`` (a mask keeps a score where it is true). As everywhere in napkin-cat, a
 function names only the indices it reads: ``lambda s, q_idx, kv_idx: s - abs(q_idx - kv_idx)`` reads no
 head. ``h`` is the query head, as in ``jax.nn`` (under grouped-query attention the entry computes it
-from the key/value head and the position in its group). The callables are part of the signature by
-identity: define them once, not in a loop, or every call derives anew.
+from the key/value head and the position in its group). The callables are part of the signature as
+Python compares them: a function by identity (define it once, not in a loop, or every call derives
+anew), a frozen dataclass such as :class:`~napkin_cat.library.SoftCap` by its fields.
 
 **Arrays** (:func:`napkin_cat.library.dot_product_attention` makes them inputs of the diagram, read by the
 kernel): ``bias`` (added to the scaled scores; f32, bf16 or f16) and ``mask`` (bool, true keeps a score,
@@ -25,7 +34,9 @@ differentiable (a learnable bias). ``segment_ids`` (integers, ``[B, Nq]`` for se
 ids agree; the kernel reads the ids at call time, so they may change between calls, and skips the blocks
 where no query and key share an id (``docs/lowering.md``, *Block sparsity*). A row whose every key
 is masked gives 0, where ``jax.nn`` gives the mean of ``V`` over the keys (it masks with a large finite
-negative number); see :mod:`lowering._api`. Bad shapes and dtypes raise
+negative number); see :mod:`lowering._api`. An empty axis makes no kernel: no queries give an empty
+output, no keys an output of zeros (as ``jax.nn``: every row is empty), and their gradients are zeros.
+Bad shapes and dtypes raise
 :class:`~napkin_cat.errors.EvaluationError` naming the argument and the expected shape, before anything
 is built.
 
@@ -49,9 +60,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax.numpy as jnp
 
@@ -71,6 +84,21 @@ from rewrites import Derivation, derive, stream, tile
 
 #: the diagram's query and key axes, which the schedule tiles and streams
 QUERIES, KEYS = "q_idx", "kv_idx"
+
+#: how many kernels the entry keeps by default (``Attention(maxsize=...)``, ``attention.maxsize``): enough
+#: for every layer variant of a model at a few sequence lengths, bounded for code that makes index functions
+#: (closures) per call
+CACHE_SIZE = 128
+
+
+class CacheInfo(NamedTuple):
+    """The entry's cache statistics (:meth:`Attention.cache_info`), as ``functools.lru_cache``'s."""
+
+    hits: int
+    misses: int
+    maxsize: int
+    currsize: int
+
 
 #: the dtypes the entry takes, by ``jnp.dtype`` name (q, k and v share one, as ``jax.nn`` requires)
 DTYPES = {"float32": f32, "bfloat16": bf16, "float16": f16}
@@ -207,16 +235,14 @@ class Signature:
     ) -> Signature:
         """The signature of a call (the arguments of :data:`attention`, ``[batch, seq, heads, dim]`` arrays and
         the rest as :func:`batched` gives them), checked before anything is built."""
-        if backend != "auto" and backend not in BACKENDS:
-            raise NotLowerable(f"attention: backend {backend!r}: choose 'auto', {', '.join(map(repr, BACKENDS))}")
-        group, dim, value_dim = _check(query, key, value)
+        group, dim, value_dim, biased, masked = _checked(query, key, value, bias, mask, segment_ids, backend)
+        if empty(query, key, value):
+            raise EvaluationError(
+                f"attention: no kernel for an empty axis (q {tuple(query.shape)}, k {tuple(key.shape)}, "
+                f"v {tuple(value.shape)}); call attention(q, k, v, ...), which returns the empty or zero output"
+            )
         mosaic = backend != "triton" and unavailable(interpret) is None and bias is None and mask is None
         t, s = schedule(query.shape[-3], key.shape[-3], dim, value_dim, mosaic=mosaic)
-        shape = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
-        biased = None if bias is None else _broadcast("bias", bias, shape, DTYPES)
-        masked = None if mask is None else _broadcast("mask", mask, shape, ("bool",))
-        if segment_ids is not None:
-            _check_segments(segment_ids, query.shape[0], query.shape[1], key.shape[1])
         made = cls(
             jnp.dtype(query.dtype).name,
             group,
@@ -304,6 +330,31 @@ def _fitted(sig: Signature) -> Signature:
     return dataclasses.replace(sig, tile=int(t.g), stream=int(s.s))
 
 
+def _checked(query, key, value, bias, mask, segment_ids, backend: str) -> tuple:
+    """Every argument of a call (as :func:`batched` gives them) checked, before anything is built: the group
+    size, q's and k's head dim, v's, and the batch axes the bias and the mask are read over."""
+    if backend != "auto" and backend not in BACKENDS:
+        raise NotLowerable(f"attention: backend {backend!r}: choose 'auto', {', '.join(map(repr, BACKENDS))}")
+    group, dim, value_dim = _check(query, key, value)
+    shape = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
+    biased = None if bias is None else _broadcast("bias", bias, shape, DTYPES)
+    masked = None if mask is None else _broadcast("mask", mask, shape, ("bool",))
+    if segment_ids is not None:
+        _check_segments(segment_ids, query.shape[0], query.shape[1], key.shape[1])
+    return group, dim, value_dim, biased, masked
+
+
+def empty(query, key, value) -> bool:
+    """Whether a call (``[batch, seq, heads, dim]`` arrays) has an empty axis, and so no kernel: no batch, heads,
+    queries or keys, or a value head dim of 0. Its output is then empty, or zeros where only the keys are none.
+
+    >>> x = jnp.zeros((2, 5, 4, 16))
+    >>> empty(x, x, x), empty(x, x[:, :0], x[:, :0]), empty(x[:, :0], x, x)
+    (False, True, True)
+    """
+    return 0 in (*query.shape[:-1], *key.shape[:-1], *value.shape[-1:])
+
+
 def _check(query, key, value) -> tuple[int, int, int]:
     """Refuse arrays the entry cannot take, naming the condition; the group size, q's and k's head dim and
     v's otherwise."""
@@ -315,12 +366,14 @@ def _check(query, key, value) -> tuple[int, int, int]:
     if query.shape[-1] != key.shape[-1] or query.shape[:-3] != key.shape[:-3]:
         raise EvaluationError(f"attention: q and k must agree on batch and head dim; {shapes}")
     heads, kv_heads = query.shape[-2], key.shape[-2]
-    if heads % kv_heads:
+    if heads % kv_heads if kv_heads else heads:
         raise EvaluationError(f"attention: q's {heads} heads are not a multiple of k's and v's {kv_heads}; {shapes}")
+    if query.shape[-1] == 0:
+        raise EvaluationError(f"attention: q's and k's head dim is 0 (the scores and 1/√d are undefined); {shapes}")
     dtypes = {jnp.dtype(a.dtype).name for a in (query, key, value)}
     if len(dtypes) != 1 or not dtypes <= DTYPES.keys():
         raise EvaluationError(f"attention: q, k, v must share one dtype of {', '.join(DTYPES)}; got {sorted(dtypes)}")
-    return heads // kv_heads, query.shape[-1], value.shape[-1]
+    return heads // max(kv_heads, 1), query.shape[-1], value.shape[-1]
 
 
 def _broadcast(name: str, array, shape: tuple[int, int, int, int], dtypes) -> tuple[str, ...]:
@@ -432,7 +485,9 @@ def _operand(array, axes: tuple[str, ...], kv_heads: int, group: int):
 class Attention:
     """The entry's callable: ``jax.nn.dot_product_attention``'s arguments, a kernel cache, a derivation count.
 
-    ``derivations`` counts the signatures derived (each derivation is verified and lowered once).
+    ``derivations`` counts the signatures derived (each derivation is verified and lowered once). The cache
+    holds at most ``maxsize`` kernels (default :data:`CACHE_SIZE`), the least recently used evicted first: a
+    kernel holds its derivation and its compiled programs, and a signature holds its index functions.
 
     >>> import jax
     >>> q = jax.random.normal(jax.random.key(0), (1, 24, 4, 16))
@@ -460,9 +515,30 @@ class Attention:
 = [1 or 1, 4 or 1, 24, 24] (jax.nn's broadcasting)
     """
 
-    def __init__(self):
-        self._kernels: dict[Signature, AttentionKernel] = {}
-        self.derivations = 0
+    def __init__(self, maxsize: int | None = None):
+        self._kernels: OrderedDict[Signature, AttentionKernel] = OrderedDict()
+        self.maxsize = CACHE_SIZE if maxsize is None else maxsize
+        self.derivations = self._hits = 0
+
+    @property
+    def maxsize(self) -> int:
+        """The most kernels the cache holds; setting it evicts the least recently used beyond it.
+
+        >>> small = Attention(maxsize=4)
+        >>> small.maxsize = 0
+        Traceback (most recent call last):
+        ...
+        napkin_cat.errors.EvaluationError: attention: the kernel cache's maxsize must be an integer ≥ 1, got 0
+        """
+        return self._maxsize
+
+    @maxsize.setter
+    def maxsize(self, n: int) -> None:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise EvaluationError(f"attention: the kernel cache's maxsize must be an integer ≥ 1, got {n!r}")
+        self._maxsize = n
+        while len(self._kernels) > n:
+            self._kernels.popitem(last=False)
 
     def __call__(
         self,
@@ -482,13 +558,19 @@ class Attention:
         interpret: bool | None = None,
         hardware: Hardware | str | None = None,
     ):
-        """``softmax(score_mod(scale · q kᵀ) masked) v`` on ``[batch, seq, heads, dim]`` arrays, by a cached kernel.
+        """``softmax(score_mod(scale · q kᵀ + bias) masked) v`` on ``[batch, seq, heads, dim]`` arrays, by a cached
+        kernel; every mask applies after ``score_mod`` (the module's docstring).
 
         The arguments are ``jax.nn.dot_product_attention``'s (``bias`` and ``mask`` broadcast as there), plus
         ``segment_ids`` (document masking), FlexAttention's ``score_mod``/``mask_mod`` and
         :func:`lowering.lower`'s ``backend``, ``backward``, ``interpret`` and ``hardware``. Rows whose every key
-        is masked give 0. See the module's docstring.
+        is masked give 0; an empty axis gives an empty output, or zeros where there are no keys. See the module's
+        docstring.
         """
+        args = batched(query, key, value, bias, mask, segment_ids)
+        if empty(*args[:3]):
+            _checked(*args, backend)
+            return jnp.zeros((*query.shape[:-1], value.shape[-1]), query.dtype)  # no keys: each row's sum is empty
         return self.kernel_for(
             query,
             key,
@@ -512,7 +594,10 @@ class Attention:
         array is checked (shapes, dtypes) before anything is built."""
         query, key, value, bias, mask, segment_ids = batched(query, key, value, bias, mask, segment_ids)
         signature = Signature.of(query, key, value, bias, mask, segment_ids=segment_ids, **options)
-        if signature not in self._kernels:
+        if signature in self._kernels:
+            self._hits += 1
+            self._kernels.move_to_end(signature)
+        else:
             # in a thread of its own, where no caller's jit/vmap/grad trace is active (JAX's trace state is
             # per thread): the verification must run on concrete arrays, and the kernel's tracing must not
             # be evaluated eagerly (as under jax.ensure_compile_time_eval)
@@ -527,10 +612,20 @@ class Attention:
             )
             self.derivations += 1
             self._kernels[signature] = AttentionKernel(signature, derivation, kernel)
+            if len(self._kernels) > self.maxsize:
+                self._kernels.popitem(last=False)
         return self._kernels[signature]
 
     def __repr__(self):
         return f"<napkin_cat attention entry: {len(self._kernels)} kernels cached, {self.derivations} derivations>"
+
+    def cache_info(self) -> CacheInfo:
+        """The cache's hits, misses (derivations), maximum and current size, as ``functools.lru_cache`` reports.
+
+        >>> Attention(maxsize=8).cache_info()
+        CacheInfo(hits=0, misses=0, maxsize=8, currsize=0)
+        """
+        return CacheInfo(self._hits, self.derivations, self.maxsize, len(self._kernels))
 
     def cache_clear(self) -> None:
         """Forget every kernel (the derivation count stays)."""

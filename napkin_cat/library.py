@@ -2,6 +2,13 @@
 
 Every entry is checked against an independent JAX implementation in ``tests/test_library.py``.
 
+**One rule for the scores of every attention variant**: ``s = score_mod(scale · Q·Kᵀ + B)`` (``B``: an
+additive bias, where there is one), and then every mask (causal, a ``mask_mod``, a sliding window or prefix, a
+boolean mask array, segment ids) sends the scores it hides to −∞. Masks come *after* the score modifier,
+as in FlexAttention (``score_mod``, then the ``mask_mod``) and ``jax.nn.dot_product_attention`` (the bias,
+then the mask): a modifier sending −∞ to a finite number (a soft-cap, ``exp``, a constant) never gives a
+masked key weight, and a kernel may skip a block that a mask hides whole.
+
 >>> from napkin_cat import axes
 >>> q, x, d = axes("q x d")
 >>> print(attention(q, x, d))  # doctest: +NORMALIZE_WHITESPACE
@@ -291,15 +298,22 @@ class _Attention:
     def _spec(self, *axes) -> str:
         return " ".join(a.name for a in axes)
 
-    def scores(self, *, causal=False, mask=None, score_mod=None, extra: tuple = (), combine=None) -> Diagram:
-        """``Q ⊗ K ⊗ V ⊗ extra → S ⊗ V``: the scaled scores, ``combine`` (``S ⊗ extra → S``) and the masks."""
+    def scores(
+        self, *, causal=False, mask=None, score_mod=None, bias: Array | None = None, masks: tuple = ()
+    ) -> Diagram:
+        """``Q ⊗ K ⊗ V ⊗ [B] ⊗ [mask inputs] → S ⊗ V`` by the rule of the module's docstring: the scaled
+        scores plus ``bias`` ``B`` (``S ⊗ B → S``), then ``score_mod``, then every mask: ``causal``, ``mask``
+        (a mask_mod) and ``masks``, pairs ``(box, wires)`` of a box ``S ⊗ wires → S`` and the inputs it reads."""
         b, q, x, d = self.batch, self.q, self.x, self.d
         spec = f"{self._spec(*self.lay(b, q, d))}, {self._spec(*self.lay(self.kv, x, d))} -> {self._spec(*b, q, x)}"
         s = g.contract(spec, *b, q, x, d, scale=_scale(d, self.scale), dtype=self.dtype, out_dtype=f32)
+        read = [w for _, wires in masks for w in wires]
+        extra = ([] if bias is None else [bias]) + read
         out = s @ identity(self.V)
-        if extra:
+        if extra:  # the extra inputs beside the scores, V last: S ⊗ extra ⊗ V
             out = (out @ identity(Ty(*extra))) >> (identity(self.S) @ swap(Ty(self.V), Ty(*extra)))
-            out = out >> (combine @ identity(self.V))
+        if bias is not None:
+            out = out >> (g.add(self.S, bias) @ identity(Ty(*read, self.V)))
         mods = []
         if score_mod is not None:
             mods.append(g.score_mod(self.S, score_mod))
@@ -308,7 +322,10 @@ class _Attention:
         if mask is not None:
             mods.append(g.mask(self.S, mask))
         for m in mods:
-            out = out >> (m @ identity(self.V))
+            out = out >> (m @ identity(Ty(*read, self.V)))
+        for i, (box, _) in enumerate(masks):
+            later = [w for _, wires in masks[i + 1 :] for w in wires]
+            out = out >> (box @ identity(Ty(*later, self.V)))
         return out
 
     def out(self, weights: Array | None = None) -> Diagram:
@@ -322,12 +339,32 @@ class _Attention:
 def multi_head_attention(h: Axis, q: Axis, x: Axis, d: Axis, *, batch: tuple[Axis, ...] = (), **kw) -> Diagram:
     """Attention weaved over heads ``h`` (and leading ``batch`` axes): ``Q[*batch,h,q,d] ⊗ K ⊗ V → O``.
 
+    A ``score_mod`` or ``mask`` may read ``h`` or a ``batch`` axis (ALiBi's slope per head): the axes it reads
+    (and those after them) are the attention's own batch axes, the others weaved around it.
+
     >>> from napkin_cat import axes
     >>> b, h, q, x, d = axes("b h q x d")
     >>> print(multi_head_attention(h, q, x, d, batch=(b,)).cod)
     b×h×q×d
+    >>> alibi = lambda s, h, q, x: s - 2.0 ** -(h + 1) * abs(q - x)
+    >>> print(multi_head_attention(h, q, x, d, batch=(b,), score_mod=alibi).boxes[1].name)
+    score_mod <lambda>
     """
-    return attention(q, x, d, **kw).weave(*batch, h)
+    outer = (*batch, h)
+    at = _first_read(outer, kw)
+    return attention(q, x, d, batch=outer[at:], **kw).weave(*outer[:at])
+
+
+def _first_read(outer: tuple[Axis, ...], kw: dict) -> int:
+    """Where, among ``outer`` (axes to weave around an attention), the first one its ``score_mod`` or
+    ``mask`` reads is (every one, for a function taking ``**kwargs``); ``len(outer)`` where none is read.
+    A weave's boxes cannot read the axes weaved around them, so that axis and the later ones stay inside."""
+    read = set()
+    for key, score in (("score_mod", True), ("mask", False)):
+        if kw.get(key) is not None:
+            names = g.index_names(kw[key], score=score)
+            read |= {a.name for a in outer} if names is None else set(names)
+    return next((i for i, a in enumerate(outer) if a.name in read), len(outer))
 
 
 def grouped_query_attention(
@@ -433,7 +470,7 @@ def document_attention(q: Axis, x: Axis, d: Axis, **kw) -> Diagram:
     a = _attention(q, x, d, kw)
     ids = (Array(*a.batch, q, dtype="i32"), Array(*a.kv, x, dtype="i32"))
     same = g.elementwise(same_document, a.S, *ids, out=a.S)
-    return a.scores(extra=ids, combine=same, **_mods(kw)) >> (g.softmax(a.S, x) @ identity(a.V)) >> a.out()
+    return a.scores(masks=((same, ids),), **_mods(kw)) >> (g.softmax(a.S, x) @ identity(a.V)) >> a.out()
 
 
 def biased_attention(q: Axis, x: Axis, d: Axis, *, bias_batch: tuple[Axis, ...] | None = None, **kw) -> Diagram:
@@ -448,7 +485,7 @@ def biased_attention(q: Axis, x: Axis, d: Axis, *, bias_batch: tuple[Axis, ...] 
     """
     a = _attention(q, x, d, kw)
     B = Array(*(a.batch if bias_batch is None else bias_batch), q, x)
-    return a.scores(extra=(B,), combine=g.add(a.S, B), **_mods(kw)) >> (g.softmax(a.S, x) @ identity(a.V)) >> a.out()
+    return a.scores(bias=B, **_mods(kw)) >> (g.softmax(a.S, x) @ identity(a.V)) >> a.out()
 
 
 def keep_where(s, m):
@@ -478,7 +515,8 @@ def dot_product_attention(
     its batch axes are given (``()``: shared by every batch), an additive bias ``B[*bias_batch, q, x]``
     (differentiable), a boolean mask ``M[*mask_batch, q, x]`` (true keeps the score) and segment ids
     ``ids_q[*segment_batch, q] ⊗ ids_x[*segment_batch, x]`` (i32; a query sees the keys of its own
-    segment). Scores are ``scale·Q·Kᵀ + B``, then masked by ``M``, the ids and the keyword masks.
+    segment). Scores are ``score_mod(scale·Q·Kᵀ + B)``, then masked by the keyword masks, ``M`` and the ids
+    (the rule of the module's docstring).
 
     >>> from napkin_cat import axes
     >>> b, h, q, x, d = axes("b h q x d")
@@ -486,25 +524,15 @@ def dot_product_attention(
     b×h×q×d ⊗ b×h×x×d ⊗ b×h×x×d ⊗ h×q×x ⊗ q×x ⊗ b×q ⊗ b×x
     """
     a = _attention(q, x, d, kw)
-    steps, extra = [], []
-    if bias_batch is not None:
-        B = Array(*bias_batch, q, x, dtype=bias_dtype)
-        steps.append((g.add(a.S, B), (B,)))
+    B = None if bias_batch is None else Array(*bias_batch, q, x, dtype=bias_dtype)
+    masks = []
     if mask_batch is not None:
         M = Array(*mask_batch, q, x, dtype="bool")
-        steps.append((g.elementwise(keep_where, a.S, M, out=a.S), (M,)))
+        masks.append((g.elementwise(keep_where, a.S, M, out=a.S), (M,)))
     if segment_batch is not None:
         ids = (Array(*segment_batch, q, dtype="i32"), Array(*segment_batch, x, dtype="i32"))
-        steps.append((g.elementwise(same_document, a.S, *ids, out=a.S), ids))
-    if not steps:
-        scores = a.scores(**_mods(kw))
-    else:
-        extra = [w for _, ws in steps for w in ws]
-        combine = identity(Ty(a.S, *extra))
-        for i, (box, _) in enumerate(steps):
-            rest = [w for _, later in steps[i + 1 :] for w in later]
-            combine = combine >> (box @ identity(Ty(*rest)))
-        scores = a.scores(extra=tuple(extra), combine=combine, **_mods(kw))
+        masks.append((g.elementwise(same_document, a.S, *ids, out=a.S), ids))
+    scores = a.scores(bias=B, masks=tuple(masks), **_mods(kw))
     return scores >> (g.softmax(a.S, x) @ identity(a.V)) >> a.out()
 
 
