@@ -7,8 +7,8 @@ under each. A target that cannot be found raises :class:`MissingTarget`, which f
 mutation that plants nothing must never count as caught.
 
 >>> sorted(MUTATIONS)  # doctest: +NORMALIZE_WHITESPACE
-['causal_off_by_one', 'gqa_group', 'mosaic_overwrites_accumulator', 'no_delta', 'no_padding_mask',
- 'no_rescale', 'scale_ignored', 'score_mod_grad_at_output', 'temperature']
+['causal_off_by_one', 'gqa_group', 'masks_before_score_mod', 'mosaic_overwrites_accumulator', 'no_delta',
+ 'no_padding_mask', 'no_rescale', 'scale_ignored', 'score_mod_grad_at_output', 'temperature']
 """
 
 from __future__ import annotations
@@ -225,6 +225,24 @@ def score_mod_grad_at_output():
     cls.__call__ = at_output
 
 
+def masks_before_score_mod():
+    """The masking order reversed: every mask sets its scores to −∞ before the score modifier runs, so a
+    modifier that sends −∞ somewhere finite (a soft-cap, exp) gives masked keys weight."""
+    cls = find("_Attention", "napkin_cat.library")
+    scores = method(cls, "scores")
+
+    def masked_first(self, *, score_mod=None, **kw):
+        out = scores(self, **kw)
+        if score_mod is None:
+            return out
+        from napkin_cat.diagram import identity
+        from napkin_cat.generators import score_mod as modifier
+
+        return out >> (modifier(self.S, score_mod) @ identity(self.V))
+
+    setattr(cls, "scores", masked_first)
+
+
 MUTATIONS = {
     f.__name__: f
     for f in (
@@ -237,6 +255,7 @@ MUTATIONS = {
         no_padding_mask,
         mosaic_overwrites_accumulator,
         score_mod_grad_at_output,
+        masks_before_score_mod,
     )
 }
 

@@ -18,6 +18,8 @@ FLASH = "tests/test_kernels_vs_jax.py::test_flash_attention[False-37-29]"  # rag
 GQA = "tests/test_kernels_vs_jax.py::test_gqa_scale_alibi_causal"  # scale, ALiBi, causal, groups, q > x
 MOSAIC = "tests/test_mosaic.py::test_interpret_matches_reference[plain-s64]"  # Mosaic interpret mode, 4 chunks
 SOFTCAP = "tests/test_variants.py::test_softcap"  # f32 gradients through the lowered backward against jax.grad
+# the masking order: a soft-cap after a mask array, against a reference that masks last
+ORDER = "tests/test_entry_reliability.py::test_masks_apply_after_the_score_modifier_in_the_diagram"
 
 #: mutation -> the tests that catch it
 CATCHERS = {
@@ -30,6 +32,7 @@ CATCHERS = {
     "no_padding_mask": [FLASH],
     "mosaic_overwrites_accumulator": [MOSAIC],
     "score_mod_grad_at_output": [SOFTCAP],
+    "masks_before_score_mod": [ORDER],
 }
 
 
