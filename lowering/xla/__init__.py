@@ -15,7 +15,8 @@ compiled by XLA on CPU, GPU or TPU without Pallas; ``lower(..., backend="xla")``
 True
 """
 
+from lowering.xla._backend import XLA as XLA
 from lowering.xla._kernel import XlaConfig as XlaConfig
 from lowering.xla._kernel import XlaLowered as XlaLowered
 
-__all__ = ["XlaConfig", "XlaLowered"]
+__all__ = ["XLA", "XlaConfig", "XlaLowered"]
