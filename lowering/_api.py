@@ -299,16 +299,16 @@ class _WholeBlocks:
     ``"auto"`` takes for the same diagram (Triton's, which pads them), each such shape recorded in
     :attr:`Kernel.backends` and :attr:`Kernel.refused`."""
 
-    def __init__(self, kernel, rest: Callable[[], tuple], note: Callable[[tuple, str, str], None]):
-        self.kernel, self._rest, self._note = kernel, functools.cache(rest), note
+    def __init__(self, mosaic, rest: Callable[[], tuple], note: Callable[[tuple, str, str], None]):
+        self.mosaic, self._rest, self._note = mosaic, functools.cache(rest), note
 
     def __getattr__(self, name):
-        return getattr(self.kernel, name)
+        return getattr(self.mosaic, name)
 
     def __call__(self, *arrays):
-        why = self.kernel.ragged(*arrays)
+        why = self.mosaic.ragged(*arrays)
         if why is None:
-            return self.kernel(*arrays)
+            return self.mosaic(*arrays)
         b, other = self._rest()
         self._note(tuple(tuple(jax.numpy.shape(a)) for a in arrays), b.name, why)
         return other(*arrays)

@@ -219,7 +219,8 @@ def _block(p: Plan, d: Diagram, sizes: dict, extent: dict, config: XlaConfig, id
         walk(d, chunk(c * s, s), ctx.at(**{x: c * s}), x, "chunk", carry, fold=fold)
         return carry
 
-    states = lax.fori_loop(0, n_full, run, states, unroll=config.unroll)
+    if n_full:  # (a loop of none would still trace its body, on a chunk longer than the axis)
+        states = lax.fori_loop(0, n_full, run, states, unroll=config.unroll)
     if rest:  # the last chunk, shorter: exact, no padding
         walk(d, chunk(n_full * s, rest), ctx.at(**{x: n_full * s}), x, "chunk", states, fold=fold)
     return walk(d, [None if w.has(x) else v for v, w in zip(blocks, wires, strict=True)], ctx, x, "final", states)
