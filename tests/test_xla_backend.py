@@ -25,7 +25,8 @@ def nn(Q, K, V, **kw):
 
 
 def draw(key, *shapes):
-    return [jax.random.normal(k, s, jnp.float32) for k, s in zip(jax.random.split(key, len(shapes)), shapes, strict=True)]
+    keys = jax.random.split(key, len(shapes))
+    return [jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, shapes, strict=True)]
 
 
 def check(kernel, ref, arrays):

@@ -33,6 +33,7 @@ from jax import lax
 from lowering._plan import NotLowerable, Plan, unweave
 from lowering._triton import BlockContext
 from napkin_cat.diagram import Diagram, is_structural
+from napkin_cat.generators import Jax
 from napkin_cat.hardware import H100, Hardware
 from napkin_cat.semantics import bind
 from rewrites import walk
@@ -69,6 +70,23 @@ class XlaConfig:
         XlaConfig(unroll=1)
         """
         return cls()
+
+
+class Upcast(Jax):
+    """The XLA backend's array namespace on a CPU: the reference's (:class:`napkin_cat.generators.Jax`), but a
+    contraction of 16-bit operands multiplies them upcast to f32: the same products (exact in f32) summed in f32,
+    which XLA's CPU backend runs as an f32 matmul where a 16-bit dot with an f32 result takes several times longer.
+
+    >>> a = jnp.full((4, 4), 1 + 2**-7, jnp.bfloat16)
+    >>> up, ref = Upcast.einsum("ik,kj->ij", a, a), Jax.einsum("ik,kj->ij", a, a)
+    >>> up.dtype, bool(up[0, 0] == ref[0, 0])
+    (dtype('float32'), True)
+    """
+
+    @staticmethod
+    def einsum(spec: str, *xs):
+        """A contraction in f32, its 16-bit operands upcast first."""
+        return jnp.einsum(spec, *(v.astype(jnp.float32) if jnp.dtype(v.dtype).itemsize == 2 else v for v in xs))
 
 
 class XlaLowered:
@@ -190,7 +208,9 @@ def _block(p: Plan, d: Diagram, sizes: dict, extent: dict, config: XlaConfig, id
     """One block's outputs: ``d`` (the per-block diagram) run by :func:`rewrites.walk`, its streamed axis a loop
     over chunks (a last, shorter chunk where ``s`` does not divide it) folding each accumulator from its identity."""
     offsets = {a: ids[i] * g for i, (a, g) in enumerate(p.tiles.items())}
-    ctx = BlockContext(sizes=sizes, offsets=offsets, grid=dict(zip(p.batch, ids[len(p.tiles) :], strict=True)))
+    grid = dict(zip(p.batch, ids[len(p.tiles) :], strict=True))
+    xp = Upcast() if jax.default_backend() == "cpu" else Jax()  # elsewhere 16-bit dots with f32 results are native
+    ctx = BlockContext(sizes=sizes, offsets=offsets, xp=xp, grid=grid)
     if p.stream is None:
         return walk(d, list(blocks), ctx, "", "final", {})
     x, s = p.stream
