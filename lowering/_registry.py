@@ -326,4 +326,3 @@ def walk_auto(p: Plan, *, interpret, config, hardware, backward: bool, after: Ba
             return b, kernel, "; ".join(passed) or None
         passed.append(why)
     raise NotLowerable(f"no backend admits the kernel of {p.diagram.dom} → {p.diagram.cod}: {'; '.join(passed)}")
-

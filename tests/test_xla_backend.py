@@ -66,8 +66,9 @@ def test_dense_grouped_query_attention_equals_jax_nn(key):
 
 def test_soft_capped_attention_equals_its_formula(key):
     q, x, d = nc.axes("q x d")
-    kernel = lower(derive(nc.library.softcap_attention(q, x, d, cap=5.0), tile(q, 16), stream(x, 16), verify=False),
-                   backend="xla")
+    kernel = lower(
+        derive(nc.library.softcap_attention(q, x, d, cap=5.0), tile(q, 16), stream(x, 16), verify=False), backend="xla"
+    )
     Q, K, V = draw(key, (33, 8), (20, 8), (20, 8))
     Q = 4 * Q  # scores beyond the cap, where tanh bends
 
