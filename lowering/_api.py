@@ -300,7 +300,10 @@ class _WholeBlocks:
     :attr:`Kernel.backends` and :attr:`Kernel.refused`."""
 
     def __init__(self, mosaic, rest: Callable[[], tuple], note: Callable[[tuple, str, str], None]):
-        self.mosaic, self._rest, self._note = mosaic, functools.cache(rest), note
+        rest = functools.cache(rest)
+        #: the next backend's kernel (Triton's), built on first use, and that backend's name
+        self._triton, self._after = (lambda: rest()[1]), (lambda: rest()[0].name)
+        self.mosaic, self._note = mosaic, note
 
     def __getattr__(self, name):
         return getattr(self.mosaic, name)
@@ -309,9 +312,8 @@ class _WholeBlocks:
         why = self.mosaic.ragged(*arrays)
         if why is None:
             return self.mosaic(*arrays)
-        b, other = self._rest()
-        self._note(tuple(tuple(jax.numpy.shape(a)) for a in arrays), b.name, why)
-        return other(*arrays)
+        self._note(tuple(tuple(jax.numpy.shape(a)) for a in arrays), self._after(), why)
+        return self._triton()(*arrays)
 
 
 def lower(
@@ -332,12 +334,12 @@ def lower(
     forward and backward, for Hopper (:mod:`lowering._mosaic`, tuned by a ``MosaicConfig``); a kernel it
     cannot lower is named in the error (the forward) or in ``kernel.why_not`` (a backward kernel), never
     replaced by Triton's. ``backend="xla"`` lowers to plain JAX compiled by XLA on any device, no Pallas
-(:mod:`lowering.xla`: tiles vmapped, the stream a ``lax.fori_loop``). ``backend="auto"`` walks the backends in
-order (:data:`lowering._registry.REGISTRY`), per kernel: Mosaic on an sm_90 GPU where the kernel lowers there
-and its configuration was measured faster than Triton's (:func:`lowering._mosaic.faster`), else Triton, else
-XLA where neither admits the plan; ``kernel.backends`` says which, ``kernel.refused`` why not the ones
-before. A backend's refusal of the sizes of a plan it admits (Triton's shared memory) is raised, with the
-schedule's fix, not passed on to a slower backend. ``config`` (the class of one backend) reaches every
+    (:mod:`lowering.xla`: tiles vmapped, the stream a ``lax.fori_loop``). ``backend="auto"`` walks the backends in
+    order (:data:`lowering._registry.REGISTRY`), per kernel: Mosaic on an sm_90 GPU where the kernel lowers there
+    and its configuration was measured faster than Triton's (:func:`lowering._mosaic.faster`), else Triton, else
+    XLA where neither admits the plan; ``kernel.backends`` says which, ``kernel.refused`` why not the ones
+    before. A backend's refusal of the sizes of a plan it admits (Triton's shared memory) is raised, with the
+    schedule's fix, not passed on to a slower backend. ``config`` (the class of one backend) reaches every
     kernel of its backend, backward included. ``hardware``
     (a :class:`~napkin_cat.hardware.Hardware` or its name) sets the per-block shared-memory limit; by
     default the detected GPU's model, H100 when interpreting.
