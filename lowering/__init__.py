@@ -19,9 +19,11 @@ from lowering._plan import NotLowerable, Plan, plan
 from lowering._search import median_time
 from lowering._tiles import Choice, choose_tiles, predicted_time
 from lowering._triton import Config, Lowered
+from lowering.xla import XlaConfig, XlaLowered
 
 __all__ = [
     "DeviceKernel", "lower_devices",  # past one GPU (lowering._devices)
     "AttentionKernel", "Choice", "Config", "Kernel", "Lowered", "MosaicConfig", "MosaicLowered", "NotLowerable",
     "OpenKernel", "Plan", "attention", "choose_tiles", "lower", "median_time", "plan", "predicted_time",
+    "XlaConfig", "XlaLowered",  # the XLA backend (lowering.xla)
 ]

@@ -23,20 +23,13 @@ from typing import Literal
 import jax
 
 from lowering._backward import Piece, backward_of, differentiable
-from lowering._mosaic import (
-    BACKWARD_CHUNK,
-    WGMMA_M,
-    MosaicConfig,
-    MosaicLowered,
-    admits,
-    choose,
-    faster,
-    unavailable,
-)
 from lowering._plan import NotLowerable, kept_whole, plan
+from lowering._registry import BACKENDS as BACKENDS  # the registered names, in "auto"'s order
+from lowering._registry import REGISTRY, Backend, check_config, walk_auto
+from lowering._registry import backend as registered
 from lowering._search import refine
-from lowering._tiles import Choice, Chunks, choose_tiles, missing_sizes
-from lowering._triton import Config, Lowered, interpreted, launch, target_hardware
+from lowering._tiles import Choice, choose_tiles, missing_sizes
+from lowering._triton import Config, Lowered, interpreted, target_hardware
 from napkin_cat.diagram import Diagram
 from napkin_cat.errors import CostError, EvaluationError, NapkinError
 from napkin_cat.hardware import Hardware, lookup
@@ -44,9 +37,6 @@ from napkin_cat.semantics import to_jax
 from rewrites import bind_sizes, open_sizes, resolve
 
 Differentiation = Literal["lowered", "reference", "none"]
-
-#: the backends ``lower`` can emit; ``backend="auto"`` chooses between them per kernel and says why
-BACKENDS = ("triton", "mosaic")
 
 
 class Kernel:
@@ -57,7 +47,8 @@ class Kernel:
     (``jax.vjp`` of the reference semantics, asked for explicitly) or ``"none"`` (differentiating
     raises :class:`NotLowerable`); ``why_not`` says why there is no lowered backward, else None;
     ``backends`` maps each of its kernels (forward, then the backward's, built if need be) to the backend
-    that emitted it, and ``refused`` each kernel ``backend="auto"`` kept off Mosaic to why; ``tiles`` maps
+    that emitted it, and ``refused`` each kernel ``backend="auto"`` kept off the backends before its own (Mosaic,
+    then Triton: :data:`lowering._registry.REGISTRY`) to why; ``tiles`` maps
     every partition size of the kernel to its value (``{"g_q": 16, "s_x": 16}``) and ``choice`` says how
     sizes the derivation left open were chosen (None when it left none).
 
@@ -113,7 +104,8 @@ class Kernel:
 
     @property
     def refused(self) -> dict[str, str]:
-        """Why ``backend="auto"`` kept each kernel (by role) that is not on Mosaic off it, for those built."""
+        """Why ``backend="auto"`` kept each kernel (by role) off the backends before its own (``"; "``-joined, in
+        :data:`lowering._registry.REGISTRY`'s order), for those built; a kernel on the first backend is not here."""
         return {what: why for what, (_, why) in self._emitted.items() if why is not None}
 
     @property
@@ -243,29 +235,9 @@ def _reference(f, d: Diagram):
     return g
 
 
-def _guard(k: Lowered) -> Lowered:
-    """Run a kernel's call-time shape guards now when the sizes they read (the axes kept whole) are known.
-
-    Tiled, streamed and batch axes enter the guards only through their block sizes, so one block of
-    each stands in for their unknown extent.
-    """
-    p = k.plan
-    size = {a.name: a.size for w in p.diagram.dom.inside for a in w.axes}
-    if all(size[a].is_number for a in p.whole):
-        extent = {a: int(n) if n.is_number else 1 for a, n in size.items()}
-        launch(p, extent, k.config or Config.get_default(p), k.hardware)
-    return k
-
-
 def _backend(backend: str) -> str:
-    if backend == "auto":
-        return "auto"
-    if backend not in BACKENDS:
-        raise NotLowerable(
-            f"backend {backend!r}: choose 'auto' (Mosaic on sm_90 where it lowers and was measured faster, else "
-            "Triton; kernel.refused says why), 'triton' or 'mosaic' (Hopper)"
-        )
-    return backend
+    """``backend`` if it is ``"auto"`` or a registered backend's name; else :class:`NotLowerable` listing them."""
+    return backend if backend == "auto" else registered(backend).name
 
 
 def role(piece: Piece) -> str:
@@ -285,58 +257,53 @@ def role(piece: Piece) -> str:
 
 class _Emitter:
     """Lowers each kernel of a :class:`Kernel` (forward, forward with residuals, backward pieces) with one
-    backend, or with ``"auto"``'s choice per kernel, recording which backend each got and why not Mosaic."""
+    backend, or with ``"auto"``'s choice per kernel (:func:`lowering._registry.walk_auto`), recording which
+    backend each got and why the backends before it did not."""
 
     def __init__(self, backend: str, interpret, config, hw: Hardware | None):
-        if backend == "mosaic" and isinstance(config, Config):
-            raise NotLowerable("backend 'mosaic': a lowering.Config tunes Triton; pass a lowering.MosaicConfig")
-        mosaic = backend == "auto" and isinstance(config, MosaicConfig)  # tunes the kernels auto puts on Mosaic
-        if backend != "mosaic" and config is not None and not isinstance(config, Config) and not mosaic:
-            raise NotLowerable(f"config must be a lowering.Config, got {type(config).__name__}")
-        self.backend, self.interpret, self.config, self.hw = backend, interpret, config, hw
-        #: per kernel (by role): the backend that emitted it and, under "auto", why not Mosaic (else None)
+        check_config(backend, config)
+        self.backend = None if backend == "auto" else registered(backend)
+        self.interpret, self.config, self.hw = interpret, config, hw
+        #: per kernel (by role): the backend that emitted it and, under "auto", why not the ones before (else None)
         self.chosen: dict[str, tuple[str, str | None]] = {}
 
     def __call__(self, d: Diagram, what: str):
-        if self.backend == "mosaic":
-            try:
-                kernel = MosaicLowered(plan(d), interpret=self.interpret, config=self.config)
-                kernel.guard()
-                if not kernel.interpret and (why := kernel.lowering_error()):  # here, not at the first call
-                    raise NotLowerable(why)
-            except NotLowerable as e:
-                raise NotLowerable(f"Mosaic, {what}: {e}") from e
-            self.chosen[what] = ("mosaic", None)
-            return kernel
-        config = self.config if isinstance(self.config, Config) else None
+        p = plan(d)
+        b = self.backend
+        if b is not None:
+            own = self.config if isinstance(self.config, b.config) else None
+            if why := b.admit(p, interpret=self.interpret, config=own):
+                raise NotLowerable(f"{b.title}, {what}: {why}")
+            self.chosen[what] = (b.name, None)
+            return b.emit(p, interpret=self.interpret, config=own, hardware=self.hw)
+        asked = dict(interpret=self.interpret, config=self.config, hardware=self.hw)
+        b, kernel, why = walk_auto(p, **asked, backward=what.startswith("backward kernel"))
+        self.chosen[what] = (b.name, why)
+        sizes = {a.name: a.size for w in d.dom.inside for a in w.axes}
+        if b.pads or all(sizes[a].is_number for a in (*p.tiles, *(p.stream or ())[:1])):
+            return kernel  # whole blocks, checked by its admit
 
-        def triton() -> Lowered:
-            return _guard(Lowered(plan(d), interpret=self.interpret, config=config, hardware=self.hw))
+        def rest() -> tuple[Backend, object]:
+            after, other, _ = walk_auto(p, **asked, backward=what.startswith("backward kernel"), after=b)
+            return after, other
 
-        why = None
-        if self.backend == "auto":
-            candidate, why = choose(d, interpret=self.interpret, config=self.config)
-            why = why or faster(candidate, backward=what.startswith("backward kernel"))
-            if why is None:
-                self.chosen[what] = ("mosaic", None)
-                sizes = {a.name: a.size for w in d.dom.inside for a in w.axes}
-                if all(sizes[a].is_number for a in (*candidate.plan.tiles, *(candidate.plan.stream or ())[:1])):
-                    return candidate  # whole blocks, checked by choose
-                return _WholeBlocks(candidate, triton, lambda shape, why: self._ragged(what, shape, why))
-        self.chosen[what] = ("triton", why)
-        return triton()
+        return _WholeBlocks(kernel, rest, lambda shape, name, why: self._ragged(what, shape, name, why))
 
-    def _ragged(self, what: str, shape: tuple, why: str) -> None:
-        self.chosen[f"{what} at {shape}"] = ("triton", why)
+    def _ragged(self, what: str, shape: tuple, name: str, why: str) -> None:
+        self.chosen[f"{what} at {shape}"] = (name, why)
 
 
 class _WholeBlocks:
-    """``backend="auto"``'s Mosaic kernel of a diagram whose axis sizes are known only when called: arrays that
-    split into whole blocks run on Mosaic; any others (Mosaic pads nothing) on the Triton kernel of the same
-    diagram, which pads them, each such shape recorded in :attr:`Kernel.backends` and :attr:`Kernel.refused`."""
+    """``backend="auto"``'s kernel on a backend that pads nothing (Mosaic) for a diagram whose axis sizes are known
+    only when called: arrays that split into whole blocks run on it; any others on the kernel of the next backend
+    ``"auto"`` takes for the same diagram (Triton's, which pads them), each such shape recorded in
+    :attr:`Kernel.backends` and :attr:`Kernel.refused`."""
 
-    def __init__(self, mosaic, triton: Callable[[], Lowered], note: Callable[[tuple, str], None]):
-        self.mosaic, self._triton, self._note = mosaic, functools.cache(triton), note
+    def __init__(self, mosaic, rest: Callable[[], tuple], note: Callable[[tuple, str, str], None]):
+        rest = functools.cache(rest)
+        #: the next backend's kernel (Triton's), built on first use, and that backend's name
+        self._triton, self._after = (lambda: rest()[1]), (lambda: rest()[0].name)
+        self.mosaic, self._note = mosaic, note
 
     def __getattr__(self, name):
         return getattr(self.mosaic, name)
@@ -345,7 +312,7 @@ class _WholeBlocks:
         why = self.mosaic.ragged(*arrays)
         if why is None:
             return self.mosaic(*arrays)
-        self._note(tuple(tuple(jax.numpy.shape(a)) for a in arrays), why)
+        self._note(tuple(tuple(jax.numpy.shape(a)) for a in arrays), self._after(), why)
         return self._triton()(*arrays)
 
 
@@ -366,9 +333,13 @@ def lower(
     ``jax.grad``; arrays are passed in the diagram's axis order. ``backend="mosaic"`` lowers every kernel,
     forward and backward, for Hopper (:mod:`lowering._mosaic`, tuned by a ``MosaicConfig``); a kernel it
     cannot lower is named in the error (the forward) or in ``kernel.why_not`` (a backward kernel), never
-    replaced by Triton's. ``backend="auto"`` chooses per kernel: Mosaic on an sm_90 GPU where the kernel
-    lowers there and its configuration was measured faster than Triton's (:func:`lowering._mosaic.faster`),
-    else Triton; ``kernel.backends`` says which, ``kernel.refused`` why not Mosaic. ``config`` reaches every
+    replaced by Triton's. ``backend="xla"`` lowers to plain JAX compiled by XLA on any device, no Pallas
+    (:mod:`lowering.xla`: tiles vmapped, the stream a ``lax.fori_loop``). ``backend="auto"`` walks the backends in
+    order (:data:`lowering._registry.REGISTRY`), per kernel: Mosaic on an sm_90 GPU where the kernel lowers there
+    and its configuration was measured faster than Triton's (:func:`lowering._mosaic.faster`), else Triton, else
+    XLA where neither admits the plan; ``kernel.backends`` says which, ``kernel.refused`` why not the ones
+    before. A backend's refusal of the sizes of a plan it admits (Triton's shared memory) is raised, with the
+    schedule's fix, not passed on to a slower backend. ``config`` (the class of one backend) reaches every
     kernel of its backend, backward included. ``hardware``
     (a :class:`~napkin_cat.hardware.Hardware` or its name) sets the per-block shared-memory limit; by
     default the detected GPU's model, H100 when interpreting.
@@ -463,9 +434,9 @@ def lower(
 
 
 def _late_sizes(d: Diagram, backend: str, interpret, config) -> tuple[str, ...]:
-    """The axes kept whole whose sizes ``d`` leaves symbolic, where ``backend="auto"`` may take Mosaic (an sm_90
-    GPU): its choice reads them (:func:`lowering._mosaic.faster`, Mosaic's registers), so :func:`lower` binds them
-    at the call; else ().
+    """The axes kept whole whose sizes ``d`` leaves symbolic, where ``backend="auto"`` may take a backend whose choice
+    reads them (``reads_whole``: Mosaic on an sm_90 GPU, :func:`lowering._mosaic.faster`, its registers), so
+    :func:`lower` binds them at the call; else ().
 
     >>> import napkin_cat as nc
     >>> from rewrites import derive, tile, stream
@@ -474,24 +445,19 @@ def _late_sizes(d: Diagram, backend: str, interpret, config) -> tuple[str, ...]:
     ...             "auto", None, None)  # on a CPU, auto takes Triton whatever the sizes
     ()
     """
-    if backend != "auto" or unavailable(interpret, config) is not None:
+    if backend != "auto" or not any(b.reads_whole and b.available(interpret, config) is None for b in REGISTRY):
         return ()
     size = {a.name: a.size for w in d.dom.inside for a in w.axes}
     return tuple(a for a in kept_whole(d) if not size[a].is_number)
 
 
-def _blocks(d: Diagram, backend: str, interpret, config) -> dict:
-    """``backward_of``'s chunks for ``backend``: Mosaic's own (:data:`lowering._mosaic.BACKWARD_CHUNK`, halved to
-    64 while :func:`lowering._mosaic.admits` refuses, and under ``"auto"`` while the Triton kernel that stands in
-    for shapes Mosaic cannot take would not fit) where Mosaic lowers the backward (``"mosaic"``, or ``"auto"`` on
-    an sm_90 GPU) and the sizes its registers depend on (the axes kept whole) are known, else FlashAttention-2's
-    (Triton's, and Mosaic's at sizes bound only when called)."""
-    size = {a.name: a.size for w in d.dom.inside for a in w.axes}
-    on_mosaic = backend == "mosaic" or (backend == "auto" and unavailable(interpret, config) is None)
-    if not on_mosaic or not all(size[a].is_number for a in plan(d).whole):
-        return {}
-    tuned = config if isinstance(config, MosaicConfig) else None
-    return {"own": Chunks(BACKWARD_CHUNK, WGMMA_M, functools.partial(admits, config=tuned), backend == "auto")}
+def _chunks(d: Diagram, backend: str, interpret, config) -> dict:
+    """``backward_of``'s chunks for the backend lowering the backward: ``backend``, or under ``"auto"`` the first
+    available here (Mosaic on an sm_90 GPU, else Triton): :meth:`lowering._registry.Backend.chunks`."""
+    if backend != "auto":
+        return registered(backend).chunks(d, config, auto=False)
+    first = next(b for b in REGISTRY if b.available(interpret, config) is None)
+    return first.chunks(d, config, auto=True)
 
 
 def _lower(
@@ -518,10 +484,10 @@ def _lower(
 
     try:  # the backward's diagrams and schedules now (cheap, and they say whether it exists); kernels when needed
         triton = config if isinstance(config, Config) else None
-        b = backward_of(d, primal.hardware, triton, **_blocks(d, name, interpret, config))
+        b = backward_of(d, primal.hardware, triton, **_chunks(d, name, interpret, config))
         for p in b.pieces:
             plan(p.scheduled)
-        if name == "mosaic":  # every Mosaic kernel now: a piece it cannot lower is named before any call
+        if name != "auto" and registered(name).eager:  # every kernel now: a piece it cannot lower is named early
             build()
     except NapkinError as e:
         why = f"no lowered backward: {e}"

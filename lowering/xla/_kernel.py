@@ -1,0 +1,246 @@
+"""The XLA backend: a scheduled diagram becomes plain JAX (no Pallas), compiled by XLA on any device.
+
+The plan (:mod:`lowering._plan`) reads the same as for the Pallas backends: each tiled axis is split into
+blocks of ``g`` and every block runs at once (``jax.vmap`` over the blocks, and over the batch axes); the
+streamed axis becomes a ``lax.fori_loop`` over chunks of ``s`` folding the accumulators (FAN §3), so a
+block never holds more than one chunk of the streamed axis; each block's body is the scheduled interpreter
+:func:`rewrites.walk`, as in the Pallas kernels. Sizes the blocks do not divide: a tiled axis is padded with
+zeros (no box combines elements along it, so its padding rows reach only themselves, and are sliced off);
+the streamed axis ends on a shorter chunk (exact, as :func:`rewrites.execute`: no neutral value needed); an
+axis kept whole is never padded.
+
+>>> import jax, jax.numpy as jnp
+>>> import napkin_cat as nc
+>>> from rewrites import derive, tile, stream
+>>> from lowering import plan
+>>> q, x, d = nc.axes("q x d")
+>>> flash = derive(nc.library.attention(q, x, d, causal=True), tile(q, 16), stream(x, 16), verify=False)
+>>> kernel = XlaLowered(plan(flash.diagram))
+>>> Q, K, V = (jax.random.normal(jax.random.key(i), (40, 8)) for i in range(3))
+>>> bool(jnp.allclose(kernel(Q, K, V), nc.to_jax(flash.diagram)(Q, K, V), atol=1e-5))
+True
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from lowering._plan import NotLowerable, Plan, unweave
+from lowering._triton import BlockContext
+from napkin_cat.diagram import Diagram, is_structural
+from napkin_cat.generators import Jax
+from napkin_cat.hardware import H100, Hardware
+from napkin_cat.semantics import bind
+from rewrites import walk
+
+
+@dataclass(frozen=True)
+class XlaConfig:
+    """Tuning knobs of the XLA backend (blocks come from the diagram's labels): ``unroll`` chunks of the
+    streamed loop per iteration of its ``lax.fori_loop`` (an integer ≥ 1), checked when made.
+
+    >>> XlaConfig(unroll=2)
+    XlaConfig(unroll=2)
+    >>> XlaConfig(unroll=0)
+    Traceback (most recent call last):
+    ...
+    lowering._plan.NotLowerable: XlaConfig: unroll must be an integer ≥ 1, got 0
+    """
+
+    unroll: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.unroll, int) or isinstance(self.unroll, bool) or self.unroll < 1:
+            raise NotLowerable(f"XlaConfig: unroll must be an integer ≥ 1, got {self.unroll!r}")
+
+    @classmethod
+    def get_default(cls, p: Plan) -> XlaConfig:
+        """One chunk per iteration: XLA fuses each chunk's body; unrolling trades compile time for little.
+
+        >>> import napkin_cat as nc
+        >>> from rewrites import derive, tile, stream
+        >>> from lowering import plan
+        >>> q, x, d = nc.axes("q x d")
+        >>> XlaConfig.get_default(plan(derive(nc.library.attention(q, x, d), tile(q, 16), verify=False).diagram))
+        XlaConfig(unroll=1)
+        """
+        return cls()
+
+
+class Upcast(Jax):
+    """The XLA backend's array namespace on a CPU: the reference's (:class:`napkin_cat.generators.Jax`), but a
+    contraction of 16-bit operands multiplies them upcast to f32: the same products (exact in f32) summed in f32,
+    which XLA's CPU backend runs as an f32 matmul where a 16-bit dot with an f32 result takes several times longer.
+
+    >>> a = jnp.full((4, 4), 1 + 2**-7, jnp.bfloat16)
+    >>> up, ref = Upcast.einsum("ik,kj->ij", a, a), Jax.einsum("ik,kj->ij", a, a)
+    >>> up.dtype, bool(up[0, 0] == ref[0, 0])
+    (dtype('float32'), True)
+    """
+
+    @staticmethod
+    def einsum(spec: str, *xs):
+        """A contraction in f32, its 16-bit operands upcast first."""
+        return jnp.einsum(spec, *(v.astype(jnp.float32) if jnp.dtype(v.dtype).itemsize == 2 else v for v in xs))
+
+
+class XlaLowered:
+    """A scheduled diagram as one jitted JAX function (see the module): call it with arrays in the diagram's
+    axis order. ``hardware`` is the model the derived backward's blocks are fitted to
+    (:func:`lowering._backward.backward_of`), H100 by default; nothing here reads it.
+
+    >>> import jax, jax.numpy as jnp
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> from lowering import plan
+    >>> a, b, c = nc.axes("a b c")
+    >>> kernel = XlaLowered(plan(derive(nc.library.matmul(a, b, c), tile(a, 16), stream(b, 16), verify=False).diagram))
+    >>> A, B = jax.random.normal(jax.random.key(0), (20, 24)), jax.random.normal(jax.random.key(1), (24, 8))
+    >>> bool(jnp.allclose(kernel(A, B), A @ B, atol=1e-5)), kernel.backend
+    (True, 'xla')
+    """
+
+    #: what ``lower``'s ``kernel.backends`` reports
+    backend = "xla"
+
+    def __init__(self, p: Plan, *, config: XlaConfig | None = None, hardware: Hardware | None = None):
+        self.plan, self.config = p, config or XlaConfig.get_default(p)
+        self.hardware = H100 if hardware is None else hardware
+        self.interpret = False  # compiled by XLA on whatever device runs it
+        self.__name__ = "napkin_xla_kernel"
+        self._run = jax.jit(self._apply)
+
+    def __call__(self, *arrays):
+        outs = self._run(*arrays)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _apply(self, *arrays) -> list:
+        p, d = self.plan, self.plan.diagram
+        arrays = [jnp.asarray(a) for a in arrays]
+        sizes = bind(d.dom, arrays)
+        extent = {a.name: int(a.size.subs(sizes)) for w in d.dom.inside for a in w.axes}
+        grid = (*p.tiles, *p.batch)
+        count = {a: -(-extent[a] // g) for a, g in p.tiles.items()} | {b: extent[b] for b in p.batch}
+        body = functools.partial(_block, p, unweave(d, p.batch), sizes, extent, self.config)
+        fn = lambda ids, *blocks: body(ids, blocks)  # noqa: E731
+        for k in reversed(range(len(grid))):  # the outermost vmap maps the first grid axis
+            ids = tuple(0 if j == k else None for j in range(len(grid)))
+            fn = jax.vmap(fn, in_axes=(ids, *(0 if w.has(grid[k]) else None for w in d.dom.inside)))
+        ids = tuple(jnp.arange(count[a]) for a in grid)
+        outs = fn(ids, *(_split(v, w, p, count, grid) for v, w in zip(arrays, d.dom.inside, strict=True)))
+        return [_join(o, w, p, extent, grid) for o, w in zip(outs, d.cod.inside, strict=True)]
+
+    @property
+    def source(self) -> str:
+        """What the function runs: the blocks mapped over, the loop and its accumulators, the body.
+
+        >>> import napkin_cat as nc
+        >>> from rewrites import derive, tile, stream
+        >>> from lowering import plan
+        >>> b, q, x, d = nc.axes("b q x d")
+        >>> flash = derive(nc.library.attention(q, x, d, batch=(b,)), tile(q, 16), stream(x, 16), verify=False)
+        >>> print(XlaLowered(plan(flash.diagram)).source)  # doctest: +ELLIPSIS
+        jax.jit napkin_xla_kernel  (XLA backend)
+          vmap over: q in blocks of 16, b
+          loop: fori_loop over chunks of x (size 16, unroll 1), carrying:
+            OnlineSoftmax of 'softmax·contract x'
+          body (per block): rewrites.walk of q/16×d ⊗ x~16×d ⊗ x~16×d → q/16×d
+        """
+        p = self.plan
+        body = unweave(p.diagram, p.batch)
+        mapped = [f"{a} in blocks of {g}" for a, g in p.tiles.items()] + list(p.batch)
+        lines = ["jax.jit napkin_xla_kernel  (XLA backend)", f"  vmap over: {', '.join(mapped) or 'nothing'}"]
+        if p.stream:
+            x, s = p.stream
+            lines.append(f"  loop: fori_loop over chunks of {x} (size {s}, unroll {self.config.unroll}), carrying:")
+            accs = [b for b in body.boxes if not is_structural(b) and b.accumulator(x)]
+            lines += [f"    {type(b.accumulator(x)).__name__} of {b.name!r}" for b in accs]
+        lines.append(f"  body (per block): rewrites.walk of {body.dom} → {body.cod}")
+        return "\n".join(lines)
+
+
+def _split(v, wire, p: Plan, count: dict, grid: tuple):
+    """An input laid out for the vmaps: the grid axes it holds first (tiled ones padded to whole blocks and
+    split into a block index and ``g``), in ``grid``'s order, then its block's axes in the wire's order."""
+    shape, lead, block = [], [], []
+    for i, a in enumerate(wire.axes):
+        if a.name in p.tiles:
+            g = p.tiles[a.name]
+            v = jnp.pad(v, [(0, count[a.name] * g - v.shape[i]) if j == i else (0, 0) for j in range(v.ndim)])
+            shape += [count[a.name], g]
+            lead.append((grid.index(a.name), len(shape) - 2))
+            block.append(len(shape) - 1)
+        else:
+            shape.append(v.shape[i])
+            (lead.append((grid.index(a.name), len(shape) - 1)) if a.name in p.batch else block.append(len(shape) - 1))
+    return jnp.transpose(v.reshape(shape), [j for _, j in sorted(lead)] + block)
+
+
+def _join(o, wire, p: Plan, extent: dict, grid: tuple):
+    """An output from the vmaps' layout (every grid axis first, then its block) to the wire's, sliced to size."""
+    o = o[tuple(slice(None) if wire.has(a) else 0 for a in grid)]  # an output lacking a grid axis is one value
+    kept = [a for a in grid if wire.has(a)]
+    block = [a.name for a in wire.axes if a.name not in p.batch]
+    order, shape = [], []
+    for a in wire.axes:
+        if a.name in p.batch:
+            order.append(kept.index(a.name))
+        elif a.name in p.tiles:  # block index, then position in the block: one axis once merged
+            order += [kept.index(a.name), len(kept) + block.index(a.name)]
+        else:
+            order.append(len(kept) + block.index(a.name))
+        shape.append(-1)
+    o = jnp.transpose(o, order)
+    merged, i = [], 0
+    for a in wire.axes:
+        n = 2 if a.name in p.tiles else 1
+        merged.append(o.shape[i] * (o.shape[i + 1] if n == 2 else 1))
+        i += n
+    return o.reshape(merged)[tuple(slice(0, extent[a.name]) for a in wire.axes)].astype(wire.dtype.jnp)
+
+
+def _block(p: Plan, d: Diagram, sizes: dict, extent: dict, config: XlaConfig, ids: tuple, blocks: tuple) -> list:
+    """One block's outputs: ``d`` (the per-block diagram) run by :func:`rewrites.walk`, its streamed axis a loop
+    over chunks (a last, shorter chunk where ``s`` does not divide it) folding each accumulator from its identity."""
+    offsets = {a: ids[i] * g for i, (a, g) in enumerate(p.tiles.items())}
+    grid = dict(zip(p.batch, ids[len(p.tiles) :], strict=True))
+    xp = Upcast() if jax.default_backend() == "cpu" else Jax()  # elsewhere 16-bit dots with f32 results are native
+    ctx = BlockContext(sizes=sizes, offsets=offsets, xp=xp, grid=grid)
+    if p.stream is None:
+        return walk(d, list(blocks), ctx, "", "final", {})
+    x, s = p.stream
+    wires = d.dom.inside
+
+    def chunk(start, size):
+        return [
+            lax.dynamic_slice_in_dim(v, start, size, w.names.index(x)) if w.has(x) else v
+            for v, w in zip(blocks, wires, strict=True)
+        ]
+
+    def fold(acc, state, ins, c):
+        return acc.step(state, ins, c)
+
+    def probe(*vals):  # the accumulators' states, shaped by one abstract chunk
+        shapes: dict = {}
+        walk(d, list(vals), ctx.at(**{x: 0}), x, "chunk", shapes, fold=lambda acc, st, ins, c: acc.partial(ins, c))
+        return shapes
+
+    n_full, rest = divmod(extent[x], s)
+    like = jax.eval_shape(probe, *chunk(0, s if n_full else rest))
+    states = {i: d.inside[i][1].accumulator(x).identity(like[i], ctx) for i in like}
+
+    def run(c, carry):
+        carry = dict(carry)
+        walk(d, chunk(c * s, s), ctx.at(**{x: c * s}), x, "chunk", carry, fold=fold)
+        return carry
+
+    if n_full:  # (a loop of none would still trace its body, on a chunk longer than the axis)
+        states = lax.fori_loop(0, n_full, run, states, unroll=config.unroll)
+    if rest:  # the last chunk, shorter: exact, no padding
+        walk(d, chunk(n_full * s, rest), ctx.at(**{x: n_full * s}), x, "chunk", states, fold=fold)
+    return walk(d, [None if w.has(x) else v for v, w in zip(blocks, wires, strict=True)], ctx, x, "final", states)
