@@ -254,17 +254,7 @@ may not be nc.attention's (b, q, h, d): transpose the array into (b, h, x, d)
     seen: dict[str, int] = {}  # the input each size was first read from
     for i, (w, array) in enumerate(zip(dom.inside, arrays, strict=True)):
         shape, order = tuple(jax.numpy.shape(array)), f"({', '.join(w.names)})"
-        why = None
-        if len(shape) != len(w.axes):
-            why = f"has {len(shape)} axes, expected {len(w.axes)}"
-        for a, n in zip(w.axes, shape if why is None else (), strict=True):
-            if a.size.is_number and int(a.size) != n:
-                why = f"gives {a.name} = {n}, but the diagram fixes {a.name} = {int(a.size)}"
-            elif sizes.setdefault(a.name, n) != n:
-                why = f"gives {a.name} = {n}, but {a.name} = {sizes[a.name]} in input {seen[a.name]}"
-            seen.setdefault(a.name, i)
-            if why is not None:
-                break
+        why = _misread(w, shape, sizes, seen, i)
         if why is not None:
             # the usual slip: a multi-head array in nc.attention's (b, q, h, d) order
             note = ", which may not be nc.attention's (b, q, h, d)" if len(w.axes) >= 3 else ""
@@ -273,6 +263,20 @@ may not be nc.attention's (b, q, h, d): transpose the array into (b, h, x, d)
                 f"array in its diagram's axis order (kernel.layout){note}: transpose the array into {order}"
             )
     return sizes
+
+
+def _misread(w, shape: tuple, sizes: dict, seen: dict, i: int) -> str | None:
+    """What is wrong with ``shape`` read as input ``i`` of type ``w`` (its rank, a size the diagram fixes, a size
+    another input gave the same axis), else None; records each axis's size in ``sizes`` (first from input ``seen``)."""
+    if len(shape) != len(w.axes):
+        return f"has {len(shape)} axes, expected {len(w.axes)}"
+    for a, n in zip(w.axes, shape, strict=True):
+        if a.size.is_number and int(a.size) != n:
+            return f"gives {a.name} = {n}, but the diagram fixes {a.name} = {int(a.size)}"
+        if sizes.setdefault(a.name, n) != n:
+            return f"gives {a.name} = {n}, but {a.name} = {sizes[a.name]} in input {seen[a.name]}"
+        seen.setdefault(a.name, i)
+    return None
 
 
 def _refuse(f, why: str):
