@@ -235,8 +235,9 @@ def summed_values(t, streamed: str, grads) -> list[list[str]]:
     a kernel tiling that axis cannot recompute them (its blocks hold one tile of the axis, not its whole sum), so
     a kernel of their own, streamed as the forward is, computes them first. An epilogue after a streamed
     contraction is one: ``gelu(A·B + b)``'s ``dZ = dC ⊙ gelu′(A·B + b)`` sums ``k`` and is read by ``dA = dZ·Bᵀ``,
-    which holds ``k``. The latest such value on each path is taken (``dZ``, not ``A·B``), grouped by the axes
-    they hold (one kernel per group); cotangents of the inputs (``grads``) are left to their own kernels.
+    which holds ``k`` (``A·B`` itself is read only on the way to ``dZ``, so ``dZ`` alone is taken). They are
+    grouped by the axes they hold (one kernel per group); cotangents of the inputs (``grads``) are left to their
+    own kernels.
 
     >>> import napkin_cat as nc
     >>> n, k, m = nc.axes("n k m")
@@ -355,8 +356,9 @@ def backward_of(
         outs = [wide for _, wide, _ in group]
         inputs = _live(t, outs)
         naive = t.diagram(outs, inputs=inputs)
-        present = {n for w in naive.dom.inside for n in w.names}  # a kernel loops over no axis it never reads:
-        kept, left = (tuple(a for a in axes if a in present) for axes in (kept, left))  # an epilogue's dbias lacks k
+        # a kernel loops over no axis it never reads (an epilogue's bias cotangent, read from dZ, has no k)
+        present = {n for w in naive.dom.inside for n in w.names}
+        kept, left = (tuple(a for a in axes if a in present) for axes in (kept, left))
         if not left or left[0] in keyed:
             g_, s_ = (tile_size, stream_size)
             if _crosswise(naive, kept, left):  # halved: see _crosswise

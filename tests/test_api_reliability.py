@@ -1,7 +1,7 @@
 """Reliability of ``lower``'s kernels: an epilogue's lowered backward, the layout checked at the call, what
 ``interpret=False`` does without a GPU, and the search cache under concurrent writers.
 
-Tolerance: rel_err of the f32 forward and every gradient in interpret mode, measured ≤ 4e-7 over 20 seeds.
+Tolerance: rel_err of the f32 forward and every gradient in interpret mode, measured ≤ 4.8e-7 over 9 seeds.
 """
 
 import json
@@ -22,7 +22,7 @@ from lowering._backward import backward_of
 from napkin_cat.errors import EvaluationError
 from rewrites import derive, stream, tile
 
-TOL = 2e-6  # f32: measured ≤ 4e-7
+TOL = 2e-6  # f32: measured ≤ 4.8e-7
 CPU = jax.devices()[0].platform != "gpu"
 
 
