@@ -36,7 +36,7 @@ from lowering._mosaic import (
 from lowering._plan import NotLowerable, kept_whole, plan
 from lowering._search import refine
 from lowering._tiles import Choice, Chunks, choose_tiles, missing_sizes
-from lowering._triton import Config, Lowered, interpreted, launch, target_hardware
+from lowering._triton import Config, Lowered, interpreted, launch, no_gpu, target_hardware
 from napkin_cat.diagram import Diagram
 from napkin_cat.errors import CostError, EvaluationError, NapkinError
 from napkin_cat.hardware import Hardware, lookup
@@ -129,7 +129,7 @@ class Kernel:
     def __call__(self, *arrays):
         check_layout(self.diagram, arrays)
         compiled = not getattr(self.forward, "interpret", True)
-        if compiled and (why := _no_gpu()) and not any(isinstance(a, jax.core.Tracer) for a in arrays):
+        if compiled and (why := no_gpu()) and not any(isinstance(a, jax.core.Tracer) for a in arrays):
             raise NotLowerable(  # lowered for a GPU elsewhere (hardware=, interpret=False): traced, never run here
                 f"kernel lowered with interpret=False, and {why}: it can be lowered for CUDA "
                 "(jax.jit(kernel).trace(...).lower(lowering_platforms=('cuda',))) but not run here; lower it with "
@@ -483,7 +483,6 @@ def lower(
     _backend(backend)
     if backward not in ("lowered", "reference"):
         raise NotLowerable(f"backward {backward!r}: choose 'lowered' or 'reference'")
-    _compiles_here(interpret, hardware)
     try:
         hw = None if hardware is None else lookup(hardware)
     except CostError as e:
@@ -529,37 +528,6 @@ def lower(
     if not missing_sizes(d, given):
         return build(given)
     return OpenKernel(d, lambda at: build({**given, **at}))
-
-
-def _no_gpu() -> str | None:
-    """Why nothing compiled can run here (no GPU is jax's first device), else None.
-
-    >>> _no_gpu()  # on a CPU
-    "this machine has no GPU (jax's device is 'cpu')"
-    """
-    device = jax.devices()[0]
-    return None if device.platform == "gpu" else f"this machine has no GPU (jax's device is {device.platform!r})"
-
-
-def _compiles_here(interpret: bool | None, hardware) -> None:
-    """Refuse ``interpret=False`` where there is no GPU to compile for, saying so. ``hardware=`` only sets the model
-    the guards and the tile choice assume; with it, the kernel is lowered for that GPU elsewhere (as
-    ``jax.jit(kernel).trace(...).lower(lowering_platforms=("cuda",))`` does), never run here (:meth:`Kernel.__call__`).
-
-    >>> _compiles_here(None, None)  # interprets on a CPU
-    >>> _compiles_here(False, None)
-    Traceback (most recent call last):
-    ...
-    lowering._plan.NotLowerable: lower(interpret=False) compiles the kernels for a GPU, and this machine has no GPU \
-(jax's device is 'cpu'); pass interpret=None (interpret here, compile on a GPU) or interpret=True, or run on a GPU \
-(hardware= only sets the GPU model the guards and tile choice assume)
-    """
-    if interpret is False and hardware is None and (why := _no_gpu()):
-        raise NotLowerable(
-            f"lower(interpret=False) compiles the kernels for a GPU, and {why}; pass interpret=None (interpret here, "
-            "compile on a GPU) or interpret=True, or run on a GPU (hardware= only sets the GPU model the guards and "
-            "tile choice assume)"
-        )
 
 
 def _late_sizes(d: Diagram, backend: str, interpret, config) -> tuple[str, ...]:
