@@ -29,7 +29,7 @@ from lowering._registry import REGISTRY, Backend, check_config, walk_auto
 from lowering._registry import backend as registered
 from lowering._search import refine
 from lowering._tiles import Choice, choose_tiles, missing_sizes
-from lowering._triton import Config, Lowered, interpreted, target_hardware
+from lowering._triton import Config, Lowered, interpreted, no_gpu, target_hardware
 from napkin_cat.diagram import Diagram
 from napkin_cat.errors import CostError, EvaluationError, NapkinError
 from napkin_cat.hardware import Hardware, lookup
@@ -113,10 +113,20 @@ class Kernel:
         """The backward kernels (forward with its residual, then the gradients'), built on first use; else ()."""
         return self._backward() if self._backward is not None else ()
 
+    @property
+    def layout(self) -> tuple[tuple[str, ...], ...]:
+        """The axis names of each input, in the order the kernel takes them: the diagram's (:func:`layout`)."""
+        return layout(self.diagram)
+
     def __call__(self, *arrays):
-        dom = self.diagram.dom
-        if len(arrays) != len(dom):
-            raise EvaluationError(f"kernel {dom} → {self.diagram.cod}: expected {len(dom)} arrays, got {len(arrays)}")
+        check_layout(self.diagram, arrays)
+        compiled = getattr(self.forward, "interpret", None) is False  # a GPU kernel, compiled (XLA says None)
+        if compiled and (why := no_gpu()) and not any(isinstance(a, jax.core.Tracer) for a in arrays):
+            raise NotLowerable(  # lowered for a GPU elsewhere (hardware=, interpret=False): traced, never run here
+                f"kernel lowered with interpret=False, and {why}: it can be lowered for CUDA "
+                "(jax.jit(kernel).trace(...).lower(lowering_platforms=('cuda',))) but not run here; lower it with "
+                "interpret=None or interpret=True to run it here"
+            )
         return self._fn(*arrays)
 
     @property
@@ -188,19 +198,77 @@ class OpenKernel:
         """How the last kernel built chose its open sizes (:class:`lowering.Choice`), None before the first."""
         return None if self._last is None else self._last.choice
 
+    @property
+    def layout(self) -> tuple[tuple[str, ...], ...]:
+        """The axis names of each input, in the order the kernel takes them: the diagram's (:func:`layout`)."""
+        return layout(self.diagram)
+
     def __call__(self, *arrays):
-        dom = self.diagram.dom
-        if len(arrays) != len(dom):
-            raise EvaluationError(f"kernel {dom} → {self.diagram.cod}: expected {len(dom)} arrays, got {len(arrays)}")
-        sizes: dict = {}
-        for w, array in zip(dom.inside, arrays, strict=True):
-            shape = jax.numpy.shape(array)
-            if len(shape) != len(w.axes):
-                raise EvaluationError(f"kernel input {w.describe()}: expected {len(w.axes)} dimensions, got {shape}")
-            for a, n in zip(w.axes, shape, strict=True):
-                if sizes.setdefault(a.name, n) != n:
-                    raise EvaluationError(f"kernel: axis {a.name} has size {sizes[a.name]} and {n} in the inputs")
-        return self.at(**sizes)(*arrays)
+        return self.at(**check_layout(self.diagram, arrays))(*arrays)
+
+
+def layout(d: Diagram) -> tuple[tuple[str, ...], ...]:
+    """The axis names of each input of ``d``'s kernel, in the order it takes them: the diagram's own, which is
+    not always a library entry's (the multi-head diagram's ``[b, h, q, d]``, where ``nc.attention`` takes
+    ``[b, q, h, d]``).
+
+    >>> import napkin_cat as nc
+    >>> b, h, q, x, d = nc.axes("b h q x d")
+    >>> layout(nc.library.multi_head_attention(h, q, x, d, batch=(b,)))
+    (('b', 'h', 'q', 'd'), ('b', 'h', 'x', 'd'), ('b', 'h', 'x', 'd'))
+    """
+    return tuple(tuple(w.names) for w in d.dom.inside)
+
+
+def check_layout(d: Diagram, arrays) -> dict[str, int]:
+    """The size of every axis of ``d``'s inputs, read from ``arrays`` laid out as :func:`layout` says; an
+    :class:`EvaluationError` naming the input, its layout, the shape received and the fix where their number,
+    a rank, a size the diagram fixes, or the sizes one axis name gets in two inputs disagree (an array passed in
+    another axis order, where the sizes differ). Arrays whose sizes all fit cannot be told from a transpose.
+
+    >>> import jax.numpy as jnp
+    >>> import napkin_cat as nc
+    >>> b, h, q, x = nc.axes("b h q x")
+    >>> mha = nc.library.multi_head_attention(h, q, x, nc.Axis("d", 8), batch=(b,))
+    >>> check_layout(mha, [jnp.zeros((2, 4, 16, 8)), jnp.zeros((2, 4, 32, 8)), jnp.zeros((2, 4, 32, 8))])
+    {'b': 2, 'h': 4, 'q': 16, 'd': 8, 'x': 32}
+    >>> check_layout(mha, [jnp.zeros((2, 4, 16, 8)), jnp.zeros((2, 32, 4, 8)), jnp.zeros((2, 4, 32, 8))])
+    Traceback (most recent call last):
+    ...
+    napkin_cat.errors.EvaluationError: kernel input 1 (b×h×x×d:f32@HBM): shape (2, 32, 4, 8) read as (b, h, x, d) \
+gives h = 32, but h = 4 in input 0; the kernel takes each array in its diagram's axis order (kernel.layout), which \
+may not be nc.attention's (b, q, h, d): transpose the array into (b, h, x, d)
+    """
+    dom = d.dom
+    if len(arrays) != len(dom):
+        raise EvaluationError(f"kernel {dom} → {d.cod}: expected {len(dom)} arrays, got {len(arrays)}")
+    sizes: dict[str, int] = {}
+    seen: dict[str, int] = {}  # the input each size was first read from
+    for i, (w, array) in enumerate(zip(dom.inside, arrays, strict=True)):
+        shape, order = tuple(jax.numpy.shape(array)), f"({', '.join(w.names)})"
+        why = _misread(w, shape, sizes, seen, i)
+        if why is not None:
+            # the usual slip: a multi-head array in nc.attention's (b, q, h, d) order
+            note = ", which may not be nc.attention's (b, q, h, d)" if len(w.axes) >= 3 else ""
+            raise EvaluationError(
+                f"kernel input {i} ({w.describe()}): shape {shape} read as {order} {why}; the kernel takes each "
+                f"array in its diagram's axis order (kernel.layout){note}: transpose the array into {order}"
+            )
+    return sizes
+
+
+def _misread(w, shape: tuple, sizes: dict, seen: dict, i: int) -> str | None:
+    """What is wrong with ``shape`` read as input ``i`` of type ``w`` (its rank, a size the diagram fixes, a size
+    another input gave the same axis), else None; records each axis's size in ``sizes`` (first from input ``seen``)."""
+    if len(shape) != len(w.axes):
+        return f"has {len(shape)} axes, expected {len(w.axes)}"
+    for a, n in zip(w.axes, shape, strict=True):
+        if a.size.is_number and int(a.size) != n:
+            return f"gives {a.name} = {n}, but the diagram fixes {a.name} = {int(a.size)}"
+        if sizes.setdefault(a.name, n) != n:
+            return f"gives {a.name} = {n}, but {a.name} = {sizes[a.name]} in input {seen[a.name]}"
+        seen.setdefault(a.name, i)
+    return None
 
 
 def _refuse(f, why: str):
@@ -251,7 +319,7 @@ def role(piece: Piece) -> str:
     ['backward kernel Δ (tile(q, 16))', 'backward kernel d(input 0) (tile(q, 16), stream(x, 16))', \
 'backward kernel d(input 1), d(input 2) (tile(x, 16), stream(q, 16))']
     """
-    what = "Δ" if piece.feeds else ", ".join(f"d(input {i})" for i in piece.outputs)
+    what = piece.what if piece.feeds else ", ".join(f"d(input {i})" for i in piece.outputs)
     return f"backward kernel {what} ({', '.join(map(str, piece.rules))})"
 
 

@@ -13,7 +13,9 @@
    ``dK, dV``: tile keys, stream queries; a bias over both: tile both, and stream a batch axis it is
    shared by one element at a time, summing it in the kernel), derived with ``tile``/``stream``
    and lowered by the same lowering; before them, a kernel tiling queries computes each ``Δ`` the Δ
-   lemma made (FlashAttention-2's preprocessing step), which the others read as an input.
+   lemma made (FlashAttention-2's preprocessing step), which the others read as an input, and a kernel
+   streamed as the forward computes each value that sums the streamed axis and is read where that axis is
+   held (:func:`summed_values`: an epilogue's ``dZ = dC ⊙ gelu′(A·B + b)``, read by ``dA = dZ·Bᵀ``).
 
 Score modifiers, masks and any pointwise box between the scores and the softmax·contract are
 recomputed in the kernels and differentiated by their own rules; a parameter array entering that chain
@@ -79,6 +81,7 @@ class Piece:
     rules: tuple
     scheduled: Diagram
     feeds: bool = False
+    what: str = ""  # what a piece that ``feeds`` makes, in messages: "Δ", or the sum it hoists ("Σ_k")
 
 
 @dataclass(frozen=True)
@@ -227,6 +230,54 @@ def row_values(t, keyed: list[str], grads) -> list[list[str]]:
     return [found[a] for a in keyed if a in found]
 
 
+def summed_values(t, streamed: str, grads) -> list[list[str]]:
+    """The values of the tape ``t`` that sum the forward's ``streamed`` axis and are read by a step holding it:
+    a kernel tiling that axis cannot recompute them (its blocks hold one tile of the axis, not its whole sum), so
+    a kernel of their own, streamed as the forward is, computes them first. An epilogue after a streamed
+    contraction is one: ``gelu(A·B + b)``'s ``dZ = dC ⊙ gelu′(A·B + b)`` sums ``k`` and is read by ``dA = dZ·Bᵀ``,
+    which holds ``k`` (``A·B`` itself is read only on the way to ``dZ``, so ``dZ`` alone is taken). They are
+    grouped by the axes they hold (one kernel per group); cotangents of the inputs (``grads``) are left to their
+    own kernels.
+
+    >>> import napkin_cat as nc
+    >>> n, k, m = nc.axes("n k m")
+    >>> C = nc.Array(n, m)
+    >>> linear = (nc.library.matmul(n, k, m) @ nc.id(nc.Array(m))) >> nc.add(C, nc.Array(m)) >> nc.gelu(C)
+    >>> t, grads = nc.pullback(linear)
+    >>> [[str(t.ty(v)) for v in group] for group in summed_values(t, "k", grads)]  # dZ
+    [['n×m']]
+    """
+    ends = set(grads)
+    sums = {n: False for n in t.inputs}  # whether the value is computed through a sum over ``streamed``
+    for _, ins, outs in t.steps:
+        gone = any(streamed in t.ty(i).names for i in ins) and not any(streamed in t.ty(o).names for o in outs)
+        for o in outs:
+            sums[o] = gone or any(sums.get(i, False) for i in ins)
+    found: dict[tuple, list[str]] = {}
+    for _, ins, outs in t.steps:
+        if not any(streamed in t.ty(o).names for o in outs):
+            continue
+        for n in ins:
+            if n not in t.inputs and n not in ends and sums[n] and streamed not in t.ty(n).names:
+                group = found.setdefault(tuple(t.ty(n).names), [])
+                group += [n] if n not in group else []
+    return list(found.values())
+
+
+def _hoist(t, values: list[str], tiled: list, streamed: list, blocks: tuple, hardware, config, what: str) -> Piece:
+    """The piece computing ``values`` of the tape ``t`` first (``tiled`` and ``streamed`` as given), each value
+    then an input of the tape, read by the kernels after it."""
+    inputs = _live(t, values)
+    naive = t.diagram(values, inputs=inputs)
+    rules, scheduled = fit_blocks(naive, tiled, streamed, *blocks, hardware, config)
+    made = set(values)
+    t.steps = [s for s in t.steps if not made & set(s[2])]
+    t.inputs.update((v, t.ty(v)) for v in values)
+    order = list(t.inputs)
+    at = tuple(order.index(v) for v in values)
+    return Piece(naive, tuple(order.index(n) for n in inputs), at, ((),) * len(values), rules, scheduled, True, what)
+
+
 def backward_of(
     d: Diagram,
     hardware: Hardware = H100,
@@ -269,18 +320,12 @@ def backward_of(
     narrow_operands(t)  # dO read in its own dtype by the contractions: 16-bit tensor-core products
     pieces = []
     for rows in row_values(t, keyed, grads):
-        inputs = _live(t, rows)
         tiled = [a for a in keyed if a in t.ty(rows[0]).names]
-        naive = t.diagram(rows, inputs=inputs)
-        rules, scheduled = fit_blocks(naive, tiled, [], tile_size, stream_size, hardware, config)
-        made = set(rows)
-        t.steps = [s for s in t.steps if not made & set(s[2])]
-        t.inputs.update((r, t.ty(r)) for r in rows)  # each row value becomes an input of the kernels reading it
-        order = list(t.inputs)
-        at = tuple(order.index(r) for r in rows)
-        pieces.append(
-            Piece(naive, tuple(order.index(n) for n in inputs), at, ((),) * len(rows), rules, scheduled, True)
-        )
+        pieces.append(_hoist(t, rows, tiled, [], (tile_size, stream_size), hardware, config, "Δ"))
+    for along in streams:  # an epilogue's cotangent, summing the streamed axis: streamed as the forward
+        for values in summed_values(t, along, grads):
+            tiled = [a for a in tiles if a in t.ty(values[0]).names]
+            pieces.append(_hoist(t, values, tiled, [along], (tile_size, stream_size), hardware, config, f"Σ_{along}"))
     order = list(t.inputs)
     schedules: dict[tuple, list] = {}
     for i, ct in enumerate(grads):
@@ -311,6 +356,9 @@ def backward_of(
         outs = [wide for _, wide, _ in group]
         inputs = _live(t, outs)
         naive = t.diagram(outs, inputs=inputs)
+        # a kernel loops over no axis it never reads (an epilogue's bias cotangent, read from dZ, has no k)
+        present = {n for w in naive.dom.inside for n in w.names}
+        kept, left = (tuple(a for a in axes if a in present) for axes in (kept, left))
         if not left or left[0] in keyed:
             g_, s_ = (tile_size, stream_size)
             if _crosswise(naive, kept, left):  # halved: see _crosswise

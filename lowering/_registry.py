@@ -35,6 +35,7 @@ from lowering._triton import Config, Lowered, launch
 from lowering.xla import XLA
 from napkin_cat.diagram import Diagram
 from napkin_cat.hardware import Hardware
+from rewrites import RewriteError
 
 
 class Backend(Protocol):
@@ -117,11 +118,14 @@ class Triton:
         size = {a.name: a.size for w in d.dom.inside for a in w.axes}
         for a in p.whole:
             n = size[a]
-            if n.is_number and max(next_pow2(int(n)), 16) != int(n) and neutral_padding(d, a) is None:
-                return (
-                    f"axis {a!r} of size {int(n)} is not a power of two ≥ 16, and a box combining elements along it "
-                    "has no neutral value (sum, max, min, softmax, contraction), so it cannot be padded"
-                )
+            if n.is_number and max(next_pow2(int(n)), 16) != int(n):
+                try:
+                    neutral_padding(d, a)
+                except RewriteError as e:  # the padding rule's side condition, with the box and its values
+                    return (
+                        f"axis {a!r} of size {int(n)} is not a power of two ≥ 16, and a box combining elements along "
+                        f"it has no neutral value (sum, max, min, softmax, contraction), so it cannot be padded ({e})"
+                    )
         return None
 
     def heuristic(self, p: Plan) -> Config:

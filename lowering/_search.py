@@ -3,24 +3,88 @@
 The cost model ranks the sizes a derivation left open (:func:`lowering.choose_tiles`: the largest that fit,
 then the fastest predicted); ``lower(..., search=True)`` times the model's first few choices with a few
 warps and stages, as Triton's autotuner would, and takes the fastest. Results are cached in
-``~/.cache/napkin_cat/search.json`` keyed by the diagram, the sizes and the device.
+``~/.cache/napkin_cat/search.json`` (the folder ``$NAPKIN_CACHE`` where set) keyed by the diagram, the sizes,
+the device kind and the jax and jaxlib versions (a timing taken under another compiler says nothing of this
+one); each result is merged in under a lock and written whole to a temporary file moved into place, so
+processes tuning at once lose no entry and a reader never sees half a file.
 
 Run: ``python -m lowering._search`` on a GPU prints the table for attention and the best choice.
 """
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import json
 import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
+#: the search's results, one JSON object keyed by :func:`versioned` keys
 CACHE = Path(os.environ.get("NAPKIN_CACHE", Path.home() / ".cache" / "napkin_cat")) / "search.json"
+
+
+def versioned(key: str) -> str:
+    """``key`` as the cache stores it: with the device kind and the jax and jaxlib versions.
+
+    >>> versioned("attention").startswith("attention | cpu | jax ")
+    True
+    """
+    import jaxlib
+
+    return f"{key} | {jax.devices()[0].device_kind} | jax {jax.__version__} jaxlib {jaxlib.version.__version__}"
+
+
+def cached(key: str, path: Path | None = None) -> dict | None:
+    """The result cached for ``key`` (:func:`versioned` here) in ``path`` (default :data:`CACHE`), None if none;
+    the file is only ever replaced whole, so it is read without the lock.
+
+    >>> cached("a key nothing was stored under") is None
+    True
+    """
+    return _read(CACHE if path is None else path).get(versioned(key))
+
+
+def store(key: str, value: dict, path: Path | None = None) -> None:
+    """Merge ``value`` under ``key`` (:func:`versioned` here) into the cache ``path`` (default :data:`CACHE`):
+    under an exclusive ``flock`` on ``search.json.lock`` beside it, the file is read again, the entry added, and
+    the whole written to a temporary file in the same folder that ``os.replace`` moves over it (atomic), so
+    concurrent writers lose nothing.
+
+    >>> with tempfile.TemporaryDirectory() as tmp:
+    ...     store("k", {"seconds": 1.0}, Path(tmp) / "search.json")
+    ...     cached("k", Path(tmp) / "search.json")
+    {'seconds': 1.0}
+    """
+    path = CACHE if path is None else path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        entries = {**_read(path), versioned(key): value}
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(entries, f, indent=1)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+
+
+def _read(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        from lowering._plan import NotLowerable
+
+        raise NotLowerable(f"the search cache {path} is not JSON ({e}); delete it to search afresh") from e
 
 
 def median_time(fn, *args, reps: int = 20, batches: int = 5, warmup: int = 2) -> float:
@@ -57,8 +121,8 @@ def search(
     key: str | None = None,
     log=print,
 ) -> dict | None:
-    """Time ``make(sizes, config)`` over the grid and return the fastest choice (cached by ``key``), or None
-    if none ran.
+    """Time ``make(sizes, config)`` over the grid and return the fastest choice (cached by ``key``, with the device
+    and the jax version: :func:`store`), or None if none ran.
 
     ``tiles`` are the partition sizes to try, each a dict by symbol name; ``make`` returns a function of
     ``args`` (a lowered kernel, on a GPU); a choice that fails to build or run is logged and skipped.
@@ -71,9 +135,8 @@ def search(
     """
     from lowering._triton import Config
 
-    cache = json.loads(CACHE.read_text()) if CACHE.exists() else {}
-    if key and key in cache:
-        return cache[key]
+    if key and (hit := cached(key)) is not None:
+        return hit
     best = None
     for sizes, w, st in itertools.product(tiles, warps, stages):
         shown = " ".join(f"{k}={v:4d}" for k, v in sizes.items())
@@ -87,15 +150,14 @@ def search(
         if best is None or t < best["seconds"]:
             best = {"sizes": dict(sizes), "num_warps": w, "num_stages": st, "seconds": t}
     if key and best:
-        CACHE.parent.mkdir(parents=True, exist_ok=True)
-        CACHE.write_text(json.dumps({**cache, key: best}, indent=1))
+        store(key, best)
     return best
 
 
 def refine(diagram, choice, make, *, first: int = 4, cache: bool = True, log=None) -> tuple:
     """The fastest measured of the cost model's ``first`` choices (``choice.ranked``), with 4 or 8 warps and 2 or
     3 stages: ``(choice, config)``, the choice restated as measured. Inputs are random normal at
-    ``choice.at``; ``make(sizes, config)`` builds the kernel. Cached by diagram, sizes and device (``cache``).
+    ``choice.at``; ``make(sizes, config)`` builds the kernel. Cached by diagram, sizes, device and versions (``cache``).
 
     >>> import jax.numpy as jnp
     >>> import napkin_cat as nc
@@ -118,7 +180,7 @@ def refine(diagram, choice, make, *, first: int = 4, cache: bool = True, log=Non
         jax.random.normal(k, tuple(choice.at[a.name] for a in w.axes), jnp.float32).astype(w.dtype.jnp)
         for k, w in zip(ks, diagram.dom.inside, strict=True)
     ]
-    key = f"{diagram!r} at {sorted(choice.at.items())} on {jax.devices()[0].device_kind}" if cache else None
+    key = f"{diagram!r} at {sorted(choice.at.items())}" if cache else None  # with the device and versions: store
     best = search(make, args, tiles=choice.ranked[:first], key=key, log=log or (lambda line: None))
     if best is None:
         raise NotLowerable(f"lower(search=True): none of {', '.join(map(str, choice.ranked[:first]))} ran")

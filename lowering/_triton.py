@@ -113,14 +113,38 @@ def interpreted(interpret: bool | None) -> bool:
     return (jax.default_backend() != "gpu") if interpret is None else interpret
 
 
+def no_gpu() -> str | None:
+    """Why nothing compiled can run here (jax's first device is no GPU), else None.
+
+    >>> no_gpu()  # on a CPU
+    "this machine has no GPU (jax's device is 'cpu')"
+    """
+    device = jax.devices()[0]
+    return None if device.platform == "gpu" else f"this machine has no GPU (jax's device is {device.platform!r})"
+
+
 def target_hardware(interpret: bool) -> Hardware:
     """The hardware a kernel's guards assume: the detected GPU's model when compiling, H100 when interpreting.
+    Compiling where there is no GPU is refused, saying so: ``hardware=`` only names the GPU a kernel is lowered
+    for elsewhere (``jax.jit(kernel).trace(...).lower(lowering_platforms=("cuda",))``), it never runs here.
 
     >>> target_hardware(interpret=True).name
     'H100'
+    >>> target_hardware(interpret=False)  # on a CPU
+    Traceback (most recent call last):
+    ...
+    lowering._plan.NotLowerable: lower(interpret=False) compiles the kernels for a GPU, and this machine has no GPU \
+(jax's device is 'cpu'); pass interpret=None (interpret here, compile on a GPU) or interpret=True, or run on a GPU \
+(hardware= only names the GPU model a kernel is lowered for, to lower it for CUDA without running it here)
     """
     if interpret:
         return H100
+    if why := no_gpu():
+        raise NotLowerable(
+            f"lower(interpret=False) compiles the kernels for a GPU, and {why}; pass interpret=None (interpret here, "
+            "compile on a GPU) or interpret=True, or run on a GPU (hardware= only names the GPU model a kernel is "
+            "lowered for, to lower it for CUDA without running it here)"
+        )
     kind = jax.devices()[0].device_kind
     found = for_device(kind)
     if found is None:

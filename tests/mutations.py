@@ -240,7 +240,7 @@ def masks_before_score_mod():
 
         return out >> (modifier(self.S, score_mod) @ identity(self.V))
 
-    setattr(cls, "scores", masked_first)
+    cls.scores = masked_first
 
 
 MUTATIONS = {

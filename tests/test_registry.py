@@ -60,9 +60,10 @@ def test_a_backend_refuses_a_plan_by_name_and_auto_falls_back_to_xla_saying_so(k
         lower(prod, backend="triton")
     kernel = lower(prod)
     assert kernel.backend == "xla" and kernel.differentiation == "none"
-    assert kernel.refused == {
-        "forward": f"{CPU}; Triton refused: {why} (sum, max, min, softmax, contraction), so it cannot be padded"
-    }
+    assert list(kernel.refused) == ["forward"]
+    assert kernel.refused["forward"].startswith(
+        f"{CPU}; Triton refused: {why} (sum, max, min, softmax, contraction), so it cannot be padded (pad_neutral: "
+    )
     v = 1 + 0.1 * jax.random.normal(key, (40, 24))
     assert rel_err(kernel(v), jnp.prod(v, axis=-1)) <= 1e-6  # f32: the same product, in the same order
 

@@ -111,7 +111,7 @@ class XlaLowered:
     def __init__(self, p: Plan, *, config: XlaConfig | None = None, hardware: Hardware | None = None):
         self.plan, self.config = p, config or XlaConfig.get_default(p)
         self.hardware = H100 if hardware is None else hardware
-        self.interpret = False  # compiled by XLA on whatever device runs it
+        self.interpret = None  # no interpret mode: XLA compiles it for whatever device runs it
         self.__name__ = "napkin_xla_kernel"
         self._run = jax.jit(self._apply)
 
