@@ -31,6 +31,7 @@ import functools
 import inspect
 import itertools
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import jax
@@ -198,13 +199,24 @@ def _declared(box, axis: str) -> tuple | None:
     return None
 
 
+def _off_trace(fn, *args):
+    """``fn(*args)`` in a thread of its own, where no caller's trace is active (JAX's trace state is per thread):
+    the probes compute on concrete numbers also where a kernel, a jit or a shard_map is being traced."""
+    with ThreadPoolExecutor(1) as worker:
+        return worker.submit(fn, *args).result()
+
+
 def _probe(box, axis: str, pads: tuple) -> bool:
     """Whether padding ``box``'s inputs along ``axis`` with ``pads`` leaves its outputs (restricted to the true
     extent) unchanged: the box evaluated on random inputs of 2 elements along each axis, and again with a third
     along ``axis``, the padding, appended, its sizes bound to the true extent as a kernel binds them."""
+    return _off_trace(_probe_here, box, axis, pads)
+
+
+def _probe_here(box, axis: str, pads: tuple) -> bool:
     plain = box.map_arrays(lambda w: w.with_(axes=[Axis(a.name) for a in w.axes]))  # symbolic, unlabelled
     rng = np.random.default_rng(0)
-    with jax.ensure_compile_time_eval():  # concrete numbers, also where a kernel or a jit is being traced
+    with jax.ensure_compile_time_eval():  # concrete numbers where the thread itself traces
         xs = [jnp.asarray(rng.standard_normal([2] * len(w.axes), np.float32), w.dtype.jnp) for w in box.dom.inside]
         padded = []
         for v, w, pad in zip(xs, box.dom.inside, pads, strict=True):
@@ -229,8 +241,7 @@ def _report(box, pads: tuple) -> str:
     found = []
     for k, f in box.params.items():
         if callable(f) and k != "fn":
-            with jax.ensure_compile_time_eval():
-                value = float(np.asarray(f(jnp.float32(pads[0]))))
+            value = _off_trace(lambda f: float(np.asarray(f(jnp.float32(pads[0])))), f)
             found.append(f"{k} = {fname(f)} gives {k}({pads[0]}) = {value}")
     return "; ".join(found)
 
