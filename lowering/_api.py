@@ -33,6 +33,7 @@ from lowering._mosaic import (
     faster,
     unavailable,
 )
+from lowering import _spmd as spmd
 from lowering._plan import NotLowerable, kept_whole, plan
 from lowering._search import refine
 from lowering._tiles import Choice, Chunks, choose_tiles, missing_sizes
@@ -125,7 +126,7 @@ class Kernel:
         dom = self.diagram.dom
         if len(arrays) != len(dom):
             raise EvaluationError(f"kernel {dom} → {self.diagram.cod}: expected {len(dom)} arrays, got {len(arrays)}")
-        return self._fn(*arrays)
+        return spmd.call(self._fn, self.diagram, arrays, self.forward.interpret)  # per shard of the inputs' sharding (lowering._spmd)
 
     @property
     def source(self) -> str:
