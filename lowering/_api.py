@@ -22,6 +22,7 @@ from typing import Literal
 
 import jax
 
+from lowering import _spmd as spmd
 from lowering._backward import Piece, backward_of, differentiable
 from lowering._mosaic import (
     BACKWARD_CHUNK,
@@ -33,7 +34,6 @@ from lowering._mosaic import (
     faster,
     unavailable,
 )
-from lowering import _spmd as spmd
 from lowering._plan import NotLowerable, kept_whole, plan
 from lowering._search import refine
 from lowering._tiles import Choice, Chunks, choose_tiles, missing_sizes
@@ -126,7 +126,7 @@ class Kernel:
         dom = self.diagram.dom
         if len(arrays) != len(dom):
             raise EvaluationError(f"kernel {dom} → {self.diagram.cod}: expected {len(dom)} arrays, got {len(arrays)}")
-        return spmd.call(self._fn, self.diagram, arrays, self.forward.interpret)  # per shard of the inputs' sharding (lowering._spmd)
+        return spmd.call(self._fn, self.diagram, arrays, self.forward.interpret)  # per shard (lowering._spmd)
 
     @property
     def source(self) -> str:

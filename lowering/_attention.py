@@ -486,6 +486,12 @@ class Attention:
         ``segment_ids`` (document masking), FlexAttention's ``score_mod``/``mask_mod`` and
         :func:`lowering.lower`'s ``backend``, ``backward``, ``interpret`` and ``hardware``. Rows whose every key
         is masked give 0. See the module's docstring.
+
+        Sharding rule (:mod:`lowering._spmd`): the batch and head axes may be sharded (data and tensor
+        parallelism), and the query axis where no mask or score modifier reads its index (not under
+        ``is_causal``); the kernel then runs per shard, forward and backward, and the output keeps the query's
+        sharding, under Explicit or Auto mesh axes and inside ``jax.shard_map``. A sharded key axis or head dim
+        is refused with :class:`~lowering.NotLowerable` (reshard, or ring attention: docs/multi_device.md).
         """
         return self.kernel_for(
             query,

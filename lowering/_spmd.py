@@ -244,11 +244,14 @@ def _op(fn: Callable, d: Diagram, ins: list, outs: list, sums: bool = False) -> 
 
         def lower(*xs):
             ys = fn(*xs)
-            return ys if not sums else tuple(jax.lax.psum(y, axes) if axes else y for y, axes in zip(ys, summed, strict=True))
+            if not sums:
+                return ys
+            return tuple(jax.lax.psum(y, axes) if axes else y for y, axes in zip(ys, summed, strict=True))
 
-        named = lambda s: NamedSharding(mesh, s)  # noqa: E731
-        out_shardings = tuple(map(named, out_specs))
-        return mesh, lower, out_shardings[0] if len(outs) == 1 and not sums else out_shardings, tuple(map(named, in_specs))
+        out_shardings = tuple(NamedSharding(mesh, s) for s in out_specs)
+        if len(outs) == 1 and not sums:
+            out_shardings = out_shardings[0]
+        return mesh, lower, out_shardings, tuple(NamedSharding(mesh, s) for s in in_specs)
 
     op.def_partition(
         partition,

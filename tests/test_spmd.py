@@ -106,3 +106,14 @@ def test_four_a_sharded_key_axis_is_refused(seed):
     causal_q = inputs(seed, m, Spec(None, "data", None, None))[0]  # the causal mask reads the query's index
     with pytest.raises(NotLowerable, match=r"splits axis 'q_idx' over mesh axis data, but box 'mask causal"):
         jax.jit(lambda q: nc.attention(q, q, q, is_causal=True))(causal_q)
+
+
+@on_four
+def test_four_docs_example_runs():
+    """docs/multi_device.md's sharded-attention example (its third Python block)."""
+    import re
+
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "multi_device.md").read_text(), re.S)
+    scope = {"jax": jax, "nc": nc}
+    exec(blocks[2], scope)  # noqa: S102 - the documentation's own example
+    assert jax.typeof(scope["out"]).sharding.spec == BHD
