@@ -65,7 +65,7 @@ from napkin_cat.axes import axes
 from napkin_cat.diagram import Diagram
 from napkin_cat.dtypes import bf16, f16, f32
 from napkin_cat.errors import EvaluationError
-from napkin_cat.generators import fname, index_names
+from napkin_cat.generators import fname, index_names, positional
 from napkin_cat.hardware import Hardware, lookup
 from rewrites import Derivation, derive, stream, tile
 
@@ -272,6 +272,8 @@ class Signature:
         )
 
     def _indexed(self, fn: Callable | None, score: bool) -> Callable | None:
+        if fn is not None:  # FlexAttention's convention: four indices after the score, read by position
+            fn = positional(fn, ("b", "h", QUERIES, KEYS), score=score)
         if fn is None or self.group == 1:
             return fn
         names = index_names(fn, score=score)

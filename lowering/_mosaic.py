@@ -75,7 +75,9 @@ class MosaicConfig:
 
     ``interpretable`` keeps to what Mosaic's interpret mode runs: a register A operand is staged through
     shared memory, and a product is added to its accumulator after the ``wgmma`` instead of the ``wgmma``
-    accumulating in place. Compiled kernels use neither detour. ``pingpong`` orders the two consumer
+    accumulating in place. An interpreted kernel always takes both detours (the interpreter runs nothing else,
+    and they compute the same values), whatever the field says; compiled kernels take them only where it is
+    set. ``pingpong`` orders the two consumer
     warpgroups' matrix products around a shared barrier so that one's softmax runs under the other's
     ``wgmma`` (FA3's schedule); None (the default) turns it on where it was measured faster
     (:meth:`MosaicLowered._pingpong`): where a chunk issues two wgmmas, FA3's forward (S, then P·V; +12% at
@@ -442,7 +444,9 @@ class MosaicLowered:
     def __init__(self, p: Plan, *, interpret: bool | None = None, config: MosaicConfig | None = None):
         self.plan = p
         self.interpret = interpreted(interpret)
-        self.config = config or MosaicConfig(interpretable=self.interpret)
+        # interpret mode runs only the interpretable path: every config takes it there, not only the default
+        config = config or MosaicConfig()
+        self.config = replace(config, interpretable=config.interpretable or self.interpret)
         self.__name__ = "napkin_mosaic_kernel"
         if not p.tiles:
             raise NotLowerable(
@@ -784,7 +788,8 @@ class MosaicLowered:
         >>> m, k, n = nc.axes("m k n")
         >>> mm = nc.library.matmul(m, k, n, dtype="bf16")
         >>> mm = derive(mm, tile(m, 256), tile(n, 128), stream(k, 64), verify=False)
-        >>> MosaicLowered(plan(mm.diagram), config=MosaicConfig(stages=3)).smem_bytes({})  # 3·384·64·2 + 2·128²·2 + 1K
+        >>> compiled = MosaicLowered(plan(mm.diagram), interpret=False, config=MosaicConfig(stages=3))
+        >>> compiled.smem_bytes({})  # 3·384·64·2 + 2·128²·2 + 1K
         214016
         """
         c, total, barriers = self.config, 0, int(self.pingpong and self.interpret)  # compiled: a named barrier

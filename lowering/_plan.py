@@ -17,7 +17,10 @@ compilation, and raise :class:`NotLowerable`.
 
 from __future__ import annotations
 
+import dis
+import functools
 import inspect
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,7 +30,7 @@ import numpy as np
 import rewrites
 from napkin_cat.diagram import Diagram, is_structural
 from napkin_cat.errors import NapkinError
-from napkin_cat.generators import Generator, IndexMap, Mask, fname
+from napkin_cat.generators import Generator, fname
 from rewrites import LOG2E as LOG2E  # the rules live in rewrites; these names stay importable here
 from rewrites import Neutral as Neutral
 from rewrites import neutral_padding as neutral_padding
@@ -182,28 +185,165 @@ def pad_neutral(d: Diagram, axis: str, extent: int) -> Diagram:
     return rewrites.pad_neutral(axis, extent)(d)
 
 
+#: packages whose functions and objects hold no user's arrays: the walk of :func:`_captured` does not enter them
+_LIBRARIES = frozenset({"jax", "jaxlib", "numpy", "sympy", "builtins", "math", "functools", "operator", "inspect"})
+#: what the walk never enters: values without parts, modules, classes
+_ATOMS = (str, bytes, int, float, complex, bool, type(None), type, types.ModuleType)
+#: what the walk enters even though its type is a library's: it holds the user's values
+_CONTAINERS = (tuple, list, dict, functools.partial)
+_GLOBAL_LOADS, _ATTR_LOADS = {"LOAD_GLOBAL", "LOAD_NAME"}, {"LOAD_ATTR", "LOAD_METHOD", "LOAD_SUPER_ATTR"}
+_EMPTY = object()
+
+
+def _refused(v) -> bool:
+    """Whether ``v`` is a constant Pallas refuses to capture (it asks for it as an input): a JAX array of any rank,
+    0-d included, or a numpy array of rank ≥ 1. A Python number, a numpy scalar or a 0-d numpy array becomes a
+    literal of the kernel and is fine."""
+    return isinstance(v, jax.Array) or (isinstance(v, np.ndarray) and v.ndim > 0)
+
+
+@functools.lru_cache(maxsize=1024)
+def _reads(code) -> tuple[frozenset, frozenset]:
+    """The global names and the attribute names a code object reads, with those of the functions it defines."""
+    found, attrs = set(), set()
+    for ins in dis.get_instructions(code):
+        if ins.opname in _GLOBAL_LOADS:
+            found.add(ins.argval)
+        elif ins.opname in _ATTR_LOADS:
+            attrs.add(ins.argval)
+    for c in code.co_consts:
+        if inspect.iscode(c):
+            g, a = _reads(c)
+            found |= g
+            attrs |= a
+    return frozenset(found), frozenset(attrs)
+
+
+def _holder(f) -> str:
+    """A function's name in messages: its qualified name, without ``<locals>`` (``make.<lambda>``)."""
+    return f.__qualname__.replace("<locals>.", "")
+
+
+def _contents(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # a free variable not bound yet
+        return None
+
+
+def _function_parts(f: types.FunctionType) -> list:
+    """A Python function's free variables, the globals its code reads and its defaults, each labelled by its name
+    and the function; the attribute names its code reads go with them (what it may read of an object among them)."""
+    code, by = f.__code__, _holder(f)
+    found, attrs = _reads(code)
+    cells = zip(code.co_freevars, f.__closure__ or (), strict=True)
+    parts = [(n, _contents(c)) for n, c in cells]
+    parts += [(n, f.__globals__[n]) for n in sorted(found) if n in f.__globals__]
+    defaults = f.__defaults__ or ()
+    named = code.co_varnames[code.co_argcount - len(defaults) : code.co_argcount]
+    parts += [(f"default {n}", v) for n, v in (*zip(named, defaults, strict=True), *(f.__kwdefaults__ or {}).items())]
+    return [((what, by), v, attrs) for what, v in parts]
+
+
+def _attribute(v, n: str):
+    """``v``'s attribute ``n`` as its instance or class holds it, run by nothing: a property's getter, a static or
+    class method's function; ``_EMPTY`` where it has none."""
+    x = inspect.getattr_static(v, n, _EMPTY)
+    if isinstance(x, property):
+        return x.fget
+    return x.__func__ if isinstance(x, staticmethod | classmethod) else x
+
+
+def _parts(v, label: tuple, attrs: frozenset | None) -> list:
+    """What a call of ``v`` may read, one level down: ``(label, value, attribute names read there)`` triples, a
+    label being ``(what, where)``: a variable's name (an item's, an attribute's) and the function holding it."""
+    what, where = label
+    if isinstance(v, tuple | list):
+        return [((f"{what}[{i}]", where), x, attrs) for i, x in enumerate(v)]
+    if isinstance(v, dict):
+        return [((f"{what}[{k!r}]", where), x, attrs) for k, x in v.items()]
+    if isinstance(v, types.FunctionType):
+        return _function_parts(v)
+    if isinstance(v, functools.partial):
+        inner = _reads(v.func.__code__)[1] if isinstance(v.func, types.FunctionType) else None
+        given = [*enumerate(v.args), *v.keywords.items()]
+        by = f"partial {fname(v.func)}"
+        return [(label, v.func, attrs)] + [((f"argument {k}", by), x, inner) for k, x in given]
+    if inspect.ismethod(v):
+        func = v.__func__
+        own = _reads(func.__code__)[1] if isinstance(func, types.FunctionType) else frozenset()
+        return [(label, func, attrs), (("self", _holder(func)), v.__self__, own)]
+    parts = [(label, v.__wrapped__, attrs)] if hasattr(v, "__wrapped__") else []
+    call = inspect.getattr_static(type(v), "__call__", None)
+    if isinstance(call, types.FunctionType):  # a callable object: its __call__, and what that reads of it
+        parts.append((label, call, attrs))
+        attrs = (attrs or frozenset()) | _reads(call.__code__)[1]
+        what, where = what or "self", where or _holder(call)
+    names, held = set(attrs if attrs is not None else getattr(v, "__dict__", {})), {}
+    while missing := names - held.keys():
+        for n in missing:
+            held[n] = _attribute(v, n)
+            if isinstance(held[n], types.FunctionType):  # a method: what it reads of the object is read too
+                names |= _reads(held[n].__code__)[1]
+    return parts + [((f"{what}.{n}", where), x, frozenset(names)) for n, x in sorted(held.items()) if x is not _EMPTY]
+
+
 def _captured(fn: Callable) -> dict:
-    """The arrays a function closes over (free variables and globals it reads), by name."""
-    inner = getattr(fn, "fn", None) or getattr(fn, "keep", None)
-    if inner is not None and not inspect.isfunction(fn):
-        return _captured(inner)
-    if not inspect.isfunction(fn):
-        return {}
-    seen = inspect.getclosurevars(fn)
-    names = {**seen.globals, **seen.nonlocals}
-    return {k: v for k, v in names.items() if isinstance(v, jax.Array | np.ndarray)}
+    """The arrays a call of ``fn`` reads besides its arguments, at any depth, each labelled ``(what, where)``: its
+    name and the function holding it ("" for ``fn`` itself). It finds the free variables and the globals its code
+    reads, its defaults, the same of every function among them, a ``functools.partial``'s arguments, a bound
+    method's or a callable object's attributes that its code reads (and theirs), the items of tuples, lists and
+    dicts. Each value is visited once (cycles end); libraries' functions (jax, numpy) are not entered.
+
+    >>> import jax.numpy as jnp
+    >>> seg = jnp.arange(4)
+    >>> def same(q, x): return seg[q] == seg[x]
+    >>> list(_captured(lambda q, x: same(q, x) | (q == x)))
+    [('seg', 'same')]
+    >>> list(_captured(functools.partial(lambda ids, q, x: ids[q] == ids[x], seg)))
+    [('argument 0', 'partial <lambda>')]
+    >>> _captured(lambda s, q: s * 0.5 + np.float32(q))
+    {}
+    """
+    found, seen, todo = {}, set(), [(("", ""), fn, None)]
+    while todo:
+        label, v, attrs = todo.pop()
+        if _refused(v):
+            found[label] = v
+            continue
+        if isinstance(v, _ATOMS) or id(v) in seen or (_library(v) and not isinstance(v, _CONTAINERS)):
+            continue
+        seen.add(id(v))
+        parts = _parts(v, label, attrs)
+        if v is fn and isinstance(fn, types.FunctionType):  # its own variables need no "where"
+            parts = [((what, ""), x, names) for (what, _), x, names in parts]
+        todo += reversed(parts)
+    return found
+
+
+def _library(v) -> bool:
+    module = getattr(v, "__module__", None)
+    module = module if isinstance(module, str) else type(v).__module__
+    return module.partition(".")[0] in _LIBRARIES
 
 
 def _check_closure(box: Generator):
-    if not isinstance(box, IndexMap | Mask):
-        return
-    fn = box.params.get("fn", box.params.get("mask"))
-    arrays = _captured(fn)
-    if arrays:
-        shown = ", ".join(f"{k} {tuple(np.shape(v))}" for k, v in arrays.items())
+    """Refuse a box whose functions read arrays they are not given (a kernel would capture them as constants, which
+    Pallas refuses), naming the box, the function, each array (where it is held, its shape) and the fixes."""
+    for fn in box.params.values():
+        if isinstance(fn, str) or not callable(fn) or not (arrays := _captured(fn)):
+            continue
+        name = fname(fn)
+        shown = ", ".join(
+            f"{what} {tuple(np.shape(v))}" + (f" in {where}" if where else "") for (what, where), v in arrays.items()
+        )
+        scalar = any(np.ndim(v) == 0 for v in arrays.values())
         raise NotLowerable(
-            f"box {box.name!r}: {fname(fn)} closes over arrays ({shown}); a kernel cannot capture arrays: "
-            "make them inputs of the diagram (as nc.library.document_attention does with segment ids)"
+            f"box {box.name!r}: {name} closes over arrays ({shown}); a kernel cannot capture arrays. In a diagram, "
+            "make them inputs (as nc.library.document_attention does with segment ids) or compute them from the "
+            "indices. With nc.attention, pass them as arrays of the call instead: bias= (added to the scores), "
+            "mask= (bool, [B, H, Nq, Nk]) or segment_ids= (document ids, [B, N]), or compute them in score_mod / "
+            "mask_mod from the indices" + ("; capture a 0-d array as a Python number (float(c))" if scalar else "")
         )
 
 

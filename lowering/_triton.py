@@ -404,7 +404,7 @@ class Lowered:
             idx = []
             for a in wire.axes:
                 if a.name in p.batch:
-                    idx.append(lax.rem(lax.div(ids[nb], strides[a.name]), padded[a.name]))
+                    idx.append(_batch_index(ids[nb], a.name, strides, padded))
                 elif a.name in tile_pos:
                     idx.append(_tile_id(ids[tile_pos[a.name]], a.name, p, padded, flip))
                 else:
@@ -436,7 +436,7 @@ class Lowered:
 
             def index_map(*ids, k, m=m, b=b):
                 at = [
-                    lax.rem(lax.div(ids[nb], strides[a]), padded[a]) if n > 1 else 0
+                    _batch_index(ids[nb], a, strides, padded) if n > 1 else 0
                     for a, n in zip(p.batch, b.shape, strict=False)
                 ]
                 return (*at, _tile_id(ids[tile_pos[m.axis]], m.axis, p, padded, flip), k)
@@ -516,6 +516,12 @@ def _strides(p: Plan, padded: dict) -> dict:
         strides[a] = acc
         acc *= padded[a]
     return strides
+
+
+def _batch_index(program, a: str, strides: dict, padded: dict):
+    """The index along batch axis ``a`` of the flattened batch grid position ``program`` (int32, as Pallas' grid
+    ids are: Python ints would become int64 under ``jax_enable_x64`` and ``lax.div`` does not promote)."""
+    return lax.rem(lax.div(program, jnp.int32(strides[a])), jnp.int32(padded[a]))
 
 
 def affine_mask(box):
@@ -835,7 +841,7 @@ def _kernel(p: Plan, sizes, extent, padded, xp: Blocks, n_bounds, flip, *refs):
     offsets = {a: _tile_id(pl.program_id(i), a, p, padded, flip) * g for i, (a, g) in enumerate(p.tiles.items())}
     program = pl.program_id(len(p.tiles))
     strides = _strides(p, padded)
-    grid = {a: lax.rem(lax.div(program, strides[a]), padded[a]) for a in p.batch}
+    grid = {a: _batch_index(program, a, strides, padded) for a in p.batch}
     ctx = BlockContext(sizes=sizes, offsets=offsets, xp=xp, grid=grid)
     if p.stream is None:
         outs = walk(d, [r[...] for r in in_refs], ctx, "", "final", {})

@@ -20,7 +20,8 @@ FAN's rules (the paper's §2–3: colours are levels, relabellings are tile and 
   warpgroups (``rewrites.split``, ``a/g÷w``) counts ``g/w`` there, and :attr:`Cost.warpgroups` says how many
   such warpgroups fit an SM's register file (FAN §1.3 row 14).
 
-Two global-memory figures, measured differently (the ncu counts in papers/flash_attention/results/cost_vs_hardware_NVIDIA_H100_80GB_HBM3.md):
+Two global-memory figures, measured differently (the ncu counts in
+``papers/flash_attention/results/cost_vs_hardware_NVIDIA_H100_80GB_HBM3.md``):
 
 * **GMEM→SMEM bytes** (:attr:`Cost.gmem_bytes`; ``hbm_bytes`` is the same figure under its old name): what
   the SMs read from and write to global memory, re-reads included. Every block of a kernel's grid reads
@@ -42,13 +43,14 @@ Two global-memory figures, measured differently (the ncu counts in papers/flash_
 >>> from napkin_cat.hardware import H100
 >>> q, x, d = nc.axes("q x d")
 >>> naive = cost(nc.library.attention(q, x, d), H100)
->>> naive.transfers[SMEM]                       # row 7 of papers/flash_attention_on_a_napkin/table.md: S and P written and read once
+>>> naive.transfers[SMEM]   # FAN's row 7 (papers/flash_attention_on_a_napkin/table.md): S and P written and read once
 2*d*q + 2*d*x + 4*q*x
 >>> naive.flops
 4*d*q*x + 5*q*x
 
 FlashAttention on a 50 MB L2: K and V of the heads in flight fit, so DRAM sees each input once
-(papers/flash_attention/results/cost_vs_hardware_NVIDIA_H100_80GB_HBM3.md: ncu reads 201,646,848 B from DRAM and 8,657,043,456 B into shared memory):
+(``papers/flash_attention/results/cost_vs_hardware_NVIDIA_H100_80GB_HBM3.md``: ncu reads 201,646,848 B from DRAM
+and 8,657,043,456 B into shared memory):
 
 >>> from rewrites import derive, tile, stream, level
 >>> b, h = nc.axes("b h")
@@ -68,9 +70,10 @@ import sympy
 
 from napkin_cat.diagram import Array, Diagram, is_structural
 from napkin_cat.dtypes import Dtype, f32
-from napkin_cat.errors import CostError
+from napkin_cat.errors import CostError, NapkinError
 from napkin_cat.hardware import Hardware, lookup
 from napkin_cat.levels import HBM, L2, REG, SMEM, Level
+from napkin_cat.levels import level as as_level
 
 Expr = sympy.Expr
 ZERO = sympy.Integer(0)
@@ -281,14 +284,21 @@ class Cost:
 
     # --- numbers ---------------------------------------------------------------------------------
     def subs(self, **sizes) -> Cost:
-        """The record with sizes bound by symbol name (``q=4096, g_q=128``).
+        """The record with sizes bound by symbol name (``q=4096, g_q=128``) to positive integers or sympy
+        expressions; anything else (a string, a float, a size ≤ 0) is a :class:`CostError`.
 
         >>> import napkin_cat as nc
         >>> from napkin_cat.hardware import H100
         >>> m = cost(nc.library.matmul(*nc.axes("a b c"), dtype=nc.bf16), H100)
         >>> m.subs(a=1024, b=1024, c=1024).hbm_bytes
         6291456
+        >>> m.subs(a="abc")
+        Traceback (most recent call last):
+        ...
+        napkin_cat.errors.CostError: subs: size a = 'abc' (str) must be a positive integer or a sympy expression
         """
+        for name, n in sizes.items():
+            _check_size("subs", name, n, symbolic=True)
 
         def sub(e):
             bind = {s: sizes[s.name] for s in e.free_symbols if s.name in sizes}
@@ -325,14 +335,20 @@ class Cost:
         ...
         napkin_cat.errors.CostError: time: size c = -5 must be a positive integer
         """
+        if what not in FIGURES:
+            raise CostError(f"number: {what!r} is not a figure of a cost record; figures: {', '.join(FIGURES)}")
         for name, n in sizes.items():  # size symbols are positive integers: a negative size gives negative time
-            if isinstance(n, bool) or not ((v := sympy.sympify(n)).is_integer and v.is_positive):
-                raise CostError(f"{what}: size {name} = {n!r} must be a positive integer")
+            _check_size(what, name, n, symbolic=False)
         value = getattr(self.subs(**sizes), what)
         if not value.is_number:
             missing = ", ".join(sorted(s.name for s in value.free_symbols))
             on = f" on {self.hardware.name}" if self.hardware is not None else ""
             raise CostError(f"{what}{on} needs sizes for {missing} (bound: {', '.join(sizes)})")
+        if value < 0:  # an axis whose size is positive only for some values (n - 5) at values where it is not
+            raise CostError(
+                f"{what} = {value} at {', '.join(f'{k}={v}' for k, v in sizes.items())} is negative: some axis size "
+                "is not positive at these sizes; pass sizes at which every axis is"
+            )
         return float(value)
 
     @property
@@ -377,6 +393,28 @@ class Cost:
         parts += [f"transfers {inner.name} {v}" for inner, v in self.transfers.items()]
         parts += [f"memory {level.name} {v}" for level, v in self.memory.items()]
         return "; ".join(parts)
+
+
+#: the figures :meth:`Cost.number` gives (attributes of a record that are one expression)
+FIGURES = (
+    "time", "time_serial", "flops", "transcendentals", "gmem_bytes", "hbm_bytes", "dram_bytes", "gmem_write_bytes",
+    "hbm_transfers", "intensity", "warpgroups",
+)  # fmt: skip
+
+
+def _check_size(what: str, name: str, n, *, symbolic: bool) -> None:
+    """Refuse a size bound to ``name`` that is not a positive integer (or, where ``symbolic``, a sympy expression)."""
+    if symbolic and isinstance(n, sympy.Expr) and not n.is_number:
+        return
+    kind = " or a sympy expression" if symbolic else ""
+    if isinstance(n, str):  # sympify would read 'abc' as a new symbol
+        raise CostError(f"{what}: size {name} = {n!r} (str) must be a positive integer{kind}")
+    try:
+        v = sympy.sympify(n)
+    except (sympy.SympifyError, TypeError):
+        v = None
+    if isinstance(n, bool) or v is None or not (v.is_integer and v.is_positive):
+        raise CostError(f"{what}: size {name} = {n!r} must be a positive integer{kind}")
 
 
 def _capacity(hw: Hardware, level: Level) -> int:
@@ -493,6 +531,7 @@ def cost(d: Diagram, hardware: Hardware | str | None = None, *, onchip: Level = 
     >>> t.memory[SMEM]
     g_a*g_c + g_a*s_b + g_c*s_b
     """
+    onchip = _arguments(d, onchip, blocks_per_sm)
     walk = _Walk(d)
     if hardware is not None:
         hardware = lookup(hardware)
@@ -507,6 +546,31 @@ def cost(d: Diagram, hardware: Hardware | str | None = None, *, onchip: Level = 
     if hardware is not None:
         total.check()
     return total
+
+
+def _arguments(d, onchip, blocks_per_sm) -> Level:
+    """Refuse :func:`cost`'s arguments that are not what they should be, naming the argument and the fix;
+    ``onchip`` as a :class:`Level`."""
+    if not isinstance(d, Diagram):
+        raise CostError(
+            f"cost: expected a napkin_cat Diagram, got {type(d).__name__} {_short(d)}; pass a diagram "
+            "(nc.library.attention(q, x, d)) or, for a derivation, derivation.cost(hardware)"
+        )
+    try:
+        onchip = as_level(onchip)
+    except NapkinError as e:
+        raise CostError(f"cost: onchip={onchip!r}: {e}; pass onchip=nc.SMEM or nc.REG") from None
+    if onchip == HBM:
+        raise CostError("cost: onchip=HBM: a kernel reads its HBM inputs into on-chip memory; pass nc.SMEM or nc.REG")
+    if isinstance(blocks_per_sm, bool) or not isinstance(blocks_per_sm, int) or blocks_per_sm < 1:
+        raise CostError(f"cost: blocks_per_sm must be a positive integer, got {blocks_per_sm!r}")
+    return onchip
+
+
+def _short(x, width: int = 60) -> str:
+    """``repr(x)``, cut to ``width`` characters for an error message."""
+    text = repr(x)
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def l2_survival(ratio) -> Expr:

@@ -1,4 +1,5 @@
-"""The cost functor at the device level: attention over a mesh of GPUs (docs/multi_device.md; ring attention, Liu et al. 2023).
+"""The cost functor at the device level: attention over a mesh of GPUs (docs/multi_device.md; ring attention,
+Liu et al. 2023).
 
 A sequence split over ``P`` devices runs ``P`` *pairs* of chunks on each device: its query chunk against
 each key chunk. :func:`mesh_cost` reads one pair's FLOPs and bytes from :func:`~napkin_cat.cost` of the

@@ -34,18 +34,41 @@ def _size(name: str, size) -> sympy.Expr:
     """A size symbol assumed a positive integer, or a given size; a number must be a positive integer.
 
     Floats are refused even when whole (``2.5`` would truncate in evaluation and scale by ``1/√2.5``);
-    zero is refused too: an empty axis has nothing to compute.
+    zero is refused too: an empty axis has nothing to compute. The symbols of a symbolic size are positive
+    integers: one without that assumption (``sympy.Symbol("n")``, or ``"n - 5"`` as a string) is read as the
+    positive integer symbol of its name, the one ``axes("n")`` makes. A size that is not positive for any
+    value of them (``1 - n``) is refused; one positive only for some (``n - 5``, a convolution's
+    ``x - k + 1``) is kept, and checked where its symbols are bound (``to_jax``'s arrays).
+
+    >>> _size("q", "n - 5").free_symbols == {sympy.Symbol("n", positive=True, integer=True)}
+    True
+    >>> _size("q", "1 - n")
+    Traceback (most recent call last):
+    ...
+    napkin_cat.errors.AxisError: axis 'q': size 1 - n is not positive for any positive integer n; a size must be \
+a positive integer, or positive for some values of its symbols (n - 5)
     """
     if size is None:
         return sympy.Symbol(name, positive=True, integer=True)
-    if isinstance(size, bool):
+    if isinstance(size, bool) or isinstance(size, str) and not size.strip():
         raise AxisError(f"axis {name!r}: size must be a positive integer, got {size!r}")
     try:
         value = sympy.sympify(size)
     except (sympy.SympifyError, TypeError) as e:
         raise AxisError(f"axis {name!r}: size must be a positive integer or a sympy expression, got {size!r}") from e
+    if not isinstance(value, sympy.Expr):
+        raise AxisError(f"axis {name!r}: size must be a positive integer or a sympy expression, got {size!r}")
     if value.is_number and not (value.is_integer and value.is_positive):
         raise AxisError(f"axis {name!r}: size must be a positive integer, got {size!r}")
+    value = value.xreplace(
+        {s: sympy.Symbol(s.name, positive=True, integer=True) for s in value.free_symbols if not s.is_positive}
+    )
+    if value.is_positive is False:
+        symbols = ", ".join(sorted(map(str, value.free_symbols)))
+        raise AxisError(
+            f"axis {name!r}: size {value} is not positive for any positive integer {symbols}; a size must be a "
+            "positive integer, or positive for some values of its symbols (n - 5)"
+        )
     return value
 
 

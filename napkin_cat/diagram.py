@@ -42,10 +42,10 @@ class Array(cat.Ob):
     """
 
     def __init__(self, *axes: Axis, dtype: Dtype | str = f32, level: Level | str = HBM):
-        names = [a.name for a in axes]
-        for a in axes:
+        for i, a in enumerate(axes):
             if not isinstance(a, Axis):
-                raise AxisError(f"Array axes must be Axis objects, got {a!r}")
+                raise AxisError(f"Array: argument {i} is {type(a).__name__} {a!r}, not an Axis; {_axis_fix(a)}")
+        names = [a.name for a in axes]
         if len(set(names)) != len(names):
             raise AxisError(f"repeated axis in array {'×'.join(names)}")
         self.axes, self.dtype, self.level = tuple(axes), as_dtype(dtype), as_level(level)
@@ -158,6 +158,17 @@ class Ty(monoidal.Ty):
         return self.tensor(Ty(other) if isinstance(other, Array) else other)
 
 
+def _axis_fix(a) -> str:
+    """How to write the axis the user meant by ``a`` (a name, a size, a pair)."""
+    if isinstance(a, str) and a.isidentifier():
+        return f"write nc.Axis({a!r}, n) for an axis of size n, or nc.Axis({a!r}) for a symbolic size"
+    if isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], str):
+        return f"write nc.Axis({a[0]!r}, {a[1]!r})"
+    if isinstance(a, int | sympy.Expr):
+        return f"a size needs an axis name: nc.Axis('n', {a!r})"
+    return "pass axes made by nc.Axis(name, size) or nc.axes('q x d', d=64)"
+
+
 def as_ty(x) -> Ty:
     """Coerce an :class:`Array`, a :class:`Ty` or an iterable of arrays to a :class:`Ty`."""
     if isinstance(x, Ty):
@@ -207,7 +218,10 @@ class Diagram(markov.Diagram):
         for other in others:
             other = other(cod) if isinstance(other, Template) else other
             if not isinstance(other, Diagram):
-                raise CompositionError(f"cannot compose a diagram with {other!r}")
+                raise CompositionError(
+                    f"cannot compose (>>) a diagram with {type(other).__name__} {other!r}: the other side must be "
+                    "a Diagram or a Template"
+                )
             if cod != other.dom:
                 raise CompositionError(f"cannot compose: {_mismatch(cod, other.dom)}")
             resolved.append(other)
@@ -220,6 +234,12 @@ class Diagram(markov.Diagram):
     def tensor(self, other=None, *others):
         if isinstance(other, Array | Ty):
             other = Diagram.id(as_ty(other))
+        for o in (other, *others):
+            if o is not None and not isinstance(o, Diagram):
+                raise CompositionError(
+                    f"cannot tensor (@) a diagram with {type(o).__name__} {o!r}: the other side must be a Diagram, "
+                    "an Array or a Ty (a wire beside the diagram: d @ nc.Array(n))"
+                )
         return super().tensor(other, *others) if other is not None else self
 
     def __matmul__(self, other):

@@ -70,13 +70,25 @@ def dtype(x) -> Dtype:
 
     >>> dtype(jnp.bfloat16)
     bf16
+    >>> dtype("foo")
+    Traceback (most recent call last):
+    ...
+    napkin_cat.errors.NapkinError: unknown dtype 'foo'; pass one of f32, bf16, f16, fp8_e4m3, fp8_e5m2, i32, bool, \
+a JAX dtype (jnp.bfloat16) or a napkin_cat Dtype (nc.bf16)
     """
+    from napkin_cat.errors import NapkinError
+
     if isinstance(x, Dtype):
         return x
-    name = jnp.dtype(x).name if not isinstance(x, str) or x not in {d.name for d in DTYPES} else x
+    known = ", ".join(d.name for d in DTYPES)
+    fix = f"pass one of {known}, a JAX dtype (jnp.bfloat16) or a napkin_cat Dtype (nc.bf16)"
+    try:
+        if x is None:  # NumPy reads None as float64
+            raise TypeError("None is no dtype")
+        name = jnp.dtype(x).name if not isinstance(x, str) or x not in {d.name for d in DTYPES} else x
+    except (TypeError, ValueError) as e:  # not a dtype at all: a typo'd name, None, an array
+        raise NapkinError(f"unknown dtype {x!r}; {fix}") from e
     for d in DTYPES:
         if name in (d.name, d.jax_name):
             return d
-    from napkin_cat.errors import NapkinError
-
-    raise NapkinError(f"unknown dtype {x!r}; known: {', '.join(d.name for d in DTYPES)}")
+    raise NapkinError(f"unsupported dtype {x!r}{f' ({name})' if name != x else ''}; {fix}")

@@ -7,7 +7,7 @@ from those constants, never typed in.
 
 >>> H100.sms, H100.memory(SMEM).capacity, H100.smem_per_block
 (132, 233472, 232448)
->>> round(H100.clock / 1e9, 3)                    # row 15 of papers/flash_attention_on_a_napkin/table.md: 1979e12 / (132 · 8192)
+>>> round(H100.clock / 1e9, 3)                    # FAN's row 15: 1979e12 / (132 · 8192)
 1.83
 >>> H100.bandwidth(SMEM)                          # L2 → SMEM (FAN: 6.0e12 values/s at 2 B)
 12000000000000.0
@@ -275,7 +275,8 @@ A100 = Hardware(
 
 # --- NVIDIA H100 SXM5 80GB -------------------------------------------------------------------------
 # Sources: NVIDIA H100 datasheet (SXM5) and "NVIDIA H100 Tensor Core GPU Architecture" whitepaper (2022);
-# CUDA C++ Programming Guide, compute capability 9.0 table; FAN §4–5 (rows 13–15 of papers/flash_attention_on_a_napkin/table.md).
+# CUDA C++ Programming Guide, compute capability 9.0 table; FAN §4–5 (rows 13–15 of
+# papers/flash_attention_on_a_napkin/table.md).
 _H100_FP8 = 1979e12  # datasheet: FP8 tensor, dense (3,958 with sparsity)
 _H100_CLOCK = _H100_FP8 / (132 * 8192)  # row 15 of papers/flash_attention_on_a_napkin/table.md: 1.830 GHz
 H100 = Hardware(
@@ -319,8 +320,8 @@ H200 = replace(
     name="H200",
     memories=replace(H100, memories=H100.with_capacity(HBM, 141 * GB)).with_capacity(L2, 60 * MiB)[:1]
     + replace(H100, memories=H100.with_capacity(L2, 60 * MiB)).with_bandwidth(L2, 4.8e12)[1:],
-    # measured (papers/flash_attention/results/NVIDIA_H200_benchmark.log): bf16 8192³ matmul 695–747 TFLOP/s, device copy
-    # 4.0–4.1 TB/s read + write; a ceiling is the best run. No f16 matmul measured here: datasheet.
+    # measured (papers/flash_attention/results/NVIDIA_H200_benchmark.log): bf16 8192³ matmul 695–747 TFLOP/s,
+    # device copy 4.0–4.1 TB/s read + write; a ceiling is the best run. No f16 matmul measured here: datasheet.
     ceilings=(("bf16", 747e12), ("dram", 4.1e12)),
 )
 

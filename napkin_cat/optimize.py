@@ -1,8 +1,8 @@
 """Optimisation on the performance model: thresholds, tile budgets and throughput (FAN §4–5).
 
 Everything here takes a :class:`~napkin_cat.hardware.Hardware` model and computes the paper's numbers from
-its constants (rows 3–17 of papers/flash_attention_on_a_napkin/table.md). Transfers are counted in *values*; a dtype turns bytes/s into
-values/s.
+its constants (rows 3–17 of papers/flash_attention_on_a_napkin/table.md). Transfers are counted in *values*; a
+dtype turns bytes/s into values/s.
 
 The central quantity is ``r``, the values a level can receive per FLOP at peak compute. An algorithm is
 compute-bound at a level when its transfers per FLOP stay below ``r``.
@@ -45,9 +45,10 @@ def matmul_threshold(
 ) -> float:
     """Smallest contraction size ``b`` for which a tiled matmul is compute-bound at ``inner``.
 
-    Square tiles transfer ``M^-1/2 + (2b)^-1`` values per FLOP (row 3 of papers/flash_attention_on_a_napkin/table.md), so the matmul is
-    compute-bound when ``b ≥ 1 / (2 (r − M^-1/2))``. ``memory`` is the level's capacity in bytes
-    (``None``: unlimited, the M → ∞ bound).
+    Square tiles transfer ``M^-1/2 + (2b)^-1`` values per FLOP (row 3 of
+    papers/flash_attention_on_a_napkin/table.md), so the matmul is compute-bound when
+    ``b ≥ 1 / (2 (r − M^-1/2))``. ``memory`` is the level's capacity in bytes (``None``: unlimited, the M → ∞
+    bound).
 
     >>> from napkin_cat.hardware import H100
     >>> round(matmul_threshold(H100), 1)                                  # row 11: 295
@@ -95,7 +96,8 @@ def attention_threshold(hw: Hardware, inner: Level = L2, dtype: Dtype = f16, out
 
 
 def quantization_gain(beta: float, factor: float = 2) -> float:
-    """Transfer-time gain from storing values in ``1/factor`` the bytes (row 10 of papers/flash_attention_on_a_napkin/table.md).
+    """Transfer-time gain from storing values in ``1/factor`` the bytes (row 10 of
+    papers/flash_attention_on_a_napkin/table.md).
 
     Bytes moved scale as ``q^(1+β)``: ``q`` per value, and ``M`` holds ``1/q`` times more values, which
     cuts the values moved by ``q^β``. Halving ``q``: attention (β = 1) ×4, matmul (β = 1/2) ×2.83.
@@ -108,7 +110,8 @@ def quantization_gain(beta: float, factor: float = 2) -> float:
 
 @dataclass(frozen=True)
 class WarpgroupBudget:
-    """Per-SM memory one Hopper thread block needs (FAN §5; row 14 of papers/flash_attention_on_a_napkin/table.md), in bytes.
+    """Per-SM memory one Hopper thread block needs, in bytes (FAN §5; row 14 of
+    papers/flash_attention_on_a_napkin/table.md).
 
     ``block_smem`` is shared by the block (the streamed K, V chunks, all pipeline stages);
     ``warpgroup_smem`` and ``warpgroup_regs`` are needed again for every consumer warpgroup.
@@ -137,8 +140,8 @@ def fan_hopper_budget(
     SMEM per block: ``stages`` buffers of the K chunk (``qk``) and the V chunk (``pv``):
     2 · 64 · 128 · (1 + 2) B = 48 KiB. SMEM per warpgroup: its Q tile (``qk``) and its output tile
     (``pv``): 128 · 128 · (1 + 2) B = 48 KiB. The register budget per warpgroup is the paper's
-    74.75 KiB (row 14 of papers/flash_attention_on_a_napkin/table.md): the live register arrays we can account for (the f32 O
-    accumulator, 64 KiB; P in FP8, 8 KiB; row max and sum in f32, 1 KiB) give 73 KiB.
+    74.75 KiB (row 14 of papers/flash_attention_on_a_napkin/table.md): the live register arrays we can
+    account for (the f32 O accumulator, 64 KiB; P in FP8, 8 KiB; row max and sum in f32, 1 KiB) give 73 KiB.
 
     >>> b = fan_hopper_budget()
     >>> b.block_smem // KiB, b.warpgroup_smem // KiB, b.warpgroup_regs

@@ -67,11 +67,49 @@ def bind(dom: Ty, arrays, *, check_dtype: bool = True) -> dict:
     for i, (wire, value) in enumerate(zip(dom.inside, arrays, strict=True)):
         for axis, n in zip(wire.axes, value.shape, strict=True):
             expected = axis.size.subs(sizes)
+            if expected.is_number and expected <= 0:  # a size like n - 5, positive only for some n
+                at = ", ".join(f"{k}={v}" for k, v in sizes.items() if k in axis.size.free_symbols)
+                raise EvaluationError(
+                    f"input {i} ({wire.describe()}): axis {axis.name!r} has size {axis.size} = {expected} at {at}; "
+                    "axis sizes must be positive: pass arrays at which it is"
+                )
             if expected.is_number and int(expected) != n:
                 raise EvaluationError(
                     f"input {i} ({wire.describe()}): axis {axis.name!r} has size {n}, expected {expected}"
                 )
     return sizes
+
+
+def as_arrays(dom: Ty, values) -> list:
+    """``values`` as JAX arrays, one per wire of ``dom``; anything that is not a numeric array (None, a string)
+    is refused naming the input, its wire and what to pass.
+
+    >>> from napkin_cat import axes, Array
+    >>> (n,) = axes("n")
+    >>> as_arrays(Ty(Array(n)), [None])
+    Traceback (most recent call last):
+    ...
+    napkin_cat.errors.EvaluationError: input 0 (n:f32@HBM): expected an array of shape (n,), got NoneType None; \
+pass a jax.Array or numpy array
+    """
+    if len(values) != len(dom):
+        raise EvaluationError(
+            f"expected {len(dom)} arrays ({dom}), got {len(values)}: pass one array per input wire, in order"
+        )
+    out = []
+    for i, (wire, value) in enumerate(zip(dom.inside, values, strict=True)):
+        shape = ", ".join(wire.names) + ("," if len(wire.names) == 1 else "")
+        where = f"input {i} ({wire.describe()}): expected an array of shape ({shape})"
+        if value is None or isinstance(value, str | bytes):
+            raise EvaluationError(f"{where}, got {type(value).__name__} {value!r}; pass a jax.Array or numpy array")
+        try:
+            array = jnp.asarray(value)
+        except (TypeError, ValueError) as e:
+            raise EvaluationError(f"{where}, got {type(value).__name__}: {e}") from e
+        if not (jnp.issubdtype(array.dtype, jnp.number) or array.dtype == jnp.bool_):
+            raise EvaluationError(f"{where} of numbers, got dtype {array.dtype}; pass a jax.Array or numpy array")
+        out.append(array)
+    return out
 
 
 def run(d: Diagram, values: list, ctx: Context) -> list:
@@ -99,7 +137,7 @@ def to_jax(d: Diagram) -> Callable:
     """
 
     def f(*arrays):
-        arrays = [jnp.asarray(a) for a in arrays]
+        arrays = as_arrays(d.dom, arrays)
         out = run(d, arrays, Context(sizes=bind(d.dom, arrays)))
         return out[0] if len(out) == 1 else tuple(out)
 

@@ -11,7 +11,8 @@ lowering through :class:`~rewrites.Rule` (so their side conditions run), and lis
 The Triton backend lists the rules it applies to a kernel's block diagram as ``kernel.forward.steps``
 (``lowering.Lowered.steps``; ``pad_neutral`` joins them at a call whose sizes pad an axis); ``stream(x, s)``
 is ``fuse_softmax(x)`` then the relabelling, and a derivation that writes ``fuse_softmax(x)`` shows and
-verifies the fusion as its own step. Each is checked per generator by the commuting square ``to_jax ∘ rule = to_jax`` on random inputs
+verifies the fusion as its own step. Each is checked per generator by the commuting square
+``to_jax ∘ rule = to_jax`` on random inputs
 (``tests/test_lowering_rules.py``; for ``pad_neutral`` on inputs padded with random values beyond ``n``):
 verification strength (a) of ``docs/user_rewrites.md``. At lowering time only the side conditions run;
 ``pad_neutral``'s evaluates each box on a one-element padding (a few scalars, no compilation).

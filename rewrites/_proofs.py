@@ -8,7 +8,9 @@ accumulators, ragged last pieces included), so a proof covers the relabelling an
 Simplification: every ``exp(u)`` is split into a product of ``exp`` of the atoms of ``u`` (a running
 max ``Max(…)`` is one atom), so the rescalings of the online softmax cancel as rational functions;
 whatever ``Max`` is left is case-split (each replaced by each of its arguments in turn), which
-covers every ordering of the scores.
+covers every ordering of the scores. Where a difference still does not simplify to 0, both sides are
+evaluated at random points, and the error says which: a counterexample (the claim is false), or agreement
+everywhere tried (the claim likely holds, and only its proof is beyond this simplifier).
 
 >>> import napkin_cat as nc
 >>> q, x, d = nc.axes("q x d")
@@ -174,20 +176,65 @@ def _cases(exprs: list):
 
 def _prove(claim: str, lhs: list, rhs: list, sizes: dict, start: float) -> Proof:
     pairs = [(a, b) for x, y in zip(lhs, rhs, strict=True) for a, b in zip(_as(x).ravel(), _as(y).ravel(), strict=True)]
-    diffs = [sympy.sympify(a) - sympy.sympify(b) for a, b in pairs]
-    left = [e for e in diffs if not _zero(e)]
+    pairs = [(sympy.sympify(a), sympy.sympify(b)) for a, b in pairs]
+    left = [(a, b) for a, b in pairs if not _zero(a - b)]
     cases = 1
     if left:
-        subs = list(_cases(left))
+        subs = list(_cases([a - b for a, b in left]))
         cases = len(subs)
         for case in subs:
-            for e in left:
-                if not _zero(e.subs(case)):
-                    raise RewriteError(
-                        "prove",
-                        f"{claim}: the difference {sympy.sstr(e)} does not simplify to 0 at {sizes} (case {case})",
-                    )
+            for a, b in left:
+                if not _zero((a - b).subs(case)):
+                    raise RewriteError("prove", f"{claim}: {_diagnose(a, b, sizes, case)}")
     return Proof(claim, dict(sizes), len(pairs), cases, time.perf_counter() - start)
+
+
+#: random points at which an identity sympy could not prove is evaluated, and the agreement asked there
+POINTS, AGREEMENT = 64, 1e-9
+
+
+def _diagnose(lhs, rhs, sizes: dict, case: dict) -> str:
+    """Why ``lhs = rhs`` was not proved: a numeric counterexample (the claim is false), or sympy could not
+    simplify the difference though both sides agree at :data:`POINTS` random points (float64, inputs
+    standard normal, relative agreement :data:`AGREEMENT`).
+
+    >>> a, b = sympy.symbols("w0_0 w0_1", real=True)
+    >>> print(_diagnose(a + b, a * b, {"n": 2}, {}))
+    the difference -w0_0*w0_1 + w0_0 + w0_1 does not simplify to 0 at {'n': 2}, and the claim is false: at \
+w0_0=0.1257, w0_1=-0.1321 the left side is -0.006374642198 and the right side -0.01660957367
+    >>> lse = sympy.log(sympy.exp(a) + sympy.exp(b))
+    >>> print(_diagnose(lse, a + sympy.log(1 + sympy.exp(b - a)), {"n": 2}, {}))  # doctest: +ELLIPSIS
+    the difference ... does not simplify to 0 at {'n': 2} (case {}), but both sides agree at 64 random points ...
+    """
+    difference = sympy.sstr(lhs - rhs)
+    difference = difference if len(difference) <= 300 else difference[:299] + "…"
+    symbols = sorted((lhs - rhs).free_symbols | lhs.free_symbols | rhs.free_symbols, key=str)
+    rng = np.random.default_rng(0)
+    points = rng.standard_normal((POINTS, len(symbols)))
+    with np.errstate(all="ignore"):
+        left, right = (_evaluate(e, symbols, points) for e in (lhs, rhs))
+        scale = np.maximum(1.0, np.maximum(np.abs(left), np.abs(right)))
+        undefined = np.isnan(left) & np.isnan(right)  # both sides undefined there: no evidence either way
+        bad = ~((left == right) | undefined | (np.abs(left - right) <= AGREEMENT * scale))
+    if bad.any():
+        k = int(np.argmax(bad))
+        at = ", ".join(f"{s}={v:.4g}" for s, v in zip(symbols, points[k], strict=True))
+        return (
+            f"the difference {difference} does not simplify to 0 at {sizes}, and the claim is false: at {at} the "
+            f"left side is {left[k]:.10g} and the right side {right[k]:.10g}"
+        )
+    return (
+        f"the difference {difference} does not simplify to 0 at {sizes} (case {case}), but both sides agree at "
+        f"{POINTS} random points (relative {AGREEMENT:.0e}): the claim likely holds and only its proof is beyond "
+        "this simplifier; test it on random inputs instead (rewrites.testing.assert_equivalent(d1, d2))"
+    )
+
+
+def _evaluate(e, symbols: list, points: np.ndarray) -> np.ndarray:
+    """``e`` at each row of ``points`` (one column per symbol), in float64; NaN where it is undefined or not real."""
+    value = np.asarray(sympy.lambdify(symbols, e, modules="numpy")(*points.T), dtype=np.complex128)
+    real = np.where(np.abs(value.imag) <= 1e-12 * np.maximum(1.0, np.abs(value.real)), value.real, np.nan)
+    return np.broadcast_to(real, (len(points),))
 
 
 # --- the claims ------------------------------------------------------------------------------

@@ -2,10 +2,18 @@
 
 Symbolic sizes are bound to random integers chosen so that tiles and streams are ragged (sizes that
 the group and stream sizes do not divide) and several groups and chunks run, within a budget of
-elements per wire; inputs are fresh random normals in each wire's dtype; tolerances depend on the
-dtype. Both sides run under ``jax.jit``: the scheduled interpreter's Python loops over groups and
-chunks trace once per block shape, so a check costs one compilation, not thousands of dispatches.
-Sizes too large to verify are refused before anything is allocated.
+elements per wire; inputs are fresh random normals in each wire's dtype. Both sides run under
+``jax.jit``: the scheduled interpreter's Python loops over groups and chunks trace once per block shape,
+so a check costs one compilation, not thousands of dispatches. Sizes too large to verify are refused
+before anything is allocated.
+
+Tolerances depend on the precision the check computes in: the lowest-precision wire, or the format
+the matmuls round f32 operands to, whichever is coarser. Both sides of a rewrite's check run their
+matmuls at ``"highest"`` precision (:data:`PRECISION`): at a GPU's default, f32 matmuls round their
+operands to TF32 (Hopper, Ampere) and the two sides, associating differently, differ by that rounding,
+not by the rewrite. A lowered kernel runs at the precision its user gets, so its check takes the
+tolerance of the format its matmuls round to (:func:`matmul_format`). The record names the format
+that set its tolerance.
 
 >>> import napkin_cat as nc
 >>> from rewrites import tile, stream
@@ -39,6 +47,17 @@ from rewrites._schedule import execute, partitions
 
 #: relative tolerance by the lowest-precision dtype on the diagram's wires
 TOLERANCE = {f32: 1e-4, f16: 5e-3, bf16: 3e-2, fp8_e4m3: 1.5e-1, fp8_e5m2: 2.5e-1}
+#: the matmul precision a rewrite's check runs both sides at (``jax.default_matmul_precision``)
+PRECISION = "highest"
+#: what f32 matmul operands round to on a GPU, by ``jax_default_matmul_precision`` (None: the default);
+#: a setting not named here is taken as the coarsest, bf16
+GPU_MATMULS = {
+    None: "tf32", "default": "tf32", "high": "tf32", "tensorfloat32": "tf32", "TF32_TF32_F32": "tf32",
+    "highest": "f32", "float32": "f32", "F32_F32_F32": "f32", "TF32_TF32_F32_X3": "f32",
+    "BF16_BF16_F32_X6": "f32", "BF16_BF16_F32_X9": "f32", "bfloat16": "bf16", "BF16_BF16_F32": "bf16",
+}  # fmt: skip
+#: a matmul format's tolerance: that of the dtype with its significand (TF32 keeps f16's 10 bits)
+FORMATS = {"f32": f32, "tf32": f16, "bf16": bf16}
 #: the most elements any wire may hold in a verification (16 MiB in f32); larger sizes are refused
 MAX_ELEMENTS = 2**22
 #: the elements per wire that randomly drawn sizes aim for (they shrink the unpartitioned axes to fit)
@@ -47,10 +66,11 @@ SAMPLE_ELEMENTS = 2**18
 
 @dataclass(frozen=True)
 class Verification:
-    """The record of one check: sizes used, error found, tolerance, outcome, time, seed.
+    """The record of one check: sizes used, error found, tolerance, outcome, time, seed, and the precision
+    the tolerance is that of (``basis``, see :func:`bound`).
 
-    >>> print(Verification({"q": 5}, 1.8, 1e-4, False, 0.1, 7))
-    FAILED: max rel. error 1.8e+00 > tolerance 1e-04 at q=5 (seed 7)
+    >>> print(Verification({"q": 5}, 1.8, 1e-4, False, 0.1, 7, "f32"))
+    FAILED: max rel. error 1.8e+00 > tolerance 1e-04 (f32) at q=5 (seed 7)
     """
 
     sizes: dict
@@ -59,25 +79,68 @@ class Verification:
     passed: bool
     seconds: float
     seed: int
+    basis: str = "f32"
 
     def __str__(self):
         sizes = ", ".join(f"{k}={v}" for k, v in self.sizes.items())
         verdict, relation = ("verified", "≤") if self.passed else ("FAILED", ">")
         return (
             f"{verdict}: max rel. error {self.max_error:.1e} {relation} tolerance {self.tolerance:.0e} "
-            f"at {sizes} (seed {self.seed})"
+            f"({self.basis}) at {sizes} (seed {self.seed})"
         )
 
 
-def tolerance(d: Diagram) -> float:
-    """The tolerance for a diagram: that of its lowest-precision wire.
+def matmul_format(platform: str | None = None) -> str:
+    """What f32 matmul operands round to at the current ``jax_default_matmul_precision`` on ``platform``
+    (the default backend's if None): ``"f32"``, ``"tf32"`` or ``"bf16"``. CPUs compute f32 matmuls in f32
+    whatever the setting; TPUs in bf16 passes unless asked for ``"highest"``.
+
+    >>> with jax.default_matmul_precision("default"):
+    ...     matmul_format("cpu"), matmul_format("gpu")
+    ('f32', 'tf32')
+    >>> with jax.default_matmul_precision("highest"):
+    ...     matmul_format("gpu")
+    'f32'
+    """
+    setting = jax.config.jax_default_matmul_precision
+    platform = platform or jax.default_backend()
+    if platform == "cpu":
+        return "f32"
+    if platform == "tpu":
+        return "f32" if GPU_MATMULS.get(setting) == "f32" else "bf16"
+    return GPU_MATMULS.get(setting, "bf16")
+
+
+def bound(d: Diagram, matmuls: str | None = None) -> tuple[float, str]:
+    """``d``'s tolerance and the precision that sets it: its lowest-precision wire's dtype, or
+    ``"<format> matmuls"`` where its matmuls (rounding f32 operands to ``matmuls``: ``"f32"``, ``"tf32"`` or
+    ``"bf16"``; by default :func:`matmul_format`'s) compute coarser.
+
+    >>> import napkin_cat as nc
+    >>> attn = nc.library.attention(*nc.axes("q x d"))
+    >>> bound(attn, "f32"), bound(attn, "tf32"), bound(nc.library.attention(*nc.axes("q x d"), dtype="bf16"), "tf32")
+    ((0.0001, 'f32'), (0.005, 'tf32 matmuls'), (0.03, 'bf16'))
+    """
+    matmuls = matmul_format() if matmuls is None else matmuls
+    if matmuls not in FORMATS:
+        raise RewriteError("verify", f"matmuls must be one of {', '.join(map(repr, FORMATS))}, got {matmuls!r}")
+    wire = max([w.dtype for w in _wires(d) if w.dtype in TOLERANCE] or [f32], key=TOLERANCE.__getitem__)
+    tol, of_matmuls = TOLERANCE[wire], TOLERANCE[FORMATS[matmuls]]
+    return (of_matmuls, f"{matmuls} matmuls") if of_matmuls > tol else (tol, str(wire))
+
+
+def tolerance(d: Diagram, matmuls: str | None = None) -> float:
+    """The tolerance for a diagram: that of its lowest-precision wire, or of the format its matmuls round f32
+    operands to, if coarser (see :func:`bound`).
 
     >>> import napkin_cat as nc
     >>> q, x, d = nc.axes("q x d")
     >>> tolerance(nc.library.attention(q, x, d)), tolerance(nc.library.attention(q, x, d, dtype=nc.bf16))
     (0.0001, 0.03)
+    >>> tolerance(nc.library.attention(q, x, d), matmuls="tf32")
+    0.005
     """
-    return max(TOLERANCE.get(w.dtype, TOLERANCE[f32]) for w in _wires(d))
+    return bound(d, matmuls)[0]
 
 
 def _wires(d: Diagram) -> list[Array]:
@@ -280,16 +343,26 @@ class Trial:
         bound = {**sample_sizes(candidate, random.Random(seed)), **bound}
         guard(candidate, bound, rule)
         xs = random_inputs(reference, bound, seed)
-        want = jitted(to_jax, reference)(*xs)
+        with jax.default_matmul_precision(PRECISION):
+            want = jitted(to_jax, reference)(*xs)
         named = {**{str(k): v for k, v in bound.items()}, **resized}
         return cls(named, resized, seed, xs, want if isinstance(want, tuple) else (want,))
 
-    def compare(self, got, tol: float, seconds: float, rule: str, what: str = "the rewritten diagram") -> Verification:
+    def compare(
+        self,
+        got,
+        tol: float,
+        seconds: float,
+        rule: str,
+        what: str = "the rewritten diagram",
+        *,
+        basis: str = "as given",
+    ) -> Verification:
         """The record of ``got`` (the outputs of ``what``) against the reference's; raises :class:`RewriteError`
-        if they differ beyond ``tol``."""
+        if they differ beyond ``tol`` (the tolerance of ``basis``, see :func:`bound`)."""
         got = got if isinstance(got, tuple) else (got,)
         err = max(relative_error(g, w) for g, w in zip(got, self.want, strict=True))
-        rec = Verification(self.sizes, err, tol, err <= tol, seconds, self.seed)
+        rec = Verification(self.sizes, err, tol, err <= tol, seconds, self.seed, basis)
         if not rec.passed:
             raise RewriteError(rule, f"{what} differs from the original: {rec}")
         return rec
@@ -299,10 +372,13 @@ class Trial:
         return _resized(d, self.resized)
 
     def check(self, candidate: Diagram, rule: str = "verify") -> Verification:
-        """Run ``candidate``'s scheduled semantics (jitted) on the trial's inputs and compare."""
+        """Run ``candidate``'s scheduled semantics (jitted) on the trial's inputs and compare, both sides'
+        matmuls at :data:`PRECISION` (so the tolerance is that of the wires' dtypes on every platform)."""
         start = time.perf_counter()
-        got = jax.block_until_ready(jitted(execute, self.resize(candidate))(*self.inputs))
-        return self.compare(got, tolerance(candidate), time.perf_counter() - start, rule)
+        with jax.default_matmul_precision(PRECISION):
+            got = jax.block_until_ready(jitted(execute, self.resize(candidate))(*self.inputs))
+        tol, basis = bound(candidate, "f32")
+        return self.compare(got, tol, time.perf_counter() - start, rule, basis=basis)
 
 
 def check(
@@ -321,6 +397,6 @@ def check(
     ... # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    rewrites._rule.RewriteError: verify: ... FAILED: max rel. error 4.1e-01 > tolerance 1e-04 at n=4 (seed 1)
+    rewrites._rule.RewriteError: verify: ... FAILED: max rel. error 4.1e-01 > tolerance 1e-04 (f32) at n=4 (seed 1)
     """
     return Trial.draw(reference, candidate, seed=seed, sizes=sizes, rule=rule).check(candidate, rule)

@@ -7,8 +7,8 @@ under each. A target that cannot be found raises :class:`MissingTarget`, which f
 mutation that plants nothing must never count as caught.
 
 >>> sorted(MUTATIONS)  # doctest: +NORMALIZE_WHITESPACE
-['causal_off_by_one', 'gqa_group', 'no_delta', 'no_padding_mask', 'no_rescale', 'scale_ignored',
- 'temperature']
+['causal_off_by_one', 'gqa_group', 'mosaic_overwrites_accumulator', 'no_delta', 'no_padding_mask',
+ 'no_rescale', 'scale_ignored', 'score_mod_grad_at_output', 'temperature']
 """
 
 from __future__ import annotations
@@ -197,9 +197,47 @@ def no_padding_mask():
     rebind(mask_padding, lambda v, *args, **kwargs: v)
 
 
+def mosaic_overwrites_accumulator():
+    """Mosaic GPU's ``o = δ·o + P·V`` (one wgmma on ``δ·o``) overwrites the accumulator instead of adding to it, so
+    only the last chunk's ``P·V`` survives. The code is the Mosaic kernel body's alone (``Product.into``): Triton's
+    kernels and the reference semantics are untouched, so only a Mosaic kernel (interpret mode on CPU) can see it."""
+    product = find("Product", "lowering._mosaic")
+    into = method(product, "into")
+
+    @functools.wraps(into)
+    def overwrite(self, acc):
+        return into(self, None)
+
+    product.into = overwrite
+
+
+def score_mod_grad_at_output():
+    """The backward differentiates a score modifier at its output instead of its input: ``fn'(fn(s))`` for
+    ``fn'(s)``. Soft-capping's ``1 − tanh²(s/cap)`` goes wrong; additive modifiers (ALiBi, biases), whose derivative
+    is 1, and every forward (which never calls the derivative) are untouched: only the backward kernels change."""
+    cls = find("ScoreDerivative", "napkin_cat.generators", "napkin_cat.generators._index")
+    call = method(cls, "__call__")
+
+    @functools.wraps(call)
+    def at_output(self, s, **indices):
+        return call(self, self.fn(s, **indices), **indices)
+
+    cls.__call__ = at_output
+
+
 MUTATIONS = {
     f.__name__: f
-    for f in (temperature, no_rescale, causal_off_by_one, gqa_group, scale_ignored, no_delta, no_padding_mask)
+    for f in (
+        temperature,
+        no_rescale,
+        causal_off_by_one,
+        gqa_group,
+        scale_ignored,
+        no_delta,
+        no_padding_mask,
+        mosaic_overwrites_accumulator,
+        score_mod_grad_at_output,
+    )
 }
 
 

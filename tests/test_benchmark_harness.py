@@ -7,15 +7,19 @@ baselines are recorded as unavailable rather than crashing, and the README rende
 import doctest
 import json
 import math
+import statistics
 import sys
+import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `papers` is a namespace package
 
 from papers.flash_attention import attentions as at  # noqa: E402
-from papers.flash_attention import benchmark, report  # noqa: E402
+from papers.flash_attention import benchmark, report, timing  # noqa: E402
 
 TINY = ["--quick", "--candidate=mha", "--dtypes=bf16", "--seq-lens=32", "--long-start=32", "--long-max=64"]
 RECORD_KEYS = {"impl", "status", "time_ms", "tflops", "max_rel_err", "temp_bytes", "peak_bytes"}
@@ -100,10 +104,59 @@ def test_failure_classifies_out_of_memory():
     assert benchmark.failure(ValueError("bad block"))["status"] == "error"
 
 
-@pytest.mark.parametrize("module", [at, report, benchmark])
+@pytest.mark.parametrize("module", [at, report, benchmark, timing])
 def test_doctests(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+# --- papers/flash_attention/timing.py: the one timing helper every benchmark script uses ---------------------
+
+
+def sleepy(seconds: float, calls: list):
+    """A host function that takes ``seconds`` per call (so the wall clock has a known answer) and counts calls."""
+
+    def f(x):
+        calls.append(1)
+        time.sleep(seconds)
+        return x + 1
+
+    return f
+
+
+def test_time_calls_divides_each_batch_by_its_calls_and_takes_the_median():
+    calls: list = []
+    x = jax.random.normal(jax.random.key(0), (4,))
+    t = timing.time_calls(sleepy(4e-3, calls), x, reps=4, batches=3, warmup=2)
+    assert len(calls) == 2 + 4 * 3  # the warm-up calls, then reps × batches
+    assert len(t.samples) == 3 and t.seconds == statistics.median(t.samples)
+    assert 4e-3 <= t.seconds < 12e-3, t  # per call, not per batch of 4 (16 ms)
+    if jax.devices()[0].platform != "gpu":
+        assert t.method == "wall" and "cpu" in t.note
+    assert t.host_bound  # a host function: dispatching the calls is the whole batch
+
+
+@pytest.mark.parametrize("kw", [dict(reps=0), dict(batches=0), dict(warmup=-1), dict(method="cuda-events")])
+def test_time_calls_refuses_bad_arguments(kw):
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        timing.time_calls(jnp.sin, jnp.ones(2), **kw)
+
+
+def test_once_returns_the_result_and_the_wall_and_cpu_seconds():
+    x = jax.random.normal(jax.random.key(1), (4,))
+    out, wall, cpu = timing.once(sleepy(3e-3, []), x)
+    assert jnp.array_equal(out, x + 1) and wall >= 3e-3 and 0 <= cpu < wall  # sleeping takes no CPU
+
+
+@pytest.mark.gpu
+def test_time_calls_uses_cupti_on_a_gpu():
+    """Device time by CUPTI: close to (and not above, beyond noise) the wall clock of back-to-back calls."""
+    a = jax.random.normal(jax.random.key(2), (4096, 4096), jnp.bfloat16)
+    f = jax.jit(lambda a: a @ a)
+    device = timing.time_calls(f, a)
+    wall = timing.time_calls(f, a, method="wall")
+    assert device.method == "cupti" and device.note == "" and wall.method == "wall"
+    assert 0.5 * wall.seconds < device.seconds < 1.1 * wall.seconds, (device, wall)
 
 
 def test_napkin_candidate_when_lowerable(tmp_path):

@@ -1,4 +1,5 @@
-"""The cost functor against FAN's formulas (rows 1, 4, 6, 7 of papers/flash_attention_on_a_napkin/table.md) and XLA's own counts."""
+"""The cost functor against FAN's formulas (rows 1, 4, 6, 7 of papers/flash_attention_on_a_napkin/table.md) and
+XLA's own counts."""
 
 import math
 
@@ -114,7 +115,8 @@ def test_roofline_time():
     flops = 4 * 8192 * 8192 * 128
     assert float(t.times["tensor"]) == pytest.approx(flops / 989e12, rel=1e-9)
     # K and V (8192 x 128 each) fit the 50 MiB L2: DRAM moves Q, K, V and O once; their re-reads by the
-    # 64 query tiles cross only the L2 -> SMEM link (the ncu counts in papers/flash_attention/results/cost_vs_hardware_NVIDIA_H100_80GB_HBM3.md), so the kernel is tensor-bound
+    # 64 query tiles cross only the L2 -> SMEM link (the ncu counts in
+    # papers/flash_attention/results/cost_vs_hardware_NVIDIA_H100_80GB_HBM3.md), so the kernel is tensor-bound
     size = q.size * d.size * flash(q, x, d).dom.inside[0].dtype.bytes
     assert t.dram_bytes == (4 * size).subs({q.size: 8192, d.size: 128})
     assert t.gmem_bytes == (size * (2 + 2 * x.size / 128)).subs({q.size: 8192, x.size: 8192, d.size: 128})
@@ -175,7 +177,7 @@ def test_cost_records_form_a_category():
     assert (one >> two).memory == {nc.HBM: 7} and (one @ two).memory == {nc.HBM: 12}
 
 
-# --- XLA's own counts (``jax.jit(f).lower(...).compile().cost_analysis()``) ---------------------------------------------
+# --- XLA's own counts (``jax.jit(f).lower(...).compile().cost_analysis()``) ----------------------------------
 
 
 def xla(d, *shapes):
@@ -262,7 +264,8 @@ def test_dram_misses_l2_when_the_working_set_does_not_fit():
 
 
 def test_serial_time_uses_measured_ceilings_where_the_model_has_them():
-    """H200: bf16 matmul and device copy measured (the H200 rows of papers/flash_attention/README.md); f16 and the exp unit keep the datasheet."""
+    """H200: bf16 matmul and device copy measured (papers/flash_attention/results/NVIDIA_H200_benchmark.log); f16
+    and the exp unit keep the datasheet."""
     H200 = nc.hardware.H200
     work = Cost(
         H200,

@@ -45,7 +45,7 @@ def test_sizes_fix_the_concrete_sizes_of_every_step():
 def test_a_failed_check_says_error_greater_than_tolerance_and_the_seed():
     pattern = (
         r"^sum_to_max: the rewritten diagram differs from the original: FAILED: max rel\. error \d\.\de[+-]\d\d "
-        r"> tolerance 1e-04 at n=5 \(seed 11\)$"
+        r"> tolerance 1e-04 \(f32\) at n=5 \(seed 11\)$"
     )
     with pytest.raises(RewriteError, match=pattern):
         derive(nc.reduce_sum(N, "n"), sum_to_max(), seed=11, sizes={"n": 5})
@@ -67,7 +67,7 @@ def test_verify_kernel_catches_a_kernel_that_differs(monkeypatch):
     monkeypatch.setattr(lowering, "lower", off_by_a_thousandth)
     pattern = (
         r"^derive\(verify='kernel'\): the lowered kernel differs from the original: FAILED: max rel\. error "
-        r"1\.0e-03 > tolerance 1e-04 at q=40, d=8, x=37 \(seed 1\)$"
+        r"1\.0e-03 > tolerance 1e-04 \(f32\) at q=40, d=8, x=37 \(seed 1\)$"
     )
     with pytest.raises(RewriteError, match=pattern):
         derive(ATTN, tile(q, 16), stream(x, 16), sizes={"q": 40, "x": 37, "d": 8}, seed=1, verify="kernel")

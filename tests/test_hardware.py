@@ -1,4 +1,5 @@
-"""Hardware models and the paper's model arithmetic (rows 10–17 of papers/flash_attention_on_a_napkin/table.md; the GPUs' datasheets)."""
+"""Hardware models and the paper's model arithmetic (rows 10–17 of papers/flash_attention_on_a_napkin/table.md;
+the GPUs' datasheets)."""
 
 from dataclasses import replace
 

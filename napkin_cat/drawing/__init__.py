@@ -99,9 +99,28 @@ def _target(path, to_tikz: bool) -> Path | None:
 
 
 def _check(diagram) -> Diagram:
-    if not isinstance(diagram, Diagram):
-        raise NapkinError(f"draw: expected a napkin_cat Diagram, got {type(diagram).__name__} {diagram!r}")
-    return diagram
+    """``diagram`` if it is one; else an error naming what it is (its repr cut short) and what to call instead.
+
+    >>> from napkin_cat import axes, library
+    >>> from rewrites import derive, tile
+    >>> tiled = derive(library.attention(*axes("q x d")), tile("q", 4), verify=False)
+    >>> _check(tiled)
+    Traceback (most recent call last):
+    ...
+    napkin_cat.errors.NapkinError: draw: got a Derivation, not a Diagram; draw its steps with derivation.draw(path), \
+or its scheduled diagram with nc.draw(derivation.diagram, path)
+    """
+    if isinstance(diagram, Diagram):
+        return diagram
+    kind = type(diagram).__name__
+    if hasattr(diagram, "steps") and callable(getattr(diagram, "draw", None)):  # a derivation (rewrites sits above)
+        raise NapkinError(
+            f"draw: got a {kind}, not a Diagram; draw its steps with derivation.draw(path), "
+            "or its scheduled diagram with nc.draw(derivation.diagram, path)"
+        )
+    text = repr(diagram)
+    text = text if len(text) <= 60 else text[:59] + "…"
+    raise NapkinError(f"draw: expected a napkin_cat Diagram, got {kind} {text}")
 
 
 def draw(

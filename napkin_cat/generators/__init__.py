@@ -65,10 +65,12 @@ from napkin_cat.generators._index import (
     IndexMap,
     Kept,
     Mask,
+    Positional,
     ScoreDerivative,
     causal_mask,
     index_names,
     mask,
+    positional,
     score_mod,
 )
 from napkin_cat.generators._reduce import Monoid, Reduce, attains, broadcast, reduce_max, reduce_min, reduce_sum
@@ -108,6 +110,7 @@ __all__ = [
     "OnlineSoftmax",
     "Own",
     "Partial",
+    "Positional",
     "Reduce",
     "Reshape",
     "ScoreDerivative",
@@ -135,6 +138,7 @@ __all__ = [
     "move",
     "multiply",
     "normalised_contract",
+    "positional",
     "reduce_max",
     "reduce_min",
     "reduce_sum",

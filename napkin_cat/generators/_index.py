@@ -200,6 +200,76 @@ class Causal:
         return f"causal({self.q} ≥ {self.x})"
 
 
+@dataclass(frozen=True)
+class Positional:
+    """An index function read by position (FlexAttention's convention): after the score (``score=True``) its
+    parameters, whatever their names, are the indices ``names`` in order; it is called by name, as every
+    index function here.
+
+    >>> def sliding(batch, head, token_q, token_kv): return token_q - token_kv < 4
+    >>> m = Positional(sliding, ("b", "h", "q_idx", "kv_idx"))
+    >>> list(inspect.signature(m).parameters), m(b=0, h=0, q_idx=9, kv_idx=5), m.__name__
+    (['b', 'h', 'q_idx', 'kv_idx'], False, 'sliding')
+    """
+
+    fn: Callable
+    names: tuple[str, ...]
+    score: bool = False
+
+    def __call__(self, *value, **indices):
+        return self.fn(*value, *(indices[n] for n in self.names))
+
+    @property
+    def __signature__(self):
+        kw, first = inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_ONLY
+        value = [inspect.Parameter("score", first)] if self.score else []
+        return inspect.Signature([*value, *(inspect.Parameter(n, kw) for n in self.names)])
+
+    @property
+    def __name__(self):
+        return fname(self.fn)
+
+
+def positional(fn: Callable, names: tuple[str, ...], *, score: bool) -> Callable:
+    """``fn`` read by position (a :class:`Positional`) when, after the score (``score=True``), it takes exactly
+    ``len(names)`` parameters, all passable by position, not already named ``names``: FlexAttention's
+    ``score_mod(score, b, h, q_idx, kv_idx)`` and ``mask_mod(b, h, q_idx, kv_idx)`` under any names. Any other
+    ``fn`` is returned as it is, read by name (:func:`index_names`).
+
+    >>> flex = ("b", "h", "q_idx", "kv_idx")
+    >>> positional(lambda s, b, h, m, n: s, flex, score=True).__signature__
+    <Signature (score, /, *, b, h, q_idx, kv_idx)>
+    >>> near = lambda s, q_idx, kv_idx: s
+    >>> positional(near, flex, score=True) is near
+    True
+    >>> positional(lambda b, h, kv_idx, q_idx: kv_idx <= q_idx, flex, score=False)
+    Traceback (most recent call last):
+    ...
+    napkin_cat.errors.AxisError: mask_mod <lambda>: parameters (b, h, kv_idx, q_idx) are read by position as \
+(b, h, q_idx, kv_idx) (FlexAttention's order), but kv_idx, q_idx name other indices; put them in that order, \
+or name fewer to be read by name
+    """
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return fn
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if len(params) != len(names) + score or any(p.kind not in kinds for p in params):
+        return fn
+    given = tuple(p.name for p in params[score:])
+    if given == names:
+        return fn
+    moved = [n for i, n in enumerate(given) if n in names and names[i] != n]
+    if moved:
+        rule = "score_mod" if score else "mask_mod"
+        raise AxisError(
+            f"{rule} {fname(fn)}: parameters ({', '.join(given)}) are read by position as ({', '.join(names)}) "
+            f"(FlexAttention's order), but {', '.join(moved)} name other indices; put them in that order, or name "
+            "fewer to be read by name"
+        )
+    return Positional(fn, names, score)
+
+
 def score_mod(a: Array, fn: Callable) -> IndexMap:
     """An index-dependent score modifier ``fn(score, **indices)`` (the score is the first parameter; the
     others name axes of ``a``; see the module's docstring).
@@ -221,12 +291,23 @@ def score_mod(a: Array, fn: Callable) -> IndexMap:
 def mask(a: Array, keep: Callable) -> Mask:
     """Mask scores where ``keep(**indices)`` is false (they become ``-inf``); every parameter names an axis.
 
+    A ``keep`` made of linear inequalities in the indices becomes the equal
+    :class:`~napkin_cat.library.Affine` (:func:`napkin_cat.affine_masks.as_affine`), named after it, so that
+    kernels skip the blocks it hides; any other ``keep`` is applied element by element, as written.
+
     >>> from napkin_cat import axes, Array
     >>> q, x = axes("q x")
-    >>> mask(Array(q, x), lambda q, x: x <= q + 4).name
-    'mask <lambda>'
+    >>> band = mask(Array(q, x), lambda q, x: x <= q + 4)
+    >>> band.name, type(band.params["mask"]).__name__
+    ('mask <lambda>', 'Affine')
+    >>> type(mask(Array(q, x), lambda q, x: q % 2 == x % 2).params["mask"]).__name__
+    'function'
     """
     _check(keep, a, "mask", score=False)
+    if not isinstance(keep, Causal):
+        from napkin_cat.affine_masks import as_affine  # the library's Affine is built on the generators
+
+        keep = as_affine(keep, a.names) or keep
     return Mask(f"mask {fname(keep)}", Ty(a), Ty(a), data=(("mask", keep),))
 
 

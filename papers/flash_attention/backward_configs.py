@@ -27,10 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 
 import napkin_cat as nc
-from lowering import lower, median_time, plan
+from lowering import lower, plan
 from lowering._backward import backward_of, run_pieces
 from lowering._mosaic import MosaicConfig, MosaicLowered
 from lowering._triton import Config, Lowered
+from papers.flash_attention.timing import time_calls
 from rewrites import derive, stream, tile
 
 #: (tile, stream, warps, stages); the first is the default schedule
@@ -83,7 +84,7 @@ def run(out: str, ncu: bool, mosaic: bool = False) -> list:
             want = [np.asarray(r, np.float32) for r in res]
             tiled, streamed = (q, x) if name == "dQ" else (x, q)
             flops = 4 * B * H * N * N * D * (0.5 if causal else 1) * (1.0 if name == "dQ" else 1.5)
-            base = median_time(jax.jit(kernel), *ins) if timing else 1.0
+            base = time_calls(jax.jit(kernel), *ins).seconds if timing else 1.0
             log(f"D={D} causal={causal} {name} as lowered {[str(r) for r in piece.rules]} {base * 1e3:.3f} ms")
             for g, s, *knobs in configurations(mosaic, cpu):
                 row = dict(D=D, causal=causal, kernel=name, tile=g, stream=s)
@@ -96,7 +97,7 @@ def run(out: str, ncu: bool, mosaic: bool = False) -> list:
                 try:
                     rules = (tile(tiled, g), stream(streamed, s))
                     f, err = rederived(piece.diagram, rules, config, ins, want, cpu)
-                    t = median_time(f, *ins) if timing else 1.0
+                    t = time_calls(f, *ins).seconds if timing else 1.0
                     row |= dict(ms=t * 1e3, tflops=flops / t / 1e12, vs_default=base / t, err=err)
                 except Exception as e:  # a configuration over a limit is a result
                     row["error"] = f"{type(e).__name__}: {str(e)[:200]}"

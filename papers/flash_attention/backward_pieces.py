@@ -4,9 +4,9 @@ loses against plain causal attention.
 A variant's backward (``lowering._backward.backward_of``) is the forward with residuals, then the kernel that
 computes the row values once (Δ, and a sink's folded log-sum-exp), then dQ and dK·dV. This script builds the
 library's diagram at B = 2, H = 16, N = 8192, D = 128 (bf16, causal, ``tile(q, 128), stream(x, 64)``), runs the
-kernels on random inputs in order (``lowering._backward.run_pieces``), times each with ``lowering.median_time``
-and writes ``results/backward_pieces_<GPU>.json``. It is the measurement behind the sinks' row-weight lemma
-(papers/flash_attention/README.md).
+kernels on random inputs in order (``lowering._backward.run_pieces``), times each with
+``papers.flash_attention.timing.time_calls`` and writes ``results/backward_pieces_<GPU>.json``. It is the
+measurement behind the sinks' row-weight lemma (papers/flash_attention/README.md).
 
     python -m papers.flash_attention.backward_pieces --out $OUT                       # GPU
     python -m papers.flash_attention.backward_pieces --quick --variants causal,sinks  # CPU: tiny, interpret mode
@@ -24,8 +24,9 @@ from pathlib import Path
 import jax
 
 import napkin_cat as nc
-from lowering import lower, median_time
+from lowering import lower
 from lowering._backward import backward_of, run_pieces
+from papers.flash_attention.timing import time_calls
 from rewrites import derive, stream, tile
 
 HERE = Path(__file__).parent
@@ -65,7 +66,7 @@ def normal(key, wires, size: dict) -> list:
 def run(variants: list[str], out: Path, quick: bool) -> Path:
     """Time every kernel of each variant's forward with residuals and backward; write and return the JSON."""
     size = sizes(quick)
-    timing = (lambda f, *a: 0.0) if quick else median_time
+    timing = (lambda f, *a: 0.0) if quick else (lambda f, *a: time_calls(f, *a).seconds)
     rows = []
     for name in variants:
         att, (forward, *kernels), bw = build(name, quick)

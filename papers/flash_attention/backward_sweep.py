@@ -28,8 +28,8 @@ import numpy as np
 import napkin_cat as nc
 from lowering import Config, lower, plan
 from lowering._backward import backward_of
-from lowering._search import median_time
 from lowering._triton import Lowered
+from papers.flash_attention.timing import time_calls
 from rewrites import derive, stream, tile
 
 
@@ -96,7 +96,7 @@ def end_to_end(tokens, heads, quick, deadline):
                     if f is None or time.time() > deadline:
                         continue
                     try:
-                        t = median_time(fwd_bwd(f), *args)
+                        t = time_calls(fwd_bwd(f), *args).seconds
                         row[name] = {"ms": t * 1e3, "tflops": flops / t / 1e12}
                     except Exception as e:  # noqa: BLE001 - a failure is a result to record
                         row[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -130,7 +130,7 @@ def sweep(tokens, heads, quick, deadline, grid=True, only=None):
         for p, k in zip(b.pieces, kernel.kernels[1:], strict=True):
             args = [values[i] for i in p.inputs]
             name = "delta" if p.feeds else {(0,): "dQ", (1, 2): "dKV"}[p.outputs]
-            t = median_time(jax.jit(k), *args, reps=10, batches=3, warmup=1)
+            t = time_calls(jax.jit(k), *args, reps=10, batches=3, warmup=1).seconds
             config = Config.get_default(k.plan)
             row = {
                 "D": D,
@@ -168,7 +168,7 @@ def sweep(tokens, heads, quick, deadline, grid=True, only=None):
                         try:
                             scheduled = derive(p.diagram, *rules, verify=False).diagram
                             lk = Lowered(plan(scheduled), config=Config(num_warps=warps, num_stages=stages))
-                            t = median_time(jax.jit(lk), *args, reps=10, batches=3, warmup=1)
+                            t = time_calls(jax.jit(lk), *args, reps=10, batches=3, warmup=1).seconds
                             row |= {"ms": t * 1e3, "tflops": (3 if name == "dQ" else 4) * matmul / t / 1e12}
                         except Exception as e:  # noqa: BLE001 - a failure is a result to record
                             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"

@@ -1,12 +1,12 @@
 """Attention benchmark: the napkin-cat kernel against XLA, cuDNN and jax's Pallas kernels, one run.
 
 For every configuration (dtype, head dim D, sequence length N with B·N tokens fixed, causal or not)
-it times the candidate and each baseline (compiled ahead of time, ``--warmup`` calls, then
-``--batches`` batches of ``--reps`` calls dispatched back to back with one ``block_until_ready`` per
-batch; the median over batches of batch time / reps, inputs laid out beforehand), converts to TFLOP/s
-(4·B·H·N²·D forward, halved when causal; 3.5× that forward + backward; FlashAttention-2, Dao 2023, §4), and checks
-each output against an f32 reference computed on the same device. It then doubles N at B = 1 until
-each implementation fails (out of memory, or any error), and writes
+it times the candidate and each baseline (compiled ahead of time, inputs laid out beforehand, then
+:func:`papers.flash_attention.timing.time_calls`: ``--warmup`` calls, then the median over ``--batches``
+batches of ``--reps`` back-to-back calls, by CUPTI's kernel times on a GPU, else the wall clock), converts to
+TFLOP/s (4·B·H·N²·D forward, halved when causal; 3.5× that forward + backward; FlashAttention-2, Dao 2023, §4),
+and checks each output against an f32 reference computed on the same device. It then doubles N at B = 1
+until each implementation fails (out of memory, or any error), and writes
 ``results/<GPU name>.json`` and ``.png``; ``--write-readme`` renders them into ``README.md``.
 
 On a GPU, one call runs the default grid within the time budget (``--budget-s``); on CPU
@@ -29,7 +29,6 @@ import dataclasses
 import gc
 import os
 import re
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -42,6 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from papers.flash_attention import attentions as at  # noqa: E402
 from papers.flash_attention import report  # noqa: E402
+from papers.flash_attention.timing import Timing, time_calls  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "f32": jnp.float32}
@@ -152,35 +152,18 @@ def grad_of_sum(fn: Callable) -> Callable:
     return jax.grad(lambda *a: fn(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
 
 
-def time_calls(f: Callable, args, warmup: int, reps: int, batches: int = 1) -> list[float]:
-    """Seconds per call, one value per batch: ``reps`` calls dispatched back to back, one wait at the end.
-
-    The calls are queued on the device without waiting for each (jax dispatches asynchronously), so
-    the device runs them back to back and the per-call host round trip (launch, ``block_until_ready``,
-    ~0.7 ms on the H200 VM) is paid once per batch instead of once per call. The caller takes the
-    median over the batches. Warns on stderr when the host took about as long to dispatch the calls as
-    the device to run them (then the number is a host bound, not a device time).
-
-    >>> len(time_calls(jnp.sin, (jnp.ones(4),), warmup=1, reps=3, batches=2))
-    2
-    """
-    for _ in range(warmup):
-        jax.block_until_ready(f(*args))
-    times, host_bound = [], 0
-    for _ in range(batches):
-        out = None
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            out = f(*args)  # the previous output is dropped, not waited on
-        t_dispatched = time.perf_counter()
-        jax.block_until_ready(out)
-        t1 = time.perf_counter()
-        times.append((t1 - t0) / reps)
-        host_bound += reps > 1 and (t_dispatched - t0) > 0.9 * (t1 - t0)
-    if host_bound > batches // 2 and at.on_gpu():
-        print(f"WARNING: dispatch took ≥ 90% of the batch time in {host_bound}/{batches} batches: "
+def _say_timing(timing: Timing) -> None:
+    """Print which clock timed the first measurement (and any change), and warn when the host bounded it."""
+    said = (timing.method, timing.note)
+    if said != _SAID.get("timing"):
+        _SAID["timing"] = said
+        print(f"timing: {timing.method}{f' ({timing.note})' if timing.note else ''}", file=sys.stderr, flush=True)
+    if timing.host_bound and at.on_gpu():
+        print(f"WARNING: dispatch took ≥ 90% of the batch time in most of {len(timing.samples)} batches: "
               "the time is host-bound", file=sys.stderr, flush=True)
-    return times
+
+
+_SAID: dict[str, tuple] = {}
 
 
 def device_memory() -> dict:
@@ -197,7 +180,7 @@ def failure(e: BaseException) -> dict:
 
 
 def measure(fn: Callable, args, check: Callable, flops: float, *, warmup: int, reps: int, batches: int = 1) -> dict:
-    """Compile ``fn`` ahead of time, time it (:func:`time_calls`, median over batches), check its output.
+    """Compile ``fn`` ahead of time, time it (:func:`~papers.flash_attention.timing.time_calls`), check its output.
 
     ``args`` are already in the implementation's layout (``Impl.prepare``), so the timed calls are
     the compiled function alone; failures become records.
@@ -207,7 +190,9 @@ def measure(fn: Callable, args, check: Callable, flops: float, *, warmup: int, r
     """
     try:
         compiled = jax.jit(fn).lower(*args).compile()
-        seconds = statistics.median(time_calls(compiled, args, warmup, reps, batches))
+        timing = time_calls(compiled, *args, reps=reps, batches=batches, warmup=warmup)
+        _say_timing(timing)
+        seconds = timing.seconds
         err = float(check(compiled(*args)))
     except Exception as e:  # noqa: BLE001 - a failing implementation is a result, not a crash
         return failure(e)

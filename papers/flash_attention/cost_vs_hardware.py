@@ -191,26 +191,13 @@ def _ncu(names: list[str], timeout: float) -> dict:
     return {n: results.get(n, {"error": why or "not profiled"}) for n in names}
 
 
-def _time(f, args, reps=20) -> float:
-    import jax
-
-    jax.block_until_ready(f(*args))
-    runs = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            out = f(*args)
-        jax.block_until_ready(out)
-        runs.append((time.perf_counter() - t0) / reps)
-    return sorted(runs)[len(runs) // 2]
-
-
 def tile_grid(budget_s: float) -> list:
     """Median time of attention forward for each (tile, stream) at D ∈ {64, 128}; errors recorded."""
     import jax
 
     import napkin_cat as nc
     from lowering import lower
+    from papers.flash_attention.timing import time_calls
     from rewrites import derive, stream, tile
 
     b, h, q, x = nc.axes("b h q x")
@@ -227,7 +214,7 @@ def tile_grid(budget_s: float) -> list:
                 try:
                     kernel = lower(derive(diagram, tile(q, gq), stream(x, sx), verify=False))
                     args = _inputs(kernel.forward, {**SIZES, "d": dd})
-                    rec["seconds"] = _time(jax.jit(kernel.forward), args)
+                    rec["seconds"] = time_calls(jax.jit(kernel.forward), *args, reps=20, batches=5, warmup=1).seconds
                 except Exception as e:  # a configuration over the shared-memory limit is a result, not a crash
                     rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 out.append(rec)

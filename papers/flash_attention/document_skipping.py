@@ -18,7 +18,7 @@ skip by: it visits every block). Cases:
   ``causal`` and ``8 sequences + causal`` shapes, in the same run: how much of the drop in TFLOP/s from
   N = 8192 to sequences of N/8 a hand-written kernel shows too (GPU only; ``--quick`` leaves them out).
 
-Times are the median over batches of back-to-back calls (``lowering._search.median_time``). TFLOP/s are
+Times are the median over batches of back-to-back calls (``papers.flash_attention.timing.time_calls``). TFLOP/s are
 given two ways: ``tflops_kept`` counts the work on the entries the mask keeps (4·B·H·D·Σᵢ kept(i), × 3.5
 for forward + backward, as ``benchmark.py`` counts causal at half), the figure to compare across masks;
 ``tflops_dense`` counts 4·B·H·N²·D whatever the mask. Before timing, each case is checked at N = 1024 (B = 1,
@@ -41,9 +41,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import napkin_cat as nc
-from lowering._search import median_time
+from papers.flash_attention.timing import time_calls
 
-FWD_BWD_FACTOR = 3.5  # backward ≈ 2.5× the forward's matmul work (FlashAttention-2, Dao 2023, §4), as benchmark.py counts
+# backward ≈ 2.5× the forward's matmul work (FlashAttention-2, Dao 2023, §4), as benchmark.py counts
+FWD_BWD_FACTOR = 3.5
 
 
 def documents(n: int, count: int, ragged: bool, seed: int = 0) -> np.ndarray:
@@ -163,7 +164,7 @@ def measure(name: str, B: int, N: int, H: int, D: int, interpret: bool) -> dict:
     for what, f, factor in (("fwd", jax.jit(fn), 1), ("fwd+bwd", fwd_bwd(fn), FWD_BWD_FACTOR)):
         args = (q, k, v) if what == "fwd" else (q, k, v, dO)
         try:
-            t = median_time(f, *args, reps=2 if interpret else 10, batches=1 if interpret else 5, warmup=1)
+            t = time_calls(f, *args, reps=2 if interpret else 10, batches=1 if interpret else 5, warmup=1).seconds
             row[what] = {
                 "ms": t * 1e3,
                 "tflops_kept": factor * work / t / 1e12,

@@ -23,18 +23,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import threading
 import time
 import traceback
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file, it still finds `papers`
 
-import lowering
-import napkin_cat as nc
-from lowering import MosaicConfig, MosaicLowered, lower, plan
-from rewrites import derive, stream, tile
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import napkin_cat as nc  # noqa: E402
+from lowering import MosaicConfig, MosaicLowered, lower, plan  # noqa: E402
+from papers.flash_attention.timing import once, time_calls  # noqa: E402
+from rewrites import derive, stream, tile  # noqa: E402
 
 TOKENS, HEADS = 16384, 16
 #: relative error against the f32 reference: outputs (measured ≤ 2.2e-3 in bf16) and gradients
@@ -76,12 +79,11 @@ def matmul(g_m: int, g_n: int, s: int, dtype: str):
 
 
 def median_time(f, args, batches: int = 5, budget: float = 0.03) -> float:
-    """Seconds per call by :func:`lowering.median_time`, with batches of about ``budget`` s each."""
+    """Seconds per call by :func:`papers.flash_attention.timing.time_calls`, with batches of about ``budget`` s."""
     jax.block_until_ready(f(*args))
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    reps = max(3, min(100, int(budget / max(time.perf_counter() - t0, 1e-6))))
-    return lowering.median_time(f, *args, reps=reps, batches=batches, warmup=0)
+    _, first, _ = once(f, *args)
+    reps = max(3, min(100, int(budget / max(first, 1e-6))))
+    return time_calls(f, *args, reps=reps, batches=batches, warmup=0).seconds
 
 
 def reference(q, k, v, causal: bool):

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file, it still finds `papers`
 if "--quick" in sys.argv and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     # before jax starts: the quick path runs on 4 host devices (CPU)
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
@@ -26,7 +28,6 @@ import argparse  # noqa: E402 - after the device flag
 import functools  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -35,8 +36,9 @@ from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as Spec  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
-from lowering import lower, lower_devices, median_time  # noqa: E402
+from lowering import lower, lower_devices  # noqa: E402
 from napkin_cat.hardware import NVLINK4, System, for_device  # noqa: E402
+from papers.flash_attention.timing import once, time_calls  # noqa: E402
 from rewrites import derive, derive_devices, ring, stream, tile, zigzag  # noqa: E402
 from rewrites._verify import FAST_COMPILE  # noqa: E402
 
@@ -79,15 +81,14 @@ def compiled(fn) -> dict:
 
 def timed(fns: dict, args, backward: bool) -> float:
     """Seconds per call: after a compiling call, three single calls when one takes over 0.5 s (long sequences),
-    else the median over batches of back-to-back calls of about 0.2 s each."""
+    else the median over batches of back-to-back calls of about 0.2 s each. Wall clock: the ring runs on
+    several devices, whose kernel times CUPTI would add up."""
     f, args = fns[backward], args if backward else args[:3]
     jax.block_until_ready(f(*args))
-    start = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    once = time.perf_counter() - start
-    if once > 0.5:
-        return float(np.median([once, *(median_time(f, *args, reps=1, batches=1, warmup=0) for _ in range(2))]))
-    return median_time(f, *args, reps=max(1, int(0.2 / once)), batches=3, warmup=0)
+    _, first, _ = once(f, *args)
+    if first > 0.5:
+        return float(np.median([first, *time_calls(f, *args, reps=1, batches=2, warmup=0, method="wall").samples]))
+    return time_calls(f, *args, reps=max(1, int(0.2 / first)), batches=3, warmup=0, method="wall").seconds
 
 
 def measured_comm(mesh: Mesh, n: int, heads: int, d: int, dtype, devices: int) -> float:
@@ -101,7 +102,7 @@ def measured_comm(mesh: Mesh, n: int, heads: int, d: int, dtype, devices: int) -
 
     f = jax.jit(jax.shard_map(steps, mesh=mesh, in_specs=Spec(None, None, "sp"), out_specs=Spec(None, None, "sp")))
     k = jnp.ones((1, heads, n, d), dtype)
-    return median_time(f, k, k, reps=5, batches=3, warmup=1)
+    return time_calls(f, k, k, reps=5, batches=3, warmup=1, method="wall").seconds
 
 
 def run(args) -> Path:

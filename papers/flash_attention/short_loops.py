@@ -24,8 +24,9 @@ import jax
 import jax.numpy as jnp
 
 import napkin_cat as nc
-from lowering import lower, median_time
+from lowering import lower
 from lowering._triton import Config
+from papers.flash_attention.timing import time_calls
 from rewrites import derive, stream, tile
 
 HERE = Path(__file__).parent
@@ -76,7 +77,7 @@ def run(out: Path, quick: bool) -> Path:
 
                 both = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
                 reps = dict(reps=2, batches=1, warmup=1) if quick else {}
-                tf, tb = median_time(fwd, q, k, v, **reps), median_time(both, q, k, v, **reps)
+                tf, tb = time_calls(fwd, q, k, v, **reps).seconds, time_calls(both, q, k, v, **reps).seconds
                 row |= {"fwd_ms": tf * 1e3, "fwd_tflops": flops / tf / 1e12}
                 row |= {"fwd_bwd_ms": tb * 1e3, "fwd_bwd_tflops": 3.5 * flops / tb / 1e12}
             except Exception as e:  # noqa: BLE001 - a configuration that does not build is a result

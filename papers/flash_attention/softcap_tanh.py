@@ -10,15 +10,18 @@ checked against an f32 jax.numpy reference at N = 1024. Writes the JSON named on
 import contextlib
 import json
 import sys
+from pathlib import Path
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file, it still finds `papers`
 
-import lowering._triton
-import napkin_cat as nc
-from lowering import median_time
-from napkin_cat.library import SoftCap
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import lowering._triton  # noqa: E402
+import napkin_cat as nc  # noqa: E402
+from napkin_cat.library import SoftCap  # noqa: E402
+from papers.flash_attention.timing import time_calls  # noqa: E402
 
 CAP = 50.0
 LOG2E = 1.4426950408889634
@@ -104,7 +107,7 @@ def measure(f, g, mod, q, k, v, do, small, flops, cpu) -> dict:
         want = jax.grad(reference_loss, (0, 1, 2))(sq, sk, sv, sdo)
         row["grad_err"] = max(rel_err(a, b) for a, b in zip(g(sq, sk, sv, sdo), want, strict=True))
     if not cpu:
-        tf, tg = median_time(f, q, k, v), median_time(g, q, k, v, do)
+        tf, tg = time_calls(f, q, k, v).seconds, time_calls(g, q, k, v, do).seconds
         row |= {"fwd_ms": tf * 1e3, "fwd_tflops": flops / tf / 1e12}
         row |= {"fwdbwd_ms": tg * 1e3, "fwdbwd_tflops": 3.5 * flops / tg / 1e12}
     return row

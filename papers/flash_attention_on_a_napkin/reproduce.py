@@ -266,7 +266,7 @@ def data_rows() -> list[Row]:
 
 
 def rows() -> list[Row]:
-    """Every row of the reproduction, in table.md's order (the paper's model, formula by formula) (FAN v1's Ampere claim last)."""
+    """Every row of the reproduction, in table.md's order, formula by formula (FAN v1's Ampere claim last)."""
     return symbolic_rows() + quantization_rows() + threshold_rows() + hopper_rows() + data_rows() + ampere_rows()
 
 

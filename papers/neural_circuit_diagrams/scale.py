@@ -2,17 +2,16 @@
 
 Builds chains of n boxes (a residual MLP-like block repeated) with ``Diagram.then(*parts)``, then times
 ``to_jax`` tracing and evaluation (eager and under ``jax.jit``). Prints a table; discopy's ``>>`` in a
-Python loop and its stock functor are quadratic, which this library avoids (discopy 1.2.2's ``Diagram.then`` in a loop and ``Functor``).
+Python loop and its stock functor are quadratic (discopy 1.2.2), which this library avoids.
 """
 
 from __future__ import annotations
-
-import time
 
 import jax
 import jax.numpy as jnp
 
 import napkin_cat as nc
+from papers.flash_attention.timing import once
 
 
 def chain(n_boxes: int) -> nc.Diagram:
@@ -26,21 +25,14 @@ def chain(n_boxes: int) -> nc.Diagram:
 def main():
     print(f"{'boxes':>6} {'build s':>9} {'eval s':>9} {'jit trace+run s':>16} {'jit run ms':>11}")
     for n in (250, 500, 1000, 2000, 4000):
-        t = time.perf_counter()
-        d = chain(n)
-        build = time.perf_counter() - t
+        d, build, _ = once(chain, n)
         f = nc.to_jax(d)
         x = jnp.full((8, 16), 0.1)
-        t = time.perf_counter()
-        jax.block_until_ready(f(x))
-        ev = time.perf_counter() - t
+        _, ev, _ = once(f, x)
         g = jax.jit(f)
-        t = time.perf_counter()
-        jax.block_until_ready(g(x))
-        first = time.perf_counter() - t
-        t = time.perf_counter()
-        jax.block_until_ready(g(x))
-        print(f"{len(d.boxes):>6} {build:>9.3f} {ev:>9.3f} {first:>16.3f} {1e3 * (time.perf_counter() - t):>11.3f}")
+        _, first, _ = once(g, x)
+        _, run, _ = once(g, x)
+        print(f"{len(d.boxes):>6} {build:>9.3f} {ev:>9.3f} {first:>16.3f} {1e3 * run:>11.3f}")
 
 
 if __name__ == "__main__":
