@@ -22,6 +22,7 @@ from typing import Literal
 
 import jax
 
+from lowering import _spmd as spmd
 from lowering._backward import Piece, backward_of, differentiable
 from lowering._plan import NotLowerable, kept_whole, plan
 from lowering._registry import BACKENDS as BACKENDS  # the registered names, in "auto"'s order
@@ -127,7 +128,7 @@ class Kernel:
                 "(jax.jit(kernel).trace(...).lower(lowering_platforms=('cuda',))) but not run here; lower it with "
                 "interpret=None or interpret=True to run it here"
             )
-        return self._fn(*arrays)
+        return spmd.call(self._fn, self.diagram, arrays, bool(self.forward.interpret))  # per shard (lowering._spmd)
 
     @property
     def source(self) -> str:

@@ -566,6 +566,12 @@ class Attention:
         :func:`lowering.lower`'s ``backend``, ``backward``, ``interpret`` and ``hardware``. Rows whose every key
         is masked give 0; an empty axis gives an empty output, or zeros where there are no keys. See the module's
         docstring.
+
+        Sharding rule (:mod:`lowering._spmd`): the batch and head axes may be sharded (data and tensor
+        parallelism), and the query axis where no mask or score modifier reads its index (not under
+        ``is_causal``); the kernel then runs per shard, forward and backward, and the output keeps the query's
+        sharding, under Explicit or Auto mesh axes and inside ``jax.shard_map``. A sharded key axis or head dim
+        is refused with :class:`~lowering.NotLowerable` (reshard, or ring attention: docs/multi_device.md).
         """
         args = batched(query, key, value, bias, mask, segment_ids)
         if empty(*args[:3]):

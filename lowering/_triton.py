@@ -42,6 +42,7 @@ from lowering._plan import (
     unweave,
 )
 from lowering._source import describe
+from lowering._spmd import varying
 from napkin_cat.diagram import Diagram
 from napkin_cat.generators import Causal, Context, Contract, Elementwise, IndexMap, Jax, Kept, Mask, Partial
 from napkin_cat.hardware import H100, HARDWARE, Hardware, for_device
@@ -472,7 +473,11 @@ class Lowered:
         xp = Blocks(operand_dtype(d), tanh=None if self.interpret or operand_dtype(d) is None else native_tanh)
         flip = heavy_last(p, extent, padded)
         kernel = functools.partial(_kernel, p, sizes, extent, padded, xp, 4 * len(bounds), flip)
-        out_shape = [jax.ShapeDtypeStruct(tuple(padded[a.name] for a in w.axes), w.dtype.jnp) for w in d.cod.inside]
+        mat = varying(arrays)  # inside shard_map the outputs vary over the mesh axes the inputs do (lowering._spmd)
+        out_shape = [
+            jax.ShapeDtypeStruct(tuple(padded[a.name] for a in w.axes), w.dtype.jnp, manual_axis_type=mat)
+            for w in d.cod.inside
+        ]
         call = pl.pallas_call(
             kernel,
             grid=self._grid(padded),

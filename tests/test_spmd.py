@@ -1,0 +1,119 @@
+"""Lowered kernels under JAX's SPMD (lowering._spmd): ``nc.attention`` on inputs sharded over a 2 × 2 mesh, batch
+over "data" and heads over "model", under Explicit and Auto mesh axes and inside ``jax.shard_map(check_vma=True)``;
+gradients; the refusal of a sharded axis the kernel reduces over.
+
+Kernels on 4 devices need ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` before jax starts, and conftest
+starts jax with one device: ``test_spmd_on_four_cpu_devices`` reruns this file's ``test_four_*`` tests in a
+subprocess with the flag (as tests/test_multi_device.py does).
+
+Tolerances: f32, interpreted kernels, against ``jax.nn.dot_product_attention`` (no napkin_cat code): forward and
+gradients measured ≤ 1e-6 absolute at these sizes; TOL = 1e-5.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as Spec
+
+import napkin_cat as nc
+from lowering import NotLowerable
+
+TOL = 1e-5
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+on_four = pytest.mark.skipif(jax.device_count() < 4, reason="runs in test_spmd_on_four_cpu_devices' subprocess")
+BHD = Spec("data", None, "model", None)  # [batch, seq, heads, dim]: data parallel over batch, tensor over heads
+
+
+def test_spmd_on_four_cpu_devices():
+    if jax.device_count() >= 4:
+        pytest.skip("already on 4 devices: the test_four_* tests run here")
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:randomly", "-k", "four_", __file__]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
+
+
+def mesh(kind):
+    return jax.make_mesh((2, 2), ("data", "model"), axis_types=(kind,) * 2)
+
+
+def inputs(seed, m, spec=BHD, shape=(4, 24, 4, 16)):
+    arrays = jax.random.normal(jax.random.key(seed), (3, *shape))
+    return [jax.device_put(a, NamedSharding(m, spec)) for a in arrays]
+
+
+def close(a, b):
+    assert float(jnp.max(jnp.abs(a - b))) <= TOL
+
+
+def out_and_grads(f, q, k, v):
+    """The output and the gradients of a weighted sum of it (the weights random), in one compilation."""
+    w = jax.random.normal(jax.random.key(7), q.shape[:3] + (v.shape[3],))
+    out, pull = jax.vjp(f, q, k, v)
+    return out, pull(w.astype(out.dtype))
+
+
+def check(f, arrays):
+    """``f``'s output and gradients against jax.nn's on the same (unsharded) values; ``f``'s results returned."""
+    got = jax.jit(lambda *a: out_and_grads(f, *a))(*arrays)
+    want = out_and_grads(jax.nn.dot_product_attention, *(jnp.asarray(jax.device_get(a)) for a in arrays))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        close(g, w)
+    return got
+
+
+@on_four
+def test_four_explicit_axes_run_per_shard_and_keep_the_sharding(seed):
+    q, k, v = inputs(seed, mesh(AxisType.Explicit))
+    out, grads = check(nc.attention, (q, k, v))
+    assert all(jax.typeof(a).sharding.spec == BHD for a in (out, *grads))
+
+
+@on_four
+def test_four_auto_axes_propagate_through_the_kernel(seed):
+    q, k, v = inputs(seed, mesh(AxisType.Auto))
+    out, grads = check(nc.attention, (q, k, v))
+    for a in (out, *grads):
+        assert a.sharding.is_equivalent_to(q.sharding, 4) and not a.sharding.is_fully_replicated
+
+
+@on_four
+def test_four_inside_shard_map_with_check_vma(seed):
+    m = mesh(AxisType.Explicit)
+    per_shard = jax.shard_map(nc.attention, mesh=m, in_specs=BHD, out_specs=BHD, check_vma=True)
+    check(per_shard, inputs(seed, m))
+
+
+@on_four
+def test_four_a_sharded_key_axis_is_refused(seed):
+    m = mesh(AxisType.Explicit)
+    q, _, _ = inputs(seed, m)
+    k, v = inputs(seed + 1, m, Spec("data", "model", None, None))[:2]
+    with pytest.raises(NotLowerable) as e:
+        jax.jit(nc.attention)(q, k, v)
+    assert "input 1 splits axis 'kv_idx' over mesh axis model" in str(e.value)
+    assert "the box mixes elements along kv_idx" in str(e.value)
+    assert "reshard it to replicate 'kv_idx'" in str(e.value) and "docs/multi_device.md" in str(e.value)
+    causal_q = inputs(seed, m, Spec(None, "data", None, None))[0]  # the causal mask reads the query's index
+    with pytest.raises(NotLowerable, match=r"splits axis 'q_idx' over mesh axis data, but box 'mask causal"):
+        jax.jit(lambda q: nc.attention(q, q, q, is_causal=True))(causal_q)
+
+
+@on_four
+def test_four_docs_example_runs():
+    """docs/multi_device.md's sharded-attention example (its third Python block)."""
+    import re
+
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "multi_device.md").read_text(), re.S)
+    scope = {"jax": jax, "nc": nc}
+    exec(blocks[2], scope)  # noqa: S102 - the documentation's own example
+    assert jax.typeof(scope["out"]).sharding.spec == BHD
