@@ -1,0 +1,152 @@
+"""The front door as users write it: a sliding window given as a FlexAttention ``mask_mod`` lambda, timed against
+cuDNN's ``local_window_size`` in one process (issue 29's first target).
+
+``nc.attention(q, k, v, is_causal=True, mask_mod=lambda b, h, q_idx, kv_idx: q_idx - kv_idx < W)``: four positional
+parameters, FlexAttention's convention. The entry reads the lambda on linear expressions
+(:func:`napkin_cat.affine_masks.as_affine`), finds the window's two inequalities and lowers it as an
+:class:`~napkin_cat.library.Affine` mask, so the kernel skips the blocks the window hides; the script checks that it
+did (``affine``) before timing. cuDNN gets the same window as ``jax.nn.dot_product_attention(..., is_causal=True,
+local_window_size=(W - 1, 0), implementation="cudnn")``. Every output and gradient is checked against an f32
+reference on one batch element first. TFLOP/s count the visible (query, key) pairs: ``Σ_i min(i + 1, W)`` per head,
+4·D FLOPs each forward, 3.5× that forward + backward. Inputs are laid out [B, N, H, D] for both.
+
+    python papers/flash_attention/front_door.py [--out DIR] [--window 1024] [--seq 8192] [--quick]
+
+``--quick`` runs tiny sizes in interpret mode on a CPU (a smoke test; cuDNN is skipped there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file: find papers/ and the package
+
+import napkin_cat as nc  # noqa: E402
+from napkin_cat.library import Affine  # noqa: E402
+from papers.flash_attention.benchmark import device_info, device_stem  # noqa: E402
+from papers.flash_attention.timing import time_calls  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+FWD_BWD_FACTOR = 3.5  # the backward does 2.5× the forward's matrix products (FlashAttention-2, Dao 2023, §4)
+TOLERANCE = 2e-2  # bf16 relative error against the f32 reference (outputs and gradients), as mosaic_bench.py
+
+
+def visible_pairs(n: int, w: int) -> int:
+    """(query, key) pairs a causal window of ``w`` keys keeps over ``n`` tokens.
+
+    >>> visible_pairs(4, 2)  # rows see 1, 2, 2, 2 keys
+    7
+    """
+    return sum(min(i + 1, w) for i in range(n))
+
+
+def reference(q, k, v, w: int):
+    """f32 attention over the window, written here with jnp (no napkin-cat code)."""
+    q, k, v = (a.astype(jnp.float32) for a in (q, k, v))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1])
+    i, j = jnp.arange(q.shape[1])[:, None], jnp.arange(k.shape[1])[None, :]
+    s = jnp.where((j <= i) & (i - j < w), s, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+def window_mask(w: int):
+    """The window as a FlexAttention user writes it: four positional parameters.
+
+    >>> window_mask(4)(0, 0, 9, 6), window_mask(4)(0, 0, 9, 5)
+    (True, False)
+    """
+    return lambda b, h, q_idx, kv_idx: q_idx - kv_idx < w
+
+
+def implementations(window, w: int, gpu: bool) -> dict:
+    impls = {"napkin lambda": lambda q, k, v: nc.attention(q, k, v, is_causal=True, mask_mod=window)}
+    if gpu:
+        impls["cudnn window"] = lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, local_window_size=(w - 1, 0), implementation="cudnn"
+        )
+    return impls
+
+
+def rel(a, b) -> float:
+    return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)) / jnp.max(jnp.abs(b)))
+
+
+def measure(name, f, q, k, v, ct, w, flops) -> dict:
+    fwd = jax.jit(f)
+    grad = jax.jit(lambda q, k, v, ct: jax.vjp(f, q, k, v)[1](ct))
+    want, pull = jax.vjp(lambda *a: reference(*a, w), *(a[:1] for a in (q, k, v)))
+    errors = [rel(fwd(q, k, v)[:1], want)]
+    errors += [rel(g[:1], r) for g, r in zip(grad(q, k, v, ct), pull(ct[:1].astype(jnp.float32)), strict=True)]
+    row = {"impl": name, "max_rel_error": max(errors), "ok": max(errors) <= TOLERANCE}
+    for section, fn, args, factor in (("fwd", fwd, (q, k, v), 1), ("fwdbwd", grad, (q, k, v, ct), FWD_BWD_FACTOR)):
+        t = time_calls(fn, *args, reps=10, batches=7, warmup=2)
+        row[section] = {"ms": t.ms, "tflops": factor * flops / t.seconds / 1e12, "clock": t.method}
+    print(f"{name:14s} fwd {row['fwd']['tflops']:6.1f}  fwd+bwd {row['fwdbwd']['tflops']:6.1f} TFLOP/s  "
+          f"err {row['max_rel_error']:.1e} ({row['fwd']['clock']})", flush=True)
+    return row
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=HERE / "results")
+    p.add_argument("--window", type=int, default=1024)
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--quick", action="store_true")
+    o = p.parse_args(argv)
+    b, h, n, d, w = (1, 2, 256, 64, 64) if o.quick else (2, 16, o.seq, 128, o.window)
+    dev, gpu = device_info(), jax.default_backend() == "gpu"
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v, ct = (jax.random.normal(kk, (b, n, h, d), jnp.bfloat16) for kk in keys)
+    flops = 4 * b * h * d * visible_pairs(n, w)
+    window = window_mask(w)
+    impls = implementations(window, w, gpu)
+    made = nc.attention.kernel_for(q, k, v, is_causal=True, mask_mod=window)
+    masks = [type(box.params["mask"]).__name__ for box in made.derivation.diagram.boxes if "mask" in box.params]
+    affine = any(m == Affine.__name__ for m in masks)
+    print(f"{dev['kind']}: B={b} H={h} N={n} D={d} W={w} bf16; the lambda lowered as {masks} (affine: {affine})")
+    res = {"device": dev, "sizes": dict(B=b, H=h, N=n, D=d, W=w), "affine": affine, "masks": masks, "rows": []}
+    for name, f in impls.items():
+        res["rows"].append(measure(name, f, q, k, v, ct, w, flops))
+    rows = {r["impl"]: r for r in res["rows"]}
+    if "cudnn window" in rows:
+        res["ratios"] = {
+            s: rows["napkin lambda"][s]["tflops"] / rows["cudnn window"][s]["tflops"] for s in ("fwd", "fwdbwd")
+        }
+        print("napkin lambda ÷ cuDNN window: " + ", ".join(f"{s} {r:.2f}×" for s, r in res["ratios"].items()))
+    stem = f"front_door_{device_stem(dev['kind'])}{'_quick' if o.quick else ''}"
+    o.out.mkdir(parents=True, exist_ok=True)
+    (o.out / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    plot(res, o.out / f"{stem}.png")
+    return res
+
+
+def plot(res: dict, path: Path) -> None:
+    """Bars: forward and forward + backward TFLOP/s (visible pairs) per implementation, with the GPU's name."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for i, s in enumerate(("fwd", "fwdbwd")):
+        ys = [r[s]["tflops"] for r in res["rows"]]
+        label = {"fwd": "forward", "fwdbwd": "forward + backward"}[s]
+        ax.bar([x + 0.4 * i for x in range(len(ys))], ys, 0.4, label=label)
+    ax.set_xticks([x + 0.2 for x in range(len(res["rows"]))], [r["impl"] for r in res["rows"]])
+    z = res["sizes"]
+    ax.set_title(f"{res['device']['kind']}: causal window W={z['W']}, N={z['N']}, D={z['D']}", fontsize=9)
+    ax.set_ylabel("TFLOP/s (visible pairs)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
