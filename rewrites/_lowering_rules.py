@@ -202,8 +202,22 @@ def _declared(box, axis: str) -> tuple | None:
 def _off_trace(fn, *args):
     """``fn(*args)`` in a thread of its own, where no caller's trace is active (JAX's trace state is per thread):
     the probes compute on concrete numbers also where a kernel, a jit or a shard_map is being traced."""
+    def on_cpu(*args):  # tiny arrays: the host compiles them fastest, and a GPU's memory is left alone
+        with jax.default_device(jax.devices("cpu")[0]):
+            return fn(*args)
+
     with ThreadPoolExecutor(1) as worker:
-        return worker.submit(fn, *args).result()
+        return worker.submit(on_cpu, *args).result()
+
+
+def _plain(box):
+    """``box`` with symbolic, unlabelled axes: what a probe evaluates, and the key its result is cached by (the same
+    generator at other sizes or partitions, in the forward or a backward kernel, pads alike)."""
+    return _unlabelled(box).boxes[0]
+
+
+def _unlabelled(box) -> Diagram:
+    return box.map_arrays(lambda w: w.with_(axes=[Axis(a.name) for a in w.axes]))
 
 
 def _probe(box, axis: str, pads: tuple) -> bool:
@@ -214,7 +228,7 @@ def _probe(box, axis: str, pads: tuple) -> bool:
 
 
 def _probe_here(box, axis: str, pads: tuple) -> bool:
-    plain = box.map_arrays(lambda w: w.with_(axes=[Axis(a.name) for a in w.axes]))  # symbolic, unlabelled
+    plain = _unlabelled(box)  # symbolic, unlabelled
     rng = np.random.default_rng(0)
     with jax.ensure_compile_time_eval():  # concrete numbers where the thread itself traces
         xs = [jnp.asarray(rng.standard_normal([2] * len(w.axes), np.float32), w.dtype.jnp) for w in box.dom.inside]
@@ -253,7 +267,7 @@ def _neutral(box, axis: str) -> tuple[tuple | None, tuple | None]:
     declared = _declared(box, axis)
     first = [declared] if declared is not None else []
     per_input = [tuple(dict.fromkeys(((declared[k],) if declared else ()) + CANDIDATES)) for k in range(len(box.dom))]
-    for pads in (*first, *itertools.product(*per_input)):
+    for pads in dict.fromkeys((*first, *itertools.product(*per_input))):
         if _probe(box, axis, pads):
             return pads, declared
     return None, declared
@@ -286,9 +300,9 @@ def neutral_padding(d: Diagram, axis: str, rule: str = "pad_neutral") -> dict:
         if is_structural(box) or axis not in box.mixes:
             continue
         try:
-            found, declared = _neutral(box, axis)
+            found, declared = _neutral(_plain(box), axis)
         except TypeError:  # a box with unhashable parameters: probed uncached
-            found, declared = _neutral.__wrapped__(box, axis)
+            found, declared = _neutral.__wrapped__(_plain(box), axis)
         if found is None:
             own = f"with {declared}" if declared is not None else "(it declares no padding value)"
             raise _refusal(rule, box, axis, own, declared)
