@@ -36,13 +36,13 @@ from rewrites._rule import RewriteError
 
 def partitions(d: Diagram) -> tuple[dict, dict]:
     """The tiled axes ``{name: g}`` and streamed axes ``{name: s}`` of a diagram's input and output wires
-(``int``, or the size's symbol where a rule left it open).
+    (``int``, or the size's symbol where a rule left it open).
 
-    >>> import napkin_cat as nc
-    >>> from rewrites import tile, stream
-    >>> a, b, c = nc.axes("a b c")
-    >>> partitions(stream(b, 8)(tile(a, 4)(nc.library.matmul(a, b, c))))
-    ({'a': 4}, {'b': 8})
+        >>> import napkin_cat as nc
+        >>> from rewrites import tile, stream
+        >>> a, b, c = nc.axes("a b c")
+        >>> partitions(stream(b, 8)(tile(a, 4)(nc.library.matmul(a, b, c))))
+        ({'a': 4}, {'b': 8})
     """
     tiles, streams = {}, {}
     for w in (*d.dom.inside, *d.cod.inside):
@@ -158,7 +158,9 @@ def _split(d: Diagram, values: list, ctx: Context, a: str, g: int, streams: dict
     accumulator states (in chunks where ``a`` is also streamed), the groups' states are merged by each
     accumulator's ``combine``, and the merged states are finalized."""
     if set(streams) - {a}:
-        raise RewriteError("execute", f"{a} is split across the grid, so only {a} may be streamed, got {sorted(streams)}")
+        raise RewriteError(
+            "execute", f"{a} is split across the grid, so only {a} may be streamed, got {sorted(streams)}"
+        )
     n, s = _extent(d.dom.inside, values, a), streams.get(a, g)
     states: dict = {}
     for group in range(0, n, g):

@@ -96,7 +96,9 @@ class split_kv(Rule):  # noqa: N801 - rules are named as verbs, like functions
             raise self.fail(f"no wire has axis {x}; axes here: {', '.join(sorted(axis_names(d)))}", axis=x)
         labelled = [a for w in (*d.dom.inside, *d.cod.inside) for a in w.axes if a.name == x]
         if any(w.has(x) for w in d.cod.inside):
-            raise self.fail(f"no box removes {x}: an output keeps it, so its groups need no merge; use tile({x}, g)", axis=x)
+            raise self.fail(
+                f"no box removes {x}: an output keeps it, so its groups need no merge; use tile({x}, g)", axis=x
+            )
         if any(a.group is not None or a.stream is not None for a in labelled):
             raise self.fail(f"{x} is already tiled or streamed; apply split_kv first, then tile and stream", axis=x)
         size = labelled[0].size
