@@ -286,7 +286,17 @@ the cache's valid keys, the Nq new tokens included
     chunk = math.ceil(keys / n)
     fns = tuple(None if f is None else positional(f, FLEX, score=s) for f, s in ((score_mod, True), (mask_mod, False)))
     plan = Plan(jnp.dtype(q.dtype).name, nq, group, (dim, dv), n, chunk, scale, *fns, backend, interpret)
-    kernel = _kernel(plan)
+    _kernel(plan)  # built (derived, verified, lowered) here, outside any trace of the caller's
+    out, lse = _step(plan, q, k_cache, v_cache, lengths)
+    return (out, lse) if return_residual else out
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _step(plan: Plan, q, k_cache, v_cache, lengths):
+    """One decode step for ``plan`` (compiled once per plan and shapes; ``lengths`` are values): the queries packed
+    into rows and repeated per part, the caches read as parts, the kernel, the parts merged."""
+    (batch, nq, heads, dim), (_, keys, kv_heads, dv) = q.shape, v_cache.shape
+    n, chunk, group, kernel = plan.parts, plan.chunk, plan.group, _kernel(plan)
     # rows (token, head in group) per KV head; the queries repeated for each part (small beside the cache)
     rows = q.reshape(batch, nq, kv_heads, group, dim).transpose(0, 1, 3, 2, 4)
     rows = rows.reshape(batch, plan.rows, kv_heads, dim)
@@ -300,7 +310,5 @@ the cache's valid keys, the Nq new tokens included
     lse = _arrange(lse, l_names, "b q_idx h").reshape(batch, n, plan.rows, kv_heads)
     out, lse = merge_parts(o, lse, 1)
     out = out.reshape(batch, nq, group, kv_heads, dv).transpose(0, 1, 3, 2, 4).reshape(batch, nq, heads, dv)
-    if not return_residual:
-        return out.astype(q.dtype)
     lse = lse.reshape(batch, nq, group, kv_heads).transpose(0, 1, 3, 2).reshape(batch, nq, heads)
     return out.astype(q.dtype), lse
