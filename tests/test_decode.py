@@ -17,8 +17,8 @@ from napkin_cat.errors import EvaluationError
 from napkin_cat.generators._softmax import OnlineSoftmax
 from rewrites import RewriteError, derive, merge_parts, prove_merge, prove_monoid, split_kv, stream, tile
 
-#: max abs error by dtype, measured on these sizes (f32 ~1e-6; bf16 outputs round at 2⁻⁸ of values ≲ 2)
-ATOL = {"float32": 2e-5, "bfloat16": 2e-2}
+#: max abs error by dtype: measured on these cases at most 4.8e-7 (f32) and 4.4e-3 (bf16, its output rounding)
+ATOL = {"float32": 5e-6, "bfloat16": 1e-2}
 
 #: (dtype, B, Nq, H, H_kv, S, parts): GQA groups 4, 2, 4; parts 2, 3 and 4 (S = 38: ragged); parts 1 below
 CASES = [
