@@ -13,6 +13,7 @@ True
 
 from lowering._api import Kernel, OpenKernel, lower
 from lowering._attention import AttentionKernel, attention
+from lowering._decode import decode_attention
 from lowering._devices import DeviceKernel, lower_devices
 from lowering._mosaic import MosaicConfig, MosaicLowered
 from lowering._plan import NotLowerable, Plan, plan
@@ -26,4 +27,5 @@ __all__ = [
     "AttentionKernel", "Choice", "Config", "Kernel", "Lowered", "MosaicConfig", "MosaicLowered", "NotLowerable",
     "OpenKernel", "Plan", "attention", "choose_tiles", "lower", "median_time", "plan", "predicted_time",
     "XlaConfig", "XlaLowered",  # the XLA backend (lowering.xla)
+    "decode_attention",  # split-KV decoding (lowering._decode)
 ]

@@ -6,9 +6,10 @@
 >>> print(attn.dom, "→", attn.cod)
 q×d ⊗ x×d ⊗ x×d → q×d
 
-One name is the application entry rather than the language: ``nc.attention(q, k, v, ...)``, the drop-in
-for ``jax.nn.dot_product_attention`` (:mod:`lowering._attention`), loaded on first use so that importing
-napkin_cat never imports the lowering.
+Two names are application entries rather than the language: ``nc.attention(q, k, v, ...)``, the drop-in
+for ``jax.nn.dot_product_attention`` (:mod:`lowering._attention`), and ``nc.decode_attention(q, k_cache,
+v_cache, lengths)`` (:mod:`lowering._decode`), loaded on first use so that importing napkin_cat never
+imports the lowering.
 """
 
 from napkin_cat import architectures, hardware, library, optimize
@@ -73,15 +74,16 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """``attention``, the drop-in entry, imported from :mod:`lowering` when first asked for.
+    """``attention``, the drop-in entry, and ``decode_attention`` (split-KV decoding), imported from
+    :mod:`lowering` when first asked for.
 
     >>> import napkin_cat as nc
     >>> from lowering import attention
     >>> nc.attention is attention
     True
     """
-    if name == "attention":
-        from lowering import attention
+    if name in ("attention", "decode_attention"):
+        import lowering
 
-        return attention
+        return getattr(lowering, name)
     raise AttributeError(f"module 'napkin_cat' has no attribute {name!r}")

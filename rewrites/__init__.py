@@ -42,6 +42,7 @@ from rewrites._pseudocode import pseudocode
 from rewrites._rule import AUTO, OpenSize, RewriteError, Rule, bind_sizes, open_sizes, resolve
 from rewrites._schedule import execute, partitions, walk
 from rewrites._split import split
+from rewrites._split_kv import choose_parts, merge_parts, prove_merge, split_kv, with_lse
 from rewrites._stream import fuse_softmax, fuse_softmax_contract, stream, streamability
 from rewrites._tile import tile
 from rewrites._verify import Trial, Verification, random_inputs, relative_error, tolerance
@@ -55,4 +56,5 @@ __all__ = [
     "narrow_operands", "open_sizes", "partitions", "prove_accumulator", "prove_equivalent", "prove_lemmas",
     "prove_monoid", "pseudocode", "random_inputs", "reduced", "relative_error", "resolve", "row_weight_lemma", "split",
     "stream", "streamability", "tile", "tolerance", "walk", "widened",
+    "choose_parts", "merge_parts", "prove_merge", "split_kv", "with_lse",  # split-KV (rewrites._split_kv)
 ]

@@ -36,13 +36,13 @@ from rewrites._rule import RewriteError
 
 def partitions(d: Diagram) -> tuple[dict, dict]:
     """The tiled axes ``{name: g}`` and streamed axes ``{name: s}`` of a diagram's input and output wires
-(``int``, or the size's symbol where a rule left it open).
+    (``int``, or the size's symbol where a rule left it open).
 
-    >>> import napkin_cat as nc
-    >>> from rewrites import tile, stream
-    >>> a, b, c = nc.axes("a b c")
-    >>> partitions(stream(b, 8)(tile(a, 4)(nc.library.matmul(a, b, c))))
-    ({'a': 4}, {'b': 8})
+        >>> import napkin_cat as nc
+        >>> from rewrites import tile, stream
+        >>> a, b, c = nc.axes("a b c")
+        >>> partitions(stream(b, 8)(tile(a, 4)(nc.library.matmul(a, b, c))))
+        ({'a': 4}, {'b': 8})
     """
     tiles, streams = {}, {}
     for w in (*d.dom.inside, *d.cod.inside):
@@ -131,13 +131,17 @@ def scheduled(d: Diagram, values: list, ctx: Context) -> list:
     tiles, streams = partitions(d)
     if len(streams) > 1:
         raise RewriteError("execute", f"one streamed axis per kernel is supported, got {sorted(streams)}")
-    return _tiled(d, list(values), ctx, list(tiles.items()), streams)
+    # a tiled axis that no output keeps (split-KV, rewrites._split_kv) is looped innermost: its groups' states merge
+    order = sorted(tiles.items(), key=lambda t: not any(w.has(t[0]) for w in d.cod.inside))
+    return _tiled(d, list(values), ctx, order, streams)
 
 
 def _tiled(d: Diagram, values: list, ctx: Context, tiles: list, streams: dict) -> list:
     if not tiles:
         return _streamed(d, values, ctx, streams)
     (a, g), rest = tiles[0], tiles[1:]
+    if not any(w.has(a) for w in d.cod.inside):
+        return _split(d, values, ctx, a, g, streams)
     n = _extent(d.dom.inside, values, a)
     pieces = []
     for start in range(0, n, g):
@@ -147,6 +151,28 @@ def _tiled(d: Diagram, values: list, ctx: Context, tiles: list, streams: dict) -
         ctx.xp.concatenate([p[k] for p in pieces], axis=w.names.index(a)) if w.has(a) else pieces[0][k]
         for k, w in enumerate(d.cod.inside)
     ]
+
+
+def _split(d: Diagram, values: list, ctx: Context, a: str, g: int, streams: dict) -> list:
+    """A reduced axis ``a`` group-partitioned across the grid (split-KV): each group of ``g`` folds its own
+    accumulator states (in chunks where ``a`` is also streamed), the groups' states are merged by each
+    accumulator's ``combine``, and the merged states are finalized."""
+    if set(streams) - {a}:
+        raise RewriteError(
+            "execute", f"{a} is split across the grid, so only {a} may be streamed, got {sorted(streams)}"
+        )
+    n, s = _extent(d.dom.inside, values, a), streams.get(a, g)
+    states: dict = {}
+    for group in range(0, n, g):
+        own: dict = {}
+        for start in range(group, min(group + g, n), s):
+            stop = min(start + s, group + g, n)
+            chunk = [_slice(v, w, a, start, stop) for v, w in zip(values, d.dom.inside, strict=True)]
+            walk(d, chunk, ctx.at(**{a: ctx.offsets.get(a, 0) + start}), a, "chunk", own)
+        for i, state in own.items():
+            states[i] = state if i not in states else d.boxes[i].accumulator(a).combine(states[i], state, ctx)
+    final = [None if w.has(a) else v for v, w in zip(values, d.dom.inside, strict=True)]
+    return walk(d, final, ctx, a, "final", states)
 
 
 def _streamed(d: Diagram, values: list, ctx: Context, streams: dict) -> list:

@@ -1,0 +1,314 @@
+"""``decode_attention``: the newest tokens of each sequence against its KV cache, by split-KV.
+
+A decode step (``Nq`` = 1 to 64 new query tokens per sequence, a long cache) run as a prefill launches one
+program per (batch, head) and leaves most SMs idle. Here the cache is split into ``n`` parts
+(:func:`rewrites.split_kv`, ``n`` from :func:`rewrites.choose_parts`: enough programs to fill the SMs); the
+parts become a batch axis of one kernel (the cache ``[B, S, H_kv, D]`` read as ``[B·n, S/n, H_kv, D]``, a
+reshape), each part's kernel outputs its ``(o, lse)`` (:func:`rewrites.with_lse`, lowered by
+:func:`lowering.lower`), and the parts merge in JAX by the log-sum-exp merge (:func:`rewrites.merge_parts`,
+``[B, n, Nq, H]`` numbers, cheap). The per-part diagram's schedule is derived and verified (``derive``); the
+split itself is the rule ``split_kv`` verified and proved in :mod:`rewrites._split_kv`.
+
+**Layout and masks.** ``q`` ``[B, Nq, H, D]`` are the tokens at positions ``lengths − Nq … lengths − 1`` of each
+sequence (bottom-right causal alignment: query ``i`` sees keys ``< lengths − Nq + i + 1``); caches ``[B, S, H_kv,
+D]`` hold ``lengths[b]`` valid keys (the rest is never seen). Grouped-query heads of one KV head are packed into
+the kernel's rows (``Nq · H/H_kv`` rows per KV head, FlashInfer's trick), so the cache is read once per KV head.
+``lengths`` are read when the kernel runs (segment ids per key, and for ``Nq > 1`` a boolean mask of the
+causal tail), so one kernel serves every length, under ``jax.jit`` too. Blocks past a sequence's length are
+skipped, not read.
+
+**Index functions** (FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx)``, ``mask_mod(b, h, q_idx,
+kv_idx)``, or by name) read the batch ``b``, the query head ``h`` and the key's position ``kv_idx`` in the cache;
+the query's position is ``lengths[b] − Nq + i``, a runtime value, so one that reads ``q_idx`` is refused.
+
+Gradients are not defined: decoding is inference, and differentiating raises :class:`~lowering.NotLowerable`
+(the kernels are lowered with no backward).
+
+>>> import jax, jax.numpy as jnp
+>>> q = jax.random.normal(jax.random.key(0), (2, 1, 8, 16))
+>>> k, v = (jax.random.normal(jax.random.key(i), (2, 40, 2, 16)) for i in (1, 2))
+>>> lengths = jnp.array([40, 7])
+>>> out = decode_attention(q, k, v, lengths)
+>>> valid = jnp.arange(40)[None, :] < lengths[:, None]
+>>> ref = jax.nn.dot_product_attention(q, k, v, mask=valid[:, None, None, :])
+>>> out.shape, bool(jnp.allclose(out, ref, atol=1e-5))
+((2, 1, 8, 16), True)
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from lowering._api import lower
+from lowering._plan import NotLowerable
+from napkin_cat import library
+from napkin_cat.axes import axes
+from napkin_cat.dtypes import bf16, f16, f32
+from napkin_cat.errors import EvaluationError
+from napkin_cat.generators import fname, index_names, positional
+from napkin_cat.hardware import Hardware, lookup
+from rewrites import choose_parts, derive, merge_parts, stream, tile, with_lse
+
+#: the most new tokens per sequence a decode step takes (speculative decoding, chunked prefill); more is a prefill
+MAX_QUERIES = 64
+#: FlexAttention's index names, in the order its functions take them
+FLEX = ("b", "h", "q_idx", "kv_idx")
+DTYPES = {"float32": f32, "bfloat16": bf16, "float16": f16}
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """A user's index function read on the kernel's indices: the kernel's batch ``b`` is (sequence, part) and its
+    head ``h`` the KV head, its rows (token, head in group) and its keys a part's; the user's ``b``, ``h``,
+    ``kv_idx`` are the sequence, the query head and the key's position in the cache.
+
+    >>> f = Decoded(lambda s, b, h, kv_idx: s + 100 * b + 10 * h + kv_idx, parts=2, chunk=8, group=4, score=True)
+    >>> f(0, b=3, h=1, q_idx=6, kv_idx=5)  # sequence 1, part 1; query head 1·4 + 6 % 4; key 8 + 5
+    173
+    """
+
+    fn: Callable
+    parts: int
+    chunk: int
+    group: int
+    score: bool
+
+    def _names(self) -> tuple[str, ...]:
+        names = index_names(self.fn, score=self.score)
+        return ("b", "h", "kv_idx") if names is None else names
+
+    def __call__(self, *value, b, h, q_idx, kv_idx):
+        mine = {"b": b // self.parts, "h": h * self.group + q_idx % self.group}
+        mine["kv_idx"] = (b % self.parts) * self.chunk + kv_idx
+        return self.fn(*value, **{n: mine[n] for n in self._names()})
+
+    @property
+    def __signature__(self):
+        kw, first = inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_ONLY
+        value = [inspect.Parameter("score", first)] if self.score else []
+        return inspect.Signature([*value, *(inspect.Parameter(n, kw) for n in FLEX)])
+
+    @property
+    def __name__(self):
+        return fname(self.fn)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a decode kernel depends on (its cache key): dtype, new tokens ``queries``, heads per KV head
+    ``group``, head dims, the parts ``n`` and keys per part ``chunk``, the scale, the index functions, and how to
+    lower. Shapes with equal plans share a kernel; the batch size stays symbolic."""
+
+    dtype: str
+    queries: int
+    group: int
+    dims: tuple[int, int]
+    parts: int
+    chunk: int
+    scale: float | None = None
+    score_mod: Callable | None = None
+    mask_mod: Callable | None = None
+    backend: str = "auto"
+    interpret: bool | None = None
+
+    @property
+    def rows(self) -> int:
+        """The kernel's rows per KV head: the new tokens times the query heads sharing it."""
+        return self.queries * self.group
+
+    def blocks(self) -> tuple[int, int]:
+        """Rows per tile and keys per streamed chunk: powers of two ≥ 16 (every 16-bit dot's K), at most 64."""
+        pow2 = lambda n: max(16, 1 << (n - 1).bit_length())  # noqa: E731
+        return min(64, pow2(self.rows)), min(64, pow2(self.chunk))
+
+    def kernel(self):
+        """The per-part kernel: the diagram with its (o, lse) outputs, its schedule derived and verified, lowered."""
+        b, h, q, x = axes("b h q_idx kv_idx")
+        d, dv = axes("d dv", d=self.dims[0], dv=self.dims[1])
+        mods = {}
+        for key, fn, score in (("score_mod", self.score_mod, True), ("mask", self.mask_mod, False)):
+            if fn is not None:
+                mods[key] = Decoded(fn, self.parts, self.chunk, self.group, score)
+        diagram = library.dot_product_attention(
+            q,
+            x,
+            d,
+            scale=self.scale,
+            dtype=DTYPES[self.dtype],
+            batch=(b, h),
+            seq_at=1,  # [b, seq, h, d]: the caller's layout, read in place
+            segment_batch=(b,),
+            mask_batch=(b,) if self.queries > 1 else None,
+            value_dim=dv if self.dims[1] != self.dims[0] else None,
+            **mods,
+        )
+        rows, chunk = self.blocks()
+        derivation = derive(diagram, tile(q, rows), stream(x, chunk))
+        return lower(with_lse(derivation.diagram, x.name), self.backend, interpret=self.interpret)
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel(plan: Plan):
+    # in a thread of its own, off any caller's jit trace: the derivation verifies on concrete arrays
+    with ThreadPoolExecutor(1) as worker:
+        return worker.submit(plan.kernel).result()
+
+
+def _checked(q, k_cache, v_cache, lengths) -> None:
+    """Refuse arguments the entry cannot take, naming the argument, the condition and the fix."""
+    shapes = f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+    if not q.ndim == k_cache.ndim == v_cache.ndim == 4:
+        raise EvaluationError(f"decode_attention: q, k_cache, v_cache must be [B, N, heads, dim]; {shapes}")
+    (batch, nq, heads, dim), (_, keys, kv_heads, _) = q.shape, k_cache.shape
+    if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[0] != batch or k_cache.shape[3] != dim:
+        raise EvaluationError(f"decode_attention: the caches must be [B, S, H_kv, D] for q's B and D; {shapes}")
+    if not 1 <= nq <= MAX_QUERIES:
+        raise EvaluationError(
+            f"decode_attention: q holds {nq} new tokens per sequence; a decode step takes 1 to {MAX_QUERIES} "
+            "(for more, run the prefill with nc.attention)"
+        )
+    if nq > keys or kv_heads == 0 or heads % kv_heads:
+        raise EvaluationError(
+            f"decode_attention: need Nq ≤ S and q's heads a multiple of the caches' (grouped-query); {shapes}"
+        )
+    dtypes = {jnp.dtype(a.dtype).name for a in (q, k_cache, v_cache)}
+    if len(dtypes) != 1 or not dtypes <= DTYPES.keys():
+        raise EvaluationError(f"decode_attention: q and the caches must share one of {', '.join(DTYPES)}; {dtypes}")
+    if tuple(lengths.shape) != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise EvaluationError(
+            f"decode_attention: lengths must be integers of shape [B] = [{batch}], got "
+            f"{jnp.dtype(lengths.dtype).name} {tuple(lengths.shape)}"
+        )
+    if not isinstance(lengths, jax.core.Tracer):
+        bad = [int(n) for n in jnp.asarray(lengths) if not nq <= int(n) <= keys]
+        if bad:
+            raise EvaluationError(
+                f"decode_attention: lengths {bad} outside [Nq, S] = [{nq}, {keys}]: each length counts the cache's "
+                "valid keys, the Nq new tokens included"
+            )
+
+
+def _parts(batch: int, kv_heads: int, keys: int, hardware: Hardware) -> int:
+    """``choose_parts``'s number, moved to a divisor of the keys where one is at least half of it (no padding)."""
+    n = choose_parts(batch * kv_heads, keys, hardware)
+    return next((m for m in range(n, (n + 1) // 2 - 1, -1) if keys % m == 0), n)
+
+
+def _masks(lengths, plan: Plan, batch: int):
+    """Per part: the keys' segment ids (1 valid, 0 past the length), the rows' (all 1), and for ``Nq > 1`` the
+    causal tail: row ``i·group + g`` keeps key ``j < lengths − Nq + i + 1``."""
+    n, c = plan.parts, plan.chunk
+    j = jnp.arange(n * c).reshape(1, n, c)
+    length = lengths.astype(jnp.int32).reshape(batch, 1, 1)
+    kv_ids = (j < length).astype(jnp.int32).reshape(batch * n, c)
+    q_ids = jnp.ones((batch * n, plan.rows), jnp.int32)
+    if plan.queries == 1:
+        return q_ids, kv_ids
+    token = jnp.arange(plan.rows) // plan.group
+    seen = j[:, :, None, :] < (length - plan.queries + 1)[..., None] + token[None, None, :, None]
+    return seen.reshape(batch * n, plan.rows, c), q_ids, kv_ids
+
+
+def _inference(kernel) -> Callable:
+    """``kernel`` with no gradient: differentiating it raises :class:`NotLowerable` (decoding is inference)."""
+
+    @jax.custom_vjp
+    def f(*xs):
+        return kernel(*xs)
+
+    def backward(_, __):
+        raise NotLowerable("decode_attention has no gradient (decoding is inference); train with nc.attention")
+
+    f.defvjp(lambda *xs: (kernel(*xs), None), backward)
+    return f
+
+
+def _arrange(value, names: tuple[str, ...], want: str):
+    """``value`` (axes ``names``) transposed into the order of ``want`` (space-separated names)."""
+    return jnp.transpose(value, [names.index(n) for n in want.split()])
+
+
+def decode_attention(
+    q,
+    k_cache,
+    v_cache,
+    lengths,
+    *,
+    scale: float | None = None,
+    score_mod: Callable | None = None,
+    mask_mod: Callable | None = None,
+    return_residual: bool = False,
+    parts: int | None = None,
+    backend: str = "auto",
+    interpret: bool | None = None,
+    hardware: Hardware | str | None = None,
+):
+    """Attention of the ``Nq`` newest tokens ``q`` ``[B, Nq, H, D]`` over the caches ``[B, S, H_kv, D]`` holding
+    ``lengths`` ``[B]`` valid keys each, by split-KV (the module's docstring). ``parts`` overrides the number of
+    parts chosen for ``hardware`` (by default an H100's SMs). Returns ``[B, Nq, H, Dv]``
+    in q's dtype, and with ``return_residual`` also the log-sum-exp ``[B, Nq, H]`` (f32; −∞ where no key is seen).
+
+    >>> import jax, jax.numpy as jnp
+    >>> q, k, v = (jax.random.normal(jax.random.key(i), (1, n, 4, 16)) for i, n in ((0, 2), (1, 24), (2, 24)))
+    >>> out, lse = decode_attention(q, k, v, jnp.array([10]), parts=3, return_residual=True)
+    >>> keep = jnp.arange(24)[None, :] < jnp.array([[9], [10]])  # query i sees keys < 10 − 2 + i + 1
+    >>> ref = jax.nn.dot_product_attention(q, k, v, mask=keep[None, None])
+    >>> bool(jnp.allclose(out, ref, atol=1e-5)), lse.shape
+    (True, (1, 2, 4))
+    >>> decode_attention(q, k, v, jnp.array([30]))
+    Traceback (most recent call last):
+    ...
+    napkin_cat.errors.EvaluationError: decode_attention: lengths [30] outside [Nq, S] = [2, 24]: each length counts \
+the cache's valid keys, the Nq new tokens included
+    """
+    _checked(q, k_cache, v_cache, lengths)
+    (batch, nq, heads, dim), (_, keys, kv_heads, dv) = q.shape, v_cache.shape
+    group = heads // kv_heads
+    for name, fn, score in (("score_mod", score_mod, True), ("mask_mod", mask_mod, False)):
+        if fn is not None and "q_idx" in (index_names(positional(fn, FLEX, score=score), score=score) or ()):
+            raise NotLowerable(
+                f"decode_attention: {name} {fname(fn)} reads q_idx; a new token's position is lengths[b] − Nq + i, "
+                "known only when the kernel runs: name only the indices it reads among b, h and kv_idx (the key's "
+                "position in the cache), e.g. lambda score, kv_idx: ..."
+            )
+    hw = lookup(hardware) if hardware is not None else lookup("H100")
+    n = _parts(batch, kv_heads, keys, hw) if parts is None else parts
+    if not isinstance(n, int) or not 1 <= n <= keys:
+        raise EvaluationError(f"decode_attention: parts must be an integer in [1, S] = [1, {keys}], got {n!r}")
+    chunk = math.ceil(keys / n)
+    fns = tuple(None if f is None else positional(f, FLEX, score=s) for f, s in ((score_mod, True), (mask_mod, False)))
+    plan = Plan(jnp.dtype(q.dtype).name, nq, group, (dim, dv), n, chunk, scale, *fns, backend, interpret)
+    _kernel(plan)  # built (derived, verified, lowered) here, outside any trace of the caller's
+    out, lse = _step(plan, q, k_cache, v_cache, lengths)
+    return (out, lse) if return_residual else out
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _step(plan: Plan, q, k_cache, v_cache, lengths):
+    """One decode step for ``plan`` (compiled once per plan and shapes; ``lengths`` are values): the queries packed
+    into rows and repeated per part, the caches read as parts, the kernel, the parts merged."""
+    (batch, nq, heads, dim), (_, keys, kv_heads, dv) = q.shape, v_cache.shape
+    n, chunk, group, kernel = plan.parts, plan.chunk, plan.group, _kernel(plan)
+    # rows (token, head in group) per KV head; the queries repeated for each part (small beside the cache)
+    rows = q.reshape(batch, nq, kv_heads, group, dim).transpose(0, 1, 3, 2, 4)
+    rows = rows.reshape(batch, plan.rows, kv_heads, dim)
+    rows = jnp.broadcast_to(rows[:, None], (batch, n, *rows.shape[1:])).reshape(batch * n, *rows.shape[1:])
+    pad = [(0, 0), (0, n * chunk - keys), (0, 0), (0, 0)]
+    k, v = (jnp.pad(c, pad).reshape(batch * n, chunk, kv_heads, -1) for c in (k_cache, v_cache))
+    o, lse = _inference(kernel)(rows, k, v, *_masks(lengths, plan, batch))
+    o_names, l_names = (tuple(w.names) for w in kernel.diagram.cod.inside)
+    o = _arrange(o, o_names, "b q_idx h dv" if "dv" in o_names else "b q_idx h d")
+    o = o.reshape(batch, n, plan.rows, kv_heads, dv)
+    lse = _arrange(lse, l_names, "b q_idx h").reshape(batch, n, plan.rows, kv_heads)
+    out, lse = merge_parts(o, lse, 1)
+    out = out.reshape(batch, nq, group, kv_heads, dv).transpose(0, 1, 3, 2, 4).reshape(batch, nq, heads, dv)
+    lse = lse.reshape(batch, nq, group, kv_heads).transpose(0, 1, 3, 2).reshape(batch, nq, heads)
+    return out.astype(q.dtype), lse
