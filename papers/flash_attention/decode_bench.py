@@ -1,0 +1,175 @@
+"""Decoding against a KV cache, as issue 32 measured it: ``nc.decode_attention`` (split-KV) against cuDNN and XLA
+through ``jax.nn.dot_product_attention``, and a device copy of the cache for the bandwidth ceiling.
+
+bf16, ``Nq`` = 1 new token per sequence (and ``Nq`` = 4, speculative decoding), 32 query heads over 8 KV heads
+(grouped-query), D = 128, every key valid, (B, cache S) ∈ (1, 32k), (1, 128k), (16, 32k), (64, 4k), (64, 32k).
+Each implementation gets its inputs in its own layout before timing: ``q`` [B, Nq, 32, D], caches [B, S, 8, D]
+for all three (jax.nn takes fewer KV heads when they divide the query heads), ``lengths`` = S for napkin-cat. Its
+default part count (``parts=None``) is timed and printed. For ``Nq`` = 4 the new tokens are causal among themselves,
+bottom-right aligned (query ``i`` sees keys ``< S − Nq + i + 1``); jax.nn aligns ``is_causal`` top-left and cuDNN
+takes no right window, so the baselines get that mask as a boolean array [1, 1, Nq, S]. Every output is checked
+against an f32 reference (jnp, written here) on batch element 0 first. GB/s count the cache read (the K and V
+bytes over the time); the copy's count what it reads and writes; ratios are to cuDNN's time.
+
+    python papers/flash_attention/decode_bench.py [--out DIR] [--budget-s 300] [--quick]
+
+Rows are written (``decode_<GPU>.json`` and ``.png``) after every configuration; configurations left when the
+budget is spent are recorded as skipped. ``--quick`` runs tiny sizes in interpret mode on a CPU (cuDNN skipped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file: find papers/ and the package
+
+import napkin_cat as nc  # noqa: E402
+from lowering._decode import _parts  # noqa: E402  the entry's own choice of parts, to print it
+from napkin_cat.hardware import lookup  # noqa: E402
+from papers.flash_attention.benchmark import device_info, device_stem  # noqa: E402
+from papers.flash_attention.timing import time_calls  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+TOLERANCE = 2e-2  # bf16 relative error against the f32 reference, as front_door.py
+CONFIGS = ((1, 32768), (1, 131072), (16, 32768), (64, 4096), (64, 32768))  # (B, cache S), issue 32's table
+QUICK_CONFIGS = ((1, 256), (2, 128))
+HEADS = {"full": (32, 8, 128), "quick": (8, 2, 32)}  # query heads, KV heads, D
+NQS = (1, 4)
+
+
+def tail_mask(nq: int, s: int):
+    """The new tokens' bottom-right causal mask [1, 1, Nq, S]: query ``i`` sees keys ``< S − Nq + i + 1``.
+
+    >>> tail_mask(2, 4)[0, 0].astype(int).tolist()
+    [[1, 1, 1, 0], [1, 1, 1, 1]]
+    """
+    return (jnp.arange(s)[None, :] < s - nq + 1 + jnp.arange(nq)[:, None])[None, None]
+
+
+def reference(q, k, v):
+    """f32 decoding over the whole cache, written here with jnp (no napkin-cat code); KV head ``h // group``."""
+    group = q.shape[2] // k.shape[2]
+    q, k, v = (a.astype(jnp.float32) for a in (q, k, v))
+    k, v = (jnp.repeat(a, group, axis=2) for a in (k, v))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1])
+    s = jnp.where(tail_mask(q.shape[1], k.shape[1]), s, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+def implementations(q, k, v, gpu: bool) -> dict:
+    """Each implementation: its jitted function and its arguments, laid out before timing."""
+    b, nq, s = q.shape[0], q.shape[1], k.shape[1]
+    lengths = jnp.full((b,), s, jnp.int32)
+    mask = tail_mask(nq, s) if nq > 1 else None
+    impls = {"napkin": (jax.jit(lambda q, k, v, n: nc.decode_attention(q, k, v, n)), (q, k, v, lengths))}
+    for name in ("cudnn", "xla") if gpu else ("xla",):
+        fn = jax.jit(lambda q, k, v, m, name=name: jax.nn.dot_product_attention(q, k, v, mask=m, implementation=name))
+        impls[name] = (fn, (q, k, v, mask))
+    impls["copy"] = (jax.jit(lambda k, v: (jnp.copy(k), jnp.copy(v))), (k, v))
+    return impls
+
+
+def rel(a, b) -> float:
+    return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)) / jnp.max(jnp.abs(b)))
+
+
+def measure(name, fn, args, want, cache_bytes: int) -> dict:
+    """One implementation: checked on batch 0 (not the copy), then timed; GB/s of cache read (copy: read + write)."""
+    row = {"impl": name}
+    try:
+        if name != "copy":
+            row["max_rel_error"] = rel(fn(*args)[:1], want)
+            row["ok"] = row["max_rel_error"] <= TOLERANCE
+        t = time_calls(fn, *args, reps=20, batches=5, warmup=2)
+    except Exception as e:  # a baseline that refuses a shape (cuDNN) is recorded and reported, the run goes on
+        row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+        print(f"  {name:7s} failed: {row['error']}", flush=True)
+        return row
+    moved = 2 * cache_bytes if name == "copy" else cache_bytes
+    row.update(ms=t.ms, gbs=moved / t.seconds / 1e9, clock=t.method)
+    return row
+
+
+def configuration(b: int, s: int, nq: int, heads: tuple, gpu: bool, seed: int) -> dict:
+    """One (B, S, Nq): every implementation checked and timed, GB/s and ratios to cuDNN printed."""
+    h, h_kv, d = heads
+    keys = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(keys[0], (b, nq, h, d), jnp.bfloat16)
+    k, v = (jax.random.normal(kk, (b, s, h_kv, d), jnp.bfloat16) for kk in keys[1:])
+    cache_bytes = 2 * k.size * k.dtype.itemsize
+    want = reference(q[:1], k[:1], v[:1])
+    parts = _parts(b, h_kv, s, lookup("H100"))
+    entry = {"B": b, "S": s, "Nq": nq, "cache_GB": cache_bytes / 1e9, "parts": parts, "rows": []}
+    print(f"B={b} S={s} Nq={nq}: cache {cache_bytes / 1e9:.2f} GB, napkin-cat's default parts {parts}", flush=True)
+    for name, (fn, args) in implementations(q, k, v, gpu).items():
+        entry["rows"].append(measure(name, fn, args, want, cache_bytes))
+    base = next((r for r in entry["rows"] if r["impl"] == "cudnn" and "ms" in r), None)
+    for r in entry["rows"]:
+        if base is not None and "ms" in r and r["impl"] != "copy":
+            r["vs_cudnn"] = base["ms"] / r["ms"]
+        if "ms" in r:
+            ratio = f"  {r['vs_cudnn']:.2f}× cuDNN" if "vs_cudnn" in r else ""
+            err = f"  err {r['max_rel_error']:.1e}" if "max_rel_error" in r else "  (read + write)"
+            print(f"  {r['impl']:7s} {r['ms']:8.3f} ms {r['gbs']:7.0f} GB/s{ratio}{err} ({r['clock']})", flush=True)
+    return entry
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=HERE / "results")
+    p.add_argument("--budget-s", type=float, default=300.0)
+    p.add_argument("--quick", action="store_true")
+    o = p.parse_args(argv)
+    start, seed = time.perf_counter(), int(time.time()) % 10_000
+    dev, gpu = device_info(), jax.default_backend() == "gpu"
+    heads = HEADS["quick" if o.quick else "full"]
+    print(f"{dev['kind']}: bf16, heads {heads[0]} over {heads[1]} KV heads, D={heads[2]}; seed {seed}", flush=True)
+    res = {"device": dev, "heads": dict(zip(("H", "H_kv", "D"), heads, strict=True)), "seed": seed, "entries": []}
+    stem = f"decode_{device_stem(dev['kind'])}{'_quick' if o.quick else ''}"
+    o.out.mkdir(parents=True, exist_ok=True)
+    for nq in NQS:
+        for b, s in QUICK_CONFIGS if o.quick else CONFIGS:
+            if time.perf_counter() - start > o.budget_s:
+                res["entries"].append({"B": b, "S": s, "Nq": nq, "skipped": f"budget of {o.budget_s:.0f} s spent"})
+            else:
+                res["entries"].append(configuration(b, s, nq, heads, gpu, seed))
+            (o.out / f"{stem}.json").write_text(json.dumps(res, indent=1))
+            plot(res, o.out / f"{stem}.png")
+    return res
+
+
+def plot(res: dict, path: Path) -> None:
+    """Bars: cache-read GB/s per implementation for each configuration timed, with the GPU's name."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [e for e in res["entries"] if "rows" in e]
+    names = list(dict.fromkeys(r["impl"] for e in done for r in e["rows"]))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(done)), 3.8))
+    width = 0.8 / max(1, len(names))
+    for i, name in enumerate(names):
+        ys = [next((r.get("gbs", 0.0) for r in e["rows"] if r["impl"] == name), 0.0) for e in done]
+        label = "copy (read + write)" if name == "copy" else name
+        ax.bar([x + width * i for x in range(len(done))], ys, width, label=label)
+    ticks = [f"B={e['B']}\nS={e['S']}\nNq={e['Nq']}" for e in done]
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(done))], ticks, fontsize=7)
+    z = res["heads"]
+    ax.set_title(f"{res['device']['kind']}: decoding, bf16, H={z['H']}, H_kv={z['H_kv']}, D={z['D']}", fontsize=9)
+    ax.set_ylabel("cache-read GB/s")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
