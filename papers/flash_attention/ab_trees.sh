@@ -11,17 +11,19 @@ OUT=${OUT:-ab_out}; TREES=${TREES:-"baseline ."}; CONFIGS=${CONFIGS:-"128,8192,1
 VARIANTS=${VARIANTS:-causal,window,document,softcap,alibi}
 export PYTHONUNBUFFERED=1
 root=$PWD
+case $OUT in /*) ;; *) OUT=$root/$OUT ;; esac  # the runs below start in each tree
 for cfg in $CONFIGS; do
   for t in $TREES; do
     name=$(basename "$(cd "$t" && pwd)"); mkdir -p "$OUT/$name"
     echo "== $name mosaic_bench --only $cfg"
     (cd "$t" && PYTHONPATH="$PWD:${PYTHONPATH:-}" timeout "${BENCH_S:-200}" python3 "$root/papers/flash_attention/wall_clock.py" papers/flash_attention/mosaic_bench.py \
-      --only "$cfg" --dtypes bf16 --out "$root/$OUT/$name" 2>&1 | tee -a "$root/$OUT/$name/mosaic.log" | grep -E "TFLOP|÷|ratio|^\|" | tail -30)
+      --only "$cfg" --dtypes bf16 --out "$OUT/$name" 2>&1 | tee -a "$OUT/$name/mosaic.log" | grep -E "TFLOP|÷|ratio|^\|" | tail -30)
   done
 done
 for t in $TREES; do
+  [ -n "$VARIANTS" ] || break  # VARIANTS= empty: the Mosaic configurations only
   name=$(basename "$(cd "$t" && pwd)"); mkdir -p "$OUT/$name"
   echo "== $name variants $VARIANTS"
   (cd "$t" && PYTHONPATH="$PWD:${PYTHONPATH:-}" timeout "${VARIANTS_S:-240}" python3 "$root/papers/flash_attention/wall_clock.py" -m papers.flash_attention.variants \
-    --variants "$VARIANTS" --no-plot --out "$root/$OUT/$name" 2>&1 | tee "$root/$OUT/$name/variants.log" | tail -25)
+    --variants "$VARIANTS" --no-plot --out "$OUT/$name" 2>&1 | tee "$OUT/$name/variants.log" | tail -25)
 done
