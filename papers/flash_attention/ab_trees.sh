@@ -8,7 +8,7 @@
 # measures. Logs and JSON go to $OUT/<tree>/.
 set -uo pipefail
 OUT=${OUT:-ab_out}; TREES=${TREES:-"baseline ."}; CONFIGS=${CONFIGS:-"128,8192,1 128,8192,0"}
-VARIANTS=${VARIANTS:-causal,window,document,softcap,alibi}
+VARIANTS=${VARIANTS-causal,window,document,softcap,alibi}
 export PYTHONUNBUFFERED=1
 root=$PWD
 case $OUT in /*) ;; *) OUT=$root/$OUT ;; esac  # the runs below start in each tree
