@@ -69,10 +69,10 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from lowering._api import BACKENDS, Kernel, lower
-from lowering._mosaic import ENTRY_BLOCKS, unavailable
 from lowering._plan import NotLowerable, next_pow2
+from lowering._target import interpreted, target_hardware
 from lowering._tiles import fit_blocks
-from lowering._triton import interpreted, target_hardware
+from lowering.mosaic import ENTRY_BLOCKS, unavailable
 from napkin_cat import library
 from napkin_cat.axes import axes
 from napkin_cat.diagram import Diagram
@@ -118,7 +118,7 @@ def schedule(
     ``papers/flash_attention/results/schedule_NVIDIA_H100_80GB_HBM3.json``) the forward runs 14% faster
     (462 against 406 TFLOP/s) and forward + backward 4% (the backward keeps 64-key chunks); at head dim 64
     128-key chunks are 4% slower. Where the kernels run on Mosaic (``mosaic``: an sm_90 GPU under auto, no bias or
-    mask array) a head dim with blocks of Mosaic's own (:data:`lowering._mosaic.ENTRY_BLOCKS`) takes them, for
+    mask array) a head dim with blocks of Mosaic's own (:data:`lowering.mosaic.ENTRY_BLOCKS`) takes them, for
     sequences of at least one such tile: at D = 64, 256 × 128.
 
     >>> schedule(8192, 8192, 128), schedule(8192, 8192, 256), schedule(20, 40, 64), schedule(3, 3, 8)

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 
 from lowering._plan import NotLowerable
 from lowering._tiles import Chunks, fit_blocks
-from lowering._triton import Config
+from lowering.triton import Config
 from napkin_cat import Tape, pullback
 from napkin_cat import generators as g
 from napkin_cat.diagram import Diagram
@@ -139,7 +139,7 @@ def _crosswise(naive: Diagram, kept: tuple, left: tuple) -> bool:
     """Whether an input the kernel reads elementwise holds the streamed axis before a tiled one: a learned
     bias's ``[q, x]`` block, added to the scores in the kernel that tiles keys and streams queries (dK·dV). Each
     chunk of it is transposed into the kernel's tiled-first layout as it loads
-    (:func:`lowering._triton.tiled_first`) and then meets the scores' accumulator layout, and the registers that
+    (:func:`lowering._blocks.tiled_first`) and then meets the scores' accumulator layout, and the registers that
     takes make the kernel spill (an operand of a contraction is transposed for free by the tensor cores); such a
     kernel gets half the tile and half the chunk. Measured on an H100
     (B = 2, H = 16, N = 8192, D = 128, bf16, causal; ``papers/flash_attention/bias_gradient.py``): the learned
@@ -297,7 +297,7 @@ def backward_of(
     hold more accumulators and keep :data:`STREAM`.
 
     With ``narrow`` each kernel stores a cotangent in its input's dtype; without, in f32: partial gradients a
-    caller sums further (a ring's steps, ``lowering._devices``) keep their precision until summed.
+    caller sums further (a ring's steps, ``lowering._ring``) keep their precision until summed.
 
     Δ = Σ_d dO ⊙ O (the Δ lemma's right side), and any other row sum the kernels read (:func:`row_values`), is
     computed once per query row, by a kernel of its own (a piece that ``feeds`` the others, run first), and

@@ -133,7 +133,7 @@ def search(
     >>> sorted(best), best["sizes"]
     (['num_stages', 'num_warps', 'seconds', 'sizes'], {'g_q': 16})
     """
-    from lowering._triton import Config
+    from lowering.triton import Config
 
     if key and (hit := cached(key)) is not None:
         return hit
@@ -173,7 +173,7 @@ def refine(diagram, choice, make, *, first: int = 4, cache: bool = True, log=Non
     from dataclasses import replace
 
     from lowering._plan import NotLowerable
-    from lowering._triton import Config
+    from lowering.triton import Config
 
     ks = jax.random.split(jax.random.key(0), len(diagram.dom))
     args = [

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import sympy
 
 from lowering._plan import NotLowerable, block_values, next_pow2, plan, smem_bytes
-from lowering._triton import Config, launch
+from lowering.triton import Config, launch
 from napkin_cat import Cost, cost
 from napkin_cat.diagram import Diagram
 from napkin_cat.errors import NapkinError
@@ -284,7 +284,7 @@ def predicted_time(
     by symbol name for open partition sizes): :attr:`Cost.time_serial` of its cost, run as one kernel, in
     waves of the blocks the SMs hold at once, each wave with its blocks' prologue and epilogue
     (:func:`occupancy`, :meth:`Occupancy.time`; ``stages`` and ``warps`` as the kernel runs them, by default
-    :meth:`lowering.Config.get_default`'s).
+    :meth:`lowering.TritonConfig.get_default`'s).
 
     >>> import napkin_cat as nc
     >>> from rewrites import derive, tile, stream
@@ -322,7 +322,7 @@ def choose_tiles(
 
     ``sizes`` gives the sizes of axes the diagram leaves symbolic (by name); the shared-memory test needs
     every axis kept whole in a block, the predicted time every axis. ``stages`` is the pipeline depth the
-    kernel will run (3: :meth:`lowering.Config.get_default`). Raises :class:`NotLowerable` naming the open
+    kernel will run (3: :meth:`lowering.TritonConfig.get_default`). Raises :class:`NotLowerable` naming the open
     sizes when a size they need is unknown, or when no candidate fits.
 
     >>> import napkin_cat as nc
