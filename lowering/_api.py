@@ -31,7 +31,7 @@ from lowering._registry import backend as registered
 from lowering._search import refine
 from lowering._target import interpreted, no_gpu, target_hardware
 from lowering._tiles import Choice, choose_tiles, missing_sizes
-from lowering.triton import Config, Lowered
+from lowering.triton import STAGES, Config, Lowered
 from napkin_cat.diagram import Diagram
 from napkin_cat.errors import CostError, EvaluationError, NapkinError
 from napkin_cat.hardware import Hardware, lookup
@@ -483,7 +483,7 @@ def lower(
             f"{', '.join(map(str, opens))} come from the cost model without it"
         )
     target = hw if hw is not None else target_hardware(on_cpu)
-    stages = config.num_stages if isinstance(config, Config) else 3  # Config.get_default's pipeline depth
+    stages = config.num_stages if isinstance(config, Config) else STAGES  # the documented default depth
 
     def build(at: dict) -> Kernel:
         d_at = bind_sizes(d, {a: at[a] for a in late})

@@ -30,8 +30,8 @@ from typing import Protocol
 
 from lowering._plan import NotLowerable, Plan, neutral_padding, next_pow2, plan
 from lowering._tiles import Chunks
-from lowering.mosaic import BACKWARD_CHUNK, WGMMA_M, MosaicConfig, MosaicLowered, admits, faster, unavailable
-from lowering.triton import Config, Lowered, launch
+from lowering.mosaic import MOSAIC_BLOCKS, WGMMA_M, MosaicConfig, MosaicLowered, admits, faster, unavailable
+from lowering.triton import TRITON_BLOCKS, Config, Lowered, launch
 from lowering.xla import XLA
 from napkin_cat.diagram import Diagram
 from napkin_cat.hardware import Hardware
@@ -129,16 +129,17 @@ class Triton:
         return None
 
     def heuristic(self, p: Plan) -> Config:
-        """Triton's Config.get_default: 8 warps for 128-row tiles, else 4; 3 pipeline stages."""
-        return Config.get_default(p)
+        """The Triton block policy's config (:meth:`lowering.triton.TritonBlocks.config`): 8 warps for 128-row tiles,
+        else 4; 3 pipeline stages."""
+        return TRITON_BLOCKS.config(p)
 
     def space(self, p: Plan) -> tuple[Config, ...]:
-        """The warps and stages :func:`lowering._search.search` times.
+        """The warps and stages :func:`lowering._search.search` times (:meth:`lowering.triton.TritonBlocks.space`).
 
         >>> len(TRITON.space(None))
         4
         """
-        return tuple(Config(num_warps=w, num_stages=s) for w in (4, 8) for s in (2, 3))
+        return TRITON_BLOCKS.space()
 
     def chunks(self, d: Diagram, config, *, auto: bool) -> dict:
         """FlashAttention-2's chunks for the backward (:func:`lowering._backward.backward_of`'s own): none here."""
@@ -217,11 +218,11 @@ class Mosaic:
         return MosaicConfig()
 
     def space(self, p: Plan) -> tuple[MosaicConfig, ...]:
-        """Two or three pipeline stages, ping-pong as measured or off."""
-        return tuple(MosaicConfig(stages=s, pingpong=pp) for s in (2, 3) for pp in (None, False))
+        """Two or three pipeline stages, ping-pong as measured or off (:meth:`lowering.mosaic.MosaicBlocks.space`)."""
+        return MOSAIC_BLOCKS.space()
 
     def chunks(self, d: Diagram, config, *, auto: bool) -> dict:
-        """Mosaic's own backward chunks (:data:`lowering.mosaic.BACKWARD_CHUNK`, halved to 64 while
+        """Mosaic's own backward chunks (``lowering.mosaic.MOSAIC_BLOCKS.backward_chunk``, halved to 64 while
         :func:`lowering.mosaic.admits` refuses, and under ``auto`` while the Triton kernel that stands in for
         shapes Mosaic cannot take would not fit) where the sizes its registers depend on (the axes kept whole)
         are known; else FlashAttention-2's, Triton's (none here)."""
@@ -229,7 +230,7 @@ class Mosaic:
         if not all(size[a].is_number for a in plan(d).whole):
             return {}
         tuned = config if isinstance(config, MosaicConfig) else None
-        return {"own": Chunks(BACKWARD_CHUNK, WGMMA_M, functools.partial(admits, config=tuned), auto)}
+        return {"own": Chunks(MOSAIC_BLOCKS.backward_chunk, WGMMA_M, functools.partial(admits, config=tuned), auto)}
 
     def emit(self, p: Plan, *, interpret, config, hardware) -> MosaicLowered:
         """The :class:`lowering.MosaicLowered` :meth:`admit` built (its hardware model is its own, H100)."""

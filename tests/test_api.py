@@ -53,7 +53,9 @@ def test_backend_auto_chooses_triton_and_others_are_refused():
     assert lower(flash, backend="auto").backend == "triton" == lower(flash, backend="triton").backend
     with pytest.raises(NotLowerable, match=re.escape("backend 'cuda': choose 'auto' (Mosaic on sm_90 where it lowers")):
         lower(flash, backend="cuda")
-    with pytest.raises(NotLowerable, match="backend 'mosaic': a lowering.TritonConfig tunes Triton; pass a .*MosaicConfig"):
+    with pytest.raises(
+        NotLowerable, match="backend 'mosaic': a lowering.TritonConfig tunes Triton; pass a .*MosaicConfig"
+    ):
         lower(flash, backend="mosaic", config=Config())
 
 

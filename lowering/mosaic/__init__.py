@@ -11,7 +11,7 @@ from lowering.mosaic._config import WGMMA_M as WGMMA_M
 from lowering.mosaic._config import MosaicConfig as MosaicConfig
 from lowering.mosaic._config import unavailable as unavailable
 from lowering.mosaic._lowered import MosaicLowered as MosaicLowered
-from lowering.mosaic._policy import BACKWARD_CHUNK as BACKWARD_CHUNK
-from lowering.mosaic._policy import ENTRY_BLOCKS as ENTRY_BLOCKS
+from lowering.mosaic._policy import MOSAIC_BLOCKS as MOSAIC_BLOCKS
+from lowering.mosaic._policy import MosaicBlocks as MosaicBlocks
 from lowering.mosaic._policy import admits as admits
 from lowering.mosaic._policy import faster as faster
