@@ -54,6 +54,8 @@ def _tile_id(pid, a: str, p: Plan, padded: dict, flip):
 
 
 def _kernel(p: Plan, sizes, extent, padded, xp: Blocks, n_bounds, flip, *refs):
+    """The kernel body of one program: the block diagram after :func:`kernel_rules`, walked once on its blocks, or
+    (where it streams) folded over the visited chunks (:func:`_stream`), then walked to its outputs."""
     block = unweave(p.diagram, p.batch)
     laid = block.dom.inside  # the inputs' blocks as the caller lays them out
     d = functools.reduce(lambda d, rule: rule(d), kernel_rules(p, extent, padded), block)
@@ -66,9 +68,15 @@ def _kernel(p: Plan, sizes, extent, padded, xp: Blocks, n_bounds, flip, *refs):
     ctx = BlockContext(sizes=sizes, offsets=offsets, xp=xp, grid=grid)
     if p.stream is None:
         outs = walk(d, [r[...] for r in in_refs], ctx, "", "final", {})
-        for r, v in zip(out_refs, outs, strict=True):
-            r[...] = v.astype(r.dtype)
-        return
+    else:
+        outs = _stream(p, d, laid, ctx, extent, padded, in_refs, bound_refs)
+    for r, v in zip(out_refs, outs, strict=True):
+        r[...] = v.astype(r.dtype)
+
+
+def _stream(p: Plan, d, laid, ctx: BlockContext, extent, padded, in_refs, bound_refs) -> list:
+    """The streamed loop (FAN §3): the accumulators start at their identity, fold the chunks the masks leave
+    (:func:`_bounds`: hidden ones skipped, whole ones unmasked), and the diagram's final walk gives the outputs."""
     x, s = p.stream
     carried = [w.has(x) for w in d.dom.inside]
     # an input laid out otherwise than the kernel's wire (tiled_first): its block transposed as it loads
@@ -88,7 +96,44 @@ def _kernel(p: Plan, sizes, extent, padded, xp: Blocks, n_bounds, flip, *refs):
             vals.append(v)
         return vals
 
-    # the ragged last chunk's padding: each accumulator's inputs set to values its side condition checked neutral
+    fold = _padded_fold(d, x, extent, padded)
+    # affine masks reading the streamed axis, and segment masks (their bounds come from the wrapper): the
+    # chunks they hide are skipped, those they all keep whole run without them
+    masks = {id(b): m for b in d.boxes if (m := affine_mask(b)) is not None and x in m.axes}
+    segs = segments(d, p)
+    assert 4 * len(segs) == len(bound_refs), "the wrapper and the kernel see different segment masks"
+    hidden = set(masks) | {id(m.box) for m in segs}
+    zero = zeroing_mask(d, x)  # a mask on the tiles that zeroes every accumulator's input: hidden tiles run no chunk
+    zero = zero if zero is not None and set(zero.axes) <= set(p.tiles) else None
+    keys, init = _identities(p, d, ctx, padded)
+
+    def body(unmasked):
+        def run(c, carry):
+            states = dict(zip(keys, carry, strict=True))
+            skip = lambda box: unmasked and id(box) in hidden  # noqa: E731
+            walk(d, chunk_values(c), ctx.at(**{x: c * s}), x, "chunk", states, fold=fold, skip=skip)
+            return tuple(states[i] for i in keys)
+
+        return run
+
+    n_chunks = padded[x] // s
+    if hidden:
+        first, full_lo, full_hi, last = _bounds(p, masks.values(), zero, ctx, extent, n_chunks, bound_refs)
+        carry = lax.fori_loop(first, full_lo, body(False), init)
+        carry = lax.fori_loop(full_lo, full_hi, body(True), carry)
+        carry = lax.fori_loop(full_hi, last, body(False), carry)
+    elif zero is None:
+        carry = lax.fori_loop(0, n_chunks, body(False), init)
+    else:
+        carry = lax.fori_loop(0, n_chunks * tile_kept(zero, p, ctx.offsets, extent), body(False), init)
+    states = dict(zip(keys, carry, strict=True))
+    final = [None if c else v for v, c in zip(resident, carried, strict=True)]
+    return walk(d, final, ctx, x, "final", states)
+
+
+def _padded_fold(d, x: str, extent: dict, padded: dict):
+    """An accumulator's step, with the ragged last chunk's padding set, in each of its inputs, to the value its
+    side condition checked neutral (:func:`rewrites.neutral_padding`)."""
     pads = {id(d.inside[i][1]): v for i, v in neutral_padding(d, x).items()} if extent[x] != padded[x] else {}
 
     def fold(acc, state, ins, cctx):
@@ -99,16 +144,13 @@ def _kernel(p: Plan, sizes, extent, padded, xp: Blocks, n_bounds, flip, *refs):
             ]
         return acc.step(state, ins, cctx)
 
-    # affine masks reading the streamed axis, and segment masks (their bounds come from the wrapper): the
-    # chunks they hide are skipped, those they all keep whole run without them
-    masks = {id(b): m for b in d.boxes if (m := affine_mask(b)) is not None and x in m.axes}
-    segs = segments(d, p)
-    assert 4 * len(segs) == n_bounds, "the wrapper and the kernel see different segment masks"
-    hidden = set(masks) | {id(m.box) for m in segs}
-    zero = zeroing_mask(d, x)  # a mask on the tiles that zeroes every accumulator's input: hidden tiles run no chunk
-    zero = zero if zero is not None and set(zero.axes) <= set(p.tiles) else None
+    return fold
 
-    # The accumulators' states start at their identity, shaped by one abstract chunk.
+
+def _identities(p: Plan, d, ctx: BlockContext, padded: dict) -> tuple[list, tuple]:
+    """The accumulators (their layers, sorted) and their states' identities, shaped by one abstract chunk."""
+    x, s = p.stream
+
     def probe(*vals):
         shapes: dict = {}
         walk(d, list(vals), ctx.at(**{x: 0}), x, "chunk", shapes, fold=lambda acc, st, ins, c: acc.partial(ins, c))
@@ -119,49 +161,24 @@ def _kernel(p: Plan, sizes, extent, padded, xp: Blocks, n_bounds, flip, *refs):
 
     like = jax.eval_shape(probe, *(jax.ShapeDtypeStruct(block_shape(w), w.dtype.jnp) for w in d.dom.inside))
     keys = sorted(like)
-    init = tuple(d.inside[i][1].accumulator(x).identity(like[i], ctx) for i in keys)
+    return keys, tuple(d.inside[i][1].accumulator(x).identity(like[i], ctx) for i in keys)
 
-    def body(unmasked):
-        def run(c, carry):
-            states = dict(zip(keys, carry, strict=True))
-            walk(
-                d,
-                chunk_values(c),
-                ctx.at(**{x: c * s}),
-                x,
-                "chunk",
-                states,
-                fold=fold,
-                skip=lambda box: unmasked and id(box) in hidden,
-            )
-            return tuple(states[i] for i in keys)
 
-        return run
-
-    n_chunks = padded[x] // s
-    if hidden:
-        ranges = {a: (offsets[a], jnp.minimum(offsets[a] + g, extent[a])) for a, g in p.tiles.items()}
-        ranges |= {a: (grid[a], grid[a] + 1) for a in p.batch} | {a: (0, extent[a]) for a in p.whole}
-        bounds = visited(masks.values(), x, s, n_chunks, ranges, extent[x])
-        for i in range(0, n_bounds, 4):
-            bounds = combine(bounds, tuple(r[()] for r in bound_refs[i : i + 4]))
-        if zero is not None:
-            kept = tile_kept(zero, p, offsets, extent)
-            bounds = tuple(v * kept for v in bounds)
-        first, full_lo, full_hi, last = bounds
-        carry = lax.fori_loop(first, full_lo, body(False), init)
-        carry = lax.fori_loop(full_lo, full_hi, body(True), carry)
-        carry = lax.fori_loop(full_hi, last, body(False), carry)
-    else:
-        if zero is None:
-            carry = lax.fori_loop(0, n_chunks, body(False), init)
-        else:
-            carry = lax.fori_loop(0, n_chunks * tile_kept(zero, p, offsets, extent), body(False), init)
-    states = dict(zip(keys, carry, strict=True))
-    final = [None if c else v for v, c in zip(resident, carried, strict=True)]
-    outs = walk(d, final, ctx, x, "final", states)
-    for r, v in zip(out_refs, outs, strict=True):
-        r[...] = v.astype(r.dtype)
+def _bounds(p: Plan, masks, zero, ctx: BlockContext, extent: dict, n_chunks: int, bound_refs) -> tuple:
+    """The chunks this program visits, ``first ≤ full_lo ≤ full_hi ≤ last``: the affine masks' intervals over its
+    block (:func:`lowering._blocks.visited`), with each segment mask's ranges the wrapper found (four scalar refs
+    each), none where a mask zeroing every accumulator's input hides the whole tile."""
+    x, s = p.stream
+    offsets, grid = ctx.offsets, ctx.grid
+    ranges = {a: (offsets[a], jnp.minimum(offsets[a] + g, extent[a])) for a, g in p.tiles.items()}
+    ranges |= {a: (grid[a], grid[a] + 1) for a in p.batch} | {a: (0, extent[a]) for a in p.whole}
+    bounds = visited(masks, x, s, n_chunks, ranges, extent[x])
+    for i in range(0, len(bound_refs), 4):
+        bounds = combine(bounds, tuple(r[()] for r in bound_refs[i : i + 4]))
+    if zero is not None:
+        kept = tile_kept(zero, p, offsets, extent)
+        bounds = tuple(v * kept for v in bounds)
+    return bounds
 
 
 def _strides(p: Plan, padded: dict) -> dict:
