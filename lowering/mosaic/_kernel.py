@@ -227,25 +227,7 @@ class MosaicKernel:
                 box = box_at[0]
                 raise NotLowerable(f"box {getattr(box, 'name', box)!r}: {e}") from e
 
-        counting = Counting()
-
-        def probe(*vals):
-            shapes: dict = {}
-            walk(
-                d,
-                list(vals),
-                BlockContext(self.sizes, {}, counting, {a: jnp.int32(0) for a in grid}),
-                x,
-                "chunk",
-                shapes,
-                fold=lambda acc, st, ins, cc: acc.partial(ins, cc),
-            )
-            return shapes
-
-        blocks = (jax.ShapeDtypeStruct(low.block(w, self.extent), w.dtype.jnp) for w in wires)
-        like = jax.eval_shape(probe, *blocks) if self.streamed else {}
-        keys = sorted(like)
-        init = tuple(d.inside[i][1].accumulator(x).identity(like[i], ctx) for i in keys)
+        counting, keys, init = self._identities(grid, ctx)
 
         def body(unmasked):
             def run(chunk, carry):
@@ -281,14 +263,7 @@ class MosaicKernel:
                 pingpong.schedule()
 
         def observe(lo, hi):
-            @pl.loop(lo, hi)
-            def _(chunk):  # chunks only the other consumers read: observe their arrival, release them
-                slot = lax.rem(chunk, _i32(stages))
-                for k in range(len(self.streamed)):
-                    plgpu.barrier_wait(loaded[k].at[slot])
-                    plgpu.barrier_arrive(consumed[k].at[slot])
-                for _ in range(counting.wgmma):  # the turns the other warpgroup takes meanwhile
-                    pingpong.schedule()
+            self.observe(lo, hi, loaded, consumed, pingpong, counting.wgmma)
 
         first, chunks = block
         if low.hidden:  # this consumer's rows: chunks hidden from them observed, whole ones unmasked, cut ones masked
@@ -311,6 +286,53 @@ class MosaicKernel:
         states = dict(zip(keys, carry, strict=True))
         final = [None if w.has(x) else resident.get(i, scalars.get(i)) for i, w in enumerate(wires)]
         results = traced(walk, d, final, ctx, x, "final", states, skip=skipping(False))
+        self.store(results, out_refs, outs, tiles, wg, bid, start)
+
+    def _identities(self, grid, ctx) -> tuple:
+        """The accumulators' states at their identity, shaped by one chunk walked on abstract blocks (counting the
+        wgmma it issues): ``(counting, keys, init)``."""
+        from rewrites import walk
+
+        low, d = self.low, self.low.d
+        x = low.x or ""
+        counting = Counting()
+
+        def probe(*vals):
+            shapes: dict = {}
+            walk(
+                d,
+                list(vals),
+                BlockContext(self.sizes, {}, counting, {a: jnp.int32(0) for a in grid}),
+                x,
+                "chunk",
+                shapes,
+                fold=lambda acc, st, ins, cc: acc.partial(ins, cc),
+            )
+            return shapes
+
+        blocks = (jax.ShapeDtypeStruct(low.block(w, self.extent), w.dtype.jnp) for w in d.dom.inside)
+        like = jax.eval_shape(probe, *blocks) if self.streamed else {}
+        keys = sorted(like)
+        init = tuple(d.inside[i][1].accumulator(x).identity(like[i], ctx) for i in keys)
+        return counting, keys, init
+
+    def observe(self, lo, hi, loaded, consumed, pingpong, turns: int):
+        """Chunks ``[lo, hi)`` only the other consumers read: observe their arrival and release them, taking the
+        ``turns`` the other warpgroup's ping-pong passes meanwhile."""
+        stages = self.low.config.stages
+
+        @pl.loop(lo, hi)
+        def _(chunk):  # chunks only the other consumers read: observe their arrival, release them
+            slot = lax.rem(chunk, _i32(stages))
+            for k in range(len(self.streamed)):
+                plgpu.barrier_wait(loaded[k].at[slot])
+                plgpu.barrier_arrive(consumed[k].at[slot])
+            for _ in range(turns):  # the turns the other warpgroup takes meanwhile
+                pingpong.schedule()
+
+    def store(self, results, out_refs, outs, tiles, wg, bid, start):
+        """Each result through shared memory to HBM: its own buffer, or the dead tile of a resident input."""
+        low, rows = self.low, self.low.rows
         # every result in registers before any store: an output may overwrite a resident input's tile
         results = [value_of(v) for v in results]
         stored = set()

@@ -117,6 +117,17 @@ class MosaicLowered:
         self.segments = tuple(m for m in segments(self.d, p) if m.axis == self.q)
         #: the boxes a chunk kept whole by every mask runs without
         self.hidden = set(self.masks) | {id(m.box) for m in self.segments}
+        self._check_wires()
+        self._buffers()
+        #: the wgmmas one chunk issues, counted on abstract blocks
+        self.products = self._products() if p.stream is not None else 0
+        want = self.config.pingpong
+        self.pingpong = c == 2 and p.stream is not None and (self._pingpong() if want is None else want)
+
+    def _check_wires(self) -> None:
+        """Refuse wires the kernel cannot hold: an input that is no 2-D block of the tiled or streamed axis and a
+        whole one, vector or scalar, or a 2-D block not in 16 bits; an innermost grid axis (TMA copies contiguous
+        rows); an output that is no [split axis, whole or tiled] block."""
         for w in self.d.dom.inside:
             role = self._role(w)
             if role is None:
@@ -126,9 +137,10 @@ class MosaicLowered:
                 )
             if len(w.axes) == 2 and w.dtype.bits != 16:
                 raise NotLowerable(f"input {w.describe()}: wgmma takes 16-bit operands, got {w.dtype}")
-        for what, wires in (("input", p.diagram.dom.inside), ("output", p.diagram.cod.inside)):
+        batch, full = set(self.plan.batch), self.plan.diagram
+        for what, wires in (("input", full.dom.inside), ("output", full.cod.inside)):
             for w in wires:
-                if w.names[-1] in p.batch and not set(w.names) <= set(p.batch):  # e.g. a group sum kept innermost
+                if w.names[-1] in batch and not set(w.names) <= batch:  # e.g. a group sum kept innermost
                     raise NotLowerable(
                         f"{what} {w.describe()}: its innermost axis {w.names[-1]!r} is a grid (batch) axis; TMA copies "
                         "blocks whose innermost axis is contiguous"
@@ -138,6 +150,10 @@ class MosaicLowered:
                 raise NotLowerable(
                     f"output {w.describe()}: the Mosaic backend stores [{self.q}, whole or tiled] blocks"
                 )
+
+    def _buffers(self) -> None:
+        """Where each output is stored from: a dead resident input tile of its block (``reuse``), else a buffer of
+        its own, shared by outputs of one block shape (``own``, ``shared``)."""
         #: per output, the resident input whose shared-memory tile it is written into (the tile is dead by
         #: then: FA3 stores O through Q's buffer), else None
         self.reuse: list[int | None] = []
@@ -158,10 +174,6 @@ class MosaicLowered:
                 self.own.append(w)
                 j = len(self.own) - 1
             self.shared.append(j)
-        #: the wgmmas one chunk issues, counted on abstract blocks
-        self.products = self._products() if p.stream is not None else 0
-        want = self.config.pingpong
-        self.pingpong = c == 2 and p.stream is not None and (self._pingpong() if want is None else want)
 
     def unmeasured(self) -> str | None:
         """An input unlike those Mosaic was compiled, checked and timed on (attention's Q, K, V, dO and O: blocks
