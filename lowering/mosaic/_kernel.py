@@ -181,23 +181,11 @@ class MosaicKernel:
 
         rings, tiles, outs, loaded, consumed, arrived, turn, staging = scratch
 
-        low, d, stages = self.low, self.low.d, self.low.config.stages
+        low, d = self.low, self.low.d
         wires, x, s, rows = d.dom.inside, low.x or "", low.s, low.rows
         start = tile * low.plan.tiles[low.q] + wg * rows
-        for k, i in enumerate(self.resident):
-            view = in_refs[i].at[self._index(low.plan.diagram.dom.inside[i], bid, **{low.q: pl.ds(start, rows)})]
-            plgpu.copy_gmem_to_smem(view, tiles[k].at[wg], arrived[k].at[wg])
-        xp = MosaicArrays(staging.at[wg] if staging is not None else None)
-        if low.pingpong and not low.interpret:
-            turn = _named_turn(low.config.consumers)
-        pingpong = MosaicArrays(xp.staging, turn)
-        grid = self._batch(bid)  # this program's index along each batch axis (ALiBi reads the head)
-        ctx = BlockContext(sizes=self.sizes, offsets={low.q: start}, xp=xp, grid=grid)
-        resident = {i: Smem(tiles[k].at[wg], arrived[k].at[wg]).along(0) for k, i in enumerate(self.resident)}
-        full = low.plan.diagram.dom.inside
-        scalars = {i: in_refs[i][self._index(full[i], bid)] for i, w in enumerate(wires) if low._role(w) == "scalar"}
-        for v in resident.values():
-            v.ready()  # waited once, before the loop
+        started = self._prologue(in_refs, tiles, arrived, turn, staging, wg, bid, start)
+        turn, pingpong, grid, ctx, resident, scalars = started
         box_at = [None]
 
         def skipping(unmasked):
@@ -206,19 +194,6 @@ class MosaicKernel:
                 return unmasked and id(box) in low.hidden
 
             return skip
-
-        def rows_of(i, ref):  # a consumer's rows of a ring buffer that holds the whole tile
-            names = wires[i].names
-            if low.q not in names:
-                return ref
-            return ref.at[tuple(pl.ds(wg * rows, rows) if n == low.q else slice(None) for n in names)]
-
-        def values(chunk):
-            slot = lax.rem(chunk, _i32(stages))
-            ring = {
-                i: Smem(rows_of(i, rings[k].at[slot]), loaded[k].at[slot]).along(1) for k, i in enumerate(self.streamed)
-            }
-            return [ring.get(i, resident.get(i, scalars.get(i))) for i in range(len(wires))], ring, slot
 
         def traced(f, *args, **kw):
             try:
@@ -232,7 +207,7 @@ class MosaicKernel:
         def body(unmasked):
             def run(chunk, carry):
                 states = dict(zip(keys, carry, strict=True))
-                vals, ring, slot = values(chunk)
+                vals, ring, slot = self._chunk(chunk, rings, loaded, wg, resident, scalars)
                 pingpong.issued = 0
                 traced(
                     walk,
@@ -262,7 +237,7 @@ class MosaicKernel:
             def _():
                 pingpong.schedule()
 
-        def observe(lo, hi):
+        def observe(lo, hi):  # chunks hidden from this consumer's rows
             self.observe(lo, hi, loaded, consumed, pingpong, counting.wgmma)
 
         first, chunks = block
@@ -287,6 +262,43 @@ class MosaicKernel:
         final = [None if w.has(x) else resident.get(i, scalars.get(i)) for i, w in enumerate(wires)]
         results = traced(walk, d, final, ctx, x, "final", states, skip=skipping(False))
         self.store(results, out_refs, outs, tiles, wg, bid, start)
+
+    def _prologue(self, in_refs, tiles, arrived, turn, staging, wg, bid, start) -> tuple:
+        """A consumer's start: its rows of the resident inputs copied in by TMA, its namespaces (the ping-pong turn
+        a named barrier when compiled), its grid indices and context, the scalars read, the copies waited on."""
+        low, rows = self.low, self.low.rows
+        for k, i in enumerate(self.resident):
+            view = in_refs[i].at[self._index(low.plan.diagram.dom.inside[i], bid, **{low.q: pl.ds(start, rows)})]
+            plgpu.copy_gmem_to_smem(view, tiles[k].at[wg], arrived[k].at[wg])
+        xp = MosaicArrays(staging.at[wg] if staging is not None else None)
+        if low.pingpong and not low.interpret:
+            turn = _named_turn(low.config.consumers)
+        pingpong = MosaicArrays(xp.staging, turn)
+        grid = self._batch(bid)  # this program's index along each batch axis (ALiBi reads the head)
+        ctx = BlockContext(sizes=self.sizes, offsets={low.q: start}, xp=xp, grid=grid)
+        resident = {i: Smem(tiles[k].at[wg], arrived[k].at[wg]).along(0) for k, i in enumerate(self.resident)}
+        full, wires = low.plan.diagram.dom.inside, low.d.dom.inside
+        scalars = {i: in_refs[i][self._index(full[i], bid)] for i, w in enumerate(wires) if low._role(w) == "scalar"}
+        for v in resident.values():
+            v.ready()  # waited once, before the loop
+        return turn, pingpong, grid, ctx, resident, scalars
+
+    def _chunk(self, chunk, rings, loaded, wg, resident, scalars) -> tuple:
+        """The values a consumer walks for one chunk (its rows of each ring buffer, the resident tiles, the
+        scalars), the ring's operands by input, and the ring slot."""
+        low, wires, rows = self.low, self.low.d.dom.inside, self.low.rows
+
+        def rows_of(i, ref):  # a consumer's rows of a ring buffer that holds the whole tile
+            names = wires[i].names
+            if low.q not in names:
+                return ref
+            return ref.at[tuple(pl.ds(wg * rows, rows) if n == low.q else slice(None) for n in names)]
+
+        slot = lax.rem(chunk, _i32(low.config.stages))
+        ring = {
+            i: Smem(rows_of(i, rings[k].at[slot]), loaded[k].at[slot]).along(1) for k, i in enumerate(self.streamed)
+        }
+        return [ring.get(i, resident.get(i, scalars.get(i))) for i in range(len(wires))], ring, slot
 
     def _identities(self, grid, ctx) -> tuple:
         """The accumulators' states at their identity, shaped by one chunk walked on abstract blocks (counting the
