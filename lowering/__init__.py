@@ -14,18 +14,19 @@ True
 from lowering._api import Kernel, OpenKernel, lower
 from lowering._attention import AttentionKernel, attention
 from lowering._decode import decode_attention
-from lowering._devices import DeviceKernel, lower_devices
-from lowering._mosaic import MosaicConfig, MosaicLowered
 from lowering._plan import NotLowerable, Plan, plan
+from lowering._ring import DeviceKernel, lower_devices
 from lowering._search import median_time
 from lowering._tiles import Choice, choose_tiles, predicted_time
-from lowering._triton import Config, Lowered
+from lowering.mosaic import MosaicConfig, MosaicLowered
+from lowering.triton import Config, Lowered, TritonConfig, TritonLowered
 from lowering.xla import XlaConfig, XlaLowered
 
 __all__ = [
-    "DeviceKernel", "lower_devices",  # past one GPU (lowering._devices)
+    "DeviceKernel", "lower_devices",  # past one GPU (lowering._ring)
     "AttentionKernel", "Choice", "Config", "Kernel", "Lowered", "MosaicConfig", "MosaicLowered", "NotLowerable",
     "OpenKernel", "Plan", "attention", "choose_tiles", "lower", "median_time", "plan", "predicted_time",
+    "TritonConfig", "TritonLowered",  # the Triton backend (lowering.triton; Config and Lowered are these)
     "XlaConfig", "XlaLowered",  # the XLA backend (lowering.xla)
     "decode_attention",  # split-KV decoding (lowering._decode)
 ]

@@ -29,8 +29,9 @@ from lowering._registry import BACKENDS as BACKENDS  # the registered names, in 
 from lowering._registry import REGISTRY, Backend, check_config, walk_auto
 from lowering._registry import backend as registered
 from lowering._search import refine
+from lowering._target import interpreted, no_gpu, target_hardware
 from lowering._tiles import Choice, choose_tiles, missing_sizes
-from lowering._triton import Config, Lowered, interpreted, no_gpu, target_hardware
+from lowering.triton import STAGES, Config, Lowered
 from napkin_cat.diagram import Diagram
 from napkin_cat.errors import CostError, EvaluationError, NapkinError
 from napkin_cat.hardware import Hardware, lookup
@@ -400,12 +401,12 @@ def lower(
 
     ``interpret=None`` interprets on CPU and compiles on GPU. Works under ``jax.jit``, ``jax.vmap`` and
     ``jax.grad``; arrays are passed in the diagram's axis order. ``backend="mosaic"`` lowers every kernel,
-    forward and backward, for Hopper (:mod:`lowering._mosaic`, tuned by a ``MosaicConfig``); a kernel it
+    forward and backward, for Hopper (:mod:`lowering.mosaic`, tuned by a ``MosaicConfig``); a kernel it
     cannot lower is named in the error (the forward) or in ``kernel.why_not`` (a backward kernel), never
     replaced by Triton's. ``backend="xla"`` lowers to plain JAX compiled by XLA on any device, no Pallas
     (:mod:`lowering.xla`: tiles vmapped, the stream a ``lax.fori_loop``). ``backend="auto"`` walks the backends in
     order (:data:`lowering._registry.REGISTRY`), per kernel: Mosaic on an sm_90 GPU where the kernel lowers there
-    and its configuration was measured faster than Triton's (:func:`lowering._mosaic.faster`), else Triton, else
+    and its configuration was measured faster than Triton's (:func:`lowering.mosaic.faster`), else Triton, else
     XLA where neither admits the plan; ``kernel.backends`` says which, ``kernel.refused`` why not the ones
     before. A backend's refusal of the sizes of a plan it admits (Triton's shared memory) is raised, with the
     schedule's fix, not passed on to a slower backend. ``config`` (the class of one backend) reaches every
@@ -482,7 +483,7 @@ def lower(
             f"{', '.join(map(str, opens))} come from the cost model without it"
         )
     target = hw if hw is not None else target_hardware(on_cpu)
-    stages = config.num_stages if isinstance(config, Config) else 3  # Config.get_default's pipeline depth
+    stages = config.num_stages if isinstance(config, Config) else STAGES  # the documented default depth
 
     def build(at: dict) -> Kernel:
         d_at = bind_sizes(d, {a: at[a] for a in late})
@@ -504,7 +505,7 @@ def lower(
 
 def _late_sizes(d: Diagram, backend: str, interpret, config) -> tuple[str, ...]:
     """The axes kept whole whose sizes ``d`` leaves symbolic, where ``backend="auto"`` may take a backend whose choice
-    reads them (``reads_whole``: Mosaic on an sm_90 GPU, :func:`lowering._mosaic.faster`, its registers), so
+    reads them (``reads_whole``: Mosaic on an sm_90 GPU, :func:`lowering.mosaic.faster`, its registers), so
     :func:`lower` binds them at the call; else ().
 
     >>> import napkin_cat as nc

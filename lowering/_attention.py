@@ -69,10 +69,11 @@ from typing import NamedTuple
 import jax.numpy as jnp
 
 from lowering._api import BACKENDS, Kernel, lower
-from lowering._mosaic import ENTRY_BLOCKS, unavailable
-from lowering._plan import NotLowerable, next_pow2
+from lowering._plan import NotLowerable
+from lowering._target import interpreted, target_hardware
 from lowering._tiles import fit_blocks
-from lowering._triton import interpreted, target_hardware
+from lowering.mosaic import MOSAIC_BLOCKS, unavailable
+from lowering.triton import TRITON_BLOCKS
 from napkin_cat import library
 from napkin_cat.axes import axes
 from napkin_cat.diagram import Diagram
@@ -118,7 +119,7 @@ def schedule(
     ``papers/flash_attention/results/schedule_NVIDIA_H100_80GB_HBM3.json``) the forward runs 14% faster
     (462 against 406 TFLOP/s) and forward + backward 4% (the backward keeps 64-key chunks); at head dim 64
     128-key chunks are 4% slower. Where the kernels run on Mosaic (``mosaic``: an sm_90 GPU under auto, no bias or
-    mask array) a head dim with blocks of Mosaic's own (:data:`lowering._mosaic.ENTRY_BLOCKS`) takes them, for
+    mask array) a head dim with blocks of Mosaic's own (``lowering.mosaic.MOSAIC_BLOCKS``) takes them, for
     sequences of at least one such tile: at D = 64, 256 × 128.
 
     >>> schedule(8192, 8192, 128), schedule(8192, 8192, 256), schedule(20, 40, 64), schedule(3, 3, 8)
@@ -128,12 +129,10 @@ def schedule(
     >>> [schedule(n, m, 64, mosaic=True) for n, m in ((8192, 8192), (8192, 100), (100, 8192))]
     [(256, 128), (256, 128), (128, 64)]
     """
-    width = dim + (dim if value_dim is None else value_dim)
-    tile, chunk = 128 if width <= 256 else 64, 128 if width == 256 else 64
-    own = ENTRY_BLOCKS.get(dim) if mosaic and value_dim in (None, dim) else None
+    own = MOSAIC_BLOCKS.entry(dim) if mosaic and value_dim in (None, dim) else None
     if own is not None and q_len >= own[0]:
-        tile, chunk = own
-    return min(tile, max(16, next_pow2(q_len))), min(chunk, max(16, next_pow2(kv_len)))
+        return TRITON_BLOCKS.fit(own[0], q_len), TRITON_BLOCKS.fit(own[1], kv_len)
+    return TRITON_BLOCKS.entry(q_len, kv_len, dim, value_dim)
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 
 from lowering._plan import NotLowerable
 from lowering._tiles import Chunks, fit_blocks
-from lowering._triton import Config
+from lowering.triton import TRITON_BLOCKS, Config
 from napkin_cat import Tape, pullback
 from napkin_cat import generators as g
 from napkin_cat.diagram import Diagram
@@ -59,11 +59,6 @@ from rewrites import (
     row_weight_lemma,
     widened,
 )
-
-#: the backward's blocks (FlashAttention-2, Dao 2023 §3.2, and its kernels at d = 128): each kernel tiles
-#: the axis it keeps in blocks of ``TILE`` and streams the other in chunks of ``STREAM``, never larger than the
-#: forward's own blocks; halved (the stream first) until the blocks fit the hardware's shared memory
-TILE, STREAM = 128, 64
 
 
 @dataclass(frozen=True)
@@ -139,7 +134,7 @@ def _crosswise(naive: Diagram, kept: tuple, left: tuple) -> bool:
     """Whether an input the kernel reads elementwise holds the streamed axis before a tiled one: a learned
     bias's ``[q, x]`` block, added to the scores in the kernel that tiles keys and streams queries (dK·dV). Each
     chunk of it is transposed into the kernel's tiled-first layout as it loads
-    (:func:`lowering._triton.tiled_first`) and then meets the scores' accumulator layout, and the registers that
+    (:func:`lowering._blocks.tiled_first`) and then meets the scores' accumulator layout, and the registers that
     takes make the kernel spill (an operand of a contraction is transposed for free by the tensor cores); such a
     kernel gets half the tile and half the chunk. Measured on an H100
     (B = 2, H = 16, N = 8192, D = 128, bf16, causal; ``papers/flash_attention/bias_gradient.py``): the learned
@@ -289,15 +284,16 @@ def backward_of(
     """The lowered backward's diagrams and schedules for the scheduled forward ``d`` (see the module),
     its blocks fitted to ``hardware``'s shared memory with ``config``'s pipeline stages.
 
-    Each kernel's chunk is :data:`STREAM`, never more than the forward's smallest block (FlashAttention-2's
+    Each kernel's chunk is the block policy's ``backward_stream`` (:class:`lowering.triton.TritonBlocks`), never
+    more than the forward's smallest block (FlashAttention-2's
     blocks, Triton's). A backend with chunks of its own passes ``own`` (:class:`lowering._tiles.Chunks`) for the
     kernels that stream the axis the forward streams (dQ: the keys): its largest chunk, never more than the
     forward's largest block, halved while the backend does not admit the kernel
     (:func:`lowering._tiles.fit_blocks`). The kernels that stream the forward's tiled axis (dK·dV: the queries)
-    hold more accumulators and keep :data:`STREAM`.
+    hold more accumulators and keep ``backward_stream``.
 
     With ``narrow`` each kernel stores a cotangent in its input's dtype; without, in f32: partial gradients a
-    caller sums further (a ring's steps, ``lowering._devices``) keep their precision until summed.
+    caller sums further (a ring's steps, ``lowering._ring``) keep their precision until summed.
 
     Δ = Σ_d dO ⊙ O (the Δ lemma's right side), and any other row sum the kernels read (:func:`row_values`), is
     computed once per query row, by a kernel of its own (a piece that ``feeds`` the others, run first), and
@@ -309,8 +305,9 @@ def backward_of(
     tiles, streams = partitions(d)
     if len(streams) > 1:
         raise NotLowerable(f"the forward streams {sorted(streams)}, expected one axis")
-    blocks = [*tiles.values(), *streams.values()] or [TILE]
-    tile_size, stream_size = min(max(blocks), TILE), min(min(blocks), STREAM)
+    policy = TRITON_BLOCKS
+    blocks = [*tiles.values(), *streams.values()] or [policy.backward_tile]
+    tile_size, stream_size = min(max(blocks), policy.backward_tile), min(min(blocks), policy.backward_stream)
     keyed = [*tiles, *streams]  # the axes a kernel may tile or stream
     forward, positions = with_residuals(d)
     t, grads = pullback(plain(d))
@@ -368,8 +365,9 @@ def backward_of(
                 s_ = min(max(blocks), own.largest)
             rules, scheduled = fit_blocks(naive, list(kept), list(left), g_, s_, hardware, config, own=mine)
         else:  # a summed batch axis, one element at a time: each step loads a tile of every input (Q, K, V, dO
-            # at the same b), so the pipeline's stages hold four tiles each; 64 rows fit D = 128 in 3 stages
-            rules, scheduled = fit_blocks(naive, list(kept), list(left), min(tile_size, 64), 1, hardware, config)
+            # at the same b), so the pipeline's stages hold four tiles each (the policy's batch_tile)
+            g_ = min(tile_size, policy.batch_tile)
+            rules, scheduled = fit_blocks(naive, list(kept), list(left), g_, 1, hardware, config)
         pieces.append(
             Piece(
                 naive,

@@ -44,7 +44,7 @@ class NotLowerable(NapkinError, ValueError):
     >>> Config(num_warps=3)
     Traceback (most recent call last):
     ...
-    lowering._plan.NotLowerable: Config: num_warps must be one of 1, 2, 4, 8, 16, 32, got 3
+    lowering._plan.NotLowerable: TritonConfig: num_warps must be one of 1, 2, 4, 8, 16, 32, got 3
     """
 
 

@@ -28,10 +28,10 @@ from __future__ import annotations
 import functools
 from typing import Protocol
 
-from lowering._mosaic import BACKWARD_CHUNK, WGMMA_M, MosaicConfig, MosaicLowered, admits, faster, unavailable
 from lowering._plan import NotLowerable, Plan, neutral_padding, next_pow2, plan
 from lowering._tiles import Chunks
-from lowering._triton import Config, Lowered, launch
+from lowering.mosaic import MOSAIC_BLOCKS, WGMMA_M, MosaicConfig, MosaicLowered, admits, faster, unavailable
+from lowering.triton import TRITON_BLOCKS, Config, Lowered, launch
 from lowering.xla import XLA
 from napkin_cat.diagram import Diagram
 from napkin_cat.hardware import Hardware
@@ -46,7 +46,7 @@ class Backend(Protocol):
     not split into whole blocks.
 
     >>> [(b.title, b.config.__name__, b.pads) for b in REGISTRY]
-    [('Mosaic', 'MosaicConfig', False), ('Triton', 'Config', True), ('XLA', 'XlaConfig', True)]
+    [('Mosaic', 'MosaicConfig', False), ('Triton', 'TritonConfig', True), ('XLA', 'XlaConfig', True)]
     """
 
     name: str
@@ -92,7 +92,7 @@ def offer(b: Backend, p: Plan, *, interpret, config, hardware, backward: bool) -
 
 
 class Triton:
-    """The Triton backend (:mod:`lowering._triton`): compiled on a GPU, interpreted elsewhere."""
+    """The Triton backend (:mod:`lowering.triton`): compiled on a GPU, interpreted elsewhere."""
 
     name, title, when, config = "triton", "Triton", "Triton", Config
     eager, reads_whole, pads = False, False, True
@@ -129,16 +129,17 @@ class Triton:
         return None
 
     def heuristic(self, p: Plan) -> Config:
-        """Triton's Config.get_default: 8 warps for 128-row tiles, else 4; 3 pipeline stages."""
-        return Config.get_default(p)
+        """The Triton block policy's config (:meth:`lowering.triton.TritonBlocks.config`): 8 warps for 128-row tiles,
+        else 4; 3 pipeline stages."""
+        return TRITON_BLOCKS.config(p)
 
     def space(self, p: Plan) -> tuple[Config, ...]:
-        """The warps and stages :func:`lowering._search.search` times.
+        """The warps and stages :func:`lowering._search.search` times (:meth:`lowering.triton.TritonBlocks.space`).
 
         >>> len(TRITON.space(None))
         4
         """
-        return tuple(Config(num_warps=w, num_stages=s) for w in (4, 8) for s in (2, 3))
+        return TRITON_BLOCKS.space()
 
     def chunks(self, d: Diagram, config, *, auto: bool) -> dict:
         """FlashAttention-2's chunks for the backward (:func:`lowering._backward.backward_of`'s own): none here."""
@@ -168,8 +169,8 @@ def _guard(k: Lowered) -> Lowered:
 
 
 class Mosaic:
-    """The Mosaic GPU backend (:mod:`lowering._mosaic`): Hopper; ``"auto"`` takes it on an sm_90 GPU where the
-    kernel lowers and was measured faster than Triton's (:func:`lowering._mosaic.faster`)."""
+    """The Mosaic GPU backend (:mod:`lowering.mosaic`): Hopper; ``"auto"`` takes it on an sm_90 GPU where the
+    kernel lowers and was measured faster than Triton's (:func:`lowering.mosaic.faster`)."""
 
     name, title, config = "mosaic", "Mosaic", MosaicConfig
     when = "Mosaic on sm_90 where it lowers and was measured faster"
@@ -179,7 +180,7 @@ class Mosaic:
         self._last: tuple | None = None  # (plan, interpret, config, kernel, why): admit's kernel, reused by emit
 
     def available(self, interpret, config) -> str | None:
-        """:func:`lowering._mosaic.unavailable`: the device, ``interpret``, a config that tunes Triton."""
+        """:func:`lowering.mosaic.unavailable`: the device, ``interpret``, a config that tunes Triton."""
         return unavailable(interpret, config)
 
     def _built(self, p: Plan, interpret, config) -> tuple:
@@ -217,19 +218,19 @@ class Mosaic:
         return MosaicConfig()
 
     def space(self, p: Plan) -> tuple[MosaicConfig, ...]:
-        """Two or three pipeline stages, ping-pong as measured or off."""
-        return tuple(MosaicConfig(stages=s, pingpong=pp) for s in (2, 3) for pp in (None, False))
+        """Two or three pipeline stages, ping-pong as measured or off (:meth:`lowering.mosaic.MosaicBlocks.space`)."""
+        return MOSAIC_BLOCKS.space()
 
     def chunks(self, d: Diagram, config, *, auto: bool) -> dict:
-        """Mosaic's own backward chunks (:data:`lowering._mosaic.BACKWARD_CHUNK`, halved to 64 while
-        :func:`lowering._mosaic.admits` refuses, and under ``auto`` while the Triton kernel that stands in for
+        """Mosaic's own backward chunks (``lowering.mosaic.MOSAIC_BLOCKS.backward_chunk``, halved to 64 while
+        :func:`lowering.mosaic.admits` refuses, and under ``auto`` while the Triton kernel that stands in for
         shapes Mosaic cannot take would not fit) where the sizes its registers depend on (the axes kept whole)
         are known; else FlashAttention-2's, Triton's (none here)."""
         size = {a.name: a.size for w in d.dom.inside for a in w.axes}
         if not all(size[a].is_number for a in plan(d).whole):
             return {}
         tuned = config if isinstance(config, MosaicConfig) else None
-        return {"own": Chunks(BACKWARD_CHUNK, WGMMA_M, functools.partial(admits, config=tuned), auto)}
+        return {"own": Chunks(MOSAIC_BLOCKS.backward_chunk, WGMMA_M, functools.partial(admits, config=tuned), auto)}
 
     def emit(self, p: Plan, *, interpret, config, hardware) -> MosaicLowered:
         """The :class:`lowering.MosaicLowered` :meth:`admit` built (its hardware model is its own, H100)."""
@@ -239,7 +240,7 @@ class Mosaic:
         return kernel
 
     def prefer(self, kernel: MosaicLowered, *, backward: bool) -> str | None:
-        """:func:`lowering._mosaic.faster`: ``"auto"`` takes Mosaic where it was measured faster than Triton."""
+        """:func:`lowering.mosaic.faster`: ``"auto"`` takes Mosaic where it was measured faster than Triton."""
         return faster(kernel, backward=backward)
 
 
@@ -284,7 +285,7 @@ def check_config(name: str, config) -> None:
     >>> check_config("mosaic", Config())
     Traceback (most recent call last):
     ...
-    lowering._plan.NotLowerable: backend 'mosaic': a lowering.Config tunes Triton; pass a lowering.MosaicConfig
+    lowering._plan.NotLowerable: backend 'mosaic': a lowering.TritonConfig tunes Triton; pass a lowering.MosaicConfig
     """
     if config is None:
         return

@@ -17,13 +17,13 @@ import fcntl
 import itertools
 import json
 import os
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+
+from lowering._timing import time_calls
 
 #: the search's results, one JSON object keyed by :func:`versioned` keys
 CACHE = Path(os.environ.get("NAPKIN_CACHE", Path.home() / ".cache" / "napkin_cat")) / "search.json"
@@ -88,27 +88,14 @@ def _read(path: Path) -> dict:
 
 
 def median_time(fn, *args, reps: int = 20, batches: int = 5, warmup: int = 2) -> float:
-    """Median device time per call of ``fn(*args)`` in seconds, measured the standard way.
-
-    After ``warmup`` waited-on calls, each of ``batches`` batches dispatches ``reps`` calls back to
-    back (jax dispatches asynchronously) and waits once at the end; the batch time ÷ ``reps`` is one
-    sample, and the median over batches is returned. Waiting on every call instead would add the host
-    round trip (~0.7 ms on a cloud VM) to each. Same method as ``papers/flash_attention/benchmark.py``.
+    """Median device time per call of ``fn(*args)`` in seconds, by the one timing helper
+    (:func:`lowering._timing.time_calls`: CUPTI's kernel durations for a jitted function on a GPU, else the wall
+    clock of ``reps`` calls dispatched back to back, waited on once; the median over ``batches``).
 
     >>> median_time(jnp.sin, jnp.ones(4), reps=3, batches=3) > 0
     True
     """
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(batches):
-        out = None
-        t = time.perf_counter()
-        for _ in range(reps):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t) / reps)
-    return statistics.median(times)
+    return time_calls(fn, *args, reps=reps, batches=batches, warmup=warmup).seconds
 
 
 def search(
@@ -116,15 +103,16 @@ def search(
     args,
     *,
     tiles=({"g_q": 64, "s_x": 64}, {"g_q": 128, "s_x": 64}, {"g_q": 128, "s_x": 128}),
-    warps=(4, 8),
-    stages=(2, 3),
+    warps=None,
+    stages=None,
     key: str | None = None,
     log=print,
 ) -> dict | None:
     """Time ``make(sizes, config)`` over the grid and return the fastest choice (cached by ``key``, with the device
     and the jax version: :func:`store`), or None if none ran.
 
-    ``tiles`` are the partition sizes to try, each a dict by symbol name; ``make`` returns a function of
+    ``tiles`` are the partition sizes to try, each a dict by symbol name; ``warps`` and ``stages`` (None: the Triton
+    block policy's search space, :meth:`lowering.triton.TritonBlocks.space`); ``make`` returns a function of
     ``args`` (a lowered kernel, on a GPU); a choice that fails to build or run is logged and skipped.
 
     >>> import jax.numpy as jnp
@@ -133,10 +121,12 @@ def search(
     >>> sorted(best), best["sizes"]
     (['num_stages', 'num_warps', 'seconds', 'sizes'], {'g_q': 16})
     """
-    from lowering._triton import Config
+    from lowering.triton import TRITON_BLOCKS, Config
 
     if key and (hit := cached(key)) is not None:
         return hit
+    warps = TRITON_BLOCKS.search_warps if warps is None else warps
+    stages = TRITON_BLOCKS.search_stages if stages is None else stages
     best = None
     for sizes, w, st in itertools.product(tiles, warps, stages):
         shown = " ".join(f"{k}={v:4d}" for k, v in sizes.items())
@@ -173,7 +163,7 @@ def refine(diagram, choice, make, *, first: int = 4, cache: bool = True, log=Non
     from dataclasses import replace
 
     from lowering._plan import NotLowerable
-    from lowering._triton import Config
+    from lowering.triton import Config
 
     ks = jax.random.split(jax.random.key(0), len(diagram.dom))
     args = [

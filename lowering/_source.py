@@ -35,7 +35,7 @@ def _block(p: Plan, wire) -> str:
 
 
 def describe(kernel) -> str:
-    """The launch, loop and body of a :class:`lowering._triton.Lowered` kernel, as text (see the module's
+    """The launch, loop and body of a :class:`lowering.TritonLowered` kernel, as text (see the module's
     docstring for an example)."""
     p: Plan = kernel.plan
     d = p.diagram

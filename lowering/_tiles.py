@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import sympy
 
 from lowering._plan import NotLowerable, block_values, next_pow2, plan, smem_bytes
-from lowering._triton import Config, launch
+from lowering.triton import STAGES, Config, launch
 from napkin_cat import Cost, cost
 from napkin_cat.diagram import Diagram
 from napkin_cat.errors import NapkinError
@@ -259,7 +259,7 @@ def _kernel_time(
 
 
 def predicted_occupancy(
-    scheduled, hardware: Hardware | str, sizes: Mapping[str, int], *, stages: int = 3, warps: int | None = None
+    scheduled, hardware: Hardware | str, sizes: Mapping[str, int], *, stages: int = STAGES, warps: int | None = None
 ):
     """The :class:`Occupancy` :func:`predicted_time` runs a scheduled diagram's kernel at (None if it does not
     lower to one kernel at ``sizes``).
@@ -278,13 +278,13 @@ def predicted_occupancy(
 
 
 def predicted_time(
-    scheduled, hardware: Hardware | str, sizes: Mapping[str, int], *, stages: int = 3, warps: int | None = None
+    scheduled, hardware: Hardware | str, sizes: Mapping[str, int], *, stages: int = STAGES, warps: int | None = None
 ) -> float:
     """Seconds the cost model predicts for a scheduled diagram (or Derivation) at ``sizes`` (by axis name, and
     by symbol name for open partition sizes): :attr:`Cost.time_serial` of its cost, run as one kernel, in
     waves of the blocks the SMs hold at once, each wave with its blocks' prologue and epilogue
     (:func:`occupancy`, :meth:`Occupancy.time`; ``stages`` and ``warps`` as the kernel runs them, by default
-    :meth:`lowering.Config.get_default`'s).
+    :meth:`lowering.TritonConfig.get_default`'s).
 
     >>> import napkin_cat as nc
     >>> from rewrites import derive, tile, stream
@@ -315,15 +315,15 @@ def choose_tiles(
     hardware: Hardware | str,
     sizes: Mapping[str, int] | None = None,
     *,
-    stages: int = 3,
+    stages: int = STAGES,
     candidates: tuple[int, ...] = CANDIDATES,
 ) -> Choice:
     """Sizes for the open partitions of a scheduled diagram (or Derivation) on ``hardware``, from its cost.
 
     ``sizes`` gives the sizes of axes the diagram leaves symbolic (by name); the shared-memory test needs
     every axis kept whole in a block, the predicted time every axis. ``stages`` is the pipeline depth the
-    kernel will run (3: :meth:`lowering.Config.get_default`). Raises :class:`NotLowerable` naming the open
-    sizes when a size they need is unknown, or when no candidate fits.
+    kernel will run (:data:`lowering.triton.STAGES`, as :meth:`lowering.TritonConfig.get_default`). Raises
+    :class:`NotLowerable` naming the open sizes when a size they need is unknown, or when no candidate fits.
 
     >>> import napkin_cat as nc
     >>> from rewrites import derive, tile, stream

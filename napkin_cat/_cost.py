@@ -634,7 +634,7 @@ def _kernels(walk: _Walk) -> dict:
             mixed[walk.root(wires[0])] |= set(getattr(box, "mixes", ()))
             diagonal = set(box.diagonal() or ())
             for t, x in ((t, x) for t in k.tiled for x in k.streamed):
-                if diagonal == {t, x}:  # blocks past the diagonal are skipped (lowering._triton)
+                if diagonal == {t, x}:  # blocks past the diagonal are skipped (lowering._blocks)
                     n, g, s = k.tiled[t].size, k.tiled[t].group, k.streamed[x].stream
                     k.visited = (n + sympy.Max(g, s)) / (2 * n)
         if any(walk.arrays[i].has(s) for i in wires for s in k.streamed):  # a box inside the stream loop

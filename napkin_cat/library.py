@@ -431,8 +431,9 @@ class SameSegment:
     Which blocks it hides or keeps whole depends on the labels, not (as for an :class:`Affine` mask) on
     the indices alone, so a kernel finds them at call time from the ids: a pair of blocks may meet only
     where their ranges of ids overlap, and is kept whole where both hold one and the same id (exact for
-    sorted ids, packed documents; a superset and a subset otherwise). The lowering recognises this class,
-    and the derivative in its score, which hides the same entries (``lowering._triton.segment_blocks``).
+    sorted ids, packed documents; a superset and a subset otherwise). It says where it reads the labels
+    (``segment_labels``), so a kernel finds its blocks, and those of the derivative in its score, which hides
+    the same entries (``lowering._blocks.segment_blocks``).
 
     >>> same_document(jnp.ones(3), jnp.array([1, 1, 2]), jnp.array([1, 2, 2])).tolist()
     [1.0, -inf, 1.0]
@@ -443,6 +444,9 @@ class SameSegment:
     name: str = "same_document"
     #: a mask of the scores: it commutes with scaling them (``lowering``'s exp2 fold passes through it)
     passes_base: ClassVar[bool] = True
+    #: the positions, among its arguments ``(s, a, b)``, of the two label arrays: which blocks it hides or keeps
+    #: whole is found from them (``lowering._blocks.segment_mask``)
+    segment_labels: ClassVar[tuple[int, int]] = (1, 2)
 
     def __call__(self, s, a, b):
         return jnp.where(a == b, s, -jnp.inf)

@@ -68,7 +68,7 @@ def pytest_runtest_makereport(item, call):
 
 
 class Hopper:
-    """A stand-in for an H100 in ``jax.devices()``: what ``lowering._mosaic.unavailable`` reads."""
+    """A stand-in for an H100 in ``jax.devices()``: what ``lowering.mosaic.unavailable`` reads."""
 
     platform, device_kind, compute_capability = "gpu", "NVIDIA H100 80GB HBM3", "9.0"
 

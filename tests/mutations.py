@@ -107,7 +107,7 @@ def causal_off_by_one():
 def gqa_group():
     """Grouped-query attention reads key/value head ``h mod H_kv`` instead of ``h // G``: the kernel's block
     index for a wire lacking some grid (head) axes is taken from the flat head index, undivided by the group."""
-    lowered = find("Lowered", "lowering._triton", "lowering")
+    lowered = find("TritonLowered", "lowering.triton", "lowering")
     index_map = method(lowered, "_index_map")
 
     @functools.wraps(index_map)
@@ -193,7 +193,7 @@ def no_delta():
 
 def no_padding_mask():
     """Ragged sizes: the padding of the last chunk is not masked to the accumulator's neutral value."""
-    mask_padding = find("_mask_padding", "lowering._triton")
+    mask_padding = find("mask_padding", "lowering._blocks")
     rebind(mask_padding, lambda v, *args, **kwargs: v)
 
 
@@ -201,7 +201,7 @@ def mosaic_overwrites_accumulator():
     """Mosaic GPU's ``o = δ·o + P·V`` (one wgmma on ``δ·o``) overwrites the accumulator instead of adding to it, so
     only the last chunk's ``P·V`` survives. The code is the Mosaic kernel body's alone (``Product.into``): Triton's
     kernels and the reference semantics are untouched, so only a Mosaic kernel (interpret mode on CPU) can see it."""
-    product = find("Product", "lowering._mosaic")
+    product = find("Product", "lowering.mosaic._arrays")
     into = method(product, "into")
 
     @functools.wraps(into)

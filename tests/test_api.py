@@ -53,7 +53,9 @@ def test_backend_auto_chooses_triton_and_others_are_refused():
     assert lower(flash, backend="auto").backend == "triton" == lower(flash, backend="triton").backend
     with pytest.raises(NotLowerable, match=re.escape("backend 'cuda': choose 'auto' (Mosaic on sm_90 where it lowers")):
         lower(flash, backend="cuda")
-    with pytest.raises(NotLowerable, match="backend 'mosaic': a lowering.Config tunes Triton; pass a .*MosaicConfig"):
+    with pytest.raises(
+        NotLowerable, match="backend 'mosaic': a lowering.TritonConfig tunes Triton; pass a .*MosaicConfig"
+    ):
         lower(flash, backend="mosaic", config=Config())
 
 
@@ -281,7 +283,7 @@ def test_measured_search_refines_the_model_choice_on_a_gpu(key):
 )
 def test_the_chosen_sizes_are_the_largest_tile_that_fits_then_the_fastest_predicted(d, q, x, dtype, hw):
     from lowering import plan
-    from lowering._triton import launch
+    from lowering.triton import launch
     from rewrites import resolve
 
     qa, xa = nc.axes("q x")

@@ -417,7 +417,7 @@ def test_compiled_soft_cap_on_gpu(seed, cap):
 def test_the_entrys_blocks_at_head_dim_64_are_mosaics_on_hopper(hopper):
     """At D = 64 the entry's rule gives FlashAttention-2's 128 × 64, which Mosaic runs slower than Triton; on an
     sm_90 GPU (compiled, no bias or mask array, which keep the kernels on Triton) it takes Mosaic's measured
-    256 × 128 (``lowering._mosaic.ENTRY_BLOCKS``), and auto runs every kernel on Mosaic."""
+    256 × 128 (``lowering.mosaic.MOSAIC_BLOCKS.entry``), and auto runs every kernel on Mosaic."""
     from lowering import lower
     from lowering._attention import Signature
 

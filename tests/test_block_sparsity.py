@@ -1,6 +1,6 @@
 """Block sparsity from segment ids: the document mask's blocks, found at call time from the ids.
 
-``lowering._triton.segment_blocks`` gives, per block of queries (or keys), the chunks of the other axis it
+``lowering._blocks.segment_blocks`` gives, per block of queries (or keys), the chunks of the other axis it
 visits and those it keeps whole; the kernels skip the rest and run whole chunks unmasked, forward and in
 both gradient kernels. Checked here: the ranges themselves against a brute-force count (exact for sorted
 ids, a superset and a subset for unsorted ones); that skipped chunks are not read (a NaN in a hidden
@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import napkin_cat as nc
 from lowering import lower
-from lowering._triton import heavy_last, segment_blocks
+from lowering._blocks import heavy_last, segment_blocks
 from rewrites import derive, stream, tile
 
 FWD, GRAD = 1e-6, 3e-6

@@ -20,7 +20,8 @@ from flash_oracle import attention_parts, backward_diagrams
 import napkin_cat as nc
 from lowering import Config, NotLowerable, lower
 from lowering._backward import backward_of, plain
-from lowering._triton import _visited, affine_mask
+from lowering._blocks import affine_mask
+from lowering._blocks import visited as _visited
 from napkin_cat.architectures import Circuit
 from napkin_cat.diagram import Array
 from rewrites import derive, stream, tile

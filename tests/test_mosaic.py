@@ -15,9 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import napkin_cat as nc
-from lowering import MosaicConfig, MosaicLowered, NotLowerable, OpenKernel, lower, plan
-from lowering import _mosaic as mosaic
-from lowering import _triton as lowering_triton
+from lowering import MosaicConfig, MosaicLowered, NotLowerable, OpenKernel, TritonLowered, lower, mosaic, plan
+from lowering._registry import MOSAIC
+from lowering.mosaic._config import SMEM_LIMIT
+from lowering.mosaic._kernel import TURN_BARRIER, MosaicKernel
 from napkin_cat.drawing import draw
 from napkin_cat.hardware import H100
 from rewrites import RewriteError, derive, level, split, stream, tile
@@ -83,7 +84,7 @@ def test_causal_tiles_launch_in_sections_that_fit_l2(key, monkeypatch):
     kernel = lower(attention(64, 128, 64, causal=True), backend="mosaic", interpret=True)
     assert relative_error(kernel(Q, K, V), reference(Q, K, V, causal=True)) <= BF16
     extent = {"b": 1, "h": 4, "q": 256, "x": 256, "d": 64}
-    assert mosaic._Kernel(kernel.forward, {}, extent, [1, 2], [0], 2, 4, [1, 4]).n_members == 2
+    assert MosaicKernel(kernel.forward, {}, extent, [1, 2], [0], 2, 4, [1, 4]).n_members == 2
 
 
 def test_a_launch_section_that_does_not_divide_the_batch_is_refused(key):
@@ -102,7 +103,7 @@ def test_compiled_path_lowers_for_cuda(causal):
     assert not k.config.interpretable and k.pingpong and k.rows == 128
     args = [jax.ShapeDtypeStruct((1, 2, 512, 128), jnp.bfloat16)] * 3
     text = jax.jit(k).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text and f"bar.sync {mosaic.TURN_BARRIER}, 256;" in text
+    assert "mosaic_gpu" in text and f"bar.sync {TURN_BARRIER}, 256;" in text
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -145,7 +146,7 @@ def test_output_reuses_the_query_tile():
 
 def test_auto_takes_triton_off_hopper_and_says_why(key):
     kernel = lower(attention(64, 128, 64), backend="auto")
-    assert kernel.backend == "triton" and isinstance(kernel.forward, lowering_triton.Lowered)
+    assert kernel.backend == "triton" and isinstance(kernel.forward, TritonLowered)
     assert "is not an sm_90 (Hopper) GPU" in kernel.refused["forward"]
     Q, K, V = inputs(key, (1, 2, 128, 64))
     assert relative_error(kernel(Q, K, V), reference(Q, K, V)) <= BF16
@@ -153,12 +154,14 @@ def test_auto_takes_triton_off_hopper_and_says_why(key):
 
 def test_mosaic_is_a_candidate_on_hopper_where_it_lowers(hopper):
     hopper()
-    kernel, why = mosaic.choose(attention(64, 128, 64).diagram, interpret=None)
-    assert isinstance(kernel, MosaicLowered) and why is None
-    kernel, why = mosaic.choose(attention(64, 128, 64, dtype="f32").diagram, interpret=None)
-    assert kernel is None and "Mosaic refused: input" in why and "16-bit" in why
-    kernel, why = mosaic.choose(attention(256, 256, 128).diagram, interpret=None)
-    assert kernel is None and "394,240 B of shared memory" in why
+    assert MOSAIC.available(None, None) is None
+    fits = plan(attention(64, 128, 64).diagram)
+    assert MOSAIC.admit(fits, interpret=False, config=None) is None
+    assert isinstance(MOSAIC.emit(fits, interpret=False, config=None, hardware=None), MosaicLowered)
+    why = MOSAIC.admit(plan(attention(64, 128, 64, dtype="f32").diagram), interpret=False, config=None)
+    assert why.startswith("input") and "16-bit" in why
+    why = MOSAIC.admit(plan(attention(256, 256, 128).diagram), interpret=False, config=None)
+    assert "394,240 B of shared memory" in why
 
 
 def test_auto_takes_mosaic_per_kernel_where_measured_faster(hopper):
@@ -345,7 +348,7 @@ def test_auto_runs_shapes_of_ragged_blocks_on_triton_and_says_so(hopper, key):
     made = attention(64, 256, 128)
     auto = lower(made, backend="auto", interpret=False)
     assert auto.backends["forward"] == "mosaic"
-    auto.forward._triton = lambda: lowering_triton.Lowered(plan(made.diagram), interpret=True)  # CPU: interpreted
+    auto.forward._triton = lambda: TritonLowered(plan(made.diagram), interpret=True)  # CPU: interpreted
     Q, K, V = inputs(key, (1, 2, 200, 64))
     assert relative_error(auto(Q, K, V), reference(Q, K, V)) <= BF16
     shape = ((1, 2, 200, 64),) * 3
@@ -393,7 +396,7 @@ def test_compiled_matches_reference(key, D, causal, s):
 def test_registers_refuse_a_spilling_tile():
     """g256 s128 at D = 128 fits shared memory once O reuses Q's tile, but not a consumer's registers."""
     k = MosaicLowered(plan(attention(128, 256, 128).diagram), interpret=False)
-    assert k.smem_bytes({"d": 128}) <= mosaic.SMEM_LIMIT
+    assert k.smem_bytes({"d": 128}) <= SMEM_LIMIT
     with pytest.raises(NotLowerable, match=r"warpgroup level: a consumer thread would keep 256 f32 registers"):
         k.check({"d": 128})
     assert MosaicLowered(plan(matmul(256, 128, 64).diagram)).registers({}) == 128
@@ -470,7 +473,7 @@ def test_backward_lowers_for_cuda(mask):
         and len(dkv.masks) == (0 if mask == "none" else 2)  # the mask and its backward (Kept), both affine
         and dkv.reuse == [1, 2]
         and dkv.shared == [None, None]
-        and dkv.smem_bytes({"d": 128}) <= mosaic.SMEM_LIMIT
+        and dkv.smem_bytes({"d": 128}) <= SMEM_LIMIT
     )
     text = jax.jit(lambda *a: gradients(kernel, *a)).trace(sd, sd, sd, sd).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text

@@ -32,7 +32,7 @@ def product(n, d):
 
 def test_the_registry_is_ordered_as_auto_walks_it():
     assert [b.name for b in REGISTRY] == list(BACKENDS) == ["mosaic", "triton", "xla"]
-    assert [b.config.__name__ for b in REGISTRY] == ["MosaicConfig", "Config", "XlaConfig"]
+    assert [b.config.__name__ for b in REGISTRY] == ["MosaicConfig", "TritonConfig", "XlaConfig"]
 
 
 def test_an_unknown_backend_lists_the_registered_ones():

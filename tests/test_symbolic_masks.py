@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import napkin_cat as nc
-from lowering._triton import affine_mask
+from lowering._blocks import affine_mask
 from napkin_cat.affine_masks import Combined
 from napkin_cat.errors import AxisError
 from napkin_cat.generators import Positional, positional

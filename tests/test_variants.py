@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import napkin_cat as nc
 from lowering import Config, NotLowerable, lower
-from lowering._triton import _visited
+from lowering._blocks import visited as _visited
 from napkin_cat import library as L
 from rewrites import derive, stream, tile
 

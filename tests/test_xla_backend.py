@@ -92,7 +92,9 @@ def test_open_sizes_are_chosen_at_the_call_and_a_config_tunes_the_loop(key):
 def test_a_triton_config_is_refused_by_name():
     q, x, d = nc.axes("q x d")
     flash = derive(nc.library.attention(q, x, d), tile(q, 16), stream(x, 16), verify=False)
-    with pytest.raises(NotLowerable, match="backend 'xla': a lowering.Config tunes Triton; pass a lowering.XlaConfig"):
+    with pytest.raises(
+        NotLowerable, match="backend 'xla': a lowering.TritonConfig tunes Triton; pass a lowering.XlaConfig"
+    ):
         lower(flash, backend="xla", config=Config())
 
 

@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from lowering._blocks import BlockContext
 from lowering._plan import NotLowerable, Plan, unweave
-from lowering._triton import BlockContext
 from napkin_cat.diagram import Diagram, is_structural
 from napkin_cat.generators import Jax
 from napkin_cat.hardware import H100, Hardware

@@ -133,6 +133,19 @@ class IndexMap(Generator):
     def lines(self, prog, ins, outs):
         return [(f"{prog.ix(outs[0])} = {self.name}({prog.ix(ins[0])}, indices)", outs, ins, False, True)]
 
+    def affine(self):
+        """A mask's backward (``Kept``: the cotangent where the mask keeps the score, else 0) hides the blocks the
+        mask hides and is the identity on those it keeps whole: its mask's affine form (:meth:`Mask.affine`); None
+        for any other index map.
+
+        >>> from napkin_cat import axes
+        >>> m = causal_mask(Array(*axes("q x")), "q", "x")
+        >>> score_mod(Array(*axes("q x")), Kept(m.params["mask"])).affine().name
+        'causal(q ≥ x)'
+        """
+        fn = self.params["fn"]
+        return affine_form(fn.keep) if isinstance(fn, Kept) else None
+
     def backward(self, t, ins, outs, cts):
         (s,), fn = ins, self.params["fn"]
         S = t.ty(s)
@@ -167,6 +180,18 @@ class Mask(Generator):
         keep = self.params["mask"]
         return (keep.q, keep.x) if isinstance(keep, Causal) else None
 
+    def affine(self):
+        """Which blocks this mask hides, cuts or keeps whole, as its mask function says: its affine form (a
+        :class:`~napkin_cat.library.Affine`, whose ``interval`` gives, for a block of the other axes, the indices
+        kept somewhere and those kept everywhere), or None where the mask function knows no such form (a
+        kernel then runs it on every block).
+
+        >>> from napkin_cat import axes
+        >>> causal_mask(Array(*axes("q x")), "q", "x").affine().name
+        'causal(q ≥ x)'
+        """
+        return affine_form(self.params["mask"])
+
     def lines(self, prog, ins, outs):
         name = getattr(self.params["mask"], "__name__", repr(self.params["mask"]))
         text = f"{prog.ix(outs[0])} = {prog.ix(ins[0])} where {name} else −∞   # global indices"
@@ -175,6 +200,20 @@ class Mask(Generator):
     def backward(self, t, ins, outs, cts):
         keep, C = self.params["mask"], t.ty(cts[0])
         return [t(IndexMap(f"kept {fname(keep)}", Ty(C), Ty(C), data=(("fn", Kept(keep)),)), cts[0])]
+
+
+def affine_form(keep):
+    """The affine form of a mask function, asked of the function itself (duck-typed): one that knows its blocks
+    (``interval``, as :class:`~napkin_cat.library.Affine`) is its own form; one that can say it (``affine()``, as
+    :class:`Causal`) says it; any other has none (None).
+
+    >>> affine_form(Causal("q", "x")).name, affine_form(lambda q, x: x <= q)
+    ('causal(q ≥ x)', None)
+    """
+    if callable(getattr(keep, "interval", None)):
+        return keep
+    form = getattr(keep, "affine", None)
+    return form() if callable(form) else None
 
 
 @dataclass(frozen=True)
@@ -198,6 +237,12 @@ class Causal:
     @property
     def __name__(self):
         return f"causal({self.q} ≥ {self.x})"
+
+    def affine(self):
+        """The same mask as one affine inequality, ``q − x ≥ 0`` (:meth:`napkin_cat.library.Affine.causal`)."""
+        from napkin_cat.library import Affine  # the library's Affine is built on the generators
+
+        return Affine.causal(self.q, self.x)
 
 
 @dataclass(frozen=True)

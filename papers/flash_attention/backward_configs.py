@@ -27,10 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import napkin_cat as nc
-from lowering import lower, plan
+from lowering import Config, Lowered, MosaicConfig, MosaicLowered, lower, plan
 from lowering._backward import backward_of, run_pieces
-from lowering._mosaic import MosaicConfig, MosaicLowered
-from lowering._triton import Config, Lowered
 from papers.flash_attention.timing import time_calls
 from rewrites import derive, stream, tile
 

@@ -27,8 +27,8 @@ import numpy as np
 
 import napkin_cat as nc
 from lowering import Config, lower, plan
+from lowering import TritonLowered as Lowered
 from lowering._backward import backward_of
-from lowering._triton import Lowered
 from papers.flash_attention.timing import time_calls
 from rewrites import derive, stream, tile
 

@@ -25,9 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import napkin_cat as nc
-from lowering import lower
+from lowering import Config, lower
 from lowering._backward import backward_of, run_pieces
-from lowering._triton import Config
 from papers.flash_attention.backward_configs import rederived
 from papers.flash_attention.timing import time_calls
 from rewrites import derive, stream, tile

@@ -1,11 +1,12 @@
 """The Mosaic forward's launch order on Hopper: L2 sections, one batch element at a time, or the whole batch.
 
-Causal tiles launch heaviest first (``lowering._triton.heavy_last``). Across how many batch elements is a
+Causal tiles launch heaviest first (``lowering._blocks.heavy_last``). Across how many batch elements is a
 choice between the last wave's length and L2: ``MosaicConfig(members=m)`` launches the batch in sections of
 ``m`` elements, every element's tile t before any element's tile t − 1 within a section. ``m = 1`` streams each
 element's K and V from L2 for all its tiles but runs its light tiles next to the next element's heavy ones;
 ``m = B·H`` is longest first across the whole batch, with every head's K and V streamed at once; the default is
-the largest divisor of B·H whose K and V fit the hardware model's L2 share (``lowering._mosaic._Kernel.members``).
+the largest divisor of B·H whose K and V fit the hardware model's L2 share
+(``lowering.mosaic._kernel.MosaicKernel.members``).
 
 For D ∈ {64, 128}, N ∈ {8192, 2048} (B·N = 16k tokens, H = 16, bf16), causal under the three orders and not
 causal under the default, at two tiles each, this script times each forward (checked first against

@@ -24,8 +24,7 @@ import jax
 import jax.numpy as jnp
 
 import napkin_cat as nc
-from lowering import lower
-from lowering._triton import Config
+from lowering import Config, lower
 from papers.flash_attention.timing import time_calls
 from rewrites import derive, stream, tile
 

@@ -1,5 +1,5 @@
 """Soft-capping's tanh three ways, timed in one run: the GPU's ``tanh.approx.f32`` (what a compiled bf16 kernel
-computes for ``jnp.tanh``, :func:`lowering._triton.native_tanh`), libdevice's ``tanh`` (the kernel before it), and
+computes for ``jnp.tanh``, :func:`lowering.triton.native_tanh`), libdevice's ``tanh`` (the kernel before it), and
 tanh from one exp2, ``sign(s)·(1 − e)/(1 + e)`` with ``e = 2^(−2|s|·log₂e/cap)``. Causal ``nc.attention`` with
 ``score_mod``, forward and forward + backward, B = 2, N = 8192, H = 16, D = 128, bf16, next to no score_mod; each
 checked against an f32 jax.numpy reference at N = 1024. Writes the JSON named on the command line::
@@ -18,7 +18,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import lowering._triton  # noqa: E402
+import lowering.triton._lowered  # noqa: E402
 import napkin_cat as nc  # noqa: E402
 from napkin_cat.library import SoftCap  # noqa: E402
 from papers.flash_attention.timing import time_calls  # noqa: E402
@@ -78,7 +78,7 @@ def run(out: str) -> list:
 
         f, g = jax.jit(attend), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
         row = {"mod": name}
-        with tanh_from(jnp.tanh if name == "libdevice tanh" else lowering._triton.native_tanh):
+        with tanh_from(jnp.tanh if name == "libdevice tanh" else lowering.triton._lowered.native_tanh):
             row |= measure(f, g, mod, q, k, v, do, small, flops, cpu)
         print(row, flush=True)
         rows.append(row)
@@ -90,12 +90,12 @@ def run(out: str) -> list:
 @contextlib.contextmanager
 def tanh_from(tanh):
     """Compiled kernels traced inside compute tanh by ``tanh`` (the library's is the hardware's)."""
-    keep = lowering._triton.native_tanh
-    lowering._triton.native_tanh = tanh
+    keep = lowering.triton._lowered.native_tanh
+    lowering.triton._lowered.native_tanh = tanh
     try:
         yield
     finally:
-        lowering._triton.native_tanh = keep
+        lowering.triton._lowered.native_tanh = keep
 
 
 def measure(f, g, mod, q, k, v, do, small, flops, cpu) -> dict:

@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as Spec
 from lowering._api import lower
 from lowering._backward import backward_of
 from lowering._plan import NotLowerable
-from lowering._triton import Config
+from lowering.triton import Config
 from rewrites import Sharded, chunking, has_causal_mask, merge_lse, pair_diagrams
 
 

@@ -1,0 +1,211 @@
+"""The arrays of a Mosaic GPU consumer warpgroup (:class:`MosaicArrays`, ``ctx.xp``): register arrays, operands
+resident in shared memory (:class:`Smem`), and contractions issued as ``wgmma`` (:class:`Product`)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from lowering._plan import NotLowerable
+from napkin_cat.generators import JAX
+
+
+class Smem:
+    """An operand resident in shared memory: a ref, and the barrier to wait on before its first use."""
+
+    def __init__(self, ref, barrier=None):
+        self.ref, self.barrier = ref, barrier
+        self.shape, self.dtype = tuple(ref.shape), ref.dtype
+        #: the register layout a load gives: wgmma's for a block; a vector of the rows (the tiled axis) in the
+        #: layout of a block's row statistics, a vector of the columns (the streamed axis) in that of its columns
+        self.layout = plgpu.Layout.WGMMA
+
+    def ready(self):
+        """The ref, once its TMA copy has landed (the wait is issued once per chunk)."""
+        if self.barrier is not None:
+            plgpu.barrier_wait(self.barrier)
+            self.barrier = None
+        return self.ref
+
+    def value(self):
+        """The operand loaded into registers; integers (segment ids) as f32, the precision every generator computes
+        in (``xp.f32``): cast after their broadcast, they sent Mosaic GPU's layout inference (jax 0.11.2) into a search
+        of minutes that found no layout, the 'hang' of docs/mosaic.md v6."""
+        v = plgpu.load(self.ready(), layout=self.layout)
+        return v.astype(jnp.float32) if jnp.issubdtype(self.dtype, jnp.integer) else v
+
+    def along(self, axis: int) -> Smem:
+        """A vector as the rows (``axis`` 0) or the columns (1) of the blocks it is broadcast against."""
+        if len(self.shape) == 1:
+            self.layout = plgpu.Layout.WGMMA.reduce(1 - axis)
+        return self
+
+
+class Product:
+    """A pending ``wgmma`` ``A·B``: adding it to an array accumulates into that array's registers (FA3's
+    ``o = δ·o + P·V`` is one wgmma on ``δ·o``); any other use materialises it."""
+
+    def __init__(self, xp: MosaicArrays, a, b, shape: tuple):
+        self.xp, self.a, self.b, self.shape, self.dtype = xp, a, b, shape, jnp.float32
+
+    def into(self, acc):
+        a, b = self.xp.operand_a(self.a, self.b.dtype), self.b.ready()
+        first = self.xp.issued == 0
+        self.xp.issued += 1
+
+        def mma(acc_ref):
+            if not first:  # later products of a chunk wait for the other warpgroup's turn
+                self.xp.schedule()
+            plgpu.wgmma(acc_ref, a, b)
+            if first:  # the first product of a chunk hands the tensor cores over once issued
+                self.xp.schedule()
+
+        if acc is None or self.xp.staging is not None:
+            fresh = pl.run_scoped(lambda r: (mma(r), r[...])[1], plgpu.ACC(self.shape, jnp.float32))
+            return fresh if acc is None else acc + fresh
+        return pl.run_state(mma)(plgpu.ACC.init(acc))
+
+    def value(self):
+        return self.into(None)
+
+    def __add__(self, other):
+        return self.into(value_of(other)) if not isinstance(other, int | float) else self.value() + other
+
+    __radd__ = __add__
+
+    def __mul__(self, other):
+        return self.value() * value_of(other)
+
+    __rmul__ = __mul__
+
+    def __sub__(self, other):
+        return self.value() - value_of(other)
+
+    def __rsub__(self, other):
+        return value_of(other) - self.value()
+
+    def __truediv__(self, other):
+        return self.value() / value_of(other)
+
+    def __neg__(self):
+        return -self.value()
+
+
+def value_of(v):
+    return v.value() if isinstance(v, Smem | Product) else v
+
+
+class MosaicArrays:
+    """``ctx.xp`` inside a Mosaic GPU consumer warpgroup: :data:`~napkin_cat.generators.JAX` on register
+    arrays, with contractions as ``wgmma`` and index grids in the wgmma register layout.
+
+    ``staging`` (when given) is a shared-memory buffer a register A operand is written to first; ``turn``
+    (when given) the ping-pong barrier passed around each chunk's matrix products, ``issued`` of which
+    are counted per chunk: an mbarrier in interpret mode, compiled a function that passes a named one.
+    """
+
+    def __init__(self, staging=None, turn=None):
+        self.staging, self.turn, self.issued = staging, turn, 0
+
+    def schedule(self):
+        """Pass the ping-pong barrier shared by the consumer warpgroups (when there is one)."""
+        if callable(self.turn):
+            self.turn()
+        elif self.turn is not None:
+            plgpu.barrier_arrive(self.turn)
+            plgpu.barrier_wait(self.turn)
+
+    def __getattr__(self, name):
+        f = getattr(JAX, name)
+        if not callable(f):
+            return f
+        return lambda *xs, **kw: f(*(value_of(v) for v in xs), **kw)
+
+    def einsum(self, spec: str, *xs):
+        """``wgmma`` for a 2-operand, 2-D contraction over one axis whose B operand is in shared memory."""
+        ins, out = spec.split("->")
+        terms = ins.split(",")
+        if len(terms) == 1 and all(a in terms[0] for a in out) and sorted(out, key=terms[0].index) == list(out):
+            # a sum of one array over the axes it drops (a sink's Σ_d dO·O folded): on registers
+            v, gone = self.f32(value_of(xs[0])), tuple(i for i, a in enumerate(terms[0]) if a not in out)
+            return self.sum(v, gone) if gone else v
+        if len(terms) == 2 and terms[0] == terms[1] and len(terms[0]) == 2 and out in (terms[0][0], terms[0][1]):
+            # a row-wise inner product (Δ = Σ_d dO ⊙ O): on registers, no tensor cores
+            a, b = (self.f32(value_of(v)) for v in xs)
+            return self.sum(a * b, 1 - terms[0].index(out))
+        if len(terms) != 2 or len(out) != 2 or any(len(t) != 2 for t in terms):
+            raise NotLowerable(f"einsum {spec!r}: wgmma takes two 2-D operands and gives a 2-D product")
+        (k,) = set(terms[0]) & set(terms[1]) - set(out) or (None,)
+        if k is None or set(terms[0]) | set(terms[1]) != {*out, k}:
+            raise NotLowerable(f"einsum {spec!r}: wgmma contracts exactly one shared axis")
+        a, b = (0, 1) if out[0] in terms[0] else (1, 0)
+        (ta, va), (tb, vb) = (terms[a], xs[a]), (terms[b], xs[b])
+        if not isinstance(vb, Smem):
+            raise NotLowerable(f"einsum {spec!r}: wgmma's B operand must be in shared memory, got a register array")
+        if not isinstance(va, Smem) and ta != out[0] + k:
+            raise NotLowerable(f"einsum {spec!r}: a register A operand must be laid out rows × contraction")
+        if isinstance(va, Smem) and ta != out[0] + k:
+            va = Smem(va.ready().transpose((1, 0)))
+        if tb != k + out[1]:
+            vb = Smem(vb.ready().transpose((1, 0)))
+        m, n = va.shape[0] if isinstance(va, Smem) else jnp.shape(va)[0], vb.shape[1]
+        return Product(self, va, vb, (m, n))
+
+    def operand_a(self, a, dtype):
+        """wgmma's A operand: a shared-memory ref, or a register array in ``dtype`` (directly, or through
+        ``staging``)."""
+        if isinstance(a, Smem):
+            return a.ready()
+        a = a.astype(dtype)  # the operands meet in B's 16-bit type (FA2 casts P to V's)
+        if self.staging is None:
+            return a
+        if tuple(a.shape) != tuple(self.staging.shape):
+            raise NotLowerable(
+                f"interpret mode stages a register A operand through a {self.staging.shape} buffer, got {a.shape}"
+            )
+        self.staging[...] = a.astype(self.staging.dtype)
+        plgpu.commit_smem()
+        return self.staging
+
+    @staticmethod
+    def shape(v) -> tuple:
+        """The shape of a register array or of a shared-memory operand."""
+        return tuple(v.shape)
+
+    @staticmethod
+    def like(v, other):
+        """``v`` in the dtype of ``other`` (read off a shared-memory operand without loading it)."""
+        v = value_of(v)
+        return v.astype(other.dtype) if other.dtype != jnp.float32 else v
+
+    @staticmethod
+    def iota(shape: tuple, axis: int):
+        """Index grids in the layout of wgmma's accumulator (rows, columns), or of its row statistics."""
+        layout = plgpu.Layout.WGMMA if len(shape) == 2 else plgpu.Layout.WGMMA.reduce(1)
+        return plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=layout)
+
+    @staticmethod
+    def full(shape: tuple, value):
+        """A constant in the accumulator's layout (loop-carried states must keep one layout)."""
+        layout = plgpu.Layout.WGMMA if len(shape) == 2 else plgpu.Layout.WGMMA.reduce(1)
+        return plgpu.layout_cast(jnp.full(shape, value, jnp.float32), layout)
+
+
+def _wgmma(spec: str) -> bool:
+    """A contraction :meth:`MosaicArrays.einsum` issues as one ``wgmma`` (two 2-D operands, a 2-D product)."""
+    ins, out = spec.split("->")
+    terms = ins.split(",")
+    return len(terms) == 2 and len(out) == 2 and all(len(t) == 2 for t in terms) and terms[0] != terms[1]
+
+
+class Counting(type(JAX)):
+    """:data:`~napkin_cat.generators.JAX`, counting the contractions a chunk issues as ``wgmma``: the ping-pong
+    turns a consumer takes for a chunk it only observes."""
+
+    def __init__(self):
+        self.wgmma = 0
+
+    def einsum(self, spec: str, *xs):
+        self.wgmma += _wgmma(spec)
+        return super().einsum(spec, *xs)

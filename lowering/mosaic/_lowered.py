@@ -1,0 +1,528 @@
+"""The Mosaic GPU backend (Hopper): a scheduled diagram becomes one warp-specialised ``plgpu.kernel``.
+
+FAN's Hopper algorithm, read from the plan: the tiled axis is split over ``consumers`` warpgroups (a
+group partition one level below the thread block, ``g/consumers`` rows each, a multiple of wgmma's 64:
+the diagram's label ``q/g÷w`` from ``rewrites.split(q, w)``, else 2);
+the streamed axis becomes a ring of ``stages`` shared-memory buffers per streamed input, filled by TMA
+from one producer warpgroup and released through ``consumed`` barriers; contractions become ``wgmma``
+(A from shared memory or registers, B from shared memory) whose accumulators, like the accumulators'
+states, live in registers across the loop. The loop body is the diagram itself: the generators'
+``evaluate`` and accumulators run on register arrays through the namespace :class:`MosaicArrays`
+(``ctx.xp``), exactly as in the reference semantics. log₂e is folded into the score scale so the
+online softmax uses ``exp2``; a causal mask splits the loop into unmasked and diagonal chunks and the
+chunks above the diagonal are never loaded.
+
+Anything this cannot express raises :class:`NotLowerable` naming the box or axis, before compiling.
+
+>>> import napkin_cat as nc
+>>> from rewrites import derive, split, tile, stream
+>>> from lowering import plan
+>>> b, h, q, x, d = nc.axes("b h q x d", d=64)
+>>> attn = nc.library.multi_head_attention(h, q, x, d, batch=(b,), dtype="bf16", causal=True)
+>>> k = MosaicLowered(plan(derive(attn, tile(q, 128), stream(x, 64), verify=False).diagram))
+>>> k.rows, k.config.consumers, k.plan.stream
+(64, 2, ('x', 64))
+>>> k = MosaicLowered(plan(derive(attn, tile(q, 256), split(q, 1), stream(x, 64), verify=False).diagram))
+>>> k.rows, k.config.consumers, k.pingpong
+(256, 1, False)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from lowering._blocks import BlockContext, affine_mask, segment_bounds, segments, tiled_first
+from lowering._plan import NotLowerable, Plan, base2, unweave
+from lowering._spmd import varying
+from lowering._target import interpreted
+from lowering.mosaic._arrays import Counting
+from lowering.mosaic._config import REGISTERS, SMEM_ALIGNMENT, SMEM_LIMIT, WGMMA_M, MosaicConfig
+from lowering.mosaic._kernel import MosaicKernel
+from napkin_cat.diagram import Diagram
+from napkin_cat.hardware import H100
+from napkin_cat.semantics import bind
+
+
+def _swizzle(minor: int, itemsize: int) -> tuple:
+    row = minor * itemsize
+    swizzle = next((s for s in (128, 64, 32) if row % s == 0), None)
+    if swizzle is None:
+        return ()
+    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+class MosaicLowered:
+    """A Mosaic GPU kernel for a scheduled diagram: call it with arrays in the diagram's axis order.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> from lowering import plan
+    >>> q, x, d = nc.axes("q x d", d=64)
+    >>> attn = nc.library.attention(q, x, d, dtype="bf16")
+    >>> k = MosaicLowered(plan(derive(attn, tile(q, 128), stream(x, 64), verify=False).diagram), interpret=False)
+    >>> k.q, k.x, k.s, k.rows, k.pingpong
+    ('q', 'x', 64, 64, True)
+    """
+
+    #: what ``lower``'s ``kernel.backends`` reports; the hardware model the budgets come from
+    backend, hardware = "mosaic", H100
+
+    def __init__(self, p: Plan, *, interpret: bool | None = None, config: MosaicConfig | None = None):
+        self.plan = p
+        self.interpret = interpreted(interpret)
+        # interpret mode runs only the interpretable path: every config takes it there, not only the default
+        config = config or MosaicConfig()
+        self.config = replace(config, interpretable=config.interpretable or self.interpret)
+        self.__name__ = "napkin_mosaic_kernel"
+        if not p.tiles:
+            raise NotLowerable(
+                "Mosaic backend: tiled axes (the first output's first one split over consumer warpgroups) and at "
+                f"most one streamed axis, got tiles {p.tiles} and stream {p.stream}"
+            )
+        #: the streamed axis and its chunk (None, None for a kernel without a loop: the backward's Δ)
+        self.x, self.s = p.stream or (None, None)
+        first = unweave(p.diagram, p.batch).cod.inside[0].names[0]
+        self.q = first if first in p.tiles else next(iter(p.tiles))
+        g = p.tiles[self.q]
+        #: the other tiled axes: grid dimensions whose blocks every warpgroup shares
+        self.others = {a: n for a, n in p.tiles.items() if a != self.q}
+        self.config = replace(self.config, consumers=_consumers(p.diagram, self.q, self.config.consumers))
+        c = self.config.consumers
+        if g % (c * WGMMA_M):
+            raise NotLowerable(
+                f"axis {self.q!r}: the tile g = {g} splits over {c} consumer warpgroups into rows that must be "
+                f"multiples of wgmma's {WGMMA_M}"
+            )
+        self.rows = g // c
+        if p.stream is not None and self.s % WGMMA_M:
+            raise NotLowerable(f"axis {self.x!r}: the stream size s = {self.s} must be a multiple of {WGMMA_M}")
+        consumer_regs, producer_regs = self.config.registers()
+        if 128 * (c * consumer_regs + producer_regs) > REGISTERS:
+            raise NotLowerable(
+                f"warpgroup level: {c} consumers × {self.config.consumer_registers} registers plus a producer "
+                f"× {self.config.producer_registers} exceed the SM's {REGISTERS} registers"
+            )
+        # blocks holding both loop axes laid out tiled axis first: the kept block is wgmma's A operand (Sᵀ = K·Qᵀ)
+        self.d = tiled_first(base2(unweave(p.diagram, p.batch)), p)
+        #: the affine masks reading the streamed axis (causal, sliding window, prefix; a mask's backward ``Kept``),
+        #: by box: the chunks they hide are never loaded, those they keep whole run without them (block sparsity)
+        self.masks = {id(b): m for b in self.d.boxes if (m := affine_mask(b)) is not None and self.x in m.axes}
+        #: the segment masks over the split axis and the streamed one (documents): the wrapper finds from the ids
+        #: which chunks each tile visits and keeps whole (``lowering._blocks.segment_blocks``), as Triton's does
+        self.segments = tuple(m for m in segments(self.d, p) if m.axis == self.q)
+        #: the boxes a chunk kept whole by every mask runs without
+        self.hidden = set(self.masks) | {id(m.box) for m in self.segments}
+        self._check_wires()
+        self._buffers()
+        #: the wgmmas one chunk issues, counted on abstract blocks
+        self.products = self._products() if p.stream is not None else 0
+        want = self.config.pingpong
+        self.pingpong = c == 2 and p.stream is not None and (self._pingpong() if want is None else want)
+
+    def _check_wires(self) -> None:
+        """Refuse wires the kernel cannot hold: an input that is no 2-D block of the tiled or streamed axis and a
+        whole one, vector or scalar, or a 2-D block not in 16 bits; an innermost grid axis (TMA copies contiguous
+        rows); an output that is no [split axis, whole or tiled] block."""
+        for w in self.d.dom.inside:
+            role = self._role(w)
+            if role is None:
+                raise NotLowerable(
+                    f"input {w.describe()}: a block must be 2-D (the tiled or streamed axis, and one whole axis), "
+                    f"a vector along the tiled or streamed axis, or one number per program (a scalar)"
+                )
+            if len(w.axes) == 2 and w.dtype.bits != 16:
+                raise NotLowerable(f"input {w.describe()}: wgmma takes 16-bit operands, got {w.dtype}")
+        batch, full = set(self.plan.batch), self.plan.diagram
+        for what, wires in (("input", full.dom.inside), ("output", full.cod.inside)):
+            for w in wires:
+                if w.names[-1] in batch and not set(w.names) <= batch:  # e.g. a group sum kept innermost
+                    raise NotLowerable(
+                        f"{what} {w.describe()}: its innermost axis {w.names[-1]!r} is a grid (batch) axis; TMA copies "
+                        "blocks whose innermost axis is contiguous"
+                    )
+        for w in self.d.cod.inside:
+            if self._role(w) != "tile" or w.names[0] != self.q:
+                raise NotLowerable(
+                    f"output {w.describe()}: the Mosaic backend stores [{self.q}, whole or tiled] blocks"
+                )
+
+    def _buffers(self) -> None:
+        """Where each output is stored from: a dead resident input tile of its block (``reuse``), else a buffer of
+        its own, shared by outputs of one block shape (``own``, ``shared``)."""
+        #: per output, the resident input whose shared-memory tile it is written into (the tile is dead by
+        #: then: FA3 stores O through Q's buffer), else None
+        self.reuse: list[int | None] = []
+        free = [i for i, w in enumerate(self.d.dom.inside) if self._role(w) == "tile"]
+        for w in self.d.cod.inside:
+            k = next((k for k, i in enumerate(free) if i is not None and _same_block(self.d.dom.inside[i], w)), None)
+            self.reuse.append(None if k is None else free[k])
+            if k is not None:
+                free[k] = None
+        #: the shared-memory buffers of the other outputs, one per block shape and dtype (outputs sharing one
+        #: are stored one after another: dK and dV in f32 would not fit side by side at D = 128), and each
+        #: output's buffer among them (None where it reuses an input's tile)
+        self.own: list = []
+        self.shared: list[int | None] = []
+        for w, i in zip(self.d.cod.inside, self.reuse, strict=True):
+            j = next((j for j, v in enumerate(self.own) if _same_block(v, w)), None) if i is None else None
+            if i is None and j is None:
+                self.own.append(w)
+                j = len(self.own) - 1
+            self.shared.append(j)
+
+    def unmeasured(self) -> str | None:
+        """An input unlike those Mosaic was compiled, checked and timed on (attention's Q, K, V, dO and O: blocks
+        holding an axis kept whole; the backward's L and Δ: f32 vectors along the tiled or streamed axis; segment
+        ids: integer vectors along them; a sink's logit: an f32 scalar per program), named, else None: bias and mask
+        arrays. ``backend="auto"`` keeps such a kernel on Triton. Measured in v7 (H100, bf16, B = 2, H = 16,
+        N = 8192, D = 128): segment ids (8 packed documents, ``document_skipping.py``) forward 1.35× Triton's, 1.32×
+        with causal, forward + backward 1.27× and 1.24×; sinks (causal, ``variants.py``) forward 1.31×, forward +
+        backward 1.13×.
+
+        >>> import napkin_cat as nc
+        >>> from rewrites import derive, tile, stream
+        >>> from lowering import plan
+        >>> b, q, x, d = nc.axes("b q x d", d=64)
+        >>> kw = dict(dtype="bf16", batch=(b,), bias_batch=(b,), bias_dtype="bf16")
+        >>> biased = nc.library.dot_product_attention(q, x, d, **kw)
+        >>> MosaicLowered(plan(derive(biased, tile(q, 128), stream(x, 64), verify=False).diagram)).unmeasured()
+        'input 3 (b×q/128×x~64:bf16@HBM)'
+        """
+        for i, w in enumerate(self.plan.diagram.dom.inside):
+            names = set(w.names)
+            numbers = w.dtype.jnp == jnp.float32 or jnp.issubdtype(w.dtype.jnp, jnp.integer)
+            vector = numbers and len(names - set(self.plan.batch)) == 1
+            scalar = w.dtype.jnp == jnp.float32 and names <= set(self.plan.batch)
+            if not (names & set(self.plan.whole) or (vector and names & {self.q, self.x}) or scalar):
+                return f"input {i} ({w.describe()})"
+        return None
+
+    def _pingpong(self) -> bool:
+        """Ping-pong by default where it was measured faster (H100, bf16, N = 8192): a chunk of two wgmmas (FA3's
+        forward: +12% at D = 128), or of three whose axes kept whole are 64 (the backward's dQ at D = 64: 1.10×,
+        at D = 128 0.93–1.01×, ``backward_configs.py --mosaic``, docs/mosaic.md v6). Four (dK·dV) lose 2–12%."""
+        whole = self.whole().values()
+        narrow = bool(whole) and all(n.is_number and int(n) == 64 for n in whole)
+        return self.products == 2 or (self.products == 3 and narrow)
+
+    def whole(self) -> dict:
+        """The sizes of the axes kept whole (symbols where the diagram leaves them open), by name."""
+        size = {a.name: a.size for w in self.plan.diagram.dom.inside for a in w.axes}
+        return {a: size[a] for a in self.plan.whole}
+
+    def _products(self) -> int:
+        """The contractions a chunk issues as wgmma: the diagram walked once on abstract blocks (whole axes of
+        unknown size stand at 64, which no count depends on)."""
+        from rewrites import walk
+
+        size = {a.name: a.size for w in self.plan.diagram.dom.inside for a in w.axes}
+        extent = {a: int(n) if n.is_number else 64 for a, n in size.items()}
+        sizes = {n: 64 for n in size.values() if not n.is_number}
+        counting = Counting()
+
+        def probe(*vals):
+            fold = lambda acc, st, ins, cc: acc.partial(ins, cc)  # noqa: E731
+            grid = {a: jnp.int32(0) for a in self.plan.batch}  # the batch indices an index function may read
+            walk(self.d, list(vals), BlockContext(sizes, {}, counting, grid), self.x, "chunk", {}, fold=fold)
+
+        blocks = (jax.ShapeDtypeStruct(self.block(w, extent), w.dtype.jnp) for w in self.d.dom.inside)
+        jax.eval_shape(probe, *blocks)
+        return counting.wgmma
+
+    @property
+    def source(self) -> str:
+        """The kernel's launch, described: grid, warpgroups, ring and the diagram the consumers walk.
+
+        >>> import napkin_cat as nc
+        >>> from rewrites import derive, tile, stream
+        >>> from lowering import plan
+        >>> q, x, d = nc.axes("q x d", d=64)
+        >>> k = MosaicLowered(plan(derive(nc.library.attention(q, x, d, dtype="bf16"), tile(q, 128), stream(x, 64),
+        ...                                verify=False).diagram))
+        >>> print(k.source.splitlines()[0])  # doctest: +ELLIPSIS
+        plgpu.kernel grid (sections, q/128, members) × 3 warpgroups: 2 consumers of 64 q-rows each (wgmma), 1 TMA ...
+        """
+        c, p = self.config, self.plan
+        outs = list(zip(self.d.cod.inside, self.shared, strict=True))
+        return "\n".join(
+            [
+                f"plgpu.kernel grid (sections, {', '.join(f'{a}/{n}' for a, n in reversed(p.tiles.items()))}, "
+                f"members) × {c.consumers + 1} warpgroups: {c.consumers} consumers of {self.rows} {self.q}-rows "
+                "each (wgmma), 1 TMA producer",
+                f"ring: {c.stages} stages of {self.x}~{self.s} chunks per streamed input; ping-pong: {self.pingpong}"
+                if self.x
+                else "no loop: every input a resident tile",
+                f"consumers walk: {' ; '.join(b.name for b in self.d.boxes)}",
+                *(
+                    f"block sparsity: the chunks {', '.join(b.name for b in self.d.boxes if id(b) in self.masks)} "
+                    f"hide are never loaded, those kept whole run without the mask{'s' * (len(self.masks) > 1)}"
+                    for _ in range(bool(self.masks))
+                ),
+                *(
+                    f"output {w.describe()} stored through the shared-memory tile of {self.d.dom.inside[i].describe()}"
+                    for w, i in zip(self.d.cod.inside, self.reuse, strict=True)
+                    if i is not None
+                ),
+                *(
+                    f"outputs {', '.join(w.describe() for w, k in outs if k == j)} stored in turn through one "
+                    "shared-memory buffer per consumer"
+                    for j in range(len(self.own))
+                    if self.shared.count(j) > 1
+                ),
+            ]
+        )
+
+    def guard(self) -> None:
+        """:meth:`check` now where the sizes it reads (the axes kept whole) are known: the tiled and streamed
+        axes enter it only through their blocks."""
+        size = {a.name: a.size for w in self.plan.diagram.dom.inside for a in w.axes}
+        if all(size[a].is_number for a in self.plan.whole):
+            self.check({a: int(n) if n.is_number else 1 for a, n in size.items()})
+
+    def _role(self, w) -> str | None:
+        """``stream`` (a ring chunk, whole tile rows when it holds the split axis), ``tile`` (per-consumer rows):
+        2-D blocks, or vectors along the split or the streamed axis (the backward's ``L`` and ``Δ``); ``scalar``: one
+        number per program (an attention sink's logit), read from HBM by each consumer."""
+        names = w.names
+        if not names:
+            return "scalar"
+        if len(names) == 1 and names[0] in (self.q, self.x):
+            return "stream" if names[0] == self.x else "tile"
+        if len(names) != 2 or len(set(names)) != 2:
+            return None
+        if any(n not in (self.q, self.x, *self.others, *self.plan.whole) for n in names):
+            return None
+        if self.x in names:
+            return "stream"
+        return "tile" if self.q in names else None
+
+    def lowering_error(self) -> str | None:
+        """Why Mosaic GPU does not lower this kernel for CUDA (a primitive it has no rule for, as in a user's score
+        modifier, or layouts its inference cannot find), found by lowering it on example arrays of whole blocks
+        (a tile of each tiled axis, two chunks of the streamed one, one of each batch axis) without compiling;
+        None where it lowers, or where an axis kept whole has no size yet.
+
+        >>> import jax.numpy as jnp, napkin_cat as nc
+        >>> from rewrites import derive, tile, stream
+        >>> from lowering import plan
+        >>> q, x, d = nc.axes("q x d", d=64)
+        >>> powed = nc.library.attention(q, x, d, dtype="bf16", score_mod=lambda s, q, x: s * jnp.abs(s) ** 0.5)
+        >>> k = MosaicLowered(plan(derive(powed, tile(q, 128), stream(x, 64), verify=False).diagram), interpret=False)
+        >>> k.lowering_error()  # doctest: +ELLIPSIS
+        'Mosaic GPU does not lower it for CUDA: NotImplementedError: Unimplemented primitive ...: pow ...'
+        """
+        full = self.plan.diagram
+        blocks = {**self.plan.tiles, **({self.x: 2 * self.s} if self.x else {})}
+        sizes = {a.name: a.size for w in full.dom.inside for a in w.axes}
+        if any(not sizes[a].is_number for a in self.plan.whole):
+            return None
+        example = {
+            sym: blocks.get(sym.name, 1) for n in sizes.values() for sym in n.free_symbols
+        }  # a tiled or streamed axis's own symbol gives its blocks; any other (a batch axis) 1
+        structs = [
+            jax.ShapeDtypeStruct(tuple(int(a.size.subs(example)) for a in w.axes), w.dtype.jnp) for w in full.dom.inside
+        ]
+        try:
+            jax.jit(self).trace(*structs).lower(lowering_platforms=("cuda",))
+        except Exception as e:  # noqa: BLE001 - any failure of Mosaic GPU's lowering is the reason reported
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            return f"Mosaic GPU does not lower it for CUDA: {type(e).__name__}: {first[:300]}"
+        return None
+
+    # -- the wrapper: bind sizes, check them, launch --------------------------------------------
+    def ragged(self, *arrays) -> str | None:
+        """Why these arrays do not split into whole blocks (Mosaic pads nothing), else None.
+
+        >>> import jax.numpy as jnp, napkin_cat as nc
+        >>> from rewrites import derive, tile, stream
+        >>> from lowering import plan
+        >>> q, x, d = nc.axes("q x d", d=64)
+        >>> k = MosaicLowered(plan(derive(nc.library.attention(q, x, d, dtype="bf16"), tile(q, 128), stream(x, 64),
+        ...                                verify=False).diagram))
+        >>> k.ragged(*(jnp.zeros((200, 64), jnp.bfloat16),) * 3)
+        "axis 'q' of size 200: the Mosaic backend needs whole blocks of 128"
+        """
+        full = self.plan.diagram
+        sizes = bind(full.dom, [jnp.asarray(a) for a in arrays])
+        return self._ragged({a.name: a.size.subs(sizes) for w in full.dom.inside for a in w.axes})
+
+    def _ragged(self, size: dict) -> str | None:
+        blocks = ((self.q, self.plan.tiles[self.q]), *([(self.x, self.s)] if self.x else []), *self.others.items())
+        return next(
+            (
+                f"axis {a!r} of size {size[a]}: the Mosaic backend needs whole blocks of {n}"
+                for a, n in blocks
+                if size[a].is_number and int(size[a]) % n
+            ),
+            None,
+        )
+
+    def __call__(self, *arrays):
+        full = self.plan.diagram
+        arrays = [jnp.asarray(a) for a in arrays]
+        sizes = bind(full.dom, arrays)
+        extent = {a.name: int(a.size.subs(sizes)) for w in full.dom.inside for a in w.axes}
+        if why := self.ragged(*arrays):
+            raise NotLowerable(why)
+        self.check(extent)
+        outs = self._call(arrays, sizes, extent)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def check(self, extent: dict) -> None:
+        """Refuse, before compiling, a kernel whose shared memory exceeds the block limit.
+
+        >>> import napkin_cat as nc
+        >>> from rewrites import derive, tile, stream
+        >>> from lowering import plan
+        >>> q, x, d = nc.axes("q x d", d=256)
+        >>> attn = derive(nc.library.attention(q, x, d, dtype="bf16"), tile(q, 256), stream(x, 128), verify=False)
+        >>> MosaicLowered(plan(attn.diagram)).check({"d": 256})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lowering._plan.NotLowerable: thread-block level: the kernel would hold 459,776 B of shared memory ...
+        """
+        smem = self.smem_bytes(extent)
+        if smem > SMEM_LIMIT:
+            raise NotLowerable(
+                f"thread-block level: the kernel would hold {smem:,} B of shared memory ({self.config.stages} stages "
+                f"of each streamed chunk, resident tiles, output tiles), over the {SMEM_LIMIT:,} B a block may use"
+            )
+        live, budget = self.registers(extent), self.config.consumer_registers
+        if live > budget:
+            raise NotLowerable(
+                f"warpgroup level: a consumer thread would keep {live} f32 registers live (its accumulators and "
+                f"the largest chunk of {self.rows} {self.q}-rows × {self.s} {self.x}), over its {budget}"
+            )
+
+    def registers(self, extent: dict) -> int:
+        """f32 registers per consumer thread that the loop keeps live: one accumulator per output block and the
+        largest chunk-sized value (the scores), spread over a warpgroup's 128 threads. Over the budget the
+        compiler spills (measured on H100: g256 s128 at D = 128, 256 registers, ran at 328 TFLOP/s against 542
+        for g256 s64, 192 registers).
+
+        >>> import napkin_cat as nc
+        >>> from rewrites import derive, tile, stream
+        >>> from lowering import plan
+        >>> q, x, d = nc.axes("q x d", d=128)
+        >>> attn = nc.library.attention(q, x, d, dtype="bf16")
+        >>> [MosaicLowered(plan(derive(attn, tile(q, 256), stream(x, s), verify=False).diagram)).registers({"d": 128})
+        ...  for s in (64, 128)]
+        [192, 256]
+        """
+        accumulators = sum(math.prod(self.block(w, extent)) for w in self.d.cod.inside)
+        chunks = [w for b in self.d.boxes for w in b.cod.inside if self.x in w.names and self._role(w)]
+        return (accumulators + max((math.prod(self.block(w, extent)) for w in chunks), default=0)) // 128
+
+    def block(self, w, extent, *, ring: bool = False) -> tuple:
+        """A wire's block as a consumer sees it: ``rows`` of the split axis (the whole tile ``g`` in a ``ring``
+        buffer, which the producer fills for all consumers), ``s`` of the streamed one, other tiles, whole axes."""
+        g = self.plan.tiles[self.q]
+        size = {self.q: g if ring else self.rows, self.x: self.s, **self.others}
+        return tuple(size.get(n, extent.get(n)) for n in w.names)
+
+    def smem_bytes(self, extent: dict) -> int:
+        """Shared memory held: per streamed input ``stages`` chunks, per resident input and output one
+        tile per consumer (an output written into a resident input's tile takes none), the staging
+        buffer of a register operand in interpret mode, and the barriers; each allocation starts on a 1,024 B
+        boundary, as Mosaic GPU places them (``SMEM_ALIGNMENT``; a vector of 64 f32 rows per consumer takes 1,024 B,
+        not 512: attention sinks' dQ at D = 128 needed 234,656 B where the unaligned count said 230,912).
+
+        >>> import napkin_cat as nc
+        >>> from rewrites import derive, tile, stream
+        >>> from lowering import plan
+        >>> m, k, n = nc.axes("m k n")
+        >>> mm = nc.library.matmul(m, k, n, dtype="bf16")
+        >>> mm = derive(mm, tile(m, 256), tile(n, 128), stream(k, 64), verify=False)
+        >>> compiled = MosaicLowered(plan(mm.diagram), interpret=False, config=MosaicConfig(stages=3))
+        >>> compiled.smem_bytes({})  # 3·384·64·2 + 2·128²·2 + 1K
+        214016
+        """
+        c, total, barriers = self.config, 0, int(self.pingpong and self.interpret)  # compiled: a named barrier
+        for w in self.d.dom.inside:
+            role = self._role(w)
+            if role == "scalar":  # read from HBM into registers
+                continue
+            n = math.prod(self.block(w, extent, ring=role == "stream")) * w.dtype.bytes
+            total += _aligned(n * (c.stages if role == "stream" else c.consumers))
+            barriers += 2 * c.stages if role == "stream" else c.consumers  # loaded and consumed; arrived
+        for w in self.own:
+            total += _aligned(math.prod(self.block(w, extent)) * w.dtype.bytes * c.consumers)
+        if c.interpretable and self.x:
+            total += _aligned(self.rows * self.s * 2 * c.consumers)
+        return total + _aligned(8 * barriers)
+
+    def _call(self, arrays, sizes, extent):
+        p, full, c = self.plan, self.plan.diagram, self.config
+        wires = self.d.dom.inside
+        streamed = [i for i, w in enumerate(wires) if self._role(w) == "stream"]
+        resident = [i for i, w in enumerate(wires) if self._role(w) == "tile"]
+        g = p.tiles[self.q]
+        n_tiles, n_chunks = extent[self.q] // g, (extent[self.x] // self.s if self.x else 0)
+        batch = [extent[a] for a in p.batch]
+
+        def smem(shape, dtype):  # stages or consumers of a block, swizzled for wgmma; of a vector, as is
+            swizzle = _swizzle(shape[-1], jnp.dtype(dtype).itemsize) if len(shape) == 3 else ()
+            return plgpu.SMEM(shape, dtype, transforms=swizzle)
+
+        scratch = [
+            [smem((c.stages, *self.block(wires[i], extent, ring=True)), wires[i].dtype.jnp) for i in streamed],
+            [smem((c.consumers, *self.block(wires[i], extent)), wires[i].dtype.jnp) for i in resident],
+            [smem((c.consumers, *self.block(w, extent)), w.dtype.jnp) for w in self.own],
+            [plgpu.Barrier(num_barriers=c.stages) for _ in streamed],
+            [plgpu.Barrier(num_arrivals=c.consumers, num_barriers=c.stages) for _ in streamed],
+            [plgpu.Barrier(num_barriers=c.consumers) for _ in resident],
+        ]
+        scratch.append([plgpu.Barrier(num_arrivals=c.consumers)] if self.pingpong and self.interpret else [])
+        if c.interpretable and streamed:
+            value_dtype = next(wires[i].dtype.jnp for i in streamed if len(wires[i].axes) == 2)
+            scratch.append([smem((c.consumers, self.rows, self.s), value_dtype)])
+        kernel = MosaicKernel(self, sizes, extent, streamed, resident, n_tiles, n_chunks, batch)
+        others = [extent[a] // n for a, n in self.others.items()]
+        mat = varying(arrays)  # inside shard_map the outputs vary over the mesh axes the inputs do (lowering._spmd)
+        out_type = [
+            jax.ShapeDtypeStruct(tuple(extent[a.name] for a in w.axes), w.dtype.jnp, manual_axis_type=mat)
+            for w in full.cod.inside
+        ]
+        call = plgpu.kernel(
+            kernel,
+            out_type=out_type,
+            scratch_types=scratch,
+            # the last grid axis is the fastest (CUDA's x): sections of the batch, then tiles, then the section's
+            # members (MosaicKernel.members)
+            grid=(math.prod(batch) // kernel.n_members, *reversed(others), n_tiles, kernel.n_members),
+            grid_names=("section", *(f"tile_{a}" for a in reversed(self.others)), "tile", "member"),
+            num_threads=c.consumers + 1,
+            thread_name="wg",
+            compiler_params=plgpu.CompilerParams(approx_math=True),
+            kernel_name="napkin_mosaic",
+            interpret=plgpu.InterpretGPUParams() if self.interpret else None,
+        )
+        return call(*arrays, *(segment_bounds(p, m, arrays, extent) for m in self.segments))
+
+
+def _consumers(d: Diagram, q: str, given: int | None) -> int:
+    """The consumer warpgroups: the diagram's split of ``q`` (``rewrites.split``), else ``given``, else 2
+    (FA3's); a ``given`` number other than the diagram's is refused."""
+    parts = {a.split for w in (*d.dom.inside, *d.cod.inside) for a in w.axes if a.name == q and a.split is not None}
+    label = int(next(iter(parts))) if parts else None
+    if given is not None and label is not None and given != label:
+        raise NotLowerable(
+            f"axis {q!r}: the diagram splits each tile over {label} warpgroups (split({q}, {label})) but "
+            f"MosaicConfig(consumers={given}) asks for {given}; drop one of them"
+        )
+    return label or given or 2
+
+
+def _aligned(n: int) -> int:
+    """``n`` bytes rounded up to Mosaic GPU's shared-memory alignment (each allocation starts on it)."""
+    return -(-n // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
+
+
+def _same_block(a, b) -> bool:
+    """Two wires whose blocks have one shape and dtype (same axes in the same order)."""
+    return a.names == b.names and a.dtype == b.dtype

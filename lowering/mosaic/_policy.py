@@ -1,0 +1,114 @@
+"""Where ``backend="auto"`` takes Mosaic: the blocks it was measured faster than Triton at (:func:`faster`), the
+entry's and the backward's blocks, and whether a kernel passes the checks before compiling (:func:`admits`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lowering._plan import NotLowerable, plan
+from lowering.mosaic._config import MosaicConfig
+from lowering.mosaic._lowered import MosaicLowered
+from napkin_cat.diagram import Diagram
+
+
+@dataclass(frozen=True)
+class MosaicBlocks:
+    """The Mosaic backend's block policy, one home for its measured values (H100 unless named; docs/mosaic.md's
+    versions): where ``"auto"`` takes it (:func:`faster`), the entry's blocks (:meth:`entry`,
+    :func:`lowering._attention.schedule`), the backward's chunk (``backward_chunk``, the registry's ``chunks``) and
+    the search space (:meth:`space`). The pipeline depth is :class:`MosaicConfig`'s ``stages`` (2: the ring of
+    shared-memory buffers, measured with it in every version).
+
+    >>> MOSAIC_BLOCKS.entry(64), MOSAIC_BLOCKS.entry(128), MOSAIC_BLOCKS.backward_chunk
+    ((256, 128), None, 128)
+    """
+
+    #: where Mosaic's forward was measured faster than Triton's (docs/mosaic.md v2, v3 and v5): consumer blocks of
+    #: 128 rows (a tile of 256 split over two warpgroups) at D ∈ {64, 128}, and since the launch order keeps K and V
+    #: in L2 (v5) 64-row blocks streaming chunks of 128 (the entry's g128 s128: 290–591 against Triton's 278–440
+    #: TFLOP/s over D ∈ {64, 128}, N ∈ {2048, 8192}, causal and not); 64-row blocks streaming 64 are not measured
+    #: since (before: 253 against 344 at D = 64, N = 2048), so they stay on Triton
+    faster_rows: int = 128
+    faster_chunk: int = 128
+    faster_whole: tuple = (64, 128)
+    #: the forward blocks (tile, chunk) Mosaic was measured fastest at, per head dim, where they differ from the
+    #: entry's rule (Triton's, FlashAttention-2's): at D = 64 a tile of 256 (128 rows per consumer) streaming 128
+    #: keys ran at 326–435 TFLOP/s against Triton's 128 × 64 at 282–355 (1.15–1.23×; Mosaic's own 128 × 64 at
+    #: 259–324), bf16, N ∈ {2048, 8192}, causal and not (docs/mosaic.md v7)
+    entry_blocks: tuple = ((64, (256, 128)),)
+    #: the chunk the backward's kernels stream where the consumers' registers admit it (:func:`admits`), where
+    #: Triton's keep FlashAttention-2's 64: (bf16, N = 8192, docs/mosaic.md v6, ``backward_configs.py --mosaic``)
+    #: dQ runs 1.05–1.11× faster than at 64, dK·dV at D = 64 within 2% of it, and at D = 128 dK·dV's accumulators
+    #: leave no registers for it
+    backward_chunk: int = 128
+    #: what a search times: ring stages × ping-pong as measured or off
+    search_stages: tuple = (2, 3)
+    search_pingpong: tuple = (None, False)
+
+    def entry(self, dim: int) -> tuple[int, int] | None:
+        """The entry's ``(tile, chunk)`` of Mosaic's own at head dim ``dim``, or None: the entry's rule."""
+        return dict(self.entry_blocks).get(dim)
+
+    def space(self) -> tuple[MosaicConfig, ...]:
+        """The configs a search times: ``search_stages`` × ``search_pingpong``.
+
+        >>> len(MOSAIC_BLOCKS.space())
+        4
+        """
+        return tuple(MosaicConfig(stages=s, pingpong=pp) for s in self.search_stages for pp in self.search_pingpong)
+
+
+#: the Mosaic backend's block policy
+MOSAIC_BLOCKS = MosaicBlocks()
+
+
+def faster(kernel: MosaicLowered, backward: bool = False) -> str | None:
+    """None where ``backend="auto"`` expects ``kernel`` to beat Triton's (measured: :class:`MosaicBlocks`'
+    ``faster_rows``, ``faster_chunk``, ``faster_whole``), else why not. A ``backward`` kernel (Δ, dQ, dK·dV, at the
+    chunks :func:`lowering._backward.backward_of` gives Mosaic) needs only whole axes of ``faster_whole``:
+    each was measured faster than Triton's (H100, N = 8192, docs/mosaic.md v6: dK·dV 1.15–1.28×, dQ 1.00–1.36×;
+    forward + backward all on Mosaic 1.05–1.19× Mosaic's forward with Triton's backward, every configuration).
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> q, x, d = nc.axes("q x d", d=128)
+    >>> attn = nc.library.attention(q, x, d, dtype="bf16")
+    >>> sched = lambda g, s: derive(attn, tile(q, g), stream(x, s), verify=False).diagram
+    >>> [faster(MosaicLowered(plan(sched(g, s)))) for g, s in ((256, 64), (128, 128), (128, 64))]
+    [None, None, "64-row consumer blocks (tile q/128 over 2 warpgroups) streaming chunks of 64: Mosaic not \
+measured faster than Triton there; 'auto' takes Mosaic at 128-row blocks, or 64-row blocks streaming chunks of \
+128, with whole axes of 64 or 128"]
+    """
+    policy, whole = MOSAIC_BLOCKS, kernel.whole()
+    rows, chunk, widths = policy.faster_rows, policy.faster_chunk, policy.faster_whole
+    if other := kernel.unmeasured():
+        return f"{other}: Mosaic compiled and measured only on attention's blocks; 'auto' keeps it on Triton"
+    blocks = backward or kernel.rows == rows or (kernel.rows == rows // 2 and kernel.s == chunk)
+    if blocks and all(n.is_number and int(n) in widths for n in whole.values()):
+        return None
+    where = f"{kernel.rows}-row consumer blocks (tile {kernel.q}/{kernel.plan.tiles[kernel.q]} over "
+    where += f"{kernel.config.consumers} warpgroups)" + (f" streaming chunks of {kernel.s}" if kernel.x else "")
+    if blocks:
+        where = ", ".join(f"whole axis {a} = {n}" for a, n in whole.items())
+    return (
+        f"{where}: Mosaic not measured faster than Triton there; 'auto' takes Mosaic at {rows}-row blocks, "
+        f"or {rows // 2}-row blocks streaming chunks of {chunk}, with whole axes of {' or '.join(map(str, widths))}"
+    )
+
+
+def admits(d: Diagram, config: MosaicConfig | None = None) -> bool:
+    """Whether the scheduled ``d`` passes the Mosaic lowering's checks before compiling (it plans; shared memory
+    and the consumers' registers, :meth:`MosaicLowered.check`, where the axes kept whole are known).
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> q, x, d = nc.axes("q x d", d=128)
+    >>> attn = nc.library.attention(q, x, d, dtype="bf16")
+    >>> [admits(derive(attn, tile(q, 256), stream(x, s), verify=False).diagram) for s in (64, 128)]
+    [True, False]
+    """
+    try:
+        MosaicLowered(plan(d), interpret=False, config=config).guard()
+    except NotLowerable:
+        return False
+    return True

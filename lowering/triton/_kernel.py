@@ -1,0 +1,195 @@
+"""The Triton kernel body: the block diagram walked on one program's blocks, the streamed axis a ``fori_loop``
+folding the accumulators (FAN §3), the chunks the masks hide skipped and those they keep whole run unmasked."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+import rewrites
+from lowering._blocks import (
+    BlockContext,
+    affine_mask,
+    combine,
+    mask_padding,
+    segments,
+    tile_kept,
+    visited,
+    zeroing_mask,
+)
+from lowering._plan import Plan, neutral_padding, unweave
+from lowering.triton._namespace import Blocks
+from rewrites import Rule, walk
+
+
+def kernel_rules(p: Plan, extent: dict | None = None, padded: dict | None = None) -> tuple[Rule, ...]:
+    """The rules a Triton kernel applies to its block diagram (``unweave(p.diagram, p.batch)``), in order: the
+    base-2 exponent, the tiled-first layout where it streams, and, at sizes (``extent``, ``padded``) where an axis
+    kept whole is padded to a power of two, the neutral padding of that axis. A ragged streamed axis is padded
+    chunk by chunk with the values the same rule's side condition checks (:func:`rewrites.neutral_padding`).
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> from lowering import plan
+    >>> q, x, d = nc.axes("q x d")
+    >>> p = plan(derive(nc.library.attention(q, x, d), tile(q, 16), stream(x, 16), verify=False).diagram)
+    >>> kernel_rules(p, {"q": 40, "x": 40, "d": 40}, {"q": 48, "x": 48, "d": 64})
+    (base2(), tiled_first(x, ('q',), inputs=True), pad_neutral(d, 40))
+    """
+    rules: list[Rule] = [rewrites.base2()]
+    if p.stream is not None:
+        rules.append(rewrites.tiled_first(p.stream[0], tuple(p.tiles), inputs=True))
+    if extent is not None:
+        rules += [rewrites.pad_neutral(a, extent[a]) for a in p.whole if padded[a] != extent[a]]
+    return tuple(rules)
+
+
+def _tile_id(pid, a: str, p: Plan, padded: dict, flip):
+    """The tile of axis ``a`` that grid position ``pid`` runs: last-first along the axes in ``flip``."""
+    return padded[a] // p.tiles[a] - 1 - pid if a in flip else pid
+
+
+def _kernel(p: Plan, sizes, extent, padded, xp: Blocks, n_bounds, flip, *refs):
+    """The kernel body of one program: the block diagram after :func:`kernel_rules`, walked once on its blocks, or
+    (where it streams) folded over the visited chunks (:func:`_stream`), then walked to its outputs."""
+    block = unweave(p.diagram, p.batch)
+    laid = block.dom.inside  # the inputs' blocks as the caller lays them out
+    d = functools.reduce(lambda d, rule: rule(d), kernel_rules(p, extent, padded), block)
+    n_in = len(d.dom)
+    in_refs, bound_refs, out_refs = refs[:n_in], refs[n_in : n_in + n_bounds], refs[n_in + n_bounds :]
+    offsets = {a: _tile_id(pl.program_id(i), a, p, padded, flip) * g for i, (a, g) in enumerate(p.tiles.items())}
+    program = pl.program_id(len(p.tiles))
+    strides = _strides(p, padded)
+    grid = {a: _batch_index(program, a, strides, padded) for a in p.batch}
+    ctx = BlockContext(sizes=sizes, offsets=offsets, xp=xp, grid=grid)
+    if p.stream is None:
+        outs = walk(d, [r[...] for r in in_refs], ctx, "", "final", {})
+    else:
+        outs = _stream(p, d, laid, ctx, extent, padded, in_refs, bound_refs)
+    for r, v in zip(out_refs, outs, strict=True):
+        r[...] = v.astype(r.dtype)
+
+
+def _stream(p: Plan, d, laid, ctx: BlockContext, extent, padded, in_refs, bound_refs) -> list:
+    """The streamed loop (FAN §3): the accumulators start at their identity, fold the chunks the masks leave
+    (:func:`_bounds`: hidden ones skipped, whole ones unmasked), and the diagram's final walk gives the outputs."""
+    x, s = p.stream
+    carried = [w.has(x) for w in d.dom.inside]
+    # an input laid out otherwise than the kernel's wire (tiled_first): its block transposed as it loads
+    perms = [
+        None if a.names == w.names else [a.names.index(n) for n in w.names]
+        for a, w in zip(laid, d.dom.inside, strict=True)
+    ]
+    resident = [None if c else r[...] for r, c in zip(in_refs, carried, strict=True)]
+
+    def chunk_values(c):
+        vals = []
+        for r, w, v, perm in zip(in_refs, laid, resident, perms, strict=True):
+            if v is None:
+                pos = w.names.index(x)
+                v = r[tuple(pl.ds(c * s, s) if i == pos else slice(None) for i in range(len(w.axes)))]
+                v = v if perm is None else jnp.transpose(v, perm)
+            vals.append(v)
+        return vals
+
+    fold = _padded_fold(d, x, extent, padded)
+    # affine masks reading the streamed axis, and segment masks (their bounds come from the wrapper): the
+    # chunks they hide are skipped, those they all keep whole run without them
+    masks = {id(b): m for b in d.boxes if (m := affine_mask(b)) is not None and x in m.axes}
+    segs = segments(d, p)
+    assert 4 * len(segs) == len(bound_refs), "the wrapper and the kernel see different segment masks"
+    hidden = set(masks) | {id(m.box) for m in segs}
+    zero = zeroing_mask(d, x)  # a mask on the tiles that zeroes every accumulator's input: hidden tiles run no chunk
+    zero = zero if zero is not None and set(zero.axes) <= set(p.tiles) else None
+    keys, init = _identities(p, d, ctx, padded)
+
+    def body(unmasked):
+        def run(c, carry):
+            states = dict(zip(keys, carry, strict=True))
+            skip = lambda box: unmasked and id(box) in hidden  # noqa: E731
+            walk(d, chunk_values(c), ctx.at(**{x: c * s}), x, "chunk", states, fold=fold, skip=skip)
+            return tuple(states[i] for i in keys)
+
+        return run
+
+    n_chunks = padded[x] // s
+    if hidden:
+        first, full_lo, full_hi, last = _bounds(p, masks.values(), zero, ctx, extent, n_chunks, bound_refs)
+        carry = lax.fori_loop(first, full_lo, body(False), init)
+        carry = lax.fori_loop(full_lo, full_hi, body(True), carry)
+        carry = lax.fori_loop(full_hi, last, body(False), carry)
+    elif zero is None:
+        carry = lax.fori_loop(0, n_chunks, body(False), init)
+    else:
+        carry = lax.fori_loop(0, n_chunks * tile_kept(zero, p, ctx.offsets, extent), body(False), init)
+    states = dict(zip(keys, carry, strict=True))
+    final = [None if c else v for v, c in zip(resident, carried, strict=True)]
+    return walk(d, final, ctx, x, "final", states)
+
+
+def _padded_fold(d, x: str, extent: dict, padded: dict):
+    """An accumulator's step, with the ragged last chunk's padding set, in each of its inputs, to the value its
+    side condition checked neutral (:func:`rewrites.neutral_padding`)."""
+    pads = {id(d.inside[i][1]): v for i, v in neutral_padding(d, x).items()} if extent[x] != padded[x] else {}
+
+    def fold(acc, state, ins, cctx):
+        if id(acc.box) in pads:
+            ins = [
+                mask_padding(v, w, x, cctx.offsets[x], extent[x], pad) if w.has(x) else v
+                for v, w, pad in zip(ins, acc.box.dom.inside, pads[id(acc.box)], strict=True)
+            ]
+        return acc.step(state, ins, cctx)
+
+    return fold
+
+
+def _identities(p: Plan, d, ctx: BlockContext, padded: dict) -> tuple[list, tuple]:
+    """The accumulators (their layers, sorted) and their states' identities, shaped by one abstract chunk."""
+    x, s = p.stream
+
+    def probe(*vals):
+        shapes: dict = {}
+        walk(d, list(vals), ctx.at(**{x: 0}), x, "chunk", shapes, fold=lambda acc, st, ins, c: acc.partial(ins, c))
+        return shapes
+
+    def block_shape(w):
+        return tuple(s if a.name == x else p.tiles.get(a.name, padded[a.name]) for a in w.axes)
+
+    like = jax.eval_shape(probe, *(jax.ShapeDtypeStruct(block_shape(w), w.dtype.jnp) for w in d.dom.inside))
+    keys = sorted(like)
+    return keys, tuple(d.inside[i][1].accumulator(x).identity(like[i], ctx) for i in keys)
+
+
+def _bounds(p: Plan, masks, zero, ctx: BlockContext, extent: dict, n_chunks: int, bound_refs) -> tuple:
+    """The chunks this program visits, ``first ≤ full_lo ≤ full_hi ≤ last``: the affine masks' intervals over its
+    block (:func:`lowering._blocks.visited`), with each segment mask's ranges the wrapper found (four scalar refs
+    each), none where a mask zeroing every accumulator's input hides the whole tile."""
+    x, s = p.stream
+    offsets, grid = ctx.offsets, ctx.grid
+    ranges = {a: (offsets[a], jnp.minimum(offsets[a] + g, extent[a])) for a, g in p.tiles.items()}
+    ranges |= {a: (grid[a], grid[a] + 1) for a in p.batch} | {a: (0, extent[a]) for a in p.whole}
+    bounds = visited(masks, x, s, n_chunks, ranges, extent[x])
+    for i in range(0, len(bound_refs), 4):
+        bounds = combine(bounds, tuple(r[()] for r in bound_refs[i : i + 4]))
+    if zero is not None:
+        kept = tile_kept(zero, p, offsets, extent)
+        bounds = tuple(v * kept for v in bounds)
+    return bounds
+
+
+def _strides(p: Plan, padded: dict) -> dict:
+    strides, acc = {}, 1
+    for a in reversed(p.batch):
+        strides[a] = acc
+        acc *= padded[a]
+    return strides
+
+
+def _batch_index(program, a: str, strides: dict, padded: dict):
+    """The index along batch axis ``a`` of the flattened batch grid position ``program`` (int32, as Pallas' grid
+    ids are: Python ints would become int64 under ``jax_enable_x64`` and ``lax.div`` does not promote)."""
+    return lax.rem(lax.div(program, jnp.int32(strides[a])), jnp.int32(padded[a]))
