@@ -660,10 +660,10 @@ def _with_residual(kernel, arrays) -> tuple:
     (recomputing the forward once more). Refused where the kernel has no lowered backward, so no such forward."""
     made = kernel.at(**check_layout(kernel.diagram, arrays)) if isinstance(kernel, OpenKernel) else kernel
     if made.differentiation != "lowered":
+        why = made.why_not or f"backward={made.differentiation!r}"
         raise NotLowerable(
             f"attention: return_residual reads the log-sum-exp of the lowered forward with residuals, which this "
-            f"kernel (differentiation={made.differentiation!r}) has none of: {made.why_not or 'backward=' + repr(made.differentiation)}; "
-            "call with backward='lowered'"
+            f"kernel (differentiation={made.differentiation!r}) has none of ({why}); call with backward='lowered'"
         )
     forward = made.kernels[0]
 

@@ -539,7 +539,8 @@ def dot_product_attention(
     masks = []
     if window is not None:
         left, right = window
-        keep = Affine.at_least(int(left), **{x.name: 1, q.name: -1}) & Affine.at_least(int(right), **{q.name: 1, x.name: -1})
+        seen = Affine.at_least(int(left), **{x.name: 1, q.name: -1})  # x ≥ q − left
+        keep = seen & Affine.at_least(int(right), **{q.name: 1, x.name: -1})  # x ≤ q + right
         masks.append((g.mask(a.S, keep.named(f"window({left}, {right})")), ()))
     if mask_batch is not None:
         M = Array(*mask_batch, *(seq[n] for n in mask_seq), dtype="bool")
