@@ -177,9 +177,10 @@ class Signature:
     flags, the index functions (by identity), the window (``jax.nn``'s ``local_window_size`` as ``(left,
     right)``), how to lower, which arrays come beside q, k, v: the axes (``"b"``, ``"h"``, ``"q"``, ``"k"``) a
     bias or a mask is read over (the others it broadcasts over; None: not given), the bias's dtype, whether
-    segment ids are (sequence lengths come as segment ids); and the head dims (``head_dims``: q's and k's, v's; ``value_dim`` where they differ, and the
-    diagram has an axis of its own for v's), which the diagram holds as sizes, so that the registers and shared
-    memory a kernel needs are known when it is lowered (``backend="auto"`` takes Mosaic only where they are).
+    segment ids are (sequence lengths come as segment ids); and the head dims (``head_dims``: q's and k's,
+    v's; ``value_dim`` where they differ, and the diagram has an axis of its own for v's), which the diagram
+    holds as sizes, so that the registers and shared memory a kernel needs are known when it is lowered
+    (``backend="auto"`` takes Mosaic only where they are).
     Shapes with the same schedule and head dims share a kernel: the other sizes stay symbolic, bound at each
     call; so do values (segment ids, masks, biases are read when called).
 
@@ -785,8 +786,10 @@ class Attention:
         ``implementation`` (None: napkin-cat's kernel on ``backend``; ``"xla"``: ``backend="xla"``; ``"cudnn"``:
         refused, napkin-cat is not cuDNN); ``return_residual`` (returns ``(out, lse)``, the log-sum-exp
         ``[..., Nq, H]`` of the scaled, biased, masked scores in the inputs' dtype, as ``jax.nn``: the lowered
-        forward's residual, without gradient). Several leading batch axes are flattened into one and restored.
-        Then ``segment_ids`` (document masking), FlexAttention's ``score_mod``/``mask_mod`` and
+        forward's residual, without gradient; past a query length jax.nn's value, −0.7 · f32's max; a row
+        whose every key a mask hides has no meaningful one, where jax.nn gives that value too). Several
+        leading batch axes are flattened into one and restored. Then ``segment_ids`` (document masking),
+        FlexAttention's ``score_mod``/``mask_mod`` and
         :func:`lowering.lower`'s ``backend``, ``backward``, ``interpret`` and ``hardware``. Rows whose every key
         is masked give 0 (jax.nn gives the mean of ``V``, except past ``query_seq_lengths``, where it gives 0
         too); an empty axis gives an empty output, or zeros where there are no keys. See the module's docstring.
@@ -830,7 +833,13 @@ class Attention:
             interpret=interpret,
             hardware=hardware,
         )
-        return made(query, key, value, bias, mask, segment_ids, return_residual=return_residual)
+        out = made(query, key, value, bias, mask, segment_ids, return_residual=return_residual)
+        if not return_residual or query_seq_lengths is None:
+            return out
+        # a row past its query length sees no key: jax.nn's log-sum-exp of its large finite negative logits
+        lengths = _lengths("query_seq_lengths", query_seq_lengths, query.shape[:-3])
+        rows = jnp.arange(query.shape[-3]) < lengths[..., None]
+        return out[0], jnp.where(rows[..., None], out[1], jnp.asarray(-0.7 * jnp.finfo(jnp.float32).max, key.dtype))
 
     def kernel_for(
         self,
