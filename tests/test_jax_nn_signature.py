@@ -120,6 +120,7 @@ def test_refusals_name_the_argument(call, match):
 # 128-query sequences, H = 32 or 64) so that interpret mode stays fast. Their reference is implementation=None.
 
 
+@pytest.mark.slow  # one derivation per parameter set (~10 s each in interpret mode)
 @pytest.mark.parametrize("group_num", [1, 2, 4])
 @pytest.mark.parametrize("use_vmap", [False, True])
 def test_jax_dot_product_attention(group_num, use_vmap):
@@ -147,6 +148,7 @@ def test_jax_dot_product_attention(group_num, use_vmap):
     assert close(out_ref, out_ans) and close(dQ_ref, dQ_ans) and close(dK_ref, dK_ans) and close(dV_ref, dV_ans)
 
 
+@pytest.mark.slow  # one derivation per parameter set (~10 s each in interpret mode)
 @pytest.mark.parametrize(
     "mask_mode",
     ["bias", "causal", "padding", "custom", ("causal", "padding"), ("custom", "padding"), ("bias", "causal"),
@@ -190,6 +192,7 @@ def test_jax_dot_product_attention_mask(mask_mode):
         assert (r is None) == (a is None) and (r is None or jnp.allclose(r, a, atol=tol, rtol=tol))
 
 
+@pytest.mark.slow  # one derivation per parameter set (~10 s each in interpret mode)
 @pytest.mark.parametrize("batch_size", [1, 2])
 @pytest.mark.parametrize("use_vmap", [False, True])
 def test_jax_dot_product_attention_bias_gradient(batch_size, use_vmap):
