@@ -60,15 +60,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
+import operator
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 
-from lowering._api import BACKENDS, Kernel, lower
+from lowering._api import BACKENDS, Kernel, OpenKernel, check_layout, lower
 from lowering._plan import NotLowerable
 from lowering._target import interpreted, target_hardware
 from lowering._tiles import fit_blocks
@@ -170,11 +173,13 @@ class HeadOfGroup:
 class Signature:
     """What a kernel depends on, and so the cache's key: the dtype, the heads per key/value head
     (``group``; 1 is multi-head attention), the schedule :func:`schedule` picks from the shapes, the
-    flags, the index functions (by identity), how to lower, which arrays come beside q, k, v: the batch
-    axes (``"b"``, ``"h"``) a bias or a mask is read over (none: not given), the bias's dtype, whether
-    segment ids are; and the head dims (``head_dims``: q's and k's, v's; ``value_dim`` where they differ, and the
-    diagram has an axis of its own for v's), which the diagram holds as sizes, so that the registers and shared
-    memory a kernel needs are known when it is lowered (``backend="auto"`` takes Mosaic only where they are).
+    flags, the index functions (by identity), the window (``jax.nn``'s ``local_window_size`` as ``(left,
+    right)``), how to lower, which arrays come beside q, k, v: the axes (``"b"``, ``"h"``, ``"q"``, ``"k"``) a
+    bias or a mask is read over (the others it broadcasts over; None: not given), the bias's dtype, whether
+    segment ids are (sequence lengths come as segment ids); and the head dims (``head_dims``: q's and k's,
+    v's; ``value_dim`` where they differ, and the diagram has an axis of its own for v's), which the diagram
+    holds as sizes, so that the registers and shared memory a kernel needs are known when it is lowered
+    (``backend="auto"`` takes Mosaic only where they are).
     Shapes with the same schedule and head dims share a kernel: the other sizes stay symbolic, bound at each
     call; so do values (segment ids, masks, biases are read when called).
 
@@ -182,9 +187,9 @@ class Signature:
     >>> s = Signature.of(x, x[:, :, :2], x[:, :, :2], is_causal=True)
     >>> s.group, s.tile, s.stream, s.causal, s.dtype
     (2, 32, 32, True, 'float32')
-    >>> s = Signature.of(x, x, x, jnp.zeros((1, 4, 20, 20)), jnp.ones((1, 1, 20, 20), bool))
-    >>> s.bias, s.mask, s.segments
-    (('h',), (), False)
+    >>> s = Signature.of(x, x, x, jnp.zeros((1, 4, 20, 20)), jnp.ones((1, 1, 1, 20), bool), local_window_size=3)
+    >>> s.bias, s.mask, s.segments, s.window
+    (('h', 'q', 'k'), ('k',), False, (3, 3))
     >>> s = Signature.of(jnp.zeros((1, 20, 4, 192)), jnp.zeros((1, 20, 4, 192)), jnp.zeros((1, 20, 4, 128)))
     >>> s.value_dim, s.tile
     (True, 32)
@@ -207,6 +212,7 @@ class Signature:
     mask: tuple[str, ...] | None = None
     segments: bool = False
     head_dims: tuple[int, int] | None = None
+    window: tuple[int, int] | None = None
 
     @property
     def value_dim(self) -> bool:
@@ -227,6 +233,7 @@ class Signature:
         score_mod: Callable | None = None,
         mask_mod: Callable | None = None,
         segment_ids=None,
+        local_window_size: int | tuple[int, int] | None = None,
         backend: str = "auto",
         backward: str = "lowered",
         interpret: bool | None = None,
@@ -235,6 +242,7 @@ class Signature:
         """The signature of a call (the arguments of :data:`attention`, ``[batch, seq, heads, dim]`` arrays and
         the rest as :func:`batched` gives them), checked before anything is built."""
         group, dim, value_dim, biased, masked = _checked(query, key, value, bias, mask, segment_ids, backend)
+        window = _window(local_window_size)
         if empty(query, key, value):
             raise EvaluationError(
                 f"attention: no kernel for an empty axis (q {tuple(query.shape)}, k {tuple(key.shape)}, "
@@ -260,6 +268,7 @@ class Signature:
             masked,
             segment_ids is not None,
             (dim, value_dim),
+            window,
         )
         return _fitted(made)
 
@@ -280,6 +289,8 @@ class Signature:
         kw["seq_at"] = 1  # the caller's [b, seq, heads, d], read in place: no transpose before or after the kernel
         mods = {"score_mod": self._indexed(self.score_mod, True), "mask": self._indexed(self.mask_mod, False)}
         axis = {"b": (b,), "h": heads}  # a bias's or a mask's axes among the batch's (heads: query heads)
+        bias, mask = ([None, ""] if a is None else [tuple(x for n in a if n in axis for x in axis[n]), _seq(a)]
+                      for a in (self.bias, self.mask))
         return library.dot_product_attention(
             q,
             x,
@@ -287,10 +298,13 @@ class Signature:
             scale=self.scale,
             causal=self.causal,
             dtype=DTYPES[self.dtype],
-            bias_batch=None if self.bias is None else tuple(a for n in self.bias for a in axis[n]),
+            bias_batch=bias[0],
+            bias_seq=bias[1],
             bias_dtype=DTYPES[self.bias_dtype],
-            mask_batch=None if self.mask is None else tuple(a for n in self.mask for a in axis[n]),
+            mask_batch=mask[0],
+            mask_seq=mask[1],
             segment_batch=(b,) if self.segments else None,
+            window=self.window,
             value_dim=dv if self.value_dim else None,
             **{k: f for k, f in mods.items() if f is not None},
             **kw,
@@ -327,6 +341,32 @@ def _fitted(sig: Signature) -> Signature:
     hw = lookup(sig.hardware) if sig.hardware is not None else target_hardware(interpreted(sig.interpret))
     (t, s), _ = fit_blocks(sig.diagram(), [QUERIES], [KEYS], sig.tile, sig.stream, hw, None)
     return dataclasses.replace(sig, tile=int(t.g), stream=int(s.s))
+
+
+def _seq(axes: tuple[str, ...]) -> str:
+    """The sequence axes a bias or a mask is read over, as the library names them (``"q"``, ``"x"``)."""
+    return ("q" if "q" in axes else "") + ("x" if "k" in axes else "")
+
+
+def _window(size) -> tuple[int, int] | None:
+    """``jax.nn``'s ``local_window_size`` as ``(left, right)``: an int is a symmetric window. Static: the window is
+    part of the kernel (an affine mask, whose blocks are skipped).
+
+    >>> _window(3), _window((4, 0)), _window(None)
+    ((3, 3), (4, 0), None)
+    """
+    if size is None:
+        return None
+    pair = (size, size) if not isinstance(size, (tuple, list)) else tuple(size)
+    try:
+        if len(pair) != 2 or any(isinstance(n, bool) for n in pair):
+            raise TypeError
+        return (operator.index(pair[0]), operator.index(pair[1]))
+    except TypeError:
+        raise EvaluationError(
+            f"attention: local_window_size must be an int or a (left, right) pair of Python ints, as jax.nn takes "
+            f"(static: the window is part of the kernel); got {size!r}"
+        ) from None
 
 
 def _checked(query, key, value, bias, mask, segment_ids, backend: str) -> tuple:
@@ -375,17 +415,23 @@ def _check(query, key, value) -> tuple[int, int, int]:
     return heads // max(kv_heads, 1), query.shape[-1], value.shape[-1]
 
 
+#: a bias's or a mask's axes, as :attr:`Signature.bias` names them
+BROADCAST = ("b", "h", "q", "k")
+
+
 def _broadcast(name: str, array, shape: tuple[int, int, int, int], dtypes) -> tuple[str, ...]:
-    """Check a bias or mask (4-D, as :func:`batched` makes it) against ``(batch, heads, Nq, Nk)``; the
-    batch axes it has: ``"b"`` and ``"h"`` where its size is the batch's or the heads' (not 1)."""
+    """Check a bias or mask (4-D, as :func:`batched` makes it) against ``(batch, heads, Nq, Nk)``, numpy's
+    broadcasting (each axis its size or 1); the axes it is read over: among ``"b"``, ``"h"``, ``"q"``, ``"k"``
+    those whose size is not 1 (a size-1 axis is broadcast, never materialised)."""
     got, dtype = tuple(array.shape), jnp.dtype(array.dtype).name
-    b, h, nq, nk = shape
-    want = f"[B or 1, H or 1, Nq, Nk] = [{b} or 1, {h} or 1, {nq}, {nk}]"
-    if len(got) != 4 or got[2:] != shape[2:] or any(n not in (1, m) for n, m in zip(got[:2], shape[:2], strict=True)):
-        raise EvaluationError(f"attention: {name} has shape {got}; expected {want} (jax.nn's broadcasting)")
+    if len(got) != 4 or any(n not in (1, m) for n, m in zip(got, shape, strict=True)):
+        raise EvaluationError(
+            f"attention: {name} has shape {got}, which does not broadcast to [B, H, Nq, Nk] = {list(shape)}; "
+            "give each axis its size or 1 (fewer axes are read as leading 1s, as numpy broadcasts)"
+        )
     if dtype not in dtypes:
         raise EvaluationError(f"attention: {name} has dtype {dtype}; expected one of {', '.join(dtypes)}")
-    return tuple(a for a, n in zip("bh", got, strict=False) if n != 1)
+    return tuple(a for a, n in zip(BROADCAST, got, strict=True) if n != 1)
 
 
 def _check_segments(ids, batch: int, q_len: int, kv_len: int) -> None:
@@ -399,23 +445,152 @@ def _check_segments(ids, batch: int, q_len: int, kv_len: int) -> None:
 
 
 def batched(query, key, value, bias=None, mask=None, segment_ids=None):
-    """The entry's arguments with a batch axis: ``[seq, heads, dim]`` arrays get one, a bias or mask gets
-    leading axes of size 1 up to 4-D (as ``jax.nn`` does), segment ids become a ``(q_ids, kv_ids)`` pair
-    (one array serves both sides, for self-attention), each ``[batch, seq]``.
+    """The entry's arguments with one batch axis: ``[seq, heads, dim]`` arrays get one, ``[..., seq, heads,
+    dim]`` arrays have their leading batch axes flattened into one; a bias or mask gets leading axes of size 1
+    up to the arrays' rank (as numpy broadcasts) and its leading batch axes flattened likewise (kept of size 1
+    where it broadcasts over them all; materialised over them only where it broadcasts over some and not
+    others); segment ids become a ``(q_ids, kv_ids)`` pair (one array serves both sides, for self-attention),
+    each ``[batch, seq]``.
 
     >>> x = jnp.zeros((5, 2, 16))
     >>> q, k, v, bias, mask, ids = batched(x, x, x, jnp.zeros((5, 5)), None, jnp.zeros(5, int))
     >>> q.shape, bias.shape, mask, ids[1].shape
     ((1, 5, 2, 16), (1, 1, 5, 5), None, (1, 5))
+    >>> x = jnp.zeros((3, 4, 5, 2, 16))
+    >>> q, k, v, bias, mask, ids = batched(x, x, x, jnp.zeros((4, 1, 1, 5)), jnp.ones((5, 5), bool))
+    >>> q.shape, bias.shape, mask.shape
+    ((12, 5, 2, 16), (12, 1, 1, 5), (1, 1, 5, 5))
     """
     if query.ndim == 3 and key.ndim == value.ndim == 3:
         query, key, value = query[None], key[None], value[None]
         if segment_ids is not None:
             segment_ids = tuple(a[None] for a in segment_ids) if isinstance(segment_ids, tuple) else segment_ids[None]
-    bias, mask = (None if a is None else jnp.reshape(a, (1,) * (4 - a.ndim) + a.shape) for a in (bias, mask))
+    lead = tuple(query.shape[:-3])
+    if query.ndim > 4 and key.ndim == value.ndim == query.ndim:
+        if key.shape[:-3] != lead or value.shape[:-3] != lead:
+            raise EvaluationError(
+                f"attention: q, k, v must share their leading batch axes; q {tuple(query.shape)}, "
+                f"k {tuple(key.shape)}, v {tuple(value.shape)}"
+            )
+        query, key, value = (a.reshape(math.prod(lead), *a.shape[-3:]) for a in (query, key, value))
+        if segment_ids is not None:
+            flat = (lambda a: a.reshape(math.prod(lead), a.shape[-1]) if a.ndim == len(lead) + 1 else a)
+            segment_ids = tuple(map(flat, segment_ids)) if isinstance(segment_ids, tuple) else flat(segment_ids)
+    bias, mask = (None if a is None else _flat_batch(n, a, lead) for n, a in (("bias", bias), ("mask", mask)))
     if segment_ids is not None and not isinstance(segment_ids, tuple):
         segment_ids = (segment_ids, segment_ids)
     return query, key, value, bias, mask, segment_ids
+
+
+def _flat_batch(name: str, array, lead: tuple[int, ...]):
+    """A bias or mask broadcasting to ``[*lead, H, Nq, Nk]`` as a 4-D array ``[B or 1, H or 1, Nq or 1, Nk or 1]``,
+    its leading axes flattened into one (:func:`batched`); a rank beyond the arrays' is refused."""
+    n = max(len(lead), 1)
+    if array.ndim > n + 3:
+        raise EvaluationError(
+            f"attention: {name} has {array.ndim} axes {tuple(array.shape)}; expected at most {n + 3}, broadcasting to "
+            f"[*batch, H, Nq, Nk] with batch {lead or (1,)}"
+        )
+    a = jnp.reshape(array, (1,) * (n + 3 - array.ndim) + tuple(array.shape))
+    if len(lead) <= 1:
+        return a
+    head, rest = tuple(a.shape[:n]), tuple(a.shape[n:])
+    if all(m == 1 for m in head):
+        return a.reshape(1, *rest)
+    if head != lead:
+        if any(m not in (1, k) for m, k in zip(head, lead, strict=True)):
+            raise EvaluationError(
+                f"attention: {name} has shape {tuple(array.shape)}, whose batch axes {head} do not broadcast to "
+                f"the arrays' {lead}; give each its size or 1"
+            )
+        a = jnp.broadcast_to(a, lead + rest)  # over some leading batch axes only: those are materialised
+    return a.reshape(math.prod(lead), *rest)
+
+
+#: the ids marking a query past its sequence's length, and a key past it, where the caller gives segment ids
+#: too (they must then lie strictly between int32's extremes); without segment ids, -1 and 1 (a block of
+#: padded queries and a block of padded keys never share a range of ids: both are skipped)
+PAD_IDS = (-(2**31), 2**31 - 1)
+
+
+def length_ids(query, key, segment_ids=None, query_seq_lengths=None, key_value_seq_lengths=None):
+    """``jax.nn``'s sequence lengths as segment ids (``[..., Nq]`` and ``[..., Nk]``, for arrays
+    ``[..., seq, heads, dim]``): query ``i`` of sequence ``b`` past ``query_seq_lengths[b]`` sees no key (its
+    output is 0, as ``jax.nn``'s), key ``j`` past ``key_value_seq_lengths[b]`` is seen by no query; combined
+    with the caller's ``segment_ids``. The ids are read when the kernel is called, so new lengths reuse it, and
+    the kernel skips the blocks past a length (:class:`~napkin_cat.library.SameSegment`).
+
+    >>> x = jnp.zeros((2, 4, 1, 8))
+    >>> q_ids, kv_ids = length_ids(x, x, None, jnp.array([4, 2]), jnp.array([3, 1]))
+    >>> q_ids.tolist(), kv_ids.tolist()
+    ([[0, 0, 0, 0], [0, 0, -1, -1]], [[0, 0, 0, 1], [0, 1, 1, 1]])
+    """
+    if query_seq_lengths is None and key_value_seq_lengths is None:
+        return segment_ids
+    lead = tuple(query.shape[:-3])
+    pair = segment_ids if segment_ids is None or isinstance(segment_ids, tuple) else (segment_ids, segment_ids)
+    pads = (-1, 1) if pair is None else PAD_IDS
+    out = []
+    sides = (("query_seq_lengths", query_seq_lengths, query), ("key_value_seq_lengths", key_value_seq_lengths, key))
+    for i, (name, lengths, a) in enumerate(sides):
+        n = a.shape[-3]
+        ids = jnp.zeros((*lead, n), jnp.int32) if pair is None else jnp.asarray(pair[i])
+        if tuple(ids.shape) != (*lead, n) or not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise EvaluationError(
+                f"attention: segment_ids for the {('query', 'key/value')[i]} side are {jnp.dtype(ids.dtype).name} "
+                f"{tuple(ids.shape)}; expected integers of shape {[*lead, n]}"
+            )
+        ids = ids.astype(jnp.int32)
+        if lengths is not None:
+            ids = jnp.where(jnp.arange(n) < _lengths(name, lengths, lead)[..., None], ids, pads[i])
+        out.append(ids)
+    return tuple(out)
+
+
+def _lengths(name: str, lengths, lead: tuple[int, ...]):
+    """Sequence lengths checked: integers, one per sequence (``lead``: the batch axes; a ``[seq, heads, dim]``
+    call has one sequence, its length given as ``[1]``, as ``jax.nn`` takes it, or as a scalar)."""
+    a = jnp.asarray(lengths)
+    want = lead or (1,)
+    if not jnp.issubdtype(a.dtype, jnp.integer) or tuple(a.shape) not in (want, lead):
+        raise EvaluationError(
+            f"attention: {name} is {jnp.dtype(a.dtype).name} {tuple(a.shape)}; expected integers of shape "
+            f"{list(want)}, one length per sequence (as jax.nn's)"
+        )
+    return a.reshape(lead)
+
+
+def _implementation(implementation, backend: str) -> str:
+    """``jax.nn``'s ``implementation`` as a backend: None keeps ``backend`` (napkin-cat's derived kernel),
+    ``"xla"`` is the plain-JAX backend (``backend="xla"``), ``"cudnn"`` is refused (napkin-cat is not cuDNN).
+
+    >>> _implementation(None, "triton"), _implementation("xla", "auto")
+    ('triton', 'xla')
+    """
+    if implementation is None:
+        return backend
+    if implementation == "cudnn":
+        raise NotLowerable(
+            "attention: implementation='cudnn' asks for NVIDIA's cuDNN kernel, which napkin-cat is not; call "
+            "jax.nn.dot_product_attention(..., implementation='cudnn') for it, or pass implementation=None "
+            "(napkin-cat's derived kernel) or 'xla' (the same derivation on the plain-JAX backend)"
+        )
+    if implementation != "xla":
+        raise NotLowerable(f"attention: implementation={implementation!r}: choose None, 'xla' or 'cudnn', as jax.nn")
+    if backend not in ("auto", "xla"):
+        raise NotLowerable(
+            f"attention: implementation='xla' is backend='xla', but backend={backend!r} was given; pass one of them"
+        )
+    return "xla"
+
+
+def _scaled(query, scale):
+    """A traced ``scale`` (a ``jax.grad`` or ``jax.jit`` argument) multiplies the queries before the kernel, whose
+    scale then stays a static 1; a Python number (or a concrete array) is the kernel's own static scale.
+    Gradients reach a traced scale through that product."""
+    if not isinstance(scale, jax.core.Tracer):
+        return query, scale
+    return (query.astype(jnp.float32) * scale).astype(query.dtype), 1.0
 
 
 @dataclass(frozen=True)
@@ -450,8 +625,8 @@ class AttentionKernel:
         """Why the kernel has no lowered backward, or None when it has one."""
         return self.kernel.why_not
 
-    def __call__(self, query, key, value, bias=None, mask=None, segment_ids=None):
-        squeeze = query.ndim == 3
+    def __call__(self, query, key, value, bias=None, mask=None, segment_ids=None, *, return_residual: bool = False):
+        shape = (*query.shape[:-1], value.shape[-1])
         query, key, value, bias, mask, segment_ids = batched(query, key, value, bias, mask, segment_ids)
         sig = self.signature
         got = Signature.of(query, key, value, bias, mask, segment_ids=segment_ids)
@@ -467,16 +642,52 @@ class AttentionKernel:
         extra = [_operand(a, axes, kv_heads, group) for a, axes in pairs if a is not None]
         if segment_ids is not None:
             extra += [a.astype(jnp.int32) for a in segment_ids]
-        out = self.kernel(qs, key, value, *extra).reshape(*query.shape[:-1], value.shape[-1])
-        return out[0] if squeeze else out
+        arrays = (qs, key, value, *extra)
+        if not return_residual:
+            return self.kernel(*arrays).reshape(shape)
+        out, lse = _with_residual(self.kernel, arrays)
+        # L is [b, heads..., q] (query heads, split as (h_kv, g) under grouped-query attention): jax.nn's [b, q, h]
+        lse = jnp.moveaxis(lse.reshape(query.shape[0], query.shape[2], query.shape[1]), 1, 2)
+        # a row with every key masked: jax.nn's log-sum-exp of its large finite negative logits, not −∞
+        lse = jnp.where(lse == -jnp.inf, -0.7 * jnp.finfo(jnp.float32).max, lse)
+        return out.reshape(shape), lse.astype(key.dtype).reshape(shape[:-1])
+
+
+def _with_residual(kernel, arrays) -> tuple:
+    """The kernel's output and its log-sum-exp ``L`` (natural log, of the scaled, biased, masked scores: the
+    residual its lowered backward reads, FlashAttention-2 §3.1.1), from the one forward with residuals; ``L``
+    carries no gradient (as ``jax.nn``'s), and differentiating the output runs the kernel's lowered backward
+    (recomputing the forward once more). Refused where the kernel has no lowered backward, so no such forward."""
+    made = kernel.at(**check_layout(kernel.diagram, arrays)) if isinstance(kernel, OpenKernel) else kernel
+    if made.differentiation != "lowered":
+        why = made.why_not or f"backward={made.differentiation!r}"
+        raise NotLowerable(
+            f"attention: return_residual reads the log-sum-exp of the lowered forward with residuals, which this "
+            f"kernel (differentiation={made.differentiation!r}) has none of ({why}); call with backward='lowered'"
+        )
+    forward = made.kernels[0]
+
+    @jax.custom_vjp
+    def f(*xs):
+        outs = forward(*xs)
+        return outs[0], jax.lax.stop_gradient(outs[1])
+
+    def f_fwd(*xs):
+        return f(*xs), xs
+
+    def f_bwd(xs, cts):
+        return jax.vjp(kernel, *xs)[1](cts[0])
+
+    f.defvjp(f_fwd, f_bwd)
+    return f(*arrays)
 
 
 def _operand(array, axes: tuple[str, ...], kv_heads: int, group: int):
-    """A 4-D bias or mask as the diagram's input: without its broadcast (size-1) batch axes, and heads split
+    """A 4-D bias or mask as the diagram's input: without its broadcast (size-1) axes, and heads split
     into ``(h_kv, g)`` under grouped-query attention."""
-    a = array[(slice(None) if "b" in axes else 0, slice(None) if "h" in axes else 0)]
+    a = array[tuple(slice(None) if n in axes else 0 for n in BROADCAST)]
     if "h" in axes and group > 1:
-        at = a.ndim - 3
+        at = int("b" in axes)
         a = a.reshape(*a.shape[:at], kv_heads, group, *a.shape[at + 1 :])
     return a
 
@@ -510,8 +721,8 @@ class Attention:
     >>> attention(q, *kv, bias=jnp.zeros((24, 12)))
     Traceback (most recent call last):
     ...
-    napkin_cat.errors.EvaluationError: attention: bias has shape (1, 1, 24, 12); expected [B or 1, H or 1, Nq, Nk] \
-= [1 or 1, 4 or 1, 24, 24] (jax.nn's broadcasting)
+    napkin_cat.errors.EvaluationError: attention: bias has shape (1, 1, 24, 12), which does not broadcast to \
+[B, H, Nq, Nk] = [1, 4, 24, 24]; give each axis its size or 1 (fewer axes are read as leading 1s, as numpy broadcasts)
     """
 
     def __init__(self, maxsize: int | None = None):
@@ -547,8 +758,13 @@ class Attention:
         bias=None,
         mask=None,
         *,
-        scale: float | None = None,
+        scale=None,
         is_causal: bool = False,
+        query_seq_lengths=None,
+        key_value_seq_lengths=None,
+        local_window_size: int | tuple[int, int] | None = None,
+        implementation: str | None = None,
+        return_residual: bool = False,
         score_mod: Callable | None = None,
         mask_mod: Callable | None = None,
         segment_ids=None,
@@ -557,47 +773,99 @@ class Attention:
         interpret: bool | None = None,
         hardware: Hardware | str | None = None,
     ):
-        """``softmax(score_mod(scale · q kᵀ + bias) masked) v`` on ``[batch, seq, heads, dim]`` arrays, by a cached
+        """``softmax(score_mod(scale · q kᵀ + bias) masked) v`` on ``[..., seq, heads, dim]`` arrays, by a cached
         kernel; every mask applies after ``score_mod`` (the module's docstring).
 
-        The arguments are ``jax.nn.dot_product_attention``'s (``bias`` and ``mask`` broadcast as there), plus
-        ``segment_ids`` (document masking), FlexAttention's ``score_mod``/``mask_mod`` and
+        The arguments are ``jax.nn.dot_product_attention``'s, in its order: ``bias`` and ``mask`` of any shape
+        that numpy-broadcasts to ``[B, H, Nq, Nk]``, never materialised (a size-1 axis is not read: a
+        ``[B, 1, 1, Nk]`` key-padding mask stays ``[B, Nk]`` in the kernel's inputs); ``scale`` (a traced one
+        multiplies q before the kernel, whose scale stays static); ``is_causal``; ``query_seq_lengths`` and
+        ``key_value_seq_lengths`` (per-sequence integers, read at call time as segment ids: :func:`length_ids`);
+        ``local_window_size`` (an int or ``(left, right)``, an affine mask whose outside blocks are skipped);
+        ``implementation`` (None: napkin-cat's kernel on ``backend``; ``"xla"``: ``backend="xla"``; ``"cudnn"``:
+        refused, napkin-cat is not cuDNN); ``return_residual`` (returns ``(out, lse)``, the log-sum-exp
+        ``[..., Nq, H]`` of the scaled, biased, masked scores in the inputs' dtype, as ``jax.nn``: the lowered
+        forward's residual, without gradient; past a query length jax.nn's value, −0.7 · f32's max; a row
+        whose every key a mask hides has no meaningful one, where jax.nn gives that value too). Several
+        leading batch axes are flattened into one and restored. Then ``segment_ids`` (document masking),
+        FlexAttention's ``score_mod``/``mask_mod`` and
         :func:`lowering.lower`'s ``backend``, ``backward``, ``interpret`` and ``hardware``. Rows whose every key
-        is masked give 0; an empty axis gives an empty output, or zeros where there are no keys. See the module's
-        docstring.
+        is masked give 0 (jax.nn gives the mean of ``V``, except past ``query_seq_lengths``, where it gives 0
+        too); an empty axis gives an empty output, or zeros where there are no keys. See the module's docstring.
+
+        >>> import jax
+        >>> q, k, v = (jax.random.normal(jax.random.key(i), (2, 3, 20, 4, 16)) for i in range(3))
+        >>> keep = jax.random.bernoulli(jax.random.key(3), 0.8, (3, 1, 1, 20))  # key padding, per batch row
+        >>> lengths = jnp.array([[20, 17, 12], [14, 20, 16]])
+        >>> out, lse = attention(q, k, v, mask=keep, key_value_seq_lengths=lengths, return_residual=True)
+        >>> nn = lambda q, k, v, n: jax.nn.dot_product_attention(q, k, v, mask=keep, key_value_seq_lengths=n,
+        ...                                                      return_residual=True)
+        >>> ref, ref_lse = jax.vmap(nn)(q, k, v, lengths)
+        >>> out.shape, lse.shape, bool(jnp.allclose(out, ref, atol=1e-5)), bool(jnp.allclose(lse, ref_lse, atol=1e-5))
+        ((2, 3, 20, 4, 16), (2, 3, 20, 4), True, True)
 
         Sharding rule (:mod:`lowering._spmd`): the batch and head axes may be sharded (data and tensor
         parallelism), and the query axis where no mask or score modifier reads its index (not under
         ``is_causal``); the kernel then runs per shard, forward and backward, and the output keeps the query's
         sharding, under Explicit or Auto mesh axes and inside ``jax.shard_map``. A sharded key axis or head dim
         is refused with :class:`~lowering.NotLowerable` (reshard, or ring attention: docs/multi_device.md).
+        ``return_residual`` calls the forward with residuals unsharded.
         """
+        backend = _implementation(implementation, backend)
+        query, scale = _scaled(query, scale)
+        segment_ids = length_ids(query, key, segment_ids, query_seq_lengths, key_value_seq_lengths)
         args = batched(query, key, value, bias, mask, segment_ids)
         if empty(*args[:3]):
             _checked(*args, backend)
-            return jnp.zeros((*query.shape[:-1], value.shape[-1]), query.dtype)  # no keys: each row's sum is empty
-        return self.kernel_for(
-            query,
-            key,
-            value,
-            bias,
-            mask,
+            _window(local_window_size)
+            out = jnp.zeros((*query.shape[:-1], value.shape[-1]), query.dtype)  # no keys: each row's sum is empty
+            return (out, jnp.full(query.shape[:-1], -jnp.inf, key.dtype)) if return_residual else out
+        made = self._kernel(
+            *args,
             scale=scale,
             is_causal=is_causal,
+            local_window_size=local_window_size,
             score_mod=score_mod,
             mask_mod=mask_mod,
-            segment_ids=segment_ids,
             backend=backend,
             backward=backward,
             interpret=interpret,
             hardware=hardware,
-        )(query, key, value, bias, mask, segment_ids)
+        )
+        out = made(query, key, value, bias, mask, segment_ids, return_residual=return_residual)
+        if not return_residual or query_seq_lengths is None:
+            return out
+        # a row past its query length sees no key: jax.nn's log-sum-exp of its large finite negative logits
+        lengths = _lengths("query_seq_lengths", query_seq_lengths, query.shape[:-3])
+        rows = jnp.arange(query.shape[-3]) < lengths[..., None]
+        return out[0], jnp.where(rows[..., None], out[1], jnp.asarray(-0.7 * jnp.finfo(jnp.float32).max, key.dtype))
 
-    def kernel_for(self, query, key, value, bias=None, mask=None, *, segment_ids=None, **options) -> AttentionKernel:
-        """The cached :class:`AttentionKernel` for these arrays (only shapes and dtypes are read) and options;
-        derived, verified and lowered on first use, outside any ``jit``/``vmap``/``grad`` trace. Every
-        array is checked (shapes, dtypes) before anything is built."""
-        query, key, value, bias, mask, segment_ids = batched(query, key, value, bias, mask, segment_ids)
+    def kernel_for(
+        self,
+        query,
+        key,
+        value,
+        bias=None,
+        mask=None,
+        *,
+        segment_ids=None,
+        scale=None,
+        query_seq_lengths=None,
+        key_value_seq_lengths=None,
+        implementation: str | None = None,
+        **options,
+    ) -> AttentionKernel:
+        """The cached :class:`AttentionKernel` for these arrays (only shapes and dtypes are read) and options (as
+        :meth:`__call__` takes them); derived, verified and lowered on first use, outside any
+        ``jit``/``vmap``/``grad`` trace. Every array is checked (shapes, dtypes) before anything is built."""
+        backend = _implementation(implementation, options.pop("backend", "auto"))
+        query, scale = _scaled(query, scale)
+        segment_ids = length_ids(query, key, segment_ids, query_seq_lengths, key_value_seq_lengths)
+        args = batched(query, key, value, bias, mask, segment_ids)
+        return self._kernel(*args, scale=scale, backend=backend, **options)
+
+    def _kernel(self, query, key, value, bias, mask, segment_ids, **options) -> AttentionKernel:
+        """:meth:`kernel_for` of arrays as :func:`batched` gives them, options as :class:`Signature` takes them."""
         signature = Signature.of(query, key, value, bias, mask, segment_ids=segment_ids, **options)
         if signature in self._kernels:
             self._hits += 1

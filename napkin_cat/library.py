@@ -513,25 +513,41 @@ def dot_product_attention(
     mask_batch: tuple[Axis, ...] | None = None,
     segment_batch: tuple[Axis, ...] | None = None,
     bias_dtype: Dtype | str = f32,
+    bias_seq: str = "qx",
+    mask_seq: str = "qx",
+    window: tuple[int, int] | None = None,
     **kw,
 ) -> Diagram:
     """``jax.nn.dot_product_attention``'s array arguments as inputs: ``Q ⊗ K ⊗ V`` then, each present when
     its batch axes are given (``()``: shared by every batch), an additive bias ``B[*bias_batch, q, x]``
     (differentiable), a boolean mask ``M[*mask_batch, q, x]`` (true keeps the score) and segment ids
     ``ids_q[*segment_batch, q] ⊗ ids_x[*segment_batch, x]`` (i32; a query sees the keys of its own
-    segment). Scores are ``score_mod(scale·Q·Kᵀ + B)``, then masked by the keyword masks, ``M`` and the ids
-    (the rule of the module's docstring).
+    segment). ``bias_seq`` and ``mask_seq`` name the sequence axes the bias and the mask have (``"q"`` for
+    queries, ``"x"`` for keys): an axis left out is broadcast, not read per query or key, and the bias's
+    gradient is summed over it (``"x"``: a key-padding mask ``M[*mask_batch, x]``). ``window = (left,
+    right)`` keeps key ``x`` for query ``q`` where ``q − left ≤ x ≤ q + right`` (``jax.nn``'s
+    ``local_window_size``), an :class:`Affine` mask, so kernels skip the blocks outside it. Scores are
+    ``score_mod(scale·Q·Kᵀ + B)``, then masked by the keyword masks, the window, ``M`` and the ids (the rule
+    of the module's docstring).
 
     >>> from napkin_cat import axes
     >>> b, h, q, x, d = axes("b h q x d")
     >>> print(dot_product_attention(q, x, d, batch=(b, h), bias_batch=(h,), mask_batch=(), segment_batch=(b,)).dom)
     b×h×q×d ⊗ b×h×x×d ⊗ b×h×x×d ⊗ h×q×x ⊗ q×x ⊗ b×q ⊗ b×x
+    >>> print(dot_product_attention(q, x, d, batch=(b, h), mask_batch=(b,), mask_seq="x", window=(2, 0)).dom)
+    b×h×q×d ⊗ b×h×x×d ⊗ b×h×x×d ⊗ b×x
     """
     a = _attention(q, x, d, kw)
-    B = None if bias_batch is None else Array(*bias_batch, q, x, dtype=bias_dtype)
+    seq = {"q": q, "x": x}
+    B = None if bias_batch is None else Array(*bias_batch, *(seq[n] for n in bias_seq), dtype=bias_dtype)
     masks = []
+    if window is not None:
+        left, right = window
+        seen = Affine.at_least(int(left), **{x.name: 1, q.name: -1})  # x ≥ q − left
+        keep = seen & Affine.at_least(int(right), **{q.name: 1, x.name: -1})  # x ≤ q + right
+        masks.append((g.mask(a.S, keep.named(f"window({left}, {right})")), ()))
     if mask_batch is not None:
-        M = Array(*mask_batch, q, x, dtype="bool")
+        M = Array(*mask_batch, *(seq[n] for n in mask_seq), dtype="bool")
         masks.append((g.elementwise(keep_where, a.S, M, out=a.S), (M,)))
     if segment_batch is not None:
         ids = (Array(*segment_batch, q, dtype="i32"), Array(*segment_batch, x, dtype="i32"))

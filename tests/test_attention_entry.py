@@ -118,8 +118,8 @@ def test_score_mods_are_keyed_by_identity():
 @pytest.mark.parametrize(
     ("options", "shapes", "error", "match"),
     [
-        ({"bias": jnp.zeros((20, 19))}, None, EvaluationError, r"bias has shape \(1, 1, 20, 19\); expected "),
-        ({"bias": jnp.zeros((3, 1, 20, 20))}, None, EvaluationError, r"= \[1 or 1, 2 or 1, 20, 20\]"),
+        ({"bias": jnp.zeros((20, 19))}, None, EvaluationError, r"bias has shape \(1, 1, 20, 19\), which does not"),
+        ({"bias": jnp.zeros((3, 1, 20, 20))}, None, EvaluationError, r"= \[1, 2, 20, 20\]; give each axis its size"),
         ({"bias": jnp.zeros((20, 20), int)}, None, EvaluationError, "bias has dtype int32; expected one of float32"),
         ({"mask": jnp.ones((20, 20))}, None, EvaluationError, "mask has dtype float32; expected one of bool"),
         ({"segment_ids": jnp.zeros((1, 20))}, None, EvaluationError, "segment_ids for the query side are float32"),
