@@ -235,7 +235,7 @@ def masks_before_score_mod():
         out = scores(self, **kw)
         if score_mod is None:
             return out
-        from napkin_cat.diagram import identity
+        from napkin_cat.diagram import id as identity
         from napkin_cat.generators import score_mod as modifier
 
         return out >> (modifier(self.S, score_mod) @ identity(self.V))
