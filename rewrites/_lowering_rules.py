@@ -203,7 +203,7 @@ def _off_trace(fn, *args):
     """``fn(*args)`` in a thread of its own, where no caller's trace is active (JAX's trace state is per thread):
     the probes compute on concrete numbers also where a kernel, a jit or a shard_map is being traced."""
     def on_cpu(*args):  # tiny arrays: the host compiles them fastest, and a GPU's memory is left alone
-        with jax.default_device(jax.devices("cpu")[0]):
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
             return fn(*args)
 
     with ThreadPoolExecutor(1) as worker:
