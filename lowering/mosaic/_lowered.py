@@ -38,7 +38,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from lowering._blocks import BlockContext, affine_mask, segment_bounds, segments, tiled_first
 from lowering._plan import NotLowerable, Plan, base2, unweave
-from lowering._spmd import varying
+from lowering._spmd import out_structs
 from lowering._target import interpreted
 from lowering.mosaic._arrays import Counting
 from lowering.mosaic._config import REGISTERS, SMEM_ALIGNMENT, SMEM_LIMIT, WGMMA_M, MosaicConfig
@@ -483,11 +483,7 @@ class MosaicLowered:
             scratch.append([smem((c.consumers, self.rows, self.s), value_dtype)])
         kernel = MosaicKernel(self, sizes, extent, streamed, resident, n_tiles, n_chunks, batch)
         others = [extent[a] // n for a, n in self.others.items()]
-        mat = varying(arrays)  # inside shard_map the outputs vary over the mesh axes the inputs do (lowering._spmd)
-        out_type = [
-            jax.ShapeDtypeStruct(tuple(extent[a.name] for a in w.axes), w.dtype.jnp, manual_axis_type=mat)
-            for w in full.cod.inside
-        ]
+        out_type = out_structs(full.cod.inside, extent, arrays)
         call = plgpu.kernel(
             kernel,
             out_type=out_type,

@@ -23,7 +23,6 @@ from __future__ import annotations
 import functools
 import math
 
-import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
@@ -32,7 +31,7 @@ import rewrites
 from lowering._blocks import heavy_last, segment_bounds, segments
 from lowering._plan import NotLowerable, Plan, next_pow2, smem_bytes
 from lowering._source import describe
-from lowering._spmd import varying
+from lowering._spmd import out_structs
 from lowering._target import interpreted, target_hardware
 from lowering.triton._config import TritonConfig
 from lowering.triton._kernel import _batch_index, _kernel, _strides, _tile_id
@@ -214,11 +213,7 @@ class TritonLowered:
         xp = Blocks(operand_dtype(d), tanh=None if self.interpret or operand_dtype(d) is None else native_tanh)
         flip = heavy_last(p, extent, padded)
         kernel = functools.partial(_kernel, p, sizes, extent, padded, xp, 4 * len(bounds), flip)
-        mat = varying(arrays)  # inside shard_map the outputs vary over the mesh axes the inputs do (lowering._spmd)
-        out_shape = [
-            jax.ShapeDtypeStruct(tuple(padded[a.name] for a in w.axes), w.dtype.jnp, manual_axis_type=mat)
-            for w in d.cod.inside
-        ]
+        out_shape = out_structs(d.cod.inside, padded, arrays)
         call = pl.pallas_call(
             kernel,
             grid=self._grid(padded),
