@@ -120,8 +120,8 @@ def plan(d: Diagram) -> Plan:
             f"summed), got s = {stream[1]}"
         )
     streamed = {stream[0]} if stream else set()
-    batch = tuple(n for n in names if n not in mixed and n not in tiles and n not in streamed)
     whole = kept_whole(d)
+    batch = tuple(n for n in names if n not in whole and n not in tiles and n not in streamed)
     _check_contractions(d, streamed)
     return Plan(dict(tiles), stream, batch, whole, d)
 
@@ -137,9 +137,13 @@ def kept_whole(d: Diagram) -> tuple[str, ...]:
     ('d',)
     """
     tiles, streams = partitions(d)
-    mixed = {n for box in d.boxes if isinstance(box, Generator) and not box.transfers for n in box.mixes}
+    boxes = [box for box in d.boxes if isinstance(box, Generator) and not box.transfers]
+    mixed = {n for box in boxes for n in box.mixes}
     names = dict.fromkeys(n for w in (*d.dom.inside, *d.cod.inside) for n in w.names)
-    return tuple(n for n in names if n in mixed and n not in tiles and n not in streams)
+    # an axis a product's output lacks (MLA's value head dim, absent from QKᵀ) is kept whole too: on the grid,
+    # every program along it would recompute that product
+    unshared = {n for box in boxes if box.contracts for n in names if not any(w.has(n) for w in box.cod.inside)}
+    return tuple(n for n in names if n in mixed | unshared and n not in tiles and n not in streams)
 
 
 def _check_unit_stream(d: Diagram, x: str):
