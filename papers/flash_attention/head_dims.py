@@ -138,11 +138,18 @@ def plot(res: dict, path: Path) -> None:
     for ax, s in zip(axes, ("fwd", "fwdbwd"), strict=True):
         for impl in dict.fromkeys(r["impl"] for r in res["rows"]):
             for causal in (False, True):
-                pts = [(dims.index(r["dim"]), r[s]["tflops"]) for r in res["rows"]
-                       if r["impl"] == impl and r["causal"] == causal and s in r]
+                pts = [
+                    (dims.index(r["dim"]), r[s]["tflops"])
+                    for r in res["rows"]
+                    if r["impl"] == impl and r["causal"] == causal and s in r
+                ]
                 if pts:
-                    ax.plot(*zip(*pts, strict=True), marker="o", ls="-" if causal else "--",
-                            label=f"{impl}{' causal' if causal else ''}")
+                    ax.plot(
+                        *zip(*pts, strict=True),
+                        marker="o",
+                        ls="-" if causal else "--",
+                        label=f"{impl}{' causal' if causal else ''}",
+                    )
         ax.set_xticks(range(len(dims)), dims)
         ax.set_xlabel("head dim (q·k / v)")
         ax.set_title({"fwd": "forward", "fwdbwd": "forward + backward"}[s], fontsize=9)
@@ -173,8 +180,11 @@ def main(argv=None) -> dict:
     ratios(res["rows"])
     for r in res["rows"]:
         if "vs_cudnn" in r or "vs_dense128" in r:
-            shown = "  ".join(f"{b} {v['fwd']:.2f}×/{v['fwdbwd']:.2f}×" for b, v in
-                              (("cuDNN", r.get("vs_cudnn")), ("D=128", r.get("vs_dense128"))) if v)
+            shown = "  ".join(
+                f"{b} {v['fwd']:.2f}×/{v['fwdbwd']:.2f}×"
+                for b, v in (("cuDNN", r.get("vs_cudnn")), ("D=128", r.get("vs_dense128")))
+                if v
+            )
             print(f"D={r['dim']:>7s} causal={int(r['causal'])} {r['impl']:14s} fwd/fwd+bwd vs {shown}")
     stem = f"head_dims_{device_stem(dev['kind'])}{'_quick' if o.quick else ''}"
     o.out.mkdir(parents=True, exist_ok=True)
