@@ -132,7 +132,7 @@ def schedule(
     >>> [schedule(n, m, 64, mosaic=True) for n, m in ((8192, 8192), (8192, 100), (100, 8192))]
     [(256, 128), (256, 128), (128, 64)]
     """
-    own = MOSAIC_BLOCKS.entry(dim) if mosaic and value_dim in (None, dim) else None
+    own = MOSAIC_BLOCKS.entry(dim, value_dim) if mosaic else None
     if own is not None and q_len >= own[0]:
         return TRITON_BLOCKS.fit(own[0], q_len), TRITON_BLOCKS.fit(own[1], kv_len)
     return TRITON_BLOCKS.entry(q_len, kv_len, dim, value_dim)
@@ -249,6 +249,8 @@ class Signature:
                 f"v {tuple(value.shape)}); call attention(q, k, v, ...), which returns the empty or zero output"
             )
         mosaic = backend != "triton" and unavailable(interpret) is None and bias is None and mask is None
+        # auto takes Mosaic's own blocks only at head dims it was measured faster at; asked for, at any
+        mosaic = mosaic and (backend == "mosaic" or MOSAIC_BLOCKS.measured(dim, value_dim))
         t, s = schedule(query.shape[-3], key.shape[-3], dim, value_dim, mosaic=mosaic)
         made = cls(
             jnp.dtype(query.dtype).name,

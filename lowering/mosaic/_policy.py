@@ -36,6 +36,11 @@ class MosaicBlocks:
     #: keys ran at 326–435 TFLOP/s against Triton's 128 × 64 at 282–355 (1.15–1.23×; Mosaic's own 128 × 64 at
     #: 259–324), bf16, N ∈ {2048, 8192}, causal and not (docs/mosaic.md v7)
     entry_blocks: tuple = ((64, (256, 128)),)
+    #: where a query row and an output row together are wider than ``wide`` (D = 256; MLA's 192 and 128): a tile of
+    #: 128, 64 rows per consumer (their f32 output accumulators leave registers for no more), streaming 64 keys
+    #: (the shared memory of two stages holds no more)
+    wide: int = 256
+    wide_blocks: tuple = (128, 64)
     #: the chunk the backward's kernels stream where the consumers' registers admit it (:func:`admits`), where
     #: Triton's keep FlashAttention-2's 64: (bf16, N = 8192, docs/mosaic.md v6, ``backward_configs.py --mosaic``)
     #: dQ runs 1.05–1.11× faster than at 64, dK·dV at D = 64 within 2% of it, and at D = 128 dK·dV's accumulators
@@ -45,9 +50,25 @@ class MosaicBlocks:
     search_stages: tuple = (2, 3)
     search_pingpong: tuple = (None, False)
 
-    def entry(self, dim: int) -> tuple[int, int] | None:
-        """The entry's ``(tile, chunk)`` of Mosaic's own at head dim ``dim``, or None: the entry's rule."""
-        return dict(self.entry_blocks).get(dim)
+    def entry(self, dim: int, value_dim: int | None = None) -> tuple[int, int] | None:
+        """The entry's ``(tile, chunk)`` of Mosaic's own at head dims ``dim`` (q, k) and ``value_dim`` (v; None:
+        ``dim``), or None: the entry's rule.
+
+        >>> MOSAIC_BLOCKS.entry(256), MOSAIC_BLOCKS.entry(192, 128), MOSAIC_BLOCKS.entry(96)
+        ((128, 64), (128, 64), None)
+        """
+        if dim + (dim if value_dim is None else value_dim) > self.wide:
+            return self.wide_blocks
+        return dict(self.entry_blocks).get(dim) if value_dim in (None, dim) else None
+
+    def measured(self, dim: int, value_dim: int | None = None) -> bool:
+        """Whether ``"auto"`` may take Mosaic at head dims ``dim`` (q, k) and ``value_dim`` (v): both among
+        ``faster_whole``, where it was measured faster than Triton.
+
+        >>> MOSAIC_BLOCKS.measured(128), MOSAIC_BLOCKS.measured(256), MOSAIC_BLOCKS.measured(192, 128)
+        (True, False, False)
+        """
+        return {dim, dim if value_dim is None else value_dim} <= set(self.faster_whole)
 
     def space(self) -> tuple[MosaicConfig, ...]:
         """The configs a search times: ``search_stages`` × ``search_pingpong``.

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lowering._plan import NotLowerable, Plan, next_pow2
+from lowering._plan import NotLowerable, Plan, next_pow2, smem_bytes
+from napkin_cat.hardware import H100, Hardware
 
 
 @dataclass(frozen=True)
@@ -140,8 +141,28 @@ class TritonBlocks:
         g = max(p.tiles.values(), default=64)
         single = p.stream and p.stream[1] == 1
         return TritonConfig(
-            num_warps=8 if g >= self.wide_warps_at else 4, num_stages=self.single_stages if single else self.stages
+            num_warps=8 if g >= self.wide_warps_at else 4, num_stages=self.single_stages if single else self.deepest(p)
         )
+
+    def deepest(self, p: Plan, hardware: Hardware = H100) -> int:
+        """``stages``, or fewer (not below 2) where the blocks, their whole axes' sizes known, would not fit
+        ``hardware``'s shared memory at that depth: at a head dim of 256, a forward's 64-row tiles fit 3 stages, and
+        with a streamed bias (or the dQ kernel's dO tile) only 2.
+
+        >>> import napkin_cat as nc
+        >>> from rewrites import derive, tile, stream
+        >>> from lowering import plan
+        >>> q, x, d = nc.axes("q x d", d=256)
+        >>> wide = lambda f: plan(derive(f(q, x, d, dtype="bf16"), tile(q, 64), stream(x, 64), verify=False).diagram)
+        >>> TRITON_BLOCKS.deepest(wide(nc.library.attention)), TRITON_BLOCKS.deepest(wide(nc.library.biased_attention))
+        (3, 2)
+        """
+        sizes = {a.name: a.size for w in p.diagram.dom.inside for a in w.axes}
+        if not all(sizes[a].is_number for a in p.whole):
+            return self.stages
+        padded = {a: max(next_pow2(int(sizes[a])), self.smallest) for a in p.whole}
+        fits = [n for n in range(self.stages, 2, -1) if smem_bytes(p, padded, n) <= hardware.smem_per_block]
+        return fits[0] if fits else 2
 
     def space(self) -> tuple[TritonConfig, ...]:
         """The configs ``search=True`` times: ``search_warps`` × ``search_stages``.
