@@ -350,7 +350,7 @@ def _paged(q, k_pages, v_pages, lengths, page_table, scale, mods, parts, chunk, 
             "neither (or gather the pages into a [B, S, H_kv, D] cache)"
         )
     if backend not in ("auto", "triton"):
-        raise NotLowerable(f"decode_attention: the paged kernel is a Pallas Triton kernel; backend={backend!r} has none")
+        raise NotLowerable(f"decode_attention: the paged kernel is Pallas Triton's; backend={backend!r} has none")
     hw = lookup(hardware) if hardware is not None else lookup("H100")
     plan = paged_plan(
         jnp.dtype(q.dtype).name, q.shape, v_pages.shape, dv, page_table.shape[1], parts=parts, chunk=chunk,
