@@ -41,7 +41,8 @@ class Block(nnx.Module):
         self.norm1, self.norm2 = nnx.LayerNorm(features, rngs=rngs), nnx.LayerNorm(features, rngs=rngs)
         self.attention = SelfAttention(features, heads, kv_heads=kv_heads, causal=True, attention_fn=attention_fn,
                                        rngs=rngs)  # fmt: skip
-        self.up, self.down = nnx.Linear(features, 4 * features, rngs=rngs), nnx.Linear(4 * features, features, rngs=rngs)
+        self.up = nnx.Linear(features, 4 * features, rngs=rngs)
+        self.down = nnx.Linear(4 * features, features, rngs=rngs)
 
     def mlp(self, x):
         return x + self.down(jax.nn.gelu(self.up(self.norm2(x))))
