@@ -28,7 +28,7 @@ CASES = [
 
 def reference(q, k_pages, v_pages, table, lengths):
     """Each sequence's pages gathered in table order; query i sees keys j < lengths − Nq + i + 1; f32."""
-    (batch, nq, heads, dim), (_, page_size, kv_heads, _) = q.shape, k_pages.shape
+    (batch, nq, heads, dim), kv_heads = q.shape, k_pages.shape[2]
     k, v = (p[table].reshape(batch, -1, kv_heads, p.shape[-1]).astype(jnp.float32) for p in (k_pages, v_pages))
     k, v = (jnp.repeat(a, heads // kv_heads, axis=2) for a in (k, v))
     s = jnp.einsum("bihd,bjhd->bhij", q.astype(jnp.float32), k) / np.sqrt(dim)
