@@ -5,14 +5,14 @@ predicted time (``lowering.decode_cost``: its bytes over the DRAM bandwidth, or 
 merge) beside the measurement.
 
 bf16, ``Nq`` = 1 new token per sequence (and ``Nq`` = 4 and 64, speculative decoding / chunked prefill), 32 query
-heads over 8 KV heads (grouped-query), D = 128, every key valid, (B, cache S) ∈ (1, 32k), (1, 128k), (16, 32k),
-(64, 4k), (64, 32k). Each implementation gets its inputs in its own layout before timing: ``q`` [B, Nq, 32, D], caches [B, S, 8, D]
-for all three (jax.nn takes fewer KV heads when they divide the query heads), ``lengths`` = S for napkin-cat. Its
-default part count (``parts=None``) is timed and printed. For ``Nq`` = 4 the new tokens are causal among themselves,
-bottom-right aligned (query ``i`` sees keys ``< S − Nq + i + 1``); jax.nn aligns ``is_causal`` top-left and cuDNN
-takes no right window, so the baselines get that mask as a boolean array [1, 1, Nq, S]. Every output is checked
-against an f32 reference (jnp, written here) on batch element 0 first. GB/s count the cache read (the K and V
-bytes over the time); the copy's count what it reads and writes; ratios are to cuDNN's time.
+heads over 8 KV heads (grouped-query), D = 128, every key valid, (B, cache S) ∈ (1, 32k), (1, 128k), (16, 32k), (64,
+4k), (64, 32k). Each implementation gets its inputs in its own layout before timing: ``q`` [B, Nq, 32, D], caches
+[B, S, 8, D] for all three (jax.nn takes fewer KV heads when they divide the query heads), ``lengths`` = S for
+napkin-cat. Its default part count (``parts=None``) is timed and printed. For ``Nq`` > 1 the new tokens are causal
+among themselves, bottom-right aligned (query ``i`` sees keys ``< S − Nq + i + 1``); jax.nn aligns ``is_causal``
+top-left and cuDNN takes no right window, so the baselines get that mask as a boolean array [1, 1, Nq, S]. Every
+output is checked against an f32 reference (jnp, written here) on batch element 0 first. GB/s count the cache read
+(the K and V bytes over the time); the copy's count what it reads and writes; ratios are to cuDNN's time.
 
     python papers/flash_attention/decode_bench.py [--out DIR] [--budget-s 300] [--smoke]
 
