@@ -14,6 +14,8 @@ True
 from lowering._api import Kernel, OpenKernel, lower
 from lowering._attention import AttentionKernel, attention
 from lowering._decode import decode_attention
+from lowering._decode_cost import DecodeCost, decode_cost
+from lowering._kv_cache import KVCache
 from lowering._plan import NotLowerable, Plan, plan
 from lowering._ring import DeviceKernel, lower_devices
 from lowering._search import median_time
@@ -28,5 +30,5 @@ __all__ = [
     "OpenKernel", "Plan", "attention", "choose_tiles", "lower", "median_time", "plan", "predicted_time",
     "TritonConfig", "TritonLowered",  # the Triton backend (lowering.triton; Config and Lowered are these)
     "XlaConfig", "XlaLowered",  # the XLA backend (lowering.xla)
-    "decode_attention",  # split-KV decoding (lowering._decode)
+    "DecodeCost", "KVCache", "decode_attention", "decode_cost",  # decoding (lowering._decode, _paged, _kv_cache)
 ]

@@ -48,7 +48,9 @@ import jax
 import jax.numpy as jnp
 
 from lowering._api import lower
+from lowering._paged import check_paged, check_pages_used, paged_plan, paged_step
 from lowering._plan import NotLowerable
+from lowering._target import interpreted
 from napkin_cat import library
 from napkin_cat.axes import axes
 from napkin_cat.dtypes import bf16, f16, f32
@@ -167,7 +169,7 @@ def _checked(q, k_cache, v_cache, lengths) -> None:
     shapes = f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
     if not q.ndim == k_cache.ndim == v_cache.ndim == 4:
         raise EvaluationError(f"decode_attention: q, k_cache, v_cache must be [B, N, heads, dim]; {shapes}")
-    (batch, nq, heads, dim), (_, keys, kv_heads, _) = q.shape, k_cache.shape
+    (batch, nq, _, dim), keys = q.shape, k_cache.shape[1]
     if k_cache.shape[:3] != v_cache.shape[:3] or k_cache.shape[0] != batch or k_cache.shape[3] != dim:
         raise EvaluationError(f"decode_attention: the caches must be [B, S, H_kv, D] for q's B and D; {shapes}")
     if not 1 <= nq <= MAX_QUERIES:
@@ -175,9 +177,17 @@ def _checked(q, k_cache, v_cache, lengths) -> None:
             f"decode_attention: q holds {nq} new tokens per sequence; a decode step takes 1 to {MAX_QUERIES} "
             "(for more, run the prefill with nc.attention)"
         )
-    if nq > keys or kv_heads == 0 or heads % kv_heads:
+    if nq > keys:
+        raise EvaluationError(f"decode_attention: {nq} new tokens exceed the cache's S = {keys} keys; {shapes}")
+    _checked_common(q, k_cache, v_cache, lengths, keys)
+
+
+def _checked_common(q, k_cache, v_cache, lengths, keys: int) -> None:
+    """The checks a contiguous and a paged cache share: one dtype, grouped-query heads, lengths in [Nq, keys]."""
+    (batch, nq, heads, _), kv_heads = q.shape, k_cache.shape[2]
+    if kv_heads == 0 or heads % kv_heads:
         raise EvaluationError(
-            f"decode_attention: need Nq ≤ S and q's heads a multiple of the caches' (grouped-query); {shapes}"
+            f"decode_attention: q's {heads} heads must be a multiple of the caches' {kv_heads} KV heads (grouped-query)"
         )
     dtypes = {jnp.dtype(a.dtype).name for a in (q, k_cache, v_cache)}
     if len(dtypes) != 1 or not dtypes <= DTYPES.keys():
@@ -250,11 +260,18 @@ def decode_attention(
     backend: str = "auto",
     interpret: bool | None = None,
     hardware: Hardware | str | None = None,
+    page_table=None,
+    chunk: int | None = None,
 ):
     """Attention of the ``Nq`` newest tokens ``q`` ``[B, Nq, H, D]`` over the caches ``[B, S, H_kv, D]`` holding
     ``lengths`` ``[B]`` valid keys each, by split-KV (the module's docstring). ``parts`` overrides the number of
     parts chosen for ``hardware`` (by default an H100's SMs). Returns ``[B, Nq, H, Dv]``
     in q's dtype, and with ``return_residual`` also the log-sum-exp ``[B, Nq, H]`` (f32; −∞ where no key is seen).
+
+    With ``page_table`` (int32 ``[B, pages_per_seq]``) the caches are page pools ``[P, page_size, H_kv, D]``:
+    sequence ``b``'s key ``j`` is ``k_cache[page_table[b, j // page_size], j % page_size]``, gathered by the kernel
+    as it streams (:mod:`lowering._paged`), ``chunk`` keys (whole pages) at a time. ``score_mod`` and ``mask_mod``
+    are for contiguous caches.
 
     >>> import jax, jax.numpy as jnp
     >>> q, k, v = (jax.random.normal(jax.random.key(i), (1, n, 4, 16)) for i, n in ((0, 2), (1, 24), (2, 24)))
@@ -269,6 +286,12 @@ def decode_attention(
     napkin_cat.errors.EvaluationError: decode_attention: lengths [30] outside [Nq, S] = [2, 24]: each length counts \
 the cache's valid keys, the Nq new tokens included
     """
+    if page_table is not None:
+        out, lse = _paged(q, k_cache, v_cache, lengths, page_table, scale, (score_mod, mask_mod), parts, chunk,
+                          backend, interpret, hardware)  # fmt: skip
+        return (out, lse) if return_residual else out
+    if chunk is not None:
+        raise EvaluationError(f"decode_attention: chunk={chunk!r} is the paged kernel's; pass it with page_table=")
     _checked(q, k_cache, v_cache, lengths)
     (batch, nq, heads, dim), (_, keys, kv_heads, dv) = q.shape, v_cache.shape
     group = heads // kv_heads
@@ -312,3 +335,25 @@ def _step(plan: Plan, q, k_cache, v_cache, lengths):
     out = out.reshape(batch, nq, group, kv_heads, dv).transpose(0, 1, 3, 2, 4).reshape(batch, nq, heads, dv)
     lse = lse.reshape(batch, nq, group, kv_heads).transpose(0, 1, 3, 2).reshape(batch, nq, heads)
     return out.astype(q.dtype), lse
+
+
+def _paged(q, k_pages, v_pages, lengths, page_table, scale, mods, parts, chunk, backend, interpret, hardware):
+    """``decode_attention`` over page pools: checked (before anything is built), planned, run."""
+    check_paged(q, k_pages, v_pages, page_table, chunk, MAX_QUERIES)
+    (batch, _, _, _), (pool, page_size, kv_heads, dv) = q.shape, v_pages.shape
+    keys = page_table.shape[1] * page_size
+    _checked_common(q, k_pages, v_pages, lengths, keys)
+    check_pages_used(page_table, lengths, pool, page_size)
+    if any(f is not None for f in mods):
+        raise NotLowerable(
+            "decode_attention: score_mod and mask_mod are read on contiguous caches only; with page_table= pass "
+            "neither (or gather the pages into a [B, S, H_kv, D] cache)"
+        )
+    if backend not in ("auto", "triton"):
+        raise NotLowerable(f"decode_attention: the paged kernel is Pallas Triton's; backend={backend!r} has none")
+    hw = lookup(hardware) if hardware is not None else lookup("H100")
+    plan = paged_plan(
+        jnp.dtype(q.dtype).name, q.shape, v_pages.shape, dv, page_table.shape[1], parts=parts, chunk=chunk,
+        n_default=choose_parts(batch * kv_heads, keys, hw), scale=scale, interpret=interpreted(interpret),
+    )  # fmt: skip
+    return paged_step(plan, q, k_pages, v_pages, page_table, lengths)

@@ -33,8 +33,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lowering._attention import attention
+from lowering._kv_cache import KVCache
 from lowering._plan import NotLowerable
-from napkin_cat.errors import AxisError
+from napkin_cat.errors import AxisError, EvaluationError
 
 
 class SelfAttention(nnx.Module):
@@ -53,6 +54,10 @@ class SelfAttention(nnx.Module):
     ``attention_fn`` that takes them (the entry, which reads them block by block), and become the mask
     ``ids[i] == ids[j]`` (and-ed with ``mask``) for one that does not, such as ``jax.nn``'s: so both give the
     same layer, though the mask costs ``jax.nn`` an ``N × N`` array. Only the arguments given are passed.
+
+    Generating (a causal layer): :meth:`init_cache` gives an empty :class:`~lowering.KVCache` (contiguous or
+    paged), :meth:`prefill` runs the prompt through ``attention_fn`` and fills the cache, :meth:`decode` runs the
+    next tokens through ``nc.decode_attention`` over it; both return ``(y, cache)``, pure, for a ``jit`` loop.
 
     >>> from flax import nnx
     >>> SelfAttention(30, heads=4, rngs=nnx.Rngs(0))
@@ -99,13 +104,7 @@ class SelfAttention(nnx.Module):
         self.out = linear(heads * self.v_head_dim, features)
 
     def __call__(self, x, *, mask=None, bias=None, segment_ids=None):
-        *lead, seq, _ = x.shape
-
-        def split(y, n, dim):
-            return y.reshape(*lead, seq, n, dim)
-
-        q = split(self.query(x), self.heads, self.head_dim)
-        k, v = split(self.key(x), self.kv_heads, self.head_dim), split(self.value(x), self.kv_heads, self.v_head_dim)
+        q, k, v = self._project(x)
         given = {"mask": mask, "bias": bias}
         if segment_ids is not None and not takes_segment_ids(self.attention_fn):
             # [*lead, 1, N, N]: the same documents for every head
@@ -115,7 +114,60 @@ class SelfAttention(nnx.Module):
             given["segment_ids"] = segment_ids
         options = {name: a for name, a in given.items() if a is not None}
         o = self.attention_fn(q, k, v, is_causal=self.causal, **options, **dict(self.mods))
-        return self.out(o.reshape(*lead, seq, self.heads * self.v_head_dim))
+        return self._out(o)
+
+    def init_cache(self, batch: int, max_len: int, *, page_size: int | None = None, dtype=jnp.float32) -> KVCache:
+        """An empty :class:`~lowering.KVCache` for this layer's KV heads and head dims (paged with ``page_size``).
+
+        >>> from flax import nnx
+        >>> SelfAttention(32, heads=4, kv_heads=2, causal=True, rngs=nnx.Rngs(0)).init_cache(2, 16).k.shape
+        (2, 16, 2, 8)
+        """
+        return KVCache.empty(batch=batch, max_len=max_len, kv_heads=self.kv_heads, dim=self.head_dim,
+                             value_dim=self.v_head_dim, dtype=dtype, page_size=page_size)  # fmt: skip
+
+    def prefill(self, x, cache: KVCache) -> tuple:
+        """The prompt ``x`` ``[B, N, features]`` of every sequence into an empty ``cache``: attended causally by
+        ``attention_fn`` (the napkin-cat entry by default), its keys and values written. Returns ``(y, cache)``.
+
+        >>> import jax, jax.numpy as jnp
+        >>> from flax import nnx
+        >>> layer = SelfAttention(32, heads=4, kv_heads=2, causal=True, rngs=nnx.Rngs(0))
+        >>> x = jax.random.normal(jax.random.key(1), (2, 6, 32))
+        >>> y, cache = layer.prefill(x[:, :5], layer.init_cache(2, 16))
+        >>> z, cache = layer.decode(x[:, 5:], cache)                   # the sixth token, against the cache
+        >>> bool(jnp.allclose(jnp.concatenate([y, z], 1), layer(x), atol=1e-5)), cache.lengths.tolist()
+        (True, [6, 6])
+        """
+        self._generating("prefill")
+        q, k, v = self._project(x)
+        o = self.attention_fn(q, k, v, is_causal=True, **dict(self.mods))
+        return self._out(o), cache.append(k, v)
+
+    def decode(self, x, cache: KVCache) -> tuple:
+        """The next ``Nq`` tokens ``x`` ``[B, Nq, features]`` (1 to 64, at positions ``cache.lengths …``): their
+        keys and values appended, their queries attended over the cache by ``nc.decode_attention`` (causal among
+        themselves). Returns ``(y, cache)``."""
+        self._generating("decode")
+        q, k, v = self._project(x)
+        cache = cache.append(k, v)
+        return self._out(cache.attend(q)), cache
+
+    def _generating(self, step: str) -> None:
+        if not self.causal or self.mods:
+            raise EvaluationError(
+                f"SelfAttention.{step}: generating needs a causal layer with no score_mod/mask_mod (the cache is "
+                "read by position only); build it with causal=True"
+            )
+
+    def _project(self, x) -> tuple:
+        *lead, seq, _ = x.shape
+        q = self.query(x).reshape(*lead, seq, self.heads, self.head_dim)
+        k = self.key(x).reshape(*lead, seq, self.kv_heads, self.head_dim)
+        return q, k, self.value(x).reshape(*lead, seq, self.kv_heads, self.v_head_dim)
+
+    def _out(self, o):
+        return self.out(o.reshape(*o.shape[:-2], self.heads * self.v_head_dim))
 
 
 def takes_segment_ids(fn: Callable) -> bool:

@@ -1,20 +1,24 @@
 """Decoding against a KV cache, as issue 32 measured it: ``nc.decode_attention`` (split-KV) against cuDNN and XLA
-through ``jax.nn.dot_product_attention``, and a device copy of the cache for the bandwidth ceiling.
+through ``jax.nn.dot_product_attention``, and a device copy of the cache for the bandwidth ceiling; the same cache
+paged (pages of 64 keys, a random permutation of the pool, ``page_table=``) beside it; and each napkin-cat row's
+predicted time (``lowering.decode_cost``: its bytes over the DRAM bandwidth, or its flops where longer, plus the
+merge) beside the measurement.
 
-bf16, ``Nq`` = 1 new token per sequence (and ``Nq`` = 4, speculative decoding), 32 query heads over 8 KV heads
-(grouped-query), D = 128, every key valid, (B, cache S) ∈ (1, 32k), (1, 128k), (16, 32k), (64, 4k), (64, 32k).
-Each implementation gets its inputs in its own layout before timing: ``q`` [B, Nq, 32, D], caches [B, S, 8, D]
-for all three (jax.nn takes fewer KV heads when they divide the query heads), ``lengths`` = S for napkin-cat. Its
-default part count (``parts=None``) is timed and printed. For ``Nq`` = 4 the new tokens are causal among themselves,
-bottom-right aligned (query ``i`` sees keys ``< S − Nq + i + 1``); jax.nn aligns ``is_causal`` top-left and cuDNN
-takes no right window, so the baselines get that mask as a boolean array [1, 1, Nq, S]. Every output is checked
-against an f32 reference (jnp, written here) on batch element 0 first. GB/s count the cache read (the K and V
-bytes over the time); the copy's count what it reads and writes; ratios are to cuDNN's time.
+bf16, ``Nq`` = 1 new token per sequence (and ``Nq`` = 4 and 64, speculative decoding / chunked prefill), 32 query
+heads over 8 KV heads (grouped-query), D = 128, every key valid, (B, cache S) ∈ (1, 32k), (1, 128k), (16, 32k), (64,
+4k), (64, 32k). Each implementation gets its inputs in its own layout before timing: ``q`` [B, Nq, 32, D], caches
+[B, S, 8, D] for all three (jax.nn takes fewer KV heads when they divide the query heads), ``lengths`` = S for
+napkin-cat. Its default part count (``parts=None``) is timed and printed. For ``Nq`` > 1 the new tokens are causal
+among themselves, bottom-right aligned (query ``i`` sees keys ``< S − Nq + i + 1``); jax.nn aligns ``is_causal``
+top-left and cuDNN takes no right window, so the baselines get that mask as a boolean array [1, 1, Nq, S]. Every
+output is checked against an f32 reference (jnp, written here) on batch element 0 first. GB/s count the cache read
+(the K and V bytes over the time); the copy's count what it reads and writes; ratios are to cuDNN's time.
 
-    python papers/flash_attention/decode_bench.py [--out DIR] [--budget-s 300] [--quick]
+    python papers/flash_attention/decode_bench.py [--out DIR] [--budget-s 300] [--smoke]
 
 Rows are written (``decode_<GPU>.json`` and ``.png``) after every configuration; configurations left when the
-budget is spent are recorded as skipped. ``--quick`` runs tiny sizes in interpret mode on a CPU (cuDNN skipped).
+budget is spent are recorded as skipped. ``--smoke`` (or ``--quick``) runs tiny sizes in interpret mode on a CPU
+(cuDNN skipped).
 """
 
 from __future__ import annotations
@@ -31,17 +35,22 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file: find papers/ and the package
 
 import napkin_cat as nc  # noqa: E402
+from lowering import decode_cost  # noqa: E402
 from lowering._decode import _parts  # noqa: E402  the entry's own choice of parts, to print it
-from napkin_cat.hardware import lookup  # noqa: E402
+from lowering._paged import paged_plan  # noqa: E402  the paged entry's plan (parts, chunk), to predict it
+from lowering._target import interpreted  # noqa: E402
+from napkin_cat.hardware import for_device, lookup  # noqa: E402
 from papers.flash_attention.benchmark import device_info, device_stem  # noqa: E402
 from papers.flash_attention.timing import time_calls  # noqa: E402
+from rewrites import choose_parts  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 TOLERANCE = 2e-2  # bf16 relative error against the f32 reference, as front_door.py
 CONFIGS = ((1, 32768), (1, 131072), (16, 32768), (64, 4096), (64, 32768))  # (B, cache S), issue 32's table
 QUICK_CONFIGS = ((1, 256), (2, 128))
 HEADS = {"full": (32, 8, 128), "quick": (8, 2, 32)}  # query heads, KV heads, D
-NQS = (1, 4)
+NQS = (1, 4, 64)
+PAGE = 64  # keys per page of the paged cache
 
 
 def tail_mask(nq: int, s: int):
@@ -63,12 +72,45 @@ def reference(q, k, v):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
 
 
-def implementations(q, k, v, gpu: bool) -> dict:
+def pages(k, v, seed: int):
+    """The caches ``[B, S, H_kv, D]`` as pools of ``PAGE``-key pages, shuffled, and the table that finds them:
+    ``pool[table[b, i]]`` is keys ``i·PAGE … (i+1)·PAGE − 1`` of sequence ``b``.
+
+    >>> import jax.numpy as jnp
+    >>> k = jnp.arange(2 * 128).reshape(2, 128, 1, 1).astype(jnp.float32)
+    >>> pk, _, table = pages(k, k, seed=0)
+    >>> bool(jnp.all(pk[table].reshape(k.shape) == k))
+    True
+    """
+    b, s = k.shape[:2]
+    perm = jax.random.permutation(jax.random.key(seed), b * (s // PAGE)).astype(jnp.int32)
+    pool = [c.reshape(b * (s // PAGE), PAGE, *c.shape[2:])[jnp.argsort(perm)] for c in (k, v)]
+    return (*pool, perm.reshape(b, s // PAGE))
+
+
+def predicted(impl: str, q, k, v, hw) -> float | None:
+    """The napkin-cat rows' predicted milliseconds (``decode_cost`` with the entry's own parts and chunks)."""
+    (b, nq, h, d), (_, s, h_kv, _) = q.shape, k.shape
+    shape = dict(batch=b, queries=nq, heads=h, kv_heads=h_kv, dim=d, lengths=[s] * b, hardware=hw)
+    if impl == "napkin":
+        n = _parts(b, h_kv, s, hw)
+        return 1e3 * decode_cost(**shape, parts=n, chunk=min(64, -(-s // n))).seconds
+    if impl == "paged":
+        plan = paged_plan(q.dtype.name, q.shape, (b * s // PAGE, PAGE, h_kv, d), d, s // PAGE, parts=None,
+                          chunk=None, n_default=choose_parts(b * h_kv, s, hw), scale=None,
+                          interpret=interpreted(None))  # fmt: skip
+        return 1e3 * decode_cost(**shape, parts=plan.parts, chunk=plan.chunk, table_width=s // PAGE).seconds
+    return None
+
+
+def implementations(q, k, v, gpu: bool, seed: int = 0) -> dict:
     """Each implementation: its jitted function and its arguments, laid out before timing."""
     b, nq, s = q.shape[0], q.shape[1], k.shape[1]
     lengths = jnp.full((b,), s, jnp.int32)
     mask = tail_mask(nq, s) if nq > 1 else None
     impls = {"napkin": (jax.jit(lambda q, k, v, n: nc.decode_attention(q, k, v, n)), (q, k, v, lengths))}
+    paged = jax.jit(lambda q, k, v, t, n: nc.decode_attention(q, k, v, n, page_table=t))
+    impls["paged"] = (paged, (q, *pages(k, v, seed), lengths))
     for name in ("cudnn", "xla") if gpu else ("xla",):
         fn = jax.jit(lambda q, k, v, m, name=name: jax.nn.dot_product_attention(q, k, v, mask=m, implementation=name))
         impls[name] = (fn, (q, k, v, mask))
@@ -106,10 +148,14 @@ def configuration(b: int, s: int, nq: int, heads: tuple, gpu: bool, seed: int) -
     cache_bytes = 2 * k.size * k.dtype.itemsize
     want = reference(q[:1], k[:1], v[:1])
     parts = _parts(b, h_kv, s, lookup("H100"))
+    hw = for_device(device_info()["kind"]) or lookup("H100")  # the GPU's model; H100 where there is none
     entry = {"B": b, "S": s, "Nq": nq, "cache_GB": cache_bytes / 1e9, "parts": parts, "rows": []}
     print(f"B={b} S={s} Nq={nq}: cache {cache_bytes / 1e9:.2f} GB, napkin-cat's default parts {parts}", flush=True)
-    for name, (fn, args) in implementations(q, k, v, gpu).items():
-        entry["rows"].append(measure(name, fn, args, want, cache_bytes))
+    for name, (fn, args) in implementations(q, k, v, gpu, seed).items():
+        row = measure(name, fn, args, want, cache_bytes)
+        if (ms := predicted(name, q, k, v, hw)) is not None:
+            row.update(predicted_ms=ms, predicted_on=hw.name)
+        entry["rows"].append(row)
     base = next((r for r in entry["rows"] if r["impl"] == "cudnn" and "ms" in r), None)
     for r in entry["rows"]:
         if base is not None and "ms" in r and r["impl"] != "copy":
@@ -117,7 +163,14 @@ def configuration(b: int, s: int, nq: int, heads: tuple, gpu: bool, seed: int) -
         if "ms" in r:
             ratio = f"  {r['vs_cudnn']:.2f}× cuDNN" if "vs_cudnn" in r else ""
             err = f"  err {r['max_rel_error']:.1e}" if "max_rel_error" in r else "  (read + write)"
-            print(f"  {r['impl']:7s} {r['ms']:8.3f} ms {r['gbs']:7.0f} GB/s{ratio}{err} ({r['clock']})", flush=True)
+            pred = (
+                f"  predicted {r['predicted_ms']:.4g} ms on {r['predicted_on']}"
+                if "predicted_ms" in r
+                else ""
+            )
+            print(
+                f"  {r['impl']:7s} {r['ms']:8.3f} ms {r['gbs']:7.0f} GB/s{ratio}{pred}{err} ({r['clock']})", flush=True
+            )
     return entry
 
 
@@ -125,7 +178,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--budget-s", type=float, default=300.0)
-    p.add_argument("--quick", action="store_true")
+    p.add_argument("--smoke", "--quick", dest="quick", action="store_true", help="tiny sizes, interpret mode")
     o = p.parse_args(argv)
     start, seed = time.perf_counter(), int(time.time()) % 10_000
     dev, gpu = device_info(), jax.default_backend() == "gpu"

@@ -1,0 +1,107 @@
+"""The predicted time of a decode step: the bytes it moves over the DRAM bandwidth, plus the merge.
+
+A decode step reads the cache once (each part its own keys) and computes little per byte, so its time is its
+DRAM traffic over the bandwidth (FAN §4's memory-bound case), unless the rows per KV head (``Nq · H/H_kv``) make
+the two products outweigh it (the roofline's other side). The kernel moves:
+
+* the keys and values each sequence's parts visit: its length rounded up to whole chunks, ``× H_kv × (D + Dv)``
+  elements of the cache's dtype (chunks past a length are skipped, never read);
+* the queries, once per part, the page table (int32, paged caches), and each part's ``(o, lse)`` in f32;
+
+and the merge (:func:`rewrites.merge_parts`, an XLA fusion) reads the parts' ``(o, lse)`` and writes the output.
+The bandwidth is the GPU's measured device-copy rate where one was measured (``Hardware.ceiling("dram")``), else
+its datasheet HBM rate; the compute rate its measured dense matmul ceiling, else the datasheet's.
+
+>>> c = decode_cost(batch=1, queries=1, heads=32, kv_heads=8, dim=128, lengths=[32768], parts=17)
+>>> round(c.kernel_bytes / 1e6, 1), c.hardware
+(134.6, 'H100')
+>>> round(c.seconds * 1e6, 1)                      # 134 MB at 3.35 TB/s, plus the merge
+40.3
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from napkin_cat.dtypes import bf16, f16, f32
+from napkin_cat.errors import CostError
+from napkin_cat.hardware import HBM, L2, Hardware, lookup
+
+DTYPES = {"float32": f32, "bfloat16": bf16, "float16": f16}
+
+
+@dataclass(frozen=True)
+class DecodeCost:
+    """A decode step's traffic and work, and its predicted seconds on ``hardware``: ``max(kernel bytes /
+    bandwidth, flops / compute rate) + merge bytes / bandwidth``.
+
+    >>> c = DecodeCost(kernel_bytes=3_350_000, merge_bytes=0, flops=0, hardware="H100", bandwidth=3.35e12,
+    ...                compute=1e15)
+    >>> c.seconds, c.bound
+    (1e-06, 'memory')
+    """
+
+    kernel_bytes: int
+    merge_bytes: int
+    flops: int
+    hardware: str
+    bandwidth: float
+    compute: float
+
+    @property
+    def kernel_seconds(self) -> float:
+        """The kernel's time: its bytes over the bandwidth, or its flops over the compute rate where longer."""
+        return max(self.kernel_bytes / self.bandwidth, self.flops / self.compute)
+
+    @property
+    def seconds(self) -> float:
+        """The step's time: the kernel's and the merge's."""
+        return self.kernel_seconds + self.merge_bytes / self.bandwidth
+
+    @property
+    def bound(self) -> str:
+        """``"memory"`` or ``"compute"``: which side of the roofline the kernel sits on."""
+        return "memory" if self.kernel_bytes / self.bandwidth >= self.flops / self.compute else "compute"
+
+
+def decode_cost(
+    *,
+    batch: int,
+    queries: int,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    lengths: Sequence[int],
+    parts: int,
+    chunk: int = 64,
+    value_dim: int | None = None,
+    dtype: str = "bfloat16",
+    table_width: int = 0,
+    hardware: Hardware | str = "H100",
+) -> DecodeCost:
+    """The cost of one ``nc.decode_attention`` step (the module's docstring): ``batch`` sequences of ``lengths``
+    valid keys, ``queries`` new tokens each, ``parts`` parts streamed in ``chunk``-key chunks; ``table_width``
+    pages per sequence for a paged cache (0: contiguous).
+
+    >>> [decode_cost(batch=4, queries=nq, heads=64, kv_heads=8, dim=128, lengths=[4096] * 4, parts=4,
+    ...              table_width=64).bound for nq in (1, 64)]   # 8 or 512 rows per KV head
+    ['memory', 'compute']
+    >>> decode_cost(batch=2, queries=1, heads=4, kv_heads=2, dim=16, lengths=[8], parts=1)
+    Traceback (most recent call last):
+    ...
+    napkin_cat.errors.CostError: decode_cost: 1 lengths for a batch of 2
+    """
+    if len(lengths) != batch:
+        raise CostError(f"decode_cost: {len(lengths)} lengths for a batch of {batch}")
+    if dtype not in DTYPES:
+        raise CostError(f"decode_cost: dtype {dtype!r} is none of {', '.join(DTYPES)}")
+    hw, dt, dv = lookup(hardware), DTYPES[dtype], dim if value_dim is None else value_dim
+    keys = sum(-(-int(n) // chunk) * chunk for n in lengths)
+    cache = keys * kv_heads * (dim + dv) * dt.bytes
+    partial = batch * parts * queries * heads * (dv + 1) * 4  # each part's (o, lse), f32
+    kernel = cache + batch * parts * queries * heads * dim * dt.bytes + batch * table_width * 4 + partial
+    merge = partial + batch * queries * heads * (dv * dt.bytes + 4)
+    flops = 2 * queries * heads * (dim + dv) * sum(int(n) for n in lengths)
+    bandwidth = hw.ceiling("dram") or hw.bandwidth(L2, outer=HBM)
+    return DecodeCost(kernel, merge, flops, hw.name, bandwidth, hw.ceiling(dt.name) or hw.flops(dt))
