@@ -13,6 +13,7 @@ True
 
 from lowering._api import Kernel, OpenKernel, lower
 from lowering._attention import AttentionKernel, attention
+from lowering._cross_entropy import linear_cross_entropy
 from lowering._decode import decode_attention
 from lowering._plan import NotLowerable, Plan, plan
 from lowering._ring import DeviceKernel, lower_devices
@@ -29,4 +30,5 @@ __all__ = [
     "TritonConfig", "TritonLowered",  # the Triton backend (lowering.triton; Config and Lowered are these)
     "XlaConfig", "XlaLowered",  # the XLA backend (lowering.xla)
     "decode_attention",  # split-KV decoding (lowering._decode)
+    "linear_cross_entropy",  # a classifier head's loss without its logits (lowering._cross_entropy)
 ]
