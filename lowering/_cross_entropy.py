@@ -39,6 +39,7 @@ True
 from __future__ import annotations
 
 import functools
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import jax.numpy as jnp
@@ -133,7 +134,11 @@ def _made(sig: Signature) -> LossKernel:
                 raise
             backend, why = "xla", f"Triton refused: {e}"
             t, s = BLOCKS["xla"]
-    derivation = derive(diagram, tile(TOKENS, t), stream(VOCAB, s))
+    # verified at a hidden dim of at most 64 (the rules do not touch it), in a thread of its own, where no
+    # caller's jit/grad trace is active (JAX's trace state is per thread): the check runs on concrete arrays
+    rules, sizes = (tile(TOKENS, t), stream(VOCAB, s)), {"d": min(sig.dim, 64)}
+    with ThreadPoolExecutor(1) as worker:
+        derivation = worker.submit(derive, diagram, *rules, sizes=sizes).result()
     return LossKernel(sig, lower(derivation, backend=backend, interpret=sig.interpret), why)
 
 
