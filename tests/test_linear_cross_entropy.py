@@ -4,10 +4,11 @@ and w, f32 and bf16, ragged sizes (the vocabulary not a multiple of the chunk), 
 compiled forward or backward. The XLA backend runs most cases (it compiles fastest on CPU); one case runs
 Triton in interpret mode.
 
-Tolerances: relative error max |error| / max |reference|, measured over 10 seeds at the sizes below
-(``NAPKIN_MEASURE=1`` prints them): f32 ≤ 1.1e-6 for the loss and ≤ 1.5e-6 for gradients, so 4e-6; bf16 (the
-reference computes in f32 from the same bf16 inputs; the gradients are rounded to bf16) ≤ 9e-7 for the loss and
-≤ 3.9e-3 for gradients (bf16's half ulp), so 4e-6 and 8e-3.
+Tolerances: relative error max |error| / max |reference| (``NAPKIN_MEASURE=1`` prints them), measured on one
+run's random cases at the sizes below: f32 ≤ 2.3e-7 for the loss and ≤ 2.7e-7 for gradients, so 2e-6 (the
+suite's f32 bound); bf16 (the reference computes in f32 from the same bf16 inputs) ≤ 1.4e-7 for the loss, so
+2e-6, and ≤ 3.0e-4 for gradients, which both sides round to bf16: one rounding that differs at the largest
+element is 2⁻⁸ ≈ 3.9e-3 of it, so 8e-3 (two such).
 """
 
 import os
@@ -23,7 +24,7 @@ from hypothesis import strategies as st
 import napkin_cat as nc
 from napkin_cat.errors import EvaluationError
 
-TOL = {"float32": (4e-6, 4e-6), "bfloat16": (4e-6, 8e-3)}  # (loss, gradients)
+TOL = {"float32": (2e-6, 2e-6), "bfloat16": (2e-6, 8e-3)}  # (loss, gradients)
 IGNORE = -100
 
 
@@ -108,14 +109,15 @@ def test_reductions_and_leading_shape(seed):
     none = nc.linear_cross_entropy(h3, w, labels3, reduction="none", backend="xla")
     assert none.shape == (2, 12)
     close(none.reshape(-1), per, TOL["float32"][0], seed, "none")
-    close(nc.linear_cross_entropy(h3, w, labels3, reduction="sum", backend="xla"), per.sum(), 4e-6, seed, "sum")
-    close(nc.linear_cross_entropy(h3, w, labels3, backend="xla"), per.sum() / kept, 4e-6, seed, "mean")
+    close(nc.linear_cross_entropy(h3, w, labels3, reduction="sum", backend="xla"), per.sum(), 2e-6, seed, "sum")
+    close(nc.linear_cross_entropy(h3, w, labels3, backend="xla"), per.sum() / kept, 2e-6, seed, "mean")
 
 
 def test_no_logits_buffer_forward_or_backward():
     """XLA's memory analysis of the compiled forward and forward+backward: temporaries far below the ``[n, v]``
-    f32 logits, which the unfused reference holds (the check measures what it claims)."""
-    n, d, v = 256, 16, 16384
+    f32 logits, which the unfused reference holds (the check measures what it claims). The XLA backend vmaps its
+    tiles, so its forward holds ``[n, chunk]`` blocks and its backward ``[chunk, v]`` ones (dW streams tokens)."""
+    n, d, v = 1024, 16, 8192
     h, w, labels = inputs(0, n, d, v, jnp.float32)
     logits = n * v * 4
 
@@ -123,7 +125,7 @@ def test_no_logits_buffer_forward_or_backward():
         return jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
     def ours(h, w):
-        return nc.linear_cross_entropy(h, w, labels, backend="xla")
+        return nc.linear_cross_entropy(h, w, labels, backend="xla", blocks=(64, 256))
 
     def theirs(h, w):
         return reference(h, w, labels).mean()
@@ -131,8 +133,10 @@ def test_no_logits_buffer_forward_or_backward():
     grad = lambda f: jax.grad(f, argnums=(0, 1))  # noqa: E731
     assert temp(theirs, h, w) >= logits and temp(grad(theirs), h, w) >= logits
     forward, backward = temp(ours, h, w), temp(grad(ours), h, w)
-    assert forward < logits / 4, f"forward temporaries {forward:,} B vs [n, v] logits {logits:,} B"
-    assert backward < logits / 3, f"forward+backward temporaries {backward:,} B vs [n, v] logits {logits:,} B"
+    if os.environ.get("NAPKIN_MEASURE"):
+        print(f"temporaries: forward {forward:,} B, forward+backward {backward:,} B, logits {logits:,} B")
+    assert forward < logits / 8, f"forward temporaries {forward:,} B vs [n, v] logits {logits:,} B"
+    assert backward < logits / 4, f"forward+backward temporaries {backward:,} B vs [n, v] logits {logits:,} B"
 
 
 def test_kernel_states_how_it_was_made():
