@@ -840,6 +840,104 @@ def layer_norm_statistics(n: Axis, d: Axis, *, eps: float = 1e-5) -> Diagram:
     return sums >> means >> var >> (identity(row) @ rstd)
 
 
+@dataclass(frozen=True)
+class Targets:
+    """The target distribution of a classifier's loss from integer labels: ``(1 − ε)·[label = index] + ε/V``
+    (label smoothing ``ε``; one-hot at ``ε = 0``), called as ``(label, index)`` or, with ``ε``, as
+    ``(label, index, ε/V)``. A label matching no index (an ignored token's ``-100``) gives ``ε/V`` only.
+
+    >>> Targets()(jnp.array([2]), jnp.arange(3)).tolist()
+    [0.0, 0.0, 1.0]
+    >>> [round(t, 3) for t in Targets(0.3)(jnp.array([2]), jnp.arange(3), 0.1).tolist()]
+    [0.1, 0.1, 0.8]
+    """
+
+    smoothing: float = 0.0
+
+    def __call__(self, label, index, uniform=0.0):
+        return (1.0 - self.smoothing) * (label == index).astype(jnp.float32) + uniform
+
+    @property
+    def __name__(self):
+        return "one-hot" if self.smoothing == 0 else f"smoothed one-hot {self.smoothing:g}"
+
+
+@dataclass(frozen=True)
+class Ignored:
+    """A per-token loss where the label is ``index`` (a padding token's), sent to 0.
+
+    >>> Ignored(-100)(jnp.array([1.5, 2.5]), jnp.array([3, -100])).tolist()
+    [1.5, 0.0]
+    """
+
+    index: int
+
+    def __call__(self, loss, label):
+        return jnp.where(label == self.index, 0.0, loss)
+
+    @property
+    def __name__(self):
+        return f"ignore {self.index}"
+
+
+def linear_cross_entropy(
+    n: Axis,
+    d: Axis,
+    v: Axis,
+    *,
+    dtype: Dtype | str = f32,
+    ignore_index: int | None = None,
+    z_loss: float = 0.0,
+    label_smoothing: float = 0.0,
+    softcap: float | None = None,
+) -> Diagram:
+    """The loss of a classifier head (Cut Cross-Entropy, Wijmans et al. 2025): hidden states ``H[n,d]``,
+    classifier ``W[v,d]``, integer labels ``y[n]`` and the vocabulary's index ``ids[v]`` (i32, ``0 … V−1``)
+    give the per-token loss ``L[n] = log Σ_v exp(X) − Σ_v X·T`` of the logits ``X = H·Wᵀ`` (soft-capped
+    ``cap·tanh(X/cap)`` with ``softcap``) against the targets ``T = (1 − ε)·[y = ids] + ε/V`` (:class:`Targets`,
+    ``ε = label_smoothing``), plus ``z_loss · (log Σ_v exp X)²`` (PaLM's z-loss); ``ignore_index`` sends the
+    loss of a token with that label to 0 (:class:`Ignored`).
+
+    The log-sum-exp is the online softmax's (a softmax·contract whose contraction is discarded, as in
+    :func:`cross_entropy`), so every box streams over ``v``: ``tile(n), stream(v)`` derives a kernel whose
+    logits live one ``[tile, chunk]`` block at a time, never as an ``[n, v]`` array.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from napkin_cat import axes, to_jax
+    >>> n, d, v = axes("n d v")
+    >>> lce = linear_cross_entropy(n, d, v)
+    >>> print(lce.dom, "→", lce.cod)
+    n×d ⊗ v×d ⊗ n ⊗ v → n
+    >>> H, W = jax.random.normal(jax.random.key(0), (4, 8)), jax.random.normal(jax.random.key(1), (10, 8))
+    >>> y = jnp.array([0, 3, 9, 3], jnp.int32)
+    >>> loss = to_jax(lce)(H, W, y, jnp.arange(10, dtype=jnp.int32))
+    >>> want = jax.nn.logsumexp(H @ W.T, -1) - jnp.take_along_axis(H @ W.T, y[:, None], 1)[:, 0]
+    >>> bool(jnp.allclose(loss, want, atol=1e-5))
+    True
+    """
+    from napkin_cat._reverse import Tape  # the tape builds a dataflow program into a diagram
+
+    X, rows = Array(n, v), Array(n)
+    t = Tape()
+    h, w = t.input(Array(n, d, dtype=dtype), "H"), t.input(Array(v, d, dtype=dtype), "W")
+    y, ids = t.input(Array(n, dtype="i32"), "y"), t.input(Array(v, dtype="i32"), "ids")
+    spec = f"{n.name} {d.name}, {v.name} {d.name} -> {n.name} {v.name}"
+    s = t(g.contract(spec, n, d, v, dtype=dtype, out_dtype=f32), h, w)
+    if softcap is not None:
+        s = t.ew(SoftCap(float(softcap)), s, out=X)
+    smoothing = float(label_smoothing)
+    uniform = {"const": smoothing / v.size} if smoothing else {}
+    targets = t.ew(Targets(smoothing), y, ids, out=X, **uniform)
+    lse_box = g.SoftmaxContract(f"softmax·contract {v.name}", Ty(X, X), Ty(rows, rows), data=(("axis", v.name),))
+    _, lse = t.apply(lse_box, s, targets)
+    loss = t.ew("subtract", lse, t.contract([s, targets], rows), out=rows)
+    if z_loss:
+        loss = t.ew("add", loss, t.ew("multiply", t.ew("square", lse, out=rows), const=z_loss), out=rows)
+    if ignore_index is not None:
+        loss = t.ew(Ignored(int(ignore_index)), loss, y, out=rows)
+    return t.diagram([loss])
+
+
 __all__ = [
     "alibi_attention",
     "attention",
@@ -848,9 +946,11 @@ __all__ = [
     "document_attention",
     "dot_product_attention",
     "grouped_query_attention",
+    "Ignored",
     "keep_where",
     "layer_norm",
     "layer_norm_statistics",
+    "linear_cross_entropy",
     "matmul",
     "mlp",
     "multi_head_attention",
@@ -863,6 +963,7 @@ __all__ = [
     "sigmoid_attention",
     "sink_attention",
     "sliding_window_attention",
+    "Targets",
     "softcap_attention",
     "softmax",
 ]

@@ -1,0 +1,168 @@
+"""Fused linear cross-entropy (Cut Cross-Entropy, Wijmans et al., ICLR 2025): ``nc.linear_cross_entropy`` against
+XLA's unfused loss (``h @ w.T`` in f32, then ``optax.softmax_cross_entropy_with_integer_labels``), forward and
+forward+backward (gradients in h and w), bf16.
+
+Sizes: n = 16,384 tokens, d = 4,096, v = 128,256 (Llama 3's vocabulary), and a smaller row n = 4,096, d = 4,096,
+v = 32,768. Each row records, for each implementation and pass: the median time (CUPTI on a GPU), TFLOP/s (the
+forward counts the logits' 2·n·d·v, forward+backward 3× that, as if the logits were computed once; recomputing
+them in the backward is the fused kernel's own cost), the ratio to XLA's time, the temporaries XLA's memory
+analysis reports for the compiled program, the device's peak bytes in use after it ran (``memory_stats``), the
+backend the entry chose (and why it passed Triton over), and the relative error of the loss and gradients
+against an f32 reference on the same bf16 inputs. An implementation that fails (out of memory: the unfused
+[n, v] f32 logits of the big row alone are 8.4 GB, their gradient as much again) is recorded with its error.
+
+    python papers/flash_attention/linear_cross_entropy.py [--out DIR] [--smoke] [--blocks TILE CHUNK]
+
+Writes ``linear_cross_entropy_<GPU>.json`` and ``.png`` (times per row) after every row. ``--smoke`` runs tiny
+sizes on a CPU (interpret mode), to check the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file: find papers/ and the package
+
+import napkin_cat as nc  # noqa: E402
+from papers.flash_attention.benchmark import device_info, device_stem  # noqa: E402
+from papers.flash_attention.timing import time_calls  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+ROWS = {"full": ((16384, 4096, 128256), (4096, 4096, 32768)), "smoke": ((64, 32, 300), (40, 16, 100))}
+
+
+def unfused(h, w, labels):
+    """XLA's loss: the whole [n, v] logits in f32, then optax's cross-entropy, averaged."""
+    logits = jnp.dot(h, w.T, preferred_element_type=jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def reference(h, w, labels):
+    """The f32 reference on the same (bf16) inputs, for the errors."""
+    return unfused(h.astype(jnp.float32), w.astype(jnp.float32), labels)
+
+
+def rel_err(got, want) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
+
+
+def temporaries(f, *args) -> int | None:
+    analysis = jax.jit(f).lower(*args).compile().memory_analysis()
+    return None if analysis is None else int(analysis.temp_size_in_bytes)
+
+
+def peak_bytes() -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def measure(name: str, loss, args, flops: float, want) -> dict:
+    """Forward and forward+backward of ``loss`` (a function of h, w, labels): time, TFLOP/s, memory, error."""
+    row = {}
+    passes = {"forward": loss, "forward+backward": jax.value_and_grad(loss, argnums=(0, 1))}
+    for what, f in passes.items():
+        try:
+            jitted = jax.jit(f)
+            out = jax.block_until_ready(jitted(*args))
+            t = time_calls(jitted, *args, reps=5, batches=3)
+            got = [out] if what == "forward" else [out[0], *out[1]]
+            errs = [rel_err(a, b) for a, b in zip(got, want if what != "forward" else want[:1], strict=True)]
+            row[what] = {
+                "ms": t.ms,
+                "method": t.method,
+                "tflops": flops * (1 if what == "forward" else 3) / t.seconds / 1e12,
+                "temp_bytes": temporaries(f, *args),
+                "peak_bytes_in_use": peak_bytes(),
+                "rel_err": errs,
+            }
+            print(f"  {name:8s} {what:17s} {t.ms:9.3f} ms  {row[what]['tflops']:7.1f} TFLOP/s  "
+                  f"temp {row[what]['temp_bytes']}  err {max(errs):.1e}", flush=True)
+        except Exception as e:  # recorded, not fatal: the unfused big row may not fit the device
+            row[what] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+            print(f"  {name:8s} {what:17s} failed: {row[what]['error'][:200]}", flush=True)
+            traceback.print_exc(limit=2)
+    return row
+
+
+def run_row(n: int, d: int, v: int, blocks, interpret) -> dict:
+    kh, kw, ky = jax.random.split(jax.random.key(0), 3)
+    h = jax.random.normal(kh, (n, d), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (v, d), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16)
+    labels = jax.random.randint(ky, (n,), 0, v)
+    args = (h, w, labels)
+    options = dict(interpret=interpret, blocks=blocks)
+
+    def fused(h, w, labels):
+        return nc.linear_cross_entropy(h, w, labels, **options)
+
+    made = nc.linear_cross_entropy.kernel_for(h, w, labels, **options)
+    print(f"n={n} d={d} v={v}: backend {made.kernel.backend}, blocks {made.signature.tile}×"
+          f"{made.signature.stream}" + (f" ({made.passed_over[:160]})" if made.passed_over else ""), flush=True)
+    wide = (h.astype(jnp.float32), w.astype(jnp.float32), labels)  # f32 gradients, not rounded to bf16
+    value, grads = jax.jit(jax.value_and_grad(reference, argnums=(0, 1)))(*wide)
+    want = [value, *grads]
+    flops = 2.0 * n * d * v
+    row = {"n": n, "d": d, "v": v, "backend": made.kernel.backend, "passed_over": made.passed_over,
+           "blocks": [made.signature.tile, made.signature.stream], "logits_f32_bytes": 4 * n * v}
+    del value, grads, wide
+    row["napkin"] = measure("napkin", fused, args, flops, want)
+    row["xla"] = measure("xla", unfused, args, flops, want)
+    for what in ("forward", "forward+backward"):
+        ours, theirs = row["napkin"].get(what, {}), row["xla"].get(what, {})
+        if "ms" in ours and "ms" in theirs:
+            row.setdefault("speedup_vs_xla", {})[what] = theirs["ms"] / ours["ms"]
+    return row
+
+
+def plot(rows: list, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, what in zip(axes, ("forward", "forward+backward"), strict=True):
+        labels = [f"n={r['n']}\nv={r['v']}" for r in rows]
+        x = np.arange(len(rows))
+        for k, (impl, colour) in enumerate((("napkin", "C0"), ("xla", "C1"))):
+            ms = [r[impl].get(what, {}).get("ms", np.nan) for r in rows]
+            ax.bar(x + 0.4 * k, ms, 0.4, label=impl if impl == "xla" else "napkin-cat (fused)", color=colour)
+        ax.set_xticks(x + 0.2, labels)
+        ax.set_ylabel("ms")
+        ax.set_title(what)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on a CPU (interpret mode)")
+    parser.add_argument("--blocks", type=int, nargs=2, metavar=("TILE", "CHUNK"), default=None)
+    opts = parser.parse_args(argv)
+    dev = device_info()
+    stem = "linear_cross_entropy_" + device_stem(dev["kind"]) + ("_smoke" if opts.smoke else "")
+    opts.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for n, d, v in ROWS["smoke" if opts.smoke else "full"]:
+        rows.append(run_row(n, d, v, tuple(opts.blocks) if opts.blocks else None, True if opts.smoke else None))
+        (opts.out / f"{stem}.json").write_text(json.dumps({"device": dev, "rows": rows}, indent=1))
+        plot(rows, opts.out / f"{stem}.png", f"linear cross-entropy, bf16, {dev['kind']}")
+    print(f"wrote {opts.out / stem}.json and .png")
+
+
+if __name__ == "__main__":
+    main()
