@@ -53,7 +53,9 @@ class Rope:
 
     def __post_init__(self):
         if isinstance(self.base, bool) or not isinstance(self.base, int | float) or not self.base > 0:
-            raise EvaluationError(f"Rope: base must be a number > 0 (θ, 10000.0 in RoFormer and Llama), got {self.base!r}")
+            raise EvaluationError(
+                f"Rope: base must be a number > 0 (θ, 10000.0 in RoFormer and Llama), got {self.base!r}"
+            )
         rd = self.rotary_dim
         if rd is not None and (isinstance(rd, bool) or not isinstance(rd, int) or rd <= 0 or rd % 2):
             raise EvaluationError(f"Rope: rotary_dim must be a positive even int (it rotates pairs), got {rd!r}")
