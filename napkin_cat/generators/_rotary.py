@@ -12,8 +12,8 @@ slice of the head axis does not lower on Pallas' Triton.
 >>> from napkin_cat import axes, Array, to_jax
 >>> n, d = axes("n d", d=4)
 >>> rope = rotary(Array(n, d), n, d, base=100.0)
->>> to_jax(rope)(jnp.ones((2, 4))).round(3).tolist()  # position 1 turns pair 0 by 1 rad, pair 1 by 0.1
-[[1.0, 1.0, 1.0, 1.0], [-0.301, 0.895, 1.382, 1.095]]
+>>> [round(float(v), 3) for v in to_jax(rope)(jnp.ones((2, 4)))[1]]  # position 1: pair (0, 2) by 1 rad, (1, 3) by 0.1
+[-0.301, 0.895, 1.382, 1.095]
 """
 
 from __future__ import annotations
