@@ -176,8 +176,8 @@ def rotary(
 
     >>> from napkin_cat import axes, Array
     >>> b, n, d = axes("b n d", d=64)
-    >>> print(rotary(Array(b, n, d), n, d, positions=Array(b, n, dtype="i32")).dom)
-    b×n×d ⊗ b×n:i32
+    >>> rotary(Array(b, n, d), n, d, positions=Array(b, n, dtype="i32")).dom.inside[1].describe()
+    'b×n:i32@HBM'
     >>> rotary(Array(b, n, d), n, d, rotary_dim=96)
     Traceback (most recent call last):
     ...
