@@ -86,6 +86,22 @@ class Rotary(Generator):
     def mixes(self):
         return (self.params["dim"],)
 
+    def index_reads(self) -> tuple[str, ...]:
+        """The axes whose global index the box reads: the sequence axis, unless positions are an input."""
+        return () if len(self.dom.inside) > 1 else (self.params["seq"],)
+
+    def linear_on(self, wire: Array) -> Rotary:
+        """The same rotation of a first input ``wire`` with more axes (none it rotates along): it is linear in
+        that input and acts on each element of the others alone, so it commutes with a sum over them (the
+        backward's cotangent of grouped keys, summed over the group after the kernel).
+
+        >>> from napkin_cat import axes
+        >>> g, x, d = axes("g x d", d=8)
+        >>> print(rotary(Array(x, d), x, d).linear_on(Array(g, x, d)).dom)
+        g×x×d
+        """
+        return Rotary(self.name, Ty(wire, *self.dom.inside[1:]), Ty(wire), data=self.data)
+
     def evaluate(self, ins, ctx):
         xp, p, X = ctx.xp, self.params, self.dom.inside[0]
         v = ins[0]
