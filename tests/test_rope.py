@@ -40,7 +40,7 @@ def rope_reference(x, pos, base=10000.0, rotary_dim=None, interleaved=False):
     return jnp.concatenate([turned.astype(x.dtype), rest], -1)
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(
     n=st.sampled_from([1, 7, 24]),
     half=st.sampled_from([1, 4, 8]),
@@ -80,7 +80,8 @@ def test_rotary_commutes_with_tile_and_stream(key):
     Q, K, V = attn.dom.inside
     roped = (nc.rotary(Q, q, d) @ nc.rotary(K, x, d, interleaved=True, rotary_dim=8) @ identity(V)) >> attn
     flash = derive(roped, tile(q, 16), stream(x, 16), verify=True)
-    assert all(step.verification is None or step.verification.ok for step in flash.steps[1:])
+    checked = [step.verification for step in flash.steps[1:] if step.verification is not None]
+    assert checked and all(v.passed for v in checked)
     args = [jax.random.normal(k, (40, 16)) for k in jax.random.split(key, 3)]
     assert float(jnp.abs(lower(flash, "xla")(*args) - nc.to_jax(roped)(*args)).max()) <= F32
 
@@ -102,7 +103,7 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_attention_with_rope_matches_jax_nn(key, case):
     backend, causal, group, rope, packed = CASES[case]
-    B, N, H, D = 2, 24, 2 * group, 16
+    B, N, H, D = 1, 24, 2 * group, 16
     ks = jax.random.split(key, 4)
     q = jax.random.normal(ks[0], (B, N, H, D))
     k, v = (jax.random.normal(kk, (B, N, H // group, D)) for kk in ks[1:3])
