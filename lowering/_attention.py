@@ -82,7 +82,7 @@ from napkin_cat.axes import axes
 from napkin_cat.diagram import Diagram
 from napkin_cat.dtypes import bf16, f16, f32
 from napkin_cat.errors import EvaluationError
-from napkin_cat.generators import fname, index_names, positional
+from napkin_cat.generators import Rope, fname, index_names, positional
 from napkin_cat.hardware import Hardware, lookup
 from rewrites import Derivation, derive, stream, tile
 
@@ -213,6 +213,8 @@ class Signature:
     segments: bool = False
     head_dims: tuple[int, int] | None = None
     window: tuple[int, int] | None = None
+    rope: Rope | None = None
+    rope_positions: bool = False
 
     @property
     def value_dim(self) -> bool:
@@ -238,11 +240,13 @@ class Signature:
         backward: str = "lowered",
         interpret: bool | None = None,
         hardware: Hardware | str | None = None,
+        rope: Rope | None = None,
     ) -> Signature:
         """The signature of a call (the arguments of :data:`attention`, ``[batch, seq, heads, dim]`` arrays and
         the rest as :func:`batched` gives them), checked before anything is built."""
         group, dim, value_dim, biased, masked = _checked(query, key, value, bias, mask, segment_ids, backend)
         window = _window(local_window_size)
+        backend = _roped(rope, dim, backend)
         if empty(query, key, value):
             raise EvaluationError(
                 f"attention: no kernel for an empty axis (q {tuple(query.shape)}, k {tuple(key.shape)}, "
@@ -271,6 +275,8 @@ class Signature:
             segment_ids is not None,
             (dim, value_dim),
             window,
+            None if rope is None else rope.static(),
+            rope is not None and rope.positions is not None,
         )
         return _fitted(made)
 
@@ -308,6 +314,8 @@ class Signature:
             segment_batch=(b,) if self.segments else None,
             window=self.window,
             value_dim=dv if self.value_dim else None,
+            rope=self.rope,
+            rope_batch=(b,) if self.rope_positions else None,
             **{k: f for k, f in mods.items() if f is not None},
             **kw,
         )
@@ -369,6 +377,68 @@ def _window(size) -> tuple[int, int] | None:
             f"attention: local_window_size must be an int or a (left, right) pair of Python ints, as jax.nn takes "
             f"(static: the window is part of the kernel); got {size!r}"
         ) from None
+
+
+def _roped(rope: Rope | None, dim: int, backend: str) -> str:
+    """The backend of a call with ``rope`` (a :class:`~napkin_cat.generators.Rope`), checked against q's and k's head
+    dim ``dim``: under ``"auto"``, Triton. Mosaic is refused: its ``wgmma`` reads K from shared memory, and a
+    rotated K block lives in registers.
+
+    >>> _roped(Rope(), 64, "auto"), _roped(None, 64, "auto")
+    ('triton', 'auto')
+    >>> _roped(Rope(rotary_dim=96), 64, "auto")
+    Traceback (most recent call last):
+    ...
+    napkin_cat.errors.EvaluationError: attention: rope's rotary_dim = 96 must be at most q's and k's head dim 64 \
+(its pairs are rotated, the rest passed through); pass rotary_dim=None to rotate it whole
+    """
+    if rope is None:
+        return backend
+    if not isinstance(rope, Rope):
+        raise EvaluationError(f"attention: rope must be a napkin_cat.Rope (Rope(base=10000.0, ...)), got {rope!r}")
+    if rope.rotary_dim is not None and rope.rotary_dim > dim:
+        raise EvaluationError(
+            f"attention: rope's rotary_dim = {rope.rotary_dim} must be at most q's and k's head dim {dim} (its pairs "
+            "are rotated, the rest passed through); pass rotary_dim=None to rotate it whole"
+        )
+    if backend == "mosaic":
+        raise NotLowerable(
+            "attention: rope with backend='mosaic': Mosaic's wgmma reads K from shared memory, and the rotated K "
+            "block lives in registers; use backend='triton' (the default 'auto' does) or 'xla'"
+        )
+    return "triton" if backend == "auto" else backend
+
+
+def rope_positions(rope: Rope | None, query, key) -> tuple | None:
+    """The positions a :class:`~napkin_cat.generators.Rope` reads, as the kernel takes them: a pair ``(q [B, Nq],
+    kv [B, Nk])`` of int32, the leading batch axes of ``[..., seq, heads, dim]`` arrays flattened into one (one
+    for ``[seq, heads, dim]`` arrays); None where it reads the sequence index. One array serves both sides
+    (self-attention).
+
+    >>> x = jnp.zeros((2, 3, 5, 1, 8))
+    >>> [p.shape for p in rope_positions(Rope(positions=jnp.zeros((2, 3, 5), int)), x, x)]
+    [(6, 5), (6, 5)]
+    >>> rope_positions(Rope(positions=jnp.zeros((2, 4), int)), x[0], x[0])
+    Traceback (most recent call last):
+    ...
+    napkin_cat.errors.EvaluationError: attention: rope's positions for the query side are int32 (2, 4); expected \
+integers of shape [3, 5] (the arrays' batch axes and sequence), or a pair (q_positions, kv_positions)
+    """
+    if rope is None or rope.positions is None:
+        return None
+    pair = rope.positions if isinstance(rope.positions, tuple | list) else (rope.positions, rope.positions)
+    lead = tuple(query.shape[:-3])
+    out = []
+    for side, a, n in (("query", pair[0], query.shape[-3]), ("key/value", pair[1], key.shape[-3])):
+        a = jnp.asarray(a)
+        if tuple(a.shape) != (*lead, n) or not jnp.issubdtype(a.dtype, jnp.integer):
+            raise EvaluationError(
+                f"attention: rope's positions for the {side} side are {jnp.dtype(a.dtype).name} {tuple(a.shape)}; "
+                f"expected integers of shape {[*lead, n]} (the arrays' batch axes and sequence), or a pair "
+                "(q_positions, kv_positions)"
+            )
+        out.append(a.astype(jnp.int32).reshape(math.prod(lead), n))
+    return tuple(out)
 
 
 def _checked(query, key, value, bias, mask, segment_ids, backend: str) -> tuple:
@@ -627,10 +697,26 @@ class AttentionKernel:
         """Why the kernel has no lowered backward, or None when it has one."""
         return self.kernel.why_not
 
-    def __call__(self, query, key, value, bias=None, mask=None, segment_ids=None, *, return_residual: bool = False):
+    def __call__(
+        self,
+        query,
+        key,
+        value,
+        bias=None,
+        mask=None,
+        segment_ids=None,
+        *,
+        positions: tuple | None = None,
+        return_residual: bool = False,
+    ):
         shape = (*query.shape[:-1], value.shape[-1])
         query, key, value, bias, mask, segment_ids = batched(query, key, value, bias, mask, segment_ids)
         sig = self.signature
+        if sig.rope_positions != (positions is not None):
+            raise EvaluationError(
+                f"attention kernel for rope positions {'given' if sig.rope_positions else 'absent'}, called with "
+                f"them {'given' if positions is not None else 'absent'} (rope_positions() makes them)"
+            )
         got = Signature.of(query, key, value, bias, mask, segment_ids=segment_ids)
         mine = (sig.dtype, sig.group, sig.head_dims, sig.bias, sig.bias_dtype, sig.mask, sig.segments)
         theirs = (got.dtype, got.group, got.head_dims, got.bias, got.bias_dtype, got.mask, got.segments)
@@ -644,7 +730,7 @@ class AttentionKernel:
         extra = [_operand(a, axes, kv_heads, group) for a, axes in pairs if a is not None]
         if segment_ids is not None:
             extra += [a.astype(jnp.int32) for a in segment_ids]
-        arrays = (qs, key, value, *extra)
+        arrays = (qs, key, value, *extra, *(positions or ()))
         if not return_residual:
             return self.kernel(*arrays).reshape(shape)
         out, lse = _with_residual(self.kernel, arrays)
@@ -774,6 +860,7 @@ class Attention:
         backward: str = "lowered",
         interpret: bool | None = None,
         hardware: Hardware | str | None = None,
+        rope: Rope | None = None,
     ):
         """``softmax(score_mod(scale · q kᵀ + bias) masked) v`` on ``[..., seq, heads, dim]`` arrays, by a cached
         kernel; every mask applies after ``score_mod`` (the module's docstring).
@@ -790,10 +877,13 @@ class Attention:
         forward's residual, without gradient; past a query length jax.nn's value, −0.7 · f32's max; a row
         whose every key a mask hides has no meaningful one, where jax.nn gives that value too). Several
         leading batch axes are flattened into one and restored. Then ``segment_ids`` (document masking),
-        FlexAttention's ``score_mod``/``mask_mod`` and
-        :func:`lowering.lower`'s ``backend``, ``backward``, ``interpret`` and ``hardware``. Rows whose every key
-        is masked give 0 (jax.nn gives the mean of ``V``, except past ``query_seq_lengths``, where it gives 0
-        too); an empty axis gives an empty output, or zeros where there are no keys. See the module's docstring.
+        FlexAttention's ``score_mod``/``mask_mod``,
+        :func:`lowering.lower`'s ``backend``, ``backward``, ``interpret`` and ``hardware``, and ``rope`` (a
+        :class:`~napkin_cat.generators.Rope`: q and k rotated inside the kernels as their blocks load, forward and
+        backward; its ``positions``, ``[..., N]`` integers or a ``(q, kv)`` pair, are read at each call). Rows
+        whose every key is masked give 0 (jax.nn gives the mean of ``V``, except past ``query_seq_lengths``, where
+        it gives 0 too); an empty axis gives an empty output, or zeros where there are no keys. See the module's
+        docstring.
 
         >>> import jax
         >>> q, k, v = (jax.random.normal(jax.random.key(i), (2, 3, 20, 4, 16)) for i in range(3))
@@ -816,6 +906,7 @@ class Attention:
         backend = _implementation(implementation, backend)
         query, scale = _scaled(query, scale)
         segment_ids = length_ids(query, key, segment_ids, query_seq_lengths, key_value_seq_lengths)
+        positions = rope_positions(rope, query, key)
         args = batched(query, key, value, bias, mask, segment_ids)
         if empty(*args[:3]):
             _checked(*args, backend)
@@ -833,8 +924,9 @@ class Attention:
             backward=backward,
             interpret=interpret,
             hardware=hardware,
+            rope=rope,
         )
-        out = made(query, key, value, bias, mask, segment_ids, return_residual=return_residual)
+        out = made(query, key, value, bias, mask, segment_ids, positions=positions, return_residual=return_residual)
         if not return_residual or query_seq_lengths is None:
             return out
         # a row past its query length sees no key: jax.nn's log-sum-exp of its large finite negative logits

@@ -27,6 +27,7 @@ from napkin_cat.errors import AxisError, CompositionError, CostError, Evaluation
 from napkin_cat.generators import (
     Context,
     Generator,
+    Rope,
     add,
     cast,
     causal_mask,
@@ -45,6 +46,7 @@ from napkin_cat.generators import (
     reduce_min,
     reduce_sum,
     relu,
+    rotary,
     rsqrt,
     scale,
     score_mod,
@@ -64,13 +66,13 @@ __all__ = [
     "MeshCost", "choose_exchange", "mesh_cost",  # the device level (napkin_cat._mesh)
     "and_masks", "as_affine", "or_masks",  # masks of linear inequalities (napkin_cat.affine_masks)
     "Array", "Axis", "AxisError", "Box", "CompositionError", "Context", "Cost", "CostError", "Diagram", "Dtype",
-    "EvaluationError", "Generator", "HBM", "L2", "Level", "NapkinError", "NoDerivative", "REG", "SMEM", "TC",
-    "Tape", "Template", "Ty", "add", "architectures", "axes", "bf16", "cast", "causal_mask", "concat", "contract",
+    "EvaluationError", "Generator", "HBM", "L2", "Level", "NapkinError", "NoDerivative", "REG", "Rope", "SMEM",
+    "TC", "Tape", "Template", "Ty", "add", "architectures", "axes", "bf16", "cast", "causal_mask", "concat", "contract",
     "conv", "copy", "cost", "derivative", "discard", "divide", "draw", "draw_equation", "draw_sequence",
     "elementwise", "exp", "f16", "f32", "fp8_e4m3", "fp8_e5m2", "gelu", "hardware", "id", "library", "log", "mask",
     "merge", "move", "multiply", "normalised_contract", "optimize", "pullback", "reduce_max", "reduce_min",
-    "reduce_sum", "relu", "rename", "reverse", "rsqrt", "scale", "score_mod", "silu", "softmax", "softmax_contract",
-    "split", "sqrt", "square", "subtract", "swap", "tanh", "to_jax",
+    "reduce_sum", "relu", "rename", "reverse", "rotary", "rsqrt", "scale", "score_mod", "silu", "softmax",
+    "softmax_contract", "split", "sqrt", "square", "subtract", "swap", "tanh", "to_jax",
 ]
 
 

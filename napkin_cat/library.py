@@ -328,6 +328,22 @@ class _Attention:
             out = out >> (box @ identity(Ty(*later, self.V)))
         return out
 
+    def rotated(self, rope, positions: tuple[Axis, ...] | None, rest: Ty) -> Diagram:
+        """``Q ⊗ K ⊗ rest ⊗ [P_q ⊗ P_x] → Q ⊗ K ⊗ rest``: the queries and keys rotated by ``rope`` (a
+        :class:`~napkin_cat.generators.Rope`, its positions array unread) at the sequence index, or at positions
+        ``P_q[*positions, q]`` and ``P_x[*positions, x]`` (i32 inputs, after ``rest``) where ``positions`` is given."""
+        b, d = self.batch, self.d
+        Q, K = (Array(*self.lay(batch, seq, d), dtype=self.dtype) for batch, seq in ((b, self.q), (self.kv, self.x)))
+        kw = dict(base=rope.base, rotary_dim=rope.rotary_dim, interleaved=rope.interleaved, offset=rope.offset)
+        if positions is None:
+            return g.rotary(Q, self.q, d, **kw) @ g.rotary(K, self.x, d, **kw) @ identity(rest)
+        P, Px = (Array(*positions, seq, dtype="i32") for seq in (self.q, self.x))
+        route = identity(Ty(Q, K)) @ swap(rest, Ty(P)) @ identity(Ty(Px))  # Q K P rest Px
+        route = route >> (identity(Ty(Q)) @ swap(Ty(K), Ty(P)) @ identity(rest @ Ty(Px)))  # Q P K rest Px
+        route = route >> (identity(Ty(Q, P, K)) @ swap(rest, Ty(Px)))  # Q P K Px rest
+        turn = g.rotary(Q, self.q, d, positions=P, **kw) @ g.rotary(K, self.x, d, positions=Px, **kw)
+        return route >> (turn @ identity(rest))
+
     def out(self, weights: Array | None = None) -> Diagram:
         """``P ⊗ V → O``: the contraction of the weights with the values over the keys."""
         b, q, x, e = self.batch, self.q, self.x, self.e
@@ -516,6 +532,8 @@ def dot_product_attention(
     bias_seq: str = "qx",
     mask_seq: str = "qx",
     window: tuple[int, int] | None = None,
+    rope: g.Rope | None = None,
+    rope_batch: tuple[Axis, ...] | None = None,
     **kw,
 ) -> Diagram:
     """``jax.nn.dot_product_attention``'s array arguments as inputs: ``Q ⊗ K ⊗ V`` then, each present when
@@ -528,7 +546,9 @@ def dot_product_attention(
     right)`` keeps key ``x`` for query ``q`` where ``q − left ≤ x ≤ q + right`` (``jax.nn``'s
     ``local_window_size``), an :class:`Affine` mask, so kernels skip the blocks outside it. Scores are
     ``score_mod(scale·Q·Kᵀ + B)``, then masked by the keyword masks, the window, ``M`` and the ids (the rule
-    of the module's docstring).
+    of the module's docstring). ``rope`` (a :class:`~napkin_cat.generators.Rope`) rotates Q and K first, at the
+    sequence index, or at positions ``P_q[*rope_batch, q] ⊗ P_x[*rope_batch, x]`` (i32, the last inputs) where
+    ``rope_batch`` is given (packed sequences).
 
     >>> from napkin_cat import axes
     >>> b, h, q, x, d = axes("b h q x d")
@@ -536,6 +556,9 @@ def dot_product_attention(
     b×h×q×d ⊗ b×h×x×d ⊗ b×h×x×d ⊗ h×q×x ⊗ q×x ⊗ b×q ⊗ b×x
     >>> print(dot_product_attention(q, x, d, batch=(b, h), mask_batch=(b,), mask_seq="x", window=(2, 0)).dom)
     b×h×q×d ⊗ b×h×x×d ⊗ b×h×x×d ⊗ b×x
+    >>> roped = dot_product_attention(q, x, d, batch=(b, h), rope=g.Rope(), rope_batch=(b,))
+    >>> print(roped.dom, "|", *(box.name for box in roped.boxes if isinstance(box, g.Rotary)))
+    b×h×q×d ⊗ b×h×x×d ⊗ b×h×x×d ⊗ b×q ⊗ b×x | rope q rope x
     """
     a = _attention(q, x, d, kw)
     seq = {"q": q, "x": x}
@@ -553,7 +576,8 @@ def dot_product_attention(
         ids = (Array(*segment_batch, q, dtype="i32"), Array(*segment_batch, x, dtype="i32"))
         masks.append((g.elementwise(same_document, a.S, *ids, out=a.S), ids))
     scores = a.scores(bias=B, masks=tuple(masks), **_mods(kw))
-    return scores >> (g.softmax(a.S, x) @ identity(a.V)) >> a.out()
+    out = scores >> (g.softmax(a.S, x) @ identity(a.V)) >> a.out()
+    return out if rope is None else a.rotated(rope, rope_batch, Ty(*out.dom.inside[2:])) >> out
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,9 @@ def _sharded(d) -> Sharded:
 
 
 def _reads(box) -> set[str]:
-    """The axes whose global indices ``box`` reads (masks and score modifiers)."""
+    """The axes whose global indices ``box`` reads (masks and score modifiers; a box saying it: ``index_reads()``)."""
+    if callable(reads := getattr(box, "index_reads", None)):
+        return set(reads())
     if not isinstance(box, (g.Mask, g.IndexMap)):
         return set()
     pair = box.diagonal() if isinstance(box, g.Mask) else None

@@ -351,7 +351,8 @@ def _contract(t: Tape, ins: list[str], out: Array) -> g.Contract:
 
 
 def reduced(t: Tape, name: str) -> tuple[Axis, ...]:
-    """The axes the contraction making ``name`` sums (through casts and sums of cotangents); () if none does.
+    """The axes the contraction making ``name`` sums (through casts, sums of cotangents and boxes linear in their first
+    input, :func:`widened`); () if none does.
 
     >>> import napkin_cat as nc
     >>> from rewrites import fuse_softmax_contract
@@ -365,7 +366,8 @@ def reduced(t: Tape, name: str) -> tuple[Axis, ...]:
         if isinstance(box, g.Contract):
             kept = set(t.ty(name).names)
             return tuple({a.name: a for i in ins for a in t.ty(i).axes if a.name not in kept}.values())
-        if not (isinstance(box, g.Cast) or (isinstance(box, g.Elementwise) and box.params["fn"] == "add")):
+        linear = callable(getattr(box, "linear_on", None))
+        if not (linear or isinstance(box, g.Cast) or (isinstance(box, g.Elementwise) and box.params["fn"] == "add")):
             return ()
         name = ins[0]
     return ()
@@ -375,8 +377,8 @@ def widened(t: Tape, name: str, extra: tuple[Axis, ...], inner: frozenset = froz
     """The cotangent ``name`` with the axes ``extra`` kept instead of summed by the contraction making it (those
     named in ``inner``, a kernel's block axes, after its own, the others, grid axes, before them: its innermost
     axis stays one a block holds contiguously, which TMA needs), or None where that contraction does not sum them
-    all (or a box between is not a cast or a sum of equally typed cotangents). Summing ``extra`` afterwards gives
-    ``name``.
+    all (or a box between is not a cast, a sum of equally typed cotangents or a box linear in its first input that
+    says so, ``linear_on``: a rotation). Summing ``extra`` afterwards gives ``name``.
 
     rewrite: Σ_{x,g} A·B → [x]   →   Σ_x A·B → [g, x] (or [x, g] with g inner), then Σ_g.
 
@@ -407,6 +409,9 @@ def widened(t: Tape, name: str, extra: tuple[Axis, ...], inner: frozenset = froz
     if isinstance(box, g.Elementwise) and box.params["fn"] == "add" and all(t.ty(i) == ty for i in ins):
         parts = [widened(t, i, extra, inner) for i in ins]
         return None if None in parts else t.ew("add", *parts, out=wide)
+    if callable(on := getattr(box, "linear_on", None)):  # linear in its first input, elementwise along extra
+        wider = widened(t, ins[0], extra, inner)
+        return None if wider is None else t(on(t.ty(wider)), wider, *ins[1:])
     return None
 
 

@@ -14,7 +14,7 @@ A generator declares
   ``unscaled()`` — what a backend needs to lower it.
 
 One module per concept: contraction, elementwise maps and casts, index maps and masks, reductions,
-the softmax family, structure (reshapes, moves).
+the softmax family, rotary position embeddings, structure (reshapes, moves).
 
 >>> from napkin_cat import axes, Array
 >>> q, x, d = axes("q x d")
@@ -74,6 +74,7 @@ from napkin_cat.generators._index import (
     score_mod,
 )
 from napkin_cat.generators._reduce import Monoid, Reduce, attains, broadcast, reduce_max, reduce_min, reduce_sum
+from napkin_cat.generators._rotary import Rope, Rotary, rotary
 from napkin_cat.generators._softmax import (
     NormalisedContract,
     NormalisedContraction,
@@ -113,6 +114,8 @@ __all__ = [
     "Positional",
     "Reduce",
     "Reshape",
+    "Rope",
+    "Rotary",
     "ScoreDerivative",
     "Softmax",
     "SoftmaxContract",
@@ -143,6 +146,7 @@ __all__ = [
     "reduce_min",
     "reduce_sum",
     "relu",
+    "rotary",
     "rsqrt",
     "scale",
     "score_mod",

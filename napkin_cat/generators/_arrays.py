@@ -36,6 +36,7 @@ class Jax:
     inf = jnp.inf
     exp, exp2, log, log2 = map(staticmethod, (jnp.exp, jnp.exp2, jnp.log, jnp.log2))
     tanh, sqrt, rsqrt, square = map(staticmethod, (jnp.tanh, jnp.sqrt, jax.lax.rsqrt, jnp.square))
+    cos, sin = staticmethod(jnp.cos), staticmethod(jnp.sin)
     neg, reciprocal = staticmethod(jnp.negative), staticmethod(jnp.reciprocal)
     sigmoid, silu, relu = map(staticmethod, (jax.nn.sigmoid, jax.nn.silu, jax.nn.relu))
     add, subtract, multiply, divide = map(staticmethod, (jnp.add, jnp.subtract, jnp.multiply, jnp.divide))
@@ -153,6 +154,7 @@ class Sympy:
     inf = sympy.oo
     exp, log, tanh, sqrt = _pointwise(sympy.exp), _pointwise(sympy.log), _pointwise(sympy.tanh), _pointwise(sympy.sqrt)
     exp2, log2 = _pointwise(lambda v: 2**v), _pointwise(lambda v: sympy.log(v, 2))
+    cos, sin = _pointwise(sympy.cos), _pointwise(sympy.sin)
     sigmoid = _pointwise(lambda v: 1 / (1 + sympy.exp(-v)))
     gelu = _pointwise(lambda v: v / 2 * (1 + sympy.erf(v / sympy.sqrt(2))))
     silu = _pointwise(lambda v: v / (1 + sympy.exp(-v)))
