@@ -95,7 +95,9 @@ class _Chunks(ChunkLoop):
             for a, w in zip(laid, d.dom.inside, strict=True)
         ]
         resident = [None if c else r[...] for r, c in zip(in_refs, carried, strict=True)]
-        self.padded_fold = _padded_fold(d, x, extent, padded)
+        # the ragged last chunk's padding set, in each input of an accumulator, to the value its side condition
+        # checked neutral (rewrites.neutral_padding)
+        self.pads = {id(d.inside[i][1]): v for i, v in neutral_padding(d, x).items()} if extent[x] != padded[x] else {}
         # affine masks reading the streamed axis, and segment masks (their bounds come from the wrapper): the
         # chunks they hide are skipped, those they all keep whole run without them
         self.masks = {id(b): m for b in d.boxes if (m := affine_mask(b)) is not None and x in m.axes}
@@ -126,7 +128,13 @@ class _Chunks(ChunkLoop):
         walk_chunk(vals)
 
     def fold(self, acc, state, ins, ctx):
-        return self.padded_fold(acc, state, ins, ctx)
+        if id(acc.box) in self.pads:
+            x, n = self.x, self.extent[self.x]
+            ins = [
+                mask_padding(v, w, x, ctx.offsets[x], n, pad) if w.has(x) else v
+                for v, w, pad in zip(ins, acc.box.dom.inside, self.pads[id(acc.box)], strict=True)
+            ]
+        return acc.step(state, ins, ctx)
 
     def count(self):
         n_chunks = self.padded[self.x] // self.s
@@ -137,22 +145,6 @@ class _Chunks(ChunkLoop):
             return None
         n_chunks = self.padded[self.x] // self.s
         return _bounds(self.p, self.masks.values(), self.zero, self.ctx, self.extent, n_chunks, self.bound_refs)
-
-
-def _padded_fold(d, x: str, extent: dict, padded: dict):
-    """An accumulator's step, with the ragged last chunk's padding set, in each of its inputs, to the value its
-    side condition checked neutral (:func:`rewrites.neutral_padding`)."""
-    pads = {id(d.inside[i][1]): v for i, v in neutral_padding(d, x).items()} if extent[x] != padded[x] else {}
-
-    def fold(acc, state, ins, cctx):
-        if id(acc.box) in pads:
-            ins = [
-                mask_padding(v, w, x, cctx.offsets[x], extent[x], pad) if w.has(x) else v
-                for v, w, pad in zip(ins, acc.box.dom.inside, pads[id(acc.box)], strict=True)
-            ]
-        return acc.step(state, ins, cctx)
-
-    return fold
 
 
 def _bounds(p: Plan, masks, zero, ctx: BlockContext, extent: dict, n_chunks: int, bound_refs) -> tuple:
