@@ -13,6 +13,8 @@ its loop primitive (``lax.fori_loop`` by default).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import jax
 from jax import lax
 
@@ -21,7 +23,7 @@ from napkin_cat.diagram import Diagram
 from rewrites import walk
 
 
-class ChunkLoop:
+class ChunkLoop(ABC):
     """One block's fold over the chunks of the streamed axis ``x`` (chunks of ``s``) of the block diagram ``d``, in
     ``ctx`` (the block's offsets and grid indices; the identities and the final walk read it), skipping in the chunks
     every mask keeps whole the boxes in ``hidden`` (their ids). ``run()`` gives the outputs; a backend supplies
@@ -55,17 +57,17 @@ class ChunkLoop:
         self.chunk_ctx = ctx
 
     # -- what a backend supplies -------------------------------------------------------------------------------
+    @abstractmethod
     def blocks(self) -> list | None:
         """The abstract blocks (``jax.ShapeDtypeStruct``) of one chunk's inputs; None where nothing streams."""
-        raise NotImplementedError
 
+    @abstractmethod
     def chunk(self, c, walk_chunk) -> None:
         """Load chunk ``c``'s values, ``walk_chunk(values)``, and release what the load holds."""
-        raise NotImplementedError
 
+    @abstractmethod
     def count(self):
         """The chunks to fold, ``[0, count)``, where no mask hides any (None: no loop)."""
-        raise NotImplementedError
 
     def bounds(self) -> tuple | None:
         """``(first, full_lo, full_hi, last)`` where masks hide chunks of this block, else None."""
@@ -92,13 +94,13 @@ class ChunkLoop:
         """The loop primitive: ``body(c, carry)`` for each chunk ``c`` in ``[lo, hi)``."""
         return lax.fori_loop(lo, hi, body, carry)
 
-    def skipped(self, lo, hi) -> None:
+    def skipped(self, lo, hi) -> None:  # noqa: B027 - a hook, empty unless replaced
         """Chunks ``[lo, hi)`` of :attr:`span` that this block does not visit."""
 
-    def begin(self) -> None:
+    def begin(self) -> None:  # noqa: B027 - a hook, empty unless replaced
         """Before the first chunk (after the identities)."""
 
-    def end(self) -> None:
+    def end(self) -> None:  # noqa: B027 - a hook, empty unless replaced
         """After the last chunk (before the final walk)."""
 
     # -- the skeleton --------------------------------------------------------------------------------------------
