@@ -450,6 +450,26 @@ def lower(
     ...
     lowering._plan.NotLowerable: the kernel would hold 1,048,576 B of shared memory ... over the 232,448 B ...
     """
+    d, hw = _arguments(scheduled, backend, backward, hardware)
+    opens, late = open_sizes(d), _late_sizes(d, backend, interpret, config)
+    options = (backend, interpret, config, backward)
+    if opens:
+        return _chosen(d, opens, late, options, hw, sizes, search)
+    for what, given in (("search=True", search), ("sizes=", sizes)):
+        if given:
+            raise NotLowerable(f"lower({what}): the diagram leaves no partition size open to choose")
+    if not late:
+        return _lower(d, *options, hw)
+
+    def bound(at: dict) -> Kernel:
+        return _lower(bind_sizes(d, {a: at[a] for a in late}), *options, hw)
+
+    return OpenKernel(d, bound, keys=late)
+
+
+def _arguments(scheduled, backend: str, backward: str, hardware) -> tuple[Diagram, Hardware | None]:
+    """:func:`lower`'s diagram and hardware model, after its arguments are checked (a :class:`NotLowerable` naming
+    the one that is wrong)."""
     d = getattr(scheduled, "diagram", scheduled)
     if not isinstance(d, Diagram):
         raise NotLowerable(f"lower takes a Derivation or a Diagram, got {type(scheduled).__name__}")
@@ -457,21 +477,16 @@ def lower(
     if backward not in ("lowered", "reference"):
         raise NotLowerable(f"backward {backward!r}: choose 'lowered' or 'reference'")
     try:
-        hw = None if hardware is None else lookup(hardware)
+        return d, None if hardware is None else lookup(hardware)
     except CostError as e:
         raise NotLowerable(f"lower: {e}") from e
-    opens, late = open_sizes(d), _late_sizes(d, backend, interpret, config)
-    if not opens:
-        for what, given in (("search=True", search), ("sizes=", sizes)):
-            if given:
-                raise NotLowerable(f"lower({what}): the diagram leaves no partition size open to choose")
-        if not late:
-            return _lower(d, backend, interpret, config, backward, hw)
 
-        def bound(at: dict) -> Kernel:
-            return _lower(bind_sizes(d, {a: at[a] for a in late}), backend, interpret, config, backward, hw)
 
-        return OpenKernel(d, bound, keys=late)
+def _chosen(d: Diagram, opens, late: tuple, options: tuple, hw, sizes, search: bool) -> Kernel | OpenKernel:
+    """:func:`lower` of a diagram leaving partition sizes (``opens``) open: chosen from the cost model (and timed,
+    with ``search``) at the sizes ``sizes`` gives, or at each call's where some are missing. ``options``:
+    ``(backend, interpret, config, backward)``."""
+    backend, interpret, config, backward = options
     axes = {a.name for w in (*d.dom.inside, *d.cod.inside) for a in w.axes}
     if unknown := sorted(set(sizes or {}) - axes):
         here = ", ".join(sorted(axes))

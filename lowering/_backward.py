@@ -307,7 +307,7 @@ def backward_of(
         raise NotLowerable(f"the forward streams {sorted(streams)}, expected one axis")
     policy = TRITON_BLOCKS
     blocks = [*tiles.values(), *streams.values()] or [policy.backward_tile]
-    tile_size, stream_size = min(max(blocks), policy.backward_tile), min(min(blocks), policy.backward_stream)
+    sizes = (min(max(blocks), policy.backward_tile), min(min(blocks), policy.backward_stream))
     keyed = [*tiles, *streams]  # the axes a kernel may tile or stream
     forward, positions = with_residuals(d)
     t, grads = pullback(plain(d))
@@ -318,12 +318,23 @@ def backward_of(
     pieces = []
     for rows in row_values(t, keyed, grads):
         tiled = [a for a in keyed if a in t.ty(rows[0]).names]
-        pieces.append(_hoist(t, rows, tiled, [], (tile_size, stream_size), hardware, config, "Δ"))
+        pieces.append(_hoist(t, rows, tiled, [], sizes, hardware, config, "Δ"))
     for along in streams:  # an epilogue's cotangent, summing the streamed axis: streamed as the forward
         for values in summed_values(t, along, grads):
             tiled = [a for a in tiles if a in t.ty(values[0]).names]
-            pieces.append(_hoist(t, values, tiled, [along], (tile_size, stream_size), hardware, config, f"Σ_{along}"))
+            pieces.append(_hoist(t, values, tiled, [along], sizes, hardware, config, f"Σ_{along}"))
     order = list(t.inputs)
+    mine = None if own is None else (own, min(max(blocks), own.largest))  # dQ's keys: chunks as the forward's
+    for (kept, left), group in _schedules(t, grads, keyed, streams, d if narrow else None).items():
+        pieces.append(_gradients(t, order, (kept, left), group, (keyed, streams), sizes, mine, hardware, config))
+    return Backward(forward, positions, tuple(pieces))
+
+
+def _schedules(t, grads, keyed: list, streams: dict, narrow: Diagram | None) -> dict[tuple, list]:
+    """The cotangents of the tape ``t`` (``grads``) grouped by the kernel computing them: ``{(kept, left): [(input,
+    cotangent widened to the kept axes, its axes summed after the kernel), ...]}``, a kernel keeping (tiling) the
+    ``kept`` axes and streaming the one it lacks (``left``). Each cotangent is stored in the input's dtype of the
+    forward ``narrow`` where none of its axes is summed after (else in f32)."""
     schedules: dict[tuple, list] = {}
     for i, ct in enumerate(grads):
         if ct is None:
@@ -346,39 +357,44 @@ def backward_of(
             )
         kept = tuple(a for a in keyed if a not in left)
         summed = tuple(t.ty(wide).names.index(a.name) for a in extra)
-        if narrow and not summed:  # stored in the input's dtype by the kernel: no f32 copy written, read, cast
-            wide = t.cast(wide, d.dom.inside[i].dtype)
+        if narrow is not None and not summed:  # stored in the input's dtype by the kernel: no f32 copy written
+            wide = t.cast(wide, narrow.dom.inside[i].dtype)
         schedules.setdefault((kept, tuple(left)), []).append((i, wide, summed))
-    for (kept, left), group in schedules.items():
-        outs = [wide for _, wide, _ in group]
-        inputs = _live(t, outs)
-        naive = t.diagram(outs, inputs=inputs)
-        # a kernel loops over no axis it never reads (an epilogue's bias cotangent, read from dZ, has no k)
-        present = {n for w in naive.dom.inside for n in w.names}
-        kept, left = (tuple(a for a in axes if a in present) for axes in (kept, left))
-        if not left or left[0] in keyed:
-            g_, s_ = (tile_size, stream_size)
-            if _crosswise(naive, kept, left):  # halved: see _crosswise
-                g_, s_ = max(16, tile_size // 2), max(16, stream_size // 2)
-            mine = own if own is not None and left and left[0] in streams else None  # dQ's keys, as the forward
-            if mine is not None:
-                s_ = min(max(blocks), own.largest)
-            rules, scheduled = fit_blocks(naive, list(kept), list(left), g_, s_, hardware, config, own=mine)
-        else:  # a summed batch axis, one element at a time: each step loads a tile of every input (Q, K, V, dO
-            # at the same b), so the pipeline's stages hold four tiles each (the policy's batch_tile)
-            g_ = min(tile_size, policy.batch_tile)
-            rules, scheduled = fit_blocks(naive, list(kept), list(left), g_, 1, hardware, config)
-        pieces.append(
-            Piece(
-                naive,
-                tuple(order.index(n) for n in inputs),
-                tuple(i for i, *_ in group),
-                tuple(s for *_, s in group),
-                rules,
-                scheduled,
-            )
-        )
-    return Backward(forward, positions, tuple(pieces))
+    return schedules
+
+
+def _gradients(t, order: list, key: tuple, group: list, loops: tuple, sizes: tuple, own, hardware, config) -> Piece:
+    """The piece computing one group of :func:`_schedules`, its kernel keeping (tiling) and streaming the axes
+    of its ``key`` (``(kept, left)``), ``loops`` the forward's ``(keyed, streams)``, in blocks of ``sizes`` (tile,
+    chunk) or, where it streams the forward's streamed axis, a backend's own chunks (``own``: its
+    :class:`~lowering._tiles.Chunks` and the largest chunk it may take; None without)."""
+    outs = [wide for _, wide, _ in group]
+    inputs = _live(t, outs)
+    naive = t.diagram(outs, inputs=inputs)
+    # a kernel loops over no axis it never reads (an epilogue's bias cotangent, read from dZ, has no k)
+    present = {n for w in naive.dom.inside for n in w.names}
+    kept, left = (tuple(a for a in axes if a in present) for axes in key)
+    keyed, streams = loops
+    if not left or left[0] in keyed:
+        g_, s_ = sizes
+        if _crosswise(naive, kept, left):  # halved: see _crosswise
+            g_, s_ = max(16, sizes[0] // 2), max(16, sizes[1] // 2)
+        chunks = None
+        if own is not None and left and left[0] in streams:  # dQ's keys, as the forward
+            chunks, s_ = own
+        rules, scheduled = fit_blocks(naive, list(kept), list(left), g_, s_, hardware, config, own=chunks)
+    else:  # a summed batch axis, one element at a time: each step loads a tile of every input (Q, K, V, dO
+        # at the same b), so the pipeline's stages hold four tiles each (the policy's batch_tile)
+        g_ = min(sizes[0], TRITON_BLOCKS.batch_tile)
+        rules, scheduled = fit_blocks(naive, list(kept), list(left), g_, 1, hardware, config)
+    return Piece(
+        naive,
+        tuple(order.index(n) for n in inputs),
+        tuple(i for i, *_ in group),
+        tuple(s for *_, s in group),
+        rules,
+        scheduled,
+    )
 
 
 def run_pieces(b: Backward, kernels, values: list):

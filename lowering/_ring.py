@@ -217,71 +217,90 @@ class _PairKernels:
 
 
 def _ring_body(s: Sharded, kernels: _PairKernels, keys: int):
-    """The per-device function of a sequence partition over ``keys`` positions in all, with its exact custom_vjp.
+    """The per-device function of a sequence partition over ``keys`` positions in all, with its exact custom_vjp
+    (:class:`_Ring`)."""
+    return _Ring(s, kernels, keys).function()
+
+
+class _Ring:
+    """A sequence partition's per-device computation over ``keys`` positions in all: the forward merges the pair
+    kernels' outputs through their log-sum-exps, the backward sums the pair kernels' lowered backward.
 
     A *pair* is ``(kind, query chunks, key chunks, cut)``: the pair kernel of ``kind`` on the local query
     chunks and key chunks listed (of the ``u`` local ones), the keys cut to ``cut`` (padding) if not None.
     """
-    seq, d = s.sequence, s.diagram
-    ins, out_w = d.dom.inside, d.cod.inside[0]
-    is_q = [w.has(seq.queries) for w in ins]
-    at = [w.names.index(seq.queries if q else seq.keys) for w, q in zip(ins, is_q, strict=True)]
-    rows = tuple(n for n in out_w.names if n in d.boxes[-1].dom.inside[0].names)
-    o_at, l_at = out_w.names.index(seq.queries), rows.index(seq.queries)
-    P, u, is_causal = seq.devices, seq.units, has_causal_mask(s)  # noqa: N806 - the papers' P
-    ring = [(j, (j + 1) % P) for j in range(P)]
 
-    def plan(i, t) -> list:
+    def __init__(self, s: Sharded, kernels: _PairKernels, keys: int):
+        seq, d = s.sequence, s.diagram
+        self.seq, self.kernels, self.keys = seq, kernels, keys
+        self.ins, self.out_w = d.dom.inside, d.cod.inside[0]
+        self.is_q = [w.has(seq.queries) for w in self.ins]
+        self.at = [w.names.index(seq.queries if q else seq.keys) for w, q in zip(self.ins, self.is_q, strict=True)]
+        self.rows = tuple(n for n in self.out_w.names if n in d.boxes[-1].dom.inside[0].names)
+        self.o_at, self.l_at = self.out_w.names.index(seq.queries), self.rows.index(seq.queries)
+        self.P, self.u, self.is_causal = seq.devices, seq.units, has_causal_mask(s)  # the papers' P
+        self.ring = [(j, (j + 1) % self.P) for j in range(self.P)]
+
+    def plan(self, i, t) -> list:
         """The pairs of ring step ``t`` on device ``i`` as alternatives ``[(predicate or None, pairs), ...]``."""
+        seq, P = self.seq, self.P  # noqa: N806 - the papers' P
         first = isinstance(t, int) and t == 0  # step 0 has its own plan (the diagonal)
-        if is_causal and not seq.balanced:
+        if self.is_causal and not seq.balanced:
             if first:
                 return [(None, [("diagonal", [0], [0], None)])]
             return [(i >= t, [("full", [0], [0], None)]), (None, [])]
-        if is_causal:  # zig-zag: device i holds chunks i and 2P−1−i; each branch is the same work
+        if self.is_causal:  # zig-zag: device i holds chunks i and 2P−1−i; each branch is the same work
             if first:
                 return [(None, [("diagonal", [0], [0], None), ("diagonal", [1], [1], None), ("full", [1], [0], None)])]
             return [(i >= t, [("full", [0, 1], [0], None)]), (None, [("full", [1], [0, 1], None)])]
-        whole, rest = divmod(keys, math.ceil(keys / P))  # chunks of real keys only, and the ragged one's length
+        whole, rest = divmod(self.keys, math.ceil(self.keys / P))  # chunks of real keys only, the ragged one's length
         if whole == P:
             return [(None, [("full", [0], [0], None)])]
         j = (i - t) % P
         ragged = [(j == whole, [("full", [0], [0], rest)])] if rest else []
         return [(j < whole, [("full", [0], [0], None)]), *ragged, (None, [])]  # the rest: padding only
 
-    def part(v, axis, chunks, cut=None):
+    def part(self, v, axis, chunks, cut=None):
+        u = self.u
         pieces = jnp.split(v, u, axis=axis) if u > 1 else [v]
         v = pieces[chunks[0]] if len(chunks) == 1 else jnp.concatenate([pieces[c] for c in chunks], axis=axis)
         return v if cut is None else jax.lax.slice_in_dim(v, 0, cut, axis=axis)
 
-    def spread(v, axis, chunks, cut, like, fill=0.0):
+    def spread(self, v, axis, chunks, cut, like, fill=0.0):
         """``v`` (the rows of ``chunks``, cut to ``cut``) placed among all local rows, ``fill`` elsewhere."""
-        if cut is None and len(chunks) == u:
+        if cut is None and len(chunks) == self.u:
             return v
-        full, step = jnp.full(like, fill, v.dtype), like[axis] // u
+        full, step = jnp.full(like, fill, v.dtype), like[axis] // self.u
         for n, c in enumerate(chunks):
             piece = jax.lax.slice_in_dim(v, n * step, min((n + 1) * step, v.shape[axis]), axis=axis)
             full = jax.lax.dynamic_update_slice_in_dim(full, piece, c * step, axis=axis)
         return full
 
-    def pair_inputs(local, qc, kc, cut):
-        return [part(x, a, qc if q else kc, None if q else cut) for x, q, a in zip(local, is_q, at, strict=True)]
+    def pair_inputs(self, local, qc, kc, cut):
+        return [
+            self.part(x, a, qc if q else kc, None if q else cut)
+            for x, q, a in zip(local, self.is_q, self.at, strict=True)
+        ]
 
-    def forward_branch(pairs, local, shapes):
+    def forward_branch(self, pairs, local, shapes):
+        out_w, rows = self.out_w, self.rows
+
         def branch():
             acc = (jnp.zeros(shapes[0], jnp.float32), jnp.full(shapes[1], -jnp.inf, jnp.float32))
             for kind, qc, kc, cut in pairs:
-                o, lse = kernels.forward[kind](*pair_inputs(local, qc, kc, cut))
-                if len(qc) < u:  # rows not in this pair saw no key: O = 0, L = −∞
-                    o, lse = spread(o, o_at, qc, None, shapes[0]), spread(lse, l_at, qc, None, shapes[1], -jnp.inf)
+                o, lse = self.kernels.forward[kind](*self.pair_inputs(local, qc, kc, cut))
+                if len(qc) < self.u:  # rows not in this pair saw no key: O = 0, L = −∞
+                    o = self.spread(o, self.o_at, qc, None, shapes[0])
+                    lse = self.spread(lse, self.l_at, qc, None, shapes[1], -jnp.inf)
                 acc = merge_lse(acc, (o, lse), out_w.names, rows)
             return acc
 
         return branch
 
-    def exchange(xs):
+    def exchange(self, xs):
         """``fetch(t, previous)``: the key-side arrays of device ``i − t``."""
-        keyed = [(x, a) for x, q, a in zip(xs, is_q, at, strict=True) if not q]
+        seq, P = self.seq, self.P  # noqa: N806 - the papers' P
+        keyed = [(x, a) for x, q, a in zip(xs, self.is_q, self.at, strict=True) if not q]
         if seq.exchange == "all_gather":
             full = [jax.lax.all_gather(x, seq.mesh_axis, axis=a, tiled=True) for x, a in keyed]
             i = jax.lax.axis_index(seq.mesh_axis)
@@ -290,64 +309,70 @@ def _ring_body(s: Sharded, kernels: _PairKernels, keys: int):
                 for f, (x, a) in zip(full, keyed, strict=True)
             ]
         return lambda t, previous: (
-            [x for x, _ in keyed] if previous is None else [jax.lax.ppermute(k, seq.mesh_axis, ring) for k in previous]
+            [x for x, _ in keyed]
+            if previous is None
+            else [jax.lax.ppermute(k, seq.mesh_axis, self.ring) for k in previous]
         )
 
-    def with_keys(xs, kv):
+    def with_keys(self, xs, kv):
         it = iter(kv)
-        return [x if q else next(it) for x, q in zip(xs, is_q, strict=True)]
+        return [x if q else next(it) for x, q in zip(xs, self.is_q, strict=True)]
 
-    def shapes_of(xs):
-        extent = {n: x.shape[j] for w, x in zip(ins, xs, strict=True) for j, n in enumerate(w.names)}
-        extent[seq.queries] = next(x.shape[a] for x, q, a in zip(xs, is_q, at, strict=True) if q)
-        o = tuple(extent[n] for n in out_w.names)
-        return o, tuple(extent[n] for n in rows)
+    def shapes_of(self, xs):
+        extent = {n: x.shape[j] for w, x in zip(self.ins, xs, strict=True) for j, n in enumerate(w.names)}
+        extent[self.seq.queries] = next(x.shape[a] for x, q, a in zip(xs, self.is_q, self.at, strict=True) if q)
+        o = tuple(extent[n] for n in self.out_w.names)
+        return o, tuple(extent[n] for n in self.rows)
 
-    def forward(*xs):
-        i, shapes = jax.lax.axis_index(seq.mesh_axis), shapes_of(xs)
-        fetch = exchange(xs)
+    def forward(self, *xs):
+        """The merged ``(O, L)`` of every pair this device runs, in f32."""
+        names, rows, P = self.out_w.names, self.rows, self.P  # noqa: N806 - the papers' P
+        i, shapes = jax.lax.axis_index(self.seq.mesh_axis), self.shapes_of(xs)
+        fetch = self.exchange(xs)
 
         def step(t, kv):
-            local = with_keys(xs, kv)
-            return _branches(plan(i, t), lambda pairs: forward_branch(pairs, local, shapes))
+            local = self.with_keys(xs, kv)
+            return _branches(self.plan(i, t), lambda pairs: self.forward_branch(pairs, local, shapes))
 
         def body(t, carry):
             kv, acc = carry
-            return fetch(t + 1, kv), merge_lse(acc, step(t, kv), out_w.names, rows)
+            return fetch(t + 1, kv), merge_lse(acc, step(t, kv), names, rows)
 
         return _ring_loop(
-            P, fetch, body, lambda kv: step(0, kv), lambda kv, acc: merge_lse(acc, step(P - 1, kv), out_w.names, rows)
+            P, fetch, body, lambda kv: step(0, kv), lambda kv, acc: merge_lse(acc, step(P - 1, kv), names, rows)
         )
 
-    def row_values(do, o, lse):
+    def row_values(self, do, o, lse):
         """Each kind's fed values (Δ = rowsum(dO ⊙ O)) on all local query rows, once before the ring: they read
         neither K nor V. ``{kind: [(value, its query axis)]}``; a kind whose Δ reads a key-side input is left
         to its pairs."""
         out = {}
-        for kind, b in kernels.backward.items():
-            fed = [(p, k) for p, k in zip(b.pieces, kernels.pieces(kind), strict=True) if p.feeds]
-            if any(j < len(ins) for p, _ in fed for j in p.inputs):
+        for kind, b in self.kernels.backward.items():
+            fed = [(p, k) for p, k in zip(b.pieces, self.kernels.pieces(kind), strict=True) if p.feeds]
+            if any(j < len(self.ins) for p, _ in fed for j in p.inputs):
                 continue
-            values = [None] * len(ins) + [do] + [(o, lse)[p] for p in b.residuals]
+            values = [None] * len(self.ins) + [do] + [(o, lse)[p] for p in b.residuals]
             out[kind] = []
             for p, kernel in fed:
                 res = kernel(*(values[j] for j in p.inputs))
                 res = res if isinstance(res, tuple) else (res,)
                 values += res
-                out[kind] += [(r, w.names.index(seq.queries)) for r, w in zip(res, p.diagram.cod.inside, strict=True)]
+                out[kind] += [
+                    (r, w.names.index(self.seq.queries)) for r, w in zip(res, p.diagram.cod.inside, strict=True)
+                ]
         return out
 
-    def grad_branch(pairs, local, do, o, lse, rowed):
+    def grad_branch(self, pairs, local, do, o, lse, rowed):
         def branch():
             grads = [jnp.zeros(x.shape, jnp.float32) for x in local]
             for kind, qc, kc, cut in pairs:
-                b, hoisted = kernels.backward[kind], iter(rowed.get(kind, ()))
-                values = [*pair_inputs(local, qc, kc, cut), part(do, o_at, qc)]
-                residual = (part(o, o_at, qc), part(lse, l_at, qc))  # the forward with residuals gives (O, L)
+                b, hoisted = self.kernels.backward[kind], iter(rowed.get(kind, ()))
+                values = [*self.pair_inputs(local, qc, kc, cut), self.part(do, self.o_at, qc)]
+                residual = (self.part(o, self.o_at, qc), self.part(lse, self.l_at, qc))  # the forward's (O, L)
                 values += [residual[p] for p in b.residuals]
-                for piece, kernel in zip(b.pieces, kernels.pieces(kind), strict=True):
+                for piece, kernel in zip(b.pieces, self.kernels.pieces(kind), strict=True):
                     if piece.feeds and kind in rowed:  # computed once, before the ring: this pair's rows of it
-                        values += [part(r, a, qc) for r, a in itertools.islice(hoisted, len(piece.outputs))]
+                        values += [self.part(r, a, qc) for r, a in itertools.islice(hoisted, len(piece.outputs))]
                         continue
                     res = kernel(*(values[j] for j in piece.inputs))
                     res = res if isinstance(res, tuple) else (res,)
@@ -356,26 +381,37 @@ def _ring_body(s: Sharded, kernels: _PairKernels, keys: int):
                         continue
                     for j, r, summed in zip(piece.outputs, res, piece.sums, strict=True):
                         r = jnp.sum(r.astype(jnp.float32), axis=summed) if summed else r.astype(jnp.float32)
-                        chunks, c = (qc, None) if is_q[j] else (kc, cut)
-                        grads[j] = grads[j] + spread(r, at[j], chunks, c, local[j].shape)
+                        chunks, c = (qc, None) if self.is_q[j] else (kc, cut)
+                        grads[j] = grads[j] + self.spread(r, self.at[j], chunks, c, local[j].shape)
             return grads
 
         return branch
 
-    @jax.custom_vjp
-    def f(*xs):
-        return forward(*xs)[0].astype(out_w.dtype.jnp)
+    def accumulate(self, i, t, grads, dq, dk):
+        """Ring step ``t``'s gradients on device ``i`` (``grads``, by input) added in: dQ in place; dK, dV to those
+        of the keys they came with (gathered: to the slice of the whole from device ``i − t``)."""
+        seq, P, is_q = self.seq, self.P, self.is_q  # noqa: N806 - the papers' P
+        keyed_at = [a for a, q in zip(self.at, is_q, strict=True) if not q]
+        dq = [a + g for a, g in zip(dq, (g for g, q in zip(grads, is_q, strict=True) if q), strict=True)]
+        kg = [g for g, q in zip(grads, is_q, strict=True) if not q]
+        if seq.exchange != "all_gather":
+            return dq, [a + g for a, g in zip(dk, kg, strict=True)]
+        src = ((i - t) % P) * kg[0].shape[keyed_at[0]]
+        return dq, [
+            jax.lax.dynamic_update_slice_in_dim(
+                a, jax.lax.dynamic_slice_in_dim(a, src, g.shape[x], axis=x) + g, src, axis=x
+            )
+            for a, g, x in zip(dk, kg, keyed_at, strict=True)
+        ]
 
-    def f_fwd(*xs):
-        o, lse = forward(*xs)
-        o = o.astype(out_w.dtype.jnp)
-        return o, (xs, o, lse)
-
-    def f_bwd(saved, do):
+    def backward(self, saved, do):
+        """The cotangents of the device's inputs: every ring step's pairs' lowered backward, summed (dK, dV
+        travelling the ring with their K, V and taking one more step home, or summed by ``psum_scatter``)."""
+        seq, P, is_q, out_w = self.seq, self.P, self.is_q, self.out_w  # noqa: N806 - the papers' P
         xs, o, lse = saved
         do, i = do.astype(out_w.dtype.jnp), jax.lax.axis_index(seq.mesh_axis)
-        fetch, rowed = exchange(xs), row_values(do, o, lse)
-        keyed_at = [a for a, q in zip(at, is_q, strict=True) if not q]
+        fetch, rowed = self.exchange(xs), self.row_values(do, o, lse)
+        keyed_at = [a for a, q in zip(self.at, is_q, strict=True) if not q]
         gathered = seq.exchange == "all_gather"
         dq = [jnp.zeros(x.shape, jnp.float32) for x, q in zip(xs, is_q, strict=True) if q]
         dk = [
@@ -384,22 +420,12 @@ def _ring_body(s: Sharded, kernels: _PairKernels, keys: int):
         ]
 
         def step(t, kv, dq, dk):
-            local = with_keys(xs, kv)
-            grads = _branches(plan(i, t), lambda pairs: grad_branch(pairs, local, do, o, lse, rowed))
-            dq = [a + g for a, g in zip(dq, (g for g, q in zip(grads, is_q, strict=True) if q), strict=True)]
-            kg = [g for g, q in zip(grads, is_q, strict=True) if not q]
-            if not gathered:
-                return dq, [a + g for a, g in zip(dk, kg, strict=True)]
-            src = ((i - t) % P) * kg[0].shape[keyed_at[0]]
-            return dq, [
-                jax.lax.dynamic_update_slice_in_dim(
-                    a, jax.lax.dynamic_slice_in_dim(a, src, g.shape[x], axis=x) + g, src, axis=x
-                )
-                for a, g, x in zip(dk, kg, keyed_at, strict=True)
-            ]
+            local = self.with_keys(xs, kv)
+            grads = _branches(self.plan(i, t), lambda pairs: self.grad_branch(pairs, local, do, o, lse, rowed))
+            return self.accumulate(i, t, grads, dq, dk)
 
         def send(dk):  # dK, dV travel with their K, V (the all-gather sums them once, at the end)
-            return dk if gathered else [jax.lax.ppermute(g, seq.mesh_axis, ring) for g in dk]
+            return dk if gathered else [jax.lax.ppermute(g, seq.mesh_axis, self.ring) for g in dk]
 
         def body(t, carry):
             kv, (dq, dk) = carry
@@ -421,8 +447,24 @@ def _ring_body(s: Sharded, kernels: _PairKernels, keys: int):
         qs, ks = iter(dq), iter(dk)
         return tuple((next(qs) if q else next(ks)).astype(x.dtype) for x, q in zip(xs, is_q, strict=True))
 
-    f.defvjp(f_fwd, f_bwd)
-    return f
+    def function(self):
+        """The device function ``f(*xs) → O``, its custom_vjp saving ``(xs, O, L)`` for :meth:`backward`."""
+        out_w = self.out_w
+
+        @jax.custom_vjp
+        def f(*xs):
+            return self.forward(*xs)[0].astype(out_w.dtype.jnp)
+
+        def f_fwd(*xs):
+            o, lse = self.forward(*xs)
+            o = o.astype(out_w.dtype.jnp)
+            return o, (xs, o, lse)
+
+        def f_bwd(saved, do):
+            return self.backward(saved, do)
+
+        f.defvjp(f_fwd, f_bwd)
+        return f
 
 
 def _ring_loop(P, fetch, body, first, last):  # noqa: N803 - the papers' P

@@ -66,8 +66,8 @@ def test_no_package_reaches_into_another_s_private_modules(package):
 
 #: the backends of lowering/, each a folder (one line in lowering/_registry.py registers it)
 BACKENDS = ("triton", "mosaic", "xla")
-#: the modules below every backend: the plan, the shared block machinery, where a kernel runs
-SHARED = ("lowering/_plan.py", "lowering/_blocks.py", "lowering/_target.py", "lowering/_source.py")
+#: the modules below every backend: the plan, the shared block machinery, the streamed loop, where a kernel runs
+SHARED = ("lowering/_plan.py", "lowering/_blocks.py", "lowering/_loop.py", "lowering/_target.py", "lowering/_source.py")
 
 
 def _backend_of(name: str) -> str | None:

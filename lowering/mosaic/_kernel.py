@@ -13,8 +13,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from lowering._blocks import BlockContext, combine, heavy_last, visited
+from lowering._loop import ChunkLoop
 from lowering._plan import NotLowerable
 from lowering.mosaic._arrays import Counting, MosaicArrays, Smem, value_of
+from rewrites import walk
 
 if TYPE_CHECKING:
     from lowering.mosaic._lowered import MosaicLowered
@@ -177,91 +179,15 @@ class MosaicKernel:
                 plgpu.barrier_wait(consumed[k].at[lax.rem(chunk, _i32(stages))])
 
     def consume(self, in_refs, out_refs, scratch: _Scratch, wg, bid, tile, block, bounds):
-        from rewrites import walk
-
-        rings, tiles, outs, loaded, consumed, arrived, turn, staging = scratch
-
-        low, d = self.low, self.low.d
-        wires, x, s, rows = d.dom.inside, low.x or "", low.s, low.rows
-        start = tile * low.plan.tiles[low.q] + wg * rows
-        started = self._prologue(in_refs, tiles, arrived, turn, staging, wg, bid, start)
-        turn, pingpong, grid, ctx, resident, scalars = started
-        box_at = [None]
-
-        def skipping(unmasked):
-            def skip(box):
-                box_at[0] = box
-                return unmasked and id(box) in low.hidden
-
-            return skip
-
-        def traced(f, *args, **kw):
-            try:
-                return f(*args, **kw)
-            except (NotLowerable, NotImplementedError, ValueError, TypeError) as e:
-                box = box_at[0]
-                raise NotLowerable(f"box {getattr(box, 'name', box)!r}: {e}") from e
-
-        counting, keys, init = self._identities(grid, ctx)
-
-        def body(unmasked):
-            def run(chunk, carry):
-                states = dict(zip(keys, carry, strict=True))
-                vals, ring, slot = self._chunk(chunk, rings, loaded, wg, resident, scalars)
-                pingpong.issued = 0
-                traced(
-                    walk,
-                    d,
-                    vals,
-                    BlockContext(self.sizes, {low.q: start, x: chunk * s}, pingpong, grid),
-                    x,
-                    "chunk",
-                    states,
-                    fold=lambda acc, st, ins, cc: acc.step(st, ins, cc),
-                    skip=skipping(unmasked),
-                )
-                if pingpong.issued != counting.wgmma:  # the turns an observed chunk takes would not match
-                    raise NotLowerable(
-                        f"a chunk issued {pingpong.issued} wgmma, the shape probe counted {counting.wgmma}"
-                    )
-                for k, i in enumerate(self.streamed):
-                    ring[i].ready()  # an input no box read still completes its phase
-                    plgpu.barrier_arrive(consumed[k].at[slot])
-                return tuple(value_of(states[i]) for i in keys)
-
-            return run
-
-        if turn is not None:  # the second warpgroup starts one turn behind
-
-            @pl.when(wg == 1)
-            def _():
-                pingpong.schedule()
-
-        def observe(lo, hi):  # chunks hidden from this consumer's rows
-            self.observe(lo, hi, loaded, consumed, pingpong, counting.wgmma)
-
-        first, chunks = block
-        if low.hidden:  # this consumer's rows: chunks hidden from them observed, whole ones unmasked, cut ones masked
-            lo, full_lo, full_hi, hi = self.visited(bid, tile, start, rows, bounds)
-            observe(first, lo)
-            carry = lax.fori_loop(lo, full_lo, body(False), init)
-            carry = lax.fori_loop(full_lo, full_hi, body(True), carry)
-            carry = lax.fori_loop(full_hi, hi, body(False), carry)
-            observe(hi, chunks)
-        elif self.streamed:
-            carry = lax.fori_loop(0, chunks, body(False), init)
-        else:
-            carry = init
-        if turn is not None:  # and the first one ends one turn later
-
-            @pl.when(wg == 0)
-            def _():
-                pingpong.schedule()
-
-        states = dict(zip(keys, carry, strict=True))
-        final = [None if w.has(x) else resident.get(i, scalars.get(i)) for i, w in enumerate(wires)]
-        results = traced(walk, d, final, ctx, x, "final", states, skip=skipping(False))
-        self.store(results, out_refs, outs, tiles, wg, bid, start)
+        """A consumer warpgroup: its rows of the resident inputs loaded (:meth:`_prologue`), the streamed loop over
+        the chunks the producer fills (:class:`_Consumer`), its results stored (:meth:`store`)."""
+        low = self.low
+        start = tile * low.plan.tiles[low.q] + wg * low.rows
+        started = self._prologue(in_refs, scratch.tiles, scratch.arrived, scratch.turn, scratch.staging, wg, bid, start)
+        loop = _Consumer(
+            self, scratch, started, wg, start, block, lambda: self.visited(bid, tile, start, low.rows, bounds)
+        )
+        self.store(loop.run(), out_refs, scratch.outs, scratch.tiles, wg, bid, start)
 
     def _prologue(self, in_refs, tiles, arrived, turn, staging, wg, bid, start) -> tuple:
         """A consumer's start: its rows of the resident inputs copied in by TMA, its namespaces (the ping-pong turn
@@ -283,65 +209,6 @@ class MosaicKernel:
             v.ready()  # waited once, before the loop
         return turn, pingpong, grid, ctx, resident, scalars
 
-    def _chunk(self, chunk, rings, loaded, wg, resident, scalars) -> tuple:
-        """The values a consumer walks for one chunk (its rows of each ring buffer, the resident tiles, the
-        scalars), the ring's operands by input, and the ring slot."""
-        low, wires, rows = self.low, self.low.d.dom.inside, self.low.rows
-
-        def rows_of(i, ref):  # a consumer's rows of a ring buffer that holds the whole tile
-            names = wires[i].names
-            if low.q not in names:
-                return ref
-            return ref.at[tuple(pl.ds(wg * rows, rows) if n == low.q else slice(None) for n in names)]
-
-        slot = lax.rem(chunk, _i32(low.config.stages))
-        ring = {
-            i: Smem(rows_of(i, rings[k].at[slot]), loaded[k].at[slot]).along(1) for k, i in enumerate(self.streamed)
-        }
-        return [ring.get(i, resident.get(i, scalars.get(i))) for i in range(len(wires))], ring, slot
-
-    def _identities(self, grid, ctx) -> tuple:
-        """The accumulators' states at their identity, shaped by one chunk walked on abstract blocks (counting the
-        wgmma it issues): ``(counting, keys, init)``."""
-        from rewrites import walk
-
-        low, d = self.low, self.low.d
-        x = low.x or ""
-        counting = Counting()
-
-        def probe(*vals):
-            shapes: dict = {}
-            walk(
-                d,
-                list(vals),
-                BlockContext(self.sizes, {}, counting, {a: jnp.int32(0) for a in grid}),
-                x,
-                "chunk",
-                shapes,
-                fold=lambda acc, st, ins, cc: acc.partial(ins, cc),
-            )
-            return shapes
-
-        blocks = (jax.ShapeDtypeStruct(low.block(w, self.extent), w.dtype.jnp) for w in d.dom.inside)
-        like = jax.eval_shape(probe, *blocks) if self.streamed else {}
-        keys = sorted(like)
-        init = tuple(d.inside[i][1].accumulator(x).identity(like[i], ctx) for i in keys)
-        return counting, keys, init
-
-    def observe(self, lo, hi, loaded, consumed, pingpong, turns: int):
-        """Chunks ``[lo, hi)`` only the other consumers read: observe their arrival and release them, taking the
-        ``turns`` the other warpgroup's ping-pong passes meanwhile."""
-        stages = self.low.config.stages
-
-        @pl.loop(lo, hi)
-        def _(chunk):  # chunks only the other consumers read: observe their arrival, release them
-            slot = lax.rem(chunk, _i32(stages))
-            for k in range(len(self.streamed)):
-                plgpu.barrier_wait(loaded[k].at[slot])
-                plgpu.barrier_arrive(consumed[k].at[slot])
-            for _ in range(turns):  # the turns the other warpgroup takes meanwhile
-                pingpong.schedule()
-
     def store(self, results, out_refs, outs, tiles, wg, bid, start):
         """Each result through shared memory to HBM: its own buffer, or the dead tile of a resident input."""
         low, rows = self.low, self.low.rows
@@ -357,6 +224,105 @@ class MosaicKernel:
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(buf.at[wg], out.at[self._index(w, bid, **{low.q: pl.ds(start, rows)})])
         plgpu.wait_smem_to_gmem(0)
+
+
+class _Consumer(ChunkLoop):
+    """A consumer warpgroup's streamed loop (:class:`lowering._loop.ChunkLoop`): each chunk its rows of the ring
+    slots, waited on (``loaded``) as they are read and released (``consumed``) after; the chunks of the block
+    (``block``: the producer's ``[first, chunks)``) its own rows do not visit observed and released all the same;
+    the ping-pong turns of two consumers offset by one; an error while walking names the box."""
+
+    def __init__(self, kernel: MosaicKernel, scratch: _Scratch, started: tuple, wg, start, block, visited):
+        self.turn, self.pingpong, grid, ctx, self.resident, self.scalars = started
+        low, self.kernel, self.scratch, self.wg, self.visit = kernel.low, kernel, scratch, wg, visited
+        x = low.x or ""
+        final = [
+            None if w.has(x) else self.resident.get(i, self.scalars.get(i)) for i, w in enumerate(low.d.dom.inside)
+        ]
+        super().__init__(low.d, x, low.s, ctx, kept=final, hidden=low.hidden)
+        self.chunk_ctx = BlockContext(kernel.sizes, {low.q: start}, self.pingpong, grid)
+        self.span, self.grid, self.counting, self.box = block, grid, Counting(), None
+
+    def blocks(self) -> list | None:
+        """One chunk's blocks as a consumer sees them (the probe also counts the wgmma a chunk issues)."""
+        if not self.kernel.streamed:  # no loop (the backward's Δ)
+            return None
+        return [
+            jax.ShapeDtypeStruct(self.kernel.low.block(w, self.kernel.extent), w.dtype.jnp) for w in self.d.dom.inside
+        ]
+
+    def probe_ctx(self) -> BlockContext:
+        return BlockContext(self.kernel.sizes, {}, self.counting, {a: jnp.int32(0) for a in self.grid})
+
+    def count(self):
+        return self.span[1] if self.kernel.streamed else None
+
+    def bounds(self) -> tuple | None:
+        return self.visit() if self.kernel.low.hidden else None
+
+    def chunk(self, c, walk_chunk) -> None:
+        low, wires, rows, wg = self.kernel.low, self.d.dom.inside, self.kernel.low.rows, self.wg
+        rings, loaded, consumed = self.scratch.rings, self.scratch.loaded, self.scratch.consumed
+
+        def rows_of(i, ref):  # a consumer's rows of a ring buffer that holds the whole tile
+            names = wires[i].names
+            if low.q not in names:
+                return ref
+            return ref.at[tuple(pl.ds(wg * rows, rows) if n == low.q else slice(None) for n in names)]
+
+        slot = lax.rem(c, _i32(low.config.stages))
+        streamed = self.kernel.streamed
+        ring = {i: Smem(rows_of(i, rings[k].at[slot]), loaded[k].at[slot]).along(1) for k, i in enumerate(streamed)}
+        self.pingpong.issued = 0
+        walk_chunk([ring.get(i, self.resident.get(i, self.scalars.get(i))) for i in range(len(wires))])
+        if self.pingpong.issued != self.counting.wgmma:  # the turns an observed chunk takes would not match
+            raise NotLowerable(
+                f"a chunk issued {self.pingpong.issued} wgmma, the shape probe counted {self.counting.wgmma}"
+            )
+        for k, i in enumerate(streamed):
+            ring[i].ready()  # an input no box read still completes its phase
+            plgpu.barrier_arrive(consumed[k].at[slot])
+
+    def carried(self, v):
+        return value_of(v)
+
+    def walk(self, *args, skip, **kw) -> list:
+        def watched(box):
+            self.box = box
+            return skip(box)
+
+        try:
+            return walk(*args, skip=watched, **kw)
+        except (NotLowerable, NotImplementedError, ValueError, TypeError) as e:
+            raise NotLowerable(f"box {getattr(self.box, 'name', self.box)!r}: {e}") from e
+
+    def skipped(self, lo, hi) -> None:
+        """Chunks ``[lo, hi)`` only the other consumers read: observe their arrival and release them, taking the
+        turns the other warpgroup's ping-pong passes meanwhile."""
+        stages, consumed, loaded = self.kernel.low.config.stages, self.scratch.consumed, self.scratch.loaded
+
+        @pl.loop(lo, hi)
+        def _(chunk):
+            slot = lax.rem(chunk, _i32(stages))
+            for k in range(len(self.kernel.streamed)):
+                plgpu.barrier_wait(loaded[k].at[slot])
+                plgpu.barrier_arrive(consumed[k].at[slot])
+            for _ in range(self.counting.wgmma):  # the turns the other warpgroup takes meanwhile
+                self.pingpong.schedule()
+
+    def begin(self) -> None:
+        if self.turn is not None:  # the second warpgroup starts one turn behind
+
+            @pl.when(self.wg == 1)
+            def _():
+                self.pingpong.schedule()
+
+    def end(self) -> None:
+        if self.turn is not None:  # and the first one ends one turn later
+
+            @pl.when(self.wg == 0)
+            def _():
+                self.pingpong.schedule()
 
 
 #: the hardware named barrier the consumer warpgroups pass their ping-pong turns through (Mosaic GPU uses the

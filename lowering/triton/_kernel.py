@@ -21,6 +21,7 @@ from lowering._blocks import (
     visited,
     zeroing_mask,
 )
+from lowering._loop import ChunkLoop
 from lowering._plan import Plan, neutral_padding, unweave
 from lowering.triton._namespace import Blocks
 from rewrites import Rule, walk
@@ -75,93 +76,75 @@ def _kernel(p: Plan, sizes, extent, padded, xp: Blocks, n_bounds, flip, *refs):
 
 
 def _stream(p: Plan, d, laid, ctx: BlockContext, extent, padded, in_refs, bound_refs) -> list:
-    """The streamed loop (FAN §3): the accumulators start at their identity, fold the chunks the masks leave
-    (:func:`_bounds`: hidden ones skipped, whole ones unmasked), and the diagram's final walk gives the outputs."""
-    x, s = p.stream
-    carried = [w.has(x) for w in d.dom.inside]
-    # an input laid out otherwise than the kernel's wire (tiled_first): its block transposed as it loads
-    perms = [
-        None if a.names == w.names else [a.names.index(n) for n in w.names]
-        for a, w in zip(laid, d.dom.inside, strict=True)
-    ]
-    resident = [None if c else r[...] for r, c in zip(in_refs, carried, strict=True)]
+    """The streamed loop (FAN §3, :class:`lowering._loop.ChunkLoop`) on this program's blocks: the chunks the
+    masks leave (:func:`_bounds`: hidden ones skipped, whole ones unmasked) sliced from the block refs."""
+    return _Chunks(p, d, laid, ctx, extent, padded, in_refs, bound_refs).run()
 
-    def chunk_values(c):
-        vals = []
-        for r, w, v, perm in zip(in_refs, laid, resident, perms, strict=True):
+
+class _Chunks(ChunkLoop):
+    """A Triton program's streamed loop: each chunk a slice of its block refs (transposed into the kernel's
+    tiled-first layout where the caller lays it out otherwise), the ragged last chunk's padding set neutral, the
+    chunks the affine and segment masks hide skipped (their bounds: :func:`_bounds`)."""
+
+    def __init__(self, p: Plan, d, laid, ctx: BlockContext, extent, padded, in_refs, bound_refs):
+        x, s = p.stream
+        carried = [w.has(x) for w in d.dom.inside]
+        # an input laid out otherwise than the kernel's wire (tiled_first): its block transposed as it loads
+        self.perms = [
+            None if a.names == w.names else [a.names.index(n) for n in w.names]
+            for a, w in zip(laid, d.dom.inside, strict=True)
+        ]
+        resident = [None if c else r[...] for r, c in zip(in_refs, carried, strict=True)]
+        # the ragged last chunk's padding set, in each input of an accumulator, to the value its side condition
+        # checked neutral (rewrites.neutral_padding)
+        self.pads = {id(d.inside[i][1]): v for i, v in neutral_padding(d, x).items()} if extent[x] != padded[x] else {}
+        # affine masks reading the streamed axis, and segment masks (their bounds come from the wrapper): the
+        # chunks they hide are skipped, those they all keep whole run without them
+        self.masks = {id(b): m for b in d.boxes if (m := affine_mask(b)) is not None and x in m.axes}
+        segs = segments(d, p)
+        assert 4 * len(segs) == len(bound_refs), "the wrapper and the kernel see different segment masks"
+        super().__init__(d, x, s, ctx, kept=resident, hidden=set(self.masks) | {id(m.box) for m in segs})
+        zero = zeroing_mask(d, x)  # a mask on the tiles that zeroes every accumulator's input: hidden tiles run none
+        self.zero = zero if zero is not None and set(zero.axes) <= set(p.tiles) else None
+        self.p, self.laid, self.extent, self.padded = p, laid, extent, padded
+        self.in_refs, self.bound_refs = in_refs, bound_refs
+
+    def blocks(self) -> list:
+        p, x, s = self.p, self.x, self.s
+
+        def block_shape(w):
+            return tuple(s if a.name == x else p.tiles.get(a.name, self.padded[a.name]) for a in w.axes)
+
+        return [jax.ShapeDtypeStruct(block_shape(w), w.dtype.jnp) for w in self.d.dom.inside]
+
+    def chunk(self, c, walk_chunk) -> None:
+        x, s, vals = self.x, self.s, []
+        for r, w, v, perm in zip(self.in_refs, self.laid, self.kept, self.perms, strict=True):
             if v is None:
                 pos = w.names.index(x)
                 v = r[tuple(pl.ds(c * s, s) if i == pos else slice(None) for i in range(len(w.axes)))]
                 v = v if perm is None else jnp.transpose(v, perm)
             vals.append(v)
-        return vals
+        walk_chunk(vals)
 
-    fold = _padded_fold(d, x, extent, padded)
-    # affine masks reading the streamed axis, and segment masks (their bounds come from the wrapper): the
-    # chunks they hide are skipped, those they all keep whole run without them
-    masks = {id(b): m for b in d.boxes if (m := affine_mask(b)) is not None and x in m.axes}
-    segs = segments(d, p)
-    assert 4 * len(segs) == len(bound_refs), "the wrapper and the kernel see different segment masks"
-    hidden = set(masks) | {id(m.box) for m in segs}
-    zero = zeroing_mask(d, x)  # a mask on the tiles that zeroes every accumulator's input: hidden tiles run no chunk
-    zero = zero if zero is not None and set(zero.axes) <= set(p.tiles) else None
-    keys, init = _identities(p, d, ctx, padded)
-
-    def body(unmasked):
-        def run(c, carry):
-            states = dict(zip(keys, carry, strict=True))
-            skip = lambda box: unmasked and id(box) in hidden  # noqa: E731
-            walk(d, chunk_values(c), ctx.at(**{x: c * s}), x, "chunk", states, fold=fold, skip=skip)
-            return tuple(states[i] for i in keys)
-
-        return run
-
-    n_chunks = padded[x] // s
-    if hidden:
-        first, full_lo, full_hi, last = _bounds(p, masks.values(), zero, ctx, extent, n_chunks, bound_refs)
-        carry = lax.fori_loop(first, full_lo, body(False), init)
-        carry = lax.fori_loop(full_lo, full_hi, body(True), carry)
-        carry = lax.fori_loop(full_hi, last, body(False), carry)
-    elif zero is None:
-        carry = lax.fori_loop(0, n_chunks, body(False), init)
-    else:
-        carry = lax.fori_loop(0, n_chunks * tile_kept(zero, p, ctx.offsets, extent), body(False), init)
-    states = dict(zip(keys, carry, strict=True))
-    final = [None if c else v for v, c in zip(resident, carried, strict=True)]
-    return walk(d, final, ctx, x, "final", states)
-
-
-def _padded_fold(d, x: str, extent: dict, padded: dict):
-    """An accumulator's step, with the ragged last chunk's padding set, in each of its inputs, to the value its
-    side condition checked neutral (:func:`rewrites.neutral_padding`)."""
-    pads = {id(d.inside[i][1]): v for i, v in neutral_padding(d, x).items()} if extent[x] != padded[x] else {}
-
-    def fold(acc, state, ins, cctx):
-        if id(acc.box) in pads:
+    def fold(self, acc, state, ins, ctx):
+        if id(acc.box) in self.pads:
+            x, n = self.x, self.extent[self.x]
             ins = [
-                mask_padding(v, w, x, cctx.offsets[x], extent[x], pad) if w.has(x) else v
-                for v, w, pad in zip(ins, acc.box.dom.inside, pads[id(acc.box)], strict=True)
+                mask_padding(v, w, x, ctx.offsets[x], n, pad) if w.has(x) else v
+                for v, w, pad in zip(ins, acc.box.dom.inside, self.pads[id(acc.box)], strict=True)
             ]
-        return acc.step(state, ins, cctx)
+        return acc.step(state, ins, ctx)
 
-    return fold
+    def count(self):
+        n_chunks = self.padded[self.x] // self.s
+        return n_chunks if self.zero is None else n_chunks * tile_kept(self.zero, self.p, self.ctx.offsets, self.extent)
 
-
-def _identities(p: Plan, d, ctx: BlockContext, padded: dict) -> tuple[list, tuple]:
-    """The accumulators (their layers, sorted) and their states' identities, shaped by one abstract chunk."""
-    x, s = p.stream
-
-    def probe(*vals):
-        shapes: dict = {}
-        walk(d, list(vals), ctx.at(**{x: 0}), x, "chunk", shapes, fold=lambda acc, st, ins, c: acc.partial(ins, c))
-        return shapes
-
-    def block_shape(w):
-        return tuple(s if a.name == x else p.tiles.get(a.name, padded[a.name]) for a in w.axes)
-
-    like = jax.eval_shape(probe, *(jax.ShapeDtypeStruct(block_shape(w), w.dtype.jnp) for w in d.dom.inside))
-    keys = sorted(like)
-    return keys, tuple(d.inside[i][1].accumulator(x).identity(like[i], ctx) for i in keys)
+    def bounds(self) -> tuple | None:
+        if not self.hidden:
+            return None
+        n_chunks = self.padded[self.x] // self.s
+        return _bounds(self.p, self.masks.values(), self.zero, self.ctx, self.extent, n_chunks, self.bound_refs)
 
 
 def _bounds(p: Plan, masks, zero, ctx: BlockContext, extent: dict, n_chunks: int, bound_refs) -> tuple:
