@@ -30,7 +30,7 @@ import numpy as np
 import rewrites
 from napkin_cat.diagram import Diagram, is_structural
 from napkin_cat.errors import NapkinError
-from napkin_cat.generators import Generator, fname
+from napkin_cat.generators import Captured, Generator, fname
 from rewrites import LOG2E as LOG2E  # the rules live in rewrites; these names stay importable here
 from rewrites import Neutral as Neutral
 from rewrites import neutral_padding as neutral_padding
@@ -312,6 +312,8 @@ def _captured(fn: Callable) -> dict:
             found[label] = v
             continue
         if isinstance(v, _ATOMS) or id(v) in seen or (_library(v) and not isinstance(v, _CONTAINERS)):
+            continue
+        if isinstance(v, Captured):  # a converted function: the arrays it reads are its inputs
             continue
         seen.add(id(v))
         parts = _parts(v, label, attrs)
