@@ -82,7 +82,7 @@ from napkin_cat import library
 from napkin_cat.axes import axes
 from napkin_cat.diagram import Array, Diagram
 from napkin_cat.dtypes import bf16, f16, f32
-from napkin_cat.errors import EvaluationError
+from napkin_cat.errors import AxisError, EvaluationError
 from napkin_cat.generators import FLEX_INDICES, Captured, fname, index_names, positional
 from napkin_cat.hardware import Hardware, lookup
 from rewrites import Derivation, derive, stream, tile
@@ -249,7 +249,9 @@ class Signature:
                 f"attention: no kernel for an empty axis (q {tuple(query.shape)}, k {tuple(key.shape)}, "
                 f"v {tuple(value.shape)}); call attention(q, k, v, ...), which returns the empty or zero output"
             )
-        mosaic = backend != "triton" and unavailable(interpret) is None and bias is None and mask is None
+        converted_fns = isinstance(score_mod, Captured) or isinstance(mask_mod, Captured)
+        arrays = bias is not None or mask is not None or converted_fns
+        mosaic = backend != "triton" and unavailable(interpret) is None and not arrays
         t, s = schedule(query.shape[-3], key.shape[-3], dim, value_dim, mosaic=mosaic)
         made = cls(
             jnp.dtype(query.dtype).name,
@@ -382,12 +384,22 @@ def converted(fn: Callable | None, score: bool) -> Callable | None:
     >>> converted(f, score=True) is f
     True
     """
-    if fn is None or isinstance(fn, Captured) or not captured(fn):
+    if fn is None or isinstance(fn, Captured) or not (arrays := captured(fn)):
         return fn
-    fn = positional(fn, FLEX_INDICES, score=score)
-    names = index_names(fn, score=score)
+    flex = positional(fn, FLEX_INDICES, score=score)
+    names = index_names(flex, score=score)
     names = FLEX_INDICES if names is None else tuple(n for n in FLEX_INDICES if n in names)
-    return Captured.of(fn, names, score=score)
+    try:
+        return Captured.of(flex, names, score=score)
+    except (AxisError, jax.errors.TracerArrayConversionError) as e:
+        shown = ", ".join(
+            f"{what} {tuple(jnp.shape(v))}" + (f" in {where}" if where else "") for (what, where), v in arrays.items()
+        )
+        why = str(e).splitlines()[0]
+        fix = "read each array at the indices, one scalar per score (table[h], ids[q_idx], rel[q_idx - kv_idx])"
+        fix += "; a numpy array cannot be indexed by traced indices: capture jnp.asarray(it)"
+        why = f"attention: {fname(fn)} reads arrays ({shown}) that cannot become inputs: {why}; {fix}"
+        raise NotLowerable(why) from e
 
 
 def _captured_inputs(fns, query, key, group: int) -> list:

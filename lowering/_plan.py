@@ -343,9 +343,10 @@ def _check_closure(box: Generator):
         raise NotLowerable(
             f"box {box.name!r}: {name} closes over arrays ({shown}); a kernel cannot capture arrays. In a diagram, "
             "make them inputs (as nc.library.document_attention does with segment ids) or compute them from the "
-            "indices. With nc.attention, pass them as arrays of the call instead: bias= (added to the scores), "
-            "mask= (bool, [B, H, Nq, Nk]) or segment_ids= (document ids, [B, N]), or compute them in score_mod / "
-            "mask_mod from the indices" + ("; capture a 0-d array as a Python number (float(c))" if scalar else "")
+            "indices. nc.attention takes such a score_mod / mask_mod: it makes what the function reads of them "
+            "inputs of the kernel (napkin_cat.generators.Captured); so do bias= (added to the scores), mask= (bool, "
+            "[B, H, Nq, Nk]) and segment_ids= (document ids, [B, N])"
+            + ("; capture a 0-d array as a Python number (float(c))" if scalar else "")
         )
 
 

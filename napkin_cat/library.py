@@ -527,11 +527,12 @@ def dot_product_attention(
     its batch axes are given (``()``: shared by every batch), an additive bias ``B[*bias_batch, q, x]``
     (differentiable), a boolean mask ``M[*mask_batch, q, x]`` (true keeps the score) and segment ids
     ``ids_q[*segment_batch, q] ⊗ ids_x[*segment_batch, x]`` (i32; a query sees the keys of its own
-    segment). ``captured`` holds ``(fn, wires)`` pairs: a score modifier or mask whose captured arrays became the
-    inputs ``wires`` (:class:`~napkin_cat.generators.Captured`: ``fn(s, *wires)``), taking the place of
-    ``score_mod`` or ``mask``, its inputs after the bias. ``bias_seq`` and ``mask_seq`` name the sequence axes the bias and the mask have (``"q"`` for
+    segment). ``bias_seq`` and ``mask_seq`` name the sequence axes the bias and the mask have (``"q"`` for
     queries, ``"x"`` for keys): an axis left out is broadcast, not read per query or key, and the bias's
-    gradient is summed over it (``"x"``: a key-padding mask ``M[*mask_batch, x]``). ``window = (left,
+    gradient is summed over it (``"x"``: a key-padding mask ``M[*mask_batch, x]``). ``captured`` holds
+    ``(fn, wires)`` pairs: a score modifier or a mask whose captured arrays became the inputs ``wires``
+    (:class:`~napkin_cat.generators.Captured`, called as ``fn(s, *wires)``), in the place of ``score_mod`` or
+    ``mask``, its inputs after the bias. ``window = (left,
     right)`` keeps key ``x`` for query ``q`` where ``q − left ≤ x ≤ q + right`` (``jax.nn``'s
     ``local_window_size``), an :class:`Affine` mask, so kernels skip the blocks outside it. Scores are
     ``score_mod(scale·Q·Kᵀ + B)``, then masked by the keyword masks, the window, ``M`` and the ids (the rule

@@ -429,7 +429,8 @@ class Captured:
         return cls(fn, names, score=score, closed=closed)
 
     def __eq__(self, other):
-        return isinstance(other, Captured) and (self.key, self.score, self.names) == (other.key, other.score, other.names)
+        mine = (self.key, self.score, self.names)
+        return isinstance(other, Captured) and mine == (other.key, other.score, other.names)
 
     def __hash__(self):
         return hash((self.key, self.score, self.names))
