@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import Jaxpr, Literal
 
 from napkin_cat.axes import Axis
 from napkin_cat.diagram import Array, Ty
@@ -389,8 +390,8 @@ class Captured:
     element by element (the indices it still reads, ``indices``, come as inputs too). A mask keeps the score
     where the function holds, else −∞.
 
-    Two functions with the same trace (their arrays' shapes and dtypes included, not their values) give equal
-    objects: a kernel built for one serves the other.
+    Two functions whose traces compute the same from their reads (whatever the arrays' values and sizes) give
+    equal objects: a kernel built for one serves the other.
 
     >>> import jax.numpy as jnp
     >>> doc = jnp.array([0, 0, 1, 1, 1])
@@ -408,9 +409,12 @@ class Captured:
         self._closed = closed  # this call's trace, with the arrays' values: used by inputs(), not kept in kernels
         jaxpr = closed.jaxpr
         self.jaxpr, self._split = jaxpr, _split(jaxpr, self.names, score, fname(fn))
-        self.key = str(jaxpr)
         self.reads = tuple((axes, jnp.dtype(v.aval.dtype).name) for v, axes in self._split.reads)
         self.indices = self._split.indices
+        index = [jaxpr.invars[score + self.names.index(a)] for a in self.indices]
+        self._seeds = [v for v, _ in self._split.reads] + index + jaxpr.invars[:score]
+        # the kernel's part of the trace, on (reads, indices, score): what a kernel computes, so its key
+        self.key = str(Jaxpr((), self._seeds, jaxpr.outvars, list(self._split.kernel)))
 
     @classmethod
     def of(cls, fn: Callable, names: tuple[str, ...], *, score: bool) -> Captured:
@@ -428,12 +432,14 @@ class Captured:
             raise AxisError(f"{what} {fname(fn)}: returns {out.str_short()} for one score; expected a scalar")
         return cls(fn, names, score=score, closed=closed)
 
+    def _identity(self) -> tuple:
+        return (self.key, self.score, self.names, self.reads, self.indices)
+
     def __eq__(self, other):
-        mine = (self.key, self.score, self.names)
-        return isinstance(other, Captured) and mine == (other.key, other.score, other.names)
+        return isinstance(other, Captured) and self._identity() == other._identity()
 
     def __hash__(self):
-        return hash((self.key, self.score, self.names))
+        return hash(self._identity())
 
     def __repr__(self):
         return f"Captured({fname(self.fn)}, reads={self.reads}, indices={self.indices})"
@@ -476,10 +482,7 @@ class Captured:
         gives them) → the modified score, or the score where the mask keeps it, else −∞."""
         s, rest = args[0], args[1:]
         shape = jnp.broadcast_shapes(*(jnp.shape(a) for a in args))
-        jaxpr, split = self.jaxpr, self._split
-        seeds = [v for v, _ in split.reads] + [jaxpr.invars[self.score + self.names.index(a)] for a in self.indices]
-        if self.score:
-            seeds.append(jaxpr.invars[0])
+        jaxpr, split, seeds = self.jaxpr, self._split, self._seeds
         values = [*rest, s] if self.score else list(rest)
         values = [jnp.broadcast_to(x, shape).astype(v.aval.dtype) for x, v in zip(values, seeds, strict=True)]
 
@@ -501,8 +504,6 @@ class _Split:
 
 def _split(jaxpr, names: tuple, score: bool, name: str) -> _Split:
     """Cut a scalar trace where each captured array (a constant of the trace) is read down to one scalar."""
-    from jax.extend.core import Literal
-
     what = "score_mod" if score else "mask_mod"
     deps = {v: frozenset({n}) for v, n in zip(jaxpr.invars[score:], names, strict=True)}
     scored = {jaxpr.invars[0]} if score else set()
@@ -543,8 +544,6 @@ def _split(jaxpr, names: tuple, score: bool, name: str) -> _Split:
 
 def _slice(jaxpr, v) -> tuple:
     """The equations of ``jaxpr`` that ``v`` depends on, in order."""
-    from jax.extend.core import Literal
-
     want, kept = {v}, []
     for e in reversed(jaxpr.eqns):
         if want & set(e.outvars):
@@ -555,8 +554,6 @@ def _slice(jaxpr, v) -> tuple:
 
 def _run(eqns, env: dict, outs) -> list:
     """Evaluate equations on ``env`` (variables → values), as ``jax.core.eval_jaxpr`` does."""
-    from jax.extend.core import Literal
-
     def read(v):
         return v.val if isinstance(v, Literal) else env[v]
 
