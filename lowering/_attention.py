@@ -364,12 +364,15 @@ def _wires(fn: Captured, axis: dict) -> tuple:
     """The inputs of a converted index function in the diagram: its reads, then the indices it still reads,
     each over its axes (``axis`` maps an index name to the diagram's axes; a read of no index is a per-batch
     value)."""
-    named = [(a or ("b",), DTYPES_OF.get(t, "f32")) for a, t in fn.reads] + [((n,), "i32") for n in fn.indices]
+    named = [(a or ("b",), _read_dtype(t)) for a, t in fn.reads] + [((n,), "i32") for n in fn.indices]
     return tuple(Array(*(x for n in names for x in axis[n]), dtype=t) for names, t in named)
 
 
-#: a read's dtype in the diagram: integers as i32, booleans as bool, floats as f32 (the kernel casts them back)
-DTYPES_OF = {"int32": "i32", "int16": "i32", "int8": "i32", "uint8": "i32", "uint16": "i32", "bool": "bool"}
+def _read_dtype(name: str) -> str:
+    """A read's dtype in the diagram: booleans as bool, integers as i32, floats as f32 (the kernel casts back)."""
+    if name == "bool":
+        return "bool"
+    return "i32" if jnp.issubdtype(jnp.dtype(name), jnp.integer) else "f32"
 
 
 def converted(fn: Callable | None, score: bool) -> Callable | None:

@@ -15,6 +15,9 @@ True
 >>> def alibi(s, q, x): return s - 0.5 * abs(q - x)
 >>> float(to_jax(score_mod(Array(q, x), alibi))(jnp.zeros((2, 3)))[0, 2])
 -1.0
+
+**Functions that read arrays.** :class:`Captured` converts an index function reading arrays it is not given
+(document ids, a bias table) into one whose reads of them are inputs, as ``nc.attention`` passes them.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import Jaxpr, Literal
+from jax.extend.core import Literal
 
 from napkin_cat.axes import Axis
 from napkin_cat.diagram import Array, Ty
@@ -404,7 +407,7 @@ class Captured:
     [[0.0, -inf], [-inf, 0.0]]
     """
 
-    def __init__(self, fn: Callable, names: tuple[str, ...], *, score: bool, closed=None):
+    def __init__(self, fn: Callable, names: tuple[str, ...], *, score: bool, closed):
         self.fn, self.names, self.score = fn, tuple(names), score
         self._closed = closed  # this call's trace, with the arrays' values: used by inputs(), not kept in kernels
         jaxpr = closed.jaxpr
@@ -413,8 +416,7 @@ class Captured:
         self.indices = self._split.indices
         index = [jaxpr.invars[score + self.names.index(a)] for a in self.indices]
         self._seeds = [v for v, _ in self._split.reads] + index + jaxpr.invars[:score]
-        # the kernel's part of the trace, on (reads, indices, score): what a kernel computes, so its key
-        self.key = str(Jaxpr((), self._seeds, jaxpr.outvars, list(self._split.kernel)))
+        self.key = _key(self._seeds, self._split.kernel, jaxpr.outvars)
 
     @classmethod
     def of(cls, fn: Callable, names: tuple[str, ...], *, score: bool) -> Captured:
@@ -491,7 +493,7 @@ class Captured:
 
         for _ in shape:
             one = jax.vmap(one)
-        y = one(*values) if shape else one(*values)
+        y = one(*values)
         return y.astype(jnp.float32) if self.score else jnp.where(y, s, -jnp.inf)
 
 
@@ -540,6 +542,22 @@ def _split(jaxpr, names: tuple, score: bool, name: str) -> _Split:
         tuple(n for v, n in zip(jaxpr.invars[score:], names, strict=True) if v in want),
         tuple(reversed(run)),
     )
+
+
+def _key(seeds, eqns, outs) -> str:
+    """The kernel's part of a trace, on its inputs ``seeds`` (reads, indices, score), written out with variables
+    numbered in order: what a kernel computes, so the key two conversions share a kernel by."""
+    ids = {v: i for i, v in enumerate(seeds)}
+
+    def name(v):
+        return repr(v.val) if isinstance(v, Literal) else f"v{ids[v]}"
+
+    lines = [" ".join(f"v{i}:{v.aval.str_short()}" for v, i in ids.items())]
+    for e in eqns:
+        ids.update((o, len(ids)) for o in e.outvars)
+        outs_ = " ".join(f"{name(o)}:{o.aval.str_short()}" for o in e.outvars)
+        lines.append(f"{outs_} = {e.primitive.name}[{e.params}] {' '.join(map(name, e.invars))}")
+    return "\n".join([*lines, " ".join(map(name, outs))])
 
 
 def _slice(jaxpr, v) -> tuple:
