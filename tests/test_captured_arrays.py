@@ -20,9 +20,10 @@ import napkin_cat as nc
 from lowering import NotLowerable
 from napkin_cat.generators import Captured
 
-#: relative error (max |a − b| / max |b|) measured against the f32 reference: f32 kernels ~1e-6 (forward) and
-#: ~1e-5 (a table's gradient, summed over every score); bf16 inputs ~4e-3 (their rounding, 2^-8)
-TOL = {"float32": 5e-5, "bfloat16": 2e-2}
+#: relative error (max |a − b| / max |b|) against the f32 reference, as measured (relative-bias case, N = 32, two
+#: seeds): f32 at most 5e-7, forward and every gradient, the table's included; bf16 inputs at most 5e-3 (their
+#: rounding, 2^-8, through the softmax)
+TOL = {"float32": 1e-5, "bfloat16": 1.5e-2}
 
 
 def rel(a, b) -> float:
