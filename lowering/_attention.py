@@ -23,7 +23,10 @@ function names only the indices it reads: ``lambda s, q_idx, kv_idx: s - abs(q_i
 head. ``h`` is the query head, as in ``jax.nn`` (under grouped-query attention the entry computes it
 from the key/value head and the position in its group). The callables are part of the signature as
 Python compares them: a function by identity (define it once, not in a loop, or every call derives
-anew), a frozen dataclass such as :class:`~napkin_cat.library.SoftCap` by its fields.
+anew), a frozen dataclass such as :class:`~napkin_cat.library.SoftCap` by its fields. A function reading
+arrays it is not given (document ids, offsets, a learnable table: :func:`converted`) has each scalar it reads
+of them made an input of the kernel, computed at each call (differentiable; new values reuse the kernel), and
+is compared by what the kernel computes of it.
 
 **Arrays** (:func:`napkin_cat.library.dot_product_attention` makes them inputs of the diagram, read by the
 kernel): ``bias`` (added to the scaled scores; f32, bf16 or f16) and ``mask`` (bool, true keeps a score,
