@@ -23,7 +23,10 @@ function names only the indices it reads: ``lambda s, q_idx, kv_idx: s - abs(q_i
 head. ``h`` is the query head, as in ``jax.nn`` (under grouped-query attention the entry computes it
 from the key/value head and the position in its group). The callables are part of the signature as
 Python compares them: a function by identity (define it once, not in a loop, or every call derives
-anew), a frozen dataclass such as :class:`~napkin_cat.library.SoftCap` by its fields.
+anew), a frozen dataclass such as :class:`~napkin_cat.library.SoftCap` by its fields. A function reading
+arrays it is not given (document ids, offsets, a learnable table: :func:`converted`) has each scalar it reads
+of them made an input of the kernel, computed at each call (differentiable; new values reuse the kernel), and
+is compared by what the kernel computes of it.
 
 **Arrays** (:func:`napkin_cat.library.dot_product_attention` makes them inputs of the diagram, read by the
 kernel): ``bias`` (added to the scaled scores; f32, bf16 or f16) and ``mask`` (bool, true keeps a score,
@@ -73,16 +76,17 @@ import jax.numpy as jnp
 
 from lowering._api import BACKENDS, Kernel, OpenKernel, check_layout, lower
 from lowering._plan import NotLowerable
+from lowering._plan import _captured as captured
 from lowering._target import interpreted, target_hardware
 from lowering._tiles import fit_blocks
 from lowering.mosaic import MOSAIC_BLOCKS, unavailable
 from lowering.triton import TRITON_BLOCKS
 from napkin_cat import library
 from napkin_cat.axes import axes
-from napkin_cat.diagram import Diagram
+from napkin_cat.diagram import Array, Diagram
 from napkin_cat.dtypes import bf16, f16, f32
-from napkin_cat.errors import EvaluationError
-from napkin_cat.generators import Rope, fname, index_names, positional
+from napkin_cat.errors import AxisError, EvaluationError
+from napkin_cat.generators import FLEX_INDICES, Captured, Rope, fname, index_names, positional
 from napkin_cat.hardware import Hardware, lookup
 from rewrites import Derivation, derive, stream, tile
 
@@ -252,7 +256,9 @@ class Signature:
                 f"attention: no kernel for an empty axis (q {tuple(query.shape)}, k {tuple(key.shape)}, "
                 f"v {tuple(value.shape)}); call attention(q, k, v, ...), which returns the empty or zero output"
             )
-        mosaic = backend != "triton" and unavailable(interpret) is None and bias is None and mask is None
+        converted_fns = isinstance(score_mod, Captured) or isinstance(mask_mod, Captured)
+        arrays = bias is not None or mask is not None or converted_fns
+        mosaic = backend != "triton" and unavailable(interpret) is None and not arrays
         # auto takes Mosaic's own blocks only at head dims it was measured faster at; asked for, at any
         mosaic = mosaic and (backend == "mosaic" or MOSAIC_BLOCKS.measured(dim, value_dim))
         t, s = schedule(query.shape[-3], key.shape[-3], dim, value_dim, mosaic=mosaic)
@@ -295,8 +301,16 @@ class Signature:
             heads = axes("h_kv g")
             kw = dict(batch=(b, *heads), kv_batch=(b, heads[0]))
         kw["seq_at"] = 1  # the caller's [b, seq, heads, d], read in place: no transpose before or after the kernel
-        mods = {"score_mod": self._indexed(self.score_mod, True), "mask": self._indexed(self.mask_mod, False)}
         axis = {"b": (b,), "h": heads}  # a bias's or a mask's axes among the batch's (heads: query heads)
+        captured = tuple(
+            (f, _wires(f, axis | {QUERIES: (q,), KEYS: (x,)}))
+            for f in (self.score_mod, self.mask_mod)
+            if isinstance(f, Captured)
+        )
+        mods = {
+            k: None if isinstance(f, Captured) else self._indexed(f, k == "score_mod")
+            for k, f in (("score_mod", self.score_mod), ("mask", self.mask_mod))
+        }
         bias, mask = ([None, ""] if a is None else [tuple(x for n in a if n in axis for x in axis[n]), _seq(a)]
                       for a in (self.bias, self.mask))
         return library.dot_product_attention(
@@ -316,6 +330,7 @@ class Signature:
             value_dim=dv if self.value_dim else None,
             rope=self.rope,
             rope_batch=(b,) if self.rope_positions else None,
+            captured=captured,
             **{k: f for k, f in mods.items() if f is not None},
             **kw,
         )
@@ -356,6 +371,69 @@ def _fitted(sig: Signature) -> Signature:
 def _seq(axes: tuple[str, ...]) -> str:
     """The sequence axes a bias or a mask is read over, as the library names them (``"q"``, ``"x"``)."""
     return ("q" if "q" in axes else "") + ("x" if "k" in axes else "")
+
+
+def _wires(fn: Captured, axis: dict) -> tuple:
+    """The inputs of a converted index function in the diagram: its reads, then the indices it still reads,
+    each over its axes (``axis`` maps an index name to the diagram's axes; a read of no index is a per-batch
+    value)."""
+    named = [(a or ("b",), _read_dtype(t)) for a, t in fn.reads] + [((n,), "i32") for n in fn.indices]
+    return tuple(Array(*(x for n in names for x in axis[n]), dtype=t) for names, t in named)
+
+
+def _read_dtype(name: str) -> str:
+    """A read's dtype in the diagram: booleans as bool, integers as i32, floats as f32 (the kernel casts back)."""
+    if name == "bool":
+        return "bool"
+    return "i32" if jnp.issubdtype(jnp.dtype(name), jnp.integer) else "f32"
+
+
+def converted(fn: Callable | None, score: bool) -> Callable | None:
+    """``fn`` as the kernel takes it: a :class:`~napkin_cat.generators.Captured` where it reads arrays it is not
+    given (at any depth: :func:`lowering._plan.captured`), which the entry passes as inputs, read at each call;
+    else ``fn`` itself.
+
+    >>> ids = jnp.array([0, 0, 1])
+    >>> converted(lambda b, h, q_idx, kv_idx: ids[q_idx] == ids[kv_idx], score=False).reads
+    ((('q_idx',), 'int32'), (('kv_idx',), 'int32'))
+    >>> f = lambda s, q_idx: s + q_idx
+    >>> converted(f, score=True) is f
+    True
+    """
+    if fn is None or isinstance(fn, Captured) or not (arrays := captured(fn)):
+        return fn
+    flex = positional(fn, FLEX_INDICES, score=score)
+    names = index_names(flex, score=score)
+    names = FLEX_INDICES if names is None else tuple(n for n in FLEX_INDICES if n in names)
+    try:
+        return Captured.of(flex, names, score=score)
+    except (AxisError, jax.errors.TracerArrayConversionError) as e:
+        shown = ", ".join(
+            f"{what} {tuple(jnp.shape(v))}" + (f" in {where}" if where else "") for (what, where), v in arrays.items()
+        )
+        why = str(e).splitlines()[0]
+        fix = "read each array at the indices, one scalar per score (table[h], ids[q_idx], rel[q_idx - kv_idx])"
+        fix += "; a numpy array cannot be indexed by traced indices: capture jnp.asarray(it)"
+        why = f"attention: {fname(fn)} reads arrays ({shown}) that cannot become inputs: {why}; {fix}"
+        raise NotLowerable(why) from e
+
+
+def _captured_inputs(fns, query, key, group: int) -> list:
+    """The inputs of the converted functions ``fns`` for this call (the arrays they read, read now), as the
+    diagram takes them: an axis of query heads split into (key/value head, position in its group)."""
+    sizes = {"b": query.shape[0], "h": query.shape[2], QUERIES: query.shape[1], KEYS: key.shape[1]}
+    out = []
+    for f in fns:
+        axes = [a or ("b",) for a, _ in f.reads] + [(n,) for n in f.indices]
+        for names, a in zip(axes, f.inputs(sizes), strict=True):
+            a = jnp.broadcast_to(a, (sizes["b"],)) if a.ndim == 0 else a
+            a = a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a
+            a = a.astype(jnp.int32) if jnp.issubdtype(a.dtype, jnp.integer) else a
+            if "h" in names and group > 1:
+                at = names.index("h")
+                a = a.reshape(*a.shape[:at], a.shape[at] // group, group, *a.shape[at + 1 :])
+            out.append(a)
+    return out
 
 
 def _window(size) -> tuple[int, int] | None:
@@ -708,6 +786,7 @@ class AttentionKernel:
         *,
         positions: tuple | None = None,
         return_residual: bool = False,
+        captured=(),
     ):
         shape = (*query.shape[:-1], value.shape[-1])
         query, key, value, bias, mask, segment_ids = batched(query, key, value, bias, mask, segment_ids)
@@ -728,6 +807,7 @@ class AttentionKernel:
         qs = query.reshape(*query.shape[:2], kv_heads, group, query.shape[3]) if group > 1 else query
         pairs = ((bias, sig.bias), (mask, sig.mask))
         extra = [_operand(a, axes, kv_heads, group) for a, axes in pairs if a is not None]
+        extra[int(bias is not None) : int(bias is not None)] = list(captured)  # the converted functions' inputs
         if segment_ids is not None:
             extra += [a.astype(jnp.int32) for a in segment_ids]
         arrays = (qs, key, value, *extra, *(positions or ()))
@@ -913,20 +993,33 @@ class Attention:
             _window(local_window_size)
             out = jnp.zeros((*query.shape[:-1], value.shape[-1]), query.dtype)  # no keys: each row's sum is empty
             return (out, jnp.full(query.shape[:-1], -jnp.inf, key.dtype)) if return_residual else out
+        score_mod, mask_mod = converted(score_mod, True), converted(mask_mod, False)
         made = self._kernel(
             *args,
             scale=scale,
             is_causal=is_causal,
             local_window_size=local_window_size,
-            score_mod=score_mod,
-            mask_mod=mask_mod,
+            score_mod=score_mod.abstract() if isinstance(score_mod, Captured) else score_mod,
+            mask_mod=mask_mod.abstract() if isinstance(mask_mod, Captured) else mask_mod,
             backend=backend,
             backward=backward,
             interpret=interpret,
             hardware=hardware,
             rope=rope,
         )
-        out = made(query, key, value, bias, mask, segment_ids, positions=positions, return_residual=return_residual)
+        fns = [f for f in (score_mod, mask_mod) if isinstance(f, Captured)]
+        inputs = _captured_inputs(fns, args[0], args[1], made.signature.group)
+        out = made(
+            query,
+            key,
+            value,
+            bias,
+            mask,
+            segment_ids,
+            positions=positions,
+            return_residual=return_residual,
+            captured=inputs,
+        )
         if not return_residual or query_seq_lengths is None:
             return out
         # a row past its query length sees no key: jax.nn's log-sum-exp of its large finite negative logits
@@ -956,6 +1049,9 @@ class Attention:
         query, scale = _scaled(query, scale)
         segment_ids = length_ids(query, key, segment_ids, query_seq_lengths, key_value_seq_lengths)
         args = batched(query, key, value, bias, mask, segment_ids)
+        for k in ("score_mod", "mask_mod"):
+            f = converted(options.get(k), k == "score_mod")
+            options[k] = f.abstract() if isinstance(f, Captured) else f
         return self._kernel(*args, scale=scale, backend=backend, **options)
 
     def _kernel(self, query, key, value, bias, mask, segment_ids, **options) -> AttentionKernel:

@@ -30,7 +30,7 @@ import numpy as np
 import rewrites
 from napkin_cat.diagram import Diagram, is_structural
 from napkin_cat.errors import NapkinError
-from napkin_cat.generators import Generator, fname
+from napkin_cat.generators import Captured, Generator, fname
 from rewrites import LOG2E as LOG2E  # the rules live in rewrites; these names stay importable here
 from rewrites import Neutral as Neutral
 from rewrites import neutral_padding as neutral_padding
@@ -317,6 +317,8 @@ def _captured(fn: Callable) -> dict:
             continue
         if isinstance(v, _ATOMS) or id(v) in seen or (_library(v) and not isinstance(v, _CONTAINERS)):
             continue
+        if isinstance(v, Captured):  # a converted function: the arrays it reads are its inputs
+            continue
         seen.add(id(v))
         parts = _parts(v, label, attrs)
         if v is fn and isinstance(fn, types.FunctionType):  # its own variables need no "where"
@@ -345,9 +347,10 @@ def _check_closure(box: Generator):
         raise NotLowerable(
             f"box {box.name!r}: {name} closes over arrays ({shown}); a kernel cannot capture arrays. In a diagram, "
             "make them inputs (as nc.library.document_attention does with segment ids) or compute them from the "
-            "indices. With nc.attention, pass them as arrays of the call instead: bias= (added to the scores), "
-            "mask= (bool, [B, H, Nq, Nk]) or segment_ids= (document ids, [B, N]), or compute them in score_mod / "
-            "mask_mod from the indices" + ("; capture a 0-d array as a Python number (float(c))" if scalar else "")
+            "indices. nc.attention takes such a score_mod / mask_mod: it makes what the function reads of them "
+            "inputs of the kernel (napkin_cat.generators.Captured); so do bias= (added to the scores), mask= (bool, "
+            "[B, H, Nq, Nk]) and segment_ids= (document ids, [B, N])"
+            + ("; capture a 0-d array as a Python number (float(c))" if scalar else "")
         )
 
 

@@ -299,21 +299,25 @@ class _Attention:
         return " ".join(a.name for a in axes)
 
     def scores(
-        self, *, causal=False, mask=None, score_mod=None, bias: Array | None = None, masks: tuple = ()
+        self, *, causal=False, mask=None, score_mod=None, bias: Array | None = None, masks: tuple = (), modifier=None
     ) -> Diagram:
-        """``Q ⊗ K ⊗ V ⊗ [B] ⊗ [mask inputs] → S ⊗ V`` by the rule of the module's docstring: the scaled
-        scores plus ``bias`` ``B`` (``S ⊗ B → S``), then ``score_mod``, then every mask: ``causal``, ``mask``
-        (a mask_mod) and ``masks``, pairs ``(box, wires)`` of a box ``S ⊗ wires → S`` and the inputs it reads."""
+        """``Q ⊗ K ⊗ V ⊗ [B] ⊗ [modifier inputs] ⊗ [mask inputs] → S ⊗ V`` by the rule of the module's docstring:
+        the scaled scores plus ``bias`` ``B`` (``S ⊗ B → S``), then ``score_mod`` (or ``modifier``, a pair
+        ``(box, wires)`` of a box ``S ⊗ wires → S`` and the inputs it reads), then every mask: ``causal``,
+        ``mask`` (a mask_mod) and ``masks``, pairs ``(box, wires)`` likewise."""
         b, q, x, d = self.batch, self.q, self.x, self.d
         spec = f"{self._spec(*self.lay(b, q, d))}, {self._spec(*self.lay(self.kv, x, d))} -> {self._spec(*b, q, x)}"
         s = g.contract(spec, *b, q, x, d, scale=_scale(d, self.scale), dtype=self.dtype, out_dtype=f32)
         read = [w for _, wires in masks for w in wires]
-        extra = ([] if bias is None else [bias]) + read
+        own = [] if modifier is None else list(modifier[1])
+        extra = ([] if bias is None else [bias]) + own + read
         out = s @ identity(self.V)
         if extra:  # the extra inputs beside the scores, V last: S ⊗ extra ⊗ V
             out = (out @ identity(Ty(*extra))) >> (identity(self.S) @ swap(Ty(self.V), Ty(*extra)))
         if bias is not None:
-            out = out >> (g.add(self.S, bias) @ identity(Ty(*read, self.V)))
+            out = out >> (g.add(self.S, bias) @ identity(Ty(*own, *read, self.V)))
+        if modifier is not None:
+            out = out >> (modifier[0] @ identity(Ty(*read, self.V)))
         mods = []
         if score_mod is not None:
             mods.append(g.score_mod(self.S, score_mod))
@@ -534,6 +538,7 @@ def dot_product_attention(
     window: tuple[int, int] | None = None,
     rope: g.Rope | None = None,
     rope_batch: tuple[Axis, ...] | None = None,
+    captured: tuple = (),
     **kw,
 ) -> Diagram:
     """``jax.nn.dot_product_attention``'s array arguments as inputs: ``Q ⊗ K ⊗ V`` then, each present when
@@ -542,7 +547,10 @@ def dot_product_attention(
     ``ids_q[*segment_batch, q] ⊗ ids_x[*segment_batch, x]`` (i32; a query sees the keys of its own
     segment). ``bias_seq`` and ``mask_seq`` name the sequence axes the bias and the mask have (``"q"`` for
     queries, ``"x"`` for keys): an axis left out is broadcast, not read per query or key, and the bias's
-    gradient is summed over it (``"x"``: a key-padding mask ``M[*mask_batch, x]``). ``window = (left,
+    gradient is summed over it (``"x"``: a key-padding mask ``M[*mask_batch, x]``). ``captured`` holds
+    ``(fn, wires)`` pairs: a score modifier or a mask whose captured arrays became the inputs ``wires``
+    (:class:`~napkin_cat.generators.Captured`, called as ``fn(s, *wires)``), in the place of ``score_mod`` or
+    ``mask``, its inputs after the bias. ``window = (left,
     right)`` keeps key ``x`` for query ``q`` where ``q − left ≤ x ≤ q + right`` (``jax.nn``'s
     ``local_window_size``), an :class:`Affine` mask, so kernels skip the blocks outside it. Scores are
     ``score_mod(scale·Q·Kᵀ + B)``, then masked by the keyword masks, the window, ``M`` and the ids (the rule
@@ -575,7 +583,11 @@ def dot_product_attention(
     if segment_batch is not None:
         ids = (Array(*segment_batch, q, dtype="i32"), Array(*segment_batch, x, dtype="i32"))
         masks.append((g.elementwise(same_document, a.S, *ids, out=a.S), ids))
-    scores = a.scores(bias=B, masks=tuple(masks), **_mods(kw))
+    modifier = None
+    for fn, wires in captured:  # a mask first among the masks (they commute); a score modifier in score_mod's place
+        pair = (g.elementwise(fn, a.S, *wires, out=a.S), tuple(wires))
+        modifier, masks = (pair, masks) if fn.score else (modifier, [pair, *masks])
+    scores = a.scores(bias=B, masks=tuple(masks), modifier=modifier, **_mods(kw))
     out = scores >> (g.softmax(a.S, x) @ identity(a.V)) >> a.out()
     return out if rope is None else a.rotated(rope, rope_batch, Ty(*out.dom.inside[2:])) >> out
 

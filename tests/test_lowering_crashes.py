@@ -112,15 +112,6 @@ def test_a_score_mod_capturing_a_0d_jax_array_is_told_to_capture_a_number():
         lowered(score_mod=lambda s, q, x: s - c * abs(q - x))
 
 
-def test_the_entrys_refusal_says_which_arrays_to_pass(key):
-    """``nc.attention``'s user cannot make arrays inputs of a diagram: the refusal names the entry's arrays."""
-    Q = jax.random.normal(key, (1, 20, 1, 16))
-    seg = jnp.arange(20) // 8
-    inner = lambda q_idx, kv_idx: seg[q_idx] == seg[kv_idx]  # noqa: E731
-    with pytest.raises(NotLowerable, match=r"seg \(20,\).*With nc.attention, pass them as arrays.*segment_ids="):
-        nc.attention(Q, Q, Q, mask_mod=lambda q_idx, kv_idx: inner(q_idx, kv_idx))
-
-
 def test_numbers_captured_at_any_depth_lower(key, seed):
     """Python numbers, numpy scalars and 0-d numpy arrays become literals of the kernel: no refusal, right values."""
     slope, offset, width, half = 0.25, np.float32(0.5), np.asarray(3.0, np.float32), 2

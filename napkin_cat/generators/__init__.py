@@ -61,6 +61,8 @@ from napkin_cat.generators._elementwise import (
     tanh,
 )
 from napkin_cat.generators._index import (
+    FLEX_INDICES,
+    Captured,
     Causal,
     IndexMap,
     Kept,
@@ -88,6 +90,8 @@ from napkin_cat.generators._softmax import (
 from napkin_cat.generators._structure import Move, Reshape, merge, move, split
 
 __all__ = [
+    "FLEX_INDICES",
+    "Captured",
     "ELEMENTWISE",
     "JAX",
     "SYMPY",

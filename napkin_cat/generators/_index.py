@@ -15,16 +15,21 @@ True
 >>> def alibi(s, q, x): return s - 0.5 * abs(q - x)
 >>> float(to_jax(score_mod(Array(q, x), alibi))(jnp.zeros((2, 3)))[0, 2])
 -1.0
+
+**Functions that read arrays.** :class:`Captured` converts an index function reading arrays it is not given
+(document ids, a bias table) into one whose reads of them are inputs, as ``nc.attention`` passes them.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import Literal
 
 from napkin_cat.axes import Axis
 from napkin_cat.diagram import Array, Ty
@@ -368,3 +373,217 @@ def causal_mask(a: Array, q: Axis | str, x: Axis | str) -> Mask:
     for n in (qn, xn):
         a.axis(n)
     return mask(a, Causal(qn, xn))
+
+
+#: the index names of FlexAttention's functions, in the order their arrays' axes take them
+FLEX_INDICES = ("b", "h", "q_idx", "kv_idx")
+
+
+class Captured:
+    """An index function's closure conversion: the arrays it reads (captured, at any depth) become inputs.
+
+    A function of the indices (and the score) that reads arrays it is not given, as FlexAttention's users
+    write them (``lambda b, h, q_idx, kv_idx: doc[q_idx] == doc[kv_idx]``), is traced once at scalar
+    arguments (FlexAttention's semantics: one score, one index each), as ``jax.closure_convert`` traces it. Each
+    value the trace computes from a captured array down to one scalar (a *read*: ``doc[q_idx]``,
+    ``rel_bias[q_idx - kv_idx]``, ``slopes[h]``, a 0-d ``window``) depends on some of the indices, and becomes an
+    input over those axes, computed when the function is called (:meth:`inputs`: plain JAX, so the reads
+    are differentiable gathers and the arrays may change between calls). The rest of the trace, the
+    arithmetic of the reads, the indices and the score, is this object's call: ``(score, *reads, *indices)``,
+    element by element (the indices it still reads, ``indices``, come as inputs too). A mask keeps the score
+    where the function holds, else −∞.
+
+    Two functions whose traces compute the same from their reads (whatever the arrays' values and sizes) give
+    equal objects: a kernel built for one serves the other.
+
+    >>> import jax.numpy as jnp
+    >>> doc = jnp.array([0, 0, 1, 1, 1])
+    >>> c = Captured.of(lambda q_idx, kv_idx: doc[q_idx] == doc[kv_idx], ("q_idx", "kv_idx"), score=False)
+    >>> c.reads, c.indices
+    (((('q_idx',), 'int32'), (('kv_idx',), 'int32')), ())
+    >>> [a.tolist() for a in c.inputs({"q_idx": 5, "kv_idx": 5})]
+    [[0, 0, 1, 1, 1], [0, 0, 1, 1, 1]]
+    >>> c(jnp.zeros((2, 2)), jnp.array([[0], [1]]), jnp.array([[0, 1]])).tolist()
+    [[0.0, -inf], [-inf, 0.0]]
+    """
+
+    def __init__(self, fn: Callable, names: tuple[str, ...], *, score: bool, closed):
+        self.fn, self.names, self.score = fn, tuple(names), score
+        self._closed = closed  # this call's trace, with the arrays' values: used by inputs(), not kept in kernels
+        jaxpr = closed.jaxpr
+        self.jaxpr, self._split = jaxpr, _split(jaxpr, self.names, score, fname(fn))
+        self.reads = tuple((axes, jnp.dtype(v.aval.dtype).name) for v, axes in self._split.reads)
+        self.indices = self._split.indices
+        index = [jaxpr.invars[score + self.names.index(a)] for a in self.indices]
+        self._seeds = [v for v, _ in self._split.reads] + index + jaxpr.invars[:score]
+        self.key = _key(self._seeds, self._split.kernel, jaxpr.outvars)
+
+    @classmethod
+    def of(cls, fn: Callable, names: tuple[str, ...], *, score: bool) -> Captured:
+        """``fn`` (called by name with ``names``, after the score where ``score``) traced at scalars."""
+        i32, f = jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), jnp.float32)
+
+        def call(*args):
+            indices = dict(zip(names, args[score:], strict=True))
+            return fn(*args[:score], **indices)
+
+        closed = jax.make_jaxpr(call)(*([f] if score else []), *[i32] * len(names))
+        out = closed.jaxpr.outvars[0].aval
+        if out.shape != ():
+            what = "score_mod" if score else "mask_mod"
+            raise AxisError(f"{what} {fname(fn)}: returns {out.str_short()} for one score; expected a scalar")
+        return cls(fn, names, score=score, closed=closed)
+
+    def _identity(self) -> tuple:
+        return (self.key, self.score, self.names, self.reads, self.indices)
+
+    def __eq__(self, other):
+        return isinstance(other, Captured) and self._identity() == other._identity()
+
+    def __hash__(self):
+        return hash(self._identity())
+
+    def __repr__(self):
+        return f"Captured({fname(self.fn)}, reads={self.reads}, indices={self.indices})"
+
+    @property
+    def __name__(self):
+        return f"{fname(self.fn)} (captured)"
+
+    def abstract(self) -> Captured:
+        """This conversion without the arrays' values (which may be a trace's), as a kernel's signature keeps it."""
+        out = copy.copy(self)
+        out._closed = None
+        return out
+
+    @property
+    def passes_base(self) -> bool:
+        """A mask commutes with scaling the scores (where(keep, s, −∞)); a score modifier need not."""
+        return not self.score
+
+    def inputs(self, sizes: dict) -> list:
+        """The inputs of this call, each over its axes (in the order of ``names``, sized by ``sizes``): every
+        read, computed from the arrays' values now, then the indices the function still reads (``arange``)."""
+        if self._closed is None:
+            raise AxisError(f"{self.__name__}: no arrays traced; call Captured.of(fn, ...) for this call's inputs")
+        jaxpr, consts = self._closed.jaxpr, self._closed.consts
+        out = []
+        for v, axes in self._split.reads:
+            needed = _slice(jaxpr, v)
+
+            def read(*idx, v=v, axes=axes, needed=needed):
+                env = dict(zip(jaxpr.constvars, consts, strict=True))
+                env.update((jaxpr.invars[self.score + self.names.index(a)], i) for a, i in zip(axes, idx, strict=True))
+                return _run(needed, env, [v])[0]
+
+            out.append(_grid(read, [sizes[a] for a in axes]))
+        return out + [jnp.arange(sizes[a], dtype=jnp.int32) for a in self.indices]
+
+    def __call__(self, *args):
+        """``score, *reads, *indices`` (broadcastable blocks; every input arrives as f32, as an elementwise box
+        gives them) → the modified score, or the score where the mask keeps it, else −∞."""
+        s, rest = args[0], args[1:]
+        shape = jnp.broadcast_shapes(*(jnp.shape(a) for a in args))
+        jaxpr, split, seeds = self.jaxpr, self._split, self._seeds
+        values = [*rest, s] if self.score else list(rest)
+        values = [jnp.broadcast_to(x, shape).astype(v.aval.dtype) for x, v in zip(values, seeds, strict=True)]
+
+        def one(*xs):
+            return _run(split.kernel, dict(zip(seeds, xs, strict=True)), jaxpr.outvars)[0]
+
+        for _ in shape:
+            one = jax.vmap(one)
+        y = one(*values)
+        return y.astype(jnp.float32) if self.score else jnp.where(y, s, -jnp.inf)
+
+
+@dataclass(frozen=True)
+class _Split:
+    reads: tuple  # (var, index names it depends on): the scalars read from captured arrays
+    indices: tuple  # the index names the rest of the trace reads
+    kernel: tuple  # the equations the kernel runs, on the reads, the indices and the score
+
+
+def _split(jaxpr, names: tuple, score: bool, name: str) -> _Split:
+    """Cut a scalar trace where each captured array (a constant of the trace) is read down to one scalar."""
+    what = "score_mod" if score else "mask_mod"
+    deps = {v: frozenset({n}) for v, n in zip(jaxpr.invars[score:], names, strict=True)}
+    scored = {jaxpr.invars[0]} if score else set()
+    whole = {v for v in jaxpr.constvars if v.aval.shape != ()}  # arrays, and values computed from them
+    reads = {v: frozenset() for v in jaxpr.constvars if v.aval.shape == ()}  # a 0-d array is read as it is
+    kernel = []
+    for e in jaxpr.eqns:
+        ins = [v for v in e.invars if not isinstance(v, Literal)]
+        dep = frozenset().union(*(deps.get(v, frozenset()) for v in ins), *(reads.get(v, ()) for v in ins))
+        deps.update((o, dep) for o in e.outvars)
+        if any(v in whole for v in ins):
+            if any(v in scored for v in ins):
+                raise AxisError(
+                    f"{what} {name}: the score meets a captured array whole ({e.primitive.name}); read the array "
+                    "at the indices (table[q_idx - kv_idx]), one scalar per score"
+                )
+            for o in e.outvars:
+                (whole.add(o) if o.aval.shape != () else reads.__setitem__(o, dep))
+            continue
+        if any(v in scored for v in ins):
+            scored.update(e.outvars)
+        kernel.append(e)
+    outs = [v for v in jaxpr.outvars if not isinstance(v, Literal)]
+    if any(v in whole for v in outs):
+        raise AxisError(f"{what} {name}: returns a captured array whole; read it at the indices")
+    want, run = set(outs), []
+    for e in reversed(kernel):  # what the kernel runs: the equations the result needs, from the reads on
+        if want & set(e.outvars):
+            run.append(e)
+            want |= {v for v in e.invars if not isinstance(v, Literal)}
+    order = {n: i for i, n in enumerate(names)}
+    return _Split(
+        tuple((v, tuple(sorted(a, key=order.get))) for v, a in reads.items() if v in want),
+        tuple(n for v, n in zip(jaxpr.invars[score:], names, strict=True) if v in want),
+        tuple(reversed(run)),
+    )
+
+
+def _key(seeds, eqns, outs) -> str:
+    """The kernel's part of a trace, on its inputs ``seeds`` (reads, indices, score), written out with variables
+    numbered in order: what a kernel computes, so the key two conversions share a kernel by."""
+    ids = {v: i for i, v in enumerate(seeds)}
+
+    def name(v):
+        return repr(v.val) if isinstance(v, Literal) else f"v{ids[v]}"
+
+    lines = [" ".join(f"v{i}:{v.aval.str_short()}" for v, i in ids.items())]
+    for e in eqns:
+        ids.update((o, len(ids)) for o in e.outvars)
+        outs_ = " ".join(f"{name(o)}:{o.aval.str_short()}" for o in e.outvars)
+        lines.append(f"{outs_} = {e.primitive.name}[{e.params}] {' '.join(map(name, e.invars))}")
+    return "\n".join([*lines, " ".join(map(name, outs))])
+
+
+def _slice(jaxpr, v) -> tuple:
+    """The equations of ``jaxpr`` that ``v`` depends on, in order."""
+    want, kept = {v}, []
+    for e in reversed(jaxpr.eqns):
+        if want & set(e.outvars):
+            kept.append(e)
+            want |= {x for x in e.invars if not isinstance(x, Literal)}
+    return tuple(reversed(kept))
+
+
+def _run(eqns, env: dict, outs) -> list:
+    """Evaluate equations on ``env`` (variables → values), as ``jax.core.eval_jaxpr`` does."""
+    def read(v):
+        return v.val if isinstance(v, Literal) else env[v]
+
+    for e in eqns:
+        ys = e.primitive.bind(*map(read, e.invars), **e.primitive.get_bind_params(e.params))
+        env.update(zip(e.outvars, ys if e.primitive.multiple_results else [ys], strict=True))
+    return [read(v) for v in outs]
+
+
+def _grid(fn: Callable, sizes: list):
+    """``fn`` of scalar indices at every point of the grid ``sizes`` (an array of that shape)."""
+    if not sizes:
+        return fn()
+    grids = jnp.meshgrid(*(jnp.arange(n, dtype=jnp.int32) for n in sizes), indexing="ij")
+    return jax.vmap(fn)(*(g.reshape(-1) for g in grids)).reshape(sizes)
