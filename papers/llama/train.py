@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -84,7 +85,8 @@ def optimizer(run: Run) -> optax.GradientTransformation:
 
 def schedule_of(run: Run) -> optax.Schedule:
     """The learning rate by step: linear warmup to ``run.lr``, cosine decay to ``run.lr · run.final``."""
-    return optax.warmup_cosine_decay_schedule(0.0, run.lr, run.warmup, max(run.steps, run.warmup + 1), run.lr * run.final)
+    decay_steps = max(run.steps, run.warmup + 1)
+    return optax.warmup_cosine_decay_schedule(0.0, run.lr, run.warmup, decay_steps, run.lr * run.final)
 
 
 def init_state(model: Llama, tx: optax.GradientTransformation) -> dict:
@@ -93,9 +95,12 @@ def init_state(model: Llama, tx: optax.GradientTransformation) -> dict:
     return {"params": params, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
 
-def make_step(graphdef, tx: optax.GradientTransformation, loss: str = "logits") -> Callable:
-    """One jitted training step ``(state, data, key, batch_size, seq) → (state, loss)`` on a batch drawn from
-    ``data`` by ``key``; the old state's buffers are donated to the new one."""
+@functools.lru_cache(maxsize=8)
+def make_step(graphdef, run: Run, loss: str = "logits") -> Callable:
+    """One jitted training step ``(state, data, key, batch_size, seq) → (state, loss)`` under :func:`optimizer`
+    ``(run)``, on a batch drawn from ``data`` by ``key``; the old state's buffers are donated to the new one. Cached:
+    a run resumed from a checkpoint takes the step compiled before."""
+    tx = optimizer(run)
 
     def step(state, data, key, batch: int, seq: int):
         tokens = batches(key, data, batch, seq)
@@ -117,20 +122,21 @@ def train(
     log: Callable | None = print,
     log_every: int = 10,
     state: dict | None = None,
+    until: int | None = None,
 ) -> tuple[dict, list[float]]:
-    """Train from ``run.seed``'s initialisation (or ``state``, a restored one) on ``run.seed``'s batches of the
-    corpus's first 90%; the final state and the loss at each step. ``log`` gets a line per ``log_every`` steps:
-    step, loss, tokens/s since the last line (the first includes compilation)."""
+    """Train from ``run.seed``'s initialisation (or ``state``, a saved one, from its step) on ``run.seed``'s
+    batches of the corpus's first 90%, to step ``until`` (default: ``run.steps``); the state and the loss at each
+    step taken. ``log`` gets a line per ``log_every`` steps: step, loss, tokens/s since the last line (the first
+    includes compilation)."""
     model = Llama(cfg, attention=attention, backend=backend, rngs=nnx.Rngs(run.seed))
     graphdef = nnx.graphdef(model)
-    tx = optimizer(run)
-    state = init_state(model, tx) if state is None else state
-    step = make_step(graphdef, tx, loss)
+    state = init_state(model, optimizer(run)) if state is None else state
+    step = make_step(graphdef, run, loss)
     data = encode(CORPUS)[: int(0.9 * len(CORPUS))]
     keys = jax.random.split(jax.random.key(run.seed + 1), run.steps)
     losses, start = [], int(state["step"])
     since, logged = time.perf_counter(), start
-    for i in range(start, run.steps):
+    for i in range(start, run.steps if until is None else until):
         state, value = step(state, data, keys[i], run.batch, cfg.seq)
         losses.append(value)  # a device scalar: read when logged, so that steps are dispatched ahead
         if log is not None and ((i + 1) % log_every == 0 or i + 1 == run.steps):
