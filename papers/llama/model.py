@@ -1,0 +1,271 @@
+"""A Llama-style decoder in Flax NNX whose every attention is napkin-cat's derived kernel, or, by one switch,
+``jax.nn.dot_product_attention`` (the baseline: the same model, the same parameters, XLA for the rest).
+
+The architecture is Llama's (Touvron et al. 2023; Llama 3's grouped-query heads): pre-norm blocks of RMSNorm,
+grouped-query causal self-attention on rotary positions (RoPE, Su et al. 2021), and a SwiGLU MLP (Shazeer 2020);
+a final RMSNorm and a classifier tied to the embedding or not. ``attention="napkin"`` calls ``nc.attention``
+(derived, verified and lowered once per shape, differentiated by its lowered backward kernels);
+``attention="reference"`` calls ``jax.nn.dot_product_attention``. RoPE is applied with jax.numpy to q and k
+before either (one function, :func:`rope`).
+
+>>> cfg = CONFIGS["tiny"]
+>>> model = Llama(cfg, attention="reference", rngs=nnx.Rngs(0))
+>>> tokens = jax.random.randint(jax.random.key(1), (2, 24), 0, cfg.vocab)
+>>> model(tokens).shape
+(2, 24, 256)
+>>> napkin = Llama(cfg, attention="napkin", backend="xla", rngs=nnx.Rngs(0))     # the same parameters
+>>> bool(jnp.allclose(napkin(tokens), model(tokens), atol=1e-4))
+True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import napkin_cat as nc
+from lowering import NotLowerable
+from napkin_cat.errors import AxisError, EvaluationError
+
+#: the attentions the model switches between: napkin-cat's entry, and jax.nn's (XLA) as the baseline
+ATTENTIONS = ("napkin", "reference")
+
+#: the losses :func:`loss_fn` computes: optax's cross-entropy on materialised logits, or napkin-cat's fused one
+LOSSES = ("logits", "fused")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The sizes of a model. ``kv_heads`` key/value heads are shared by ``heads // kv_heads`` query heads each;
+    ``rotary_dim`` (default: the head dim) leading features of each head are rotated; ``dtype`` is the compute
+    dtype (parameters stay f32); ``tied`` shares the embedding with the classifier.
+
+    >>> Config(d_model=64, layers=1, heads=3, kv_heads=1, ffn=128, seq=16)
+    Traceback (most recent call last):
+    ...
+    napkin_cat.errors.AxisError: Config: d_model=64 does not split into heads=3; pass head_dim=
+    """
+
+    d_model: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    seq: int
+    vocab: int = 256
+    head_dim: int | None = None
+    rotary_dim: int | None = None
+    rope_base: float = 10_000.0
+    norm_eps: float = 1e-5
+    tied: bool = True
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.head_dim is None and self.d_model % self.heads:
+            raise AxisError(f"Config: d_model={self.d_model} does not split into heads={self.heads}; pass head_dim=")
+        if self.heads % self.kv_heads:
+            raise AxisError(f"Config: heads={self.heads} do not share kv_heads={self.kv_heads} evenly")
+        if self.rotary_dim is not None and (self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.dim):
+            raise AxisError(f"Config: rotary_dim={self.rotary_dim} must be even and in (0, head dim {self.dim}]")
+
+    @property
+    def dim(self) -> int:
+        """The head dim."""
+        return self.d_model // self.heads if self.head_dim is None else self.head_dim
+
+    @property
+    def rotary(self) -> int:
+        """The features of a head that RoPE rotates."""
+        return self.dim if self.rotary_dim is None else self.rotary_dim
+
+
+#: ``tiny`` for CPU tests, ``small`` for loss curves, ``1b`` (Llama 3.2 1B's body on bytes: 0.97B parameters,
+#: sequence 4096) for the GPU benchmark
+CONFIGS = {
+    "tiny": Config(d_model=64, layers=2, heads=4, kv_heads=2, ffn=128, seq=32),
+    "small": Config(d_model=256, layers=4, heads=4, kv_heads=2, ffn=704, seq=512, dtype="bfloat16"),
+    "1b": Config(
+        d_model=2048, layers=16, heads=32, kv_heads=8, ffn=8192, seq=4096, rope_base=500_000.0, dtype="bfloat16"
+    ),
+}
+
+
+def rope(x, positions, base: float, rotary_dim: int):
+    """Rotary position embedding of ``x`` ``[..., seq, heads, dim]`` at integer ``positions`` ``[..., seq]``: the
+    leading ``rotary_dim`` features of each head, as ``rotary_dim / 2`` pairs ``(i, i + rotary_dim / 2)`` (the
+    "rotate half" layout of GPT-NeoX and Hugging Face's Llama), turn by ``position · base^(-2i / rotary_dim)``;
+    the rest pass through. Computed in f32, returned in ``x``'s dtype.
+
+    >>> x = jax.random.normal(jax.random.key(0), (1, 5, 2, 8))
+    >>> y = rope(x, jnp.arange(5)[None], 10_000.0, 8)
+    >>> norm = lambda a: jnp.linalg.norm(a, axis=-1)
+    >>> bool(jnp.allclose(y[:, 0], x[:, 0])), bool(jnp.allclose(norm(y), norm(x)))   # position 0 stays; norms kept
+    (True, True)
+    """
+    half = rotary_dim // 2
+    inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) * 2 / rotary_dim)
+    angles = positions[..., :, None, None].astype(jnp.float32) * inv_freq  # [..., seq, 1, half]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x1, x2, rest = (a.astype(jnp.float32) for a in (x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]))
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1).astype(x.dtype)
+
+
+def attention_fn(name: str, backend: str = "auto") -> Callable:
+    """The causal attention ``name`` (one of :data:`ATTENTIONS`) on ``[batch, seq, heads, dim]`` arrays, grouped-
+    query when k and v have fewer heads; ``backend`` is napkin-cat's (``"auto"``, ``"triton"``, ``"mosaic"``,
+    ``"xla"``).
+
+    >>> q, k = (jax.random.normal(jax.random.key(i), (1, 20, h, 16)) for i, h in ((0, 4), (1, 2)))
+    >>> bool(jnp.allclose(attention_fn("napkin", "xla")(q, k, k), attention_fn("reference")(q, k, k), atol=1e-5))
+    True
+    """
+    if name == "reference":
+        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    if name == "napkin":
+        return lambda q, k, v: nc.attention(q, k, v, is_causal=True, backend=backend)
+    raise EvaluationError(f"attention={name!r}: choose one of {ATTENTIONS}")
+
+
+def _linear(n_in: int, n_out: int, cfg: Config, rngs: nnx.Rngs, scale: float = 1.0) -> nnx.Linear:
+    # Llama's initialisation: normal(0.02), residual projections scaled down by the depth (GPT-2's 1/√(2L))
+    init = nnx.initializers.normal(0.02 * scale)
+    return nnx.Linear(n_in, n_out, use_bias=False, kernel_init=init, dtype=cfg.dtype, rngs=rngs)
+
+
+def _norm(cfg: Config, rngs: nnx.Rngs) -> nnx.RMSNorm:
+    return nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=cfg.dtype, rngs=rngs)
+
+
+class Attention(nnx.Module):
+    """Grouped-query causal self-attention on RoPE'd queries and keys: ``[batch, seq, d_model]`` → the same."""
+
+    def __init__(self, cfg: Config, *, attention: str, backend: str, rngs: nnx.Rngs):
+        self.cfg, self.attention, self.backend = cfg, attention, backend
+        residual = (2 * cfg.layers) ** -0.5
+        self.query = _linear(cfg.d_model, cfg.heads * cfg.dim, cfg, rngs)
+        self.key = _linear(cfg.d_model, cfg.kv_heads * cfg.dim, cfg, rngs)
+        self.value = _linear(cfg.d_model, cfg.kv_heads * cfg.dim, cfg, rngs)
+        self.out = _linear(cfg.heads * cfg.dim, cfg.d_model, cfg, rngs, residual)
+
+    def __call__(self, x, positions):
+        cfg = self.cfg
+        *lead, seq, _ = x.shape
+        q = self.query(x).reshape(*lead, seq, cfg.heads, cfg.dim)
+        k = self.key(x).reshape(*lead, seq, cfg.kv_heads, cfg.dim)
+        v = self.value(x).reshape(*lead, seq, cfg.kv_heads, cfg.dim)
+        q, k = (rope(a, positions, cfg.rope_base, cfg.rotary) for a in (q, k))
+        o = attention_fn(self.attention, self.backend)(q, k, v)
+        return self.out(o.reshape(*lead, seq, cfg.heads * cfg.dim))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate(x)) · up(x))``."""
+
+    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+        self.gate = _linear(cfg.d_model, cfg.ffn, cfg, rngs)
+        self.up = _linear(cfg.d_model, cfg.ffn, cfg, rngs)
+        self.down = _linear(cfg.ffn, cfg.d_model, cfg, rngs, (2 * cfg.layers) ** -0.5)
+
+    def __call__(self, x):
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nnx.Module):
+    """A pre-norm decoder block: ``x + attention(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, cfg: Config, *, attention: str, backend: str, rngs: nnx.Rngs):
+        self.attention_norm, self.mlp_norm = _norm(cfg, rngs), _norm(cfg, rngs)
+        self.attention = Attention(cfg, attention=attention, backend=backend, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x, positions):
+        x = x + self.attention(self.attention_norm(x), positions)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nnx.Module):
+    """The decoder: token ids ``[batch, seq]`` → logits ``[batch, seq, vocab]`` (:meth:`__call__`), or the final
+    hidden states and the classifier's weight ``[d_model, vocab]`` apart (:meth:`hidden`, :meth:`classifier`), for a
+    loss that never forms the logits. ``attention`` is one of :data:`ATTENTIONS`; ``backend`` napkin-cat's.
+
+    >>> model = Llama(CONFIGS["tiny"], rngs=nnx.Rngs(0))
+    >>> model.classifier().shape, model.attention
+    ((64, 256), 'napkin')
+    >>> Llama(CONFIGS["tiny"], attention="cudnn", rngs=nnx.Rngs(0))
+    Traceback (most recent call last):
+    ...
+    napkin_cat.errors.EvaluationError: Llama: attention='cudnn': choose one of ('napkin', 'reference')
+    """
+
+    def __init__(self, cfg: Config, *, attention: str = "napkin", backend: str = "auto", rngs: nnx.Rngs):
+        if attention not in ATTENTIONS:
+            raise EvaluationError(f"Llama: attention={attention!r}: choose one of {ATTENTIONS}")
+        self.cfg, self.attention = cfg, attention
+        self.embed = nnx.Embed(
+            cfg.vocab, cfg.d_model, dtype=cfg.dtype, embedding_init=nnx.initializers.normal(0.02), rngs=rngs
+        )
+        self.blocks = nnx.List([Block(cfg, attention=attention, backend=backend, rngs=rngs) for _ in range(cfg.layers)])
+        self.norm = _norm(cfg, rngs)
+        self.head = None if cfg.tied else _linear(cfg.d_model, cfg.vocab, cfg, rngs)
+
+    def hidden(self, tokens):
+        """The final normalised hidden states ``[batch, seq, d_model]`` of ``tokens`` ``[batch, seq]``."""
+        x = self.embed(tokens)
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
+        for block in self.blocks:
+            x = block(x, positions)
+        return self.norm(x)
+
+    def classifier(self):
+        """The classifier's weight ``[d_model, vocab]``: the embedding's transpose when tied."""
+        w = self.embed.embedding[...].T if self.head is None else self.head.kernel[...]
+        return w.astype(self.cfg.dtype)
+
+    def __call__(self, tokens):
+        return self.hidden(tokens) @ self.classifier()
+
+
+def loss_fn(model: Llama, batch, loss: str = "logits"):
+    """Mean next-token cross-entropy of ``batch`` ``[batch, seq + 1]`` (predicting ``batch[:, 1:]``), in f32.
+
+    ``loss="logits"`` forms the logits and takes optax's ``softmax_cross_entropy_with_integer_labels``;
+    ``loss="fused"`` gives the hidden states and the classifier's weight to napkin-cat's
+    ``nc.linear_cross_entropy``, which never forms the ``[tokens, vocab]`` logits.
+
+    >>> model = Llama(CONFIGS["tiny"], attention="reference", rngs=nnx.Rngs(0))
+    >>> batch = jax.random.randint(jax.random.key(1), (2, 17), 0, 256)
+    >>> bool(jnp.abs(loss_fn(model, batch) - jnp.log(256)) < 0.1)            # near uniform at initialisation
+    True
+    >>> loss_fn(model, batch, loss="softmax")
+    Traceback (most recent call last):
+    ...
+    napkin_cat.errors.EvaluationError: loss_fn: loss='softmax': choose one of ('logits', 'fused')
+    """
+    if loss not in LOSSES:
+        raise EvaluationError(f"loss_fn: loss={loss!r}: choose one of {LOSSES}")
+    h, labels, w = model.hidden(batch[:, :-1]), batch[:, 1:], model.classifier()
+    if loss == "logits":
+        logits = (h @ w).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    if not hasattr(nc, "linear_cross_entropy"):
+        raise NotLowerable(
+            "loss_fn: loss='fused' calls nc.linear_cross_entropy, which this napkin-cat does not have; "
+            "pass loss='logits' (optax's cross-entropy on the logits)"
+        )
+    h = h.reshape(-1, h.shape[-1])
+    return nc.linear_cross_entropy(h, w, labels.reshape(-1), reduction="mean").astype(jnp.float32)
+
+
+def parameter_count(model: nnx.Module) -> int:
+    """The number of parameters.
+
+    >>> parameter_count(Llama(CONFIGS["tiny"], rngs=nnx.Rngs(0)))
+    90432
+    """
+    return sum(math.prod(p.shape) for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
