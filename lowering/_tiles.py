@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import sympy
 
 from lowering._plan import NotLowerable, block_values, next_pow2, plan, smem_bytes
-from lowering.triton import STAGES, Config, launch
+from lowering.triton import STAGES, TRITON_BLOCKS, Config, launch
 from napkin_cat import Cost, cost
 from napkin_cat.diagram import Diagram
 from napkin_cat.errors import NapkinError
@@ -444,7 +444,8 @@ def fit_blocks(
         if not all(a in known for a in p.whole):
             return rules, scheduled
         padded = {a: max(next_pow2(known[a]), 16) for a in p.whole}
-        stages = (config or Config.get_default(p)).num_stages
+        # blocks are halved to fit the policy's depth; a kernel handed blocks fewer stages hold (deepest) takes fewer
+        stages = (config or TRITON_BLOCKS.config(p, fit=False)).num_stages
         smem = smem_bytes(p, padded, stages)
         fits = smem <= hardware.smem_per_block
         if own is not None:  # the backend's own checks (shared memory among them), and Triton's where it stands in

@@ -127,9 +127,10 @@ class TritonBlocks:
         """
         return min(block, max(self.smallest, next_pow2(n)))
 
-    def config(self, p: Plan) -> TritonConfig:
-        """8 warps for tiles of ``wide_warps_at`` rows or more, else 4; ``stages`` pipeline stages,
-        ``single_stages`` for a stream of single elements.
+    def config(self, p: Plan, *, fit: bool = True) -> TritonConfig:
+        """8 warps for tiles of ``wide_warps_at`` rows or more, else 4; ``stages`` pipeline stages (with ``fit``,
+        :meth:`deepest`: fewer where blocks already chosen hold no more), ``single_stages`` for a stream of single
+        elements.
 
         >>> import napkin_cat as nc
         >>> from rewrites import derive, tile, stream
@@ -140,9 +141,8 @@ class TritonBlocks:
         """
         g = max(p.tiles.values(), default=64)
         single = p.stream and p.stream[1] == 1
-        return TritonConfig(
-            num_warps=8 if g >= self.wide_warps_at else 4, num_stages=self.single_stages if single else self.deepest(p)
-        )
+        stages = self.single_stages if single else self.deepest(p) if fit else self.stages
+        return TritonConfig(num_warps=8 if g >= self.wide_warps_at else 4, num_stages=stages)
 
     def deepest(self, p: Plan, hardware: Hardware = H100) -> int:
         """``stages``, or fewer (not below 2) where the blocks, their whole axes' sizes known, would not fit
