@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from lowering._blocks import BlockContext, affine_mask, segment_bounds, segments, tiled_first
+from lowering._blocks import BlockContext, affine_mask, call_bounds, segments, tiled_first
 from lowering._plan import NotLowerable, Plan, base2, unweave
 from lowering._spmd import out_structs
 from lowering._target import interpreted
@@ -498,7 +498,7 @@ class MosaicLowered:
             kernel_name="napkin_mosaic",
             interpret=plgpu.InterpretGPUParams() if self.interpret else None,
         )
-        return call(*arrays, *(segment_bounds(p, m, arrays, extent) for m in self.segments))
+        return call(*arrays, *(call_bounds(p, m, arrays, extent) for m in self.segments))
 
 
 def _consumers(d: Diagram, q: str, given: int | None) -> int:

@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 import rewrites
-from lowering._blocks import heavy_last, segment_bounds, segments
+from lowering._blocks import call_bounds, heavy_last, segments
 from lowering._plan import NotLowerable, Plan, next_pow2, smem_bytes
 from lowering._source import describe
 from lowering._spmd import out_structs
@@ -146,7 +146,7 @@ class TritonLowered:
         if p.stream and padded[p.stream[0]] != extent[p.stream[0]]:
             x, s = p.stream
             paddable(d, x, extent[x], f"is not a multiple of the stream size {s}, so its last chunk is padded")
-        bounds = [(m, segment_bounds(p, m, arrays, extent)) for m in segments(d, p)]  # from the ids, unpadded
+        bounds = [(m, call_bounds(p, m, arrays, extent)) for m in segments(d, p)]  # ids or block maps, unpadded
         arrays = [_pad(v, w, padded) for v, w in zip(arrays, d.dom.inside, strict=True)]
         outs = self._call(arrays, sizes, extent, padded, config, bounds)
         outs = [o[tuple(slice(0, extent[a.name]) for a in w.axes)] for o, w in zip(outs, d.cod.inside, strict=True)]

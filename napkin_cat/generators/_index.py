@@ -20,6 +20,7 @@ True
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -146,6 +147,16 @@ class IndexMap(Generator):
         fn = self.params["fn"]
         return affine_form(fn.keep) if isinstance(fn, Kept) else None
 
+    def mask_function(self) -> Callable | None:
+        """The mask function of a mask's backward (``Kept``), which hides what the mask hides; None for any other
+        index map (a score modifier hides nothing)."""
+        fn = self.params["fn"]
+        return fn.keep if isinstance(fn, Kept) else None
+
+    def block_map(self, names: tuple[str, ...], extent: dict, blocks: dict) -> tuple:
+        """:meth:`Mask.block_map` of a mask's backward: the blocks its mask hides, cuts or keeps whole."""
+        return block_map(self.mask_function(), names, extent, blocks)
+
     def backward(self, t, ins, outs, cts):
         (s,), fn = ins, self.params["fn"]
         S = t.ty(s)
@@ -192,6 +203,22 @@ class Mask(Generator):
         """
         return affine_form(self.params["mask"])
 
+    def mask_function(self) -> Callable:
+        """The mask function, ``keep(**indices)``."""
+        return self.params["mask"]
+
+    def block_map(self, names: tuple[str, ...], extent: dict, blocks: dict) -> tuple:
+        """Which blocks this mask hides, cuts or keeps whole, found by evaluating its mask function on every
+        index of each block (:func:`block_map`): for any mask function, where :meth:`affine` knows only affine ones.
+
+        >>> from napkin_cat import axes
+        >>> dilated = mask(Array(*axes("q x")), lambda q, x: (q - x) % 4 == 0)
+        >>> kept, whole = dilated.block_map(("q", "x"), {"q": 8, "x": 8}, {"q": 4, "x": 2})
+        >>> kept.tolist(), whole.tolist()
+        ([[True, True, True, True], [True, True, True, True]], [[False, False, False, False], [False, False, False, False]])
+        """
+        return block_map(self.mask_function(), names, extent, blocks)
+
     def lines(self, prog, ins, outs):
         name = getattr(self.params["mask"], "__name__", repr(self.params["mask"]))
         text = f"{prog.ix(outs[0])} = {prog.ix(ins[0])} where {name} else −∞   # global indices"
@@ -200,6 +227,59 @@ class Mask(Generator):
     def backward(self, t, ins, outs, cts):
         keep, C = self.params["mask"], t.ty(cts[0])
         return [t(IndexMap(f"kept {fname(keep)}", Ty(C), Ty(C), data=(("fn", Kept(keep)),)), cts[0])]
+
+
+#: the most elements of a mask :func:`block_map` evaluates at once: larger maps run in slices (``lax.map``)
+BLOCK_MAP_ELEMENTS = 1 << 25
+
+
+def block_map(keep: Callable, names: tuple[str, ...], extent: dict, blocks: dict) -> tuple:
+    """Which blocks the mask ``keep(**indices)`` keeps something of, and which it keeps whole: two bool arrays
+    with one axis per name in ``names``, ``cdiv(extent[a], blocks[a])`` blocks of ``blocks[a]`` indices along
+    ``a`` (size 1 along an axis ``keep`` does not read). ``keep`` runs vectorised on every index of every block,
+    as a kernel would run it (jax.numpy, on the default device); indices past ``extent`` (a ragged block's
+    padding) count for neither. A mask function that knows its blocks (``keep.block_map``, as a precomputed
+    :class:`~napkin_cat.block_masks.BlockMask`) says them instead. Large maps are evaluated in slices of at most
+    :data:`BLOCK_MAP_ELEMENTS` elements.
+
+    >>> kept, whole = block_map(lambda q, x: abs(q - x) <= 2, ("q", "x"), {"q": 12, "x": 12}, {"q": 4, "x": 4})
+    >>> kept.astype(int).tolist(), whole.astype(int).tolist()
+    ([[1, 1, 0], [1, 1, 1], [0, 1, 1]], [[0, 0, 0], [0, 0, 0], [0, 0, 0]])
+    """
+    form = getattr(keep, "block_map", None)
+    if callable(form):
+        return form(names, extent, blocks)
+    read = index_names(keep, score=False)
+    read = [a for a in names if read is None or a in read]
+    counts = {a: -(-extent[a] // blocks[a]) for a in read}
+    total = math.prod(counts[a] * blocks[a] for a in read)
+    # sliced along the read axis with the most blocks, each slice at most BLOCK_MAP_ELEMENTS elements
+    along = max(read, key=lambda a: counts[a], default=None)
+    per = max(1, BLOCK_MAP_ELEMENTS * counts[along] // max(total, 1)) if along else 1
+
+    def evaluate(start, n):  # blocks [start, start + n) along ``along``; every block of the other axes
+        k, idx = len(names), {}
+        valid = jnp.ones((1,) * (2 * k), bool)
+        for i, a in enumerate(read):
+            at, shape = names.index(a), [1] * (2 * k)
+            shape[at], shape[k + at] = (n if a == along else counts[a]), blocks[a]
+            first = start if a == along else 0
+            v = (first + jnp.arange(shape[at]))[:, None] * blocks[a] + jnp.arange(blocks[a])
+            idx[a] = v.reshape(shape).astype(jnp.int32)
+            valid = valid & (idx[a] < extent[a])
+        keeps = jnp.asarray(keep(**idx), bool)
+        inside = tuple(range(k, 2 * k))
+        return jnp.any(keeps & valid, axis=inside), jnp.all(keeps | ~valid, axis=inside)
+
+    if along is None or per >= counts[along]:
+        return evaluate(0, counts[along] if along else 1)
+    at = names.index(along)
+    n_slices = -(-counts[along] // per)
+    kept, whole = jax.lax.map(lambda j: evaluate(j * per, per), jnp.arange(n_slices))
+    # slices stacked first: put them back along ``along`` and drop the last slice's overhang
+    kept, whole = (jnp.moveaxis(v, 0, at) for v in (kept, whole))
+    merged = [*kept.shape[:at], n_slices * per, *kept.shape[at + 2 :]]
+    return tuple(v.reshape(merged)[(slice(None),) * at + (slice(0, counts[along]),)] for v in (kept, whole))
 
 
 def affine_form(keep):
