@@ -79,6 +79,7 @@ from lowering.mosaic import MOSAIC_BLOCKS, unavailable
 from lowering.triton import TRITON_BLOCKS
 from napkin_cat import library
 from napkin_cat.axes import axes
+from napkin_cat.block_masks import BlockMask
 from napkin_cat.diagram import Diagram
 from napkin_cat.dtypes import bf16, f16, f32
 from napkin_cat.errors import EvaluationError
@@ -856,6 +857,7 @@ class Attention:
         score_mod: Callable | None = None,
         mask_mod: Callable | None = None,
         segment_ids=None,
+        block_mask: BlockMask | None = None,
         backend: str = "auto",
         backward: str = "lowered",
         interpret: bool | None = None,
@@ -877,7 +879,8 @@ class Attention:
         forward's residual, without gradient; past a query length jax.nn's value, −0.7 · f32's max; a row
         whose every key a mask hides has no meaningful one, where jax.nn gives that value too). Several
         leading batch axes are flattened into one and restored. Then ``segment_ids`` (document masking),
-        FlexAttention's ``score_mod``/``mask_mod``,
+        FlexAttention's ``score_mod``/``mask_mod`` (or a ``block_mask``, :func:`napkin_cat.block_mask`: a mask
+        function with its blocks computed ahead, for ``[B, H, Nq, Nk]`` of this call),
         :func:`lowering.lower`'s ``backend``, ``backward``, ``interpret`` and ``hardware``, and ``rope`` (a
         :class:`~napkin_cat.generators.Rope`: q and k rotated inside the kernels as their blocks load, forward and
         backward; its ``positions``, ``[..., N]`` integers or a ``(q, kv)`` pair, are read at each call). Rows
@@ -920,6 +923,7 @@ class Attention:
             local_window_size=local_window_size,
             score_mod=score_mod,
             mask_mod=mask_mod,
+            block_mask=block_mask,
             backend=backend,
             backward=backward,
             interpret=interpret,
@@ -959,7 +963,13 @@ class Attention:
         return self._kernel(*args, scale=scale, backend=backend, **options)
 
     def _kernel(self, query, key, value, bias, mask, segment_ids, **options) -> AttentionKernel:
-        """:meth:`kernel_for` of arrays as :func:`batched` gives them, options as :class:`Signature` takes them."""
+        """:meth:`kernel_for` of arrays as :func:`batched` gives them, options as :class:`Signature` takes them
+        (a ``block_mask`` given as the ``mask_mod`` it carries, its shape checked against the call's)."""
+        if (bm := options.pop("block_mask", None)) is not None:
+            if options.get("mask_mod") is not None:
+                raise EvaluationError("attention: pass mask_mod or block_mask (which carries its mask_mod), not both")
+            bm.check(query.shape[0], query.shape[2], query.shape[1], key.shape[1])
+            options["mask_mod"] = bm
         signature = Signature.of(query, key, value, bias, mask, segment_ids=segment_ids, **options)
         if signature in self._kernels:
             self._hits += 1

@@ -9,7 +9,7 @@ kernel's tiles are multiples of, so it can be built once, inspected (its repr gi
 to ``nc.attention(..., block_mask=...)``, whose kernels read it (coarsened to their tiles, transposed for the
 backward's key tiles) instead of evaluating the mask. Block masks combine with ``&`` and ``|``.
 
->>> import jax.numpy as jnp
+import numpy as np
 >>> dilated = block_mask(lambda q_idx, kv_idx: (abs(q_idx - kv_idx) < 64) & ((q_idx - kv_idx) % 2 == 0),
 ...                      None, None, 256, 256, tile=32, chunk=32)
 >>> dilated
@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
+import numpy as np
 
 from napkin_cat.affine_masks import and_masks, or_masks
 from napkin_cat.errors import EvaluationError
@@ -57,8 +57,8 @@ class BlockMask:
     mask_mod: Callable
     shape: tuple[int, int, int, int]
     block_size: tuple[int, int]
-    kept: jax.Array
-    whole: jax.Array
+    kept: np.ndarray
+    whole: np.ndarray
 
     @property
     def keep(self) -> Callable:
@@ -95,7 +95,7 @@ class BlockMask:
             if a in FLEX[2:]:
                 return own[a] == extent[a] and blocks[a] % step[a] == 0
             unread = read is not None and a not in read
-            return unread or a in FLEX and own[a] == extent[a]
+            return unread or a in FLEX and own[a] in (1, extent[a])  # 1: made broadcast (B or H None)
 
         if not (set(FLEX[2:]) <= set(names) and all(known(a) for a in names)):
             return block_map(self.keep, names, extent, blocks)
@@ -107,16 +107,16 @@ class BlockMask:
         present = [a for a in FLEX if a in names]
         kept, whole = (_reduced(v, [FLEX.index(a) for a in FLEX if a not in names]) for v in (kept, whole))
         order = [present.index(a) for a in names if a in present]
-        kept, whole = (jnp.transpose(v, order) for v in (kept, whole))
+        kept, whole = (np.transpose(v, order) for v in (kept, whole))
         at = [i for i, a in enumerate(names) if a not in present]  # axes it knows nothing of: size 1
-        return tuple(jnp.expand_dims(v, at) if at else v for v in (kept, whole))
+        return tuple(np.expand_dims(v, at) if at else v for v in (kept, whole))
 
     def counts(self) -> tuple[int, int, int]:
         """Blocks (over batch, heads, query and key blocks, a broadcast axis counted once) the mask hides,
         keeps whole and cuts."""
-        kept, whole = jnp.broadcast_arrays(self.kept, self.whole)
-        full = int(jnp.sum(whole & kept))
-        return int(jnp.sum(~kept)), full, int(jnp.sum(kept)) - full
+        kept, whole = np.broadcast_arrays(self.kept, self.whole)
+        full = int(np.sum(whole & kept))
+        return int(np.sum(~kept)), full, int(np.sum(kept)) - full
 
     def sparsity(self) -> float:
         """The percentage of blocks the mask hides (FlexAttention's ``BlockMask.sparsity``)."""
@@ -125,8 +125,8 @@ class BlockMask:
 
     def to_dense(self):
         """The block map as integers ``[B, H, query blocks, key blocks]``: 0 hidden, 1 cut, 2 kept whole."""
-        kept, whole = jnp.broadcast_arrays(self.kept, self.whole)
-        return kept.astype(jnp.int32) + (kept & whole).astype(jnp.int32)
+        kept, whole = np.broadcast_arrays(self.kept, self.whole)
+        return kept.astype(np.int32) + (kept & whole).astype(np.int32)
 
     def _joined(self, other: BlockMask, op: str) -> BlockMask:
         if not isinstance(other, BlockMask):
@@ -182,7 +182,7 @@ def _coarsened(v, axis: int, factor: int, fill: bool):
     n = v.shape[axis]
     widths = [(0, 0)] * v.ndim
     widths[axis] = (0, -n % factor)
-    v = jnp.pad(v, widths, constant_values=fill)
+    v = np.pad(v, widths, constant_values=fill)
     v = v.reshape(*v.shape[:axis], -1, factor, *v.shape[axis + 1 :])
     return v.all(axis + 1) if fill else v.any(axis + 1)
 
@@ -205,29 +205,25 @@ def block_mask(
     """The :class:`BlockMask` of ``mask_mod`` (FlexAttention's ``mask_mod(b, h, q_idx, kv_idx)``, or one naming the
     indices it reads) over ``[B, H, Nq, Nk]`` scores (FlexAttention's ``create_block_mask``): per block of
     ``tile`` queries and ``chunk`` keys (default :data:`BLOCK`, which every kernel's tiles are multiples of),
-    whether the mask keeps something and whether it keeps all, evaluated on every index now, once (under a
-    caller's ``jit`` too: it depends on the sizes only). ``B`` or ``H`` None: the mask reads no batch or head
-    (the map broadcasts over them).
+    whether the mask keeps something and whether it keeps all (numpy arrays), evaluated on every index now,
+    once (under a caller's ``jit`` too: it depends on the sizes only). ``B`` or ``H`` None, as in FlexAttention:
+    the map is made at index 0 and broadcast over every batch or head (say None only for a mask reading none).
 
     >>> def neighbours(q_idx, kv_idx):  # a 16 × 16 image, 2-D neighbourhood of radius 2
     ...     return (abs(q_idx // 16 - kv_idx // 16) <= 2) & (abs(q_idx % 16 - kv_idx % 16) <= 2)
     >>> m = block_mask(neighbours, None, None, 256, 256)
     >>> m.shape, m.kept.shape, round(m.sparsity(), 1)
     ((1, 1, 256, 256), (1, 1, 16, 16), 71.1)
-    >>> block_mask(lambda h, q_idx, kv_idx: q_idx >= kv_idx + h, None, None, 64, 64)
+    >>> block_mask(lambda h, q_idx, kv_idx: q_idx >= kv_idx + 16 * h, None, 4, 64, 64).to_dense()[0, :, 3, 0].tolist()
+    [2, 2, 2, 1]
+    >>> block_mask(lambda q_idx, kv_idx: kv_idx <= q_idx, None, None, 64, 64, tile=0)
     Traceback (most recent call last):
     ...
-    napkin_cat.errors.EvaluationError: block_mask <lambda>: the mask reads h, so give H (None: the mask reads no head)
+    napkin_cat.errors.EvaluationError: block_mask <lambda>: tile must be a positive int, got 0
     """
     tile, chunk = tile or BLOCK, chunk or BLOCK
     keep = positional(mask_mod, FLEX, score=False)
     read = index_names(keep, score=False)
-    for a, n in (("b", B), ("h", H)):
-        if n is None and (read is None or a in read):
-            raise EvaluationError(
-                f"block_mask {fname(mask_mod)}: the mask reads {a}, so give {a.upper()} (None: the mask reads no "
-                f"{'batch' if a == 'b' else 'head'})"
-            )
     for what, n in (("tile", tile), ("chunk", chunk), ("Nq", Nq), ("Nk", Nk)):
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise EvaluationError(f"block_mask {fname(mask_mod)}: {what} must be a positive int, got {n!r}")
@@ -237,5 +233,5 @@ def block_mask(
         kept, whole = block_map(keep, FLEX, extent, dict(zip(FLEX, (1, 1, tile, chunk), strict=True)))
         grid = (*(n if a in (read or FLEX) else 1 for a, n in zip(FLEX[:2], shape[:2], strict=True)),
                 -(-Nq // tile), -(-Nk // chunk))
-        kept, whole = jnp.broadcast_to(kept, grid), jnp.broadcast_to(whole, grid)
+        kept, whole = np.broadcast_to(np.asarray(kept), grid), np.broadcast_to(np.asarray(whole), grid)
     return BlockMask(mask_mod, shape, (tile, chunk), kept, whole)

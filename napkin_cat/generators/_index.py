@@ -214,8 +214,8 @@ class Mask(Generator):
         >>> from napkin_cat import axes
         >>> dilated = mask(Array(*axes("q x")), lambda q, x: (q - x) % 4 == 0)
         >>> kept, whole = dilated.block_map(("q", "x"), {"q": 8, "x": 8}, {"q": 4, "x": 2})
-        >>> kept.tolist(), whole.tolist()
-        ([[True, True, True, True], [True, True, True, True]], [[False, False, False, False], [False, False, False, False]])
+        >>> kept.astype(int).tolist(), whole.astype(int).tolist()
+        ([[1, 1, 1, 1], [1, 1, 1, 1]], [[0, 0, 0, 0], [0, 0, 0, 0]])
         """
         return block_map(self.mask_function(), names, extent, blocks)
 
@@ -260,7 +260,7 @@ def block_map(keep: Callable, names: tuple[str, ...], extent: dict, blocks: dict
     def evaluate(start, n):  # blocks [start, start + n) along ``along``; every block of the other axes
         k, idx = len(names), {}
         valid = jnp.ones((1,) * (2 * k), bool)
-        for i, a in enumerate(read):
+        for a in read:
             at, shape = names.index(a), [1] * (2 * k)
             shape[at], shape[k + at] = (n if a == along else counts[a]), blocks[a]
             first = start if a == along else 0
