@@ -698,6 +698,23 @@ class AttentionKernel:
         """Why the kernel has no lowered backward, or None when it has one."""
         return self.kernel.why_not
 
+    def sparsity(self, query, key, value, bias=None, mask=None, segment_ids=None, *, positions: tuple | None = None):
+        """The blocks the forward kernel skips, runs unmasked and runs masked on these arrays, and how they were
+        found (:class:`lowering._sparsity.Sparsity`): symbolically (affine masks), from segment ids, or at call time
+        from a mask's block map; a mask whose blocks no rule finds is named in its note.
+
+        >>> x = jnp.ones((1, 64, 2, 16))
+        >>> attention.kernel_for(x, x, x, is_causal=True).sparsity(x, x, x).found
+        ('symbolic',)
+        """
+        query, key, value, bias, mask, segment_ids = batched(query, key, value, bias, mask, segment_ids)
+        kv_heads, group = key.shape[2], self.signature.group
+        qs = query.reshape(*query.shape[:2], kv_heads, group, query.shape[3]) if group > 1 else query
+        pairs = ((bias, self.signature.bias), (mask, self.signature.mask))
+        extra = [_operand(a, axes, kv_heads, group) for a, axes in pairs if a is not None]
+        ids = [a.astype(jnp.int32) for a in segment_ids] if segment_ids is not None else []
+        return self.kernel.forward.sparsity(qs, key, value, *extra, *ids, *(positions or ()))
+
     def __call__(
         self,
         query,

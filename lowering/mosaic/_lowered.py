@@ -38,6 +38,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from lowering._blocks import BlockContext, affine_mask, call_bounds, segments, tiled_first
 from lowering._plan import NotLowerable, Plan, base2, unweave
+from lowering._sparsity import Sparsity, sparsity
 from lowering._spmd import out_structs
 from lowering._target import interpreted
 from lowering.mosaic._arrays import Counting
@@ -276,6 +277,15 @@ class MosaicLowered:
                 ),
             ]
         )
+
+    def sparsity(self, *arrays) -> Sparsity:
+        """The blocks this kernel skips, runs unmasked and runs masked on ``arrays``, and how they were found
+        (:func:`lowering._sparsity.sparsity`, with the call-time masks this kernel reads: those over its split axis)."""
+        full = self.plan.diagram
+        arrays = [jnp.asarray(a) for a in arrays]
+        sizes = bind(full.dom, arrays)
+        extent = {a.name: int(a.size.subs(sizes)) for w in full.dom.inside for a in w.axes}
+        return sparsity(self.plan, arrays, extent, self.segments)
 
     def guard(self) -> None:
         """:meth:`check` now where the sizes it reads (the axes kept whole) are known: the tiled and streamed
