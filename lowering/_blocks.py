@@ -256,6 +256,7 @@ def segments(d: Diagram, p: Plan) -> tuple[Segments | Mapped, ...]:
     return (*found, *(m for m in mapped if m is not None))
 
 
+@jax.jit
 def map_bounds(kept, whole):
     """The four bounds of each row of a block map (``kept``: a block holds something the mask keeps; ``whole``:
     it keeps all of it; ``[..., tiles, chunks]``): ``first`` and ``last``, the first and one past the last chunk

@@ -272,10 +272,10 @@ def block_map(keep: Callable, names: tuple[str, ...], extent: dict, blocks: dict
         return jnp.any(keeps & valid, axis=inside), jnp.all(keeps | ~valid, axis=inside)
 
     if along is None or per >= counts[along]:
-        return evaluate(0, counts[along] if along else 1)
+        return jax.jit(evaluate, static_argnums=1)(0, counts[along] if along else 1)  # one program, not op by op
     at = names.index(along)
     n_slices = -(-counts[along] // per)
-    kept, whole = jax.lax.map(lambda j: evaluate(j * per, per), jnp.arange(n_slices))
+    kept, whole = jax.jit(lambda: jax.lax.map(lambda j: evaluate(j * per, per), jnp.arange(n_slices)))()
     # slices stacked first: put them back along ``along`` and drop the last slice's overhang
     kept, whole = (jnp.moveaxis(v, 0, at) for v in (kept, whole))
     merged = [*kept.shape[:at], n_slices * per, *kept.shape[at + 2 :]]
