@@ -19,6 +19,7 @@ True
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections.abc import Callable
@@ -250,36 +251,45 @@ def block_map(keep: Callable, names: tuple[str, ...], extent: dict, blocks: dict
     if callable(form):
         return form(names, extent, blocks)
     read = index_names(keep, score=False)
-    read = [a for a in names if read is None or a in read]
+    read = tuple(a for a in names if read is None or a in read)
     counts = {a: -(-extent[a] // blocks[a]) for a in read}
     total = math.prod(counts[a] * blocks[a] for a in read)
     # sliced along the read axis with the most blocks, each slice at most BLOCK_MAP_ELEMENTS elements
     along = max(read, key=lambda a: counts[a], default=None)
     per = max(1, BLOCK_MAP_ELEMENTS * counts[along] // max(total, 1)) if along else 1
+    n_slices = -(-counts[along] // per) if along else 1
+    sizes = tuple((a, counts[a], blocks[a], extent[a]) for a in read)
+    kept, whole = _block_map(keep, names, sizes, along, min(per, counts[along]) if along else 1, n_slices)
+    if n_slices == 1:
+        return kept[0], whole[0]
+    # slices stacked first: put them back along ``along`` and drop the last slice's overhang
+    at = names.index(along)
+    kept, whole = (jnp.moveaxis(v, 0, at) for v in (kept, whole))
+    merged = [*kept.shape[:at], n_slices * per, *kept.shape[at + 2 :]]
+    return tuple(v.reshape(merged)[(slice(None),) * at + (slice(0, counts[along]),)] for v in (kept, whole))
 
-    def evaluate(start, n):  # blocks [start, start + n) along ``along``; every block of the other axes
-        k, idx = len(names), {}
-        valid = jnp.ones((1,) * (2 * k), bool)
-        for a in read:
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
+def _block_map(keep: Callable, names: tuple, sizes: tuple, along: str | None, per: int, n_slices: int) -> tuple:
+    """:func:`block_map`'s evaluation, one compiled program per mask function and sizes (``sizes``: each read
+    axis's name, blocks, block size and extent), so a second call at the same sizes only runs: ``n_slices``
+    slices of ``per`` blocks along ``along``, stacked first."""
+    k = len(names)
+
+    def evaluate(start):  # blocks [start, start + per) along ``along``; every block of the other axes
+        idx, valid = {}, jnp.ones((1,) * (2 * k), bool)
+        for a, count, size, extent in sizes:
             at, shape = names.index(a), [1] * (2 * k)
-            shape[at], shape[k + at] = (n if a == along else counts[a]), blocks[a]
+            shape[at], shape[k + at] = (per if a == along else count), size
             first = start if a == along else 0
-            v = (first + jnp.arange(shape[at]))[:, None] * blocks[a] + jnp.arange(blocks[a])
+            v = (first + jnp.arange(shape[at]))[:, None] * size + jnp.arange(size)
             idx[a] = v.reshape(shape).astype(jnp.int32)
-            valid = valid & (idx[a] < extent[a])
+            valid = valid & (idx[a] < extent)
         keeps = jnp.asarray(keep(**idx), bool)
         inside = tuple(range(k, 2 * k))
         return jnp.any(keeps & valid, axis=inside), jnp.all(keeps | ~valid, axis=inside)
 
-    if along is None or per >= counts[along]:
-        return jax.jit(evaluate, static_argnums=1)(0, counts[along] if along else 1)  # one program, not op by op
-    at = names.index(along)
-    n_slices = -(-counts[along] // per)
-    kept, whole = jax.jit(lambda: jax.lax.map(lambda j: evaluate(j * per, per), jnp.arange(n_slices)))()
-    # slices stacked first: put them back along ``along`` and drop the last slice's overhang
-    kept, whole = (jnp.moveaxis(v, 0, at) for v in (kept, whole))
-    merged = [*kept.shape[:at], n_slices * per, *kept.shape[at + 2 :]]
-    return tuple(v.reshape(merged)[(slice(None),) * at + (slice(0, counts[along]),)] for v in (kept, whole))
+    return jax.lax.map(lambda j: evaluate(j * per), jnp.arange(n_slices))
 
 
 def affine_form(keep):
