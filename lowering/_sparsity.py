@@ -113,12 +113,12 @@ def _program_bounds(p: Plan, arrays, extent, affine, later, zero, n_chunks) -> t
     return jnp.broadcast_arrays(*(jnp.broadcast_to(v, counts) for v in bounds))
 
 
-def _note(p: Plan, later, found, skipped: float) -> str | None:
-    """What skips nothing, and why: a mask applied on every chunk (no rule finds its blocks), no mask at all,
-    or masks that hide no chunk at these sizes."""
-    x = p.stream[0]
+def unread(p: Plan, later=None) -> list[str]:
+    """The mask boxes of ``p``'s kernel that run on every chunk because no rule finds their blocks (no affine
+    form, no segment ids, no block map a kernel can read: :func:`lowering._blocks.mapped_mask`), by name."""
+    later = segments(p.diagram, p) if later is None else later
     known = {id(m.box) for m in later}
-    blind = [
+    return [
         b.name
         for b in p.diagram.boxes
         if callable(getattr(b, "mask_function", None))
@@ -127,6 +127,34 @@ def _note(p: Plan, later, found, skipped: float) -> str | None:
         and id(b) not in known
         and mapped_mask(b, p, b.dom.inside[0].names) is None
     ]
+
+
+def described(p: Plan) -> list[str]:
+    """Lines for a kernel's description: the masks whose blocks are found at call time from their block maps,
+    and those run on every chunk (:func:`unread`); none for a kernel with neither.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> from lowering import plan
+    >>> q, x, d = nc.axes("q x d")
+    >>> odd = nc.library.attention(q, x, d, mask=lambda q, x: q % 2 == x % 2)
+    >>> odd = derive(odd, tile(q, 16), stream(x, 16), verify=False)
+    >>> described(plan(odd.diagram))
+    ["block sparsity: 'mask <lambda>' skips the blocks its block map hides, found at call time"]
+    """
+    if p.stream is None:
+        return []
+    mapped = [m.box.name for m in segments(p.diagram, p) if isinstance(m, Mapped)]
+    return [f"block sparsity: {n!r} skips the blocks its block map hides, found at call time" for n in mapped] + [
+        f"no block sparsity: {n!r} runs on every chunk (no rule finds its blocks)" for n in unread(p)
+    ]
+
+
+def _note(p: Plan, later, found, skipped: float) -> str | None:
+    """What skips nothing, and why: a mask applied on every chunk (no rule finds its blocks), no mask at all,
+    or masks that hide no chunk at these sizes."""
+    x = p.stream[0]
+    blind = unread(p, later)
     if blind:
         return (
             f"{', '.join(blind)} applied on every chunk: no rule finds its blocks (a block map needs a mask on the "

@@ -221,7 +221,7 @@ def block_mask(
     ...
     napkin_cat.errors.EvaluationError: block_mask <lambda>: tile must be a positive int, got 0
     """
-    tile, chunk = tile or BLOCK, chunk or BLOCK
+    tile, chunk = (BLOCK if n is None else n for n in (tile, chunk))
     keep = positional(mask_mod, FLEX, score=False)
     read = index_names(keep, score=False)
     for what, n in (("tile", tile), ("chunk", chunk), ("Nq", Nq), ("Nk", Nk)):

@@ -38,7 +38,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from lowering._blocks import BlockContext, affine_mask, call_bounds, segments, tiled_first
 from lowering._plan import NotLowerable, Plan, base2, unweave
-from lowering._sparsity import Sparsity, sparsity
+from lowering._sparsity import Sparsity, described, sparsity
 from lowering._spmd import out_structs
 from lowering._target import interpreted
 from lowering.mosaic._arrays import Counting
@@ -264,6 +264,7 @@ class MosaicLowered:
                     f"hide are never loaded, those kept whole run without the mask{'s' * (len(self.masks) > 1)}"
                     for _ in range(bool(self.masks))
                 ),
+                *described(p),
                 *(
                     f"output {w.describe()} stored through the shared-memory tile of {self.d.dom.inside[i].describe()}"
                     for w, i in zip(self.d.cod.inside, self.reuse, strict=True)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from napkin_cat.axes import Axis
 from napkin_cat.diagram import Array, Ty
 from napkin_cat.dtypes import f32
-from napkin_cat.errors import AxisError
+from napkin_cat.errors import AxisError, EvaluationError
 from napkin_cat.generators._base import Generator, fname
 
 
@@ -250,6 +250,13 @@ def block_map(keep: Callable, names: tuple[str, ...], extent: dict, blocks: dict
     form = getattr(keep, "block_map", None)
     if callable(form):
         return form(names, extent, blocks)
+    try:
+        hash(keep)  # the compiled evaluation is cached per mask function
+    except TypeError:
+        raise EvaluationError(
+            f"mask {fname(keep)}: its block map is compiled once per mask function, which must be hashable; "
+            "make it a function or a frozen dataclass"
+        ) from None
     read = index_names(keep, score=False)
     read = tuple(a for a in names if read is None or a in read)
     counts = {a: -(-extent[a] // blocks[a]) for a in read}
