@@ -1,10 +1,11 @@
 """The block machinery every streaming backend shares: a kernel body's context (block offsets, grid indices),
 which chunks of the streamed axis a block visits (the masks' affine intervals, a segment mask's ranges found from
-its ids, any other mask's from its block map), the launch order (heaviest tiles first), the masks that zero every accumulator's input, the ragged
-chunk's neutral padding and the tiled-first layout. Which blocks a mask hides, cuts or keeps whole is the mask's
-own knowledge, asked through the generator (:meth:`~napkin_cat.generators.Mask.affine`, a mask function's
-``segment_labels``, :meth:`~napkin_cat.generators.Mask.block_map`); the backends (:mod:`lowering.triton`, :mod:`lowering.mosaic`, :mod:`lowering.xla`) import
-this module and never one another.
+its ids, any other mask's from its block map), the launch order (heaviest tiles first), the masks that zero every
+accumulator's input, the ragged chunk's neutral padding and the tiled-first layout. Which blocks a mask hides,
+cuts or keeps whole is the mask's own knowledge, asked through the generator
+(:meth:`~napkin_cat.generators.Mask.affine`, a mask function's ``segment_labels``,
+:meth:`~napkin_cat.generators.Mask.block_map`); the backends (:mod:`lowering.triton`, :mod:`lowering.mosaic`,
+:mod:`lowering.xla`) import this module and never one another.
 """
 
 from __future__ import annotations
