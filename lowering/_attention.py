@@ -83,6 +83,7 @@ from lowering.mosaic import MOSAIC_BLOCKS, unavailable
 from lowering.triton import TRITON_BLOCKS
 from napkin_cat import library
 from napkin_cat.axes import axes
+from napkin_cat.block_masks import BlockMask
 from napkin_cat.diagram import Array, Diagram
 from napkin_cat.dtypes import bf16, f16, f32
 from napkin_cat.errors import AxisError, EvaluationError
@@ -797,6 +798,23 @@ class AttentionKernel:
         """Why the kernel has no lowered backward, or None when it has one."""
         return self.kernel.why_not
 
+    def sparsity(self, query, key, value, bias=None, mask=None, segment_ids=None, *, positions: tuple | None = None):
+        """The blocks the forward kernel skips, runs unmasked and runs masked on these arrays, and how they were
+        found (:class:`lowering._sparsity.Sparsity`): symbolically (affine masks), from segment ids, or at call time
+        from a mask's block map; a mask whose blocks no rule finds is named in its note.
+
+        >>> x = jnp.ones((1, 64, 2, 16))
+        >>> attention.kernel_for(x, x, x, is_causal=True).sparsity(x, x, x).found
+        ('symbolic',)
+        """
+        query, key, value, bias, mask, segment_ids = batched(query, key, value, bias, mask, segment_ids)
+        kv_heads, group = key.shape[2], self.signature.group
+        qs = query.reshape(*query.shape[:2], kv_heads, group, query.shape[3]) if group > 1 else query
+        pairs = ((bias, self.signature.bias), (mask, self.signature.mask))
+        extra = [_operand(a, axes, kv_heads, group) for a, axes in pairs if a is not None]
+        ids = [a.astype(jnp.int32) for a in segment_ids] if segment_ids is not None else []
+        return self.kernel.forward.sparsity(qs, key, value, *extra, *ids, *(positions or ()))
+
     def __call__(
         self,
         query,
@@ -958,6 +976,7 @@ class Attention:
         score_mod: Callable | None = None,
         mask_mod: Callable | None = None,
         segment_ids=None,
+        block_mask: BlockMask | None = None,
         backend: str = "auto",
         backward: str = "lowered",
         interpret: bool | None = None,
@@ -979,7 +998,8 @@ class Attention:
         forward's residual, without gradient; past a query length jax.nn's value, −0.7 · f32's max; a row
         whose every key a mask hides has no meaningful one, where jax.nn gives that value too). Several
         leading batch axes are flattened into one and restored. Then ``segment_ids`` (document masking),
-        FlexAttention's ``score_mod``/``mask_mod``,
+        FlexAttention's ``score_mod``/``mask_mod`` (or a ``block_mask``, :func:`napkin_cat.block_mask`: a mask
+        function with its blocks computed ahead, for ``[B, H, Nq, Nk]`` of this call),
         :func:`lowering.lower`'s ``backend``, ``backward``, ``interpret`` and ``hardware``, and ``rope`` (a
         :class:`~napkin_cat.generators.Rope`: q and k rotated inside the kernels as their blocks load, forward and
         backward; its ``positions``, ``[..., N]`` integers or a ``(q, kv)`` pair, are read at each call). Rows
@@ -1025,6 +1045,7 @@ class Attention:
             local_window_size=local_window_size,
             score_mod=score_mod.abstract() if isinstance(score_mod, Captured) else score_mod,
             mask_mod=mask_mod.abstract() if isinstance(mask_mod, Captured) else mask_mod,
+            block_mask=block_mask,
             backend=backend,
             backward=backward,
             interpret=interpret,
@@ -1080,7 +1101,13 @@ class Attention:
         return self._kernel(*args, scale=scale, backend=backend, **options)
 
     def _kernel(self, query, key, value, bias, mask, segment_ids, **options) -> AttentionKernel:
-        """:meth:`kernel_for` of arrays as :func:`batched` gives them, options as :class:`Signature` takes them."""
+        """:meth:`kernel_for` of arrays as :func:`batched` gives them, options as :class:`Signature` takes them
+        (a ``block_mask`` given as the ``mask_mod`` it carries, its shape checked against the call's)."""
+        if (bm := options.pop("block_mask", None)) is not None:
+            if options.get("mask_mod") is not None:
+                raise EvaluationError("attention: pass mask_mod or block_mask (which carries its mask_mod), not both")
+            bm.check(query.shape[0], query.shape[2], query.shape[1], key.shape[1])
+            options["mask_mod"] = bm
         signature = Signature.of(query, key, value, bias, mask, segment_ids=segment_ids, **options)
         if signature in self._kernels:
             self._hits += 1

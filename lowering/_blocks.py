@@ -1,10 +1,11 @@
 """The block machinery every streaming backend shares: a kernel body's context (block offsets, grid indices),
 which chunks of the streamed axis a block visits (the masks' affine intervals, a segment mask's ranges found from
-its ids), the launch order (heaviest tiles first), the masks that zero every accumulator's input, the ragged
-chunk's neutral padding and the tiled-first layout. Which blocks a mask hides, cuts or keeps whole is the mask's
-own knowledge, asked through the generator (:meth:`~napkin_cat.generators.Mask.affine`, a mask function's
-``segment_labels``); the backends (:mod:`lowering.triton`, :mod:`lowering.mosaic`, :mod:`lowering.xla`) import
-this module and never one another.
+its ids, any other mask's from its block map), the launch order (heaviest tiles first), the masks that zero every
+accumulator's input, the ragged chunk's neutral padding and the tiled-first layout. Which blocks a mask hides,
+cuts or keeps whole is the mask's own knowledge, asked through the generator
+(:meth:`~napkin_cat.generators.Mask.affine`, a mask function's ``segment_labels``,
+:meth:`~napkin_cat.generators.Mask.block_map`); the backends (:mod:`lowering.triton`, :mod:`lowering.mosaic`,
+:mod:`lowering.xla`) import this module and never one another.
 """
 
 from __future__ import annotations
@@ -194,10 +195,36 @@ class Segments:
     axis: str
 
 
-def segments(d: Diagram, p: Plan) -> tuple[Segments, ...]:
-    """The segment masks of ``d`` (the plan's diagram or a kernel body) whose blocks the ids can say: each
-    reads labels along a tiled axis and along the streamed one, both inputs of the kernel (through copies
-    and swaps). Others run masked on every chunk, as any elementwise box.
+@dataclass(frozen=True)
+class Mapped:
+    """A mask of a kernel that tiles ``axis`` and streams the other axis it reads, whose function has no affine
+    form: its ``box`` (a :class:`~napkin_cat.generators.Mask`, or a mask's backward), whose blocks the wrapper
+    finds at call time from its block map (:meth:`~napkin_cat.generators.Mask.block_map`, :func:`map_bounds`)."""
+
+    box: object
+    axis: str
+
+
+def mapped_mask(box, p: Plan, names: tuple[str, ...]) -> Mapped | None:
+    """A :class:`Mapped` for a mask ``box`` on axes ``names`` (its scores' axes in the kernel) that the
+    symbolic path does not know (no affine form) and whose blocks a block map can say: it holds the streamed
+    axis and one tiled axis, besides grid (batch) axes. None for any other box."""
+    function = getattr(box, "mask_function", None)
+    if not callable(function) or function() is None or affine_mask(box) is not None:
+        return None
+    x, rest = p.stream[0], [a for a in names if a not in p.batch]
+    tiled = [a for a in rest if a in p.tiles]
+    if x not in rest or len(tiled) != 1 or len(rest) != 2:
+        return None
+    return Mapped(box, tiled[0])
+
+
+def segments(d: Diagram, p: Plan) -> tuple[Segments | Mapped, ...]:
+    """The masks of ``d`` (the plan's diagram or a kernel body) whose blocks are found at call time, in the
+    order the kernel reads their bounds: segment masks, whose blocks the ids say (each reads labels along a
+    tiled axis and along the streamed one, both inputs of the kernel, through copies and swaps), then masks of
+    any other function the symbolic path cannot read (:func:`mapped_mask`), whose blocks their block map says.
+    Others run masked on every chunk, as any elementwise box.
 
     >>> import napkin_cat as nc
     >>> from rewrites import derive, tile, stream
@@ -226,7 +253,57 @@ def segments(d: Diagram, p: Plan) -> tuple[Segments, ...]:
         return [None] * len(box.cod)
 
     d.dataflow(list(range(len(d.dom))), step)
-    return tuple(found)
+    mapped = (mapped_mask(b, p, b.dom.inside[0].names) for b in d.boxes if len(b.dom) == 1)
+    return (*found, *(m for m in mapped if m is not None))
+
+
+@jax.jit
+def map_bounds(kept, whole):
+    """The four bounds of each row of a block map (``kept``: a block holds something the mask keeps; ``whole``:
+    it keeps all of it; ``[..., tiles, chunks]``): ``first`` and ``last``, the first and one past the last chunk
+    kept something of, and ``[full_lo, full_hi)``, the longest run of chunks kept whole between them (the first
+    such run where several are longest), as an int32 array ``[..., tiles, 4]``. A row keeping nothing gives
+    ``(0, 0, 0, 0)``: the kernel visits none of its chunks.
+
+    >>> kept = jnp.array([[0, 1, 1, 1, 0, 1, 1, 0], [0, 0, 0, 0, 0, 0, 0, 0]], bool)
+    >>> whole = jnp.array([[0, 1, 0, 1, 0, 1, 1, 0], [0, 0, 0, 0, 0, 0, 0, 0]], bool)
+    >>> map_bounds(kept, whole).tolist()
+    [[1, 5, 7, 7], [0, 0, 0, 0]]
+    """
+    n = kept.shape[-1]
+    at = lax.broadcasted_iota(jnp.int32, kept.shape, kept.ndim - 1)
+    any_kept = kept.any(-1)
+    first = jnp.where(any_kept, jnp.argmax(kept, -1), 0)
+    last = jnp.where(any_kept, n - jnp.argmax(kept[..., ::-1], -1), 0)
+    whole = whole & kept
+    broken = lax.cummax(jnp.where(whole, -1, at), axis=kept.ndim - 1)  # the last chunk not kept whole, so far
+    run = jnp.where(whole, at - broken, 0)  # the run of whole chunks ending at each chunk
+    end = jnp.argmax(run, -1)
+    longest = jnp.max(run, -1)
+    full_hi = jnp.where(longest > 0, end + 1, first)
+    full_lo = full_hi - longest
+    return jnp.stack([first, full_lo, full_hi, last], axis=-1).astype(jnp.int32)
+
+
+def mapped_bounds(p: Plan, m: Mapped, extent: dict):
+    """:func:`map_bounds` of a kernel's mask from its block map, at sizes ``extent``: an int32 array laid out as
+    :func:`segment_bounds`'s, the grid's batch axes (size 1 where the mask does not read one), then the tiles of
+    its tiled axis, then the four bounds. It depends on sizes only, so it is evaluated when traced (a constant
+    of a ``jit``-compiled program) unless the mask function reads a traced value."""
+    x, s = p.stream
+    names = (*p.batch, m.axis, x)
+    blocks = {**dict.fromkeys(p.batch, 1), m.axis: p.tiles[m.axis], x: s}
+    with jax.ensure_compile_time_eval():
+        kept, whole = m.box.block_map(names, {a: extent[a] for a in names}, blocks)
+        grid = (-(-extent[m.axis] // blocks[m.axis]), -(-extent[x] // s))  # an axis the mask does not read: size 1
+        kept, whole = (jnp.broadcast_to(v, (*v.shape[:-2], *grid)) for v in (kept, whole))
+        return map_bounds(kept, whole)
+
+
+def call_bounds(p: Plan, m: Segments | Mapped, arrays: list, extent: dict):
+    """The bounds the wrapper passes the kernel for one mask of :func:`segments`: from its ids
+    (:func:`segment_bounds`) or its block map (:func:`mapped_bounds`)."""
+    return mapped_bounds(p, m, extent) if isinstance(m, Mapped) else segment_bounds(p, m, arrays, extent)
 
 
 def segment_blocks(tiled, streamed, tile: int, chunk: int):

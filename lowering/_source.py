@@ -17,6 +17,7 @@ pallas_call napkin_kernel  (Triton backend)
 from __future__ import annotations
 
 from lowering._plan import Plan, base2, unweave
+from lowering._sparsity import described
 from napkin_cat.diagram import is_copy, is_structural, is_swap
 
 
@@ -62,4 +63,5 @@ def describe(kernel) -> str:
         name = "copy" if is_copy(box) else box.name
         extra = ", ".join(f"{k}={v}" for k, v in (box.data or ()) if k in ("scale", "base"))
         lines.append(f"    {name:<28} {box.dom} → {box.cod}" + (f"   [{extra}]" if extra else ""))
+    lines += [f"  {line}" for line in described(p)]
     return "\n".join(lines)

@@ -19,6 +19,7 @@ from napkin_cat._mesh import MeshCost, choose_exchange, mesh_cost
 from napkin_cat._reverse import NoDerivative, Tape, derivative, pullback, reverse
 from napkin_cat.affine_masks import and_masks, as_affine, or_masks
 from napkin_cat.axes import Axis, axes
+from napkin_cat.block_masks import BlockMask, block_mask
 from napkin_cat.convolution import concat, conv, rename
 from napkin_cat.diagram import Array, Box, Diagram, Template, Ty, copy, discard, id, swap  # noqa: A004
 from napkin_cat.drawing import draw, draw_equation, draw_sequence
@@ -65,6 +66,7 @@ from napkin_cat.semantics import to_jax
 __all__ = [
     "MeshCost", "choose_exchange", "mesh_cost",  # the device level (napkin_cat._mesh)
     "and_masks", "as_affine", "or_masks",  # masks of linear inequalities (napkin_cat.affine_masks)
+    "BlockMask", "block_mask",  # a mask's blocks, computed ahead (napkin_cat.block_masks)
     "Array", "Axis", "AxisError", "Box", "CompositionError", "Context", "Cost", "CostError", "Diagram", "Dtype",
     "EvaluationError", "Generator", "HBM", "L2", "Level", "NapkinError", "NoDerivative", "REG", "Rope", "SMEM",
     "TC", "Tape", "Template", "Ty", "add", "architectures", "axes", "bf16", "cast", "causal_mask", "concat", "contract",

@@ -36,8 +36,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from lowering._blocks import BlockContext, affine_mask, segment_bounds, segments, tiled_first
+from lowering._blocks import BlockContext, affine_mask, call_bounds, segments, tiled_first
 from lowering._plan import NotLowerable, Plan, base2, unweave
+from lowering._sparsity import Sparsity, described, sparsity
 from lowering._spmd import out_structs
 from lowering._target import interpreted
 from lowering.mosaic._arrays import Counting
@@ -263,6 +264,7 @@ class MosaicLowered:
                     f"hide are never loaded, those kept whole run without the mask{'s' * (len(self.masks) > 1)}"
                     for _ in range(bool(self.masks))
                 ),
+                *described(p),
                 *(
                     f"output {w.describe()} stored through the shared-memory tile of {self.d.dom.inside[i].describe()}"
                     for w, i in zip(self.d.cod.inside, self.reuse, strict=True)
@@ -276,6 +278,15 @@ class MosaicLowered:
                 ),
             ]
         )
+
+    def sparsity(self, *arrays) -> Sparsity:
+        """The blocks this kernel skips, runs unmasked and runs masked on ``arrays``, and how they were found
+        (:func:`lowering._sparsity.sparsity`, with the call-time masks this kernel reads: those over its split axis)."""
+        full = self.plan.diagram
+        arrays = [jnp.asarray(a) for a in arrays]
+        sizes = bind(full.dom, arrays)
+        extent = {a.name: int(a.size.subs(sizes)) for w in full.dom.inside for a in w.axes}
+        return sparsity(self.plan, arrays, extent, self.segments)
 
     def guard(self) -> None:
         """:meth:`check` now where the sizes it reads (the axes kept whole) are known: the tiled and streamed
@@ -498,7 +509,7 @@ class MosaicLowered:
             kernel_name="napkin_mosaic",
             interpret=plgpu.InterpretGPUParams() if self.interpret else None,
         )
-        return call(*arrays, *(segment_bounds(p, m, arrays, extent) for m in self.segments))
+        return call(*arrays, *(call_bounds(p, m, arrays, extent) for m in self.segments))
 
 
 def _consumers(d: Diagram, q: str, given: int | None) -> int:

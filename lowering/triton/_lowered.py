@@ -28,9 +28,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 import rewrites
-from lowering._blocks import heavy_last, segment_bounds, segments
+from lowering._blocks import call_bounds, heavy_last, segments
 from lowering._plan import NotLowerable, Plan, next_pow2, smem_bytes
 from lowering._source import describe
+from lowering._sparsity import Sparsity, sparsity
 from lowering._spmd import out_structs
 from lowering._target import interpreted, target_hardware
 from lowering.triton._config import TritonConfig
@@ -146,7 +147,7 @@ class TritonLowered:
         if p.stream and padded[p.stream[0]] != extent[p.stream[0]]:
             x, s = p.stream
             paddable(d, x, extent[x], f"is not a multiple of the stream size {s}, so its last chunk is padded")
-        bounds = [(m, segment_bounds(p, m, arrays, extent)) for m in segments(d, p)]  # from the ids, unpadded
+        bounds = [(m, call_bounds(p, m, arrays, extent)) for m in segments(d, p)]  # ids or block maps, unpadded
         arrays = [_pad(v, w, padded) for v, w in zip(arrays, d.dom.inside, strict=True)]
         outs = self._call(arrays, sizes, extent, padded, config, bounds)
         outs = [o[tuple(slice(0, extent[a.name]) for a in w.axes)] for o, w in zip(outs, d.cod.inside, strict=True)]
@@ -230,6 +231,25 @@ class TritonLowered:
     def source(self) -> str:
         """The kernel's launch description: grid axes, block shapes, loop and accumulators."""
         return describe(self)
+
+    def sparsity(self, *arrays) -> Sparsity:
+        """The blocks this kernel skips, runs unmasked and runs masked on ``arrays`` (their sizes; segment ids' values),
+        and how they were found (:func:`lowering._sparsity.sparsity`).
+
+        >>> import jax.numpy as jnp, napkin_cat as nc
+        >>> from rewrites import derive, tile, stream
+        >>> from lowering import plan
+        >>> q, x, d = nc.axes("q x d")
+        >>> odd = nc.library.attention(q, x, d, mask=lambda q, x: (q - x) % 16 < 8)
+        >>> k = TritonLowered(plan(derive(odd, tile(q, 16), stream(x, 16), verify=False).diagram))
+        >>> k.sparsity(*(jnp.zeros((64, 8)),) * 3)
+        Sparsity(skipped=0.0%, full=0.0%, partial=100.0% of 16 blocks; found: call time; the masks hide no chunk at \
+these sizes)
+        """
+        d = self.plan.diagram
+        arrays = [jnp.asarray(a) for a in arrays]
+        sizes = bind(d.dom, arrays)
+        return sparsity(self.plan, arrays, {a.name: int(a.size.subs(sizes)) for w in d.dom.inside for a in w.axes})
 
     @property
     def steps(self) -> tuple[Rule, ...]:

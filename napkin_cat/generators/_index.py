@@ -23,7 +23,9 @@ True
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,7 +36,7 @@ from jax.extend.core import Literal
 from napkin_cat.axes import Axis
 from napkin_cat.diagram import Array, Ty
 from napkin_cat.dtypes import f32
-from napkin_cat.errors import AxisError
+from napkin_cat.errors import AxisError, EvaluationError
 from napkin_cat.generators._base import Generator, fname
 
 
@@ -151,6 +153,16 @@ class IndexMap(Generator):
         fn = self.params["fn"]
         return affine_form(fn.keep) if isinstance(fn, Kept) else None
 
+    def mask_function(self) -> Callable | None:
+        """The mask function of a mask's backward (``Kept``), which hides what the mask hides; None for any other
+        index map (a score modifier hides nothing)."""
+        fn = self.params["fn"]
+        return fn.keep if isinstance(fn, Kept) else None
+
+    def block_map(self, names: tuple[str, ...], extent: dict, blocks: dict) -> tuple:
+        """:meth:`Mask.block_map` of a mask's backward: the blocks its mask hides, cuts or keeps whole."""
+        return block_map(self.mask_function(), names, extent, blocks)
+
     def backward(self, t, ins, outs, cts):
         (s,), fn = ins, self.params["fn"]
         S = t.ty(s)
@@ -197,6 +209,22 @@ class Mask(Generator):
         """
         return affine_form(self.params["mask"])
 
+    def mask_function(self) -> Callable:
+        """The mask function, ``keep(**indices)``."""
+        return self.params["mask"]
+
+    def block_map(self, names: tuple[str, ...], extent: dict, blocks: dict) -> tuple:
+        """Which blocks this mask hides, cuts or keeps whole, found by evaluating its mask function on every
+        index of each block (:func:`block_map`): for any mask function, where :meth:`affine` knows only affine ones.
+
+        >>> from napkin_cat import axes
+        >>> dilated = mask(Array(*axes("q x")), lambda q, x: (q - x) % 4 == 0)
+        >>> kept, whole = dilated.block_map(("q", "x"), {"q": 8, "x": 8}, {"q": 4, "x": 2})
+        >>> kept.astype(int).tolist(), whole.astype(int).tolist()
+        ([[1, 1, 1, 1], [1, 1, 1, 1]], [[0, 0, 0, 0], [0, 0, 0, 0]])
+        """
+        return block_map(self.mask_function(), names, extent, blocks)
+
     def lines(self, prog, ins, outs):
         name = getattr(self.params["mask"], "__name__", repr(self.params["mask"]))
         text = f"{prog.ix(outs[0])} = {prog.ix(ins[0])} where {name} else −∞   # global indices"
@@ -205,6 +233,75 @@ class Mask(Generator):
     def backward(self, t, ins, outs, cts):
         keep, C = self.params["mask"], t.ty(cts[0])
         return [t(IndexMap(f"kept {fname(keep)}", Ty(C), Ty(C), data=(("fn", Kept(keep)),)), cts[0])]
+
+
+#: the most elements of a mask :func:`block_map` evaluates at once: larger maps run in slices (``lax.map``)
+BLOCK_MAP_ELEMENTS = 1 << 25
+
+
+def block_map(keep: Callable, names: tuple[str, ...], extent: dict, blocks: dict) -> tuple:
+    """Which blocks the mask ``keep(**indices)`` keeps something of, and which it keeps whole: two bool arrays
+    with one axis per name in ``names``, ``cdiv(extent[a], blocks[a])`` blocks of ``blocks[a]`` indices along
+    ``a`` (size 1 along an axis ``keep`` does not read). ``keep`` runs vectorised on every index of every block,
+    as a kernel would run it (jax.numpy, on the default device); indices past ``extent`` (a ragged block's
+    padding) count for neither. A mask function that knows its blocks (``keep.block_map``, as a precomputed
+    :class:`~napkin_cat.block_masks.BlockMask`) says them instead. Large maps are evaluated in slices of at most
+    :data:`BLOCK_MAP_ELEMENTS` elements.
+
+    >>> kept, whole = block_map(lambda q, x: abs(q - x) <= 2, ("q", "x"), {"q": 12, "x": 12}, {"q": 4, "x": 4})
+    >>> kept.astype(int).tolist(), whole.astype(int).tolist()
+    ([[1, 1, 0], [1, 1, 1], [0, 1, 1]], [[0, 0, 0], [0, 0, 0], [0, 0, 0]])
+    """
+    form = getattr(keep, "block_map", None)
+    if callable(form):
+        return form(names, extent, blocks)
+    try:
+        hash(keep)  # the compiled evaluation is cached per mask function
+    except TypeError:
+        raise EvaluationError(
+            f"mask {fname(keep)}: its block map is compiled once per mask function, which must be hashable; "
+            "make it a function or a frozen dataclass"
+        ) from None
+    read = index_names(keep, score=False)
+    read = tuple(a for a in names if read is None or a in read)
+    counts = {a: -(-extent[a] // blocks[a]) for a in read}
+    total = math.prod(counts[a] * blocks[a] for a in read)
+    # sliced along the read axis with the most blocks, each slice at most BLOCK_MAP_ELEMENTS elements
+    along = max(read, key=lambda a: counts[a], default=None)
+    per = max(1, BLOCK_MAP_ELEMENTS * counts[along] // max(total, 1)) if along else 1
+    n_slices = -(-counts[along] // per) if along else 1
+    sizes = tuple((a, counts[a], blocks[a], extent[a]) for a in read)
+    kept, whole = _block_map(keep, names, sizes, along, min(per, counts[along]) if along else 1, n_slices)
+    if n_slices == 1:
+        return kept[0], whole[0]
+    # slices stacked first: put them back along ``along`` and drop the last slice's overhang
+    at = names.index(along)
+    kept, whole = (jnp.moveaxis(v, 0, at) for v in (kept, whole))
+    merged = [*kept.shape[:at], n_slices * per, *kept.shape[at + 2 :]]
+    return tuple(v.reshape(merged)[(slice(None),) * at + (slice(0, counts[along]),)] for v in (kept, whole))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
+def _block_map(keep: Callable, names: tuple, sizes: tuple, along: str | None, per: int, n_slices: int) -> tuple:
+    """:func:`block_map`'s evaluation, one compiled program per mask function and sizes (``sizes``: each read
+    axis's name, blocks, block size and extent), so a second call at the same sizes only runs: ``n_slices``
+    slices of ``per`` blocks along ``along``, stacked first."""
+    k = len(names)
+
+    def evaluate(start):  # blocks [start, start + per) along ``along``; every block of the other axes
+        idx, valid = {}, jnp.ones((1,) * (2 * k), bool)
+        for a, count, size, extent in sizes:
+            at, shape = names.index(a), [1] * (2 * k)
+            shape[at], shape[k + at] = (per if a == along else count), size
+            first = start if a == along else 0
+            v = (first + jnp.arange(shape[at]))[:, None] * size + jnp.arange(size)
+            idx[a] = v.reshape(shape).astype(jnp.int32)
+            valid = valid & (idx[a] < extent)
+        keeps = jnp.asarray(keep(**idx), bool)
+        inside = tuple(range(k, 2 * k))
+        return jnp.any(keeps & valid, axis=inside), jnp.all(keeps | ~valid, axis=inside)
+
+    return jax.lax.map(lambda j: evaluate(j * per), jnp.arange(n_slices))
 
 
 def affine_form(keep):

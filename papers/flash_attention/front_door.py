@@ -1,5 +1,5 @@
 """The front door as users write it: a sliding window given as a FlexAttention ``mask_mod`` lambda, timed against
-cuDNN's ``local_window_size`` in one process (issue 29's first target).
+cuDNN's ``local_window_size`` in one process (issue 29's first target); then masks the symbolic path cannot read.
 
 ``nc.attention(q, k, v, is_causal=True, mask_mod=lambda b, h, q_idx, kv_idx: q_idx - kv_idx < W)``: four positional
 parameters, FlexAttention's convention. The entry reads the lambda on linear expressions
@@ -10,9 +10,16 @@ local_window_size=(W - 1, 0), implementation="cudnn")``. Every output and gradie
 reference on one batch element first. TFLOP/s count the visible (query, key) pairs: ``Σ_i min(i + 1, W)`` per head,
 4·D FLOPs each forward, 3.5× that forward + backward. Inputs are laid out [B, N, H, D] for both.
 
-    python papers/flash_attention/front_door.py [--out DIR] [--window 1024] [--seq 8192] [--quick]
+Any mask is sparse: a dilated causal window (every other key of the last 2W) and a 2-D neighbourhood over an image
+of 128-token rows (|Δrow| ≤ 8, |Δcol| ≤ 8) are no Boolean combination of linear inequalities, so the kernels find
+their blocks from a block map evaluated at call time (:meth:`napkin_cat.generators.Mask.block_map`). Each is timed
+beside the causal kernel, TFLOP/s counted on the blocks each kernel visits (``kernel.sparsity``: 4·D FLOPs per
+(query, key) pair of a visited block), with the block maps' build time (every kernel's, forward and backward, once
+compiled) as a fraction of one forward + backward.
 
-``--quick`` runs tiny sizes in interpret mode on a CPU (a smoke test; cuDNN is skipped there).
+    python papers/flash_attention/front_door.py [--out DIR] [--window 1024] [--seq 8192] [--quick | --smoke]
+
+``--quick`` (or ``--smoke``) runs tiny sizes in interpret mode on a CPU (a smoke test; cuDNN is skipped there).
 """
 
 from __future__ import annotations
@@ -64,6 +71,70 @@ def window_mask(w: int):
     return lambda b, h, q_idx, kv_idx: q_idx - kv_idx < w
 
 
+def non_affine(n: int, w: int, width: int, r: int) -> dict:
+    """Masks no linear inequalities describe: a dilated causal window (every other key of the last ``2w``) and a
+    2-D neighbourhood over an image of ``width``-token rows (``|Δrow| ≤ r`` and ``|Δcol| ≤ r``).
+
+    >>> dilated, image = non_affine(64, 4, 8, 1).values()
+    >>> [bool(dilated(0, 0, 9, j)) for j in (3, 4)], [bool(image(0, 0, 9, j)) for j in (18, 26)]
+    ([True, False], [True, False])
+    """
+    return {
+        "dilated window": lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & (q_idx - kv_idx < 2 * w)
+        & ((q_idx - kv_idx) % 2 == 0),
+        "2-D neighbourhood": lambda b, h, q_idx, kv_idx: (abs(q_idx // width - kv_idx // width) <= r)
+        & (abs(q_idx % width - kv_idx % width) <= r),
+    }
+
+
+def dense_reference(keep):
+    """f32 attention under the mask ``keep`` materialised with jnp (no napkin-cat code); a row with no key gives 0."""
+
+    def ref(q, k, v):
+        q, k, v = (a.astype(jnp.float32) for a in (q, k, v))
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1])
+        i, j = jnp.arange(q.shape[1])[:, None], jnp.arange(k.shape[1])[None, :]
+        s = jnp.where(keep(0, 0, i, j), s, -jnp.inf)
+        return jnp.einsum("bhqk,bkhd->bqhd", jnp.nan_to_num(jax.nn.softmax(s, axis=-1)), v)
+
+    return ref
+
+
+def build_ms(made, sizes: dict) -> float:
+    """Milliseconds to build every block map the kernels read (forward, then the backward's), compiled once."""
+    from lowering._blocks import Mapped, call_bounds, segments
+
+    plans = [k.plan for k in (made.kernel.forward, *made.kernel.kernels)]
+    maps = [(p, m) for p in plans for m in segments(p.diagram, p) if isinstance(m, Mapped)]
+    t = time_calls(lambda: [call_bounds(p, m, [], sizes) for p, m in maps], reps=5, batches=5, warmup=1)
+    return t.ms
+
+
+def sparse_rows(q, k, v, ct, w: int, width: int, r: int) -> list:
+    """The causal kernel and the non-affine masks, TFLOP/s counted on the blocks each visits, with their sparsity
+    and block-map build time (÷ one forward + backward)."""
+    b, n, h, d = q.shape
+    sizes = {"b": b, "h": h, "q_idx": n, "kv_idx": n, "d": d, "dv": d}
+    causal = lambda b, h, q_idx, kv_idx: kv_idx <= q_idx  # noqa: E731
+    rows = []
+    for name, keep in {"causal": None, **non_affine(n, w, width, r)}.items():
+        kw = {"is_causal": True} if keep is None else {"mask_mod": keep}
+        made = nc.attention.kernel_for(q, k, v, **kw)
+        sp = made.sparsity(q, k, v)
+        g, s = made.signature.tile, made.signature.stream
+        flops = 4 * d * (1 - sp.skipped) * sp.blocks * g * s
+        row = measure(name, lambda q, k, v, kw=kw: nc.attention(q, k, v, **kw), q, k, v, ct,
+                      dense_reference(keep or causal), flops)
+        row["sparsity"] = {"skipped": sp.skipped, "full": sp.full, "partial": sp.partial, "found": sp.found}
+        if keep is not None:
+            row["block_map_ms"] = build_ms(made, sizes)
+            row["block_map_share"] = row["block_map_ms"] / row["fwdbwd"]["ms"]
+        print(f"   {sp}" + (f"; block maps {row['block_map_ms']:.3f} ms = {100 * row['block_map_share']:.2f}% of "
+                             "fwd+bwd" if keep is not None else ""), flush=True)
+        rows.append(row)
+    return rows
+
+
 def implementations(window, w: int, gpu: bool) -> dict:
     impls = {"napkin lambda": lambda q, k, v: nc.attention(q, k, v, is_causal=True, mask_mod=window)}
     if gpu:
@@ -77,10 +148,12 @@ def rel(a, b) -> float:
     return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)) / jnp.max(jnp.abs(b)))
 
 
-def measure(name, f, q, k, v, ct, w, flops) -> dict:
+def measure(name, f, q, k, v, ct, ref, flops) -> dict:
+    """Check ``f`` and its gradients against ``ref`` (f32, on one batch element), then time forward and forward +
+    backward, TFLOP/s of ``flops`` (the forward's)."""
     fwd = jax.jit(f)
     grad = jax.jit(lambda q, k, v, ct: jax.vjp(f, q, k, v)[1](ct))
-    want, pull = jax.vjp(lambda *a: reference(*a, w), *(a[:1] for a in (q, k, v)))
+    want, pull = jax.vjp(ref, *(a[:1] for a in (q, k, v)))
     errors = [rel(fwd(q, k, v)[:1], want)]
     errors += [rel(g[:1], r) for g, r in zip(grad(q, k, v, ct), pull(ct[:1].astype(jnp.float32)), strict=True)]
     row = {"impl": name, "max_rel_error": max(errors), "ok": max(errors) <= TOLERANCE}
@@ -97,9 +170,10 @@ def main(argv=None) -> dict:
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--seq", type=int, default=8192)
-    p.add_argument("--quick", action="store_true")
+    p.add_argument("--quick", "--smoke", action="store_true")
     o = p.parse_args(argv)
     b, h, n, d, w = (1, 2, 256, 64, 64) if o.quick else (2, 16, o.seq, 128, o.window)
+    width, r = (16, 2) if o.quick else (128, 8)
     dev, gpu = device_info(), jax.default_backend() == "gpu"
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v, ct = (jax.random.normal(kk, (b, n, h, d), jnp.bfloat16) for kk in keys)
@@ -112,13 +186,15 @@ def main(argv=None) -> dict:
     print(f"{dev['kind']}: B={b} H={h} N={n} D={d} W={w} bf16; the lambda lowered as {masks} (affine: {affine})")
     res = {"device": dev, "sizes": dict(B=b, H=h, N=n, D=d, W=w), "affine": affine, "masks": masks, "rows": []}
     for name, f in impls.items():
-        res["rows"].append(measure(name, f, q, k, v, ct, w, flops))
+        res["rows"].append(measure(name, f, q, k, v, ct, lambda *a: reference(*a, w), flops))
     rows = {r["impl"]: r for r in res["rows"]}
     if "cudnn window" in rows:
         res["ratios"] = {
             s: rows["napkin lambda"][s]["tflops"] / rows["cudnn window"][s]["tflops"] for s in ("fwd", "fwdbwd")
         }
         print("napkin lambda ÷ cuDNN window: " + ", ".join(f"{s} {r:.2f}×" for s, r in res["ratios"].items()))
+    print("any mask is sparse: TFLOP/s on the blocks each kernel visits", flush=True)
+    res["sparse"] = sparse_rows(q, k, v, ct, w, width, r)
     stem = f"front_door_{device_stem(dev['kind'])}{'_quick' if o.quick else ''}"
     o.out.mkdir(parents=True, exist_ok=True)
     (o.out / f"{stem}.json").write_text(json.dumps(res, indent=1))
