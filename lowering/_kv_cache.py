@@ -32,7 +32,18 @@ from napkin_cat.errors import EvaluationError
 @dataclass(frozen=True)
 class KVCache:
     """Keys ``k`` and values ``v`` (contiguous ``[B, S_max, H_kv, D]`` or a page pool ``[P, page_size, H_kv, D]``),
-    the ``lengths`` written ``[B]`` and, when paged, the ``page_table`` ``[B, pages_per_seq]``."""
+    the ``lengths`` written ``[B]`` and, when paged, the ``page_table`` ``[B, pages_per_seq]``: a decoder's cache,
+    appended to by :meth:`append` and read by :meth:`attend` (:func:`lowering.decode_attention`).
+
+    >>> import jax, jax.numpy as jnp
+    >>> k = jax.random.normal(jax.random.key(0), (1, 5, 1, 16))
+    >>> cache = KVCache.empty(batch=1, max_len=8, kv_heads=1, dim=16).append(k, k)
+    >>> q = jax.random.normal(jax.random.key(1), (1, 1, 2, 16))
+    >>> out = cache.attend(q)  # the newest token (position 4) against the five written
+    >>> ref = jax.nn.dot_product_attention(q, jnp.repeat(k, 2, axis=2), jnp.repeat(k, 2, axis=2))
+    >>> cache.lengths.tolist(), bool(jnp.allclose(out, ref, atol=1e-5))
+    ([5], True)
+    """
 
     k: jax.Array
     v: jax.Array
