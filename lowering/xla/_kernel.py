@@ -23,7 +23,9 @@ True
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import sys
 from dataclasses import dataclass
 
 import jax
@@ -92,7 +94,8 @@ class Upcast(Jax):
 class XlaLowered:
     """A scheduled diagram as one jitted JAX function (see the module): call it with arrays in the diagram's
     axis order. ``hardware`` is the model the derived backward's blocks are fitted to
-    (:func:`lowering._backward.backward_of`), H100 by default; nothing here reads it.
+    (:func:`lowering._backward.backward_of`): H100's, with no bound on a block's shared memory, which XLA's
+    blocks (arrays) do not live in (a classifier's head dim of 4096 fits no GPU block even at 16 rows).
 
     >>> import jax, jax.numpy as jnp
     >>> import napkin_cat as nc
@@ -110,7 +113,7 @@ class XlaLowered:
 
     def __init__(self, p: Plan, *, config: XlaConfig | None = None, hardware: Hardware | None = None):
         self.plan, self.config = p, config or XlaConfig.get_default(p)
-        self.hardware = H100 if hardware is None else hardware
+        self.hardware = dataclasses.replace(H100 if hardware is None else hardware, smem_per_block=sys.maxsize)
         self.interpret = None  # no interpret mode: XLA compiles it for whatever device runs it
         self.__name__ = "napkin_xla_kernel"
         self._run = jax.jit(self._apply)
