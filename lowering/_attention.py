@@ -750,7 +750,7 @@ def padded_heads(query, key, value, scale, rope):
     """
     width = lambda a: max(next_pow2(a.shape[-1]), 16)  # noqa: E731
     arrays = (query, key, value)
-    fine = all(a.shape[-1] == width(a) for a in arrays) or any(jnp.ndim(a) < 1 for a in arrays)
+    fine = any(jnp.ndim(a) < 1 or jnp.size(a) == 0 for a in arrays) or all(a.shape[-1] == width(a) for a in arrays)
     if rope is not None or fine or query.shape[-1] != key.shape[-1]:  # the checks refuse q and k that differ
         return query, key, value, scale
     pad = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, width(a) - a.shape[-1])])  # noqa: E731

@@ -161,8 +161,8 @@ class TritonBlocks:
         if not all(sizes[a].is_number for a in p.whole):
             return self.stages
         padded = {a: max(next_pow2(int(sizes[a])), self.smallest) for a in p.whole}
-        fits = [n for n in range(self.stages, 2, -1) if smem_bytes(p, padded, n) <= hardware.smem_per_block]
-        return fits[0] if fits else 2
+        fits = [n for n in range(self.stages, 1, -1) if smem_bytes(p, padded, n) <= hardware.smem_per_block]
+        return fits[0] if fits else self.stages  # fitting no depth: launch refuses, naming the policy's footprint
 
     def space(self) -> tuple[TritonConfig, ...]:
         """The configs ``search=True`` times: ``search_warps`` × ``search_stages``.
