@@ -807,13 +807,21 @@ class AttentionKernel:
         >>> attention.kernel_for(x, x, x, is_causal=True).sparsity(x, x, x).found
         ('symbolic',)
         """
-        query, key, value, bias, mask, segment_ids = batched(query, key, value, bias, mask, segment_ids)
+        batch = batched(query, key, value, bias, mask, segment_ids)
+        return self.kernel.forward.sparsity(*self._arrays(*batch, positions, ()))
+
+    def _arrays(self, query, key, value, bias, mask, segment_ids, positions, captured) -> tuple:
+        """The kernel's inputs, in the diagram's order, from arrays as :func:`batched` gives them: the queries
+        ``[b, seq, h_kv, g, d]`` under grouped-query attention (a reshape of the caller's ``[b, seq, h, d]``), k,
+        v, the bias, the converted functions' inputs, the mask, the segment ids, RoPE's positions."""
         kv_heads, group = key.shape[2], self.signature.group
         qs = query.reshape(*query.shape[:2], kv_heads, group, query.shape[3]) if group > 1 else query
         pairs = ((bias, self.signature.bias), (mask, self.signature.mask))
         extra = [_operand(a, axes, kv_heads, group) for a, axes in pairs if a is not None]
-        ids = [a.astype(jnp.int32) for a in segment_ids] if segment_ids is not None else []
-        return self.kernel.forward.sparsity(qs, key, value, *extra, *ids, *(positions or ()))
+        extra[int(bias is not None) : int(bias is not None)] = list(captured)
+        if segment_ids is not None:
+            extra += [a.astype(jnp.int32) for a in segment_ids]
+        return (qs, key, value, *extra, *(positions or ()))
 
     def __call__(
         self,
@@ -842,15 +850,7 @@ class AttentionKernel:
         if mine != theirs:
             fields = "(dtype, group, head dims, bias axes, bias dtype, mask axes, segment ids)"
             raise EvaluationError(f"attention kernel for {fields} = {mine}, called with {theirs}")
-        group, kv_heads = sig.group, key.shape[2]
-        # the diagram's wires are the caller's layout: [b, seq, h, d], the queries [b, seq, h_kv, g, d] (a reshape)
-        qs = query.reshape(*query.shape[:2], kv_heads, group, query.shape[3]) if group > 1 else query
-        pairs = ((bias, sig.bias), (mask, sig.mask))
-        extra = [_operand(a, axes, kv_heads, group) for a, axes in pairs if a is not None]
-        extra[int(bias is not None) : int(bias is not None)] = list(captured)  # the converted functions' inputs
-        if segment_ids is not None:
-            extra += [a.astype(jnp.int32) for a in segment_ids]
-        arrays = (qs, key, value, *extra, *(positions or ()))
+        arrays = self._arrays(query, key, value, bias, mask, segment_ids, positions, captured)
         if not return_residual:
             return self.kernel(*arrays).reshape(shape)
         out, lse = _with_residual(self.kernel, arrays)
