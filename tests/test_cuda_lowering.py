@@ -35,6 +35,10 @@ VARIANTS = {
     ),
     "sinks": lambda: lib.sink_attention(q, x, d, causal=True, batch=(b, h), dtype="bf16"),
     "sigmoid": lambda: lib.sigmoid_attention(q, x, d, causal=True, batch=(b, h), dtype="bf16"),
+    "rope": lambda: lib.dot_product_attention(q, x, d, causal=True, batch=(b, h), dtype="bf16", rope=nc.Rope()),
+    "rope_pairs_partial": lambda: lib.dot_product_attention(
+        q, x, d, causal=True, batch=(b, h), dtype="bf16", rope=nc.Rope(rotary_dim=D // 2, interleaved=True)
+    ),
 }
 
 

@@ -104,6 +104,26 @@ class Blocks(Jax):
         """``exp(v) = 2^(v·log₂e)``: the GPU's native ``exp2``."""
         return jnp.exp2(v * LOG2E)
 
+    @staticmethod
+    def join(vs, axis: int):
+        """The pieces ``vs`` put back together along ``axis``. Triton joins two blocks only along a new last axis
+        of size 2 (``tt.join``); the pieces pair up so, and the new axis moves in front of ``axis`` to merge.
+
+        >>> a, b = jnp.arange(6.0).reshape(2, 3), -jnp.arange(6.0).reshape(2, 3)
+        >>> bool((Blocks.join([a, b], 1) == jnp.concatenate([a, b], 1)).all())
+        True
+        """
+        while len(vs) > 1:
+            vs = [_join_pair(a, b, axis % a.ndim) for a, b in zip(vs[::2], vs[1::2], strict=True)]
+        return vs[0]
+
+
+def _join_pair(a, b, axis: int):
+    n = a.ndim
+    stacked = jax.lax.concatenate([jnp.expand_dims(a, n), jnp.expand_dims(b, n)], n)
+    moved = jnp.transpose(stacked, [*range(axis), n, *range(axis, n)])
+    return moved.reshape(a.shape[:axis] + (2 * a.shape[axis],) + a.shape[axis + 1 :])
+
 
 def native_tanh(v):
     """tanh on the GPU's special-function unit, ``tanh.approx.f32`` (one instruction; relative error at

@@ -115,6 +115,16 @@ class Jax:
         return v.reshape(shape)
 
     @staticmethod
+    def split(v, parts: int, axis: int) -> list:
+        """``v`` cut into ``parts`` equal pieces along ``axis``."""
+        return jnp.split(v, parts, axis=axis)
+
+    @staticmethod
+    def join(vs, axis: int):
+        """The pieces ``vs`` put back together along ``axis`` (the inverse of :meth:`split`)."""
+        return jnp.concatenate(vs, axis=axis)
+
+    @staticmethod
     def lift(fn: Callable) -> Callable:
         """A user's elementwise callable, applied to whole arrays (it is JAX-traceable)."""
         return fn
@@ -216,6 +226,16 @@ class Sympy:
     def reshape(v, shape: tuple):
         """``v`` reshaped row-major."""
         return _as(v).reshape(shape)
+
+    @staticmethod
+    def split(v, parts: int, axis: int) -> list:
+        """``v`` cut into ``parts`` equal pieces along ``axis``."""
+        return np.split(_as(v), parts, axis=axis)
+
+    @staticmethod
+    def join(vs, axis: int):
+        """The pieces ``vs`` put back together along ``axis``."""
+        return np.concatenate([_as(v) for v in vs], axis=axis)
 
     @staticmethod
     def einsum(spec: str, *xs):

@@ -4,9 +4,9 @@ that grow with the position, read from the sequence index (as masks read theirs)
 Pair ``i`` of the first ``rotary_dim`` entries of the head dim ``d`` turns by ``pos · base^(−2i/rotary_dim)``;
 the rest pass through. Two conventions pair the entries: GPT-NeoX's "rotate half" (Llama's: entry ``i`` with
 ``i + rotary_dim/2``) and GPT-J's interleaved pairs (``2i`` with ``2i + 1``). Inside a block the rotation is
-``x·cos θ + (x·R)·sin θ``, ``R`` the constant signed permutation ``[d, d]`` that sends a pair ``(a, b)`` to
-``(−b, a)``: one small matrix product per block, which lowers to the tensor cores of every backend, where a
-slice of the head axis does not lower on Pallas' Triton.
+``(a·cos θ − b·sin θ, b·cos θ + a·sin θ)`` for each pair ``(a, b)``, on the halves a block splits into (rotated
+parts of a power-of-two share of the head dim; any other, ``x·cos θ + (x·R)·sin θ`` with ``R`` the constant signed
+permutation ``[d, d]`` that sends ``(a, b)`` to ``(−b, a)``).
 
 >>> import jax.numpy as jnp
 >>> from napkin_cat import axes, Array, to_jax
@@ -108,18 +108,15 @@ class Rotary(Generator):
         shape, at = tuple(xp.shape(v)), X.names.index(p["dim"])
         D = shape[at]
         rd = _rotary_dim(p["rotary_dim"], D, self.name)
-        ones = tuple(n if i == at else 1 for i, n in enumerate(shape))  # the head dim only
         if len(ins) > 1:
             pos = xp.f32(align(xp, ins[1], self.dom.inside[1], X))
         else:
             rows = tuple(1 if i == at else n for i, n in enumerate(shape))  # every axis but the head dim
             pos = xp.f32(ctx.indices(X, rows)[p["seq"]] + p["offset"])
-        j = xp.iota(ones, at)
-        pair = j // 2 if p["interleaved"] else j % (rd // 2)
-        inv = xp.exp(xp.f32(pair) * (-2.0 * math.log(p["base"]) / rd))  # base^(−2i/rd)
-        angle = pos * xp.where(j < rd, inv * p["sign"], 0.0)
-        turned = _turn(xp, v, at, D, rd, p["interleaved"])
-        return [xp.cast(xp.f32(v) * xp.cos(angle) + turned * xp.sin(angle), self.out.dtype)]
+        if D % rd or (D // rd) & (D // rd - 1):  # the rotated part is no power-of-two share: the product with R
+            return [xp.cast(_turned(xp, v, pos, at, rd, p), self.out.dtype)]
+        first, *rest = xp.split(xp.f32(v), D // rd, at)
+        return [xp.cast(xp.join([_pairs(xp, first, pos, at, p), *rest], at), self.out.dtype)]
 
     def flops(self):
         # the angle, x·cos + (x·R)·sin, and the product with R
@@ -157,21 +154,52 @@ def _rotary_dim(rotary_dim: int | None, D: int, where: str) -> int:
     return rd
 
 
-def _turn(xp, v, at: int, D: int, rd: int, interleaved: bool):
-    """``v·R`` along axis ``at`` in f32: each pair ``(a, b)`` of the first ``rd`` entries sent to ``(−b, a)``, the
-    rest to 0; a product of the ``[rows, D]`` block with the constant ``[D, D]`` matrix ``R``."""
+def _angles(xp, pos, like: tuple, at: int, rd: int, p: dict):
+    """``sign · pos · base^(−2i/rd)`` for pair ``i`` along axis ``at`` of a block of shape ``like``."""
+    pair = xp.iota(tuple(n if i == at else 1 for i, n in enumerate(like)), at)
+    return pos * (xp.exp(xp.f32(pair) * (-2.0 * math.log(p["base"]) / rd)) * p["sign"])
+
+
+def _pairs(xp, x, pos, at: int, p: dict):
+    """The rotated block ``x`` (f32, its ``rd`` entries along ``at`` all rotated): each pair ``(a, b)`` to
+    ``(a·cos θ − b·sin θ, b·cos θ + a·sin θ)``, the pairs' halves split apart and joined back, so the work is
+    elementwise on ``rd/2`` angles (Pallas' Triton lowers neither a gather nor a slice of the head axis, but
+    splits into equal halves and joins)."""
+    shape = tuple(xp.shape(x))
+    rd = shape[at]
+    if p["interleaved"]:  # pairs (2i, 2i+1): a new axis of size 2 after ``at`` holds each pair
+        x = xp.reshape(x, shape[:at] + (rd // 2, 2) + shape[at + 1 :])
+        pos, cut = xp.expand_dims(pos, at + 1), at + 1
+    else:  # rotate half: pairs (i, i + rd/2)
+        cut = at
+    a, b = xp.split(x, 2, cut)
+    theta = _angles(xp, pos, tuple(xp.shape(a)), at, rd, p)
+    cos, sin = xp.cos(theta), xp.sin(theta)
+    out = xp.join([a * cos - b * sin, b * cos + a * sin], cut)
+    return xp.reshape(out, shape) if p["interleaved"] else out
+
+
+def _turned(xp, v, pos, at: int, rd: int, p: dict):
+    """``v·cos θ + (v·R)·sin θ`` with ``R`` the constant ``[D, D]`` signed permutation sending each pair ``(a, b)``
+    of the first ``rd`` entries to ``(−b, a)`` and the rest to 0: a rotated part that no equal split reaches."""
+    shape = tuple(xp.shape(v))
+    D = shape[at]
+    j = xp.iota(tuple(n if i == at else 1 for i, n in enumerate(shape)), at)
+    inv = xp.exp(xp.f32(j // 2 if p["interleaved"] else j % (rd // 2)) * (-2.0 * math.log(p["base"]) / rd))
+    angle = pos * xp.where(j < rd, inv * p["sign"], 0.0)
     i, j = xp.iota((D, D), 0), xp.iota((D, D), 1)
-    if interleaved:
+    if p["interleaved"]:
         partner, first = j + 1 - 2 * (j % 2), j % 2 == 0
     else:
         h = rd // 2
         partner, first = xp.where(j < h, j + h, j - h), j < h
     R = xp.where((i == partner) & (j < rd), xp.where(first, -1.0, 1.0), 0.0)
-    order = [*(k for k in range(len(xp.shape(v))) if k != at), at]
+    order = [*(k for k in range(len(shape)) if k != at), at]
     moved = xp.transpose(v, order) if at != len(order) - 1 else v
     rows = xp.einsum("ad,de->ae", xp.reshape(moved, (-1, D)), xp.like(R, v))
-    out = xp.reshape(rows, tuple(xp.shape(moved)))
-    return xp.transpose(out, [order.index(k) for k in range(len(order))]) if at != len(order) - 1 else out
+    turned = xp.reshape(rows, tuple(xp.shape(moved)))
+    turned = xp.transpose(turned, [order.index(k) for k in range(len(order))]) if at != len(order) - 1 else turned
+    return xp.f32(v) * xp.cos(angle) + turned * xp.sin(angle)
 
 
 def rotary(
