@@ -37,7 +37,7 @@ from lowering._target import interpreted, target_hardware
 from lowering.triton._config import TritonConfig
 from lowering.triton._kernel import _batch_index, _kernel, _strides, _tile_id
 from lowering.triton._kernel import kernel_rules as kernel_rules
-from lowering.triton._namespace import Blocks, native_tanh, operand_dtype
+from lowering.triton._namespace import Blocks, native_tanh, native_trig, operand_dtype
 from napkin_cat.diagram import Diagram
 from napkin_cat.hardware import Hardware
 from napkin_cat.semantics import bind
@@ -211,7 +211,8 @@ class TritonLowered:
 
     def _call(self, arrays, sizes, extent, padded, config, bounds=()):
         p, d = self.plan, self.plan.diagram
-        xp = Blocks(operand_dtype(d), tanh=None if self.interpret or operand_dtype(d) is None else native_tanh)
+        native = not self.interpret and operand_dtype(d) is not None  # the GPU's approximate instructions
+        xp = Blocks(operand_dtype(d), tanh=native_tanh if native else None, trig=native_trig if native else None)
         flip = heavy_last(p, extent, padded)
         kernel = functools.partial(_kernel, p, sizes, extent, padded, xp, 4 * len(bounds), flip)
         out_shape = out_structs(d.cod.inside, padded, arrays)

@@ -13,6 +13,8 @@ from lowering._plan import LOG2E
 from napkin_cat.diagram import Diagram
 from napkin_cat.generators import Jax
 
+TWO_PI = 6.283185307179586
+
 
 def block_einsum(spec: str, *xs, operands=None):
     """A contraction of blocks: one ``jnp.dot`` (f32 accumulation) for a 2-D matrix product, else a
@@ -81,10 +83,12 @@ class Blocks(Jax):
     3.0
     """
 
-    def __init__(self, operands=None, tanh=None):
+    def __init__(self, operands=None, tanh=None, trig=None):
         self.operands = operands
         if tanh is not None:
             self.tanh = tanh
+        if trig is not None:  # RoPE's angles
+            self.cos, self.sin = trig("cos"), trig("sin")
 
     def lift(self, fn):
         """A user's callable with each ``tanh`` it computes done by this namespace's (:func:`swap_tanh`)."""
@@ -130,6 +134,27 @@ def native_tanh(v):
     most 2^−10.99, below a bf16 score's rounding), where libdevice's ``tanh`` takes about twenty. FlashAttention-3
     soft-caps with the same instruction. Compiled kernels only: it is PTX, which interpret mode cannot run."""
     return pltriton.approx_tanh(v.astype(jnp.float32)).astype(v.dtype)
+
+
+def native_trig(name: str):
+    """``cos`` or ``sin`` (``name``) on the GPU's special-function unit, ``cos.approx.f32`` / ``sin.approx.f32``, after
+    reducing the angle to [−π, π], where their absolute error is at most 2^−20.9; libdevice's take a few dozen
+    instructions with their own reduction. RoPE's angles (position × frequency, rounded to f32 before either)
+    carry more error than the reduction adds. Compiled kernels only: it is PTX."""
+
+    def approx(v):
+        x = v.astype(jnp.float32)
+        x = x - TWO_PI * jnp.floor(x * (1.0 / TWO_PI) + 0.5)
+        [out] = pltriton.elementwise_inline_asm(
+            f"{name}.approx.f32 $0, $1;",
+            args=[x],
+            constraints="=f,f",
+            pack=1,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)],
+        )
+        return out.astype(v.dtype)
+
+    return approx
 
 
 def swap_tanh(fn, tanh):

@@ -115,6 +115,8 @@ class Rotary(Generator):
             pos = xp.f32(ctx.indices(X, rows)[p["seq"]] + p["offset"])
         if D % rd or (D // rd) & (D // rd - 1):  # the rotated part is no power-of-two share: the product with R
             return [xp.cast(_turned(xp, v, pos, at, rd, p), self.out.dtype)]
+        if rd == D:
+            return [xp.cast(_pairs(xp, xp.f32(v), pos, at, p), self.out.dtype)]
         first, *rest = xp.split(xp.f32(v), D // rd, at)
         return [xp.cast(xp.join([_pairs(xp, first, pos, at, p), *rest], at), self.out.dtype)]
 
