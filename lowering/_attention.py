@@ -312,8 +312,10 @@ class Signature:
             k: None if isinstance(f, Captured) else self._indexed(f, k == "score_mod")
             for k, f in (("score_mod", self.score_mod), ("mask", self.mask_mod))
         }
-        bias, mask = ([None, ""] if a is None else [tuple(x for n in a if n in axis for x in axis[n]), _seq(a)]
-                      for a in (self.bias, self.mask))
+        bias, mask = (
+            [None, ""] if a is None else [tuple(x for n in a if n in axis for x in axis[n]), _seq(a)]
+            for a in (self.bias, self.mask)
+        )
         return library.dot_product_attention(
             q,
             x,
@@ -520,6 +522,13 @@ integers of shape [3, 5] (the arrays' batch axes and sequence), or a pair (q_pos
     return tuple(out)
 
 
+def _rotated(rope: Rope, x, positions):
+    """``x [..., N, H, D]`` rotated by ``rope`` (:meth:`~napkin_cat.generators.Rope.rotate`), its leading batch axes
+    flattened into one as ``positions`` are (:func:`rope_positions`), or none added where it has none."""
+    flat = x.reshape((-1, *x.shape[-3:]))
+    return rope.rotate(flat, positions).reshape(x.shape)
+
+
 def _checked(query, key, value, bias, mask, segment_ids, backend: str) -> tuple:
     """Every argument of a call (as :func:`batched` gives them) checked, before anything is built: the group
     size, q's and k's head dim, v's, and the batch axes the bias and the mask are read over."""
@@ -625,7 +634,7 @@ def batched(query, key, value, bias=None, mask=None, segment_ids=None):
             )
         query, key, value = (a.reshape(math.prod(lead), *a.shape[-3:]) for a in (query, key, value))
         if segment_ids is not None:
-            flat = (lambda a: a.reshape(math.prod(lead), a.shape[-1]) if a.ndim == len(lead) + 1 else a)
+            flat = lambda a: a.reshape(math.prod(lead), a.shape[-1]) if a.ndim == len(lead) + 1 else a
             segment_ids = tuple(map(flat, segment_ids)) if isinstance(segment_ids, tuple) else flat(segment_ids)
     bias, mask = (None if a is None else _flat_batch(n, a, lead) for n, a in (("bias", bias), ("mask", mask)))
     if segment_ids is not None and not isinstance(segment_ids, tuple):
@@ -1001,8 +1010,9 @@ class Attention:
         FlexAttention's ``score_mod``/``mask_mod`` (or a ``block_mask``, :func:`napkin_cat.block_mask`: a mask
         function with its blocks computed ahead, for ``[B, H, Nq, Nk]`` of this call),
         :func:`lowering.lower`'s ``backend``, ``backward``, ``interpret`` and ``hardware``, and ``rope`` (a
-        :class:`~napkin_cat.generators.Rope`: q and k rotated inside the kernels as their blocks load, forward and
-        backward; its ``positions``, ``[..., N]`` integers or a ``(q, kv)`` pair, are read at each call). Rows
+        :class:`~napkin_cat.generators.Rope`: q and k rotated before the kernel, or with ``Rope(fused=True)`` inside
+        the kernels as their blocks load, forward and backward; its ``positions``, ``[..., N]`` integers or a
+        ``(q, kv)`` pair, are read at each call). Rows
         whose every key is masked give 0 (jax.nn gives the mean of ``V``, except past ``query_seq_lengths``, where
         it gives 0 too); an empty axis gives an empty output, or zeros where there are no keys. See the module's
         docstring.
@@ -1027,6 +1037,11 @@ class Attention:
         """
         backend = _implementation(implementation, backend)
         value_dim = value.shape[-1]
+        if isinstance(rope, Rope) and not rope.fused:  # rotated once, by XLA, before the kernel (Rope's ``fused``)
+            _roped(rope, query.shape[-1], "auto")
+            sides = rope_positions(rope, query, key) or (None, None)
+            query, key = (_rotated(rope, x, at) for x, at in zip((query, key), sides, strict=True))
+            rope = None
         query, key, value, scale = padded_heads(query, key, value, scale, rope)
         query, scale = _scaled(query, scale)
         segment_ids = length_ids(query, key, segment_ids, query_seq_lengths, key_value_seq_lengths)
@@ -1092,6 +1107,9 @@ class Attention:
         :meth:`__call__` takes them); derived, verified and lowered on first use, outside any
         ``jit``/``vmap``/``grad`` trace. Every array is checked (shapes, dtypes) before anything is built."""
         backend = _implementation(implementation, options.pop("backend", "auto"))
+        if isinstance(rope := options.get("rope"), Rope) and not rope.fused:  # q and k come to it rotated
+            _roped(rope, query.shape[-1], "auto")
+            options["rope"] = None
         query, scale = _scaled(query, scale)
         segment_ids = length_ids(query, key, segment_ids, query_seq_lengths, key_value_seq_lengths)
         args = batched(query, key, value, bias, mask, segment_ids)

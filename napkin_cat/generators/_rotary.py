@@ -34,11 +34,15 @@ class Rope:
     """How to rotate queries and keys (:func:`rotary`; ``nc.attention(..., rope=Rope())``): ``base`` (θ),
     ``rotary_dim`` (None: the whole head dim; an even number ≤ it, the rest passed through), ``interleaved``
     (GPT-J's pairs ``(2i, 2i+1)``; default GPT-NeoX's and Llama's "rotate half"), ``offset`` (added to the
-    sequence index) and ``positions`` (None: the sequence index; for ``nc.attention`` integers ``[B, N]``, or a
-    pair ``(q_positions [B, Nq], kv_positions [B, Nk])``, read when the kernel is called: packed sequences).
+    sequence index), ``positions`` (None: the sequence index; for ``nc.attention`` integers ``[B, N]``, or a
+    pair ``(q_positions [B, Nq], kv_positions [B, Nk])``, read when the kernel is called: packed sequences) and
+    ``fused``: False (the default) rotates q and k once, by XLA, before the kernel (:meth:`rotate`: one more read
+    and write of each); True rotates them inside the kernels as their blocks load, forward and backward, which
+    rotates each key block once per query tile (Triton and XLA backends only; papers/flash_attention/rope.py
+    times both).
 
     >>> Rope(rotary_dim=64).static()
-    Rope(base=10000.0, rotary_dim=64, interleaved=False, offset=0, positions=None)
+    Rope(base=10000.0, rotary_dim=64, interleaved=False, offset=0, positions=None, fused=False)
     >>> Rope(base=0.0)
     Traceback (most recent call last):
     ...
@@ -50,6 +54,7 @@ class Rope:
     interleaved: bool = False
     offset: int = 0
     positions: object = None
+    fused: bool = False
 
     def __post_init__(self):
         if isinstance(self.base, bool) or not isinstance(self.base, int | float) or not self.base > 0:
@@ -61,11 +66,41 @@ class Rope:
             raise EvaluationError(f"Rope: rotary_dim must be a positive even int (it rotates pairs), got {rd!r}")
         if isinstance(self.offset, bool) or not isinstance(self.offset, int):
             raise EvaluationError(f"Rope: offset must be an int (added to the sequence index), got {self.offset!r}")
+        if not isinstance(self.fused, bool):
+            raise EvaluationError(
+                f"Rope: fused must be a bool (rotate inside the kernels or before), got {self.fused!r}"
+            )
         object.__setattr__(self, "base", float(self.base))
 
     def static(self) -> Rope:
         """The same rotation without its positions array: what a kernel depends on (hashable)."""
-        return Rope(self.base, self.rotary_dim, bool(self.interleaved), self.offset)
+        return Rope(self.base, self.rotary_dim, bool(self.interleaved), self.offset, fused=self.fused)
+
+    def rotate(self, x, positions=None):
+        """``x [B, N, H, D]`` rotated at the sequence index (plus ``offset``), or at ``positions [B, N]`` (integers):
+        the :func:`rotary` box's own semantics, run by XLA, in ``x``'s dtype (computed in f32).
+
+        >>> import jax.numpy as jnp
+        >>> x = jnp.ones((1, 2, 1, 4))
+        >>> [round(float(v), 3) for v in Rope(base=100.0).rotate(x)[0, 1, 0]]  # position 1, as :func:`rotary`'s
+        [-0.301, 0.895, 1.382, 1.095]
+        """
+        from napkin_cat.axes import axes
+        from napkin_cat.semantics import to_jax
+
+        b, n, h, d = axes("b n h d", **dict(zip("bnhd", x.shape, strict=True)))
+        pos = None if positions is None else Array(b, n, dtype="i32")
+        box = rotary(
+            Array(b, n, h, d, dtype=x.dtype),
+            n,
+            d,
+            base=self.base,
+            rotary_dim=self.rotary_dim,
+            interleaved=self.interleaved,
+            offset=self.offset,
+            positions=pos,
+        )
+        return to_jax(box)(x, *(() if positions is None else (positions,)))
 
 
 class Rotary(Generator):
@@ -261,4 +296,3 @@ it are rotated); pass rotary_dim=None to rotate it whole
         ("sign", 1),
     )
     return Rotary(name, dom, Ty(a), data=data)
-

@@ -1,8 +1,10 @@
-"""RoPE as a prologue of attention, timed in one run: ``nc.attention(..., rope=nc.Rope())`` (q and k rotated inside the
-kernels as their blocks load, forward and derived backward), the same kernel without RoPE, and XLA's RoPE (jax.numpy,
-one more HBM read and write of q and k) followed by that kernel. Causal, bf16, B = 2, H = 16, N = 8192, D = 128,
-forward and forward + backward; each RoPE variant checked against an f32 jax.numpy reference (RoPE as complex
-numbers, then softmax attention) at N = 1024. Writes ``rope_<GPU>.json`` and ``.png`` into ``--out-dir``::
+"""RoPE with attention, timed in one run: ``nc.attention(..., rope=nc.Rope(fused=True))`` (q and k rotated inside
+the kernels as their blocks load, forward and derived backward), the same kernel without RoPE, XLA's RoPE (jax.numpy,
+one more HBM read and write of q and k) followed by that kernel, and the default ``nc.Rope()`` (the rotary box's own
+semantics run by XLA before the kernel), on Triton and on the backend ``auto`` picks. Causal, bf16, B = 2, H = 16,
+N = 8192, D = 128, forward and forward + backward; each RoPE variant checked against an f32 jax.numpy reference
+(RoPE as complex numbers, then softmax attention) at N = 1024. Writes ``rope_<GPU>.json`` and ``.png`` into
+``--out-dir``::
 
     python papers/flash_attention/rope.py --out-dir papers/flash_attention/results     # GPU
     python papers/flash_attention/rope.py --smoke --out-dir /tmp                       # CPU, tiny sizes
@@ -54,9 +56,12 @@ def reference(q, k, v):
 
 
 VARIANTS = {
-    "fused": lambda q, k, v: nc.attention(q, k, v, is_causal=True, rope=nc.Rope(BASE), backend="triton"),
+    "fused": lambda q, k, v: nc.attention(q, k, v, is_causal=True, rope=nc.Rope(BASE, fused=True), backend="triton"),
     "no rope": lambda q, k, v: nc.attention(q, k, v, is_causal=True, backend="triton"),
     "xla rope + kernel": lambda q, k, v: nc.attention(rope_xla(q), rope_xla(k), v, is_causal=True, backend="triton"),
+    "before the kernel": lambda q, k, v: nc.attention(q, k, v, is_causal=True, rope=nc.Rope(BASE), backend="triton"),
+    "before the kernel, auto": lambda q, k, v: nc.attention(q, k, v, is_causal=True, rope=nc.Rope(BASE)),
+    "no rope, auto": lambda q, k, v: nc.attention(q, k, v, is_causal=True),
 }
 
 
@@ -74,7 +79,7 @@ def measure(name, attend, shape, small, smoke) -> dict:
 
     f, g = jax.jit(attend), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     row = {"variant": name}
-    if name != "no rope":
+    if not name.startswith("no rope"):
         sq, sk, sv, sdo = (a[:, :small] for a in (q, k, v, do))
         row["fwd_err"] = rel_err(f(sq, sk, sv), reference(sq, sk, sv))
         want = jax.grad(lambda q, k, v: jnp.sum(reference(q, k, v) * sdo.astype(jnp.float32)), (0, 1, 2))(sq, sk, sv)
@@ -93,7 +98,7 @@ def ratios(rows: list) -> dict:
     fused = by["fused"]
     return {
         f"{pass_} {other}/fused": by[other][f"{pass_}_ms"] / fused[f"{pass_}_ms"]
-        for other in ("no rope", "xla rope + kernel")
+        for other in ("no rope", "xla rope + kernel", "before the kernel")
         for pass_ in ("fwd", "fwdbwd")
     }
 
