@@ -85,7 +85,7 @@ def launch(seed: int) -> list[dict]:
                 break
             time.sleep(0.2)
         texts = [(out.read_text(), err.read_text()) for out, err in logs]
-    reports = [next((json.loads(line[7:]) for line in o.splitlines() if line.startswith("REPORT ")), None) for o, _ in texts]
+    reports = [report_in(o) for o, _ in texts]
     if any(p.returncode != 0 for p in procs) or None in reports:
         shown = "\n".join(
             f"--- process {i}: exit {p.returncode} (killed after {LIMIT_S} s if -9)\n{o[-2000:]}\n{e[-6000:]}"
@@ -93,6 +93,11 @@ def launch(seed: int) -> list[dict]:
         )
         raise AssertionError(f"replay with NAPKIN_SEED={seed}\n{shown}")
     return reports
+
+
+def report_in(stdout: str) -> dict | None:
+    """The worker's report: its line ``REPORT <json>`` (gloo writes its own lines to stdout too)."""
+    return next((json.loads(line[7:]) for line in stdout.splitlines() if line.startswith("REPORT ")), None)
 
 
 # --- the worker (one process per host) ---------------------------------------------------------------------------
