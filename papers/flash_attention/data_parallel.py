@@ -3,8 +3,9 @@
 One training step (AdamW, :mod:`papers.llama.train`'s optimiser) on 1 GPU and on ``--devices`` GPUs: the same
 per-device batch, the batch sharded over a mesh axis "data" by a ``NamedSharding`` (Auto axes: jit's SPMD
 partitions the step, ``nc.attention`` runs per shard as a ``custom_partitioning`` op, and the gradients of the
-replicated parameters are all-reduced), or under Explicit axes (``--axes explicit``: ``nc.attention`` in a
-``shard_map``). Reports tokens/s per setting and the scaling ratio (tokens/s on N devices over one's).
+replicated parameters are all-reduced). Explicit axes are not offered: flax's ``nnx.Embed`` gathers rows without
+an ``out_sharding``, which Explicit sharding refuses. Reports tokens/s per setting and the scaling ratio (tokens/s
+on N devices over one's).
 
 Before timing, the sharded step is checked against one device on the same global batch (``--check-rows`` rows
 per device): the loss, and the gradients (relative L2 error over all parameters), within ``TOLERANCE[dtype]``.
@@ -53,9 +54,8 @@ def log(*parts):
     print(time.strftime("%H:%M:%S"), *parts, flush=True)
 
 
-def mesh_of(devices: int, axes: str):
-    kind = AxisType.Explicit if axes == "explicit" else AxisType.Auto
-    return jax.make_mesh((devices,), ("data",), axis_types=(kind,), devices=jax.devices()[:devices])
+def mesh_of(devices: int):
+    return jax.make_mesh((devices,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:devices])
 
 
 def place(mesh, state: dict, tokens):
@@ -87,11 +87,11 @@ def token_batches(seed: int, count: int, rows: int, seq: int) -> list[np.ndarray
     return [data[(rng.integers(0, len(data), (rows, 1)) + np.arange(seq + 1)) % len(data)] for _ in range(count)]
 
 
-def check(grads_of, state: dict, devices: int, rows: int, seq: int, axes: str, dtype: str) -> dict:
+def check(grads_of, state: dict, devices: int, rows: int, seq: int, dtype: str) -> dict:
     """Loss and gradients on ``devices`` against one device, on the same global batch of ``devices · rows``."""
     (tokens,) = token_batches(1, 1, devices * rows, seq)
-    got = grads_of(*place(mesh_of(devices, axes), state["params"], tokens))
-    want = grads_of(*place(mesh_of(1, axes), state["params"], tokens))
+    got = grads_of(*place(mesh_of(devices), state["params"], tokens))
+    want = grads_of(*place(mesh_of(1), state["params"], tokens))
     (loss, grads), (loss1, grads1) = jax.device_get(got), jax.device_get(want)
     flat, flat1 = (
         np.concatenate([np.ravel(g).astype(np.float64) for g in jax.tree.leaves(x)]) for x in (grads, grads1)
@@ -118,7 +118,7 @@ def check(grads_of, state: dict, devices: int, rows: int, seq: int, axes: str, d
 
 def throughput(step, state: dict, devices: int, args, cfg: Config) -> dict:
     """Tokens/s of ``args.steps`` training steps on ``devices`` at ``args.per_device_batch`` rows per device."""
-    mesh = mesh_of(devices, args.axes)
+    mesh = mesh_of(devices)
     rows = devices * args.per_device_batch
     batches = [place(mesh, {}, t)[1] for t in token_batches(2, 4, rows, cfg.seq)]
     state = place(mesh, state, batches[0])[0]
@@ -158,11 +158,10 @@ def run(args) -> Path:
     state = init_state(model, tx)
     log(
         f"{kind} × {jax.device_count()}: Llama {parameter_count(model) / 1e6:.1f}M parameters, {cfg.dtype}, "
-        f"seq {cfg.seq}, {args.per_device_batch} rows per device, attention nc.attention (backend {backend}), "
-        f"{args.axes} axes"
+        f"seq {cfg.seq}, {args.per_device_batch} rows per device, attention nc.attention (backend {backend})"
     )
     step, grads_of = steps_of(graphdef, tx)
-    checked = check(grads_of, state, n, args.check_rows, cfg.seq, args.axes, cfg.dtype) if n > 1 else None
+    checked = check(grads_of, state, n, args.check_rows, cfg.seq, cfg.dtype) if n > 1 else None
     rows = [throughput(step, state, d, args, cfg) for d in sorted({1, n})]
     ratio = rows[-1]["tokens_per_s"] / rows[0]["tokens_per_s"]
     log(f"scaling: {ratio:.2f}× one device's tokens/s on {n} ({ratio / n:.0%} of linear)")
@@ -174,7 +173,6 @@ def run(args) -> Path:
         "config": dataclasses.asdict(cfg),
         "parameters": parameter_count(model),
         "backend": backend,
-        "axes": args.axes,
         "per_device_batch": args.per_device_batch,
         "steps": args.steps,
         "jax": jax.__version__,
@@ -225,7 +223,6 @@ def main(argv=None) -> Path:
     p.add_argument("--seq", type=int, help="default: the config's")
     p.add_argument("--per-device-batch", type=int, default=16)
     p.add_argument("--check-rows", type=int, default=1, help="rows per device in the loss/gradient check")
-    p.add_argument("--axes", default="auto", choices=["auto", "explicit"], help="the mesh axis' type")
     p.add_argument("--backend", help="nc.attention's backend (default: auto on GPU, xla on CPU)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=20)
