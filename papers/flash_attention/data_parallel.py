@@ -46,8 +46,9 @@ DP = Config(d_model=1024, layers=8, heads=16, kv_heads=4, ffn=2816, seq=2048, dt
 SMOKE = Config(d_model=64, layers=1, heads=4, kv_heads=2, ffn=128, seq=32)
 #: the sharded step against one device's on the same batch (loss: relative error; gradients: relative L2 error):
 #: per-example work is the same on either side, the sums over the batch (the loss's mean, the gradients'
-#: all-reduce) are ordered differently
-TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
+#: all-reduce) are ordered differently; in bf16 each device's partial gradient is rounded to bf16 before the
+#: all-reduce, where one device rounds the whole sum once (a few bf16 ulps: 1.7e-2 measured on CPU, --smoke sizes)
+TOLERANCE = {"float32": 1e-5, "bfloat16": 5e-2}
 
 
 def log(*parts):
