@@ -301,6 +301,14 @@ class RmsNormLinear:
         y = _differentiable(made)(x.reshape(-1, x.shape[-1]), g.astype(jnp.float32), w)
         return y.reshape(*lead, w.shape[1])
 
+    def cache_info(self):
+        """The kernel cache's statistics (``functools.lru_cache``'s): every call looks its kernels up there.
+
+        >>> rms_norm_linear.cache_info().maxsize
+        64
+        """
+        return _made.cache_info()
+
     def cache_clear(self) -> None:
         """Forget every kernel made."""
         _made.cache_clear()
