@@ -128,7 +128,7 @@ class Made:
         sig = self.signature
         statistic, scaling, product = sig.chain()
         (t, s) = (int(self.rules[0].g), int(self.rules[-1].s))
-        options = dict(backend=sig.backend, interpret=sig.interpret)
+        options = dict(backend=sig.backend, interpret=sig.interpret, hardware=sig.hardware)
         stat = lower(derive(statistic, tile(TOKENS, t), stream(DIM, s), verify=False), **options)
         scale = lower(derive(scaling, tile(TOKENS, t), tile(DIM, s), verify=False), **options)
         scheduled = derive(product, *self.rules, verify=False).diagram
@@ -163,7 +163,7 @@ def _made(sig: Signature) -> Made:
     with ThreadPoolExecutor(1) as worker:
         derivation = worker.submit(derive, naive, factor_row_scale(DIM), *rules, sizes={DIM: min(sig.dim, 64)})
         derivation = derivation.result()
-    return Made(sig, lower(derivation, backend=sig.backend, interpret=sig.interpret), rules)
+    return Made(sig, lower(derivation, backend=sig.backend, interpret=sig.interpret, hardware=sig.hardware), rules)
 
 
 def _check(x, g, w, eps, backend) -> None:
