@@ -44,9 +44,8 @@ from lowering._backward import Backward, backward_of, run_pieces
 from lowering._plan import next_pow2
 from lowering._target import interpreted, target_hardware
 from lowering._tiles import fit_blocks
+from napkin_cat import Tape, library
 from napkin_cat import generators as g_
-from napkin_cat import library
-from napkin_cat._reverse import Tape
 from napkin_cat.axes import Axis, axes
 from napkin_cat.diagram import Array, Diagram
 from napkin_cat.dtypes import bf16, f16, f32

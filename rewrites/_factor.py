@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from napkin_cat import Tape
 from napkin_cat import generators as g
-from napkin_cat._reverse import Tape
 from napkin_cat.axes import Axis
 from napkin_cat.diagram import Diagram
 from rewrites._rule import Rule
