@@ -157,11 +157,13 @@ def _made(sig: Signature) -> Made:
     rules = (tile(TOKENS, sig.tile), tile(OUT, sig.tile), stream(DIM, sig.stream))
     if sig.backend != "xla":
         rules, _ = fit_blocks(fused, [TOKENS, OUT], [DIM], sig.tile, sig.stream, _hardware(sig), None)
-    # verified at a hidden dim of at most 64 (the rules do not touch it), in a thread of its own, where no
-    # caller's jit/grad trace is active (JAX's trace state is per thread): the check runs on concrete arrays
+    # verified at a hidden dim of at most two chunks and a half (the stream's carry and its ragged end exercised),
+    # in a thread of its own, where no caller's jit/grad trace is active (JAX's trace state is per thread): the
+    # check runs on concrete arrays
+    s = int(rules[-1].s)
+    sizes = {DIM: min(sig.dim, 2 * s + s // 2)}
     with ThreadPoolExecutor(1) as worker:
-        derivation = worker.submit(derive, naive, factor_row_scale(DIM), *rules, sizes={DIM: min(sig.dim, 64)})
-        derivation = derivation.result()
+        derivation = worker.submit(derive, naive, factor_row_scale(DIM), *rules, sizes=sizes).result()
     return Made(sig, lower(derivation, backend=sig.backend, interpret=sig.interpret, hardware=sig.hardware), rules)
 
 
