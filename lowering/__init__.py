@@ -19,6 +19,7 @@ from lowering._decode_cost import DecodeCost, decode_cost
 from lowering._kv_cache import KVCache
 from lowering._plan import NotLowerable, Plan, plan
 from lowering._ring import DeviceKernel, lower_devices
+from lowering._rms_norm_linear import rms_norm_linear
 from lowering._search import median_time
 from lowering._tiles import Choice, choose_tiles, predicted_time
 from lowering.mosaic import MosaicConfig, MosaicLowered
@@ -33,4 +34,5 @@ __all__ = [
     "XlaConfig", "XlaLowered",  # the XLA backend (lowering.xla)
     "DecodeCost", "KVCache", "decode_attention", "decode_cost",  # decoding (lowering._decode, _paged, _kv_cache)
     "linear_cross_entropy",  # a classifier head's loss without its logits (lowering._cross_entropy)
+    "rms_norm_linear",  # an RMS norm fused into the projection after it (lowering._rms_norm_linear)
 ]

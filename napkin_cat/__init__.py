@@ -6,11 +6,12 @@
 >>> print(attn.dom, "→", attn.cod)
 q×d ⊗ x×d ⊗ x×d → q×d
 
-Three names are application entries rather than the language: ``nc.attention(q, k, v, ...)``, the drop-in
+Four names are application entries rather than the language: ``nc.attention(q, k, v, ...)``, the drop-in
 for ``jax.nn.dot_product_attention`` (:mod:`lowering._attention`), ``nc.decode_attention(q, k_cache,
-v_cache, lengths)`` (:mod:`lowering._decode`) and ``nc.linear_cross_entropy(h, w, labels)``, a classifier
-head's loss without its logits (:mod:`lowering._cross_entropy`), loaded on first use so that importing
-napkin_cat never imports the lowering.
+v_cache, lengths)`` (:mod:`lowering._decode`), ``nc.linear_cross_entropy(h, w, labels)``, a classifier
+head's loss without its logits (:mod:`lowering._cross_entropy`), and ``nc.rms_norm_linear(x, g, w)``, an RMS
+norm fused into the projection after it (:mod:`lowering._rms_norm_linear`), loaded on first use so that
+importing napkin_cat never imports the lowering.
 """
 
 from napkin_cat import architectures, hardware, library, optimize
@@ -79,15 +80,16 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """``attention``, the drop-in entry, ``decode_attention`` (split-KV decoding) and ``linear_cross_entropy``
-    (a classifier head's loss), imported from :mod:`lowering` when first asked for.
+    """``attention``, the drop-in entry, ``decode_attention`` (split-KV decoding), ``linear_cross_entropy``
+    (a classifier head's loss) and ``rms_norm_linear`` (a norm fused into its projection), imported from
+    :mod:`lowering` when first asked for.
 
     >>> import napkin_cat as nc
     >>> from lowering import attention
     >>> nc.attention is attention
     True
     """
-    if name in ("attention", "decode_attention", "linear_cross_entropy"):
+    if name in ("attention", "decode_attention", "linear_cross_entropy", "rms_norm_linear"):
         import lowering
 
         return getattr(lowering, name)

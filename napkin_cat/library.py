@@ -974,6 +974,37 @@ def linear_cross_entropy(
     return t.diagram([loss])
 
 
+def rms_norm_linear(
+    n: Axis, d: Axis, m: Axis, *, eps: float = 1e-6, dtype: Dtype | str = f32
+) -> Diagram:
+    """An RMS norm and the projection after it (a Llama block's norm, then its qkv or gate/up projection):
+    ``X[n,d] ⊗ γ[d] ⊗ W[d,m] → Y[n,m]``, ``Y = (X / rms(X) ⊙ γ) · W`` with ``rms(X) = √(mean_d X² + ε)``; the
+    product is accumulated in f32 and ``Y`` has the inputs' ``dtype``.
+
+    As written, the norm needs the whole row of ``X`` before the product can read it; the row scaling
+    ``1/rms(X)[n]`` commutes with the contraction over ``d``, which :func:`rewrites.factor_row_scale` proves, and
+    then ``tile(n), tile(m), stream(d)`` accumulates ``Σ_d X²`` and ``Σ_d (X ⊙ γ)·W`` in one pass over ``d``.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from napkin_cat import axes, to_jax
+    >>> n, d, m = axes("n d m")
+    >>> f = rms_norm_linear(n, d, m)
+    >>> print(f.dom, "→", f.cod)
+    n×d ⊗ d ⊗ d×m → n×m
+    >>> X, G, W = (jax.random.normal(jax.random.key(i), s) for i, s in enumerate([(4, 8), (8,), (8, 3)]))
+    >>> want = X * jax.lax.rsqrt(jnp.mean(X * X, -1, keepdims=True) + 1e-6) * G @ W
+    >>> bool(jnp.allclose(to_jax(f)(X, G, W), want, atol=1e-5))
+    True
+    """
+    from napkin_cat.dtypes import dtype as as_dtype
+
+    spec = f"{n.name} {d.name}, {d.name} {m.name} -> {n.name} {m.name}"
+    project = g.contract(spec, n, d, m, dtype=dtype, out_dtype=f32)
+    return (rms_norm(n, d, eps=eps, dtype=dtype) @ identity(Array(d, m, dtype=dtype))) >> project >> _cast_back(
+        Array(n, m), as_dtype(dtype)
+    )
+
+
 __all__ = [
     "alibi_attention",
     "attention",
@@ -994,6 +1025,7 @@ __all__ = [
     "normalised_attention",
     "prefix_lm_attention",
     "rms_norm",
+    "rms_norm_linear",
     "SameSegment",
     "same_document",
     "sigmoid_attention",

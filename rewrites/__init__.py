@@ -25,6 +25,7 @@ from rewrites._device import (
     shard,
     zigzag,
 )
+from rewrites._factor import factor_row_scale
 from rewrites._io_aware import (
     Residual,
     delta_lemma,
@@ -57,4 +58,5 @@ __all__ = [
     "prove_monoid", "pseudocode", "random_inputs", "reduced", "relative_error", "resolve", "row_weight_lemma", "split",
     "stream", "streamability", "tile", "tolerance", "walk", "widened",
     "choose_parts", "merge_parts", "prove_merge", "split_kv", "with_lse",  # split-KV (rewrites._split_kv)
+    "factor_row_scale",  # a row scaling moved after a contraction (rewrites._factor)
 ]

@@ -1,6 +1,6 @@
-"""papers/llama: the Llama-style decoder on napkin-cat's attention against the same model on
-``jax.nn.dot_product_attention`` (tiny config, f32, CPU: the derived kernels in interpret mode), RoPE against the
-complex-number formulation, training, orbax's round trip, and greedy sampling.
+"""papers/llama: the Llama-style decoder on napkin-cat's attention and fused norm·projections against the same
+model on ``jax.nn.dot_product_attention`` and XLA (tiny config, f32, CPU: the derived kernels in interpret mode),
+RoPE against the complex-number formulation, training, orbax's round trip, and greedy sampling.
 
 Tolerances (f32, CPU, relative: max |error| / max |reference|), measured over 5 seeds: the loss ≤ 1e-7 and every
 parameter's gradient ≤ 1.1e-6 between the two attentions; RoPE ≤ 4e-7 against the complex formulation. Bounds:
@@ -43,10 +43,11 @@ def test_napkin_loss_and_gradients_equal_the_baseline(seed):
     napkin, reference = models(seed)
     batch = jax.random.randint(jax.random.key(seed), (2, SEQ + 1), 0, CFG.vocab)
     grad = nnx.jit(nnx.value_and_grad(lm.loss_fn))
-    before = nc.attention.cache_info()
+    before = nc.attention.cache_info(), nc.rms_norm_linear.cache_info()
     (loss, grads), (want, expected) = grad(napkin, batch), grad(reference, batch)
-    after = nc.attention.cache_info()
-    assert after.hits + after.misses > before.hits + before.misses, "the napkin model never called nc.attention"
+    after = nc.attention.cache_info(), nc.rms_norm_linear.cache_info()
+    for entry, b, a in zip(("nc.attention", "nc.rms_norm_linear"), before, after, strict=True):
+        assert a.hits + a.misses > b.hits + b.misses, f"the napkin model never called {entry}"
     assert rel(loss, want) <= TOL, f"NAPKIN_SEED={seed}: loss {loss} against {want}"
     leaves = zip(*(jax.tree_util.tree_leaves_with_path(g) for g in (grads, expected)), strict=True)
     for (path, g), (_, w) in leaves:

@@ -1,12 +1,16 @@
-"""A Llama-style decoder in Flax NNX whose every attention is napkin-cat's derived kernel, or, by one switch,
-``jax.nn.dot_product_attention`` (the baseline: the same model, the same parameters, XLA for the rest).
+"""A Llama-style decoder in Flax NNX whose every attention, and every norm with the projections after it, is
+napkin-cat's derived kernel, or, by one switch, ``jax.nn.dot_product_attention`` and XLA's norm then matmul (the
+baseline: the same model, the same parameters).
 
 The architecture is Llama's (Touvron et al. 2023; Llama 3's grouped-query heads): pre-norm blocks of RMSNorm,
 grouped-query causal self-attention on rotary positions (RoPE, Su et al. 2021), and a SwiGLU MLP (Shazeer 2020);
 a final RMSNorm and a classifier tied to the embedding or not. ``attention="napkin"`` calls ``nc.attention``
 (derived, verified and lowered once per shape, differentiated by its lowered backward kernels);
-``attention="reference"`` calls ``jax.nn.dot_product_attention``. RoPE is applied with jax.numpy to q and k
-before either (one function, :func:`rope`).
+``attention="reference"`` calls ``jax.nn.dot_product_attention``. The same switch fuses each block's two RMSNorms
+into the projections after them: ``attention="napkin"`` calls ``nc.rms_norm_linear`` once for the norm and the
+q, k, v projections (their weights side by side) and once for the norm and the gate and up projections, so the
+normalised activations are never written (:func:`norm_project`). RoPE is applied with jax.numpy to q and k
+before either attention (one function, :func:`rope`).
 
 >>> cfg = CONFIGS["tiny"]
 >>> model = Llama(cfg, attention="reference", rngs=nnx.Rngs(0))
@@ -21,6 +25,7 @@ True
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable
 
@@ -131,6 +136,27 @@ def attention_fn(name: str, backend: str = "auto") -> Callable:
     raise EvaluationError(f"attention={name!r}: choose one of {ATTENTIONS}")
 
 
+def norm_project(norm: nnx.RMSNorm, linears: list[nnx.Linear], x, *, fused: bool, backend: str = "auto") -> list:
+    """``[linear(norm(x)) for linear in linears]``: with ``fused``, one ``nc.rms_norm_linear`` call on the linears'
+    weights side by side (the norm fused into one projection, split after), else the norm then each matmul (XLA).
+
+    >>> cfg = CONFIGS["tiny"]
+    >>> norm, linears = _norm(cfg, nnx.Rngs(0)), [_linear(64, n, cfg, nnx.Rngs(i)) for i, n in ((1, 32), (2, 16))]
+    >>> x = jax.random.normal(jax.random.key(3), (2, 5, 64))
+    >>> ours, theirs = (norm_project(norm, linears, x, fused=f, backend="xla") for f in (True, False))
+    >>> [a.shape for a in ours], all(bool(jnp.allclose(a, b, atol=1e-5)) for a, b in zip(ours, theirs))
+    ([(2, 5, 32), (2, 5, 16)], True)
+    """
+    if not fused:
+        h = norm(x)
+        return [linear(h) for linear in linears]
+    dtype = linears[0].dtype
+    w = jnp.concatenate([linear.kernel[...] for linear in linears], axis=1).astype(dtype)
+    y = nc.rms_norm_linear(x.astype(dtype), norm.scale[...], w, eps=norm.epsilon, backend=backend)
+    ends = [linear.out_features for linear in linears]
+    return jnp.split(y, list(itertools.accumulate(ends))[:-1], axis=-1)
+
+
 def _linear(n_in: int, n_out: int, cfg: Config, rngs: nnx.Rngs, scale: float = 1.0) -> nnx.Linear:
     # Llama's initialisation: normal(0.02), residual projections scaled down by the depth (GPT-2's 1/√(2L))
     init = nnx.initializers.normal(0.02 * scale)
@@ -142,7 +168,8 @@ def _norm(cfg: Config, rngs: nnx.Rngs) -> nnx.RMSNorm:
 
 
 class Attention(nnx.Module):
-    """Grouped-query causal self-attention on RoPE'd queries and keys: ``[batch, seq, d_model]`` → the same."""
+    """Grouped-query causal self-attention on RoPE'd queries and keys of ``norm(x)``: ``[batch, seq, d_model]`` → the
+    same (the norm fused into the q, k, v projections where ``attention="napkin"``)."""
 
     def __init__(self, cfg: Config, *, attention: str, backend: str, rngs: nnx.Rngs):
         self.cfg, self.attention, self.backend = cfg, attention, backend
@@ -151,28 +178,32 @@ class Attention(nnx.Module):
         self.key = _linear(cfg.d_model, cfg.kv_heads * cfg.dim, cfg, rngs)
         self.value = _linear(cfg.d_model, cfg.kv_heads * cfg.dim, cfg, rngs)
         self.out = _linear(cfg.heads * cfg.dim, cfg.d_model, cfg, rngs, residual)
+        self.fused = attention == "napkin"
 
-    def __call__(self, x, positions):
+    def __call__(self, x, positions, norm: nnx.RMSNorm):
         cfg = self.cfg
         *lead, seq, _ = x.shape
-        q = self.query(x).reshape(*lead, seq, cfg.heads, cfg.dim)
-        k = self.key(x).reshape(*lead, seq, cfg.kv_heads, cfg.dim)
-        v = self.value(x).reshape(*lead, seq, cfg.kv_heads, cfg.dim)
+        q, k, v = norm_project(norm, [self.query, self.key, self.value], x, fused=self.fused, backend=self.backend)
+        q = q.reshape(*lead, seq, cfg.heads, cfg.dim)
+        k, v = (a.reshape(*lead, seq, cfg.kv_heads, cfg.dim) for a in (k, v))
         q, k = (rope(a, positions, cfg.rope_base, cfg.rotary) for a in (q, k))
         o = attention_fn(self.attention, self.backend)(q, k, v)
         return self.out(o.reshape(*lead, seq, cfg.heads * cfg.dim))
 
 
 class MLP(nnx.Module):
-    """SwiGLU: ``down(silu(gate(x)) · up(x))``."""
+    """SwiGLU of ``norm(x)``: ``down(silu(gate(h)) · up(h))``, ``h = norm(x)`` (the norm fused into the gate and up
+    projections where ``fused``)."""
 
-    def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: Config, *, fused: bool = False, backend: str = "auto", rngs: nnx.Rngs):
         self.gate = _linear(cfg.d_model, cfg.ffn, cfg, rngs)
         self.up = _linear(cfg.d_model, cfg.ffn, cfg, rngs)
         self.down = _linear(cfg.ffn, cfg.d_model, cfg, rngs, (2 * cfg.layers) ** -0.5)
+        self.fused, self.backend = fused, backend
 
-    def __call__(self, x):
-        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+    def __call__(self, x, norm: nnx.RMSNorm):
+        gate, up = norm_project(norm, [self.gate, self.up], x, fused=self.fused, backend=self.backend)
+        return self.down(jax.nn.silu(gate) * up)
 
 
 class Block(nnx.Module):
@@ -181,17 +212,18 @@ class Block(nnx.Module):
     def __init__(self, cfg: Config, *, attention: str, backend: str, rngs: nnx.Rngs):
         self.attention_norm, self.mlp_norm = _norm(cfg, rngs), _norm(cfg, rngs)
         self.attention = Attention(cfg, attention=attention, backend=backend, rngs=rngs)
-        self.mlp = MLP(cfg, rngs=rngs)
+        self.mlp = MLP(cfg, fused=attention == "napkin", backend=backend, rngs=rngs)
 
     def __call__(self, x, positions):
-        x = x + self.attention(self.attention_norm(x), positions)
-        return x + self.mlp(self.mlp_norm(x))
+        x = x + self.attention(x, positions, self.attention_norm)
+        return x + self.mlp(x, self.mlp_norm)
 
 
 class Llama(nnx.Module):
     """The decoder: token ids ``[batch, seq]`` → logits ``[batch, seq, vocab]`` (:meth:`__call__`), or the final
     hidden states and the classifier's weight ``[d_model, vocab]`` apart (:meth:`hidden`, :meth:`classifier`), for a
-    loss that never forms the logits. ``attention`` is one of :data:`ATTENTIONS`; ``backend`` napkin-cat's.
+    loss that never forms the logits. ``attention`` is one of :data:`ATTENTIONS` (``"napkin"`` also fuses each
+    block's norms into the projections after them); ``backend`` napkin-cat's.
 
     >>> model = Llama(CONFIGS["tiny"], rngs=nnx.Rngs(0))
     >>> model.classifier().shape, model.attention
