@@ -275,7 +275,11 @@ def _misread(w, shape: tuple, sizes: dict, seen: dict, i: int) -> str | None:
     return None
 
 
-def _refuse(f, why: str, fix: str = "pass backward='reference' to lower() to differentiate with the reference semantics"):
+#: what a refused backward's error suggests by default
+REFERENCE_FIX = "pass backward='reference' to lower() to differentiate with the reference semantics"
+
+
+def _refuse(f, why: str, fix: str = REFERENCE_FIX):
     @jax.custom_vjp
     def g(*xs):
         return f(*xs)

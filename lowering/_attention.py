@@ -593,7 +593,9 @@ def _check(query, key, value, dtypes=DTYPES) -> tuple[int, int, int]:
     names = {jnp.dtype(a.dtype).name for a in (query, key, value)}
     if len(names) != 1 or not names <= dtypes.keys():
         fp8 = "" if fp8_e4m3.jax_name in dtypes else f" ({fp8_e4m3.jax_name} with fp8_scales)"
-        raise EvaluationError(f"attention: q, k, v must share one dtype of {', '.join(dtypes)}{fp8}; got {sorted(names)}")
+        raise EvaluationError(
+            f"attention: q, k, v must share one dtype of {', '.join(dtypes)}{fp8}; got {sorted(names)}"
+        )
     return heads // max(kv_heads, 1), query.shape[-1], value.shape[-1]
 
 

@@ -25,9 +25,10 @@ from dataclasses import dataclass, fields
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from napkin_cat.diagram import Diagram
-from napkin_cat.dtypes import bf16, dtype, fp8_e4m3
+from napkin_cat.dtypes import FP8, bf16, fp8_e4m3
 from napkin_cat.errors import EvaluationError
 from napkin_cat.generators import SoftmaxContract
 from rewrites import Rule
@@ -93,7 +94,7 @@ def _number(name: str, v) -> float:
             f"attention: fp8_scales[{name!r}] is traced (under jit or grad); FP8 scales are part of the kernel: pass "
             "them as Python numbers or concrete arrays (close over them, or mark them static)"
         )
-    a = jnp.asarray(v)
+    a = np.asarray(v)  # numpy: under a jit trace jnp would make a Python number a tracer
     if a.size != 1:
         raise EvaluationError(f"attention: fp8_scales[{name!r}] has shape {a.shape}; a per-tensor scale is one number")
     x = float(a.reshape(()))
@@ -117,13 +118,13 @@ def check_fp8(query, key, value, fp8_scales, out_dtype) -> tuple[Fp8Scales | Non
 float8_e4m3fn, k float8_e4m3fn, v bfloat16 (quantise every input with its scale, or pass none in FP8)
     """
     names = [jnp.dtype(a.dtype).name for a in (query, key, value)]
-    fp8 = [dtype(n).bits == 8 if n in ("float8_e4m3fn", "float8_e5m2") else False for n in names]
-    if not any(fp8):
-        if fp8_scales is not None:
-            raise EvaluationError(
-                f"attention: fp8_scales given for q, k, v in {', '.join(sorted(set(names)))}; they apply to "
-                "float8_e4m3fn inputs only: drop fp8_scales, or quantise q, k and v to e4m3"
-            )
+    if not any(n in {t.jax_name for t in FP8} for n in names):
+        for what, given in (("fp8_scales", fp8_scales), ("out_dtype", out_dtype)):
+            if given is not None:
+                raise EvaluationError(
+                    f"attention: {what} given for q, k, v in {', '.join(sorted(set(names)))}; it applies to "
+                    f"float8_e4m3fn inputs only: drop {what}, or quantise q, k and v to e4m3"
+                )
         return None, None
     want = fp8_e4m3.jax_name
     if names != [want] * 3:
@@ -139,7 +140,9 @@ float8_e4m3fn, k float8_e4m3fn, v bfloat16 (quantise every input with its scale,
         )
     out = bf16.jax_name if out_dtype is None else jnp.dtype(out_dtype).name
     if out not in (bf16.jax_name, "float16", "float32", want):
-        raise EvaluationError(f"attention: FP8 attention's out_dtype is bfloat16, float16, float32 or {want}; got {out}")
+        raise EvaluationError(
+            f"attention: FP8 attention's out_dtype is bfloat16, float16, float32 or {want}; got {out}"
+        )
     return Fp8Scales.of(fp8_scales), out
 
 
@@ -171,8 +174,8 @@ class scale_probabilities(Rule):  # noqa: N801 - rules are named as verbs, like 
         hit = [b for b in d.boxes if isinstance(b, SoftmaxContract) and b.params["axis"] == self.axis]
         if not hit:
             raise self.fail("no softmax·contract reduces the axis; stream it first", axis=self.axis)
-        layers = [(left, box.with_probability_scale(self.sigma) if box in hit else box, right) for left, box, right in d.inside]
-        return d.with_layers(layers)
+        scaled = lambda box: box.with_probability_scale(self.sigma) if box in hit else box  # noqa: E731
+        return d.with_layers([(left, scaled(box), right) for left, box, right in d.inside])
 
     def __repr__(self):
         return f"scale_probabilities({self.axis}, {self.sigma:g})"

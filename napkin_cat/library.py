@@ -727,16 +727,18 @@ def normalised_attention(q: Axis, x: Axis, d: Axis, *, a1, a2, b, **kw) -> Diagr
 
 
 def _attention(q: Axis, x: Axis, d: Axis, kw: dict) -> _Attention:
-    keys = ("scale", "dtype", "batch", "kv_batch", "value_dim", "seq_at", "out_dtype", "values_keys_last", "value_scale")
+    keys = ("scale", "dtype", "batch", "kv_batch", "value_dim", "seq_at", *FP8_LABELS)
     unknown = set(kw) - {*keys, "causal", "mask", "score_mod"}
     if unknown:
         raise AxisError(f"attention: unknown keywords {sorted(unknown)}")
     batch = tuple(kw.get("batch", ()))
-    fp8 = {k: kw[k] for k in ("out_dtype", "values_keys_last", "value_scale") if k in kw}
-    return _Attention(
-        q, x, d, kw.get("scale"), kw.get("dtype", f32), batch, kw.get("kv_batch"), kw.get("value_dim"), kw.get("seq_at"),
-        **fp8,
-    )
+    fp8 = {k: kw[k] for k in FP8_LABELS if k in kw}
+    given = (kw.get("scale"), kw.get("dtype", f32), batch, kw.get("kv_batch"), kw.get("value_dim"), kw.get("seq_at"))
+    return _Attention(q, x, d, *given, **fp8)
+
+
+#: the keywords of FP8 attention's labels (``_Attention``'s fields of that name)
+FP8_LABELS = ("out_dtype", "values_keys_last", "value_scale")
 
 
 def _mods(kw: dict) -> dict:

@@ -134,8 +134,8 @@ class MosaicLowered:
 
     def _check_wires(self) -> None:
         """Refuse wires the kernel cannot hold: an input that is no 2-D block of the tiled or streamed axis and a
-        whole one, vector or scalar, or a 2-D block neither in 16 bits nor FP8; an innermost grid axis (TMA copies contiguous
-        rows); an output that is no [split axis, whole or tiled] block."""
+        whole one, vector or scalar, or a 2-D block neither in 16 bits nor FP8; an innermost grid axis (TMA copies
+        contiguous rows); an output that is no [split axis, whole or tiled] block."""
         for w in self.d.dom.inside:
             role = self._role(w)
             if role is None:
@@ -144,7 +144,9 @@ class MosaicLowered:
                     f"a vector along the tiled or streamed axis, or one number per program (a scalar)"
                 )
             if len(w.axes) == 2 and w.dtype.bits != 16 and w.dtype not in FP8:
-                raise NotLowerable(f"input {w.describe()}: wgmma takes 16-bit or FP8 (e4m3, e5m2) operands, got {w.dtype}")
+                raise NotLowerable(
+                    f"input {w.describe()}: wgmma takes 16-bit operands (or FP8: e4m3, e5m2), got {w.dtype}"
+                )
         batch, full = set(self.plan.batch), self.plan.diagram
         for what, wires in (("input", full.dom.inside), ("output", full.cod.inside)):
             for w in wires:
@@ -266,6 +268,10 @@ class MosaicLowered:
                 if self.x
                 else "no loop: every input a resident tile",
                 f"consumers walk: {' ; '.join(b.name for b in self.d.boxes)}",
+                *(
+                    f"register A operands staged through shared memory in {self._staged_dtype()} (FP8 wgmma)"
+                    for _ in range(self.staged and not c.interpretable and bool(self.x))
+                ),
                 *(
                     f"block sparsity: the chunks {', '.join(b.name for b in self.d.boxes if id(b) in self.masks)} "
                     f"hide are never loaded, those kept whole run without the mask{'s' * (len(self.masks) > 1)}"

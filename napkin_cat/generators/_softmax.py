@@ -277,8 +277,9 @@ class OnlineSoftmax(Accumulator):
         empty = total == 0
         out = [xp.cast(o / self._out(xp, xp.where(empty, 1, total)), self.box.out.dtype)]
         if len(self.box.cod) == 2:  # the log-sum-exp residual for the backward pass; +inf on empty rows
+            # the sum carries the probability scale σ where there is one: the offset's −log σ takes it back out
             lse = (self._shift(m, ctx) + xp.log2(total)) * ctx.number(sympy.log(2)) if self.box.base2 else None
-            lse = m + xp.log(total) - ctx.number(sympy.log(self.box.params.get("probs", 1))) if lse is None else lse
+            lse = self._shift(m, ctx) + xp.log(total) if lse is None else lse
             out.append(xp.where(empty, xp.inf, lse))
         return out
 
