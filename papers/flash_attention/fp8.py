@@ -20,7 +20,7 @@ the dequantised inputs, ``err_p8`` against the same with the probabilities round
 ``scale_s`` (napkin-cat's rounding). TFLOP/s: 4·B·H·N²·D, halved when causal. Writes ``fp8_<GPU>.json`` and ``.png``
 under ``--out`` (after every configuration) and prints each row with its ratios.
 
-    python papers/flash_attention/fp8.py [--out DIR] [--n 2048,8192] [--causal 0,1] [--blocks 128x128,128x256]
+    python papers/flash_attention/fp8.py [--out DIR] [--n 2048,8192] [--causal 0,1] [--blocks 128x256,256x64]
     python papers/flash_attention/fp8.py --smoke   # CPU, tiny sizes, interpret mode, cuDNN skipped
 """
 
@@ -214,7 +214,7 @@ def main(argv=None) -> dict:
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--n", default="2048,8192")
     p.add_argument("--causal", default="0,1")
-    p.add_argument("--blocks", default="128x256,256x128", help="Mosaic FP8 (tile x chunk) beside the entry's")
+    p.add_argument("--blocks", default="128x256,256x64", help="Mosaic FP8 (tile x chunk) beside the entry's")
     p.add_argument("--scale-s", type=float, default=256.0, help="the probabilities' scale (cuDNN's scale_s)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, interpret mode, cuDNN skipped")
     o = p.parse_args(argv)
