@@ -146,6 +146,26 @@ float8_e4m3fn, k float8_e4m3fn, v bfloat16 (quantise every input with its scale,
     return Fp8Scales.of(fp8_scales), out
 
 
+def no_fp8_dot(d: Diagram, interpret: bool) -> str | None:
+    """Why a compiled Triton kernel of ``d`` cannot multiply its FP8 inputs here (Triton's ``tl.dot`` takes e4m3 on
+    sm_89 and newer: Ada, Hopper, Blackwell), else None; interpret mode multiplies anything.
+
+    >>> import napkin_cat as nc
+    >>> no_fp8_dot(nc.library.attention(*nc.axes("q x d"), dtype="fp8_e4m3"), interpret=True) is None
+    True
+    """
+    if interpret or not any(w.dtype in FP8 for w in d.dom.inside):
+        return None
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    major, minor = (int(c) for c in (capability or "0.0").split(".")[:2])
+    if (major, minor) >= (8, 9):
+        return None
+    return (
+        f"Triton: FP8 inputs need tl.dot on e4m3, which runs on sm_89 and newer (Ada, Hopper); this GPU is "
+        f"{jax.devices()[0].device_kind!r} (sm_{capability}): pass q, k, v in bf16 (dequantised: a·descale)"
+    )
+
+
 @dataclass(frozen=True)
 class scale_probabilities(Rule):  # noqa: N801 - rules are named as verbs, like functions
     """Label each softmax·contract over ``axis`` with the probability scale ``sigma`` (FP8's ``scale_s``).
