@@ -17,7 +17,7 @@ import pytest
 
 import napkin_cat as nc
 from lowering import NotLowerable, lower, plan
-from lowering._attention import attention
+from lowering._attention import Signature, attention
 from lowering._fp8 import NO_BACKWARD, Fp8Scales, scale_probabilities
 from lowering.mosaic import MosaicLowered
 from napkin_cat.errors import EvaluationError
@@ -177,3 +177,16 @@ def test_compiled_fp8_on_hopper(key, causal):
     out = attention(q8, k8, v8, fp8_scales=scales, is_causal=causal)
     chunk = attention.kernel_for(q8, k8, v8, fp8_scales=scales, is_causal=causal).signature.stream
     assert error(out, reference(q8, k8, v8, s, 128**-0.5, causal, chunk)) < TOL
+
+
+def test_the_scales_become_the_diagrams_labels():
+    """Each scale's one home: dq·dk in the score scale, dv (× scale_o for an e4m3 output) on P·V, V keys innermost."""
+    x = jnp.zeros((1, 256, 2, 128), E4M3)
+    scales = dict(descale_q=0.5, descale_k=4.0, descale_v=3.0, scale_s=8.0, scale_o=0.25)
+    labels = Signature.of(x, x, x, fp8_scales=scales).fp8_labels()
+    assert labels["scale"] == pytest.approx(2.0 / 128**0.5) and labels["value_scale"] == 3.0
+    assert labels["out_dtype"] == nc.bf16 and labels["values_keys_last"]
+    out8 = Signature.of(x, x, x, fp8_scales=scales, out_dtype=E4M3).fp8_labels()
+    assert out8["out_dtype"] == nc.fp8_e4m3 and out8["value_scale"] == 0.75
+    v = Signature.of(x, x, x, fp8_scales=scales).diagram().dom.inside[2]
+    assert v.names[-1] == "kv_idx" and v.names[0] == "b"
