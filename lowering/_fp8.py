@@ -40,6 +40,13 @@ NO_BACKWARD = (
 )
 
 
+#: the entries of cuDNN's ``fp8_params`` that only its backward or its amax outputs read; accepted, not read
+CUDNN_BACKWARD = (
+    "amax_dQ", "amax_dK", "amax_dV", "amax_dP", "descale_o", "descale_dO", "descale_dP", "scale_dQ", "scale_dK",
+    "scale_dV", "scale_dP",
+)
+
+
 @dataclass(frozen=True)
 class Fp8Scales:
     """Per-tensor FP8 scale factors, named as ``jax._src.cudnn.fused_attention_stablehlo``'s ``fp8_params``:
@@ -49,6 +56,10 @@ class Fp8Scales:
 
     >>> Fp8Scales.of({"descale_q": 1.0, "descale_k": 1.0, "descale_v": 1.0, "scale_s": 1.0})
     Fp8Scales(descale_q=1.0, descale_k=1.0, descale_v=1.0, scale_s=1.0, scale_o=1.0)
+
+    cuDNN's whole ``fp8_params`` dict is taken too: its backward's entries (:data:`CUDNN_BACKWARD`) are not read
+    (forward only), and its ``descale_s`` must be ``1/scale_s``.
+
     >>> Fp8Scales.of({"descale_q": 1.0})
     Traceback (most recent call last):
     ...
@@ -78,9 +89,15 @@ fp8_params
             raise EvaluationError(f"attention: FP8 inputs need fp8_scales; got {type(given).__name__}; {fix}")
         if missing := [n for n in names[:4] if n not in given]:
             raise EvaluationError(f"attention: fp8_scales lacks {', '.join(missing)}; {fix}")
-        if unknown := sorted(set(given) - set(names)):
+        if unknown := sorted(set(given) - set(names) - set(CUDNN_BACKWARD) - {"descale_s"}):
             raise EvaluationError(f"attention: fp8_scales has unknown {', '.join(unknown)}; {fix}")
-        return cls(**{n: _number(n, given[n]) for n in names if n in given})
+        made = cls(**{n: _number(n, given[n]) for n in names if n in given})
+        if "descale_s" in given and not math.isclose(_number("descale_s", given["descale_s"]) * made.scale_s, 1.0):
+            raise EvaluationError(
+                f"attention: fp8_scales' descale_s must be 1/scale_s = {1 / made.scale_s:g} (the output is divided by "
+                "scale_s); drop descale_s or make it agree"
+            )
+        return made
 
     def score(self, scale: float) -> float:
         """The score contraction's scale: ``scale · descale_q · descale_k``."""

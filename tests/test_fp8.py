@@ -190,3 +190,15 @@ def test_the_scales_become_the_diagrams_labels():
     assert out8["out_dtype"] == nc.fp8_e4m3 and out8["value_scale"] == 0.75
     v = Signature.of(x, x, x, fp8_scales=scales).diagram().dom.inside[2]
     assert v.names[-1] == "kv_idx" and v.names[0] == "b"
+
+
+def test_cudnns_fp8_params_dict_is_taken():
+    """cuDNN's whole ``fp8_params`` (its backward's entries unread); its descale_s must be 1/scale_s."""
+    one = jnp.ones((1, 1, 1, 1), jnp.float32)
+    cudnn = {k: one for k in ("descale_q", "descale_k", "descale_v", "scale_o", "amax_dQ", "scale_dV")}
+    got = Fp8Scales.of(cudnn | {"scale_s": 4.0 * one, "descale_s": 0.25 * one})
+    assert (got.scale_s, got.descale_v) == (4.0, 1.0)
+    with pytest.raises(EvaluationError, match=r"descale_s must be 1/scale_s = 0.25"):
+        Fp8Scales.of(cudnn | {"scale_s": 4.0 * one, "descale_s": one})
+    with pytest.raises(EvaluationError, match=r"fp8_scales has unknown descale_x"):
+        Fp8Scales.of(cudnn | {"scale_s": one, "descale_x": one})
