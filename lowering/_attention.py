@@ -1055,7 +1055,8 @@ class Attention:
         ``scale_o``; or cuDNN's whole ``fp8_params``), Python numbers or concrete one-element arrays. Scores
         ``(q·dq)(k·dk)ᵀ·scale`` in f32, the probabilities times ``scale_s`` rounded to e4m3 for an FP8 P·V, the
         output times ``dv`` and divided by ``scale_s``: bf16 by default (``out_dtype``: bf16, f16, f32, or e4m3,
-        then times ``scale_o``). Unlike cuDNN's, no amax is returned. Differentiating an FP8 call raises :class:`~lowering.NotLowerable`.
+        then times ``scale_o``). Unlike cuDNN's, no amax is returned. Differentiating an FP8 call raises
+        :class:`~lowering.NotLowerable`.
 
         >>> q8, k8, v8 = (jax.random.normal(jax.random.key(i), (1, 32, 2, 16)).astype(jnp.float8_e4m3fn)
         ...               for i in range(3))
