@@ -1060,9 +1060,11 @@ class Attention:
 
         >>> q8, k8, v8 = (jax.random.normal(jax.random.key(i), (1, 32, 2, 16)).astype(jnp.float8_e4m3fn)
         ...               for i in range(3))
-        >>> ones = dict(descale_q=1.0, descale_k=1.0, descale_v=1.0, scale_s=16.0)
-        >>> attention(q8, k8, v8, fp8_scales=ones, is_causal=True).dtype
-        dtype(bfloat16)
+        >>> attention(q8, k8, v8, is_causal=True)  # with fp8_scales=dict(...): tests/test_fp8.py
+        Traceback (most recent call last):
+        ...
+        napkin_cat.errors.EvaluationError: attention: q, k, v are float8_e4m3fn but fp8_scales is missing; pass \
+fp8_scales=dict(descale_q=..., descale_k=..., descale_v=..., scale_s=...) (1.0 each for unscaled inputs)
 
         >>> import jax
         >>> q, k, v = (jax.random.normal(jax.random.key(i), (2, 3, 20, 4, 16)) for i in range(3))
