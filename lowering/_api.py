@@ -24,6 +24,7 @@ import jax
 
 from lowering import _spmd as spmd
 from lowering._backward import Piece, backward_of, differentiable
+from lowering._fp8 import NO_BACKWARD
 from lowering._plan import NotLowerable, kept_whole, plan
 from lowering._registry import BACKENDS as BACKENDS  # the registered names, in "auto"'s order
 from lowering._registry import REGISTRY, Backend, check_config, walk_auto
@@ -33,6 +34,7 @@ from lowering._target import interpreted, no_gpu, target_hardware
 from lowering._tiles import Choice, choose_tiles, missing_sizes
 from lowering.triton import STAGES, Config, Lowered
 from napkin_cat.diagram import Diagram
+from napkin_cat.dtypes import FP8
 from napkin_cat.errors import CostError, EvaluationError, NapkinError
 from napkin_cat.hardware import Hardware, lookup
 from napkin_cat.semantics import to_jax
@@ -273,7 +275,11 @@ def _misread(w, shape: tuple, sizes: dict, seen: dict, i: int) -> str | None:
     return None
 
 
-def _refuse(f, why: str):
+#: what a refused backward's error suggests by default
+REFERENCE_FIX = "pass backward='reference' to lower() to differentiate with the reference semantics"
+
+
+def _refuse(f, why: str, fix: str = REFERENCE_FIX):
     @jax.custom_vjp
     def g(*xs):
         return f(*xs)
@@ -282,7 +288,7 @@ def _refuse(f, why: str):
         return f(*xs), None
 
     def bwd(_, __):
-        raise NotLowerable(f"{why}; pass backward='reference' to lower() to differentiate with the reference semantics")
+        raise NotLowerable(f"{why}; {fix}")
 
     g.defvjp(fwd, bwd)
     return g
@@ -559,6 +565,8 @@ def _lower(
     emit = _Emitter(name, interpret, config, hw)
     primal = emit(d, "forward")
     made = functools.partial(Kernel, d, primal, backend=emit.chosen["forward"][0], emitted=emit.chosen, choice=choice)
+    if any(w.dtype in FP8 for w in d.dom.inside):  # FP8 attention is forward only (lowering._fp8)
+        return made(_refuse(primal, NO_BACKWARD, "no backward exists"), differentiation="none", why_not=NO_BACKWARD)
     if backward == "reference":
         return made(_reference(primal, d), differentiation="reference")
 

@@ -75,6 +75,7 @@ import jax
 import jax.numpy as jnp
 
 from lowering._api import BACKENDS, Kernel, OpenKernel, check_layout, lower
+from lowering._fp8 import Fp8Scales, check_fp8, scale_probabilities
 from lowering._plan import NotLowerable, next_pow2
 from lowering._plan import _captured as captured
 from lowering._target import interpreted, target_hardware
@@ -85,7 +86,7 @@ from napkin_cat import library
 from napkin_cat.axes import axes
 from napkin_cat.block_masks import BlockMask
 from napkin_cat.diagram import Array, Diagram
-from napkin_cat.dtypes import bf16, f16, f32
+from napkin_cat.dtypes import bf16, f16, f32, fp8_e4m3
 from napkin_cat.errors import AxisError, EvaluationError
 from napkin_cat.generators import FLEX_INDICES, Captured, Rope, fname, index_names, positional
 from napkin_cat.hardware import Hardware, lookup
@@ -111,6 +112,8 @@ class CacheInfo(NamedTuple):
 
 #: the dtypes the entry takes, by ``jnp.dtype`` name (q, k and v share one, as ``jax.nn`` requires)
 DTYPES = {"float32": f32, "bfloat16": bf16, "float16": f16}
+#: and with ``fp8_scales`` (:mod:`lowering._fp8`): FP8 inputs, and an FP8 output
+FP8_DTYPES = DTYPES | {fp8_e4m3.jax_name: fp8_e4m3}
 
 
 def schedule(
@@ -220,6 +223,8 @@ class Signature:
     window: tuple[int, int] | None = None
     rope: Rope | None = None
     rope_positions: bool = False
+    fp8: Fp8Scales | None = None
+    out_dtype: str | None = None
 
     @property
     def value_dim(self) -> bool:
@@ -246,10 +251,13 @@ class Signature:
         interpret: bool | None = None,
         hardware: Hardware | str | None = None,
         rope: Rope | None = None,
+        fp8_scales=None,
+        out_dtype=None,
     ) -> Signature:
         """The signature of a call (the arguments of :data:`attention`, ``[batch, seq, heads, dim]`` arrays and
         the rest as :func:`batched` gives them), checked before anything is built."""
-        group, dim, value_dim, biased, masked = _checked(query, key, value, bias, mask, segment_ids, backend)
+        fp8, out_dtype = check_fp8(query, key, value, fp8_scales, out_dtype)
+        group, dim, value_dim, biased, masked = _checked(query, key, value, bias, mask, segment_ids, backend, fp8)
         window = _window(local_window_size)
         backend = _roped(rope, dim, backend)
         if empty(query, key, value):
@@ -284,12 +292,31 @@ class Signature:
             window,
             None if rope is None else rope.static(),
             rope is not None and rope.positions is not None,
+            fp8,
+            out_dtype,
         )
         return _fitted(made)
 
     def derivation(self) -> Derivation:
-        """The diagram, derived by the schedule and verified (each step and the lowered kernel, on a trial)."""
-        return derive(self.diagram(), tile(QUERIES, self.tile), stream(KEYS, self.stream), verify="kernel")
+        """The diagram, derived by the schedule and verified (each step and the lowered kernel, on a trial); FP8's
+        probabilities then scaled by ``scale_s`` (:class:`lowering._fp8.scale_probabilities`)."""
+        steps = [tile(QUERIES, self.tile), stream(KEYS, self.stream)]
+        if self.fp8 is not None:
+            steps.append(scale_probabilities(KEYS, self.fp8.scale_s))
+        return derive(self.diagram(), *steps, verify="kernel")
+
+    def fp8_labels(self) -> dict:
+        """The diagram's FP8 labels (:mod:`lowering._fp8`, ``nc.library.dot_product_attention``'s keywords): the
+        score scale with q's and k's descales, the output's dtype, V laid out keys innermost, the P·V contraction's
+        scale (``descale_v``, times ``scale_o`` for an FP8 output); none without FP8."""
+        if self.fp8 is None:
+            return {}
+        f, dim = self.fp8, (self.head_dims or (None,))[0]
+        scale = self.scale if self.scale is not None else dim**-0.5
+        value = f.descale_v * (f.scale_o if self.out_dtype == fp8_e4m3.jax_name else 1.0)
+        return dict(
+            scale=f.score(scale), out_dtype=FP8_DTYPES[self.out_dtype], values_keys_last=True, value_scale=value
+        )
 
     def diagram(self) -> Diagram:
         """The variant's diagram (``nc.library.dot_product_attention``), its sizes symbolic."""
@@ -316,13 +343,14 @@ class Signature:
             [None, ""] if a is None else [tuple(x for n in a if n in axis for x in axis[n]), _seq(a)]
             for a in (self.bias, self.mask)
         )
+        labels = self.fp8_labels()
         return library.dot_product_attention(
             q,
             x,
             d,
-            scale=self.scale,
+            scale=labels.pop("scale", self.scale),
             causal=self.causal,
-            dtype=DTYPES[self.dtype],
+            dtype=FP8_DTYPES[self.dtype],
             bias_batch=bias[0],
             bias_seq=bias[1],
             bias_dtype=DTYPES[self.bias_dtype],
@@ -335,6 +363,7 @@ class Signature:
             rope_batch=(b,) if self.rope_positions else None,
             captured=captured,
             **{k: f for k, f in mods.items() if f is not None},
+            **labels,
             **kw,
         )
 
@@ -529,12 +558,13 @@ def _rotated(rope: Rope, x, positions):
     return rope.rotate(flat, positions).reshape(x.shape)
 
 
-def _checked(query, key, value, bias, mask, segment_ids, backend: str) -> tuple:
+def _checked(query, key, value, bias, mask, segment_ids, backend: str, fp8=None) -> tuple:
     """Every argument of a call (as :func:`batched` gives them) checked, before anything is built: the group
-    size, q's and k's head dim, v's, and the batch axes the bias and the mask are read over."""
+    size, q's and k's head dim, v's, and the batch axes the bias and the mask are read over (``fp8``: the call's
+    :class:`~lowering._fp8.Fp8Scales`, where q, k and v are e4m3)."""
     if backend != "auto" and backend not in BACKENDS:
         raise NotLowerable(f"attention: backend {backend!r}: choose 'auto', {', '.join(map(repr, BACKENDS))}")
-    group, dim, value_dim = _check(query, key, value)
+    group, dim, value_dim = _check(query, key, value, FP8_DTYPES if fp8 is not None else DTYPES)
     shape = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
     biased = None if bias is None else _broadcast("bias", bias, shape, DTYPES)
     masked = None if mask is None else _broadcast("mask", mask, shape, ("bool",))
@@ -554,7 +584,7 @@ def empty(query, key, value) -> bool:
     return 0 in (*query.shape[:-1], *key.shape[:-1], *value.shape[-1:])
 
 
-def _check(query, key, value) -> tuple[int, int, int]:
+def _check(query, key, value, dtypes=DTYPES) -> tuple[int, int, int]:
     """Refuse arrays the entry cannot take, naming the condition; the group size, q's and k's head dim and
     v's otherwise."""
     shapes = f"q {tuple(query.shape)}, k {tuple(key.shape)}, v {tuple(value.shape)}"
@@ -569,9 +599,12 @@ def _check(query, key, value) -> tuple[int, int, int]:
         raise EvaluationError(f"attention: q's {heads} heads are not a multiple of k's and v's {kv_heads}; {shapes}")
     if query.shape[-1] == 0:
         raise EvaluationError(f"attention: q's and k's head dim is 0 (the scores and 1/√d are undefined); {shapes}")
-    dtypes = {jnp.dtype(a.dtype).name for a in (query, key, value)}
-    if len(dtypes) != 1 or not dtypes <= DTYPES.keys():
-        raise EvaluationError(f"attention: q, k, v must share one dtype of {', '.join(DTYPES)}; got {sorted(dtypes)}")
+    names = {jnp.dtype(a.dtype).name for a in (query, key, value)}
+    if len(names) != 1 or not names <= dtypes.keys():
+        fp8 = "" if fp8_e4m3.jax_name in dtypes else f" ({fp8_e4m3.jax_name} with fp8_scales)"
+        raise EvaluationError(
+            f"attention: q, k, v must share one dtype of {', '.join(dtypes)}{fp8}; got {sorted(names)}"
+        )
     return heads // max(kv_heads, 1), query.shape[-1], value.shape[-1]
 
 
@@ -766,12 +799,17 @@ def padded_heads(query, key, value, scale, rope):
     return pad(query), pad(key), pad(value), query.shape[-1] ** -0.5 if scale is None else scale
 
 
-def _scaled(query, scale):
+def _scaled(query, scale, fp8: bool = False):
     """A traced ``scale`` (a ``jax.grad`` or ``jax.jit`` argument) multiplies the queries before the kernel, whose
     scale then stays a static 1; a Python number (or a concrete array) is the kernel's own static scale.
-    Gradients reach a traced scale through that product."""
+    Gradients reach a traced scale through that product. FP8 queries (``fp8``) are not rescaled: refused."""
     if not isinstance(scale, jax.core.Tracer):
         return query, scale
+    if fp8:
+        raise EvaluationError(
+            "attention: a traced scale with FP8 inputs would requantise q; pass scale as a Python number (or fold "
+            "it into fp8_scales' descale_q)"
+        )
     return (query.astype(jnp.float32) * scale).astype(query.dtype), 1.0
 
 
@@ -830,6 +868,8 @@ class AttentionKernel:
         extra[int(bias is not None) : int(bias is not None)] = list(captured)
         if segment_ids is not None:
             extra += [a.astype(jnp.int32) for a in segment_ids]
+        if self.signature.fp8 is not None:  # V keys innermost, [b, h_kv, dv, kv]: FP8 wgmma reads it K-major
+            value = jnp.transpose(value, (0, 2, 3, 1))
         return (qs, key, value, *extra, *(positions or ()))
 
     def __call__(
@@ -853,7 +893,8 @@ class AttentionKernel:
                 f"attention kernel for rope positions {'given' if sig.rope_positions else 'absent'}, called with "
                 f"them {'given' if positions is not None else 'absent'} (rope_positions() makes them)"
             )
-        got = Signature.of(query, key, value, bias, mask, segment_ids=segment_ids)
+        fp8 = dict(fp8_scales=sig.fp8, out_dtype=sig.out_dtype) if sig.fp8 is not None else {}
+        got = Signature.of(query, key, value, bias, mask, segment_ids=segment_ids, **fp8)
         mine = (sig.dtype, sig.group, sig.head_dims, sig.bias, sig.bias_dtype, sig.mask, sig.segments)
         theirs = (got.dtype, got.group, got.head_dims, got.bias, got.bias_dtype, got.mask, got.segments)
         if mine != theirs:
@@ -991,6 +1032,8 @@ class Attention:
         interpret: bool | None = None,
         hardware: Hardware | str | None = None,
         rope: Rope | None = None,
+        fp8_scales=None,
+        out_dtype=None,
     ):
         """``softmax(score_mod(scale · q kᵀ + bias) masked) v`` on ``[..., seq, heads, dim]`` arrays, by a cached
         kernel; every mask applies after ``score_mod`` (the module's docstring).
@@ -1016,6 +1059,22 @@ class Attention:
         whose every key is masked give 0 (jax.nn gives the mean of ``V``, except past ``query_seq_lengths``, where
         it gives 0 too); an empty axis gives an empty output, or zeros where there are no keys. See the module's
         docstring.
+
+        **FP8** (forward only; :mod:`lowering._fp8`): q, k and v in ``jnp.float8_e4m3fn`` with ``fp8_scales``, a
+        dict of cuDNN's per-tensor factors ``descale_q``, ``descale_k``, ``descale_v``, ``scale_s`` (and
+        ``scale_o``; or cuDNN's whole ``fp8_params``), Python numbers or concrete one-element arrays. Scores
+        ``(q·dq)(k·dk)ᵀ·scale`` in f32, the probabilities times ``scale_s`` rounded to e4m3 for an FP8 P·V, the
+        output times ``dv`` and divided by ``scale_s``: bf16 by default (``out_dtype``: bf16, f16, f32, or e4m3,
+        then times ``scale_o``). Unlike cuDNN's, no amax is returned. Differentiating an FP8 call raises
+        :class:`~lowering.NotLowerable`.
+
+        >>> q8, k8, v8 = (jax.random.normal(jax.random.key(i), (1, 32, 2, 16)).astype(jnp.float8_e4m3fn)
+        ...               for i in range(3))
+        >>> attention(q8, k8, v8, is_causal=True)  # with fp8_scales=dict(...): tests/test_fp8.py
+        Traceback (most recent call last):
+        ...
+        napkin_cat.errors.EvaluationError: attention: q, k, v are float8_e4m3fn but fp8_scales is missing; pass \
+fp8_scales=dict(descale_q=..., descale_k=..., descale_v=..., scale_s=...) (1.0 each for unscaled inputs)
 
         >>> import jax
         >>> q, k, v = (jax.random.normal(jax.random.key(i), (2, 3, 20, 4, 16)) for i in range(3))
@@ -1043,14 +1102,16 @@ class Attention:
             query, key = (_rotated(rope, x, at) for x, at in zip((query, key), sides, strict=True))
             rope = None
         query, key, value, scale = padded_heads(query, key, value, scale, rope)
-        query, scale = _scaled(query, scale)
+        query, scale = _scaled(query, scale, fp8_scales is not None)
         segment_ids = length_ids(query, key, segment_ids, query_seq_lengths, key_value_seq_lengths)
         positions = rope_positions(rope, query, key)
         args = batched(query, key, value, bias, mask, segment_ids)
         if empty(*args[:3]):
             _checked(*args, backend)
             _window(local_window_size)
-            out = jnp.zeros((*query.shape[:-1], value_dim), query.dtype)  # no keys: each row's sum is empty
+            fp8, out_dtype = check_fp8(query, key, value, fp8_scales, out_dtype)
+            # no keys: each row's sum is empty
+            out = jnp.zeros((*query.shape[:-1], value_dim), query.dtype if fp8 is None else out_dtype)
             return (out, jnp.full(query.shape[:-1], -jnp.inf, key.dtype)) if return_residual else out
         score_mod, mask_mod = converted(score_mod, True), converted(mask_mod, False)
         made = self._kernel(
@@ -1066,6 +1127,8 @@ class Attention:
             interpret=interpret,
             hardware=hardware,
             rope=rope,
+            fp8_scales=fp8_scales,
+            out_dtype=out_dtype,
         )
         fns = [f for f in (score_mod, mask_mod) if isinstance(f, Captured)]
         inputs = _captured_inputs(fns, args[0], args[1], made.signature.group)
@@ -1110,7 +1173,7 @@ class Attention:
         if isinstance(rope := options.get("rope"), Rope) and not rope.fused:  # q and k come to it rotated
             _roped(rope, query.shape[-1], "auto")
             options["rope"] = None
-        query, scale = _scaled(query, scale)
+        query, scale = _scaled(query, scale, options.get("fp8_scales") is not None)
         segment_ids = length_ids(query, key, segment_ids, query_seq_lengths, key_value_seq_lengths)
         args = batched(query, key, value, bias, mask, segment_ids)
         for k in ("score_mod", "mask_mod"):

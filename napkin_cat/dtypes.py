@@ -63,6 +63,9 @@ i32 = Dtype("i32", 32, "int32")
 bool_ = Dtype("bool", 8, "bool_")
 
 DTYPES = (f32, bf16, f16, fp8_e4m3, fp8_e5m2, i32, bool_)
+#: the 8-bit floating types: the tensor cores of Hopper multiply them at twice the 16-bit rate, accumulating in f32;
+#: a contraction's operand dtype is the label that chooses that rate (the cost model's, FP8 attention's kernels)
+FP8 = (fp8_e4m3, fp8_e5m2)
 
 
 def dtype(x) -> Dtype:

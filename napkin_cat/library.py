@@ -254,6 +254,11 @@ class _Attention:
     kv_batch: tuple | None
     value_dim: Axis | None = None
     seq_at: int | None = None
+    #: FP8 attention's labels (``lowering._fp8``): the output's dtype where it differs from the inputs', V laid
+    #: out ``[*kv, e, x]`` (keys innermost: FP8 wgmma reads both operands K-major), the P·V contraction's scale
+    out_dtype: Dtype | str | None = None
+    values_keys_last: bool = False
+    value_scale: float | None = None
 
     def __post_init__(self):
         dims = (self.d,) if self.value_dim is None else (self.d, self.value_dim)
@@ -281,6 +286,8 @@ class _Attention:
 
     @property
     def V(self) -> Array:
+        if self.values_keys_last:
+            return Array(*self.kv, self.e, self.x, dtype=self.dtype)
         return Array(*self.lay(self.kv, self.x, self.e), dtype=self.dtype)
 
     @property
@@ -289,7 +296,7 @@ class _Attention:
 
     @property
     def O(self) -> Array:  # noqa: E743 - the output, as in the papers
-        return Array(*self.lay(self.batch, self.q, self.e), dtype=self.dtype)
+        return Array(*self.lay(self.batch, self.q, self.e), dtype=self.out_dtype or self.dtype)
 
     @property
     def rows(self) -> Array:
@@ -351,9 +358,10 @@ class _Attention:
     def out(self, weights: Array | None = None) -> Diagram:
         """``P ⊗ V → O``: the contraction of the weights with the values over the keys."""
         b, q, x, e = self.batch, self.q, self.x, self.e
-        spec = f"{self._spec(*b, q, x)}, {self._spec(*self.lay(self.kv, x, e))} -> {self._spec(*self.lay(b, q, e))}"
+        spec = f"{self._spec(*b, q, x)}, {self._spec(*self.V.axes)} -> {self._spec(*self.lay(b, q, e))}"
         w = weights or self.S
-        return g.contract(spec, *b, q, x, e, dtype=(w.dtype, self.dtype), out_dtype=self.dtype)
+        out = self.out_dtype or self.dtype
+        return g.contract(spec, *b, q, x, e, dtype=(w.dtype, self.dtype), out_dtype=out, scale=self.value_scale)
 
 
 def multi_head_attention(h: Axis, q: Axis, x: Axis, d: Axis, *, batch: tuple[Axis, ...] = (), **kw) -> Diagram:
@@ -719,14 +727,18 @@ def normalised_attention(q: Axis, x: Axis, d: Axis, *, a1, a2, b, **kw) -> Diagr
 
 
 def _attention(q: Axis, x: Axis, d: Axis, kw: dict) -> _Attention:
-    keys = ("scale", "dtype", "batch", "kv_batch", "value_dim", "seq_at")
+    keys = ("scale", "dtype", "batch", "kv_batch", "value_dim", "seq_at", *FP8_LABELS)
     unknown = set(kw) - {*keys, "causal", "mask", "score_mod"}
     if unknown:
         raise AxisError(f"attention: unknown keywords {sorted(unknown)}")
     batch = tuple(kw.get("batch", ()))
-    return _Attention(
-        q, x, d, kw.get("scale"), kw.get("dtype", f32), batch, kw.get("kv_batch"), kw.get("value_dim"), kw.get("seq_at")
-    )
+    fp8 = {k: kw[k] for k in FP8_LABELS if k in kw}
+    given = (kw.get("scale"), kw.get("dtype", f32), batch, kw.get("kv_batch"), kw.get("value_dim"), kw.get("seq_at"))
+    return _Attention(q, x, d, *given, **fp8)
+
+
+#: the keywords of FP8 attention's labels (``_Attention``'s fields of that name)
+FP8_LABELS = ("out_dtype", "values_keys_last", "value_scale")
 
 
 def _mods(kw: dict) -> dict:

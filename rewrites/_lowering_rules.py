@@ -100,7 +100,7 @@ class base2(Rule):  # noqa: N801 - rules are named as verbs, like functions
             while i is not None and not is_structural(d.inside[i][1]) and d.inside[i][1].passes_base():
                 i, _ = d.producer(i, len(d.inside[i][0]))
             producer = None if i is None or is_structural(d.inside[i][1]) else d.inside[i][1]
-            if box.dom.inside[-1].dtype.bits != 16:  # f32 probabilities: the exponent s − m stays exact
+            if box.dom.inside[-1].dtype.bits > 16:  # f32 probabilities: the exponent s − m stays exact
                 if producer is not None and (scaled := producer.scaled(LOG2E)) is not None:
                     layers[i] = (d.inside[i][0], scaled, d.inside[i][2])
                     layers[j] = (left, folded, right)

@@ -61,7 +61,7 @@ class Product:
             if first:  # the first product of a chunk hands the tensor cores over once issued
                 self.xp.schedule()
 
-        if acc is None or self.xp.staging is not None:
+        if acc is None or not self.xp.in_place:
             fresh = pl.run_scoped(lambda r: (mma(r), r[...])[1], plgpu.ACC(self.shape, jnp.float32))
             return fresh if acc is None else acc + fresh
         return pl.run_state(mma)(plgpu.ACC.init(acc))
@@ -100,13 +100,15 @@ class MosaicArrays:
     """``ctx.xp`` inside a Mosaic GPU consumer warpgroup: :data:`~napkin_cat.generators.JAX` on register
     arrays, with contractions as ``wgmma`` and index grids in the wgmma register layout.
 
-    ``staging`` (when given) is a shared-memory buffer a register A operand is written to first; ``turn``
+    ``staging`` (when given) is a shared-memory buffer a register A operand is written to first (interpret mode;
+    compiled, an FP8 one: :attr:`MosaicLowered.staged`); ``in_place`` whether a product accumulates in the wgmma
+    (compiled) or is added after it (interpret mode); ``turn``
     (when given) the ping-pong barrier passed around each chunk's matrix products, ``issued`` of which
     are counted per chunk: an mbarrier in interpret mode, compiled a function that passes a named one.
     """
 
-    def __init__(self, staging=None, turn=None):
-        self.staging, self.turn, self.issued = staging, turn, 0
+    def __init__(self, staging=None, turn=None, in_place=False):
+        self.staging, self.turn, self.issued, self.in_place = staging, turn, 0, in_place
 
     def schedule(self):
         """Pass the ping-pong barrier shared by the consumer warpgroups (when there is one)."""
@@ -145,6 +147,12 @@ class MosaicArrays:
             raise NotLowerable(f"einsum {spec!r}: wgmma's B operand must be in shared memory, got a register array")
         if not isinstance(va, Smem) and ta != out[0] + k:
             raise NotLowerable(f"einsum {spec!r}: a register A operand must be laid out rows × contraction")
+        if _fp8(vb) and (tb != out[1] + k or (isinstance(va, Smem) and ta != out[0] + k)):
+            raise NotLowerable(
+                f"einsum {spec!r}: FP8 wgmma reads both operands K-major (the contracted axis {k!r} innermost); "
+                f"lay B out [{out[1]}, {k}] and A [{out[0]}, {k}] (FP8 attention's V as [..., d, x]: the entry "
+                "transposes it)"
+            )
         if isinstance(va, Smem) and ta != out[0] + k:
             va = Smem(va.ready().transpose((1, 0)))
         if tb != k + out[1]:
@@ -157,12 +165,12 @@ class MosaicArrays:
         ``staging``)."""
         if isinstance(a, Smem):
             return a.ready()
-        a = a.astype(dtype)  # the operands meet in B's 16-bit type (FA2 casts P to V's)
+        a = a.astype(dtype)  # the operands meet in B's type (FA2 casts P to V's; FP8 rounds P to e4m3 here)
         if self.staging is None:
             return a
         if tuple(a.shape) != tuple(self.staging.shape):
             raise NotLowerable(
-                f"interpret mode stages a register A operand through a {self.staging.shape} buffer, got {a.shape}"
+                f"a register A operand is staged through a {self.staging.shape} buffer, got {a.shape}"
             )
         self.staging[...] = a.astype(self.staging.dtype)
         plgpu.commit_smem()
@@ -190,6 +198,11 @@ class MosaicArrays:
         """A constant in the accumulator's layout (loop-carried states must keep one layout)."""
         layout = plgpu.Layout.WGMMA if len(shape) == 2 else plgpu.Layout.WGMMA.reduce(1)
         return plgpu.layout_cast(jnp.full(shape, value, jnp.float32), layout)
+
+
+def _fp8(v) -> bool:
+    """Whether a shared-memory operand is 8-bit (FP8 e4m3 or e5m2)."""
+    return jnp.dtype(v.dtype).itemsize == 1
 
 
 def _wgmma(spec: str) -> bool:

@@ -26,7 +26,7 @@ class _Scratch(NamedTuple):
     """A kernel's shared memory and barriers (``MosaicLowered._call``'s ``scratch_types``, in order): the rings of the
     streamed inputs, the resident tiles, the outputs' own buffers, each ring's ``loaded`` and ``consumed`` barriers,
     each tile's ``arrived``, the interpret-mode ping-pong ``turn`` (compiled kernels pass a named barrier, which takes
-    no shared memory) and the interpret-mode ``staging`` buffer (None without them)."""
+    no shared memory) and the ``staging`` buffer of a register A operand (interpret mode, FP8; None without them)."""
 
     rings: Any
     tiles: Any
@@ -196,10 +196,11 @@ class MosaicKernel:
         for k, i in enumerate(self.resident):
             view = in_refs[i].at[self._index(low.plan.diagram.dom.inside[i], bid, **{low.q: pl.ds(start, rows)})]
             plgpu.copy_gmem_to_smem(view, tiles[k].at[wg], arrived[k].at[wg])
-        xp = MosaicArrays(staging.at[wg] if staging is not None else None)
+        in_place = not low.config.interpretable
+        xp = MosaicArrays(staging.at[wg] if staging is not None else None, in_place=in_place)
         if low.pingpong and not low.interpret:
             turn = _named_turn(low.config.consumers)
-        pingpong = MosaicArrays(xp.staging, turn)
+        pingpong = MosaicArrays(xp.staging, turn, in_place)
         grid = self._batch(bid)  # this program's index along each batch axis (ALiBi reads the head)
         ctx = BlockContext(sizes=self.sizes, offsets={low.q: start}, xp=xp, grid=grid)
         resident = {i: Smem(tiles[k].at[wg], arrived[k].at[wg]).along(0) for k, i in enumerate(self.resident)}

@@ -45,6 +45,7 @@ from lowering.mosaic._arrays import Counting
 from lowering.mosaic._config import REGISTERS, SMEM_ALIGNMENT, SMEM_LIMIT, WGMMA_M, MosaicConfig
 from lowering.mosaic._kernel import MosaicKernel
 from napkin_cat.diagram import Diagram
+from napkin_cat.dtypes import FP8
 from napkin_cat.hardware import H100
 from napkin_cat.semantics import bind
 
@@ -119,6 +120,12 @@ class MosaicLowered:
         #: the boxes a chunk kept whole by every mask runs without
         self.hidden = set(self.masks) | {id(m.box) for m in self.segments}
         self._check_wires()
+        #: whether a register A operand (P) goes through shared memory: in interpret mode, and where it meets an FP8
+        #: operand (jax 0.11.2's Mosaic GPU layout inference has no relayout from wgmma's f32 accumulator layout to
+        #: its 8-bit A operand layout, so P in e4m3 is stored, swizzled, and read as an A operand from there)
+        self.staged = self.config.interpretable or any(
+            self._role(w) == "stream" and len(w.axes) == 2 and w.dtype in FP8 for w in self.d.dom.inside
+        )
         self._buffers()
         #: the wgmmas one chunk issues, counted on abstract blocks
         self.products = self._products() if p.stream is not None else 0
@@ -127,8 +134,8 @@ class MosaicLowered:
 
     def _check_wires(self) -> None:
         """Refuse wires the kernel cannot hold: an input that is no 2-D block of the tiled or streamed axis and a
-        whole one, vector or scalar, or a 2-D block not in 16 bits; an innermost grid axis (TMA copies contiguous
-        rows); an output that is no [split axis, whole or tiled] block."""
+        whole one, vector or scalar, or a 2-D block neither in 16 bits nor FP8; an innermost grid axis (TMA copies
+        contiguous rows); an output that is no [split axis, whole or tiled] block."""
         for w in self.d.dom.inside:
             role = self._role(w)
             if role is None:
@@ -136,8 +143,10 @@ class MosaicLowered:
                     f"input {w.describe()}: a block must be 2-D (the tiled or streamed axis, and one whole axis), "
                     f"a vector along the tiled or streamed axis, or one number per program (a scalar)"
                 )
-            if len(w.axes) == 2 and w.dtype.bits != 16:
-                raise NotLowerable(f"input {w.describe()}: wgmma takes 16-bit operands, got {w.dtype}")
+            if len(w.axes) == 2 and w.dtype.bits != 16 and w.dtype not in FP8:
+                raise NotLowerable(
+                    f"input {w.describe()}: wgmma takes 16-bit operands (or FP8: e4m3, e5m2), got {w.dtype}"
+                )
         batch, full = set(self.plan.batch), self.plan.diagram
         for what, wires in (("input", full.dom.inside), ("output", full.cod.inside)):
             for w in wires:
@@ -259,6 +268,10 @@ class MosaicLowered:
                 if self.x
                 else "no loop: every input a resident tile",
                 f"consumers walk: {' ; '.join(b.name for b in self.d.boxes)}",
+                *(
+                    f"register A operands staged through shared memory in {self._staged_dtype()} (FP8 wgmma)"
+                    for _ in range(self.staged and not c.interpretable and bool(self.x))
+                ),
                 *(
                     f"block sparsity: the chunks {', '.join(b.name for b in self.d.boxes if id(b) in self.masks)} "
                     f"hide are never loaded, those kept whole run without the mask{'s' * (len(self.masks) > 1)}"
@@ -463,9 +476,14 @@ class MosaicLowered:
             barriers += 2 * c.stages if role == "stream" else c.consumers  # loaded and consumed; arrived
         for w in self.own:
             total += _aligned(math.prod(self.block(w, extent)) * w.dtype.bytes * c.consumers)
-        if c.interpretable and self.x:
-            total += _aligned(self.rows * self.s * 2 * c.consumers)
+        if self.staged and self.x:
+            total += _aligned(self.rows * self.s * self._staged_dtype().bytes * c.consumers)
         return total + _aligned(8 * barriers)
+
+    def _staged_dtype(self):
+        """The dtype a staged A operand takes: the first streamed block's (V's), which it meets in a wgmma."""
+        wires = self.d.dom.inside
+        return next((w.dtype for w in wires if self._role(w) == "stream" and len(w.axes) == 2), wires[0].dtype)
 
     def _call(self, arrays, sizes, extent):
         p, full, c = self.plan, self.plan.diagram, self.config
@@ -489,9 +507,8 @@ class MosaicLowered:
             [plgpu.Barrier(num_barriers=c.consumers) for _ in resident],
         ]
         scratch.append([plgpu.Barrier(num_arrivals=c.consumers)] if self.pingpong and self.interpret else [])
-        if c.interpretable and streamed:
-            value_dtype = next(wires[i].dtype.jnp for i in streamed if len(wires[i].axes) == 2)
-            scratch.append([smem((c.consumers, self.rows, self.s), value_dtype)])
+        if self.staged and streamed:
+            scratch.append([smem((c.consumers, self.rows, self.s), self._staged_dtype().jnp)])
         kernel = MosaicKernel(self, sizes, extent, streamed, resident, n_tiles, n_chunks, batch)
         others = [extent[a] // n for a, n in self.others.items()]
         out_type = out_structs(full.cod.inside, extent, arrays)

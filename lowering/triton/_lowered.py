@@ -29,6 +29,7 @@ from jax.experimental.pallas import triton as pltriton
 
 import rewrites
 from lowering._blocks import call_bounds, heavy_last, segments
+from lowering._fp8 import no_fp8_dot
 from lowering._plan import NotLowerable, Plan, next_pow2, smem_bytes
 from lowering._source import describe
 from lowering._sparsity import Sparsity, sparsity
@@ -135,6 +136,8 @@ class TritonLowered:
         self.interpret = interpreted(interpret)
         self.hardware = target_hardware(self.interpret) if hardware is None else hardware
         self.__name__ = "napkin_kernel"
+        if why := no_fp8_dot(p.diagram, self.interpret):
+            raise NotLowerable(why)
 
     # -- the wrapper: bind sizes, pad to whole blocks, launch, slice -----------------------------
     def __call__(self, *arrays):

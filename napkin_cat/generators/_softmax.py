@@ -128,6 +128,9 @@ class SoftmaxContract(Generator):
         return self.params.get("base") == 2
 
     def evaluate(self, ins, ctx):
+        if self.params.get("probs") is not None:  # P quantised as the kernels round it: the online form, one chunk
+            acc = OnlineSoftmax(self, self.params["axis"])
+            return acc.finalize(acc.partial(ins, ctx), ctx)
         (s, v), xp = ins, ctx.xp
         s = xp.f32(s)
         if self.base2:
@@ -154,6 +157,20 @@ class SoftmaxContract(Generator):
 
     def accumulator(self, axis):
         return OnlineSoftmax(self, axis) if axis == self.params["axis"] else None
+
+    def with_probability_scale(self, scale):
+        """This box with its probabilities multiplied by ``scale`` before they meet the values, and their sum alike
+        (FP8 attention's scale of the probabilities, cuDNN's ``scale_s``): the output is unchanged in exact
+        arithmetic; only the rounding of ``P`` to the values' dtype (e4m3) sees it, which a ``scale`` > 1 keeps out
+        of e4m3's subnormals. The kernels add ``log(scale)`` to each row's exponent offset: no work per score.
+
+        >>> from napkin_cat import axes
+        >>> q, x, d = axes("q x d")
+        >>> softmax_contract(Array(q, x), Array(x, d), x, Array(q, d)).with_probability_scale(256).params["probs"]
+        256
+        """
+        kept = tuple(kv for kv in self.data if kv[0] != "probs")
+        return type(self)(self.name, self.dom, self.cod, data=(*kept, ("probs", scale)))
 
     def in_base2(self, scale=None):
         if self.params.get("base"):
@@ -216,6 +233,15 @@ class OnlineSoftmax(Accumulator):
         scale = self.box.params.get("scale")
         return v if scale is None else v * ctx.number(scale)
 
+    def _shift(self, m, ctx):
+        """The row offset ``c·m`` of the exponents, less ``log(σ)`` for a box with a probability scale ``σ``
+        (:meth:`SoftmaxContract.with_probability_scale`): ``P = σ·exp(c·s − c·m)`` at one subtraction per row."""
+        sigma = self.box.params.get("probs")
+        if sigma is None:
+            return self._c(m, ctx)
+        log = sympy.log(sigma, 2) if self.box.base2 else sympy.log(sigma)
+        return self._c(m, ctx) - ctx.number(log)
+
     def _out(self, xp, stat):
         """A row statistic broadcast to the output's axes."""
         return align(xp, stat, self.rows(), self.box.out)
@@ -228,7 +254,7 @@ class OnlineSoftmax(Accumulator):
         (s, v), xp, i = ins, ctx.xp, self.at
         s = xp.f32(s)
         m = xp.max(s, i)
-        p = self._exp(ctx)(self._c(s, ctx) - xp.expand_dims(self._c(_safe(xp, m), ctx), i))
+        p = self._exp(ctx)(self._c(s, ctx) - xp.expand_dims(self._shift(_safe(xp, m), ctx), i))
         return m, xp.sum(p, i), self._pv(xp, p, v)
 
     def combine(self, a, b, ctx):
@@ -243,7 +269,7 @@ class OnlineSoftmax(Accumulator):
         s = xp.f32(s)
         m_new = xp.maximum(m, xp.max(s, i))
         delta = exp(self._c(m - _safe(xp, m_new), ctx))
-        p = exp(self._c(s, ctx) - xp.expand_dims(self._c(_safe(xp, m_new), ctx), i))
+        p = exp(self._c(s, ctx) - xp.expand_dims(self._shift(_safe(xp, m_new), ctx), i))
         return m_new, total * delta + xp.sum(p, i), o * self._out(xp, delta) + self._pv(xp, p, v)
 
     def finalize(self, state, ctx):
@@ -251,7 +277,9 @@ class OnlineSoftmax(Accumulator):
         empty = total == 0
         out = [xp.cast(o / self._out(xp, xp.where(empty, 1, total)), self.box.out.dtype)]
         if len(self.box.cod) == 2:  # the log-sum-exp residual for the backward pass; +inf on empty rows
-            lse = (self._c(m, ctx) + xp.log2(total)) * ctx.number(sympy.log(2)) if self.box.base2 else m + xp.log(total)
+            # the sum carries the probability scale σ where there is one: the offset's −log σ takes it back out
+            lse = (self._shift(m, ctx) + xp.log2(total)) * ctx.number(sympy.log(2)) if self.box.base2 else None
+            lse = self._shift(m, ctx) + xp.log(total) if lse is None else lse
             out.append(xp.where(empty, xp.inf, lse))
         return out
 

@@ -1,0 +1,245 @@
+"""FP8 attention forward against cuDNN's, beside both bf16 kernels, in one process (the FP8/parity issue's
+deliverable 1: napkin-cat's FP8 forward ≥ 1.0× cuDNN FP8, its error no larger).
+
+D = 128, B·N = 16k tokens, H = 16, N ∈ {2048, 8192}, causal and not. Implementations, each timed on inputs already
+in its own layout:
+
+* ``napkin fp8``: ``nc.attention(q8, k8, v8, fp8_scales=...)`` as a user calls it (``backend="auto"``; it transposes
+  V to keys innermost in XLA, timed with it);
+* ``napkin fp8 kernel``: the same kernel called on V already laid out ``[B, H, D, N]`` (its own layout);
+* ``napkin fp8 g<tile> s<chunk>``: the Mosaic kernel at other blocks (``--blocks``), V ``[B, H, D, N]``;
+* ``napkin fp8 triton``: ``backend="triton"`` (``tl.dot`` on e4m3);
+* ``cudnn fp8``: ``jax._src.cudnn.fused_attention_stablehlo.dot_product_attention(..., use_fp8=True)``, [B, N, H, D],
+  e4m3 out (divided by ``scale_o`` for its error);
+* ``napkin bf16`` (``nc.attention``) and ``cudnn bf16`` (``jax.nn.dot_product_attention(implementation="cudnn")``)
+  on the dequantised inputs in bf16.
+
+Every implementation gets the same e4m3 inputs (a normal draw, descales 1) and the same scales (``--scale-s``, the
+probabilities' scale). Errors, max |out − ref| / max |ref| on batch 0, two heads: ``err`` against f32 attention of
+the dequantised inputs, ``err_p8`` against the same with the probabilities rounded to e4m3 at their row max times
+``scale_s`` (napkin-cat's rounding). TFLOP/s: 4·B·H·N²·D, halved when causal. Writes ``fp8_<GPU>.json`` and ``.png``
+under ``--out`` (after every configuration) and prints each row with its ratios.
+
+    python papers/flash_attention/fp8.py [--out DIR] [--n 2048,8192] [--causal 0,1] [--blocks 128x256,256x64]
+    python papers/flash_attention/fp8.py --smoke   # CPU, tiny sizes, interpret mode, cuDNN skipped
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file: find papers/ and the package
+
+import napkin_cat as nc  # noqa: E402
+from lowering import lower  # noqa: E402
+from lowering._attention import KEYS, QUERIES, Signature  # noqa: E402
+from lowering._fp8 import scale_probabilities  # noqa: E402
+from papers.flash_attention.benchmark import device_info, device_stem  # noqa: E402
+from papers.flash_attention.timing import time_calls  # noqa: E402
+from rewrites import derive, stream, tile  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+E4M3 = jnp.float8_e4m3fn
+#: cuDNN's forward FP8 parameters beside the four napkin-cat reads (its dict has the backward's too)
+CUDNN_KEYS = (
+    "amax_dQ", "amax_dK", "amax_dV", "amax_dP", "descale_q", "descale_k", "descale_v", "descale_s", "scale_s",
+    "scale_o", "descale_o", "descale_dO", "descale_dP", "scale_dQ", "scale_dK", "scale_dV", "scale_dP",
+)
+
+
+def reference(q, k, v, causal: bool, scale_s: float | None = None):
+    """f32 attention of [B, N, H, D] arrays with jnp alone; with ``scale_s`` the probabilities ``exp(s − max)``
+    times ``scale_s`` rounded to e4m3 before P·V, their sum not."""
+    q, k, v = (a.astype(jnp.float32) for a in (q, k, v))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / q.shape[-1] ** 0.5
+    if causal:
+        n = q.shape[1]
+        s = jnp.where(jnp.arange(n)[:, None] >= jnp.arange(n)[None, :], s, -jnp.inf)
+    p = jnp.exp(s - s.max(-1, keepdims=True))
+    total = p.sum(-1, keepdims=True)
+    if scale_s is not None:
+        p, total = (p * scale_s).astype(E4M3).astype(jnp.float32), total * scale_s
+    return jnp.einsum("bhqk,bkhd->bqhd", p / total, v)
+
+
+def rel(a, b) -> float:
+    return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)) / jnp.max(jnp.abs(b)))
+
+
+def cudnn_fp8(causal: bool, scale_s: float):
+    """cuDNN's FP8 forward through jax's fused attention: e4m3 [B, N, H, D] in, e4m3 out (``scale_o`` 1)."""
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+
+    one = lambda x: jnp.full((1, 1, 1, 1), x, jnp.float32)  # noqa: E731
+    params = {k: one(1.0) for k in CUDNN_KEYS} | {"scale_s": one(scale_s), "descale_s": one(1 / scale_s)}
+    mask = MaskType.CAUSAL if causal else MaskType.NO_MASK
+
+    def f(q, k, v):
+        out, _, _ = dot_product_attention(
+            q, k, v, fp8_params=params, scale=q.shape[-1] ** -0.5, mask_type=mask, qkv_layout="BTNH", use_fp8=True
+        )
+        return out
+
+    return f
+
+
+def implementations(causal: bool, gpu: bool, scale_s: float, blocks: list, interpret: bool) -> dict:
+    """Each implementation as ``(layout, f)``: ``"bnhd"`` takes e4m3 [B, N, H, D]; ``"vt"`` the same with V
+    [B, H, D, N]; ``"bf16"`` the dequantised inputs in bf16."""
+    scales = dict(descale_q=1.0, descale_k=1.0, descale_v=1.0, scale_s=scale_s)
+    fp8 = dict(fp8_scales=scales, is_causal=causal, interpret=interpret or None)
+    impls = {"napkin fp8": ("bnhd", lambda q, k, v: nc.attention(q, k, v, **fp8))}
+    impls["napkin fp8 kernel"] = ("vt", lambda q, k, v: nc.attention.kernel_for(q, k, v, **fp8))  # built per shape
+    for g, s in blocks:
+        impls[f"napkin fp8 g{g} s{s}"] = ("vt", (g, s))
+    impls["napkin fp8 triton"] = ("bnhd", lambda q, k, v: nc.attention(q, k, v, backend="triton", **fp8))
+    if gpu:
+        impls["cudnn fp8"] = ("bnhd", cudnn_fp8(causal, scale_s))
+    impls["napkin bf16"] = ("bf16", lambda q, k, v: nc.attention(q, k, v, is_causal=causal, interpret=fp8["interpret"]))
+    if gpu:
+        impls["cudnn bf16"] = (
+            "bf16",
+            lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn"),
+        )
+    return impls
+
+
+def blocked(sig: Signature, g: int, s: int, interpret: bool):
+    """The FP8 kernel of ``sig`` at tile ``g`` and chunk ``s`` on Mosaic, called on (q, k, V [B, H, D, N])."""
+    steps = (tile(QUERIES, g), stream(KEYS, s), scale_probabilities(KEYS, sig.fp8.scale_s))
+    return lower(derive(sig.diagram(), *steps, verify=False), "mosaic", interpret=interpret)
+
+
+def measure(name, layout, f, arrays, causal, flops, sig, interpret) -> dict:
+    q8, k8, v8, vt8, bf = arrays
+    if layout == "vt" and isinstance(f, tuple):
+        f = blocked(sig, *f, interpret)
+    elif name == "napkin fp8 kernel":
+        f = f(q8, k8, v8).kernel  # the lowered kernel: q, k, V keys innermost
+    args = {"bnhd": (q8, k8, v8), "vt": (q8, k8, vt8), "bf16": bf}[layout]
+    fwd = jax.jit(f)
+    out = fwd(*args)
+    one = lambda a: a[:1, :, :2]  # noqa: E731
+    deq = [one(a).astype(jnp.float32) for a in (q8, k8, v8)]
+    got = one(out).astype(jnp.float32)
+    row = {"err": rel(got, reference(*deq, causal))}
+    if layout != "bf16":
+        row["err_p8"] = rel(got, reference(*deq, causal, sig.fp8.scale_s))
+    t = time_calls(fwd, *args, reps=10, batches=5, warmup=2)
+    row["fwd"] = {"ms": t.ms, "tflops": flops / t.seconds / 1e12, "method": t.method}
+    return row
+
+
+def run(n: int, causal: bool, sizes: tuple, o, gpu: bool) -> list[dict]:
+    b, h, d = sizes[0] // n if sizes[0] >= n else 1, sizes[1], sizes[2]
+    keys = jax.random.split(jax.random.key(n * 2 + causal), 3)
+    q8, k8, v8 = ((jax.random.normal(kk, (b, n, h, d))).astype(E4M3) for kk in keys)
+    vt8 = jnp.transpose(v8, (0, 2, 3, 1))
+    bf = tuple(a.astype(jnp.bfloat16) for a in (q8, k8, v8))
+    scales = dict(descale_q=1.0, descale_k=1.0, descale_v=1.0, scale_s=o.scale_s)
+    sig = Signature.of(q8, k8, v8, fp8_scales=scales, is_causal=causal, interpret=o.smoke or None)
+    flops = 4 * b * h * n * n * d / (2 if causal else 1)
+    rows = []
+    for name, (layout, f) in implementations(causal, gpu, o.scale_s, o.blocks, o.smoke).items():
+        row = {"N": n, "B": b, "causal": causal, "impl": name}
+        try:
+            start = time.perf_counter()
+            row |= measure(name, layout, f, (q8, k8, v8, vt8, bf), causal, flops, sig, o.smoke)
+            row["seconds"] = time.perf_counter() - start
+            if name == "napkin fp8":
+                made = nc.attention.kernel_for(q8, k8, v8, fp8_scales=scales, is_causal=causal, interpret=sig.interpret)
+                inner = made.kernel
+                row["kernel"] = {"backends": dict(inner.backends or {}), "refused": dict(inner.refused or {})}
+                row["kernel"]["blocks"] = [made.signature.tile, made.signature.stream]
+        except Exception as e:  # noqa: BLE001 - a refusal or a failed build is a result of the run
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        rows.append(row)
+        shown = row.get("error") or (
+            f"fwd {row['fwd']['tflops']:7.1f} TFLOP/s  err {row['err']:.1e}"
+            + (f"  err_p8 {row['err_p8']:.1e}" if "err_p8" in row else "")
+        )
+        print(f"N={n:5d} causal={int(causal)} {name:22s} {shown}", flush=True)
+    return rows
+
+
+def ratios(rows: list[dict]) -> None:
+    """Each napkin FP8 row's ratio to cuDNN FP8 and to napkin bf16; napkin bf16's to cuDNN bf16; cuDNN FP8's to its
+    bf16."""
+    ok = {(r["N"], r["causal"], r["impl"]): r["fwd"]["tflops"] for r in rows if "fwd" in r}
+    for r in rows:
+        at = (r["N"], r["causal"])
+        bases = {"cudnn fp8": "cudnn fp8", "napkin bf16": "napkin bf16"} if "fp8" in r["impl"] else {}
+        bases |= {"cudnn bf16": "cudnn bf16"} if r["impl"] in ("napkin bf16", "cudnn fp8") else {}
+        for label, base in bases.items():
+            if "fwd" in r and (*at, base) in ok and base != r["impl"]:
+                r.setdefault("vs", {})[label] = r["fwd"]["tflops"] / ok[(*at, base)]
+
+
+def plot(res: dict, path: Path) -> None:
+    """Forward TFLOP/s per configuration, one bar per implementation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = list(dict.fromkeys((r["N"], r["causal"]) for r in res["rows"]))
+    impls = list(dict.fromkeys(r["impl"] for r in res["rows"]))
+    fig, ax = plt.subplots(figsize=(11, 4))
+    width = 0.8 / max(len(impls), 1)
+    for j, impl in enumerate(impls):
+        got = {(r["N"], r["causal"]): r["fwd"]["tflops"] for r in res["rows"] if r["impl"] == impl and "fwd" in r}
+        xs = [i + j * width for i, c in enumerate(configs) if c in got]
+        ax.bar(xs, [got[c] for c in configs if c in got], width, label=impl)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(configs))])
+    ax.set_xticklabels([f"N={n}{' causal' if c else ''}" for n, c in configs])
+    ax.set_ylabel("forward TFLOP/s")
+    ax.legend(fontsize=7, ncol=2)
+    z = res["sizes"]
+    title = f"{res['device']['kind']}: FP8 (e4m3) and bf16 attention forward, B·N={z['BN']} H={z['H']} D={z['D']}"
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=HERE / "results")
+    p.add_argument("--n", default="2048,8192")
+    p.add_argument("--causal", default="0,1")
+    p.add_argument("--blocks", default="128x256,256x64", help="Mosaic FP8 (tile x chunk) beside the entry's")
+    p.add_argument("--scale-s", type=float, default=256.0, help="the probabilities' scale (cuDNN's scale_s)")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, interpret mode, cuDNN skipped")
+    o = p.parse_args(argv)
+    o.blocks = [tuple(int(x) for x in b.split("x")) for b in o.blocks.split(",") if b]
+    gpu = jax.default_backend() == "gpu"
+    if o.smoke:
+        o.n, o.blocks = "128", [(128, 64)]
+    sizes = (256, 2, 64) if o.smoke else (16384, 16, 128)  # B·N, H, D
+    dev = device_info()
+    res = {"device": dev, "sizes": dict(zip(("BN", "H", "D"), sizes, strict=True)), "scale_s": o.scale_s, "rows": []}
+    print(f"{dev['kind']}: FP8 e4m3 and bf16 forward, B·N={sizes[0]} H={sizes[1]} D={sizes[2]}", flush=True)
+    stem = f"fp8_{device_stem(dev['kind'])}{'_smoke' if o.smoke else ''}"
+    o.out.mkdir(parents=True, exist_ok=True)
+    for n in (int(x) for x in o.n.split(",")):
+        for causal in (bool(int(c)) for c in o.causal.split(",")):
+            res["rows"] += run(n, causal, sizes, o, gpu)
+            ratios(res["rows"])
+            (o.out / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    for r in res["rows"]:
+        if "vs" in r:
+            shown = "  ".join(f"{v:.2f}× {b}" for b, v in r["vs"].items())
+            print(f"N={r['N']:5d} causal={int(r['causal'])} {r['impl']:22s} {shown}")
+    plot(res, o.out / f"{stem}.png")
+    return res
+
+
+if __name__ == "__main__":
+    main()
