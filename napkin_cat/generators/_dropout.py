@@ -20,6 +20,7 @@ True
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import jax.numpy as jnp
@@ -87,13 +88,9 @@ def check_rate(rate, where: str = "attention") -> float:
 pass the probability of dropping a weight (0.1 drops one in ten; 0 turns dropout off)
     """
     fix = "pass the probability of dropping a weight (0.1 drops one in ten; 0 turns dropout off)"
-    try:
-        value = float(rate)
-    except (TypeError, ValueError):
-        value = None
-    if value is None or isinstance(rate, bool) or not 0.0 <= value < 1.0:
+    if not isinstance(rate, numbers.Real) or isinstance(rate, bool) or not 0.0 <= float(rate) < 1.0:
         raise EvaluationError(f"{where}: dropout_rate must be a Python number in [0, 1), got {rate!r}; {fix}")
-    return value
+    return float(rate)
 
 
 @dataclass(frozen=True)
