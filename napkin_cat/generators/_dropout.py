@@ -197,6 +197,8 @@ def dropout(p: Array, seed: Array, drop: Drop) -> Dropout:
     if missing:
         raise AxisError(f"{drop.__name__}: hashes axes {missing} that {p.describe()} lacks")
     if seed.dtype.name != "i32" or any(n not in p.names for n in seed.names):
-        raise AxisError(f"{drop.__name__}: the seed must be i32 over batch axes of {p.describe()}, got {seed.describe()}")
+        raise AxisError(
+            f"{drop.__name__}: the seed must be i32 over batch axes of {p.describe()}, got {seed.describe()}"
+        )
     check_rate(drop.rate, drop.__name__)
     return Dropout(drop.__name__, Ty(p, seed), Ty(p), data=(("drop", drop),))

@@ -295,6 +295,7 @@ class OnlineSoftmax(Accumulator):
         m, sm, o = prog.state("m", rows), prog.state("l", rows), prog.state("o", out.wire)
         mn, dl, p = prog.value("m_new", rows), prog.value("δ", rows), prog.value("P", s.wire)
         scale = self.box.params.get("scale")
+        dropped = ix(p) if len(ins) == 2 else f"dropout({ix(p)}, {ix(ins[2])})"  # ℓ sums the undropped weights
 
         def exp(a, b):  # exp(c·(a − b)) under the box's score scale c
             return f"exp({a} − {b})" if scale is None else f"exp({sympy.sstr(scale)}·({a} − {b}))"
@@ -307,7 +308,7 @@ class OnlineSoftmax(Accumulator):
             (f"{ix(dl)} = {exp(ix(m), ix(mn))}   # rescaling", [], [m]),
             (f"{ix(p)} = {exp(ix(s), ix(mn))}", [], [s]),
             (f"{ix(sm)} = {ix(dl)}·{ix(sm)} + Σ_{x} {ix(p)}", [], [sm]),
-            (f"{ix(o)} = {ix(dl)}·{ix(o)} + Σ_{x} {ix(p)}·{ix(v)}", [], [o, v]),
+            (f"{ix(o)} = {ix(dl)}·{ix(o)} + Σ_{x} {dropped}·{ix(v)}", [], [o, v]),
             (f"{ix(m)} = {ix(mn)}", [], [m]),
         ]
         return init, loop, [(f"{ix(out)} = {ix(o)} / {ix(sm)}", [out], [o, sm], False, True)]
