@@ -87,8 +87,7 @@ from napkin_cat.block_masks import BlockMask
 from napkin_cat.diagram import Array, Diagram
 from napkin_cat.dtypes import bf16, f16, f32
 from napkin_cat.errors import AxisError, EvaluationError
-from napkin_cat.generators import FLEX_INDICES, Captured, Drop, Rope, fname, index_names, positional
-from napkin_cat.generators._dropout import check_rate
+from napkin_cat.generators import FLEX_INDICES, Captured, Drop, Rope, check_rate, fname, index_names, positional
 from napkin_cat.hardware import Hardware, lookup
 from rewrites import Derivation, derive, stream, tile
 

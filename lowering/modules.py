@@ -36,7 +36,7 @@ from lowering._attention import attention
 from lowering._kv_cache import KVCache
 from lowering._plan import NotLowerable
 from napkin_cat.errors import AxisError, EvaluationError
-from napkin_cat.generators._dropout import check_rate
+from napkin_cat.generators import check_rate
 
 
 class SelfAttention(nnx.Module):

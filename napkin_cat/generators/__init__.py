@@ -38,7 +38,7 @@ from napkin_cat.generators._base import (
     fname,
 )
 from napkin_cat.generators._contraction import Contract, ContractionSum, contract
-from napkin_cat.generators._dropout import Drop, Dropout, dropout, keep_bits
+from napkin_cat.generators._dropout import Drop, Dropout, check_rate, dropout, keep_bits
 from napkin_cat.generators._elementwise import (
     ELEMENTWISE,
     Cast,
@@ -133,6 +133,7 @@ __all__ = [
     "broadcast",
     "cast",
     "causal_mask",
+    "check_rate",
     "index_names",
     "keep_bits",
     "contract",
