@@ -129,7 +129,7 @@ class Drop:
         """``p ⊙ M / (1 − rate)`` on a block ``p`` laid out as ``wire``, at the block offsets of ``ctx``, the seed's
         block laid out as ``seed_wire``."""
         idx = ctx.indices(wire, xp.shape(p))
-        seed = align(xp, seed, seed_wire, wire)
+        seed = align(xp, seed, seed_wire, wire) if seed_wire.axes else seed  # a kernel's seed: one scalar
         # a batch axis neither on the block nor in the context's grid (a box probed alone, outside any kernel, for
         # the padding its inputs take) reads index 0; a kernel's context has every grid axis
         kept = self.keep(seed, {n: idx.get(n, 0) for n in self.names})
