@@ -88,7 +88,7 @@ from napkin_cat.block_masks import BlockMask
 from napkin_cat.diagram import Array, Diagram
 from napkin_cat.dtypes import bf16, f16, f32, fp8_e4m3
 from napkin_cat.errors import AxisError, EvaluationError
-from napkin_cat.generators import FLEX_INDICES, Captured, Rope, fname, index_names, positional
+from napkin_cat.generators import FLEX_INDICES, Captured, Drop, Rope, check_rate, fname, index_names, positional
 from napkin_cat.hardware import Hardware, lookup
 from rewrites import Derivation, derive, stream, tile
 
@@ -225,6 +225,8 @@ class Signature:
     rope_positions: bool = False
     fp8: Fp8Scales | None = None
     out_dtype: str | None = None
+    dropout: float = 0.0
+    broadcast_dropout: bool = False
 
     @property
     def value_dim(self) -> bool:
@@ -253,10 +255,13 @@ class Signature:
         rope: Rope | None = None,
         fp8_scales=None,
         out_dtype=None,
+        dropout_rate: float = 0.0,
+        broadcast_dropout: bool = False,
     ) -> Signature:
         """The signature of a call (the arguments of :data:`attention`, ``[batch, seq, heads, dim]`` arrays and
         the rest as :func:`batched` gives them), checked before anything is built."""
         fp8, out_dtype = check_fp8(query, key, value, fp8_scales, out_dtype)
+        rate = check_rate(dropout_rate)
         group, dim, value_dim, biased, masked = _checked(query, key, value, bias, mask, segment_ids, backend, fp8)
         window = _window(local_window_size)
         backend = _roped(rope, dim, backend)
@@ -294,6 +299,8 @@ class Signature:
             rope is not None and rope.positions is not None,
             fp8,
             out_dtype,
+            rate,
+            bool(broadcast_dropout) and rate > 0,
         )
         return _fitted(made)
 
@@ -362,10 +369,19 @@ class Signature:
             rope=self.rope,
             rope_batch=(b,) if self.rope_positions else None,
             captured=captured,
+            dropout=self._dropout(b, heads) if self.dropout > 0 else None,
             **{k: f for k, f in mods.items() if f is not None},
             **labels,
             **kw,
         )
+
+    def _dropout(self, b, heads: tuple) -> tuple:
+        """The diagram's dropout: the keep mask hashed over (batch, query head, query, key), or over (query, key)
+        alone under ``broadcast_dropout`` (one mask for every batch row and head, as Flax broadcasts it), and its
+        seed's axes (one seed per batch row: the same value, :func:`dropout_seed`)."""
+        names = () if self.broadcast_dropout else tuple(a.name for a in heads)
+        drop = Drop(self.dropout, QUERIES, KEYS, None if self.broadcast_dropout else "b", names, self.group)
+        return drop, (b,)
 
     def _indexed(self, fn: Callable | None, score: bool) -> Callable | None:
         if fn is not None:  # FlexAttention's convention: four indices after the score, read by position
@@ -466,6 +482,34 @@ def _captured_inputs(fns, query, key, group: int) -> list:
                 a = a.reshape(*a.shape[:at], a.shape[at] // group, group, *a.shape[at + 1 :])
             out.append(a)
     return out
+
+
+def dropout_seed(key, rate: float, batch: int):
+    """The kernel's dropout seed from a JAX PRNG key: 32 random bits, one int32 per batch row (all equal: the batch
+    index is hashed with it), or None where ``rate`` is 0 (no dropout, whatever the key). A positive rate without a
+    key, or a key that is none, is refused by name.
+
+    >>> dropout_seed(jax.random.key(0), 0.1, 2).shape, dropout_seed(None, 0.0, 2)
+    ((2,), None)
+    >>> dropout_seed(None, 0.1, 2)
+    Traceback (most recent call last):
+    ...
+    napkin_cat.errors.EvaluationError: attention: dropout_rate=0.1 needs dropout_key, a JAX PRNG key \
+(jax.random.key(seed)), whose bits seed the keep mask; pass one, or dropout_rate=0 to turn dropout off
+    """
+    if rate == 0:
+        return None
+    fix = "a JAX PRNG key (jax.random.key(seed)), whose bits seed the keep mask"
+    if key is None:
+        raise EvaluationError(f"attention: dropout_rate={rate:g} needs dropout_key, {fix}; pass one, or dropout_rate=0 "
+                              "to turn dropout off")
+    typed = hasattr(key, "dtype") and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    raw = hasattr(key, "dtype") and key.dtype == jnp.uint32 and key.shape == (2,)
+    if not (typed and key.shape == ()) and not raw:
+        what = f"{getattr(key, 'dtype', type(key).__name__)} {tuple(getattr(key, 'shape', ()))}"
+        raise EvaluationError(f"attention: dropout_key must be {fix} (one key, not a batch of them), got {what}")
+    bits = jax.lax.bitcast_convert_type(jax.random.bits(key, (), jnp.uint32), jnp.int32)
+    return jnp.broadcast_to(bits, (batch,))
 
 
 def _window(size) -> tuple[int, int] | None:
@@ -855,12 +899,14 @@ class AttentionKernel:
         ('symbolic',)
         """
         batch = batched(query, key, value, bias, mask, segment_ids)
-        return self.kernel.forward.sparsity(*self._arrays(*batch, positions, ()))
+        seed = jnp.zeros(batch[0].shape[:1], jnp.int32)  # the dropout's seed (where it has one) hides no block
+        return self.kernel.forward.sparsity(*self._arrays(*batch, positions, (), seed))
 
-    def _arrays(self, query, key, value, bias, mask, segment_ids, positions, captured) -> tuple:
+    def _arrays(self, query, key, value, bias, mask, segment_ids, positions, captured, seed=None) -> tuple:
         """The kernel's inputs, in the diagram's order, from arrays as :func:`batched` gives them: the queries
         ``[b, seq, h_kv, g, d]`` under grouped-query attention (a reshape of the caller's ``[b, seq, h, d]``), k,
-        v, the bias, the converted functions' inputs, the mask, the segment ids, RoPE's positions."""
+        v, the bias, the converted functions' inputs, the mask, the segment ids, the dropout's seed, RoPE's
+        positions."""
         kv_heads, group = key.shape[2], self.signature.group
         qs = query.reshape(*query.shape[:2], kv_heads, group, query.shape[3]) if group > 1 else query
         pairs = ((bias, self.signature.bias), (mask, self.signature.mask))
@@ -870,6 +916,13 @@ class AttentionKernel:
             extra += [a.astype(jnp.int32) for a in segment_ids]
         if self.signature.fp8 is not None:  # V keys innermost, [b, h_kv, dv, kv]: FP8 wgmma reads it K-major
             value = jnp.transpose(value, (0, 2, 3, 1))
+        if self.signature.dropout > 0:
+            if seed is None:
+                raise EvaluationError(
+                    f"attention kernel with dropout {self.signature.dropout:g}: called without its seed; pass "
+                    "seed=dropout_seed(key, rate, batch)"
+                )
+            extra.append(seed)
         return (qs, key, value, *extra, *(positions or ()))
 
     def __call__(
@@ -884,6 +937,7 @@ class AttentionKernel:
         positions: tuple | None = None,
         return_residual: bool = False,
         captured=(),
+        seed=None,
     ):
         shape = (*query.shape[:-1], value.shape[-1])
         query, key, value, bias, mask, segment_ids = batched(query, key, value, bias, mask, segment_ids)
@@ -900,7 +954,7 @@ class AttentionKernel:
         if mine != theirs:
             fields = "(dtype, group, head dims, bias axes, bias dtype, mask axes, segment ids)"
             raise EvaluationError(f"attention kernel for {fields} = {mine}, called with {theirs}")
-        arrays = self._arrays(query, key, value, bias, mask, segment_ids, positions, captured)
+        arrays = self._arrays(query, key, value, bias, mask, segment_ids, positions, captured, seed)
         if not return_residual:
             return self.kernel(*arrays).reshape(shape)
         out, lse = _with_residual(self.kernel, arrays)
@@ -1034,6 +1088,9 @@ class Attention:
         rope: Rope | None = None,
         fp8_scales=None,
         out_dtype=None,
+        dropout_rate: float = 0.0,
+        dropout_key=None,
+        broadcast_dropout: bool = False,
     ):
         """``softmax(score_mod(scale · q kᵀ + bias) masked) v`` on ``[..., seq, heads, dim]`` arrays, by a cached
         kernel; every mask applies after ``score_mod`` (the module's docstring).
@@ -1076,6 +1133,12 @@ class Attention:
         napkin_cat.errors.EvaluationError: attention: q, k, v are float8_e4m3fn but fp8_scales is missing; pass \
 fp8_scales=dict(descale_q=..., descale_k=..., descale_v=..., scale_s=...) (1.0 each for unscaled inputs)
 
+        **Dropout** (``dropout_rate`` ``p`` in ``[0, 1)``, ``dropout_key`` a JAX PRNG key; Flax's
+        ``broadcast_dropout`` shares one mask across batch rows and heads): ``O = (softmax(S) ⊙ M / (1 − p)) · V``, the
+        keep mask ``M`` hashed inside the kernels from the key's bits and each weight's (batch, query head, query,
+        key) indices (:mod:`napkin_cat.generators._dropout`), regenerated by the backward, never stored; ``p = 0`` is
+        the kernel without dropout. The rate is part of the kernel; a new key reuses it.
+
         >>> import jax
         >>> q, k, v = (jax.random.normal(jax.random.key(i), (2, 3, 20, 4, 16)) for i in range(3))
         >>> keep = jax.random.bernoulli(jax.random.key(3), 0.8, (3, 1, 1, 20))  # key padding, per batch row
@@ -1095,6 +1158,7 @@ fp8_scales=dict(descale_q=..., descale_k=..., descale_v=..., scale_s=...) (1.0 e
         ``return_residual`` calls the forward with residuals unsharded.
         """
         backend = _implementation(implementation, backend)
+        rate = check_rate(dropout_rate)
         value_dim = value.shape[-1]
         if isinstance(rope, Rope) and not rope.fused:  # rotated once, by XLA, before the kernel (Rope's ``fused``)
             _roped(rope, query.shape[-1], "auto")
@@ -1113,6 +1177,7 @@ fp8_scales=dict(descale_q=..., descale_k=..., descale_v=..., scale_s=...) (1.0 e
             # no keys: each row's sum is empty
             out = jnp.zeros((*query.shape[:-1], value_dim), query.dtype if fp8 is None else out_dtype)
             return (out, jnp.full(query.shape[:-1], -jnp.inf, key.dtype)) if return_residual else out
+        seed = dropout_seed(dropout_key, rate, args[0].shape[0])
         score_mod, mask_mod = converted(score_mod, True), converted(mask_mod, False)
         made = self._kernel(
             *args,
@@ -1129,6 +1194,8 @@ fp8_scales=dict(descale_q=..., descale_k=..., descale_v=..., scale_s=...) (1.0 e
             rope=rope,
             fp8_scales=fp8_scales,
             out_dtype=out_dtype,
+            dropout_rate=rate,
+            broadcast_dropout=broadcast_dropout,
         )
         fns = [f for f in (score_mod, mask_mod) if isinstance(f, Captured)]
         inputs = _captured_inputs(fns, args[0], args[1], made.signature.group)
@@ -1142,6 +1209,7 @@ fp8_scales=dict(descale_q=..., descale_k=..., descale_v=..., scale_s=...) (1.0 e
             positions=positions,
             return_residual=return_residual,
             captured=inputs,
+            seed=seed,
         )
         out = (out[0][..., :value_dim], out[1]) if return_residual else out[..., :value_dim]
         if not return_residual or query_seq_lengths is None:

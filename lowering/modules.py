@@ -36,6 +36,7 @@ from lowering._attention import attention
 from lowering._kv_cache import KVCache
 from lowering._plan import NotLowerable
 from napkin_cat.errors import AxisError, EvaluationError
+from napkin_cat.generators import check_rate
 
 
 class SelfAttention(nnx.Module):
@@ -207,9 +208,10 @@ def flax_attention(
 
     Flax's masks are float (``nnx.make_causal_mask`` gives 1.0 where a score is kept): any mask is read as
     ``mask != 0``. ``dtype`` casts q, k and v first, as Flax computes in it; ``precision`` is the kernel's own
-    (f32 accumulation). What the kernel does not do is refused, never ignored: dropout (``dropout_rate > 0``
-    while not ``deterministic``) and ``module=`` (Flax's ``sow_weights``: the kernel never forms the
-    attention weights).
+    (f32 accumulation). Dropout (``dropout_rate > 0`` while not ``deterministic``) runs inside the kernel, its mask
+    hashed from ``dropout_rng`` (the entry's ``dropout_key``); under ``broadcast_dropout`` (Flax's default) one mask
+    serves every batch row and head, as Flax broadcasts it. ``module=`` (Flax's ``sow_weights``) is refused: the
+    kernel never forms the attention weights.
 
     >>> import jax, jax.numpy as jnp
     >>> q, k, v = (jax.random.normal(jax.random.key(i), (1, 8, 2, 16)) for i in range(3))
@@ -217,16 +219,22 @@ def flax_attention(
     >>> out = flax_attention(q, k, v, mask=mask)
     >>> bool(jnp.allclose(out, jax.nn.dot_product_attention(q, k, v, is_causal=True), atol=1e-5))
     True
-    >>> flax_attention(q, k, v, dropout_rate=0.1, dropout_rng=jax.random.key(0))
+    >>> dropped = flax_attention(q, k, v, mask=mask, dropout_rate=0.1, dropout_rng=jax.random.key(0))
+    >>> same = flax_attention(q, k, v, mask=mask, dropout_rate=0.1, deterministic=True)  # no dropout
+    >>> dropped.shape, bool(jnp.allclose(same, out, atol=1e-6)), bool(jnp.allclose(dropped, out, atol=1e-3))
+    ((1, 8, 2, 16), True, False)
+    >>> flax_attention(q, k, v, dropout_rate=0.1)
     Traceback (most recent call last):
     ...
-    lowering._plan.NotLowerable: flax_attention: dropout_rate=0.1 while deterministic=False: the kernel has \
-no dropout; pass deterministic=True (inference) or build the layer with dropout_rate=0.0
+    napkin_cat.errors.EvaluationError: flax_attention: dropout_rate=0.1 while deterministic=False needs \
+dropout_rng, a JAX PRNG key; pass one (nnx.MultiHeadAttention takes rngs=nnx.Rngs(dropout=...)), or \
+deterministic=True
     """
-    if dropout_rate > 0.0 and not deterministic:
-        raise NotLowerable(
-            f"flax_attention: dropout_rate={dropout_rate} while deterministic=False: the kernel has no dropout; "
-            "pass deterministic=True (inference) or build the layer with dropout_rate=0.0"
+    rate = check_rate(dropout_rate, "flax_attention") if not deterministic else 0.0
+    if rate > 0 and dropout_rng is None:
+        raise EvaluationError(
+            f"flax_attention: dropout_rate={dropout_rate} while deterministic=False needs dropout_rng, a JAX PRNG key; "
+            "pass one (nnx.MultiHeadAttention takes rngs=nnx.Rngs(dropout=...)), or deterministic=True"
         )
     if module is not None:
         raise NotLowerable(
@@ -237,4 +245,5 @@ no dropout; pass deterministic=True (inference) or build the layer with dropout_
         query, key, value = (a.astype(dtype) for a in (query, key, value))
     if mask is not None and mask.dtype != jnp.bool_:
         mask = mask != 0
-    return attention(query, key, value, bias, mask, is_causal=is_causal, **options)
+    dropout = dict(dropout_rate=rate, dropout_key=dropout_rng, broadcast_dropout=broadcast_dropout) if rate else {}
+    return attention(query, key, value, bias, mask, is_causal=is_causal, **dropout, **options)

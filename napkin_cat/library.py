@@ -355,6 +355,15 @@ class _Attention:
         turn = g.rotary(Q, self.q, d, positions=P, **kw) @ g.rotary(K, self.x, d, positions=Px, **kw)
         return route >> (turn @ identity(rest))
 
+    def dropped(self, scores: Diagram, drop: g.Drop, seed_batch: tuple[Axis, ...]) -> Diagram:
+        """``scores ⊗ seed → O``: the softmax, then the dropout ``drop`` reading the int32 ``seed[*seed_batch]`` (the
+        last input), then the contraction with the values (``P ⊗ seed ⊗ V``: the order the softmax·contract lemma
+        fuses, :func:`rewrites.fuse_softmax_contract`)."""
+        seed = Array(*seed_batch, dtype="i32")
+        P = self.S.with_(dtype=f32)
+        soft = scores @ identity(seed) >> (g.softmax(self.S, self.x) @ swap(Ty(self.V), Ty(seed)))
+        return soft >> (g.dropout(P, seed, drop) @ identity(self.V)) >> self.out()
+
     def out(self, weights: Array | None = None) -> Diagram:
         """``P ⊗ V → O``: the contraction of the weights with the values over the keys."""
         b, q, x, e = self.batch, self.q, self.x, self.e
@@ -547,6 +556,7 @@ def dot_product_attention(
     rope: g.Rope | None = None,
     rope_batch: tuple[Axis, ...] | None = None,
     captured: tuple = (),
+    dropout: tuple | None = None,
     **kw,
 ) -> Diagram:
     """``jax.nn.dot_product_attention``'s array arguments as inputs: ``Q ⊗ K ⊗ V`` then, each present when
@@ -564,7 +574,9 @@ def dot_product_attention(
     ``score_mod(scale·Q·Kᵀ + B)``, then masked by the keyword masks, the window, ``M`` and the ids (the rule
     of the module's docstring). ``rope`` (a :class:`~napkin_cat.generators.Rope`) rotates Q and K first, at the
     sequence index, or at positions ``P_q[*rope_batch, q] ⊗ P_x[*rope_batch, x]`` (i32, the last inputs) where
-    ``rope_batch`` is given (packed sequences).
+    ``rope_batch`` is given (packed sequences). ``dropout = (drop, seed_batch)`` (a
+    :class:`~napkin_cat.generators.Drop` and the axes of an int32 seed input, after the ids and before the positions)
+    drops the probabilities between the softmax and the contraction with ``V``.
 
     >>> from napkin_cat import axes
     >>> b, h, q, x, d = axes("b h q x d")
@@ -596,7 +608,7 @@ def dot_product_attention(
         pair = (g.elementwise(fn, a.S, *wires, out=a.S), tuple(wires))
         modifier, masks = (pair, masks) if fn.score else (modifier, [pair, *masks])
     scores = a.scores(bias=B, masks=tuple(masks), modifier=modifier, **_mods(kw))
-    out = scores >> (g.softmax(a.S, x) @ identity(a.V)) >> a.out()
+    out = scores >> (g.softmax(a.S, x) @ identity(a.V)) >> a.out() if dropout is None else a.dropped(scores, *dropout)
     return out if rope is None else a.rotated(rope, rope_batch, Ty(*out.dom.inside[2:])) >> out
 
 

@@ -100,7 +100,7 @@ def lse_residual(t: Tape) -> list[Residual]:
     for box, ins, outs in steps:
         ins = tuple(kept.get(i, i) for i in ins)
         if isinstance(box, g.Generator) and box.with_residual() is not None:
-            (s, v), axis = ins, box.params["axis"]
+            (s, v, *_), axis = ins, box.params["axis"]  # a dropout's seed, where the box has one, comes third
             r = made.get((s, v, axis))
             if r is None:  # the forward's box (the first on the tape); its backward's recomputation reads it too
                 r = Residual(t.input(_rows(t.ty(s), axis), "lse"), t.input(t.ty(outs[0]), "o"), s, v, axis)
@@ -126,7 +126,8 @@ def delta_lemma(t: Tape, residuals: list[Residual]) -> list[str]:
     backward can compute each once per query row (``lowering._backward``) instead of per key block.
 
     rewrite: Σ_x (P ⊙ c·Vᵀ)  →  Σ_d (c ⊙ O).   Sound because Σ_x P_x (Σ_d c_d V_xd) = Σ_d c_d (Σ_x P_x V_xd)
-    and O = P·V.
+    and O = P·V. Under dropout (``O = (P ⊙ Z)·V``, ``Z`` the mask over ``1 − rate``) ``dP = (c·Vᵀ) ⊙ Z``, and the
+    same sum is ``Σ_d c ⊙ O``: the rewrite looks through the dropout.
 
     >>> import napkin_cat as nc
     >>> from rewrites import fuse_softmax_contract
@@ -149,6 +150,10 @@ def delta_lemma(t: Tape, residuals: list[Residual]) -> list[str]:
         product, (P, dP) = made[ins[0]][0], (*made[ins[0]][1], None, None)[:2]
         r = probabilities.get(P)
         transpose = made.get(dP, (None, ()))
+        if isinstance(transpose[0], g.Dropout):
+            # dP = (c·Vᵀ) ⊙ Z, the forward's dropout: Σ_x P ⊙ Z ⊙ (c·Vᵀ) = Σ_d c ⊙ ((P ⊙ Z)·V) = Σ_d c ⊙ O, O
+            # being the dropped output, so Δ is the same row sum of dO ⊙ O
+            transpose = made.get(transpose[1][0], (None, ()))
         if (
             r is None
             or box.params["axis"] != r.axis

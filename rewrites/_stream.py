@@ -33,10 +33,20 @@ from dataclasses import dataclass
 import sympy
 
 from napkin_cat.axes import Axis
-from napkin_cat.diagram import Copy, Diagram, Swap
+from napkin_cat.diagram import Copy, Diagram, Swap, Ty
 from napkin_cat.diagram import id as identity
 from napkin_cat.diagram import swap as swap_wires
-from napkin_cat.generators import Contract, Elementwise, Generator, Reshape, Softmax, SoftmaxContract, cast, elementwise
+from napkin_cat.generators import (
+    Contract,
+    Dropout,
+    Elementwise,
+    Generator,
+    Reshape,
+    Softmax,
+    SoftmaxContract,
+    cast,
+    elementwise,
+)
 from rewrites._rule import RewriteError, Rule, axis_names, is_open, partition_size, relabel_axis
 
 
@@ -62,11 +72,12 @@ class _Path:
     layer: int | None
     port: int
     scales: tuple[int, ...]
+    dropout: int | None = None  # the layer of a dropout the probabilities pass through (port 0)
 
 
 def _follow(d: Diagram, i: int, pos: int) -> _Path:
     """Follow the wire at ``pos`` after layer ``i`` forward through swaps and constant scales."""
-    scales = []
+    scales, dropout = [], None
     for j in range(i + 1, len(d.inside)):
         left, box, _ = d.inside[j]
         n = len(left)
@@ -81,9 +92,11 @@ def _follow(d: Diagram, i: int, pos: int) -> _Path:
             pos = n + (len(box.right) + port if port < k else port - k)
         elif _linear_factor(box) is not None:
             scales.append(j)
+        elif isinstance(box, Dropout) and port == 0 and dropout is None:
+            dropout = j  # linear in the probabilities, one factor per element: it commutes with a row's rescaling
         else:
-            return _Path(j, port, tuple(scales))
-    return _Path(None, pos, tuple(scales))
+            return _Path(j, port, tuple(scales), dropout)
+    return _Path(None, pos, tuple(scales), dropout)
 
 
 def _fusable(d: Diagram, i: int, axis: str) -> _Path | None:
@@ -92,9 +105,14 @@ def _fusable(d: Diagram, i: int, axis: str) -> _Path | None:
     path = _follow(d, i, len(left))
     if path.layer is None:
         return None
-    consumer = d.inside[path.layer][1]
+    left2, consumer, _ = d.inside[path.layer]
     if not (isinstance(consumer, Contract) and axis in consumer.reduced and len(consumer.dom) == 2):
         return None
+    if path.dropout is not None:  # dropout right before the contraction, its seed beside the values: P ⊗ seed ⊗ V
+        left_d, drop, right_d = d.inside[path.dropout]
+        adjacent = path.layer == path.dropout + 1 and path.port == 0 and len(left_d) == len(left2)
+        if not (adjacent and len(right_d) and right_d.inside[0] == consumer.dom.inside[1]):
+            return None
     return path if consumer.dom.inside[1 - path.port].has(axis) else None
 
 
@@ -123,14 +141,27 @@ def _fuse_one(d: Diagram, i: int, path: _Path, axis: str) -> Diagram:
     name = f"softmax·contract {axis}"
     # The scores keep the softmax's place; the constant factor moves past the contraction, which is linear.
     unscaled = out if factor == 1 else out.with_(dtype=p.dtype)
-    fused: Diagram = SoftmaxContract(name, p @ v, unscaled, data=(("axis", axis),))
+    replaced = {}
+    if path.dropout is None:
+        fused: Diagram = SoftmaxContract(name, p @ v, unscaled, data=(("axis", axis),))
+    else:  # P ⊗ seed ⊗ V → O, one box where the dropout met the contraction; nothing left at the contraction
+        drop, seed = d.inside[path.dropout][1], d.inside[path.dropout][1].dom.inside[1]
+        data, name = (("axis", axis), ("dropout", drop.drop)), f"softmax·{drop.drop.__name__}·contract {axis}"
+        fused = identity(p) @ swap_wires(seed, v) >> SoftmaxContract(name, p @ v @ seed, unscaled, data=data)
     if factor != 1:
         fused = fused >> elementwise("multiply", fused.cod.inside[0], const=factor, out=out)
     if path.port == 1:
         fused = swap_wires(v, p) >> fused
-    replaced = {i: cast(s_in, p.dtype) if s_in != p else identity(p), path.layer: fused}
+    if path.dropout is None:
+        replaced[path.layer] = fused
+    else:
+        replaced |= {path.dropout: fused, path.layer: identity(fused.cod)}
+    replaced[i] = cast(s_in, p.dtype) if s_in != p else identity(p)
     replaced |= {j: identity(d.inside[j][1].dom) for j in path.scales}
-    parts = [identity(left) @ replaced.get(j, box) @ identity(right) for j, (left, box, right) in enumerate(d.inside)]
+    parts = [
+        identity(left) @ replaced.get(j, box) @ identity(right if j != path.dropout else Ty(*right.inside[1:]))
+        for j, (left, box, right) in enumerate(d.inside)
+    ]
     return identity(d.dom).then(*parts)
 
 
@@ -143,8 +174,12 @@ def fuse_softmax_contract(d: Diagram, axis: str) -> Diagram:
     Side conditions: the softmax's output is read by nothing but swaps, pointwise maps ``v ↦ c·v``
     (``scale``, ``neg``, division by a constant) and finally a two-operand contraction removing
     ``axis`` whose other operand has ``axis``. The contraction is linear in the softmax, so the
-    constants move past it (the contraction's own scale joins them). Any other softmax over ``axis``
-    is left as it is (:func:`streamability` then refuses it by name).
+    constants move past it (the contraction's own scale joins them). One :class:`~napkin_cat.generators.Dropout`
+    may come right before the contraction, its seed between the probabilities and the values (``P ⊗ seed ⊗ V``):
+    it multiplies each probability by a factor of its own, so it commutes with the online softmax's rescaling of a
+    row by one factor, and moves into the fused box (``softmax·dropout·contract``), which drops the normalised
+    probabilities, not the normaliser. Any other softmax over ``axis`` is left as it is (:func:`streamability` then
+    refuses it by name).
 
     >>> import napkin_cat as nc
     >>> q, x, d = nc.axes("q x d")

@@ -14,7 +14,7 @@ A generator declares
   ``unscaled()`` — what a backend needs to lower it.
 
 One module per concept: contraction, elementwise maps and casts, index maps and masks, reductions,
-the softmax family, rotary position embeddings, structure (reshapes, moves).
+the softmax family, attention dropout, rotary position embeddings, structure (reshapes, moves).
 
 >>> from napkin_cat import axes, Array
 >>> q, x, d = axes("q x d")
@@ -38,6 +38,7 @@ from napkin_cat.generators._base import (
     fname,
 )
 from napkin_cat.generators._contraction import Contract, ContractionSum, contract
+from napkin_cat.generators._dropout import Drop, Dropout, check_rate, dropout, keep_bits
 from napkin_cat.generators._elementwise import (
     ELEMENTWISE,
     Cast,
@@ -100,6 +101,8 @@ __all__ = [
     "Causal",
     "Context",
     "Contract",
+    "Drop",
+    "Dropout",
     "ContractionSum",
     "Elementwise",
     "Generator",
@@ -130,10 +133,13 @@ __all__ = [
     "broadcast",
     "cast",
     "causal_mask",
+    "check_rate",
     "index_names",
+    "keep_bits",
     "contract",
     "contraction_size",
     "divide",
+    "dropout",
     "einsum_spec",
     "elementwise",
     "exp",

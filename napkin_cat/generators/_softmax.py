@@ -16,6 +16,9 @@ from napkin_cat.diagram import Array, Template, Ty
 from napkin_cat.dtypes import f32
 from napkin_cat.errors import AxisError
 from napkin_cat.generators._base import Accumulator, Generator, align, contraction_size, einsum_spec
+from napkin_cat.generators._dropout import FLOPS as DROPOUT_FLOPS
+from napkin_cat.generators._dropout import Dropout
+from napkin_cat.generators._dropout import dropout as dropout_box
 from napkin_cat.generators._elementwise import Partial
 from napkin_cat.generators._reduce import reduce_sum
 
@@ -111,7 +114,9 @@ class SoftmaxContract(Generator):
     positive ``c``, it reads unscaled scores and takes ``softmax₂(c·s)``: the running max is of ``s``, and
     each score costs one fused multiply-add ``s·c − m·c`` (FlashAttention-3's form) where scaling it first
     costs a multiply of its own. Streamable along ``axis`` with the online-softmax accumulator (running
-    max, sum and rescaling).
+    max, sum and rescaling). With ``("dropout", drop)`` (a :class:`~napkin_cat.generators.Drop`) it reads a
+    third input, the seed, and drops the normalised probabilities before they meet ``v``:
+    ``O = (softmax(s) ⊙ M / (1 − rate)) · v`` (:mod:`napkin_cat.generators._dropout`).
 
     >>> from napkin_cat import axes
     >>> q, x, d = axes("q x d")
@@ -127,16 +132,22 @@ class SoftmaxContract(Generator):
         """Whether the scores are in base 2."""
         return self.params.get("base") == 2
 
+    def dropped(self, xp, p, ins: list, ctx):
+        """The probabilities ``p`` (a block of the scores' wire) after the box's dropout, where it has one (the
+        seed is its third input); ``p`` itself otherwise."""
+        drop = self.params.get("dropout")
+        return p if drop is None else drop.apply(xp, p, ins[2], ctx, self.dom.inside[0], self.dom.inside[2])
+
     def evaluate(self, ins, ctx):
         if self.params.get("probs") is not None:  # P quantised as the kernels round it: the online form, one chunk
             acc = OnlineSoftmax(self, self.params["axis"])
             return acc.finalize(acc.partial(ins, ctx), ctx)
-        (s, v), xp = ins, ctx.xp
+        (s, v, *_), xp = ins, ctx.xp
         s = xp.f32(s)
         if self.base2:
             s = s * ctx.number(self.params.get("scale", 1) * sympy.log(2))
         i = self.dom.inside[0].names.index(self.params["axis"])
-        p = xp.like(safe_softmax(xp, s, i), v)
+        p = xp.like(self.dropped(xp, safe_softmax(xp, s, i), ins, ctx), v)
         dom = Ty(self.dom.inside[0].with_(dtype=f32), self.dom.inside[1])
         out = [xp.cast(xp.einsum(einsum_spec(dom, self.out), p, v), self.out.dtype)]
         if len(self.cod) == 2:  # with the log-sum-exp residual; +inf on fully masked rows
@@ -146,14 +157,15 @@ class SoftmaxContract(Generator):
         return out
 
     def flops(self):
-        s, v = self.dom.inside
-        return 4 * s.size + 2 * contraction_size(s, v, self.out)
+        s, v = self.dom.inside[:2]
+        dropout = DROPOUT_FLOPS * s.size if "dropout" in self.params else 0
+        return 4 * s.size + 2 * contraction_size(s, v, self.out) + dropout
 
     def transcendentals(self):
         return self.dom.inside[0].size
 
     def tensor_flops(self):
-        return 2 * contraction_size(*self.dom.inside, *self.cod.inside)
+        return 2 * contraction_size(*self.dom.inside[:2], *self.cod.inside)
 
     def accumulator(self, axis):
         return OnlineSoftmax(self, axis) if axis == self.params["axis"] else None
@@ -191,21 +203,35 @@ class SoftmaxContract(Generator):
         return type(self)(self.name, self.dom, Ty(self.out, _row_stat(self)), data=self.data)
 
     def lines(self, prog, ins, outs):
-        (s, v), a = ins, self.params["axis"]
-        return [(f"{prog.ix(outs[0])} = Σ_{a} softmax_{a}({prog.ix(s)})·{prog.ix(v)}", outs, ins)]
+        (s, v, *seed), a = ins, self.params["axis"]
+        p = f"softmax_{a}({prog.ix(s)})"
+        if seed:
+            p = f"dropout({p}, {prog.ix(seed[0])})"
+        return [(f"{prog.ix(outs[0])} = Σ_{a} {p}·{prog.ix(v)}", outs, ins)]
 
     def backward(self, t, ins, outs, cts):
-        (s, v), axis = ins, self.params["axis"]
+        (s, v, *seed), axis = ins, self.params["axis"]
         ct, dlse = (*cts, None)[:2]
         c = self.params.get("scale", 1) * sympy.log(2)
         if self.base2:
             s = t.ew("multiply", s, const=c)
         P = t(softmax(t.ty(s), axis), s)
+        drop = self.params.get("dropout")
+
+        def dropped(w):  # the forward's mask on a [scores]-shaped wire (the dropout's derivative is itself)
+            W = t.ty(w)
+            return t(Dropout(drop.__name__, Ty(W, t.ty(seed[0])), Ty(W), data=(("drop", drop),)), w, seed[0])
+
         dP = dv = None
         if ct is not None:
-            dP, dv = t.transpose([P, v], 0, ct), t.transpose([P, v], 1, ct)
+            # O = (P ⊙ Z)·V with Z = M/(1 − rate): dV = (P ⊙ Z)ᵀ·dO, dP = (dO·Vᵀ) ⊙ Z. The softmax's backward is
+            # unchanged, dS = P ⊙ (dP − Σ_x P ⊙ dP), and Σ_x P ⊙ dP = Σ_x (P ⊙ Z) ⊙ (dO·Vᵀ) = Σ_d dO ⊙ O still,
+            # O being the dropped output: the Δ identity holds (rewrites.delta_lemma looks through the dropout).
+            Pd = P if drop is None else dropped(P)
+            dP, dv = t.transpose([Pd, v], 0, ct), t.transpose([Pd, v], 1, ct)
+            dP = dP if drop is None else dropped(dP)
         ds = softmax_backward(t, P, dP, axis, dlse)
-        return [t.ew("multiply", ds, const=c) if self.base2 else ds, dv]
+        return [t.ew("multiply", ds, const=c) if self.base2 else ds, dv, *([None] * len(seed))]
 
 
 class OnlineSoftmax(Accumulator):
@@ -221,7 +247,9 @@ class OnlineSoftmax(Accumulator):
     (-inf, 0.0)
     """
 
-    padding = (-float("inf"), 0.0)
+    @property
+    def padding(self):
+        return (-float("inf"), 0.0, *([0] * (len(self.box.dom) - 2)))  # the seed (dropout's) is not streamed
 
     def _exp(self, ctx):
         """``exp``, or ``exp2`` when the scores are in base 2 (a kernel folds log₂e into their scale)."""
@@ -251,11 +279,13 @@ class OnlineSoftmax(Accumulator):
         return xp.einsum(einsum_spec(dom, self.box.out), xp.like(p, v), v)
 
     def partial(self, ins, ctx):
-        (s, v), xp, i = ins, ctx.xp, self.at
+        (s, v, *_), xp, i = ins, ctx.xp, self.at
         s = xp.f32(s)
         m = xp.max(s, i)
         p = self._exp(ctx)(self._c(s, ctx) - xp.expand_dims(self._shift(_safe(xp, m), ctx), i))
-        return m, xp.sum(p, i), self._pv(xp, p, v)
+        # ℓ sums the undropped weights; the dropout acts on the product with v only (it commutes with the rows'
+        # rescaling by δ, a factor per row, so dropping each chunk's weights drops the normalised probabilities)
+        return m, xp.sum(p, i), self._pv(xp, self.box.dropped(xp, p, ins, ctx), v)
 
     def combine(self, a, b, ctx):
         (ma, la, oa), (mb, lb, ob), xp, exp = a, b, ctx.xp, self._exp(ctx)
@@ -265,12 +295,13 @@ class OnlineSoftmax(Accumulator):
 
     def step(self, state, ins, ctx):
         """FlashAttention-2's update: scores exponentiated once against the new running max."""
-        (m, total, o), (s, v), xp, i, exp = state, ins, ctx.xp, self.at, self._exp(ctx)
+        (m, total, o), (s, v, *_), xp, i, exp = state, ins, ctx.xp, self.at, self._exp(ctx)
         s = xp.f32(s)
         m_new = xp.maximum(m, xp.max(s, i))
         delta = exp(self._c(m - _safe(xp, m_new), ctx))
         p = exp(self._c(s, ctx) - xp.expand_dims(self._shift(_safe(xp, m_new), ctx), i))
-        return m_new, total * delta + xp.sum(p, i), o * self._out(xp, delta) + self._pv(xp, p, v)
+        pv = self._pv(xp, self.box.dropped(xp, p, ins, ctx), v)
+        return m_new, total * delta + xp.sum(p, i), o * self._out(xp, delta) + pv
 
     def finalize(self, state, ctx):
         (m, total, o), xp = state, ctx.xp
@@ -287,11 +318,12 @@ class OnlineSoftmax(Accumulator):
         return tuple(ctx.xp.full(s.shape, unit) for s, unit in zip(like, (-ctx.xp.inf, 0, 0), strict=True))
 
     def lines(self, prog, ins, outs):
-        (s, v), out, x, ix = ins, outs[0], self.axis, prog.ix
+        (s, v, *_), out, x, ix = ins, outs[0], self.axis, prog.ix
         rows = s.wire.with_(axes=[a for a in s.wire.axes if a.name != x])
         m, sm, o = prog.state("m", rows), prog.state("l", rows), prog.state("o", out.wire)
         mn, dl, p = prog.value("m_new", rows), prog.value("δ", rows), prog.value("P", s.wire)
         scale = self.box.params.get("scale")
+        dropped = ix(p) if len(ins) == 2 else f"dropout({ix(p)}, {ix(ins[2])})"  # ℓ sums the undropped weights
 
         def exp(a, b):  # exp(c·(a − b)) under the box's score scale c
             return f"exp({a} − {b})" if scale is None else f"exp({sympy.sstr(scale)}·({a} − {b}))"
@@ -304,25 +336,35 @@ class OnlineSoftmax(Accumulator):
             (f"{ix(dl)} = {exp(ix(m), ix(mn))}   # rescaling", [], [m]),
             (f"{ix(p)} = {exp(ix(s), ix(mn))}", [], [s]),
             (f"{ix(sm)} = {ix(dl)}·{ix(sm)} + Σ_{x} {ix(p)}", [], [sm]),
-            (f"{ix(o)} = {ix(dl)}·{ix(o)} + Σ_{x} {ix(p)}·{ix(v)}", [], [o, v]),
+            (f"{ix(o)} = {ix(dl)}·{ix(o)} + Σ_{x} {dropped}·{ix(v)}", [], [o, v]),
             (f"{ix(m)} = {ix(mn)}", [], [m]),
         ]
         return init, loop, [(f"{ix(out)} = {ix(o)} / {ix(sm)}", [out], [o, sm], False, True)]
 
 
-def softmax_contract(s: Array, v: Array, axis: Axis | str, out: Array) -> SoftmaxContract:
-    """The fused ``softmax(s, axis)`` then contraction with ``v`` over ``axis``, giving ``out``.
+def softmax_contract(s: Array, v: Array, axis: Axis | str, out: Array, *, dropout=None, seed: Array | None = None
+                     ) -> SoftmaxContract:
+    """The fused ``softmax(s, axis)`` then contraction with ``v`` over ``axis``, giving ``out``; with ``dropout``
+    (a :class:`~napkin_cat.generators.Drop`) and its int32 ``seed`` wire, the probabilities are dropped first.
 
     >>> from napkin_cat import axes, Array
+    >>> from napkin_cat.generators import Drop
     >>> q, x, d = axes("q x d")
     >>> softmax_contract(Array(q, x), Array(x, d), x, Array(q, d)).name
     'softmax·contract x'
+    >>> print(softmax_contract(Array(q, x), Array(x, d), x, Array(q, d), dropout=Drop(0.1, "q", "x"),
+    ...                        seed=Array(dtype="i32")).dom)
+    q×x ⊗ x×d ⊗ scalar
     """
     name = getattr(axis, "name", axis)
     for w in (s, v):
         if not w.has(name):
             raise AxisError(f"softmax_contract over {name!r}: {w.describe()} lacks the axis")
-    return SoftmaxContract(f"softmax·contract {name}", Ty(s, v), Ty(out), data=(("axis", name),))
+    if dropout is None:
+        return SoftmaxContract(f"softmax·contract {name}", Ty(s, v), Ty(out), data=(("axis", name),))
+    dropout_box(s, seed, dropout)  # checks the axes it hashes and the seed
+    data = (("axis", name), ("dropout", dropout))
+    return SoftmaxContract(f"softmax·{dropout.__name__}·contract {name}", Ty(s, v, seed), Ty(out), data=data)
 
 
 def _row_stat(box) -> Array:

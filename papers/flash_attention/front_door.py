@@ -17,7 +17,12 @@ beside the causal kernel, TFLOP/s counted on the blocks each kernel visits (``ke
 (query, key) pair of a visited block), with the block maps' build time (every kernel's, forward and backward, once
 compiled) as a fraction of one forward + backward.
 
+Dropout inside the kernel: causal attention with ``dropout_rate=0.1`` timed beside the same kernel without
+dropout (issue 29's target: forward + backward ≥ 0.85× without), checked first against a reference that uses the
+kernel's hash (:func:`napkin_cat.generators.keep_bits`, the only napkin-cat code it calls) and jnp for the rest.
+
     python papers/flash_attention/front_door.py [--out DIR] [--window 1024] [--seq 8192] [--quick | --smoke]
+        [--only window|sparse|dropout]
 
 ``--quick`` (or ``--smoke``) runs tiny sizes in interpret mode on a CPU (a smoke test; cuDNN is skipped there).
 """
@@ -135,6 +140,42 @@ def sparse_rows(q, k, v, ct, w: int, width: int, r: int) -> list:
     return rows
 
 
+#: the dropout rate the benchmark times, and the key its mask is hashed from
+DROPOUT, DROPOUT_KEY = 0.1, 7
+
+
+def dropout_reference(rate: float, seed: int):
+    """f32 causal attention with the kernel's dropout mask (its hash imported, the rest jnp); batch row 0."""
+    from napkin_cat.generators import keep_bits
+
+    def ref(q, k, v):
+        q, k, v = (a.astype(jnp.float32) for a in (q, k, v))
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1])
+        i, j = jnp.arange(q.shape[1])[:, None], jnp.arange(k.shape[1])[None, :]
+        p = jax.nn.softmax(jnp.where(j <= i, s, -jnp.inf), axis=-1)
+        h = jnp.arange(q.shape[2])[:, None, None]
+        kept = keep_bits(seed, 0, h, i, j) >= jnp.uint32(round(rate * 2**32))
+        return jnp.einsum("bhqk,bkhd->bqhd", jnp.where(kept, p / (1 - rate), 0.0), v)
+
+    return ref
+
+
+def dropout_rows(q, k, v, ct) -> dict:
+    """Causal attention with and without dropout 0.1, TFLOP/s on the visible pairs, and their ratio."""
+    b, n, h, d = q.shape
+    key = jax.random.key(DROPOUT_KEY)
+    seed = int(jax.lax.bitcast_convert_type(jax.random.bits(key, (), jnp.uint32), jnp.int32))
+    flops = 4 * b * h * d * n * (n + 1) // 2
+    plain = measure("causal", lambda q, k, v: nc.attention(q, k, v, is_causal=True), q, k, v, ct,
+                    dropout_reference(0.0, seed), flops)
+    dropped = measure(f"dropout {DROPOUT:g}", lambda q, k, v: nc.attention(
+        q, k, v, is_causal=True, dropout_rate=DROPOUT, dropout_key=key), q, k, v, ct,
+        dropout_reference(DROPOUT, seed), flops)
+    ratios = {s: dropped[s]["tflops"] / plain[s]["tflops"] for s in ("fwd", "fwdbwd")}
+    print(f"dropout {DROPOUT:g} ÷ without: " + ", ".join(f"{s} {r:.2f}×" for s, r in ratios.items()), flush=True)
+    return {"rows": [plain, dropped], "ratios": ratios, "target_fwdbwd": 0.85}
+
+
 def implementations(window, w: int, gpu: bool) -> dict:
     impls = {"napkin lambda": lambda q, k, v: nc.attention(q, k, v, is_causal=True, mask_mod=window)}
     if gpu:
@@ -171,6 +212,7 @@ def main(argv=None) -> dict:
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--quick", "--smoke", action="store_true")
+    p.add_argument("--only", choices=("window", "sparse", "dropout"), help="run one section (default: all)")
     o = p.parse_args(argv)
     b, h, n, d, w = (1, 2, 256, 64, 64) if o.quick else (2, 16, o.seq, 128, o.window)
     width, r = (16, 2) if o.quick else (128, 8)
@@ -178,14 +220,33 @@ def main(argv=None) -> dict:
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v, ct = (jax.random.normal(kk, (b, n, h, d), jnp.bfloat16) for kk in keys)
     flops = 4 * b * h * d * visible_pairs(n, w)
+    print(f"{dev['kind']}: B={b} H={h} N={n} D={d} W={w} bf16")
+    res = {"device": dev, "sizes": dict(B=b, H=h, N=n, D=d, W=w), "rows": []}
+    if o.only in (None, "window"):
+        res |= window_rows(q, k, v, ct, w, gpu, flops)
+    if o.only in (None, "sparse"):
+        print("any mask is sparse: TFLOP/s on the blocks each kernel visits", flush=True)
+        res["sparse"] = sparse_rows(q, k, v, ct, w, width, r)
+    if o.only in (None, "dropout"):
+        print("dropout inside the kernel: causal, with and without", flush=True)
+        res["dropout"] = dropout_rows(q, k, v, ct)
+    stem = f"front_door_{device_stem(dev['kind'])}{'_quick' if o.quick else ''}{'_' + o.only if o.only else ''}"
+    o.out.mkdir(parents=True, exist_ok=True)
+    (o.out / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    if res["rows"]:
+        plot(res, o.out / f"{stem}.png")
+    return res
+
+
+def window_rows(q, k, v, ct, w: int, gpu: bool, flops: int) -> dict:
+    """The lambda sliding window against cuDNN's ``local_window_size`` (cuDNN on a GPU only), and how it lowered."""
     window = window_mask(w)
-    impls = implementations(window, w, gpu)
     made = nc.attention.kernel_for(q, k, v, is_causal=True, mask_mod=window)
     masks = [type(box.params["mask"]).__name__ for box in made.derivation.diagram.boxes if "mask" in box.params]
     affine = any(m == Affine.__name__ for m in masks)
-    print(f"{dev['kind']}: B={b} H={h} N={n} D={d} W={w} bf16; the lambda lowered as {masks} (affine: {affine})")
-    res = {"device": dev, "sizes": dict(B=b, H=h, N=n, D=d, W=w), "affine": affine, "masks": masks, "rows": []}
-    for name, f in impls.items():
+    print(f"the lambda lowered as {masks} (affine: {affine})", flush=True)
+    res = {"affine": affine, "masks": masks, "rows": []}
+    for name, f in implementations(window, w, gpu).items():
         res["rows"].append(measure(name, f, q, k, v, ct, lambda *a: reference(*a, w), flops))
     rows = {r["impl"]: r for r in res["rows"]}
     if "cudnn window" in rows:
@@ -193,12 +254,6 @@ def main(argv=None) -> dict:
             s: rows["napkin lambda"][s]["tflops"] / rows["cudnn window"][s]["tflops"] for s in ("fwd", "fwdbwd")
         }
         print("napkin lambda ÷ cuDNN window: " + ", ".join(f"{s} {r:.2f}×" for s, r in res["ratios"].items()))
-    print("any mask is sparse: TFLOP/s on the blocks each kernel visits", flush=True)
-    res["sparse"] = sparse_rows(q, k, v, ct, w, width, r)
-    stem = f"front_door_{device_stem(dev['kind'])}{'_quick' if o.quick else ''}"
-    o.out.mkdir(parents=True, exist_ok=True)
-    (o.out / f"{stem}.json").write_text(json.dumps(res, indent=1))
-    plot(res, o.out / f"{stem}.png")
     return res
 
 

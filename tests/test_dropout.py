@@ -1,0 +1,140 @@
+"""Attention dropout inside the kernel (``nc.attention(..., dropout_rate=p, dropout_key=key)``).
+
+The reference here imports only the hash (:func:`napkin_cat.generators.keep_bits`): the softmax, the dropout and
+the product with V are written with jax.numpy, so the kernels' forward and derived backward must give the same
+numbers on the same mask. The mask's statistics are tested on the hash itself.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lowering import attention
+from napkin_cat.errors import NapkinError
+from napkin_cat.generators import keep_bits
+
+# f32 inputs, D = 16: the kernels' forward differs from this reference by ≤ 6e-7 and the gradients by ≤ 1e-5
+# (measured, Triton and XLA interpreted)
+FWD, GRAD = 1e-5, 1e-4
+#: the entry's blocks at D = 16 are 128 queries by 64 keys: 136 makes two query tiles and three key chunks (the
+#: last ragged), so the mask is hashed at global offsets; 80 makes one tile and two chunks
+LONG, SHORT = 136, 80
+
+
+def seed_of(key) -> jnp.ndarray:
+    """The 32 bits the entry seeds the mask with, from the key (the entry's rule, restated)."""
+    return jax.lax.bitcast_convert_type(jax.random.bits(key, (), jnp.uint32), jnp.int32)
+
+
+def reference(q, k, v, key, rate, *, causal=False, broadcast=False):
+    """jax.nn's layout [B, N, H, D]; grouped-query heads as jax.nn groups them (head h reads kv head h // G)."""
+    b, n, h, d = q.shape
+    group = h // k.shape[2]
+    k, v = (jnp.repeat(a, group, axis=2) for a in (k, v))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
+    if causal:
+        s = jnp.where(jnp.tril(jnp.ones((n, k.shape[1]), bool)), s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    bi, hi, qi, ki = jnp.meshgrid(*(jnp.arange(m) for m in p.shape), indexing="ij")
+    if broadcast:
+        bi, hi = 0 * bi, 0 * hi
+    kept = keep_bits(seed_of(key), bi, hi, qi, ki) >= jnp.uint32(round(rate * 2**32))
+    return jnp.einsum("bhqk,bkhd->bqhd", jnp.where(kept, p / (1 - rate), 0.0), v)
+
+
+def arrays(key, n=LONG, kv_heads=2):
+    kq, kk, kv = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (2, n, 4, 16))
+    return q, jax.random.normal(kk, (2, n, kv_heads, 16)), jax.random.normal(kv, (2, n, kv_heads, 16))
+
+
+#: the options of the Triton case, whose kernel the later tests reuse
+TRITON = dict(backend="triton", interpret=True, is_causal=True)
+
+
+@pytest.mark.parametrize(
+    ("backend", "n", "causal", "kv_heads", "broadcast"),
+    [("triton", LONG, True, 2, False), ("xla", SHORT, False, 4, True)],
+    ids=["triton-causal-gqa", "xla-mha-broadcast"],
+)
+def test_forward_and_gradients_match_a_reference_on_the_same_hash(key, backend, n, causal, kv_heads, broadcast):
+    data, drop = jax.random.split(key)
+    q, k, v = arrays(data, n, kv_heads)
+    opts = dict(is_causal=causal, dropout_rate=0.25, dropout_key=drop, broadcast_dropout=broadcast)
+    out = attention(q, k, v, backend=backend, interpret=True, **opts)
+    want = reference(q, k, v, drop, 0.25, causal=causal, broadcast=broadcast)
+    assert float(jnp.max(jnp.abs(out - want))) <= FWD
+
+    def loss(f):
+        return lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
+
+    ours = jax.grad(loss(lambda *a: attention(*a, backend=backend, interpret=True, **opts)), (0, 1, 2))(q, k, v)
+    theirs = jax.grad(loss(lambda *a: reference(*a, drop, 0.25, causal=causal, broadcast=broadcast)), (0, 1, 2))(
+        q, k, v
+    )
+    for a, b in zip(ours, theirs, strict=True):
+        assert float(jnp.max(jnp.abs(a - b))) <= GRAD
+
+
+def test_a_new_key_reuses_the_kernel_and_changes_the_mask(key):
+    q, k, v = arrays(key)
+    first = attention(q, k, v, dropout_rate=0.25, dropout_key=jax.random.key(1), **TRITON)
+    before = attention.derivations
+    again = jax.jit(lambda key: attention(q, k, v, dropout_rate=0.25, dropout_key=key, **TRITON))
+    second = again(jax.random.key(2))
+    assert attention.derivations == before
+    assert float(jnp.max(jnp.abs(first - second))) > 0.1
+
+
+def test_rate_zero_is_the_kernel_without_dropout(key):
+    q, k, v = arrays(key, SHORT)
+    plain = attention(q, k, v, **TRITON)
+    before = attention.derivations
+    zero = attention(q, k, v, dropout_rate=0.0, dropout_key=jax.random.key(3), **TRITON)
+    assert attention.derivations == before
+    assert bool(jnp.all(zero == plain))
+
+
+def test_the_keep_rate_is_binomial(seed):
+    """Over 2·4·256·256 = 524288 weights the kept fraction is within 5 standard deviations of 1 − p, for each p."""
+    seed %= 2**31  # an int32, as the entry passes the key's bits
+    b, h, q, x = np.meshgrid(*(np.arange(m) for m in (2, 4, 256, 256)), indexing="ij")
+    n = b.size
+    for rate in (0.1, 0.5, 0.9):
+        kept = keep_bits(seed, b, h, q, x) >= jnp.uint32(round(rate * 2**32))
+        sigma = math.sqrt(n * rate * (1 - rate))
+        assert abs(int(kept.sum()) - n * (1 - rate)) <= 5 * sigma, (rate, int(kept.sum()))
+
+
+def test_masks_are_independent_across_seeds_and_axes(seed):
+    """Different seeds give different masks, agreeing on about half the weights at p = 0.5; along each axis (batch,
+    head, query, key) the mask changes, and two neighbours along it agree on about half the weights."""
+    seed, shape = seed % (2**31 - 1), (4, 4, 64, 64)
+    b, h, q, x = np.meshgrid(*(np.arange(m) for m in shape), indexing="ij")
+    mask = np.asarray(keep_bits(seed, b, h, q, x) >= jnp.uint32(2**31))
+    other = np.asarray(keep_bits(seed + 1, b, h, q, x) >= jnp.uint32(2**31))
+    n = mask.size
+    assert abs(int((mask == other).sum()) - n / 2) <= 5 * math.sqrt(n / 4)
+    for axis in range(4):
+        first, rest = np.split(mask, [1], axis=axis)
+        agree = int((first == np.take(rest, [0], axis=axis)).sum())
+        m = first.size
+        assert abs(agree - m / 2) <= 5 * math.sqrt(m / 4), (axis, agree, m)
+
+
+@pytest.mark.parametrize("rate", [-0.1, 1.0, 1.5, "0.1", None])
+def test_a_rate_outside_0_1_is_refused_by_name(rate):
+    q = jnp.ones((1, 8, 2, 16))
+    with pytest.raises(NapkinError, match=r"dropout_rate must be a Python number in \[0, 1\).*0 turns dropout off"):
+        attention(q, q, q, dropout_rate=rate, dropout_key=jax.random.key(0))
+
+
+def test_a_missing_or_wrong_key_is_refused_by_name():
+    q = jnp.ones((1, 8, 2, 16))
+    with pytest.raises(NapkinError, match=r"dropout_rate=0.1 needs dropout_key.*pass one, or dropout_rate=0"):
+        attention(q, q, q, dropout_rate=0.1)
+    with pytest.raises(NapkinError, match=r"dropout_key must be a JAX PRNG key .*one key, not a batch"):
+        attention(q, q, q, dropout_rate=0.1, dropout_key=jax.random.split(jax.random.key(0), 2))
