@@ -48,9 +48,8 @@ import jax
 import jax.numpy as jnp
 
 from lowering._api import lower
-from lowering._paged import check_paged, check_pages_used, paged_plan, paged_step
+from lowering._paged import PageMap, check_paged, check_pages_used, paged_split
 from lowering._plan import NotLowerable
-from lowering._target import interpreted
 from napkin_cat import library
 from napkin_cat.axes import axes
 from napkin_cat.dtypes import bf16, f16, f32
@@ -120,6 +119,8 @@ class Plan:
     mask_mod: Callable | None = None
     backend: str = "auto"
     interpret: bool | None = None
+    #: a paged cache's keys per page and per streamed chunk (whole pages); None for a contiguous cache
+    pages: tuple[int, int] | None = None
 
     @property
     def rows(self) -> int:
@@ -127,9 +128,15 @@ class Plan:
         return self.queries * self.group
 
     def blocks(self) -> tuple[int, int]:
-        """Rows per tile and keys per streamed chunk: powers of two ≥ 16 (every 16-bit dot's K), at most 64."""
+        """Rows per tile and keys per streamed chunk: powers of two ≥ 16 (every 16-bit dot's K), at most 64; a
+        paged cache's chunk is its whole pages."""
         pow2 = lambda n: max(16, 1 << (n - 1).bit_length())  # noqa: E731
-        return min(64, pow2(self.rows)), min(64, pow2(self.chunk))
+        return min(64, pow2(self.rows)), min(64, pow2(self.chunk)) if self.pages is None else self.pages[1]
+
+    def page_map(self) -> PageMap | None:
+        """Where a paged cache's chunks load from: the kernel's keys and values (inputs 1, 2) read as pools
+        through a table whose rows follow the kernel's batch axis (sequence, part)."""
+        return None if self.pages is None else PageMap("kv_idx", self.pages[0], "b", (1, 2))
 
     def kernel(self):
         """The per-part kernel: the diagram with its (o, lse) outputs, its schedule derived and verified, lowered."""
@@ -315,18 +322,26 @@ the cache's valid keys, the Nq new tokens included
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _step(plan: Plan, q, k_cache, v_cache, lengths):
-    """One decode step for ``plan`` (compiled once per plan and shapes; ``lengths`` are values): the queries packed
-    into rows and repeated per part, the caches read as parts, the kernel, the parts merged."""
-    (batch, nq, heads, dim), (_, keys, kv_heads, dv) = q.shape, v_cache.shape
+def _step(plan: Plan, q, k_cache, v_cache, lengths, page_table=None):
+    """One decode step for ``plan`` (compiled once per plan and shapes; ``lengths`` and ``page_table`` are values):
+    the queries packed into rows and repeated per part, the caches read as parts (a paged cache's table as each
+    part's pages), the kernel, the parts merged."""
+    (batch, nq, heads, dim), (kv_heads, dv) = q.shape, v_cache.shape[2:]
     n, chunk, group, kernel = plan.parts, plan.chunk, plan.group, _kernel(plan)
     # rows (token, head in group) per KV head; the queries repeated for each part (small beside the cache)
     rows = q.reshape(batch, nq, kv_heads, group, dim).transpose(0, 1, 3, 2, 4)
     rows = rows.reshape(batch, plan.rows, kv_heads, dim)
     rows = jnp.broadcast_to(rows[:, None], (batch, n, *rows.shape[1:])).reshape(batch * n, *rows.shape[1:])
-    pad = [(0, 0), (0, n * chunk - keys), (0, 0), (0, 0)]
-    k, v = (jnp.pad(c, pad).reshape(batch * n, chunk, kv_heads, -1) for c in (k_cache, v_cache))
-    o, lse = _inference(kernel)(rows, k, v, *_masks(lengths, plan, batch))
+    masks = _masks(lengths, plan, batch)
+    if page_table is None:
+        pad = [(0, 0), (0, n * chunk - k_cache.shape[1]), (0, 0), (0, 0)]
+        k, v = (jnp.pad(c, pad).reshape(batch * n, chunk, kv_heads, -1) for c in (k_cache, v_cache))
+        o, lse = _inference(kernel)(rows, k, v, *masks)
+    else:  # part p of sequence b reads its pages table[b, p·w : (p+1)·w], through the page map
+        width = chunk // plan.pages[0]
+        table = jnp.pad(page_table, [(0, 0), (0, n * width - page_table.shape[1])]).reshape(batch * n, width)
+        paged = lambda *xs: kernel.forward(*xs[:-1], pages=(plan.page_map(), xs[-1]))  # noqa: E731
+        o, lse = _inference(paged)(rows, k_cache, v_cache, *masks, table)
     o_names, l_names = (tuple(w.names) for w in kernel.diagram.cod.inside)
     o = _arrange(o, o_names, "b q_idx h dv" if "dv" in o_names else "b q_idx h d")
     o = o.reshape(batch, n, plan.rows, kv_heads, dv)
@@ -338,22 +353,28 @@ def _step(plan: Plan, q, k_cache, v_cache, lengths):
 
 
 def _paged(q, k_pages, v_pages, lengths, page_table, scale, mods, parts, chunk, backend, interpret, hardware):
-    """``decode_attention`` over page pools: checked (before anything is built), planned, run."""
+    """``decode_attention`` over page pools: checked (before anything is built), planned, run through the same
+    derived kernel as a contiguous cache, its keys and values read through the page map."""
     check_paged(q, k_pages, v_pages, page_table, chunk, MAX_QUERIES)
-    (batch, _, _, _), (pool, page_size, kv_heads, dv) = q.shape, v_pages.shape
-    keys = page_table.shape[1] * page_size
-    _checked_common(q, k_pages, v_pages, lengths, keys)
+    (batch, nq, heads, dim), (pool, page_size, kv_heads, dv) = q.shape, v_pages.shape
+    width = page_table.shape[1]
+    _checked_common(q, k_pages, v_pages, lengths, width * page_size)
     check_pages_used(page_table, lengths, pool, page_size)
     if any(f is not None for f in mods):
         raise NotLowerable(
             "decode_attention: score_mod and mask_mod are read on contiguous caches only; with page_table= pass "
             "neither (or gather the pages into a [B, S, H_kv, D] cache)"
         )
-    if backend not in ("auto", "triton"):
-        raise NotLowerable(f"decode_attention: the paged kernel is Pallas Triton's; backend={backend!r} has none")
+    if backend not in ("auto", "triton", "xla"):
+        raise NotLowerable(
+            f"decode_attention: a page table is read by the Triton and XLA backends' streamed loops; backend="
+            f"{backend!r} has no page map: pass backend='triton' or 'xla'"
+        )
     hw = lookup(hardware) if hardware is not None else lookup("H100")
-    plan = paged_plan(
-        jnp.dtype(q.dtype).name, q.shape, v_pages.shape, dv, page_table.shape[1], parts=parts, chunk=chunk,
-        n_default=choose_parts(batch * kv_heads, keys, hw), scale=scale, interpret=interpreted(interpret),
-    )  # fmt: skip
-    return paged_step(plan, q, k_pages, v_pages, page_table, lengths)
+    n_default = choose_parts(batch * kv_heads, width * page_size, hw)
+    n, per_part, keys = paged_split(width, page_size, parts=parts, chunk=chunk, n_default=n_default)
+    backend = "triton" if backend == "auto" else backend
+    plan = Plan(jnp.dtype(q.dtype).name, nq, heads // kv_heads, (dim, dv), n, per_part * page_size, scale,
+                backend=backend, interpret=interpret, pages=(page_size, keys))  # fmt: skip
+    _kernel(plan)
+    return _step(plan, q, k_pages, v_pages, lengths, page_table)

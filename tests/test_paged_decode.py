@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import napkin_cat as nc
 from lowering import KVCache, NotLowerable, decode_cost
-from lowering._paged import paged_step
+from lowering._decode import _step as paged_step
 from napkin_cat.errors import CostError, EvaluationError
 from papers.flash_attention.generate import TinyLM, generate, greedy_reference
 
@@ -21,7 +21,7 @@ ATOL = {"float32": 5e-6, "bfloat16": 1e-2}
 #: (dtype, B, Nq, H, H_kv, page_size, pages per sequence, pool, chunk): GQA 4, 2, 2; 1, 2, 1 pages per chunk
 CASES = [
     ("float32", 2, 1, 8, 2, 8, 5, 12, None),
-    ("float32", 2, 4, 4, 2, 4, 6, 14, 8),
+    ("float32", 2, 4, 4, 2, 4, 6, 14, 16),
     ("bfloat16", 1, 64, 2, 1, 16, 5, 7, 16),
 ]
 
