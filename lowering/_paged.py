@@ -181,8 +181,8 @@ def check_pages_used(page_table, lengths, pool: int, page_size: int) -> None:
 
 def paged_split(width: int, page_size: int, *, parts, chunk, n_default: int) -> tuple[int, int, int]:
     """How a paged call splits its ``width`` pages per sequence: ``(parts, pages per part, keys per streamed
-    chunk)``. A chunk is whole pages (``chunk`` keys, default the larger of one page and 64 keys); a part whole
-    chunks; ``parts`` (default ``n_default``) capped by the chunks there are.
+    chunk)``. A chunk is whole pages (``chunk`` keys, default 64 or one page where larger); a part whole chunks;
+    ``parts`` (default ``n_default``) capped by the chunks there are.
 
     >>> paged_split(8, 16, parts=None, chunk=None, n_default=5)   # 4 pages per chunk: 2 chunks, 2 parts
     (2, 4, 64)

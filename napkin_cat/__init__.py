@@ -79,7 +79,8 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """``attention``, the drop-in entry, ``decode_attention`` (split-KV decoding) and ``linear_cross_entropy``
+    """``attention``, the drop-in entry, ``decode_attention`` and ``mla_decode_attention`` (split-KV decoding) and
+    ``linear_cross_entropy``
     (a classifier head's loss), imported from :mod:`lowering` when first asked for.
 
     >>> import napkin_cat as nc
@@ -87,7 +88,7 @@ def __getattr__(name: str):
     >>> nc.attention is attention
     True
     """
-    if name in ("attention", "decode_attention", "linear_cross_entropy"):
+    if name in ("attention", "decode_attention", "mla_decode_attention", "linear_cross_entropy"):
         import lowering
 
         return getattr(lowering, name)
