@@ -22,7 +22,7 @@ its datasheet HBM rate; the compute rate its measured dense matmul ceiling, else
 >>> mla = decode_cost(batch=64, queries=1, heads=128, kv_heads=1, dim=512, rope=64, lengths=[4096] * 64, parts=2,
 ...                   chunk=64, table_width=64)       # DeepSeek-V3's absorbed MLA over pages of 64 keys
 >>> round(mla.kernel_bytes / 1e6, 1), mla.bound
-(322.6, 'memory')
+(354.5, 'memory')
 """
 
 from __future__ import annotations
