@@ -504,7 +504,8 @@ def _paged(
         )
     hw = lookup(hardware) if hardware is not None else lookup("H100")
     n_default = choose_parts(batch * kv_heads, width * page_size, hw)
-    default = max(page_size, chunk_keys((dim, dv)))
+    covered = max(16, 1 << (width * page_size - 1).bit_length())  # a short table's keys, to a power of two
+    default = min(chunk_keys((dim, dv)), covered)
     n, per_part, keys = paged_split(width, page_size, parts=parts, chunk=default if chunk is None else chunk,
                                     n_default=n_default)  # fmt: skip
     backend = "triton" if backend == "auto" else backend

@@ -5,8 +5,8 @@ sequence ``b`` owns the pages ``page_table[b, 0], page_table[b, 1], …`` in ord
 ``(page_table[b, j // page_size], j mod page_size)``: the cache's key axis relabelled ``x = (x / page_size) ×
 page_size``, the outer factor read through the table. That is all paging changes: the diagram, its derivation
 (split-KV, tiles, the stream) and its kernel are the contiguous decode's; only where a streamed chunk is loaded
-from differs. :class:`PageMap` states it for a backend's streamed loop: a chunk of ``s`` keys (whole pages) of
-kernel batch element ``b`` loads the pages ``table[b, c·s/page_size …]`` of the pool, gathered as it streams (the
+from differs. :class:`PageMap` states it for a backend's streamed loop: a chunk of ``s`` keys (whole pages, or a
+part of one) of kernel batch element ``b`` loads the pages ``table[b, c·s/page_size …]`` of the pool as it streams (the
 pool is never copied), so the table and the lengths are runtime values and one compiled kernel serves every
 table and length. The Triton and XLA backends read it (``kernel.forward(*arrays, pages=(page_map, table))``).
 
@@ -34,12 +34,15 @@ from napkin_cat.errors import EvaluationError
 class PageMap:
     """The streamed axis ``axis`` of the kernel inputs ``inputs`` (their positions) read through a page table
     ``[n_batch, pages]`` (int32) whose rows follow the batch axis ``batch``: such an input is a pool whose axes are
-    its wire's with ``batch`` dropped and ``axis`` split into ``(P, page_size)``; chunk ``c`` of batch element
-    ``i`` is the pool's pages ``table[i, c·s/page_size : (c+1)·s/page_size]``, clamped into ``[0, P)`` (entries past
-    a sequence's pages are read by no visible key).
+    its wire's with ``batch`` dropped and ``axis`` split into ``(P, page_size)``; the chunk of ``s`` keys from key
+    ``j`` of batch element ``i`` is the pool's pages ``table[i, j/page_size … (j+s)/page_size)`` (``s`` whole pages),
+    or the keys ``j mod page_size …`` of page ``table[i, j/page_size]`` (``s`` dividing the page size); page ids are
+    clamped into ``[0, P)`` (entries past a sequence's pages are read by no visible key).
 
-    >>> PageMap("x", 16, "b", (1,)).pages_per_chunk(64)
-    4
+    >>> pool = jnp.arange(12).reshape(3, 2, 2)                                     # 3 pages of 2 keys
+    >>> entries = lambda i, m: jnp.array([2, 0])[i : i + m]
+    >>> PageMap("x", 2, "b", (0,)).load(pool, entries, None, 0, 4).tolist()         # a chunk of pages 2, 0
+    [[8, 9], [10, 11], [0, 1], [2, 3]]
     """
 
     axis: str
@@ -60,13 +63,9 @@ class PageMap:
         given |= {self.batch: table.shape[0], self.axis: table.shape[1] * self.page_size}
         return jax.ShapeDtypeStruct(tuple(given[a] for a in wire.names), pool.dtype)
 
-    def pages_per_chunk(self, s: int) -> int:
-        """Pages per streamed chunk of ``s`` keys (whole pages: checked by :meth:`check`)."""
-        return s // self.page_size
-
     def check(self, p, wires, arrays, table) -> None:
         """Refuse a plan or arrays the map cannot read, naming the condition and the fix: the streamed axis must be
-        ``axis`` in chunks of whole pages, each pool input must hold ``axis`` and ``batch`` with ``axis`` the first
+        ``axis`` in chunks of whole pages or a divisor of one, each pool input must hold ``axis`` and ``batch`` with ``axis`` the first
         of its block's axes (the batch axes aside), and have ``page_size`` keys per page.
 
         >>> import napkin_cat as nc
@@ -74,18 +73,19 @@ class PageMap:
         >>> from rewrites import derive, tile, stream
         >>> q, x, d = nc.axes("q x d")
         >>> pl_ = plan(derive(nc.library.attention(q, x, d), tile(q, 16), stream(x, 16), verify=False).diagram)
-        >>> PageMap("x", 32, "b", (1,)).check(pl_, [], [], None)
+        >>> PageMap("x", 24, "b", (1,)).check(pl_, [], [], None)
         Traceback (most recent call last):
         ...
-        lowering._plan.NotLowerable: PageMap: chunks of 16 keys along 'x' are not whole pages of 32: stream x in \
-chunks of a multiple of the page size
+        lowering._plan.NotLowerable: PageMap: chunks of 16 keys along 'x' are neither whole pages of 24 nor a \
+divisor of one: stream x in chunks of a multiple or a divisor of the page size
         """
         if p.stream is None or p.stream[0] != self.axis:
             raise NotLowerable(f"PageMap: the kernel streams {p.stream}, not the paged axis {self.axis!r}")
-        if p.stream[1] % self.page_size:
+        if p.stream[1] % self.page_size and self.page_size % p.stream[1]:
             raise NotLowerable(
-                f"PageMap: chunks of {p.stream[1]} keys along {self.axis!r} are not whole pages of {self.page_size}: "
-                f"stream {self.axis} in chunks of a multiple of the page size"
+                f"PageMap: chunks of {p.stream[1]} keys along {self.axis!r} are neither whole pages of "
+                f"{self.page_size} nor a divisor of one: stream {self.axis} in chunks of a multiple or a divisor of "
+                "the page size"
             )
         if self.batch not in p.batch:
             raise NotLowerable(f"PageMap: the table's rows follow {self.batch!r}, which is no batch axis of the plan")
@@ -106,15 +106,20 @@ chunks of a multiple of the page size
                     f"keys per page, got shape {tuple(arrays[i].shape)}"
                 )
 
-    def gather(self, pool, pages):
-        """The keys of ``pages`` (int array ``[m]``) of one pool block (its axes from ``pool``, ``page``, …),
-        their pages merged into one axis of ``m · page_size`` keys; ids clamped into the pool.
+    def load(self, pool, entries, window, start, size: int):
+        """The chunk of ``size`` keys from key ``start`` of one pool block (axes ``pool``, ``page``, …), its keys on
+        one axis: whole pages gathered (``entries(i, m)``: the table row's entries ``i … i + m``), or a window of
+        one page (``window(pool, page, offset, size)``: the backend's dynamic slice of a block).
 
-        >>> PageMap("x", 2, "b", (0,)).gather(jnp.arange(12).reshape(3, 2, 2), jnp.array([2, 0])).tolist()
+        >>> pool = jnp.arange(12).reshape(3, 2, 2)
+        >>> PageMap("x", 2, "b", (0,)).load(pool, lambda i, m: jnp.array([2, 0])[i : i + m], None, 0, 4).tolist()
         [[8, 9], [10, 11], [0, 1], [2, 3]]
         """
-        got = pool[jnp.clip(pages, 0, pool.shape[0] - 1)]
-        return got.reshape(pages.shape[0] * self.page_size, *pool.shape[2:])
+        p, last = self.page_size, pool.shape[0] - 1
+        if size >= p:
+            got = pool[jnp.clip(entries(start // p, size // p), 0, last)]
+            return got.reshape(size, *pool.shape[2:])
+        return window(pool, jnp.clip(entries(start // p, 1)[0], 0, last), start % p, size)
 
 
 def check_paged(q, k_pages, v_pages, page_table, chunk: int | None, max_queries: int) -> None:
@@ -144,10 +149,10 @@ got float32 (2, 3); pass page_table.astype(jnp.int32)
             f"{jnp.dtype(page_table.dtype).name} {tuple(page_table.shape)}; pass page_table.astype(jnp.int32)"
         )
     page_size, keys = k_pages.shape[1], page_table.shape[1] * k_pages.shape[1]
-    if chunk is not None and (not isinstance(chunk, int) or chunk < page_size or chunk % page_size):
+    if chunk is not None and (not isinstance(chunk, int) or chunk < 1 or (chunk % page_size and page_size % chunk)):
         raise EvaluationError(
-            f"decode_attention: chunk={chunk!r} keys must be whole pages: a positive multiple of page_size "
-            f"{page_size} (the kernel loads whole pages)"
+            f"decode_attention: chunk={chunk!r} keys must be whole pages or a divisor of one: a positive multiple or "
+            f"divisor of page_size {page_size}"
         )
     if not 1 <= nq <= min(max_queries, keys):
         raise EvaluationError(
@@ -179,34 +184,37 @@ def check_pages_used(page_table, lengths, pool: int, page_size: int) -> None:
             )
 
 
-def paged_split(width: int, page_size: int, *, parts, chunk, n_default: int) -> tuple[int, int, int]:
+def paged_split(width: int, page_size: int, *, parts, chunk: int, n_default: int) -> tuple[int, int, int]:
     """How a paged call splits its ``width`` pages per sequence: ``(parts, pages per part, keys per streamed
-    chunk)``. A chunk is whole pages (``chunk`` keys, default 64 or one page where larger); a part whole chunks;
-    ``parts`` (default ``n_default``) capped by the chunks there are.
+    chunk)``. A chunk of ``chunk`` keys is whole pages or a divisor of one, a power of two ≥ 16 (the kernel's
+    stream size); a part whole chunks and whole pages; ``parts`` (default ``n_default``) capped by the parts
+    there can be.
 
-    >>> paged_split(8, 16, parts=None, chunk=None, n_default=5)   # 4 pages per chunk: 2 chunks, 2 parts
+    >>> paged_split(8, 16, parts=None, chunk=64, n_default=5)   # 4 pages per chunk: 2 chunks, 2 parts
     (2, 4, 64)
-    >>> paged_split(5, 8, parts=None, chunk=16, n_default=5)     # 2 pages per chunk: 3 chunks (the last one ragged)
+    >>> paged_split(5, 8, parts=None, chunk=16, n_default=5)    # 2 pages per chunk: 3 chunks (the last one ragged)
     (3, 2, 16)
-    >>> paged_split(8, 16, parts=3, chunk=None, n_default=5)
+    >>> paged_split(4, 64, parts=None, chunk=32, n_default=8)   # half a page per chunk: parts of whole pages
+    (4, 1, 32)
+    >>> paged_split(8, 16, parts=3, chunk=64, n_default=5)
     Traceback (most recent call last):
     ...
-    napkin_cat.errors.EvaluationError: decode_attention: parts must be an integer in [1, 2] (the chunks of 4 pages \
-the table holds), got 3
+    napkin_cat.errors.EvaluationError: decode_attention: parts must be an integer in [1, 2] (the parts of whole \
+chunks and pages 8 pages of 16 keys hold), got 3
     """
-    per_chunk = chunk // page_size if chunk is not None else max(1, 64 // page_size)
-    keys = per_chunk * page_size
-    if keys < 16 or keys & (keys - 1):
+    if chunk < 16 or chunk & (chunk - 1) or (chunk % page_size and page_size % chunk):
         raise EvaluationError(
-            f"decode_attention: chunks of {per_chunk} pages of {page_size} keys: the streamed chunk must be a power "
-            "of two ≥ 16 keys (the stream size of the kernel); pass chunk= (whole pages) or a power-of-two page size"
+            f"decode_attention: chunk={chunk!r} keys with pages of {page_size}: the streamed chunk must be a power of "
+            "two ≥ 16 keys (the kernel's stream size), whole pages or a divisor of one; pass another chunk= or a "
+            "power-of-two page size"
         )
-    chunks = -(-width // per_chunk)
-    n = min(n_default, chunks) if parts is None else parts
-    if not isinstance(n, int) or not 1 <= n <= chunks:
+    unit = max(chunk, page_size) // page_size  # pages per unit a part is made of: a chunk, or a page
+    units = -(-width // unit)
+    n = min(n_default, units) if parts is None else parts
+    if not isinstance(n, int) or not 1 <= n <= units:
         raise EvaluationError(
-            f"decode_attention: parts must be an integer in [1, {chunks}] (the chunks of {per_chunk} pages the "
-            f"table holds), got {n!r}"
+            f"decode_attention: parts must be an integer in [1, {units}] (the parts of whole chunks and pages "
+            f"{width} pages of {page_size} keys hold), got {n!r}"
         )
-    per_part = -(-chunks // n)
-    return -(-chunks // per_part), per_part * per_chunk, per_chunk * page_size
+    per_part = -(-units // n)
+    return -(-units // per_part), per_part * unit, chunk

@@ -119,8 +119,8 @@ class _Chunks(ChunkLoop):
         x, s, vals, pm = self.x, self.s, [], self.pages
         for i, (r, w, v, perm) in enumerate(zip(self.in_refs, self.laid, self.kept, self.perms, strict=True)):
             if pm is not None and i in pm.inputs:  # the chunk's pages, named by the table: x first in the block
-                m = pm.pages_per_chunk(s)
-                v = pm.gather(r, self.table_ref[pl.ds(c * m, m)])
+                entries = lambda j, m: self.table_ref[pl.ds(j, m)]  # noqa: E731
+                v = pm.load(r, entries, lambda pool, j, off, n: pool[j, pl.ds(off, n)], c * s, s)
                 v = v if perm is None else jnp.transpose(v, perm)
             elif v is None:
                 pos = w.names.index(x)

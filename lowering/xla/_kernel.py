@@ -229,6 +229,11 @@ def _join(o, wire, p: Plan, extent: dict, grid: tuple):
     return o.reshape(merged)[tuple(slice(0, extent[a.name]) for a in wire.axes)].astype(wire.dtype.jnp)
 
 
+def _window(pool, page, offset, size: int):
+    """Keys ``offset … offset + size`` of page ``page`` of a pool block (a chunk within one page)."""
+    return lax.dynamic_slice_in_dim(pool[page], offset, size, 0)
+
+
 def _block(p: Plan, d: Diagram, sizes: dict, extent: dict, config: XlaConfig, pm, ids: tuple, blocks: tuple) -> list:
     """One block's outputs: ``d`` (the per-block diagram) run by :func:`rewrites.walk`, its streamed axis a loop
     over chunks (a last, shorter chunk where ``s`` does not divide it) folding each accumulator from its identity;
@@ -246,7 +251,7 @@ def _block(p: Plan, d: Diagram, sizes: dict, extent: dict, config: XlaConfig, pm
 
     def chunk(start, size):
         return [
-            pm.gather(v, lax.dynamic_slice_in_dim(row, start // pm.page_size, size // pm.page_size))
+            pm.load(v, lambda j, m: lax.dynamic_slice_in_dim(row, j, m), _window, start, size)
             if pm is not None and i in pm.inputs
             else lax.dynamic_slice_in_dim(v, start, size, w.names.index(x))
             if w.has(x)
