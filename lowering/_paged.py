@@ -65,8 +65,8 @@ class PageMap:
 
     def check(self, p, wires, arrays, table) -> None:
         """Refuse a plan or arrays the map cannot read, naming the condition and the fix: the streamed axis must be
-        ``axis`` in chunks of whole pages or a divisor of one, each pool input must hold ``axis`` and ``batch`` with ``axis`` the first
-        of its block's axes (the batch axes aside), and have ``page_size`` keys per page.
+        ``axis`` in chunks of whole pages or a divisor of one, each pool input must hold ``axis`` and ``batch``
+        with ``axis`` the first of its block's axes (the batch axes aside), and have ``page_size`` keys per page.
 
         >>> import napkin_cat as nc
         >>> from lowering import plan
