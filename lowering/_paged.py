@@ -39,10 +39,9 @@ class PageMap:
     or the keys ``j mod page_size …`` of page ``table[i, j/page_size]`` (``s`` dividing the page size); page ids are
     clamped into ``[0, P)`` (entries past a sequence's pages are read by no visible key).
 
-    >>> pool = jnp.arange(12).reshape(3, 2, 2)                                     # 3 pages of 2 keys
-    >>> entries = lambda i, m: jnp.array([2, 0])[i : i + m]
-    >>> PageMap("x", 2, "b", (0,)).load(pool, entries, None, 0, 4).tolist()         # a chunk of pages 2, 0
-    [[8, 9], [10, 11], [0, 1], [2, 3]]
+    >>> import napkin_cat as nc
+    >>> PageMap("x", 16, "b", (1, 2)).pool_axes(nc.Array(*nc.axes("b x h d")))   # a cache [b, x, h, d] as a pool
+    ['pool', 'page', 'h', 'd']
     """
 
     axis: str
@@ -108,18 +107,21 @@ divisor of one: stream x in chunks of a multiple or a divisor of the page size
 
     def load(self, pool, entries, window, start, size: int):
         """The chunk of ``size`` keys from key ``start`` of one pool block (axes ``pool``, ``page``, …), its keys on
-        one axis: whole pages gathered (``entries(i, m)``: the table row's entries ``i … i + m``), or a window of
-        one page (``window(pool, page, offset, size)``: the backend's dynamic slice of a block).
+        one axis: several whole pages gathered (``entries(i, m)``: the table row's entries ``i … i + m``), or a
+        window of one page (``entries(i)``: entry ``i``, a scalar; ``window(pool, page, offset, size)``: the
+        backend's dynamic slice of a block), as a contiguous chunk is loaded.
 
         >>> pool = jnp.arange(12).reshape(3, 2, 2)
-        >>> PageMap("x", 2, "b", (0,)).load(pool, lambda i, m: jnp.array([2, 0])[i : i + m], None, 0, 4).tolist()
+        >>> row = jnp.array([2, 0])
+        >>> entries = lambda i, m=None: row[i] if m is None else row[i : i + m]
+        >>> PageMap("x", 2, "b", (0,)).load(pool, entries, None, 0, 4).tolist()
         [[8, 9], [10, 11], [0, 1], [2, 3]]
         """
         p, last = self.page_size, pool.shape[0] - 1
-        if size >= p:
+        if size > p:
             got = pool[jnp.clip(entries(start // p, size // p), 0, last)]
             return got.reshape(size, *pool.shape[2:])
-        return window(pool, jnp.clip(entries(start // p, 1)[0], 0, last), start % p, size)
+        return window(pool, jnp.clip(entries(start // p), 0, last), start % p, size)
 
 
 def check_paged(q, k_pages, v_pages, page_table, chunk: int | None, max_queries: int) -> None:

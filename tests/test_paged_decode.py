@@ -61,12 +61,12 @@ def test_paged_decode_matches_reference(case, seed, data):
     assert lse.shape == q.shape[:3] and bool(jnp.all(jnp.isfinite(lse)))
 
 
-def test_lengths_one_and_full_in_one_part_and_on_the_xla_backend():
-    q, k, v, table = draw(CASES[0], 5)
-    lengths = jnp.array([1, 40])
-    for backend, parts in (("triton", 1), ("xla", None)):
-        out = nc.decode_attention(q, k, v, lengths, page_table=table, parts=parts, chunk=16, backend=backend)
-        assert float(jnp.max(jnp.abs(out - reference(q, k, v, table, lengths)))) <= ATOL["float32"], backend
+def test_shortest_and_longest_lengths_in_one_part_and_on_the_xla_backend():
+    """Lengths Nq and S_max; Triton in one part, chunks of two pages; XLA, chunks of half a page (its window)."""
+    for case, backend, parts, lengths in ((CASES[0], "triton", 1, [1, 40]), (CASES[1], "xla", None, [4, 64])):
+        q, k, v, table = draw(case, 5)
+        out = nc.decode_attention(q, k, v, jnp.array(lengths), page_table=table, parts=parts, chunk=16, backend=backend)
+        assert float(jnp.max(jnp.abs(out - reference(q, k, v, table, jnp.array(lengths))))) <= ATOL["float32"], backend
 
 
 def test_one_kernel_serves_every_table_and_length():

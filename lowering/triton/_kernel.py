@@ -56,7 +56,7 @@ def _tile_id(pid, a: str, p: Plan, padded: dict, flip):
 
 def _kernel(p: Plan, sizes, extent, padded, xp: Blocks, n_bounds, flip, pages, *refs):
     """The kernel body of one program: the block diagram after :func:`kernel_rules`, walked once on its blocks, or
-    (where it streams) folded over the visited chunks (:func:`_stream`), then walked to its outputs. With a page
+    (where it streams) folded over the visited chunks (:class:`_Chunks`), then walked to its outputs. With a page
     map (``pages``, :class:`lowering._paged.PageMap`) the table's row follows the segment bounds' refs."""
     block = unweave(p.diagram, p.batch)
     laid = block.dom.inside  # the inputs' blocks as the caller lays them out
@@ -119,7 +119,7 @@ class _Chunks(ChunkLoop):
         x, s, vals, pm = self.x, self.s, [], self.pages
         for i, (r, w, v, perm) in enumerate(zip(self.in_refs, self.laid, self.kept, self.perms, strict=True)):
             if pm is not None and i in pm.inputs:  # the chunk's pages, named by the table: x first in the block
-                entries = lambda j, m: self.table_ref[pl.ds(j, m)]  # noqa: E731
+                entries = lambda j, m=None: self.table_ref[j] if m is None else self.table_ref[pl.ds(j, m)]  # noqa: E731
                 v = pm.load(r, entries, lambda pool, j, off, n: pool[j, pl.ds(off, n)], c * s, s)
                 v = v if perm is None else jnp.transpose(v, perm)
             elif v is None:

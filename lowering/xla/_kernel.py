@@ -251,7 +251,9 @@ def _block(p: Plan, d: Diagram, sizes: dict, extent: dict, config: XlaConfig, pm
 
     def chunk(start, size):
         return [
-            pm.load(v, lambda j, m: lax.dynamic_slice_in_dim(row, j, m), _window, start, size)
+            pm.load(
+                v, lambda j, m=None: row[j] if m is None else lax.dynamic_slice_in_dim(row, j, m), _window, start, size
+            )
             if pm is not None and i in pm.inputs
             else lax.dynamic_slice_in_dim(v, start, size, w.names.index(x))
             if w.has(x)
