@@ -50,6 +50,7 @@ import jax.numpy as jnp
 from lowering._api import lower
 from lowering._paged import PageMap, check_paged, check_pages_used, paged_split
 from lowering._plan import NotLowerable
+from lowering.triton import TritonConfig
 from napkin_cat import library
 from napkin_cat.axes import axes
 from napkin_cat.diagram import Array, Diagram, Ty, swap
@@ -159,7 +160,10 @@ class Plan:
             diagram = self._attention(b, h, q, x, d, dv, mods)
         rows, chunk = self.blocks()
         derivation = derive(diagram, tile(q, rows), stream(x, chunk))
-        return lower(with_lse(derivation.diagram, x.name), self.backend, interpret=self.interpret)
+        # MLA's 64 rows × 512 latent dims: an f32 accumulator two warpgroups hold (FlashMLA's split), two stages
+        wide = self.rope and max(self.dims) >= 256 and self.backend in ("auto", "triton")
+        config = TritonConfig(num_warps=8, num_stages=2) if wide else None
+        return lower(with_lse(derivation.diagram, x.name), self.backend, self.interpret, config)
 
     def _attention(self, b, h, q, x, d, dv, mods):
         return library.dot_product_attention(
@@ -270,9 +274,20 @@ def _checked_common(q, k_cache, v_cache, lengths, keys: int) -> None:
             )
 
 
-def _parts(batch: int, kv_heads: int, keys: int, hardware: Hardware) -> int:
-    """``choose_parts``'s number, moved to a divisor of the keys where one is at least half of it (no padding)."""
-    n = choose_parts(batch * kv_heads, keys, hardware)
+def row_tiles(rows: int) -> int:
+    """The row tiles of one KV head's ``Nq · H/H_kv`` rows (tiles of 64 at most): programs the grid already has
+    without splitting the keys, so fewer parts fill the SMs.
+
+    >>> row_tiles(4), row_tiles(256)
+    (1, 4)
+    """
+    return -(-rows // 64)
+
+
+def _parts(batch: int, programs: int, keys: int, hardware: Hardware) -> int:
+    """``choose_parts``'s number for ``batch · programs`` programs (KV heads times row tiles), moved to a divisor of
+    the keys where one is at least half of it (no padding)."""
+    n = choose_parts(batch * programs, keys, hardware)
     return next((m for m in range(n, (n + 1) // 2 - 1, -1) if keys % m == 0), n)
 
 
@@ -374,7 +389,7 @@ def _contiguous(q, k_cache, v_cache, lengths, scale, fns, parts, backend, interp
     MLA's rotary queries and keys."""
     (batch, nq, heads, dim), (_, keys, kv_heads, dv) = q.shape, v_cache.shape
     hw = lookup(hardware) if hardware is not None else lookup("H100")
-    n = _parts(batch, kv_heads, keys, hw) if parts is None else parts
+    n = _parts(batch, kv_heads * row_tiles(nq * heads // kv_heads), keys, hw) if parts is None else parts
     if not isinstance(n, int) or not 1 <= n <= keys:
         raise EvaluationError(f"decode_attention: parts must be an integer in [1, S] = [1, {keys}], got {n!r}")
     r = 0 if rope is None else rope[1].shape[-1]
@@ -503,7 +518,7 @@ def _paged(
             f"{backend!r} has no page map: pass backend='triton' or 'xla'"
         )
     hw = lookup(hardware) if hardware is not None else lookup("H100")
-    n_default = choose_parts(batch * kv_heads, width * page_size, hw)
+    n_default = choose_parts(batch * kv_heads * row_tiles(nq * heads // kv_heads), width * page_size, hw)
     covered = max(16, 1 << (width * page_size - 1).bit_length())  # a short table's keys, to a power of two
     default = min(chunk_keys((dim, dv)), covered)
     n, per_part, keys = paged_split(width, page_size, parts=parts, chunk=default if chunk is None else chunk,

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file: f
 
 import napkin_cat as nc  # noqa: E402
 from lowering import decode_cost  # noqa: E402
-from lowering._decode import _parts, chunk_keys  # noqa: E402  the entry's own choice of parts and chunks
+from lowering._decode import _parts, chunk_keys, row_tiles  # noqa: E402  the entry's own parts and chunks
 from lowering._paged import paged_split  # noqa: E402  the paged entry's split (parts, chunk), to predict it
 from napkin_cat.hardware import for_device, lookup  # noqa: E402
 from papers.flash_attention.benchmark import device_info, device_stem  # noqa: E402
@@ -98,11 +98,11 @@ def predicted(impl: str, q, k, v, hw) -> float | None:
     (b, nq, h, d), (_, s, h_kv, _) = q.shape, k.shape
     shape = dict(batch=b, queries=nq, heads=h, kv_heads=h_kv, dim=d, lengths=[s] * b, hardware=hw)
     if impl == "napkin":
-        n = _parts(b, h_kv, s, hw)
+        n = _parts(b, h_kv * row_tiles(nq * h // h_kv), s, hw)
         return 1e3 * decode_cost(**shape, parts=n, chunk=min(64, -(-s // n))).seconds
     if impl == "paged":
         n, _, chunk = paged_split(s // PAGE, PAGE, parts=None, chunk=chunk_keys((d, d)),
-                                  n_default=choose_parts(b * h_kv, s, hw))  # fmt: skip
+                                  n_default=choose_parts(b * h_kv * row_tiles(nq * h // h_kv), s, hw))  # fmt: skip
         return 1e3 * decode_cost(**shape, parts=n, chunk=chunk, table_width=s // PAGE).seconds
     return None
 
@@ -151,7 +151,7 @@ def configuration(b: int, s: int, nq: int, heads: tuple, gpu: bool, seed: int) -
     k, v = (jax.random.normal(kk, (b, s, h_kv, d), jnp.bfloat16) for kk in keys[1:])
     cache_bytes = 2 * k.size * k.dtype.itemsize
     want = reference(q[:1], k[:1], v[:1])
-    parts = _parts(b, h_kv, s, lookup("H100"))
+    parts = _parts(b, h_kv * row_tiles(nq * h // h_kv), s, lookup("H100"))
     hw = for_device(device_info()["kind"]) or lookup("H100")  # the GPU's model; H100 where there is none
     entry = {"B": b, "S": s, "Nq": nq, "cache_GB": cache_bytes / 1e9, "parts": parts, "rows": []}
     print(f"B={b} S={s} Nq={nq}: cache {cache_bytes / 1e9:.2f} GB, napkin-cat's default parts {parts}", flush=True)
@@ -225,7 +225,7 @@ def mla_configuration(b: int, s: int, dims: tuple, seed: int) -> dict:
     entry = {"B": b, "S": s, "Nq": 1, "mla": dict(zip(("H", "C", "R"), dims, strict=True)), "rows": []}
     entry["cache_GB"] = cache_bytes / 1e9
     print(f"MLA B={b} S={s}: H={h}, latent {c} + rotary {r}, cache {cache_bytes / 1e9:.2f} GB", flush=True)
-    n = _parts(b, 1, s, lookup("H100"))
+    n = _parts(b, row_tiles(h), s, lookup("H100"))
     for name, (fn, args) in impls.items():
         row = measure(name, fn, args, want, cache_bytes)
         if name != "copy":
@@ -240,7 +240,8 @@ def mla_configuration(b: int, s: int, dims: tuple, seed: int) -> dict:
             r["of_copy_bandwidth"] = r["gbs"] / copy["gbs"]
         if "ms" in r:
             share = f"  {100 * r['of_copy_bandwidth']:.0f}% of the copy's GB/s" if "of_copy_bandwidth" in r else ""
-            print(f"  {r['impl']:9s} {r['ms']:8.3f} ms {r['gbs']:7.0f} GB/s{share} ({r['clock']})", flush=True)
+            err = f"  err {r['max_rel_error']:.1e}" if "max_rel_error" in r else "  (read + write)"
+            print(f"  {r['impl']:9s} {r['ms']:8.3f} ms {r['gbs']:7.0f} GB/s{share}{err} ({r['clock']})", flush=True)
     return entry
 
 
