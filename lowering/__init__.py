@@ -14,7 +14,7 @@ True
 from lowering._api import Kernel, OpenKernel, lower
 from lowering._attention import AttentionKernel, attention
 from lowering._cross_entropy import linear_cross_entropy
-from lowering._decode import decode_attention
+from lowering._decode import decode_attention, mla_decode_attention
 from lowering._decode_cost import DecodeCost, decode_cost
 from lowering._kv_cache import KVCache
 from lowering._plan import NotLowerable, Plan, plan
@@ -33,6 +33,7 @@ __all__ = [
     "TritonConfig", "TritonLowered",  # the Triton backend (lowering.triton; Config and Lowered are these)
     "XlaConfig", "XlaLowered",  # the XLA backend (lowering.xla)
     "DecodeCost", "KVCache", "decode_attention", "decode_cost",  # decoding (lowering._decode, _paged, _kv_cache)
+    "mla_decode_attention",  # MLA decoding (lowering._decode)
     "linear_cross_entropy",  # a classifier head's loss without its logits (lowering._cross_entropy)
     "rms_norm_linear",  # an RMS norm fused into the projection after it (lowering._rms_norm_linear)
 ]

@@ -48,14 +48,16 @@ import jax
 import jax.numpy as jnp
 
 from lowering._api import lower
-from lowering._paged import check_paged, check_pages_used, paged_plan, paged_step
+from lowering._paged import PageMap, check_paged, check_pages_used, paged_split
 from lowering._plan import NotLowerable
-from lowering._target import interpreted
+from lowering.triton import TritonConfig
 from napkin_cat import library
 from napkin_cat.axes import axes
+from napkin_cat.diagram import Array, Diagram, Ty, swap
+from napkin_cat.diagram import id as identity
 from napkin_cat.dtypes import bf16, f16, f32
 from napkin_cat.errors import EvaluationError
-from napkin_cat.generators import fname, index_names, positional
+from napkin_cat.generators import add, contract, elementwise, fname, index_names, positional, softmax
 from napkin_cat.hardware import Hardware, lookup
 from rewrites import choose_parts, derive, merge_parts, stream, tile, with_lse
 
@@ -120,6 +122,10 @@ class Plan:
     mask_mod: Callable | None = None
     backend: str = "auto"
     interpret: bool | None = None
+    #: a paged cache's keys per page and per streamed chunk (whole pages); None for a contiguous cache
+    pages: tuple[int, int] | None = None
+    #: MLA: the keys' trailing rotary dims, read from their own inputs (the latent keys are the values); 0 else
+    rope: int = 0
 
     @property
     def rows(self) -> int:
@@ -127,9 +133,17 @@ class Plan:
         return self.queries * self.group
 
     def blocks(self) -> tuple[int, int]:
-        """Rows per tile and keys per streamed chunk: powers of two ≥ 16 (every 16-bit dot's K), at most 64."""
+        """Rows per tile and keys per streamed chunk: powers of two ≥ 16 (every 16-bit dot's K), at most 64 (and
+        at most :func:`chunk_keys`, so wide heads' chunks fit shared memory); a paged cache's chunk is its pages."""
         pow2 = lambda n: max(16, 1 << (n - 1).bit_length())  # noqa: E731
-        return min(64, pow2(self.rows)), min(64, pow2(self.chunk))
+        keys = min(chunk_keys(self.dims), pow2(self.chunk))
+        return min(64, pow2(self.rows)), keys if self.pages is None else self.pages[1]
+
+    def page_map(self) -> PageMap | None:
+        """Where a paged cache's chunks load from: the kernel's keys and values (inputs 1, 2) read as pools
+        through a table whose rows follow the kernel's batch axis (sequence, part)."""
+        inputs = (1, 2, 4) if self.rope else (1, 2)  # MLA: the rotary keys too
+        return None if self.pages is None else PageMap("kv_idx", self.pages[0], "b", inputs)
 
     def kernel(self):
         """The per-part kernel: the diagram with its (o, lse) outputs, its schedule derived and verified, lowered."""
@@ -139,7 +153,20 @@ class Plan:
         for key, fn, score in (("score_mod", self.score_mod, True), ("mask", self.mask_mod, False)):
             if fn is not None:
                 mods[key] = Decoded(fn, self.parts, self.chunk, self.group, score)
-        diagram = library.dot_product_attention(
+        if self.rope:
+            r = axes("r", r=self.rope)[0]
+            diagram = mla_attention(b, h, q, x, d, r, self.scale, DTYPES[self.dtype], tail=self.queries > 1)
+        else:
+            diagram = self._attention(b, h, q, x, d, dv, mods)
+        rows, chunk = self.blocks()
+        derivation = derive(diagram, tile(q, rows), stream(x, chunk))
+        # MLA's 64 rows × 512 latent dims: an f32 accumulator two warpgroups hold (FlashMLA's split), two stages
+        wide = self.rope and max(self.dims) >= 256 and self.backend in ("auto", "triton")
+        config = TritonConfig(num_warps=8, num_stages=2) if wide else None
+        return lower(with_lse(derivation.diagram, x.name), self.backend, self.interpret, config)
+
+    def _attention(self, b, h, q, x, d, dv, mods):
+        return library.dot_product_attention(
             q,
             x,
             d,
@@ -152,9 +179,50 @@ class Plan:
             value_dim=dv if self.dims[1] != self.dims[0] else None,
             **mods,
         )
-        rows, chunk = self.blocks()
-        derivation = derive(diagram, tile(q, rows), stream(x, chunk))
-        return lower(with_lse(derivation.diagram, x.name), self.backend, interpret=self.interpret)
+
+
+def mla_attention(b, h, q, x, c, r, scale, dtype, *, tail: bool) -> Diagram:
+    """Absorbed multi-head latent attention (DeepSeek-V2/V3's MLA at inference) as one diagram, laid out ``[b, seq,
+    h, dim]``: ``Q_c[c] ⊗ K_c[c] ⊗ V[c] ⊗ Q_r[r] ⊗ K_r[r] ⊗ [M] ⊗ ids_q ⊗ ids_x → O[c]``, scores ``scale·(Q_c·K_cᵀ +
+    Q_r·K_rᵀ)`` (the latent and rotary parts, ``c + r`` dims; ``scale`` defaults to ``1/√(c + r)``), masked by the
+    causal tail ``M`` (``tail``) and the segment ids, softmax, then contracted with ``V`` over the keys. ``V`` is
+    the latent keys themselves (the caller passes one array twice: the streamed loop loads its chunk for both).
+
+    >>> b, h, q, x, c, r = axes("b h q x c r", c=32, r=16)
+    >>> print(mla_attention(b, h, q, x, c, r, None, f32, tail=False).dom)
+    b×q×h×c ⊗ b×x×h×c ⊗ b×x×h×c ⊗ b×q×h×r ⊗ b×x×h×r ⊗ b×q ⊗ b×x
+    """
+    scale = 1 / math.sqrt(c.size + r.size) if scale is None else scale
+    S, V = Array(b, h, q, x), Array(b, x, h, c, dtype=dtype)
+    ids = (Array(b, q, dtype="i32"), Array(b, x, dtype="i32"))
+    M = (Array(b, q, x, dtype="bool"),) if tail else ()  # noqa: N806 - a mask's wire, as the library names it
+    n = {a: a.name for a in (b, h, q, x, c)}
+
+    def scores(e):
+        spec = f"{n[b]} {n[q]} {n[h]} {e.name}, {n[b]} {n[x]} {n[h]} {e.name} -> {n[b]} {n[h]} {n[q]} {n[x]}"
+        return contract(spec, b, h, q, x, e, scale=scale, dtype=dtype, out_dtype=f32)
+
+    rest = Ty(*M, *ids)
+    out = scores(c) @ identity(Ty(V)) @ scores(r) @ identity(rest)  # S V S_r rest
+    out = out >> (identity(Ty(S)) @ swap(Ty(V), Ty(S)) @ identity(rest)) >> (add(S, S) @ identity(Ty(V) @ rest))
+    out = out >> (identity(Ty(S)) @ swap(Ty(V), rest))  # S rest V
+    if tail:
+        out = out >> (elementwise(library.keep_where, S, M[0], out=S) @ identity(Ty(*ids, V)))
+    out = out >> (elementwise(library.same_document, S, *ids, out=S) @ identity(Ty(V)))
+    spec = f"{n[b]} {n[h]} {n[q]} {n[x]}, {n[b]} {n[x]} {n[h]} {n[c]} -> {n[b]} {n[q]} {n[h]} {n[c]}"
+    return (
+        out >> (softmax(S, x) @ identity(Ty(V))) >> contract(spec, b, h, q, x, c, dtype=(f32, dtype), out_dtype=dtype)
+    )
+
+
+def chunk_keys(dims: tuple[int, int]) -> int:
+    """Keys per streamed chunk by default: 64, fewer for head dims over 256 (MLA's 512-dim latent keys: 32), so a
+    chunk of keys and values with 64 rows of queries fits a GPU block's shared memory in two stages.
+
+    >>> chunk_keys((128, 128)), chunk_keys((512, 512))
+    (64, 32)
+    """
+    return max(16, min(64, 16384 // max(dims)))
 
 
 @functools.lru_cache(maxsize=64)
@@ -206,9 +274,20 @@ def _checked_common(q, k_cache, v_cache, lengths, keys: int) -> None:
             )
 
 
-def _parts(batch: int, kv_heads: int, keys: int, hardware: Hardware) -> int:
-    """``choose_parts``'s number, moved to a divisor of the keys where one is at least half of it (no padding)."""
-    n = choose_parts(batch * kv_heads, keys, hardware)
+def row_tiles(rows: int) -> int:
+    """The row tiles of one KV head's ``Nq · H/H_kv`` rows (tiles of 64 at most): programs the grid already has
+    without splitting the keys, so fewer parts fill the SMs.
+
+    >>> row_tiles(4), row_tiles(256)
+    (1, 4)
+    """
+    return -(-rows // 64)
+
+
+def _parts(batch: int, programs: int, keys: int, hardware: Hardware) -> int:
+    """``choose_parts``'s number for ``batch · programs`` programs (KV heads times row tiles), moved to a divisor of
+    the keys where one is at least half of it (no padding)."""
+    n = choose_parts(batch * programs, keys, hardware)
     return next((m for m in range(n, (n + 1) // 2 - 1, -1) if keys % m == 0), n)
 
 
@@ -293,8 +372,6 @@ the cache's valid keys, the Nq new tokens included
     if chunk is not None:
         raise EvaluationError(f"decode_attention: chunk={chunk!r} is the paged kernel's; pass it with page_table=")
     _checked(q, k_cache, v_cache, lengths)
-    (batch, nq, heads, dim), (_, keys, kv_heads, dv) = q.shape, v_cache.shape
-    group = heads // kv_heads
     for name, fn, score in (("score_mod", score_mod, True), ("mask_mod", mask_mod, False)):
         if fn is not None and "q_idx" in (index_names(positional(fn, FLEX, score=score), score=score) or ()):
             raise NotLowerable(
@@ -302,31 +379,114 @@ the cache's valid keys, the Nq new tokens included
                 "known only when the kernel runs: name only the indices it reads among b, h and kv_idx (the key's "
                 "position in the cache), e.g. lambda score, kv_idx: ..."
             )
+    fns = tuple(None if f is None else positional(f, FLEX, score=s) for f, s in ((score_mod, True), (mask_mod, False)))
+    out, lse = _contiguous(q, k_cache, v_cache, lengths, scale, fns, parts, backend, interpret, hardware)
+    return (out, lse) if return_residual else out
+
+
+def _contiguous(q, k_cache, v_cache, lengths, scale, fns, parts, backend, interpret, hardware, rope=None):
+    """A checked contiguous call planned (``parts`` from the hardware's SMs unless given) and run; ``rope``:
+    MLA's rotary queries and keys."""
+    (batch, nq, heads, dim), (_, keys, kv_heads, dv) = q.shape, v_cache.shape
     hw = lookup(hardware) if hardware is not None else lookup("H100")
-    n = _parts(batch, kv_heads, keys, hw) if parts is None else parts
+    n = _parts(batch, kv_heads * row_tiles(nq * heads // kv_heads), keys, hw) if parts is None else parts
     if not isinstance(n, int) or not 1 <= n <= keys:
         raise EvaluationError(f"decode_attention: parts must be an integer in [1, S] = [1, {keys}], got {n!r}")
-    chunk = math.ceil(keys / n)
-    fns = tuple(None if f is None else positional(f, FLEX, score=s) for f, s in ((score_mod, True), (mask_mod, False)))
-    plan = Plan(jnp.dtype(q.dtype).name, nq, group, (dim, dv), n, chunk, scale, *fns, backend, interpret)
+    r = 0 if rope is None else rope[1].shape[-1]
+    plan = Plan(jnp.dtype(q.dtype).name, nq, heads // kv_heads, (dim, dv), n, math.ceil(keys / n), scale, *fns,
+                backend, interpret, rope=r)  # fmt: skip
     _kernel(plan)  # built (derived, verified, lowered) here, outside any trace of the caller's
-    out, lse = _step(plan, q, k_cache, v_cache, lengths)
+    return _step(plan, q, k_cache, v_cache, lengths, None, rope)
+
+
+def mla_decode_attention(
+    q,
+    latent_cache,
+    rope_cache,
+    lengths,
+    *,
+    scale: float | None = None,
+    page_table=None,
+    return_residual: bool = False,
+    parts: int | None = None,
+    chunk: int | None = None,
+    backend: str = "auto",
+    interpret: bool | None = None,
+    hardware: Hardware | str | None = None,
+):
+    """Absorbed multi-head latent attention (MLA, DeepSeek-V2/V3) decoding: ``q`` ``[B, Nq, H, C + R]`` (each
+    head's absorbed query, its latent ``C`` dims then its rotary ``R``) over one shared KV head kept as DeepSeek's
+    inference keeps it, the latent cache ``[B, S, C]`` (keys and values both) and the rotary keys ``[B, S, R]``;
+    scores ``scale·q·[latent, rope]ᵀ`` over ``C + R`` dims (``scale`` defaults to ``1/√(C + R)``; DeepSeek-V3
+    passes its own, ``1/√192`` times its YaRN factor), the output ``[B, Nq, H, C]`` the weights times the latent
+    keys. The diagram is :func:`mla_attention`, decoded as ``decode_attention`` decodes (split-KV, the ``H``
+    heads packed into the rows, ``lengths`` at call time, causal among the ``Nq`` new tokens); the latent cache
+    is read once per chunk for both products. With ``page_table`` both caches are page pools ``[P, page_size,
+    C]`` and ``[P, page_size, R]`` sharing the table.
+
+    >>> import jax, jax.numpy as jnp
+    >>> q = jax.random.normal(jax.random.key(0), (1, 1, 16, 48))                    # 16 heads of 32 + 16 dims
+    >>> lat, rot = (jax.random.normal(jax.random.key(i), (1, 40, n)) for i, n in ((1, 32), (2, 16)))
+    >>> out = mla_decode_attention(q, lat, rot, jnp.array([33]))
+    >>> s = jnp.einsum("bqhd,bkd->bhqk", q, jnp.concatenate([lat, rot], -1)) / jnp.sqrt(48.0)
+    >>> weights = jax.nn.softmax(jnp.where(jnp.arange(40) < 33, s, -jnp.inf), axis=-1)
+    >>> ref = jnp.einsum("bhqk,bkc->bqhc", weights, lat)
+    >>> out.shape, bool(jnp.allclose(out, ref, atol=1e-5))
+    ((1, 1, 16, 32), True)
+    """
+    c = latent_cache.shape[-1]
+    if not (q.ndim == 4 and latent_cache.ndim == rope_cache.ndim == 3 and latent_cache.shape[:2] == rope_cache.shape[:2]
+            and q.shape[3] == c + rope_cache.shape[-1]):  # fmt: skip
+        raise EvaluationError(
+            f"mla_decode_attention: q must be [B, Nq, H, C + R] over caches [B or P, S or page_size, C] and [..., R] "
+            f"of one leading shape; q {tuple(q.shape)}, latent_cache {tuple(latent_cache.shape)}, rope_cache "
+            f"{tuple(rope_cache.shape)}"
+        )
+    if jnp.dtype(rope_cache.dtype) != jnp.dtype(latent_cache.dtype):
+        raise EvaluationError(
+            f"mla_decode_attention: the caches' dtypes differ: {latent_cache.dtype}, {rope_cache.dtype}"
+        )
+    k, k_r = latent_cache[:, :, None], rope_cache[:, :, None]  # the one KV head
+    q_c, rope = q[..., :c], (q[..., c:], k_r)
+    if page_table is not None:
+        out, lse = _paged(q_c, k, k, lengths, page_table, scale, (None, None), parts, chunk, backend, interpret,
+                          hardware, rope)  # fmt: skip
+    else:
+        if chunk is not None:
+            raise EvaluationError(
+                f"mla_decode_attention: chunk={chunk!r} is the paged kernel's; pass it with page_table="
+            )
+        _checked(q_c, k, k, lengths)
+        out, lse = _contiguous(q_c, k, k, lengths, scale, (None, None), parts, backend, interpret, hardware, rope)
     return (out, lse) if return_residual else out
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _step(plan: Plan, q, k_cache, v_cache, lengths):
-    """One decode step for ``plan`` (compiled once per plan and shapes; ``lengths`` are values): the queries packed
-    into rows and repeated per part, the caches read as parts, the kernel, the parts merged."""
-    (batch, nq, heads, dim), (_, keys, kv_heads, dv) = q.shape, v_cache.shape
+def _step(plan: Plan, q, k_cache, v_cache, lengths, page_table=None, rope=None):
+    """One decode step for ``plan`` (compiled once per plan and shapes; ``lengths`` and ``page_table`` are values):
+    the queries packed into rows and repeated per part, the caches read as parts (a paged cache's table as each
+    part's pages), the kernel, the parts merged. ``rope``: MLA's rotary queries and keys ``(q_r, k_r)``."""
+    (batch, nq, heads, _), (kv_heads, dv) = q.shape, v_cache.shape[2:]
     n, chunk, group, kernel = plan.parts, plan.chunk, plan.group, _kernel(plan)
-    # rows (token, head in group) per KV head; the queries repeated for each part (small beside the cache)
-    rows = q.reshape(batch, nq, kv_heads, group, dim).transpose(0, 1, 3, 2, 4)
-    rows = rows.reshape(batch, plan.rows, kv_heads, dim)
-    rows = jnp.broadcast_to(rows[:, None], (batch, n, *rows.shape[1:])).reshape(batch * n, *rows.shape[1:])
-    pad = [(0, 0), (0, n * chunk - keys), (0, 0), (0, 0)]
-    k, v = (jnp.pad(c, pad).reshape(batch * n, chunk, kv_heads, -1) for c in (k_cache, v_cache))
-    o, lse = _inference(kernel)(rows, k, v, *_masks(lengths, plan, batch))
+
+    def rows(a):  # rows (token, head in group) per KV head, repeated for each part (small beside the cache)
+        a = a.reshape(batch, nq, kv_heads, group, -1).transpose(0, 1, 3, 2, 4).reshape(batch, plan.rows, kv_heads, -1)
+        return jnp.broadcast_to(a[:, None], (batch, n, *a.shape[1:])).reshape(batch * n, *a.shape[1:])
+
+    def parts(c):  # a contiguous cache read as parts: a reshape, padded only where n does not divide S
+        c = jnp.pad(c, [(0, 0), (0, n * chunk - c.shape[1]), (0, 0), (0, 0)])
+        return c.reshape(batch * n, chunk, *c.shape[2:])
+
+    ins = [rows(q), k_cache, v_cache, *([] if rope is None else [rows(rope[0]), rope[1]])]
+    masks = _masks(lengths, plan, batch)
+    if page_table is None:
+        ins = [a if i in (0, 3) else parts(a) for i, a in enumerate(ins)]
+        o, lse = _inference(kernel)(*ins, *masks)
+    else:  # part p of sequence b reads its pages table[b, p·w : (p+1)·w], through the page map
+        width = chunk // plan.pages[0]
+        table = jnp.pad(page_table, [(0, 0), (0, n * width - page_table.shape[1])]).reshape(batch * n, width)
+        paged = lambda *xs: kernel.forward(*xs[:-1], pages=(plan.page_map(), xs[-1]))  # noqa: E731
+        o, lse = _inference(paged)(*ins, *masks, table)
     o_names, l_names = (tuple(w.names) for w in kernel.diagram.cod.inside)
     o = _arrange(o, o_names, "b q_idx h dv" if "dv" in o_names else "b q_idx h d")
     o = o.reshape(batch, n, plan.rows, kv_heads, dv)
@@ -337,23 +497,35 @@ def _step(plan: Plan, q, k_cache, v_cache, lengths):
     return out.astype(q.dtype), lse
 
 
-def _paged(q, k_pages, v_pages, lengths, page_table, scale, mods, parts, chunk, backend, interpret, hardware):
-    """``decode_attention`` over page pools: checked (before anything is built), planned, run."""
+def _paged(
+    q, k_pages, v_pages, lengths, page_table, scale, mods, parts, chunk, backend, interpret, hardware, rope=None
+):
+    """``decode_attention`` over page pools: checked (before anything is built), planned, run through the same
+    derived kernel as a contiguous cache, its keys and values read through the page map."""
     check_paged(q, k_pages, v_pages, page_table, chunk, MAX_QUERIES)
-    (batch, _, _, _), (pool, page_size, kv_heads, dv) = q.shape, v_pages.shape
-    keys = page_table.shape[1] * page_size
-    _checked_common(q, k_pages, v_pages, lengths, keys)
+    (batch, nq, heads, dim), (pool, page_size, kv_heads, dv) = q.shape, v_pages.shape
+    width = page_table.shape[1]
+    _checked_common(q, k_pages, v_pages, lengths, width * page_size)
     check_pages_used(page_table, lengths, pool, page_size)
     if any(f is not None for f in mods):
         raise NotLowerable(
             "decode_attention: score_mod and mask_mod are read on contiguous caches only; with page_table= pass "
             "neither (or gather the pages into a [B, S, H_kv, D] cache)"
         )
-    if backend not in ("auto", "triton"):
-        raise NotLowerable(f"decode_attention: the paged kernel is Pallas Triton's; backend={backend!r} has none")
+    if backend not in ("auto", "triton", "xla"):
+        raise NotLowerable(
+            f"decode_attention: a page table is read by the Triton and XLA backends' streamed loops; backend="
+            f"{backend!r} has no page map: pass backend='triton' or 'xla'"
+        )
     hw = lookup(hardware) if hardware is not None else lookup("H100")
-    plan = paged_plan(
-        jnp.dtype(q.dtype).name, q.shape, v_pages.shape, dv, page_table.shape[1], parts=parts, chunk=chunk,
-        n_default=choose_parts(batch * kv_heads, keys, hw), scale=scale, interpret=interpreted(interpret),
-    )  # fmt: skip
-    return paged_step(plan, q, k_pages, v_pages, page_table, lengths)
+    n_default = choose_parts(batch * kv_heads * row_tiles(nq * heads // kv_heads), width * page_size, hw)
+    covered = max(16, 1 << (width * page_size - 1).bit_length())  # a short table's keys, to a power of two
+    default = min(chunk_keys((dim, dv)), covered)
+    n, per_part, keys = paged_split(width, page_size, parts=parts, chunk=default if chunk is None else chunk,
+                                    n_default=n_default)  # fmt: skip
+    backend = "triton" if backend == "auto" else backend
+    plan = Plan(jnp.dtype(q.dtype).name, nq, heads // kv_heads, (dim, dv), n, per_part * page_size, scale,
+                backend=backend, interpret=interpret, pages=(page_size, keys),
+                rope=0 if rope is None else rope[1].shape[-1])  # fmt: skip
+    _kernel(plan)
+    return _step(plan, q, k_pages, v_pages, lengths, page_table, rope)

@@ -5,7 +5,9 @@ DRAM traffic over the bandwidth (FAN §4's memory-bound case), unless the rows p
 the two products outweigh it (the roofline's other side). The kernel moves:
 
 * the keys and values each sequence's parts visit: its length rounded up to whole chunks, ``× H_kv × (D + Dv)``
-  elements of the cache's dtype (chunks past a length are skipped, never read);
+  elements of the cache's dtype (chunks past a length are skipped, never read); for MLA (``rope = R``: latent
+  keys of ``D`` dims that are also the values, and ``R`` rotary dims) ``× (D + R)``: the latent chunk is read from
+  DRAM once for both products (its second load is served by the L2);
 * the queries, once per part, the page table (int32, paged caches), and each part's ``(o, lse)`` in f32;
 
 and the merge (:func:`rewrites.merge_parts`, an XLA fusion) reads the parts' ``(o, lse)`` and writes the output.
@@ -17,6 +19,10 @@ its datasheet HBM rate; the compute rate its measured dense matmul ceiling, else
 (134.6, 'H100')
 >>> round(c.seconds * 1e6, 1)                      # 134 MB at 3.35 TB/s, plus the merge
 40.3
+>>> mla = decode_cost(batch=64, queries=1, heads=128, kv_heads=1, dim=512, rope=64, lengths=[4096] * 64, parts=2,
+...                   chunk=64, table_width=64)       # DeepSeek-V3's absorbed MLA over pages of 64 keys
+>>> round(mla.kernel_bytes / 1e6, 1), mla.bound
+(354.5, 'memory')
 """
 
 from __future__ import annotations
@@ -78,11 +84,13 @@ def decode_cost(
     value_dim: int | None = None,
     dtype: str = "bfloat16",
     table_width: int = 0,
+    rope: int = 0,
     hardware: Hardware | str = "H100",
 ) -> DecodeCost:
     """The cost of one ``nc.decode_attention`` step (the module's docstring): ``batch`` sequences of ``lengths``
     valid keys, ``queries`` new tokens each, ``parts`` parts streamed in ``chunk``-key chunks; ``table_width``
-    pages per sequence for a paged cache (0: contiguous).
+    pages per sequence for a paged cache (0: contiguous); ``rope`` the rotary dims of an
+    ``nc.mla_decode_attention`` step (``dim`` its latent dims, which are also the values'; 0: not MLA).
 
     >>> [decode_cost(batch=4, queries=nq, heads=64, kv_heads=8, dim=128, lengths=[4096] * 4, parts=4,
     ...              table_width=64).bound for nq in (1, 64)]   # 8 or 512 rows per KV head
@@ -98,10 +106,10 @@ def decode_cost(
         raise CostError(f"decode_cost: dtype {dtype!r} is none of {', '.join(DTYPES)}")
     hw, dt, dv = lookup(hardware), DTYPES[dtype], dim if value_dim is None else value_dim
     keys = sum(-(-int(n) // chunk) * chunk for n in lengths)
-    cache = keys * kv_heads * (dim + dv) * dt.bytes
+    cache = keys * kv_heads * ((dim + rope) if rope else (dim + dv)) * dt.bytes  # MLA: the values are the keys
     partial = batch * parts * queries * heads * (dv + 1) * 4  # each part's (o, lse), f32
-    kernel = cache + batch * parts * queries * heads * dim * dt.bytes + batch * table_width * 4 + partial
+    kernel = cache + batch * parts * queries * heads * (dim + rope) * dt.bytes + batch * table_width * 4 + partial
     merge = partial + batch * queries * heads * (dv * dt.bytes + 4)
-    flops = 2 * queries * heads * (dim + dv) * sum(int(n) for n in lengths)
+    flops = 2 * queries * heads * (dim + rope + dv) * sum(int(n) for n in lengths)
     bandwidth = hw.ceiling("dram") or hw.bandwidth(L2, outer=HBM)
     return DecodeCost(kernel, merge, flops, hw.name, bandwidth, hw.ceiling(dt.name) or hw.flops(dt))

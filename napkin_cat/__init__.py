@@ -80,16 +80,16 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """``attention``, the drop-in entry, ``decode_attention`` (split-KV decoding), ``linear_cross_entropy``
-    (a classifier head's loss) and ``rms_norm_linear`` (a norm fused into its projection), imported from
-    :mod:`lowering` when first asked for.
+    """``attention``, the drop-in entry, ``decode_attention`` and ``mla_decode_attention`` (split-KV decoding),
+    ``linear_cross_entropy`` (a classifier head's loss) and ``rms_norm_linear`` (a norm fused into its projection),
+    imported from :mod:`lowering` when first asked for.
 
     >>> import napkin_cat as nc
     >>> from lowering import attention
     >>> nc.attention is attention
     True
     """
-    if name in ("attention", "decode_attention", "linear_cross_entropy", "rms_norm_linear"):
+    if name in ("attention", "decode_attention", "mla_decode_attention", "linear_cross_entropy", "rms_norm_linear"):
         import lowering
 
         return getattr(lowering, name)

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import napkin_cat as nc
-from lowering import NotLowerable
+from lowering import NotLowerable, decode_cost
 from lowering._decode import _step
 from napkin_cat.errors import EvaluationError
 from napkin_cat.generators._softmax import OnlineSoftmax
@@ -20,11 +20,13 @@ from rewrites import RewriteError, derive, merge_parts, prove_merge, prove_monoi
 #: max abs error by dtype: measured on these cases at most 4.8e-7 (f32) and 4.4e-3 (bf16, its output rounding)
 ATOL = {"float32": 5e-6, "bfloat16": 1e-2}
 
-#: (dtype, B, Nq, H, H_kv, S, parts): GQA groups 4, 2, 4; parts 2, 3 and 4 (S = 38: ragged); parts 1 below
+#: (dtype, B, Nq, H, H_kv, S, parts): GQA groups 4, 2, 4, 2; Nq = 1, 4, 4, 64 (128 rows: two row tiles); parts 2, 3, 4
+#: (S = 38: ragged) and 2; parts 1 below
 CASES = [
     ("float32", 2, 1, 8, 2, 40, 2),
     ("float32", 2, 4, 4, 2, 38, 3),
     ("bfloat16", 2, 4, 4, 1, 38, 4),
+    ("bfloat16", 1, 64, 2, 1, 80, 2),
 ]
 
 
@@ -52,7 +54,7 @@ def draw(case, seed: int):
     return tuple(jnp.asarray(a).astype(dtype) for a in (q, k, v))
 
 
-@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=st.sampled_from(CASES), seed=st.integers(0, 2**31 - 1), data=st.data())
 def test_decode_matches_reference(case, seed, data):
     q, k, v = draw(case, seed)
@@ -159,3 +161,47 @@ def test_the_merge_is_proved_and_matches_a_logsumexp():
     w = jax.nn.softmax(seen, axis=0)
     assert jnp.allclose(got, jnp.einsum("pr,prd->rd", w, o), atol=1e-6)
     assert jnp.allclose(total, jax.nn.logsumexp(seen, axis=0), atol=1e-6)
+
+
+def mla_reference(q, latent, rope, lengths, scale):
+    """MLA written here: scores over the latent and rotary dims, the new tokens' causal tail, values the latent."""
+    nq = q.shape[1]
+    s = jnp.einsum("bqhd,bkd->bhqk", q, jnp.concatenate([latent, rope], -1)) * scale
+    last = lengths[:, None] - nq + jnp.arange(nq)[None, :]
+    keep = (jnp.arange(latent.shape[1])[None, None, :] <= last[:, :, None])[:, None]
+    return jnp.einsum("bhqk,bkc->bqhc", jax.nn.softmax(jnp.where(keep, s, -jnp.inf), axis=-1), latent)
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31 - 1), nq=st.sampled_from([1, 4]), data=st.data())
+def test_mla_matches_reference(seed, nq, data):
+    """Absorbed MLA: 8 heads over one latent KV head of 32 dims (also the values) and 16 rotary dims."""
+    r = np.random.default_rng(seed)
+    b, s, h, c, rot = 2, 40, 8, 32, 16
+    q = jnp.asarray(r.standard_normal((b, nq, h, c + rot), np.float32))
+    latent, rope = (jnp.asarray(r.standard_normal((b, s, n), np.float32)) for n in (c, rot))
+    lengths = jnp.array(data.draw(st.lists(st.sampled_from([nq, s]) | st.integers(nq, s), min_size=b, max_size=b)))
+    out, lse = nc.mla_decode_attention(q, latent, rope, lengths, scale=0.1, parts=2, return_residual=True)
+    err = float(jnp.max(jnp.abs(out - mla_reference(q, latent, rope, lengths, 0.1))))
+    assert out.shape == (b, nq, h, c) and lse.shape == (b, nq, h) and err <= ATOL["float32"], (seed, lengths, err)
+
+
+def test_mla_refusals():
+    q, latent, rope = jnp.zeros((2, 1, 8, 48)), jnp.zeros((2, 40, 32)), jnp.zeros((2, 40, 16))
+    with pytest.raises(EvaluationError, match=r"q must be \[B, Nq, H, C \+ R\]"):
+        nc.mla_decode_attention(q[..., :40], latent, rope, jnp.array([4, 4]))
+    with pytest.raises(EvaluationError, match="the caches' dtypes differ"):
+        nc.mla_decode_attention(q, latent, rope.astype(jnp.bfloat16), jnp.array([4, 4]))
+
+
+def test_decode_cost_counts_pages_and_mla():
+    """Bytes written out here: the cache the chunks visit, the queries per part, the table, each part's (o, lse)."""
+    b, nq, h, h_kv, d, n, chunk, lengths = 2, 1, 8, 2, 64, 3, 64, [100, 64]
+    keys = 128 + 64  # 100 keys round up to two chunks, 64 to one
+    for rope, table, per_key in ((0, 0, h_kv * 2 * d), (0, 4, h_kv * 2 * d), (32, 4, h_kv * (d + 32))):
+        c = decode_cost(batch=b, queries=nq, heads=h, kv_heads=h_kv, dim=d, lengths=lengths, parts=n, chunk=chunk,
+                        table_width=table, rope=rope, dtype="float32")  # fmt: skip
+        partial = b * n * nq * h * (d + 1) * 4
+        want = keys * per_key * 4 + b * n * nq * h * (d + rope) * 4 + b * table * 4 + partial
+        assert c.kernel_bytes == want and c.merge_bytes == partial + b * nq * h * (d * 4 + 4), (rope, table)
+        assert c.flops == 2 * nq * h * (2 * d + rope) * sum(lengths)

@@ -11,17 +11,18 @@ from hypothesis import strategies as st
 
 import napkin_cat as nc
 from lowering import KVCache, NotLowerable, decode_cost
-from lowering._paged import paged_step
+from lowering._decode import _step
 from napkin_cat.errors import CostError, EvaluationError
 from papers.flash_attention.generate import TinyLM, generate, greedy_reference
 
 #: max abs error by dtype: measured on these cases at most 4.2e-7 (f32) and 3.9e-3 (bf16, its output rounding)
 ATOL = {"float32": 5e-6, "bfloat16": 1e-2}
 
-#: (dtype, B, Nq, H, H_kv, page_size, pages per sequence, pool, chunk): GQA 4, 2, 2; 1, 2, 1 pages per chunk
+#: (dtype, B, Nq, H, H_kv, page_size, pages per sequence, pool, chunk): GQA 4, 2, 2; 2 pages, half a page and 1 page
+#: per streamed chunk; Nq = 1, 4, 64 (128 rows: two row tiles)
 CASES = [
-    ("float32", 2, 1, 8, 2, 8, 5, 12, None),
-    ("float32", 2, 4, 4, 2, 4, 6, 14, 8),
+    ("float32", 2, 1, 8, 2, 8, 5, 12, 16),
+    ("float32", 2, 4, 4, 2, 32, 2, 6, 16),
     ("bfloat16", 1, 64, 2, 1, 16, 5, 7, 16),
 ]
 
@@ -60,26 +61,42 @@ def test_paged_decode_matches_reference(case, seed, data):
     assert lse.shape == q.shape[:3] and bool(jnp.all(jnp.isfinite(lse)))
 
 
-def test_length_one_and_full_and_every_part_count():
-    q, k, v, table = draw(CASES[0], 5)
-    lengths = jnp.array([1, 40])
-    for parts in (1, 2, 5):
-        out = nc.decode_attention(q, k, v, lengths, page_table=table, parts=parts, chunk=8)  # a page a chunk
-        assert float(jnp.max(jnp.abs(out - reference(q, k, v, table, lengths)))) <= ATOL["float32"], parts
+def test_shortest_and_longest_lengths_in_one_part_and_on_the_xla_backend():
+    """Lengths Nq and S_max; Triton in one part, chunks of two pages; XLA, chunks of half a page (its window)."""
+    for case, backend, parts, lengths in ((CASES[0], "triton", 1, [1, 40]), (CASES[1], "xla", None, [4, 64])):
+        q, k, v, table = draw(case, 5)
+        out = nc.decode_attention(q, k, v, jnp.array(lengths), page_table=table, parts=parts, chunk=16, backend=backend)
+        assert float(jnp.max(jnp.abs(out - reference(q, k, v, table, jnp.array(lengths))))) <= ATOL["float32"], backend
 
 
 def test_one_kernel_serves_every_table_and_length():
     case = CASES[1]
     q, k, v, table = draw(case, 11)
-    step = jax.jit(lambda q, k, v, t, n: nc.decode_attention(q, k, v, n, page_table=t, chunk=8))
-    step(q, k, v, table, jnp.array([24, 4]))
-    before = (paged_step._cache_size(), step._cache_size())
+    step = jax.jit(lambda q, k, v, t, n: nc.decode_attention(q, k, v, n, page_table=t, chunk=16))
+    step(q, k, v, table, jnp.array([64, 4]))
+    before = (_step._cache_size(), step._cache_size())
     r = np.random.default_rng(12)
-    for lengths in ([4, 5], [24, 24], [9, 17]):
+    for lengths in ([4, 5], [64, 64], [9, 33]):
         table = jnp.asarray(np.stack([r.permutation(case[7])[: case[6]] for _ in range(2)]).astype(np.int32))
         got = step(q, k, v, table, jnp.array(lengths))
         assert float(jnp.max(jnp.abs(got - reference(q, k, v, table, jnp.array(lengths))))) <= ATOL["float32"]
-    assert (paged_step._cache_size(), step._cache_size()) == before
+    assert (_step._cache_size(), step._cache_size()) == before
+
+
+def test_mla_through_a_page_table():
+    """MLA's latent and rotary caches paged by one table: the same kernel as contiguous, read through it."""
+    seed = int(np.random.default_rng().integers(2**16))
+    r = np.random.default_rng(seed)
+    (b, h, c, rot, page, width, pool), lengths = (2, 8, 32, 16, 16, 3, 7), jnp.array([48, 17])
+    q = jnp.asarray(r.standard_normal((b, 1, h, c + rot), np.float32))
+    pools = [jnp.asarray(r.standard_normal((pool, page, n), np.float32)) for n in (c, rot)]
+    table = jnp.asarray(np.stack([r.permutation(pool)[:width] for _ in range(b)]).astype(np.int32))
+    latent, rope = (p[table].reshape(b, width * page, -1) for p in pools)
+    s = jnp.einsum("bqhd,bkd->bhqk", q, jnp.concatenate([latent, rope], -1)) / np.sqrt(c + rot)
+    keep = jnp.arange(width * page)[None, None, None, :] < lengths[:, None, None, None]
+    want = jnp.einsum("bhqk,bkc->bqhc", jax.nn.softmax(jnp.where(keep, s, -jnp.inf), axis=-1), latent)
+    out = nc.mla_decode_attention(q, *pools, lengths, page_table=table, chunk=16)
+    assert out.shape == (b, 1, h, c) and float(jnp.max(jnp.abs(out - want))) <= ATOL["float32"], seed
 
 
 def test_paged_refusals_are_typed():
@@ -89,20 +106,24 @@ def test_paged_refusals_are_typed():
         nc.decode_attention(q, k, v, lengths, page_table=table.astype(jnp.float32))
     with pytest.raises(EvaluationError, match=r"got int32 \(1, 5\)"):
         nc.decode_attention(q, k, v, lengths, page_table=table[:1])
-    with pytest.raises(EvaluationError, match="chunk=12 keys must be whole pages: a positive multiple of page_size 8"):
+    with pytest.raises(EvaluationError, match="chunk=12 keys must be whole pages or a divisor of one"):
         nc.decode_attention(q, k, v, lengths, page_table=table, chunk=12)
+    with pytest.raises(EvaluationError, match="chunk=8 keys with pages of 8: the streamed chunk must be a power"):
+        nc.decode_attention(q, k, v, lengths, page_table=table, chunk=8)
     with pytest.raises(EvaluationError, match=r"lengths \[41\] outside \[Nq, S\] = \[1, 40\]"):
         nc.decode_attention(q, k, v, jnp.array([41, 3]), page_table=table)
     with pytest.raises(EvaluationError, match=r"page_table\[1, 0\] = 12 is no page of the pool \[0, 12\)"):
         nc.decode_attention(q, k, v, lengths, page_table=table.at[1, 0].set(12))
     with pytest.raises(EvaluationError, match="page pools .P, page_size, H_kv, D. of one P"):
         nc.decode_attention(q, k, v[:3], lengths, page_table=table)
-    with pytest.raises(EvaluationError, match="parts must be an integer in .1, 5."):
-        nc.decode_attention(q, k, v, lengths, page_table=table, parts=6, chunk=8)
+    with pytest.raises(EvaluationError, match=r"parts must be an integer in \[1, 3\]"):
+        nc.decode_attention(q, k, v, lengths, page_table=table, parts=4, chunk=16)
+    with pytest.raises(NotLowerable, match="backend='mosaic' has no page map"):
+        nc.decode_attention(q, k, v, lengths, page_table=table, backend="mosaic")
     with pytest.raises(NotLowerable, match="score_mod and mask_mod are read on contiguous caches only"):
         nc.decode_attention(q, k, v, lengths, page_table=table, score_mod=lambda s, kv_idx: s)
-    with pytest.raises(EvaluationError, match="chunk=8 is the paged kernel's"):
-        nc.decode_attention(q, k[:2], v[:2], lengths, chunk=8)
+    with pytest.raises(EvaluationError, match="chunk=16 is the paged kernel's"):
+        nc.decode_attention(q, k[:2], v[:2], lengths, chunk=16)
     with pytest.raises(CostError, match="1 lengths for a batch of 2"):
         decode_cost(batch=2, queries=1, heads=4, kv_heads=2, dim=16, lengths=[8], parts=1)
 

@@ -54,14 +54,16 @@ def _tile_id(pid, a: str, p: Plan, padded: dict, flip):
     return padded[a] // p.tiles[a] - 1 - pid if a in flip else pid
 
 
-def _kernel(p: Plan, sizes, extent, padded, xp: Blocks, n_bounds, flip, *refs):
+def _kernel(p: Plan, sizes, extent, padded, xp: Blocks, n_bounds, flip, pages, *refs):
     """The kernel body of one program: the block diagram after :func:`kernel_rules`, walked once on its blocks, or
-    (where it streams) folded over the visited chunks (:func:`_stream`), then walked to its outputs."""
+    (where it streams) folded over the visited chunks (:class:`_Chunks`), then walked to its outputs. With a page
+    map (``pages``, :class:`lowering._paged.PageMap`) the table's row follows the segment bounds' refs."""
     block = unweave(p.diagram, p.batch)
     laid = block.dom.inside  # the inputs' blocks as the caller lays them out
     d = functools.reduce(lambda d, rule: rule(d), kernel_rules(p, extent, padded), block)
-    n_in = len(d.dom)
-    in_refs, bound_refs, out_refs = refs[:n_in], refs[n_in : n_in + n_bounds], refs[n_in + n_bounds :]
+    n_in, n_table = len(d.dom), int(pages is not None)
+    in_refs, bound_refs = refs[:n_in], refs[n_in : n_in + n_bounds]
+    table_ref, out_refs = refs[n_in + n_bounds] if pages else None, refs[n_in + n_bounds + n_table :]
     offsets = {a: _tile_id(pl.program_id(i), a, p, padded, flip) * g for i, (a, g) in enumerate(p.tiles.items())}
     program = pl.program_id(len(p.tiles))
     strides = _strides(p, padded)
@@ -70,23 +72,18 @@ def _kernel(p: Plan, sizes, extent, padded, xp: Blocks, n_bounds, flip, *refs):
     if p.stream is None:
         outs = walk(d, [r[...] for r in in_refs], ctx, "", "final", {})
     else:
-        outs = _stream(p, d, laid, ctx, extent, padded, in_refs, bound_refs)
+        outs = _Chunks(p, d, laid, ctx, extent, padded, in_refs, bound_refs, (pages, table_ref)).run()
     for r, v in zip(out_refs, outs, strict=True):
         r[...] = v.astype(r.dtype)
 
 
-def _stream(p: Plan, d, laid, ctx: BlockContext, extent, padded, in_refs, bound_refs) -> list:
-    """The streamed loop (FAN §3, :class:`lowering._loop.ChunkLoop`) on this program's blocks: the chunks the
-    masks leave (:func:`_bounds`: hidden ones skipped, whole ones unmasked) sliced from the block refs."""
-    return _Chunks(p, d, laid, ctx, extent, padded, in_refs, bound_refs).run()
-
-
 class _Chunks(ChunkLoop):
-    """A Triton program's streamed loop: each chunk a slice of its block refs (transposed into the kernel's
-    tiled-first layout where the caller lays it out otherwise), the ragged last chunk's padding set neutral, the
+    """A Triton program's streamed loop (FAN §3): each chunk a slice of its block refs, or for a paged input the
+    pages its table row names, gathered (:class:`lowering._paged.PageMap`), transposed into the kernel's
+    tiled-first layout where the caller lays it out otherwise; the ragged last chunk's padding set neutral, the
     chunks the affine and segment masks hide skipped (their bounds: :func:`_bounds`)."""
 
-    def __init__(self, p: Plan, d, laid, ctx: BlockContext, extent, padded, in_refs, bound_refs):
+    def __init__(self, p: Plan, d, laid, ctx: BlockContext, extent, padded, in_refs, bound_refs, pages=(None, None)):
         x, s = p.stream
         carried = [w.has(x) for w in d.dom.inside]
         # an input laid out otherwise than the kernel's wire (tiled_first): its block transposed as it loads
@@ -108,6 +105,7 @@ class _Chunks(ChunkLoop):
         self.zero = zero if zero is not None and set(zero.axes) <= set(p.tiles) else None
         self.p, self.laid, self.extent, self.padded = p, laid, extent, padded
         self.in_refs, self.bound_refs = in_refs, bound_refs
+        self.pages, self.table_ref = pages
 
     def blocks(self) -> list:
         p, x, s = self.p, self.x, self.s
@@ -118,11 +116,15 @@ class _Chunks(ChunkLoop):
         return [jax.ShapeDtypeStruct(block_shape(w), w.dtype.jnp) for w in self.d.dom.inside]
 
     def chunk(self, c, walk_chunk) -> None:
-        x, s, vals = self.x, self.s, []
-        for r, w, v, perm in zip(self.in_refs, self.laid, self.kept, self.perms, strict=True):
-            if v is None:
+        x, s, vals, pm = self.x, self.s, [], self.pages
+        for i, (r, w, v, perm) in enumerate(zip(self.in_refs, self.laid, self.kept, self.perms, strict=True)):
+            if pm is not None and i in pm.inputs:  # the chunk's pages, named by the table: x first in the block
+                entries = lambda j, m=None: self.table_ref[j] if m is None else self.table_ref[pl.ds(j, m)]  # noqa: E731
+                v = pm.load(r, entries, lambda pool, j, off, n: pool[j, pl.ds(off, n)], c * s, s)
+                v = v if perm is None else jnp.transpose(v, perm)
+            elif v is None:
                 pos = w.names.index(x)
-                v = r[tuple(pl.ds(c * s, s) if i == pos else slice(None) for i in range(len(w.axes)))]
+                v = r[tuple(pl.ds(c * s, s) if j == pos else slice(None) for j in range(len(w.axes)))]
                 v = v if perm is None else jnp.transpose(v, perm)
             vals.append(v)
         walk_chunk(vals)

@@ -140,10 +140,22 @@ class TritonLowered:
             raise NotLowerable(why)
 
     # -- the wrapper: bind sizes, pad to whole blocks, launch, slice -----------------------------
-    def __call__(self, *arrays):
+    def __call__(self, *arrays, pages=None):
+        """The kernel on ``arrays``; with ``pages`` = ``(page_map, table)`` (:class:`lowering._paged.PageMap`) the
+        inputs it names are page pools, their streamed chunks gathered through ``table`` as the loop loads them."""
         p, d = self.plan, self.plan.diagram
         arrays = [jnp.asarray(a) for a in arrays]
-        sizes = bind(d.dom, arrays)
+        pm, table = pages if pages is not None else (None, None)
+        if pm is not None:
+            pm.check(p, d.dom.inside, arrays, table)
+        wires = d.dom.inside
+        sizes = bind(
+            d.dom,
+            [
+                pm.virtual(w, v, table) if pm and i in pm.inputs else v
+                for i, (v, w) in enumerate(zip(arrays, wires, strict=True))
+            ],
+        )
         extent = {a.name: int(a.size.subs(sizes)) for w in d.dom.inside for a in w.axes}
         config = self.config or TritonConfig.get_default(p)
         padded = launch(p, extent, config, self.hardware)  # the guards, before padding allocates anything
@@ -151,8 +163,13 @@ class TritonLowered:
             x, s = p.stream
             paddable(d, x, extent[x], f"is not a multiple of the stream size {s}, so its last chunk is padded")
         bounds = [(m, call_bounds(p, m, arrays, extent)) for m in segments(d, p)]  # ids or block maps, unpadded
-        arrays = [_pad(v, w, padded) for v, w in zip(arrays, d.dom.inside, strict=True)]
-        outs = self._call(arrays, sizes, extent, padded, config, bounds)
+        arrays = [
+            v if pm and i in pm.inputs else _pad(v, w, padded)
+            for i, (v, w) in enumerate(zip(arrays, wires, strict=True))
+        ]
+        if pm is not None:  # the table padded to the streamed axis' padded pages (entries past them never visible)
+            table = jnp.pad(table, [(0, 0), (0, padded[pm.axis] // pm.page_size - table.shape[1])])
+        outs = self._call(arrays, sizes, extent, padded, config, bounds, (pm, table))
         outs = [o[tuple(slice(0, extent[a.name]) for a in w.axes)] for o, w in zip(outs, d.cod.inside, strict=True)]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
@@ -212,24 +229,52 @@ class TritonLowered:
             specs += [pl.BlockSpec((None,) * b.ndim, functools.partial(index_map, k=k)) for k in range(4)]
         return specs
 
-    def _call(self, arrays, sizes, extent, padded, config, bounds=()):
+    def _page_specs(self, pm, arrays, table, padded, flip=()) -> tuple[dict, list]:
+        """With a page map: each pool input's block (its pages whole, ``pm.batch`` dropped: the table picks the
+        pages) and the table's block (this program's row along ``pm.batch``)."""
+        if pm is None:
+            return {}, []
+        nb, strides = len(self.plan.tiles), _strides(self.plan, padded)
+        pools = {}
+        for i in pm.inputs:
+            wire = self.plan.diagram.dom.inside[i]
+            spec = self._spec(wire, padded, flip)
+            keep = [j for j, a in enumerate(wire.names) if a != pm.batch]
+            at = wire.names.index(pm.axis)
+            shape = [s if j != at else None for j, s in enumerate(spec.block_shape) if j in keep]
+            pool_at = keep.index(at)
+            shape[pool_at : pool_at + 1] = [arrays[i].shape[0], pm.page_size]
+
+            def index_map(*ids, spec=spec, keep=keep, pool_at=pool_at):
+                idx = [v for j, v in enumerate(spec.index_map(*ids)) if j in keep]
+                idx[pool_at : pool_at + 1] = [0, 0]
+                return tuple(idx)
+
+            pools[i] = pl.BlockSpec(tuple(shape), index_map)
+        row = lambda *ids: (_batch_index(ids[nb], pm.batch, strides, padded), 0)  # noqa: E731
+        return pools, [pl.BlockSpec((None, table.shape[1]), row)]
+
+    def _call(self, arrays, sizes, extent, padded, config, bounds=(), pages=(None, None)):
         p, d = self.plan, self.plan.diagram
+        pm, table = pages
         native = not self.interpret and operand_dtype(d) is not None  # the GPU's approximate instructions
         xp = Blocks(operand_dtype(d), tanh=native_tanh if native else None, trig=native_trig if native else None)
         flip = heavy_last(p, extent, padded)
-        kernel = functools.partial(_kernel, p, sizes, extent, padded, xp, 4 * len(bounds), flip)
+        pools, table_spec = self._page_specs(pm, arrays, table, padded, flip)
+        kernel = functools.partial(_kernel, p, sizes, extent, padded, xp, 4 * len(bounds), flip, pm)
         out_shape = out_structs(d.cod.inside, padded, arrays)
+        specs = [pools.get(i) or self._spec(w, padded, flip) for i, w in enumerate(d.dom.inside)]
         call = pl.pallas_call(
             kernel,
             grid=self._grid(padded),
-            in_specs=[self._spec(w, padded, flip) for w in d.dom.inside] + self._bound_specs(bounds, padded, flip),
+            in_specs=specs + self._bound_specs(bounds, padded, flip) + table_spec,
             out_specs=[self._spec(w, padded, flip) for w in d.cod.inside],
             out_shape=out_shape,
             compiler_params=pltriton.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
             interpret=self.interpret,
             name="napkin_kernel",
         )
-        return call(*arrays, *(b for _, b in bounds for _ in range(4)))
+        return call(*arrays, *(b for _, b in bounds for _ in range(4)), *([table] if pm is not None else []))
 
     @property
     def source(self) -> str:

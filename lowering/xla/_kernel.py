@@ -116,26 +116,41 @@ class XlaLowered:
         self.hardware = dataclasses.replace(H100 if hardware is None else hardware, smem_per_block=sys.maxsize)
         self.interpret = None  # no interpret mode: XLA compiles it for whatever device runs it
         self.__name__ = "napkin_xla_kernel"
-        self._run = jax.jit(self._apply)
+        self._run = jax.jit(self._apply, static_argnames="pm")
 
-    def __call__(self, *arrays):
-        outs = self._run(*arrays)
+    def __call__(self, *arrays, pages=None):
+        """The function on ``arrays``; with ``pages`` = ``(page_map, table)`` (:class:`lowering._paged.PageMap`)
+        the inputs it names are page pools, each streamed chunk gathered through ``table`` in the loop."""
+        pm, table = pages if pages is not None else (None, None)
+        outs = self._run(*arrays, pm=pm, table=table)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
-    def _apply(self, *arrays) -> list:
+    def _apply(self, *arrays, pm=None, table=None) -> list:
         p, d = self.plan, self.plan.diagram
-        arrays = [jnp.asarray(a) for a in arrays]
-        sizes = bind(d.dom, arrays)
-        extent = {a.name: int(a.size.subs(sizes)) for w in d.dom.inside for a in w.axes}
+        arrays, wires = [jnp.asarray(a) for a in arrays], d.dom.inside
+        pools = () if pm is None else pm.inputs
+        if pm is not None:
+            pm.check(p, wires, arrays, table)
+        sizes = bind(
+            d.dom,
+            [pm.virtual(w, v, table) if i in pools else v for i, (v, w) in enumerate(zip(arrays, wires, strict=True))],
+        )
+        extent = {a.name: int(a.size.subs(sizes)) for w in wires for a in w.axes}
         grid = (*p.tiles, *p.batch)
         count = {a: -(-extent[a] // g) for a, g in p.tiles.items()} | {b: extent[b] for b in p.batch}
-        body = functools.partial(_block, p, unweave(d, p.batch), sizes, extent, self.config)
+        body = functools.partial(_block, p, unweave(d, p.batch), sizes, extent, self.config, pm)
+        names = [pm.pool_axes(w) if i in pools else w.names for i, w in enumerate(wires)]
+        names += [(pm.batch, "pages")] if pm is not None else []  # the table, last
         fn = lambda ids, *blocks: body(ids, blocks)  # noqa: E731
         for k in reversed(range(len(grid))):  # the outermost vmap maps the first grid axis
             ids = tuple(0 if j == k else None for j in range(len(grid)))
-            fn = jax.vmap(fn, in_axes=(ids, *(0 if w.has(grid[k]) else None for w in d.dom.inside)))
+            fn = jax.vmap(fn, in_axes=(ids, *(0 if grid[k] in n else None for n in names)))
         ids = tuple(jnp.arange(count[a]) for a in grid)
-        outs = fn(ids, *(_split(v, w, p, count, grid) for v, w in zip(arrays, d.dom.inside, strict=True)))
+        blocks = [
+            _lead(v, names[i], grid) if i in pools else _split(v, w, p, count, grid)
+            for i, (v, w) in enumerate(zip(arrays, wires, strict=True))
+        ]
+        outs = fn(ids, *blocks, *([_lead(table, names[-1], grid)] if pm is not None else []))
         return [_join(o, w, p, extent, grid) for o, w in zip(outs, d.cod.inside, strict=True)]
 
     @property
@@ -184,6 +199,13 @@ def _split(v, wire, p: Plan, count: dict, grid: tuple):
     return jnp.transpose(v.reshape(shape), [j for _, j in sorted(lead)] + block)
 
 
+def _lead(v, names, grid: tuple):
+    """An untiled input (a page pool, a page table; its axes ``names``) laid out for the vmaps: the grid axes it
+    holds first, in ``grid``'s order, then the others in their order."""
+    lead = [names.index(a) for a in grid if a in names]
+    return jnp.transpose(v, lead + [j for j in range(v.ndim) if j not in lead])
+
+
 def _join(o, wire, p: Plan, extent: dict, grid: tuple):
     """An output from the vmaps' layout (every grid axis first, then its block) to the wire's, sliced to size."""
     o = o[tuple(slice(None) if wire.has(a) else 0 for a in grid)]  # an output lacking a grid axis is one value
@@ -207,9 +229,17 @@ def _join(o, wire, p: Plan, extent: dict, grid: tuple):
     return o.reshape(merged)[tuple(slice(0, extent[a.name]) for a in wire.axes)].astype(wire.dtype.jnp)
 
 
-def _block(p: Plan, d: Diagram, sizes: dict, extent: dict, config: XlaConfig, ids: tuple, blocks: tuple) -> list:
+def _window(pool, page, offset, size: int):
+    """Keys ``offset … offset + size`` of page ``page`` of a pool block (a chunk within one page)."""
+    return lax.dynamic_slice_in_dim(pool[page], offset, size, 0)
+
+
+def _block(p: Plan, d: Diagram, sizes: dict, extent: dict, config: XlaConfig, pm, ids: tuple, blocks: tuple) -> list:
     """One block's outputs: ``d`` (the per-block diagram) run by :func:`rewrites.walk`, its streamed axis a loop
-    over chunks (a last, shorter chunk where ``s`` does not divide it) folding each accumulator from its identity."""
+    over chunks (a last, shorter chunk where ``s`` does not divide it) folding each accumulator from its identity;
+    with a page map ``pm``, a pool's chunk is its pages the table's row (the last block) names, gathered."""
+    if pm is not None:
+        *blocks, row = blocks
     offsets = {a: ids[i] * g for i, (a, g) in enumerate(p.tiles.items())}
     grid = dict(zip(p.batch, ids[len(p.tiles) :], strict=True))
     xp = Upcast() if jax.default_backend() == "cpu" else Jax()  # elsewhere 16-bit dots with f32 results are native
@@ -221,8 +251,14 @@ def _block(p: Plan, d: Diagram, sizes: dict, extent: dict, config: XlaConfig, id
 
     def chunk(start, size):
         return [
-            lax.dynamic_slice_in_dim(v, start, size, w.names.index(x)) if w.has(x) else v
-            for v, w in zip(blocks, wires, strict=True)
+            pm.load(
+                v, lambda j, m=None: row[j] if m is None else lax.dynamic_slice_in_dim(row, j, m), _window, start, size
+            )
+            if pm is not None and i in pm.inputs
+            else lax.dynamic_slice_in_dim(v, start, size, w.names.index(x))
+            if w.has(x)
+            else v
+            for i, (v, w) in enumerate(zip(blocks, wires, strict=True))
         ]
 
     def fold(acc, state, ins, c):

@@ -1,8 +1,12 @@
 """Decoding against a KV cache, as issue 32 measured it: ``nc.decode_attention`` (split-KV) against cuDNN and XLA
 through ``jax.nn.dot_product_attention``, and a device copy of the cache for the bandwidth ceiling; the same cache
-paged (pages of 64 keys, a random permutation of the pool, ``page_table=``) beside it; and each napkin-cat row's
-predicted time (``lowering.decode_cost``: its bytes over the DRAM bandwidth, or its flops where longer, plus the
-merge) beside the measurement.
+paged (pages of 64 keys, a random permutation of the pool, ``page_table=``: the same derived kernel, its chunks
+loaded through the table) beside it; and each napkin-cat row's predicted time (``lowering.decode_cost``: its bytes
+over the DRAM bandwidth, or its flops where longer, plus the merge) beside the measurement. Each (B, S) runs
+``Nq`` = 1, 64 and 4 one after the other, and the run ends with two ratios per (B, S): paged over contiguous time
+at ``Nq`` = 1 (target ≤ 1.1) and ``Nq`` = 64 over ``Nq`` = 1 time (target ≤ 1.5). Then MLA decoding
+(``nc.mla_decode_attention``, DeepSeek-V3's absorbed shape: 128 heads, latent 512 + rotary 64, one shared KV
+head, contiguous and paged by 64) in GB/s of cache read against the device copy's (target ≥ 70%).
 
 bf16, ``Nq`` = 1 new token per sequence (and ``Nq`` = 4 and 64, speculative decoding / chunked prefill), 32 query
 heads over 8 KV heads (grouped-query), D = 128, every key valid, (B, cache S) ∈ (1, 32k), (1, 128k), (16, 32k), (64,
@@ -14,7 +18,7 @@ top-left and cuDNN takes no right window, so the baselines get that mask as a bo
 output is checked against an f32 reference (jnp, written here) on batch element 0 first. GB/s count the cache read
 (the K and V bytes over the time); the copy's count what it reads and writes; ratios are to cuDNN's time.
 
-    python papers/flash_attention/decode_bench.py [--out DIR] [--budget-s 300] [--smoke]
+    python papers/flash_attention/decode_bench.py [--out DIR] [--budget-s 300] [--smoke] [--mla-only]
 
 Rows are written (``decode_<GPU>.json`` and ``.png``) after every configuration; configurations left when the
 budget is spent are recorded as skipped. ``--smoke`` (or ``--quick``) runs tiny sizes in interpret mode on a CPU
@@ -36,9 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file: f
 
 import napkin_cat as nc  # noqa: E402
 from lowering import decode_cost  # noqa: E402
-from lowering._decode import _parts  # noqa: E402  the entry's own choice of parts, to print it
-from lowering._paged import paged_plan  # noqa: E402  the paged entry's plan (parts, chunk), to predict it
-from lowering._target import interpreted  # noqa: E402
+from lowering._decode import _parts, chunk_keys, row_tiles  # noqa: E402  the entry's own parts and chunks
+from lowering._paged import paged_split  # noqa: E402  the paged entry's split (parts, chunk), to predict it
 from napkin_cat.hardware import for_device, lookup  # noqa: E402
 from papers.flash_attention.benchmark import device_info, device_stem  # noqa: E402
 from papers.flash_attention.timing import time_calls  # noqa: E402
@@ -49,8 +52,10 @@ TOLERANCE = 2e-2  # bf16 relative error against the f32 reference, as front_door
 CONFIGS = ((1, 32768), (1, 131072), (16, 32768), (64, 4096), (64, 32768))  # (B, cache S), issue 32's table
 QUICK_CONFIGS = ((1, 256), (2, 128))
 HEADS = {"full": (32, 8, 128), "quick": (8, 2, 32)}  # query heads, KV heads, D
-NQS = (1, 4, 64)
+NQS = (1, 64, 4)  # Nq = 64 right after Nq = 1, so their ratio comes from one stretch of the run
 PAGE = 64  # keys per page of the paged cache
+MLA = {"full": (128, 512, 64), "quick": (16, 32, 16)}  # query heads, latent dims, rotary dims (one KV head)
+MLA_CONFIGS, QUICK_MLA = ((1, 32768), (16, 8192), (64, 4096)), ((2, 128),)
 
 
 def tail_mask(nq: int, s: int):
@@ -93,13 +98,12 @@ def predicted(impl: str, q, k, v, hw) -> float | None:
     (b, nq, h, d), (_, s, h_kv, _) = q.shape, k.shape
     shape = dict(batch=b, queries=nq, heads=h, kv_heads=h_kv, dim=d, lengths=[s] * b, hardware=hw)
     if impl == "napkin":
-        n = _parts(b, h_kv, s, hw)
+        n = _parts(b, h_kv * row_tiles(nq * h // h_kv), s, hw)
         return 1e3 * decode_cost(**shape, parts=n, chunk=min(64, -(-s // n))).seconds
     if impl == "paged":
-        plan = paged_plan(q.dtype.name, q.shape, (b * s // PAGE, PAGE, h_kv, d), d, s // PAGE, parts=None,
-                          chunk=None, n_default=choose_parts(b * h_kv, s, hw), scale=None,
-                          interpret=interpreted(None))  # fmt: skip
-        return 1e3 * decode_cost(**shape, parts=plan.parts, chunk=plan.chunk, table_width=s // PAGE).seconds
+        n, _, chunk = paged_split(s // PAGE, PAGE, parts=None, chunk=chunk_keys((d, d)),
+                                  n_default=choose_parts(b * h_kv * row_tiles(nq * h // h_kv), s, hw))  # fmt: skip
+        return 1e3 * decode_cost(**shape, parts=n, chunk=chunk, table_width=s // PAGE).seconds
     return None
 
 
@@ -147,7 +151,7 @@ def configuration(b: int, s: int, nq: int, heads: tuple, gpu: bool, seed: int) -
     k, v = (jax.random.normal(kk, (b, s, h_kv, d), jnp.bfloat16) for kk in keys[1:])
     cache_bytes = 2 * k.size * k.dtype.itemsize
     want = reference(q[:1], k[:1], v[:1])
-    parts = _parts(b, h_kv, s, lookup("H100"))
+    parts = _parts(b, h_kv * row_tiles(nq * h // h_kv), s, lookup("H100"))
     hw = for_device(device_info()["kind"]) or lookup("H100")  # the GPU's model; H100 where there is none
     entry = {"B": b, "S": s, "Nq": nq, "cache_GB": cache_bytes / 1e9, "parts": parts, "rows": []}
     print(f"B={b} S={s} Nq={nq}: cache {cache_bytes / 1e9:.2f} GB, napkin-cat's default parts {parts}", flush=True)
@@ -163,14 +167,81 @@ def configuration(b: int, s: int, nq: int, heads: tuple, gpu: bool, seed: int) -
         if "ms" in r:
             ratio = f"  {r['vs_cudnn']:.2f}× cuDNN" if "vs_cudnn" in r else ""
             err = f"  err {r['max_rel_error']:.1e}" if "max_rel_error" in r else "  (read + write)"
-            pred = (
-                f"  predicted {r['predicted_ms']:.4g} ms on {r['predicted_on']}"
-                if "predicted_ms" in r
-                else ""
-            )
+            pred = f"  predicted {r['predicted_ms']:.4g} ms on {r['predicted_on']}" if "predicted_ms" in r else ""
             print(
                 f"  {r['impl']:7s} {r['ms']:8.3f} ms {r['gbs']:7.0f} GB/s{ratio}{pred}{err} ({r['clock']})", flush=True
             )
+    return entry
+
+
+def ratios(entries: list) -> list:
+    """Per (B, S): paged over contiguous time at ``Nq`` = 1, and ``Nq`` = 64 over ``Nq`` = 1 (contiguous).
+
+    >>> row = lambda ms: [{"impl": "napkin", "ms": ms}, {"impl": "paged", "ms": 1.05 * ms}]
+    >>> ratios([{"B": 1, "S": 8, "Nq": 1, "rows": row(1.0)}, {"B": 1, "S": 8, "Nq": 64, "rows": row(1.4)}])
+    [{'B': 1, 'S': 8, 'paged_over_contiguous': 1.05, 'nq64_over_nq1': 1.4}]
+    """
+    ms = {(e["B"], e["S"], e["Nq"], r["impl"]): r["ms"] for e in entries for r in e.get("rows", []) if "ms" in r}
+    out = []
+    for b, s in dict.fromkeys((e["B"], e["S"]) for e in entries):
+        one = ms.get((b, s, 1, "napkin"))
+        row = {"B": b, "S": s}
+        if one and (paged := ms.get((b, s, 1, "paged"))):
+            row["paged_over_contiguous"] = round(paged / one, 3)
+        if one and (many := ms.get((b, s, 64, "napkin"))):
+            row["nq64_over_nq1"] = round(many / one, 3)
+        out.append(row)
+    return out
+
+
+def mla_reference(q, latent, rope):
+    """f32 MLA decoding over the whole cache, written here with jnp: scores over latent + rotary dims, values
+    the latent keys."""
+    q, keys, latent = (a.astype(jnp.float32) for a in (q, jnp.concatenate([latent, rope], -1), latent))
+    s = jnp.einsum("bqhd,bkd->bhqk", q, keys) / jnp.sqrt(q.shape[-1])
+    return jnp.einsum("bhqk,bkc->bqhc", jax.nn.softmax(s, axis=-1), latent)
+
+
+def mla_configuration(b: int, s: int, dims: tuple, seed: int) -> dict:
+    """MLA decoding at (B, S), ``Nq`` = 1: contiguous and paged (pages of ``PAGE``), checked, timed, in GB/s of
+    cache read (latent + rotary keys) beside the device copy's (read + write), with ``decode_cost``'s prediction."""
+    h, c, r = dims
+    keys = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(keys[0], (b, 1, h, c + r), jnp.bfloat16)
+    latent, rope = (jax.random.normal(kk, (b, s, n), jnp.bfloat16) for kk, n in zip(keys[1:], (c, r), strict=True))
+    cache_bytes = (latent.size + rope.size) * 2
+    lengths = jnp.full((b,), s, jnp.int32)
+    pool_c, pool_r, table = pages(latent[:, :, None], rope[:, :, None], seed)
+    impls = {
+        "mla": (jax.jit(lambda q, c, r, n: nc.mla_decode_attention(q, c, r, n)), (q, latent, rope, lengths)),
+        "mla_paged": (
+            jax.jit(lambda q, c, r, t, n: nc.mla_decode_attention(q, c, r, n, page_table=t)),
+            (q, pool_c[:, :, 0], pool_r[:, :, 0], table, lengths),
+        ),  # fmt: skip
+        "copy": (jax.jit(lambda c, r: (jnp.copy(c), jnp.copy(r))), (latent, rope)),
+    }
+    want = mla_reference(q[:1], latent[:1], rope[:1])
+    hw = for_device(device_info()["kind"]) or lookup("H100")
+    entry = {"B": b, "S": s, "Nq": 1, "mla": dict(zip(("H", "C", "R"), dims, strict=True)), "rows": []}
+    entry["cache_GB"] = cache_bytes / 1e9
+    print(f"MLA B={b} S={s}: H={h}, latent {c} + rotary {r}, cache {cache_bytes / 1e9:.2f} GB", flush=True)
+    n = _parts(b, row_tiles(h), s, lookup("H100"))
+    for name, (fn, args) in impls.items():
+        row = measure(name, fn, args, want, cache_bytes)
+        if name != "copy":
+            paged = dict(table_width=s // PAGE) if name == "mla_paged" else {}
+            cost = decode_cost(batch=b, queries=1, heads=h, kv_heads=1, dim=c, rope=r, lengths=[s] * b, parts=n,
+                               chunk=chunk_keys((c, c)), hardware=hw, **paged)  # fmt: skip
+            row.update(predicted_ms=1e3 * cost.seconds, predicted_on=hw.name)
+        entry["rows"].append(row)
+    copy = next((r for r in entry["rows"] if r["impl"] == "copy" and "gbs" in r), None)
+    for r in entry["rows"]:
+        if copy is not None and "gbs" in r and r["impl"] != "copy":
+            r["of_copy_bandwidth"] = r["gbs"] / copy["gbs"]
+        if "ms" in r:
+            share = f"  {100 * r['of_copy_bandwidth']:.0f}% of the copy's GB/s" if "of_copy_bandwidth" in r else ""
+            err = f"  err {r['max_rel_error']:.1e}" if "max_rel_error" in r else "  (read + write)"
+            print(f"  {r['impl']:9s} {r['ms']:8.3f} ms {r['gbs']:7.0f} GB/s{share}{err} ({r['clock']})", flush=True)
     return entry
 
 
@@ -179,6 +250,7 @@ def main(argv=None) -> dict:
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--budget-s", type=float, default=300.0)
     p.add_argument("--smoke", "--quick", dest="quick", action="store_true", help="tiny sizes, interpret mode")
+    p.add_argument("--mla-only", action="store_true", help="only the MLA configurations")
     o = p.parse_args(argv)
     start, seed = time.perf_counter(), int(time.time()) % 10_000
     dev, gpu = device_info(), jax.default_backend() == "gpu"
@@ -187,14 +259,24 @@ def main(argv=None) -> dict:
     res = {"device": dev, "heads": dict(zip(("H", "H_kv", "D"), heads, strict=True)), "seed": seed, "entries": []}
     stem = f"decode_{device_stem(dev['kind'])}{'_quick' if o.quick else ''}"
     o.out.mkdir(parents=True, exist_ok=True)
-    for nq in NQS:
-        for b, s in QUICK_CONFIGS if o.quick else CONFIGS:
-            if time.perf_counter() - start > o.budget_s:
-                res["entries"].append({"B": b, "S": s, "Nq": nq, "skipped": f"budget of {o.budget_s:.0f} s spent"})
-            else:
-                res["entries"].append(configuration(b, s, nq, heads, gpu, seed))
+    skipped = {"skipped": f"budget of {o.budget_s:.0f} s spent"}
+    for b, s in () if o.mla_only else QUICK_CONFIGS if o.quick else CONFIGS:
+        for nq in NQS:
+            over = time.perf_counter() - start > o.budget_s
+            res["entries"].append(
+                {"B": b, "S": s, "Nq": nq, **skipped} if over else configuration(b, s, nq, heads, gpu, seed)
+            )
+            res["ratios"] = ratios(res["entries"])
             (o.out / f"{stem}.json").write_text(json.dumps(res, indent=1))
             plot(res, o.out / f"{stem}.png")
+    for b, s in QUICK_MLA if o.quick else MLA_CONFIGS:
+        over = time.perf_counter() - start > o.budget_s
+        mla = MLA["quick" if o.quick else "full"]
+        res.setdefault("mla", []).append({"B": b, "S": s, **skipped} if over else mla_configuration(b, s, mla, seed))
+        (o.out / f"{stem}.json").write_text(json.dumps(res, indent=1))
+    for r in res.get("ratios", []):
+        print(f"B={r['B']} S={r['S']}: paged / contiguous {r.get('paged_over_contiguous', '–')} (Nq = 1), "
+              f"Nq = 64 / Nq = 1 {r.get('nq64_over_nq1', '–')}", flush=True)  # fmt: skip
     return res
 
 
