@@ -39,10 +39,11 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as Spec
 
-from lowering._api import lower
+from lowering._api import _chunks, lower, role
 from lowering._backward import backward_of
 from lowering._plan import NotLowerable
 from lowering.triton import Config
+from napkin_cat.hardware import H100, lookup
 from rewrites import Sharded, chunking, has_causal_mask, merge_lse, pair_diagrams
 
 
@@ -72,7 +73,7 @@ class DeviceKernel:
 
     ``mesh`` is the device mesh; ``exchange`` how K/V chunks move (None without a sequence partition);
     ``differentiation`` is ``"lowered"`` (the pair kernels' lowered backward, ring-reduced) or the per-device
-    kernel's own for a group partition alone.
+    kernel's own for a group partition alone. ``backends`` says which backend runs each per-device kernel.
 
     >>> import napkin_cat as nc
     >>> from rewrites import shard
@@ -80,14 +81,21 @@ class DeviceKernel:
     >>> from rewrites import derive, tile, stream
     >>> flash = derive(nc.library.multi_head_attention(b, q, x, d), tile(q, 16), stream(x, 16), verify=False)
     >>> k = lower_devices(shard("b", "dp", 1)(flash))
-    >>> k.exchange, k.mesh.shape["dp"], k.differentiation
-    (None, 1, 'lowered')
+    >>> k.exchange, k.mesh.shape["dp"], k.differentiation, k.backends["forward"]
+    (None, 1, 'lowered', 'triton')
     """
 
-    def __init__(self, s: Sharded, mesh: Mesh, fn, *, exchange: str | None, differentiation: str):
+    def __init__(self, s: Sharded, mesh: Mesh, fn, *, exchange: str | None, differentiation: str, backends):
         self.sharded, self.mesh, self._fn = s, mesh, fn
-        self.exchange, self.differentiation = exchange, differentiation
+        self.exchange, self.differentiation, self._backends = exchange, differentiation, backends
         self.__name__ = "napkin_device_kernel"
+
+    @property
+    def backends(self) -> dict[str, str]:
+        """The backend of each per-device kernel by role: the per-device kernel's own roles (a group partition
+        alone, Ulysses), or ``"<pair kind> forward"`` and ``"<pair kind> <backward kernel>"`` for the ring's pair
+        kernels (the backward's built if need be)."""
+        return self._backends()
 
     def __call__(self, *arrays):
         return self._fn(*arrays)
@@ -97,13 +105,17 @@ def lower_devices(
     sharded,
     mesh: Mesh | None = None,
     *,
+    backend: str = "auto",
     interpret: bool | None = None,
-    config: Config | None = None,
+    config=None,
     hardware=None,
 ) -> DeviceKernel:
     """A JAX callable for a :class:`~rewrites.Sharded` (or a ``DeviceDerivation``): ``shard_map`` over ``mesh``
     (by default the first devices, one mesh axis per partition) around lowered per-device kernels; see the
-    module. ``interpret``, ``config`` and ``hardware`` reach every per-device kernel, as in :func:`lower`.
+    module. ``backend``, ``interpret``, ``config`` and ``hardware`` reach every per-device kernel, forward and
+    backward, as in :func:`lower`: ``"auto"`` takes the backend registry's choice per kernel (Mosaic on Hopper
+    where it lowers and was measured faster), a named backend lowers every per-device kernel with it or says
+    which it cannot lower.
 
     >>> import napkin_cat as nc
     >>> from rewrites import derive, tile, stream, ring
@@ -118,11 +130,11 @@ def lower_devices(
     if not isinstance(s, Sharded):
         raise NotLowerable(f"lower_devices takes a Sharded or a DeviceDerivation, got {type(sharded).__name__}")
     m = _mesh(s, mesh)
-    options = {"interpret": interpret, "config": config, "hardware": hardware}
+    options = {"backend": backend, "interpret": interpret, "config": config, "hardware": hardware}
     d, seq = s.diagram, s.sequence
     if seq is None:
         kernel = lower(d, **options)
-        bodies, differentiation = (lambda keys: kernel), kernel.differentiation
+        bodies, differentiation, backends = (lambda keys: kernel), kernel.differentiation, lambda: kernel.backends
     else:
         for w in d.dom.inside:
             if not (w.has(seq.queries) or w.has(seq.keys)):
@@ -131,7 +143,7 @@ def lower_devices(
                     "the ring lowers attention's query-side and key-side inputs only"
                 )
         pairs = _PairKernels(s, options)
-        bodies, differentiation = (lambda keys: _ring_body(s, pairs, keys)), "lowered"
+        bodies, differentiation, backends = (lambda keys: _ring_body(s, pairs, keys)), "lowered", pairs.backends
     placed = {a: mm for a, mm, _ in s.groups}
     if seq is not None:
         placed |= {seq.queries: seq.mesh_axis, seq.keys: seq.mesh_axis}
@@ -150,7 +162,8 @@ def lower_devices(
         )
 
     fn = functools.partial(_call, s, mapped)
-    return DeviceKernel(s, m, fn, exchange=seq.exchange if seq else None, differentiation=differentiation)
+    exchange = seq.exchange if seq else None
+    return DeviceKernel(s, m, fn, exchange=exchange, differentiation=differentiation, backends=backends)
 
 
 def _call(s: Sharded, mapped, *xs):
@@ -199,21 +212,38 @@ def _reorder(x, axis: int, order: list[int]):
 
 
 class _PairKernels:
-    """The lowered pair kernels by kind: forward with (f32 O, L); the backward pieces, built when first used."""
+    """The lowered pair kernels by kind, through the backend registry (``options``: :func:`lower`'s): forward
+    with (f32 O, L); the backward pieces, chunked for the backend that lowers them, built when first used."""
 
     def __init__(self, s: Sharded, options: dict):
-        self.forward = {k: lower(v, **options).forward for k, v in pair_diagrams(s).items()}
+        self._forward = {k: lower(v, **options) for k, v in pair_diagrams(s).items()}
+        self.forward = {k: v.forward for k, v in self._forward.items()}
         plain = pair_diagrams(s, lse=False)
+        hw = lookup(options["hardware"]) if options["hardware"] is not None else H100
+        triton = options["config"] if isinstance(options["config"], Config) else None
+        chunks = functools.partial(_chunks, backend=options["backend"], interpret=options["interpret"])
         # each step's gradients in f32: they are partial sums, added over the ring's steps before the cast
-        self.backward = {k: backward_of(v, narrow=False) for k, v in plain.items()}
+        self.backward = {
+            k: backward_of(v, hw, triton, narrow=False, **chunks(v, config=options["config"]))
+            for k, v in plain.items()
+        }
         self._options = options
 
     @functools.cache  # noqa: B019 - one per lowered device kernel, kept as long as it is
-    def pieces(self, kind: str) -> tuple:
+    def lowered_pieces(self, kind: str) -> tuple:
         # each piece is one kernel: backward="reference" skips deriving a backward of the backward piece
-        return tuple(
-            lower(p.scheduled, backward="reference", **self._options).forward for p in self.backward[kind].pieces
-        )
+        return tuple(lower(p.scheduled, backward="reference", **self._options) for p in self.backward[kind].pieces)
+
+    def pieces(self, kind: str) -> tuple:
+        return tuple(k.forward for k in self.lowered_pieces(kind))
+
+    def backends(self) -> dict[str, str]:
+        """``"<kind> forward"`` and ``"<kind> <piece>"`` → the backend that runs it (the pieces built if need be)."""
+        out = {f"{k} forward": v.backend for k, v in self._forward.items()}
+        for kind, b in self.backward.items():
+            for p, k in zip(b.pieces, self.lowered_pieces(kind), strict=True):
+                out[f"{kind} {role(p)}"] = k.backend
+        return out
 
 
 def _ring_body(s: Sharded, kernels: _PairKernels, keys: int):
