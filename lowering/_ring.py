@@ -44,6 +44,7 @@ from lowering._backward import backward_of
 from lowering._plan import NotLowerable
 from lowering.triton import Config
 from napkin_cat.hardware import H100, lookup
+from lowering._ulysses import check_heads, ulysses_body
 from rewrites import Sharded, chunking, has_causal_mask, merge_lse, pair_diagrams
 
 
@@ -134,7 +135,11 @@ def lower_devices(
     d, seq = s.diagram, s.sequence
     if seq is None:
         kernel = lower(d, **options)
-        bodies, differentiation, backends = (lambda keys: kernel), kernel.differentiation, lambda: kernel.backends
+        bodies, differentiation, backends = (lambda lengths: kernel), kernel.differentiation, lambda: kernel.backends
+    elif seq.exchange == "all_to_all":
+        kernel = lower(d, **options)
+        bodies, differentiation = (lambda lengths: ulysses_body(s, kernel, lengths)), kernel.differentiation
+        backends = lambda: kernel.backends  # noqa: E731
     else:
         for w in d.dom.inside:
             if not (w.has(seq.queries) or w.has(seq.keys)):
@@ -143,8 +148,8 @@ def lower_devices(
                     "the ring lowers attention's query-side and key-side inputs only"
                 )
         pairs = _PairKernels(s, options)
-        bodies, differentiation, backends = (lambda keys: _ring_body(s, pairs, keys)), "lowered", pairs.backends
-    placed = {a: mm for a, mm, _ in s.groups}
+        bodies, differentiation, backends = (lambda lengths: _ring_body(s, pairs, lengths)), "lowered", pairs.backends
+    placed = {a: mm for a, mm, _ in s.groups}  # Ulysses: the sequence placed outside its kernel
     if seq is not None:
         placed |= {seq.queries: seq.mesh_axis, seq.keys: seq.mesh_axis}
 
@@ -152,9 +157,9 @@ def lower_devices(
         return Spec(*(placed.get(n) for n in w.names))
 
     @functools.cache
-    def mapped(keys: int | None):
+    def mapped(lengths: tuple[int, int] | None):
         return jax.shard_map(
-            bodies(keys),
+            bodies(lengths),
             mesh=m,
             in_specs=tuple(spec(w) for w in d.dom.inside),
             out_specs=spec(d.cod.inside[0]),
@@ -167,34 +172,47 @@ def lower_devices(
 
 
 def _call(s: Sharded, mapped, *xs):
-    """Pad every partitioned axis to whole chunks (zig-zag: reorder the chunks to their devices), run, undo."""
+    """Pad every partitioned axis to whole chunks (zig-zag: reorder the chunks to their devices), run, undo.
+    Under a causal mask keys past the last query are dropped first (no query sees them) and the rest chunked as
+    the queries; ``mapped`` is keyed by the query and key lengths the devices see."""
     d, seq = s.diagram, s.sequence
     if len(xs) != len(d.dom):
         raise NotLowerable(f"device kernel {d.dom} → {d.cod}: expected {len(d.dom)} arrays, got {len(xs)}")
     out_w = d.cod.inside[0]
     extent = {n: x.shape[i] for w, x in zip(d.dom.inside, xs, strict=True) for i, n in enumerate(w.names)}
     whole = {a: math.ceil(extent[a] / n) * n for a, _, n in s.groups}
-    order, keys = None, None
-    if seq is not None:
-        if has_causal_mask(s) and extent[seq.queries] != extent[seq.keys]:
-            raise NotLowerable(
-                f"lower_devices: a causal mask pairs equal chunks; {seq.queries} has {extent[seq.queries]} and "
-                f"{seq.keys} has {extent[seq.keys]} positions"
-            )
-        cq, ck = chunking(seq, extent[seq.queries], extent[seq.keys])
+    order, lengths, cut = None, None, {}
+    if seq is not None and seq.exchange == "all_to_all":
+        check_heads(s, extent)
+        lengths = (extent[seq.queries], extent[seq.keys])
+        whole |= {a: math.ceil(extent[a] / seq.devices) * seq.devices for a in (seq.queries, seq.keys)}
+    elif seq is not None:
+        nq, nk = extent[seq.queries], extent[seq.keys]
+        if has_causal_mask(s):
+            if seq.balanced and nk < nq:
+                raise NotLowerable(
+                    f"lower_devices: zigzag under a causal mask with fewer keys ({seq.keys}: {nk}) than queries "
+                    f"({seq.queries}: {nq}) is not lowered; drop zigzag() or use ulysses"
+                )
+            cut, nk = ({seq.keys: nq} if nk > nq else {}), min(nk, nq)  # no query sees the keys past the last
+            cq, ck = chunking(seq, nq, nq)
+        else:
+            cq, ck = chunking(seq, nq, nk)
         n = seq.units * seq.devices
         whole |= {seq.queries: n * cq, seq.keys: n * ck}
-        order, keys = [c for dev in range(seq.devices) for c in seq.owned(dev)], extent[seq.keys]
+        order, lengths = [c for dev in range(seq.devices) for c in seq.owned(dev)], (nq, nk)
 
     def prepare(w, x):
         for i, name in enumerate(w.names):
+            if name in cut:
+                x = jax.lax.slice_in_dim(x, 0, cut[name], axis=i)
             if name in whole:
                 x = jnp.pad(x, [(0, whole[name] - x.shape[i]) if j == i else (0, 0) for j in range(x.ndim)])
                 if order is not None and name in (seq.queries, seq.keys):
                     x = _reorder(x, i, order)
         return x
 
-    out = mapped(keys)(*(prepare(w, x) for w, x in zip(d.dom.inside, xs, strict=True)))
+    out = mapped(lengths)(*(prepare(w, x) for w, x in zip(d.dom.inside, xs, strict=True)))
     for i, name in enumerate(out_w.names):
         if order is not None and name == seq.queries:
             out = _reorder(out, i, [int(c) for c in np.argsort(order)])
@@ -246,23 +264,24 @@ class _PairKernels:
         return out
 
 
-def _ring_body(s: Sharded, kernels: _PairKernels, keys: int):
-    """The per-device function of a sequence partition over ``keys`` positions in all, with its exact custom_vjp
-    (:class:`_Ring`)."""
-    return _Ring(s, kernels, keys).function()
+def _ring_body(s: Sharded, kernels: _PairKernels, lengths: tuple[int, int]):
+    """The per-device function of a sequence partition over ``lengths`` (queries, keys) positions in all, with
+    its exact custom_vjp (:class:`_Ring`)."""
+    return _Ring(s, kernels, *lengths).function()
 
 
 class _Ring:
-    """A sequence partition's per-device computation over ``keys`` positions in all: the forward merges the pair
-    kernels' outputs through their log-sum-exps, the backward sums the pair kernels' lowered backward.
+    """A sequence partition's per-device computation over ``queries`` and ``keys`` positions in all (under a
+    causal mask ``keys ≤ queries``, chunked as the queries): the forward merges the pair kernels' outputs through
+    their log-sum-exps, the backward sums the pair kernels' lowered backward.
 
     A *pair* is ``(kind, query chunks, key chunks, cut)``: the pair kernel of ``kind`` on the local query
     chunks and key chunks listed (of the ``u`` local ones), the keys cut to ``cut`` (padding) if not None.
     """
 
-    def __init__(self, s: Sharded, kernels: _PairKernels, keys: int):
+    def __init__(self, s: Sharded, kernels: _PairKernels, queries: int, keys: int):
         seq, d = s.sequence, s.diagram
-        self.seq, self.kernels, self.keys = seq, kernels, keys
+        self.seq, self.kernels, self.queries, self.keys = seq, kernels, queries, keys
         self.ins, self.out_w = d.dom.inside, d.cod.inside[0]
         self.is_q = [w.has(seq.queries) for w in self.ins]
         self.at = [w.names.index(seq.queries if q else seq.keys) for w, q in zip(self.ins, self.is_q, strict=True)]
@@ -275,6 +294,11 @@ class _Ring:
         """The pairs of ring step ``t`` on device ``i`` as alternatives ``[(predicate or None, pairs), ...]``."""
         seq, P = self.seq, self.P  # noqa: N806 - the papers' P
         first = isinstance(t, int) and t == 0  # step 0 has its own plan (the diagonal)
+        if self.is_causal and not seq.balanced and self.keys < self.queries:  # cut the chunks past the last key
+            whole, rest = divmod(self.keys, math.ceil(self.queries / P))
+            j, ok, pair = (i, True, "diagonal") if first else (i - t, i >= t, "full")
+            ragged = [(jnp.logical_and(ok, j == whole), [(pair, [0], [0], rest)])] if rest else []
+            return [(jnp.logical_and(ok, j < whole), [(pair, [0], [0], None)]), *ragged, (None, [])]
         if self.is_causal and not seq.balanced:
             if first:
                 return [(None, [("diagonal", [0], [0], None)])]
