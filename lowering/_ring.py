@@ -42,9 +42,9 @@ from jax.sharding import PartitionSpec as Spec
 from lowering._api import _chunks, lower, role
 from lowering._backward import backward_of
 from lowering._plan import NotLowerable
+from lowering._ulysses import check_heads, ulysses_body
 from lowering.triton import Config
 from napkin_cat.hardware import H100, lookup
-from lowering._ulysses import check_heads, ulysses_body
 from rewrites import Sharded, chunking, has_causal_mask, merge_lse, pair_diagrams
 
 

@@ -1,4 +1,6 @@
-"""Lowering DeepSpeed-Ulysses (``rewrites.ulysses``, Jacobs et al. 2023) inside :func:`lowering.lower_devices`' ``shard_map``.
+"""Lowering DeepSpeed-Ulysses (``rewrites.ulysses``, Jacobs et al. 2023) in :func:`lowering.lower_devices`.
+
+It runs inside ``lower_devices``' ``shard_map``.
 
 Each device holds a chunk of the sequence with every head. ``lax.all_to_all`` trades the chunks for a group of
 ``H/P`` heads over the whole sequence (split the heads, concatenate the sequence), the per-device kernel (``lower``
@@ -63,7 +65,8 @@ def ulysses_body(s: Sharded, kernel, lengths: tuple[int, int]):
             whole.append(jax.lax.slice_in_dim(x, 0, length[seq_of(w)], axis=at))
         out = kernel(*whole)
         at = out_w.names.index(seq.queries)
-        chunk = next(x.shape[w.names.index(seq.queries)] for w, x in zip(d.dom.inside, xs, strict=True) if w.has(seq.queries))
+        ins = zip(d.dom.inside, xs, strict=True)
+        chunk = next(x.shape[w.names.index(seq.queries)] for w, x in ins if w.has(seq.queries))
         out = jnp.pad(out, [(0, chunk * seq.devices - n if i == at else 0) for i, n in enumerate(out.shape)])
         return jax.lax.all_to_all(out, seq.mesh_axis, at, out_w.names.index(seq.heads), tiled=True)
 

@@ -372,7 +372,8 @@ device count that divides 6, or ring(q, x, sp, 4)
         if any(a in (self.queries, self.keys, h) for a, _, _ in s.groups):
             raise self.fail(f"{self.queries}, {self.keys} or {h} is already sharded")
         self._mesh_free(s, self.mesh_axis, self.devices)
-        return replace(s, sequence=Sequence(self.queries, self.keys, self.mesh_axis, self.devices, "all_to_all", heads=h))
+        split = Sequence(self.queries, self.keys, self.mesh_axis, self.devices, "all_to_all", heads=h)
+        return replace(s, sequence=split)
 
 
 def heads_refusal(heads: str, size: int, devices: int, queries: str, keys: str, mesh_axis: str) -> str:
