@@ -182,7 +182,7 @@ def test_docs_cost_example_runs(capsys):
     import re
 
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "multi_device.md").read_text(), re.S)
-    exec(blocks[1], {"nc": nc})  # noqa: S102 - the documentation's own example
+    exec(next(b for b in blocks if "choose_exchange" in b), {"nc": nc})  # noqa: S102 - the documentation's own example
     assert capsys.readouterr().out.splitlines()[-1] == "ppermute"
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -178,15 +179,27 @@ def test_fit_link_recovers_bandwidth_and_latency(seed):
 def test_choose_strategy_follows_the_link():
     """A fast link hides the ring's transfers (the ring wins, on memory); a slow one exposes them, and Ulysses,
     moving 3/4 of a chunk of four arrays to the ring's three K/V chunks, wins. Heads not dividing: no Ulysses."""
-    sizes = {"q": 8192, "x": 8192}
-    fast = nc.choose_strategy(mha_cost(), System(H200, 4, NVLINK4), sizes, queries="q", keys="x", heads="h")
+    kw = {"queries": "q", "keys": "x", "heads": "h", "balanced": True}
+    fast = nc.choose_strategy(mha_cost(), System(H200, 4, NVLINK4), {"q": 131072, "x": 131072}, **kw)
     assert fast.strategy == "ring" and "hidden" in fast.why
-    slow_link = System(H200, 4, Interconnect("slow", 5e9, 1e-5))
-    slow = nc.choose_strategy(mha_cost(), slow_link, sizes, queries="q", keys="x", heads="h", backward=True)
+    sizes, slow_link = {"q": 8192, "x": 8192}, System(H200, 4, Interconnect("slow", 5e9, 1e-5))
+    slow = nc.choose_strategy(mha_cost(), slow_link, sizes, backward=True, **kw)
     times = {k: float(c.time) for k, c in slow.costs.items()}
     assert slow.strategy == min(times, key=times.get) == "ulysses", slow.why
-    three = nc.choose_strategy(mha_cost(), System(H200, 3, NVLINK4), sizes, queries="q", keys="x", heads="h")
+    three = nc.choose_strategy(mha_cost(), System(H200, 3, NVLINK4), sizes, **kw)
     assert "ulysses" not in three.costs and "ulysses: 8 heads do not divide over 3 devices" in three.why
+
+
+def docs_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "multi_device.md").read_text(), re.S)
+
+
+def test_docs_strategy_cost_example_runs(capsys):
+    """docs/multi_device.md's fitted-link example (after the cost example it builds on)."""
+    blocks, scope = docs_blocks(), {"nc": nc}
+    exec(next(b for b in blocks if "choose_exchange" in b), scope)  # noqa: S102 - the documentation's own example
+    exec(next(b for b in blocks if "fit_link" in b), scope)  # noqa: S102
+    assert capsys.readouterr().out.splitlines()[-1].startswith("ulysses: ring ")
 
 
 # --- several CPU devices (in a subprocess) ------------------------------------------------------------------
@@ -253,3 +266,12 @@ def test_four_mosaic_pair_kernels_interpreted(seed):
     Q, K, V = qkv(seed, 1, 256, 256, d=64, dtype=jnp.bfloat16)
     assert rel_err(jax.jit(kernel)(Q, K, V), reference(Q, K, V, causal=True)) <= BF16
     assert {v for k, v in kernel.backends.items() if k.endswith("forward")} == {"mosaic"}
+
+
+@on_four
+def test_four_docs_strategy_examples(capsys):
+    """docs/multi_device.md's ring, all-gather and Ulysses examples, each against jax.nn."""
+    blocks, scope = docs_blocks(), {}
+    for name in ("ringed = ", "gathered = ", "u = "):
+        exec(next(b for b in blocks if name in b), scope)  # noqa: S102
+    assert capsys.readouterr().out.split() == ["True"] * 3
