@@ -188,7 +188,7 @@ def test_docs_cost_example_runs(capsys):
 
 def test_mesh_cost_bad_inputs():
     q, x, d = nc.axes("q x d")
-    with pytest.raises(CostError, match=r"^mesh_cost: exchange must be one of ppermute, all_gather, all_to_all, got 'tree'"):
+    with pytest.raises(CostError, match=r"^mesh_cost: exchange must be one of ppermute, all_gather, all_to_all, got"):
         nc.mesh_cost(nc.library.attention(q, x, d), H200_X2, queries="q", keys="x", exchange="tree")
     with pytest.raises(CostError, match=r"devices must be a positive integer, got 2.0"):
         System(H200_X2.device, 2.0, NVLINK4)
