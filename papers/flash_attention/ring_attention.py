@@ -246,7 +246,13 @@ def run(args) -> Path:
         systems["fitted"] = replace(systems["nvlink_datasheet"], link=link)
     rows, alive = [], {"one GPU": True} | dict.fromkeys(strategies, True)
     for n in ns:
-        rows += sweep(n, {"one GPU": baseline} | fns, alive, heads, d, dtype)
+        timed_n = sweep(n, {"one GPU": baseline} | fns, alive, heads, d, dtype)
+        one = {r["backward"]: r["seconds"] for r in timed_n if r["strategy"] == "one GPU" and "seconds" in r}
+        for r in timed_n:
+            if r["strategy"] != "one GPU" and "seconds" in r and r["backward"] in one:
+                r["speedup"] = one[r["backward"]] / r["seconds"]
+                log(f"N={n:>8} {r['strategy']:11} {'fwd+bwd' if r['backward'] else 'fwd':7} {r['speedup']:.2f}× one GPU")
+        rows += timed_n
         rows += communication(n, strategies, mesh, systems, heads, d, dtype_name, dtype, devices)
         if "fitted" in systems:
             b, h, qq, x, dd = nc.axes("b h q x d", d=d)
