@@ -251,7 +251,8 @@ def run(args) -> Path:
         for r in timed_n:
             if r["strategy"] != "one GPU" and "seconds" in r and r["backward"] in one:
                 r["speedup"] = one[r["backward"]] / r["seconds"]
-                log(f"N={n:>8} {r['strategy']:11} {'fwd+bwd' if r['backward'] else 'fwd':7} {r['speedup']:.2f}× one GPU")
+                what = "fwd+bwd" if r["backward"] else "fwd"
+                log(f"N={n:>8} {r['strategy']:11} {what:7} {r['speedup']:.2f}× one GPU")
         rows += timed_n
         rows += communication(n, strategies, mesh, systems, heads, d, dtype_name, dtype, devices)
         if "fitted" in systems:
