@@ -258,10 +258,11 @@ def test_four_ulysses_on_a_two_by_two_mesh(seed):
     forward_and_gradients_close(kernel, True, qkv(seed, 4, 33, 33, lead=(3,)), seed)
 
 
-@on_four
-def test_four_mosaic_pair_kernels_interpreted(seed):
-    """backend="mosaic" (interpret mode): the ring's per-device pair kernels are Mosaic's; bf16 forward over 2."""
-    s = derive_devices(heads_flash(True, dtype="bf16", g=128, s=64, d=64), ring("q", "x", "sp", 2), verify=False)
+def test_mosaic_pair_kernels_interpreted(seed):
+    """backend="mosaic" (interpret mode): the ring's per-device pair kernels are Mosaic's; bf16 forward. On one
+    device: JAX's Mosaic GPU interpreter keeps one simulated shared memory per process, so two host devices running
+    interpreted Mosaic kernels at once trip its barrier check (compiled, on GPUs, each device has its own)."""
+    s = derive_devices(heads_flash(True, dtype="bf16", g=128, s=64, d=64), ring("q", "x", "sp", 1), verify=False)
     kernel = lower_devices(s, backend="mosaic", interpret=True, config=MosaicConfig(interpretable=True))
     Q, K, V = qkv(seed, 1, 256, 256, d=64, dtype=jnp.bfloat16)
     assert rel_err(jax.jit(kernel)(Q, K, V), reference(Q, K, V, causal=True)) <= BF16
