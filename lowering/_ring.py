@@ -39,10 +39,12 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as Spec
 
-from lowering._api import lower
+from lowering._api import _chunks, lower, role
 from lowering._backward import backward_of
 from lowering._plan import NotLowerable
+from lowering._ulysses import check_heads, ulysses_body
 from lowering.triton import Config
+from napkin_cat.hardware import H100, lookup
 from rewrites import Sharded, chunking, has_causal_mask, merge_lse, pair_diagrams
 
 
@@ -72,7 +74,7 @@ class DeviceKernel:
 
     ``mesh`` is the device mesh; ``exchange`` how K/V chunks move (None without a sequence partition);
     ``differentiation`` is ``"lowered"`` (the pair kernels' lowered backward, ring-reduced) or the per-device
-    kernel's own for a group partition alone.
+    kernel's own for a group partition alone. ``backends`` says which backend runs each per-device kernel.
 
     >>> import napkin_cat as nc
     >>> from rewrites import shard
@@ -80,14 +82,21 @@ class DeviceKernel:
     >>> from rewrites import derive, tile, stream
     >>> flash = derive(nc.library.multi_head_attention(b, q, x, d), tile(q, 16), stream(x, 16), verify=False)
     >>> k = lower_devices(shard("b", "dp", 1)(flash))
-    >>> k.exchange, k.mesh.shape["dp"], k.differentiation
-    (None, 1, 'lowered')
+    >>> k.exchange, k.mesh.shape["dp"], k.differentiation, k.backends["forward"]
+    (None, 1, 'lowered', 'triton')
     """
 
-    def __init__(self, s: Sharded, mesh: Mesh, fn, *, exchange: str | None, differentiation: str):
+    def __init__(self, s: Sharded, mesh: Mesh, fn, *, exchange: str | None, differentiation: str, backends):
         self.sharded, self.mesh, self._fn = s, mesh, fn
-        self.exchange, self.differentiation = exchange, differentiation
+        self.exchange, self.differentiation, self._backends = exchange, differentiation, backends
         self.__name__ = "napkin_device_kernel"
+
+    @property
+    def backends(self) -> dict[str, str]:
+        """The backend of each per-device kernel by role: the per-device kernel's own roles (a group partition
+        alone, Ulysses), or ``"<pair kind> forward"`` and ``"<pair kind> <backward kernel>"`` for the ring's pair
+        kernels (the backward's built if need be)."""
+        return self._backends()
 
     def __call__(self, *arrays):
         return self._fn(*arrays)
@@ -97,13 +106,17 @@ def lower_devices(
     sharded,
     mesh: Mesh | None = None,
     *,
+    backend: str = "auto",
     interpret: bool | None = None,
-    config: Config | None = None,
+    config=None,
     hardware=None,
 ) -> DeviceKernel:
     """A JAX callable for a :class:`~rewrites.Sharded` (or a ``DeviceDerivation``): ``shard_map`` over ``mesh``
     (by default the first devices, one mesh axis per partition) around lowered per-device kernels; see the
-    module. ``interpret``, ``config`` and ``hardware`` reach every per-device kernel, as in :func:`lower`.
+    module. ``backend``, ``interpret``, ``config`` and ``hardware`` reach every per-device kernel, forward and
+    backward, as in :func:`lower`: ``"auto"`` takes the backend registry's choice per kernel (Mosaic on Hopper
+    where it lowers and was measured faster), a named backend lowers every per-device kernel with it or says
+    which it cannot lower.
 
     >>> import napkin_cat as nc
     >>> from rewrites import derive, tile, stream, ring
@@ -118,11 +131,15 @@ def lower_devices(
     if not isinstance(s, Sharded):
         raise NotLowerable(f"lower_devices takes a Sharded or a DeviceDerivation, got {type(sharded).__name__}")
     m = _mesh(s, mesh)
-    options = {"interpret": interpret, "config": config, "hardware": hardware}
+    options = {"backend": backend, "interpret": interpret, "config": config, "hardware": hardware}
     d, seq = s.diagram, s.sequence
     if seq is None:
         kernel = lower(d, **options)
-        bodies, differentiation = (lambda keys: kernel), kernel.differentiation
+        bodies, differentiation, backends = (lambda lengths: kernel), kernel.differentiation, lambda: kernel.backends
+    elif seq.exchange == "all_to_all":
+        kernel = lower(d, **options)
+        bodies, differentiation = (lambda lengths: ulysses_body(s, kernel, lengths)), kernel.differentiation
+        backends = lambda: kernel.backends  # noqa: E731
     else:
         for w in d.dom.inside:
             if not (w.has(seq.queries) or w.has(seq.keys)):
@@ -131,8 +148,8 @@ def lower_devices(
                     "the ring lowers attention's query-side and key-side inputs only"
                 )
         pairs = _PairKernels(s, options)
-        bodies, differentiation = (lambda keys: _ring_body(s, pairs, keys)), "lowered"
-    placed = {a: mm for a, mm, _ in s.groups}
+        bodies, differentiation, backends = (lambda lengths: _ring_body(s, pairs, lengths)), "lowered", pairs.backends
+    placed = {a: mm for a, mm, _ in s.groups}  # Ulysses: the sequence placed outside its kernel
     if seq is not None:
         placed |= {seq.queries: seq.mesh_axis, seq.keys: seq.mesh_axis}
 
@@ -140,9 +157,9 @@ def lower_devices(
         return Spec(*(placed.get(n) for n in w.names))
 
     @functools.cache
-    def mapped(keys: int | None):
+    def mapped(lengths: tuple[int, int] | None):
         return jax.shard_map(
-            bodies(keys),
+            bodies(lengths),
             mesh=m,
             in_specs=tuple(spec(w) for w in d.dom.inside),
             out_specs=spec(d.cod.inside[0]),
@@ -150,38 +167,52 @@ def lower_devices(
         )
 
     fn = functools.partial(_call, s, mapped)
-    return DeviceKernel(s, m, fn, exchange=seq.exchange if seq else None, differentiation=differentiation)
+    exchange = seq.exchange if seq else None
+    return DeviceKernel(s, m, fn, exchange=exchange, differentiation=differentiation, backends=backends)
 
 
 def _call(s: Sharded, mapped, *xs):
-    """Pad every partitioned axis to whole chunks (zig-zag: reorder the chunks to their devices), run, undo."""
+    """Pad every partitioned axis to whole chunks (zig-zag: reorder the chunks to their devices), run, undo.
+    Under a causal mask keys past the last query are dropped first (no query sees them) and the rest chunked as
+    the queries; ``mapped`` is keyed by the query and key lengths the devices see."""
     d, seq = s.diagram, s.sequence
     if len(xs) != len(d.dom):
         raise NotLowerable(f"device kernel {d.dom} → {d.cod}: expected {len(d.dom)} arrays, got {len(xs)}")
     out_w = d.cod.inside[0]
     extent = {n: x.shape[i] for w, x in zip(d.dom.inside, xs, strict=True) for i, n in enumerate(w.names)}
     whole = {a: math.ceil(extent[a] / n) * n for a, _, n in s.groups}
-    order, keys = None, None
-    if seq is not None:
-        if has_causal_mask(s) and extent[seq.queries] != extent[seq.keys]:
-            raise NotLowerable(
-                f"lower_devices: a causal mask pairs equal chunks; {seq.queries} has {extent[seq.queries]} and "
-                f"{seq.keys} has {extent[seq.keys]} positions"
-            )
-        cq, ck = chunking(seq, extent[seq.queries], extent[seq.keys])
+    order, lengths, cut = None, None, {}
+    if seq is not None and seq.exchange == "all_to_all":
+        check_heads(s, extent)
+        lengths = (extent[seq.queries], extent[seq.keys])
+        whole |= {a: math.ceil(extent[a] / seq.devices) * seq.devices for a in (seq.queries, seq.keys)}
+    elif seq is not None:
+        nq, nk = extent[seq.queries], extent[seq.keys]
+        if has_causal_mask(s):
+            if seq.balanced and nk < nq:
+                raise NotLowerable(
+                    f"lower_devices: zigzag under a causal mask with fewer keys ({seq.keys}: {nk}) than queries "
+                    f"({seq.queries}: {nq}) is not lowered; drop zigzag() or use ulysses"
+                )
+            cut, nk = ({seq.keys: nq} if nk > nq else {}), min(nk, nq)  # no query sees the keys past the last
+            cq, ck = chunking(seq, nq, nq)
+        else:
+            cq, ck = chunking(seq, nq, nk)
         n = seq.units * seq.devices
         whole |= {seq.queries: n * cq, seq.keys: n * ck}
-        order, keys = [c for dev in range(seq.devices) for c in seq.owned(dev)], extent[seq.keys]
+        order, lengths = [c for dev in range(seq.devices) for c in seq.owned(dev)], (nq, nk)
 
     def prepare(w, x):
         for i, name in enumerate(w.names):
+            if name in cut:
+                x = jax.lax.slice_in_dim(x, 0, cut[name], axis=i)
             if name in whole:
                 x = jnp.pad(x, [(0, whole[name] - x.shape[i]) if j == i else (0, 0) for j in range(x.ndim)])
                 if order is not None and name in (seq.queries, seq.keys):
                     x = _reorder(x, i, order)
         return x
 
-    out = mapped(keys)(*(prepare(w, x) for w, x in zip(d.dom.inside, xs, strict=True)))
+    out = mapped(lengths)(*(prepare(w, x) for w, x in zip(d.dom.inside, xs, strict=True)))
     for i, name in enumerate(out_w.names):
         if order is not None and name == seq.queries:
             out = _reorder(out, i, [int(c) for c in np.argsort(order)])
@@ -199,40 +230,58 @@ def _reorder(x, axis: int, order: list[int]):
 
 
 class _PairKernels:
-    """The lowered pair kernels by kind: forward with (f32 O, L); the backward pieces, built when first used."""
+    """The lowered pair kernels by kind, through the backend registry (``options``: :func:`lower`'s): forward
+    with (f32 O, L); the backward pieces, chunked for the backend that lowers them, built when first used."""
 
     def __init__(self, s: Sharded, options: dict):
-        self.forward = {k: lower(v, **options).forward for k, v in pair_diagrams(s).items()}
+        self._forward = {k: lower(v, **options) for k, v in pair_diagrams(s).items()}
+        self.forward = {k: v.forward for k, v in self._forward.items()}
         plain = pair_diagrams(s, lse=False)
+        hw = lookup(options["hardware"]) if options["hardware"] is not None else H100
+        triton = options["config"] if isinstance(options["config"], Config) else None
+        chunks = functools.partial(_chunks, backend=options["backend"], interpret=options["interpret"])
         # each step's gradients in f32: they are partial sums, added over the ring's steps before the cast
-        self.backward = {k: backward_of(v, narrow=False) for k, v in plain.items()}
+        self.backward = {
+            k: backward_of(v, hw, triton, narrow=False, **chunks(v, config=options["config"]))
+            for k, v in plain.items()
+        }
         self._options = options
 
     @functools.cache  # noqa: B019 - one per lowered device kernel, kept as long as it is
-    def pieces(self, kind: str) -> tuple:
+    def lowered_pieces(self, kind: str) -> tuple:
         # each piece is one kernel: backward="reference" skips deriving a backward of the backward piece
-        return tuple(
-            lower(p.scheduled, backward="reference", **self._options).forward for p in self.backward[kind].pieces
-        )
+        return tuple(lower(p.scheduled, backward="reference", **self._options) for p in self.backward[kind].pieces)
+
+    def pieces(self, kind: str) -> tuple:
+        return tuple(k.forward for k in self.lowered_pieces(kind))
+
+    def backends(self) -> dict[str, str]:
+        """``"<kind> forward"`` and ``"<kind> <piece>"`` → the backend that runs it (the pieces built if need be)."""
+        out = {f"{k} forward": v.backend for k, v in self._forward.items()}
+        for kind, b in self.backward.items():
+            for p, k in zip(b.pieces, self.lowered_pieces(kind), strict=True):
+                out[f"{kind} {role(p)}"] = k.backend
+        return out
 
 
-def _ring_body(s: Sharded, kernels: _PairKernels, keys: int):
-    """The per-device function of a sequence partition over ``keys`` positions in all, with its exact custom_vjp
-    (:class:`_Ring`)."""
-    return _Ring(s, kernels, keys).function()
+def _ring_body(s: Sharded, kernels: _PairKernels, lengths: tuple[int, int]):
+    """The per-device function of a sequence partition over ``lengths`` (queries, keys) positions in all, with
+    its exact custom_vjp (:class:`_Ring`)."""
+    return _Ring(s, kernels, *lengths).function()
 
 
 class _Ring:
-    """A sequence partition's per-device computation over ``keys`` positions in all: the forward merges the pair
-    kernels' outputs through their log-sum-exps, the backward sums the pair kernels' lowered backward.
+    """A sequence partition's per-device computation over ``queries`` and ``keys`` positions in all (under a
+    causal mask ``keys ≤ queries``, chunked as the queries): the forward merges the pair kernels' outputs through
+    their log-sum-exps, the backward sums the pair kernels' lowered backward.
 
     A *pair* is ``(kind, query chunks, key chunks, cut)``: the pair kernel of ``kind`` on the local query
     chunks and key chunks listed (of the ``u`` local ones), the keys cut to ``cut`` (padding) if not None.
     """
 
-    def __init__(self, s: Sharded, kernels: _PairKernels, keys: int):
+    def __init__(self, s: Sharded, kernels: _PairKernels, queries: int, keys: int):
         seq, d = s.sequence, s.diagram
-        self.seq, self.kernels, self.keys = seq, kernels, keys
+        self.seq, self.kernels, self.queries, self.keys = seq, kernels, queries, keys
         self.ins, self.out_w = d.dom.inside, d.cod.inside[0]
         self.is_q = [w.has(seq.queries) for w in self.ins]
         self.at = [w.names.index(seq.queries if q else seq.keys) for w, q in zip(self.ins, self.is_q, strict=True)]
@@ -245,6 +294,11 @@ class _Ring:
         """The pairs of ring step ``t`` on device ``i`` as alternatives ``[(predicate or None, pairs), ...]``."""
         seq, P = self.seq, self.P  # noqa: N806 - the papers' P
         first = isinstance(t, int) and t == 0  # step 0 has its own plan (the diagonal)
+        if self.is_causal and not seq.balanced and self.keys < self.queries:  # cut the chunks past the last key
+            whole, rest = divmod(self.keys, math.ceil(self.queries / P))
+            j, ok, pair = (i, True, "diagonal") if first else (i - t, i >= t, "full")
+            ragged = [(jnp.logical_and(ok, j == whole), [(pair, [0], [0], rest)])] if rest else []
+            return [(jnp.logical_and(ok, j < whole), [(pair, [0], [0], None)]), *ragged, (None, [])]
         if self.is_causal and not seq.balanced:
             if first:
                 return [(None, [("diagonal", [0], [0], None)])]

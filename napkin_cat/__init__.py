@@ -16,7 +16,7 @@ importing napkin_cat never imports the lowering.
 
 from napkin_cat import architectures, hardware, library, optimize
 from napkin_cat._cost import Cost, cost
-from napkin_cat._mesh import MeshCost, choose_exchange, mesh_cost
+from napkin_cat._mesh import MeshCost, StrategyChoice, choose_exchange, choose_strategy, fit_link, mesh_cost
 from napkin_cat._reverse import NoDerivative, Tape, derivative, pullback, reverse
 from napkin_cat.affine_masks import and_masks, as_affine, or_masks
 from napkin_cat.axes import Axis, axes
@@ -65,7 +65,7 @@ from napkin_cat.levels import HBM, L2, REG, SMEM, TC, Level
 from napkin_cat.semantics import to_jax
 
 __all__ = [
-    "MeshCost", "choose_exchange", "mesh_cost",  # the device level (napkin_cat._mesh)
+    "MeshCost", "StrategyChoice", "choose_exchange", "choose_strategy", "fit_link", "mesh_cost",  # (napkin_cat._mesh)
     "and_masks", "as_affine", "or_masks",  # masks of linear inequalities (napkin_cat.affine_masks)
     "BlockMask", "block_mask",  # a mask's blocks, computed ahead (napkin_cat.block_masks)
     "Array", "Axis", "AxisError", "Box", "CompositionError", "Context", "Cost", "CostError", "Diagram", "Dtype",

@@ -10,16 +10,24 @@ rewrite: a scheduled diagram  →  the same diagram run per device of a mesh axi
   alternative (every device gathers all K/V chunks first), with the same semantics and another cost.
 * :class:`zigzag` — causal load balancing: with ``2P`` chunks, device ``i`` holds chunks ``i`` and
   ``2P − 1 − i``, so every device runs the same work at every ring step (a permutation of the sequence).
+* :class:`ulysses` — DeepSpeed-Ulysses (Jacobs et al. 2023): the sequence split over the mesh axis outside the
+  kernel, the heads inside it; an all-to-all takes Q, K, V from sequence-sharded to head-sharded, each device
+  runs the whole sequence on ``H/P`` heads, and an all-to-all takes the output back (``exchange="all_to_all"``).
 
 A sequence of ``N`` is cut into ``u·P`` chunks of ``⌈N/(u·P)⌉`` (``u = 2`` when balanced), the last padded.
 Every chunk pair is one of three kinds: *full* (the diagram without its causal mask), *diagonal* (the
 diagram itself: equal chunks at equal offsets, so the local mask is the global one) or *skipped* (after the
 diagonal). Padded keys are cut off the pair that holds them, so padding contributes nothing.
 
+Under a causal mask the queries and keys may differ in length: the mask is ``q ≥ x`` on global indices
+(top-left aligned, as ``jax.nn.dot_product_attention``'s ``is_causal`` and ``nc.attention``'s). Keys past the
+last query are never seen, so they are dropped; with fewer keys than queries the keys are chunked like the
+queries (equal chunks at equal offsets) and the chunks past the last key are cut off, as non-causal padding is.
+
 Each rule is verified like any rule (:func:`derive_devices`): :func:`execute_devices` runs the partitioned
 algorithm — per device, per ring step, per chunk pair the scheduled semantics (:func:`execute`) of the
-pair's diagram with the log-sum-exp output, merged — on random inputs, against ``to_jax`` of the
-unpartitioned diagram.
+pair's diagram with the log-sum-exp output, merged; for Ulysses the two all-to-alls as re-layouts around the
+scheduled semantics per head group — on random inputs, against ``to_jax`` of the unpartitioned diagram.
 
 >>> import napkin_cat as nc
 >>> from rewrites import derive, tile, stream
@@ -51,9 +59,9 @@ from napkin_cat.dtypes import f32
 from rewrites._rule import RewriteError, Rule, axis_names, positive_size
 from rewrites._schedule import execute, partitions
 from rewrites._stream import streamability
-from rewrites._verify import FAST_COMPILE, Trial, Verification, sample_sizes, tolerance
+from rewrites._verify import FAST_COMPILE, Trial, Verification, tolerance
 
-EXCHANGES = ("ppermute", "all_gather")
+EXCHANGES = ("ppermute", "all_gather")  # the ring's; Ulysses' is "all_to_all"
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,7 @@ class Sequence:
     devices: int
     exchange: str = "ppermute"
     balanced: bool = False
+    heads: str | None = None  # Ulysses: the axis split over the devices inside the kernel
 
     @property
     def units(self) -> int:
@@ -85,6 +94,8 @@ class Sequence:
         return (device, 2 * self.devices - 1 - device) if self.balanced else (device,)
 
     def __str__(self):
+        if self.exchange == "all_to_all":
+            return f"ulysses({self.queries}, {self.keys} over {self.mesh_axis}:{self.devices}, heads {self.heads})"
         return f"ring({self.queries}, {self.keys} over {self.mesh_axis}:{self.devices}, {self.exchange})" + (
             ", zigzag" if self.balanced else ""
         )
@@ -191,7 +202,8 @@ index of q, which one device's group does not know; split the sequence with ring
                     box=box.name,
                     axis=a,
                 )
-        if any(x == a for x, _, _ in s.groups) or (s.sequence and a in (s.sequence.queries, s.sequence.keys)):
+        taken = (s.sequence.queries, s.sequence.keys, s.sequence.heads) if s.sequence else ()
+        if any(x == a for x, _, _ in s.groups) or a in taken:
             raise self.fail(f"{a} is already partitioned over devices", axis=a)
         self._mesh_free(s, self.mesh_axis, self.devices)
         return replace(s, groups=(*s.groups, (a, self.mesh_axis, self.devices)))
@@ -287,6 +299,8 @@ runs the same work
         s = _sharded(d)
         if s.sequence is None:
             raise self.fail("no sequence partition to balance; apply ring(q, x, ...) first")
+        if s.sequence.exchange == "all_to_all":
+            raise self.fail("Ulysses runs the whole sequence on every device: its work is already balanced")
         if s.sequence.balanced:
             raise self.fail("the sequence partition is already balanced")
         if not has_causal_mask(s):
@@ -295,6 +309,83 @@ runs the same work
                 f"the diagram has no causal mask between {q} and {x}: every device already runs the same work"
             )
         return replace(s, sequence=replace(s.sequence, balanced=True))
+
+
+@dataclass(frozen=True)
+class ulysses(DeviceRule):  # noqa: N801
+    """Split the sequence over ``mesh_axis`` between kernels and ``heads`` during them (DeepSpeed-Ulysses): Q, K, V
+    arrive sequence-sharded, an all-to-all makes them head-sharded, each device runs the scheduled diagram on the
+    whole sequence and ``H/P`` heads, an all-to-all takes the output back.
+
+    Side conditions: ``queries``, ``keys`` and ``heads`` are on wires; every input and the output carry ``heads``
+    (the all-to-all splits it) and the queries or keys; no box mixes ``heads`` or reads its index; ``heads``
+    divides by ``devices`` where its size is known (else at the call).
+
+    >>> import napkin_cat as nc
+    >>> h, q, x, d = nc.axes("h q x d", h=6)
+    >>> mha = nc.library.multi_head_attention(h, q, x, d, causal=True)
+    >>> print(ulysses("q", "x", "h", "sp", 3)(mha))
+    ulysses(q, x over sp:3, heads h) of h×q×d ⊗ h×x×d ⊗ h×x×d → h×q×d
+    >>> ulysses("q", "x", "h", "sp", 4)(mha)
+    Traceback (most recent call last):
+    ...
+    rewrites._rule.RewriteError: ulysses(q, x, h, sp, 4): axis 'h': 6 heads do not divide over 4 devices; use a \
+device count that divides 6, or ring(q, x, sp, 4)
+    """
+
+    queries: str
+    keys: str
+    heads: str
+    mesh_axis: str
+    devices: int
+
+    def __post_init__(self):
+        object.__setattr__(self, "devices", positive_size(repr(self), "devices", self.devices, self.heads))
+
+    def __repr__(self):
+        return f"ulysses({self.queries}, {self.keys}, {self.heads}, {self.mesh_axis}, {self.devices})"
+
+    def apply(self, d) -> Sharded:
+        s = _sharded(d)
+        dg, h = s.diagram, self.heads
+        if s.sequence is not None:
+            raise self.fail(f"the sequence is already split: {s.sequence}")
+        names = axis_names(dg)
+        for a in (self.queries, self.keys, h):
+            if a not in names:
+                raise self.fail(f"no wire has axis {a}; axes here: {', '.join(sorted(names))}", axis=a)
+        for w in (*dg.dom.inside, *dg.cod.inside):
+            if not w.has(h) or not (w.has(self.queries) or w.has(self.keys)):
+                raise self.fail(
+                    f"{w.describe()} lacks {h} or the sequence ({self.queries}/{self.keys}): the all-to-all trades "
+                    f"one for the other",
+                    axis=h,
+                )
+        for box in dg.boxes:
+            if isinstance(box, (g.Generator, g.Reshape)) and h in box.mixes:
+                raise self.fail(f"the box mixes elements along {h}", box=box.name, axis=h)
+            if h in _reads(box):
+                raise self.fail(f"the box reads the global index of {h}", box=box.name, axis=h)
+        size = next(a.size for w in dg.dom.inside for a in w.axes if a.name == h)
+        if getattr(size, "is_number", True) and int(size) % self.devices:
+            raise self.fail(heads_refusal(h, int(size), self.devices, self.queries, self.keys, self.mesh_axis), axis=h)
+        if any(a in (self.queries, self.keys, h) for a, _, _ in s.groups):
+            raise self.fail(f"{self.queries}, {self.keys} or {h} is already sharded")
+        self._mesh_free(s, self.mesh_axis, self.devices)
+        split = Sequence(self.queries, self.keys, self.mesh_axis, self.devices, "all_to_all", heads=h)
+        return replace(s, sequence=split)
+
+
+def heads_refusal(heads: str, size: int, devices: int, queries: str, keys: str, mesh_axis: str) -> str:
+    """Why Ulysses cannot split ``size`` heads over ``devices``, and the fix.
+
+    >>> heads_refusal("h", 6, 4, "q", "x", "sp")
+    '6 heads do not divide over 4 devices; use a device count that divides 6, or ring(q, x, sp, 4)'
+    """
+    return (
+        f"{size} heads do not divide over {devices} devices; use a device count that divides {size}, "
+        f"or ring({queries}, {keys}, {mesh_axis}, {devices})"
+    )
 
 
 def has_causal_mask(s: Sharded) -> bool:
@@ -428,7 +519,49 @@ def execute_devices(s: Sharded):
         return grouped
     if s.sequence is None:
         return execute(d)
-    return _ring_semantics(s)
+    return _ulysses_semantics(s) if s.sequence.exchange == "all_to_all" else _ring_semantics(s)
+
+
+def _seq_at(seq: Sequence, w) -> int:
+    """Where ``w``'s sequence axis (the queries, else the keys) is."""
+    return w.names.index(seq.queries if w.has(seq.queries) else seq.keys)
+
+
+def _ulysses_semantics(s: Sharded):
+    """Sequence chunks (padded) re-laid out by the all-to-all into head groups over the whole sequence, the
+    scheduled semantics per group, and the inverse all-to-all."""
+    seq, d = s.sequence, s.diagram
+    inner, out_w, p = execute(d), d.cod.inside[0], seq.devices
+
+    def to_heads(w, chunks):
+        """Device ``i``'s sequence chunks (all heads) → head group ``i`` over the whole sequence, per device."""
+        at, hat = _seq_at(seq, w), w.names.index(seq.heads)
+        pieces = [jnp.split(c, p, axis=hat) for c in chunks]  # pieces[src][group]
+        return [jnp.concatenate([pieces[src][i] for src in range(p)], axis=at) for i in range(p)]
+
+    def run(*xs):
+        ins = list(zip(d.dom.inside, xs, strict=True))
+        extent = {n: x.shape[i] for w, x in ins for i, n in enumerate(w.names)}
+        if extent[seq.heads] % p:
+            raise RewriteError(
+                "ulysses", heads_refusal(seq.heads, extent[seq.heads], p, seq.queries, seq.keys, seq.mesh_axis),
+                axis=seq.heads,
+            )
+        local = []
+        for w, x in ins:  # the input layout: the sequence split in P chunks (the last padded)
+            at = _seq_at(seq, w)
+            c = math.ceil(x.shape[at] / p)
+            local.append((w, x.shape[at], jnp.split(_pad(x, at, c * p), p, axis=at)))
+        groups = [[_take(v, _seq_at(seq, w), 0, n) for v in to_heads(w, chunks)] for w, n, chunks in local]
+        outs = [inner(*(gs[i] for gs in groups)) for i in range(p)]  # device i: head group i, whole sequence
+        at, nq = out_w.names.index(seq.queries), extent[seq.queries]
+        c = math.ceil(nq / p)
+        hat = out_w.names.index(seq.heads)
+        chunks = [jnp.split(_pad(o, at, c * p), p, axis=at) for o in outs]  # [head group][device]
+        back = [jnp.concatenate([chunks[i][j] for i in range(p)], axis=hat) for j in range(p)]  # the inverse
+        return _take(jnp.concatenate(back, axis=at), at, 0, nq)
+
+    return run
 
 
 def _ring_semantics(s: Sharded):
@@ -442,7 +575,11 @@ def _ring_semantics(s: Sharded):
         ins = list(zip(d.dom.inside, xs, strict=True))
         nq = next(x.shape[w.names.index(seq.queries)] for w, x in ins if w.has(seq.queries))
         nk = next(x.shape[w.names.index(seq.keys)] for w, x in ins if w.has(seq.keys))
-        cq, ck = chunking(seq, nq, nk)
+        if is_causal:  # keys past the last query are never seen; the rest chunked as the queries (equal offsets)
+            nk = min(nk, nq)
+            cq, ck = chunking(seq, nq, nq)
+        else:
+            cq, ck = chunking(seq, nq, nk)
         n = seq.units * seq.devices
 
         def chunk(w, x, c):
@@ -532,7 +669,8 @@ def derive_devices(
 ) -> DeviceDerivation:
     """Apply device-level ``rules`` to a scheduled diagram (or ``Derivation``), then verify every step on one
     random trial: :func:`execute_devices` against ``to_jax`` of the diagram (sizes drawn ragged: a sequence
-    not a multiple of the chunks; query and key lengths equal under a causal mask). ``seed`` replays it.
+    not a multiple of the chunks, query and key lengths apart; Ulysses' heads a multiple of the devices).
+    ``seed`` replays it.
 
     >>> import napkin_cat as nc
     >>> from rewrites import derive, tile, stream
@@ -545,18 +683,18 @@ def derive_devices(
     steps, last = [DeviceStep("scheduled", Sharded(d))], Sharded(d)
     for rule in rules:  # every side condition first
         if not isinstance(rule, DeviceRule):
-            raise RewriteError("derive_devices", f"{rule!r} is not a device-level rule (shard, ring, zigzag)")
+            raise RewriteError("derive_devices", f"{rule!r} is not a device-level rule (shard, ring, zigzag, ulysses)")
         last = rule(last)
         steps.append(DeviceStep(rule, last))
     seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
     if not verify or not rules:
         return DeviceDerivation(tuple(steps), seed)
     sizes = dict(sizes or {})
-    if last.sequence is not None and has_causal_mask(last):  # a causal mask pairs equal chunks: one sequence length
-        seq = last.sequence
-        drawn = sample_sizes(d, random.Random(seed))
-        n = sizes.get(seq.queries) or next(v for k, v in drawn.items() if str(k) == seq.queries)
-        sizes = {seq.queries: n, seq.keys: n} | sizes
+    seq = last.sequence
+    if seq is not None and seq.heads is not None:  # Ulysses splits the heads evenly
+        open_heads = not next(a.size for w in d.dom.inside for a in w.axes if a.name == seq.heads).is_number
+        if open_heads and seq.heads not in sizes:
+            sizes[seq.heads] = seq.devices * random.Random(seed).choice((1, 2))
     trial = Trial.draw(d, d, seed=seed, sizes=sizes, rule="derive_devices")
     checked = [steps[0]]
     for st in steps[1:]:
@@ -570,5 +708,6 @@ def derive_devices(
 
 __all__ = [
     "EXCHANGES", "DeviceDerivation", "DeviceRule", "DeviceStep", "Sequence", "Sharded", "chunking", "derive_devices",
-    "execute_devices", "has_causal_mask", "kind", "merge_lse", "pair_diagrams", "ring", "shard", "zigzag",
+    "execute_devices", "has_causal_mask", "heads_refusal", "kind", "merge_lse", "pair_diagrams", "ring", "shard",
+    "ulysses", "zigzag",
 ]

@@ -150,10 +150,6 @@ def test_bad_meshes_exact_errors():
     if not FOUR:
         with pytest.raises(NotLowerable, match=r"need 4 devices; jax sees 1 \(on CPU set XLA_FLAGS="):
             lower_devices(s)
-    causal = lower_devices(ring("q", "x", "sp", 1)(flash(causal=True)), one)
-    Q = jnp.ones((24, 8))
-    with pytest.raises(NotLowerable, match=r"a causal mask pairs equal chunks; q has 24 and x has 16 positions"):
-        causal(Q, Q[:16], Q[:16])
 
 
 def test_one_device_ring_matches_reference(seed):
@@ -186,13 +182,13 @@ def test_docs_cost_example_runs(capsys):
     import re
 
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "multi_device.md").read_text(), re.S)
-    exec(blocks[1], {"nc": nc})  # noqa: S102 - the documentation's own example
+    exec(next(b for b in blocks if "choose_exchange" in b), {"nc": nc})  # noqa: S102 - the documentation's own example
     assert capsys.readouterr().out.splitlines()[-1] == "ppermute"
 
 
 def test_mesh_cost_bad_inputs():
     q, x, d = nc.axes("q x d")
-    with pytest.raises(CostError, match=r"^mesh_cost: exchange must be one of ppermute, all_gather, got 'tree'"):
+    with pytest.raises(CostError, match=r"^mesh_cost: exchange must be one of ppermute, all_gather, all_to_all, got"):
         nc.mesh_cost(nc.library.attention(q, x, d), H200_X2, queries="q", keys="x", exchange="tree")
     with pytest.raises(CostError, match=r"devices must be a positive integer, got 2.0"):
         System(H200_X2.device, 2.0, NVLINK4)
@@ -285,9 +281,10 @@ def test_gpu_ring_over_two_gpus_matches_one(seed):
 
 @on_four
 def test_four_benchmark_quick(tmp_path):
-    """papers/flash_attention/ring_attention.py --quick runs end to end (tiny sizes, 4 host devices)."""
+    """papers/flash_attention/ring_attention.py --smoke runs end to end (tiny sizes, 4 host devices; one strategy
+    here, the cheapest to interpret)."""
     sys.path.insert(0, str(ROOT / "papers" / "flash_attention"))
     import ring_attention
 
-    path = ring_attention.main(["--quick", "--out", str(tmp_path)])
+    path = ring_attention.main(["--smoke", "--strategy", "ulysses", "--out", str(tmp_path)])
     assert path.exists() and path.with_suffix(".png").exists()

@@ -1,27 +1,32 @@
-"""Ring attention past one GPU (issue 15): napkin-cat's sequence partition over devices against one GPU.
+"""Sequence parallelism past one GPU (issues 15, 30): ring, all-gather and Ulysses against the best one-GPU kernel.
 
-Causal bf16 attention, D = 128, B = 1, H = 8, N from 128k doubling: forward and forward+backward on
-``--devices`` GPUs (``rewrites.ring`` + ``zigzag``, lowered by ``lowering.lower_devices``: the per-device
-Triton kernels, K/V chunks passed by ``lax.ppermute``), and on one GPU (``lowering.lower`` of the same
-schedule) up to the longest N it holds. Before timing, the ring's output is checked against the one-GPU
-kernel at a small N (relative error ≤ 1e-2). Each time is the median over batches of back-to-back calls.
-The cost functor's communication time (``nc.mesh_cost``: latency + bytes/bandwidth per ring
-step) is recorded beside the measured time of the same ``ppermute`` steps alone. Writes
-``results/ring_attention_<GPU>.json`` and ``.png``.
+Causal bf16 attention, D = 128, B = 1, H = 8, N from 128k doubling, on ``--devices`` GPUs, for each
+``--strategy``: the ring (``rewrites.ring`` + ``zigzag``, K/V chunks by ``lax.ppermute``), the all-gather (the same
+with ``exchange="all_gather"``) and Ulysses (``rewrites.ulysses``: all-to-alls over the heads), each lowered by
+``lowering.lower_devices`` with the per-device kernels the backend registry picks (Mosaic on Hopper); the one-GPU
+baseline is ``nc.attention`` (``[b, seq, h, d]``) on one of the same GPUs, up to the longest N it holds. Each is
+checked against the baseline at a small N (relative error ≤ 1e-2) before timing; each time is the median over
+batches of back-to-back calls, forward and forward+backward. The transfers alone (each strategy's collectives
+with no compute) are timed beside ``nc.mesh_cost``'s prediction, with NVLink's datasheet link and with the link
+fitted (``nc.fit_link``) to single ``ppermute`` transfers of other sizes; ``nc.choose_strategy`` (fitted) names
+the strategy it picks at each N, next to the fastest measured. Writes ``results/ring_attention_<GPU>.json``
+and ``.png``.
 
-    python papers/flash_attention/ring_attention.py [--devices 2] [--max-n 1048576] [--heads 8] [--out DIR]
-    python papers/flash_attention/ring_attention.py --quick   # CPU: tiny sizes on 4 forced host devices
+    python papers/flash_attention/ring_attention.py [--devices 4] [--strategy all] [--max-n 1048576] [--out DIR]
+    python papers/flash_attention/ring_attention.py --smoke   # CPU: tiny sizes on 4 forced host devices
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file, it still finds `papers`
-if "--quick" in sys.argv and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    # before jax starts: the quick path runs on 4 host devices (CPU)
+SMOKE = "--smoke" in sys.argv or "--quick" in sys.argv
+if SMOKE and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    # before jax starts: the smoke run uses 4 host devices (CPU)
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
 
 import argparse  # noqa: E402 - after the device flag
@@ -36,15 +41,17 @@ from jax.sharding import Mesh  # noqa: E402
 from jax.sharding import PartitionSpec as Spec  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
-from lowering import lower, lower_devices  # noqa: E402
+from lowering import lower_devices  # noqa: E402
+from napkin_cat.errors import CostError  # noqa: E402
 from napkin_cat.hardware import NVLINK4, System, for_device  # noqa: E402
 from papers.flash_attention.timing import once, time_calls  # noqa: E402
-from rewrites import derive, derive_devices, ring, stream, tile, zigzag  # noqa: E402
+from rewrites import derive, derive_devices, ring, stream, tile, ulysses, zigzag  # noqa: E402
 from rewrites._verify import FAST_COMPILE  # noqa: E402
 
 HERE = Path(__file__).parent
 HEADS, D, CHECK_N, TOLERANCE = 8, 128, 4096, 1e-2
-QUICK = {"heads": 2, "d": 16, "ns": [64], "check_n": 64, "tile": (16, 16), "dtype": "f32", "devices": 4}
+SMOKE_SIZES = {"heads": 4, "d": 16, "ns": [64], "check_n": 64, "tile": (16, 16), "dtype": "f32", "devices": 4}
+STRATEGIES = ("ring", "all_gather", "ulysses")
 
 
 def log(*parts):
@@ -57,14 +64,27 @@ def scheduled(d: int, dtype: str, g: int, s: int):
     return derive(attn, tile(q, g), stream(x, s), verify=False)
 
 
+def rules(strategy: str, devices: int) -> list:
+    """The device-level rules of ``strategy`` over mesh axis ``sp``."""
+    if strategy == "ulysses":
+        return [ulysses("q", "x", "h", "sp", devices)]
+    return [ring("q", "x", "sp", devices, exchange="ppermute" if strategy == "ring" else "all_gather"), zigzag()]
+
+
 def flops(n: int, heads: int, d: int, backward: bool) -> float:
     """Causal attention FLOPs: half of 4·N²·D per head; forward+backward 7/2 of the forward."""
     return 2 * n * n * d * heads * (3.5 if backward else 1.0)
 
 
 def inputs(n: int, heads: int, d: int, dtype, seed: int):
+    """Q, K, V and a cotangent, ``[b, h, n, d]`` (the partitioned kernels' layout)."""
     keys = jax.random.split(jax.random.key(seed), 4)
     return [jax.random.normal(k, (1, heads, n, d), dtype) for k in keys]
+
+
+def seq_major(*xs):
+    """``[b, h, n, d]`` → ``[b, n, h, d]``: ``nc.attention``'s layout (done before timing)."""
+    return [jnp.swapaxes(x, 1, 2) for x in xs]
 
 
 def compiled(fn) -> dict:
@@ -73,7 +93,7 @@ def compiled(fn) -> dict:
     def loss(q, k, v, do):
         return jnp.sum(fn(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
 
-    # on CPU (interpreted kernels, --quick) compiling fast beats running fast, as in derive's checks
+    # on CPU (interpreted kernels, --smoke) compiling fast beats running fast, as in derive's checks
     options = FAST_COMPILE if jax.devices()[0].platform == "cpu" else None
     jit = functools.partial(jax.jit, compiler_options=options)
     return {False: jit(fn), True: jit(jax.grad(loss, argnums=(0, 1, 2)))}
@@ -81,7 +101,7 @@ def compiled(fn) -> dict:
 
 def timed(fns: dict, args, backward: bool) -> float:
     """Seconds per call: after a compiling call, three single calls when one takes over 0.5 s (long sequences),
-    else the median over batches of back-to-back calls of about 0.2 s each. Wall clock: the ring runs on
+    else the median over batches of back-to-back calls of about 0.2 s each. Wall clock: a strategy runs on
     several devices, whose kernel times CUPTI would add up."""
     f, args = fns[backward], args if backward else args[:3]
     jax.block_until_ready(f(*args))
@@ -91,100 +111,167 @@ def timed(fns: dict, args, backward: bool) -> float:
     return time_calls(f, *args, reps=max(1, int(0.2 / first)), batches=3, warmup=0, method="wall").seconds
 
 
-def measured_comm(mesh: Mesh, n: int, heads: int, d: int, dtype, devices: int) -> float:
-    """Seconds for the ring's P − 1 ``ppermute`` steps of one K and one V chunk (``n/P`` rows each), alone."""
+def transfers(strategy: str, mesh: Mesh, devices: int):
+    """The forward's collectives of ``strategy`` alone, on ``[b, h, n, d]`` arrays sharded over ``n``: the ring's
+    P − 1 ``ppermute`` steps of K and V, the all-gather of K and V, Ulysses' four all-to-alls (Q, K, V in, O out)."""
     pairs = [(j, (j + 1) % devices) for j in range(devices)]
 
-    def steps(k, v):
+    def ring_steps(q, k, v):
         for _ in range(devices - 1):
             k, v = jax.lax.ppermute(k, "sp", pairs), jax.lax.ppermute(v, "sp", pairs)
         return k, v
 
-    f = jax.jit(jax.shard_map(steps, mesh=mesh, in_specs=Spec(None, None, "sp"), out_specs=Spec(None, None, "sp")))
-    k = jnp.ones((1, heads, n, d), dtype)
-    return time_calls(f, k, k, reps=5, batches=3, warmup=1, method="wall").seconds
+    def gather(q, k, v):
+        return tuple(jax.lax.all_gather(a, "sp", axis=2, tiled=True) for a in (k, v))
+
+    def all_to_all(q, k, v):
+        heads = [jax.lax.all_to_all(a, "sp", 1, 2, tiled=True) for a in (q, k, v)]
+        return jax.lax.all_to_all(heads[0] + heads[1], "sp", 2, 1, tiled=True), heads[2]
+
+    body = {"ring": ring_steps, "all_gather": gather, "ulysses": all_to_all}[strategy]
+    spec = Spec(None, None, "sp")
+    out = (spec, Spec()) if strategy == "all_gather" else (spec, spec if strategy == "ring" else Spec(None, "sp"))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=out, check_vma=False))
+
+
+def fitted_link(mesh: Mesh, heads: int, d: int, dtype, devices: int, n: int):
+    """The link fitted (``nc.fit_link``) to one ``ppermute`` of a K chunk at N/8, N/4 and N/2 (not the sizes the
+    predictions are checked at)."""
+    pairs = [(j, (j + 1) % devices) for j in range(devices)]
+    f = jax.jit(jax.shard_map(lambda k: jax.lax.ppermute(k, "sp", pairs), mesh=mesh, in_specs=Spec(None, None, "sp"),
+                              out_specs=Spec(None, None, "sp")))
+    measured = []
+    for m in (max(devices, n // 8), max(devices, n // 4), max(devices, n // 2)):
+        k = jnp.ones((1, heads, m, d), dtype)
+        seconds = time_calls(f, k, reps=5, batches=3, warmup=1, method="wall").seconds
+        measured.append((k.size // devices * k.dtype.itemsize, seconds))
+    return nc.fit_link(measured, "fitted ppermute"), measured
+
+
+def check(fns: dict, baseline: dict, n: int, heads: int, d: int, dtype) -> dict:
+    """Each strategy's output against the one-GPU kernel's at ``n``: the max relative error."""
+    q, k, v, _ = inputs(n, heads, d, dtype, 1)
+    want = np.asarray(jnp.swapaxes(baseline[False](*seq_major(q, k, v)), 1, 2), np.float32)
+    errors = {}
+    for name, f in fns.items():
+        got = np.asarray(f[False](q, k, v), np.float32)
+        errors[name] = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+        log(f"check at N = {n}: {name} vs one GPU, relative error {errors[name]:.1e}")
+        if errors[name] > TOLERANCE:
+            raise SystemExit(f"{name} differs from the one-GPU kernel: {errors[name]:.1e} > {TOLERANCE}")
+    return errors
+
+
+def sweep(n: int, fns: dict, alive: dict, heads: int, d: int, dtype) -> list:
+    """Forward and forward+backward times of every configuration at ``n``; out of memory ends a sweep."""
+    args_n = inputs(n, heads, d, dtype, n)
+    rows = []
+    for label, f in fns.items():
+        for backward in (False, True):
+            if not alive[label]:
+                continue
+            row = {"n": n, "strategy": label, "backward": backward}
+            try:
+                t = timed(f, seq_major(*args_n) if label == "one GPU" else args_n, backward)
+                row |= {"seconds": t, "tflops": flops(n, heads, d, backward) / t / 1e12}
+                log(f"N={n:>8} {label:11} {'fwd+bwd' if backward else 'fwd':7} {t * 1e3:9.2f} ms "
+                    f"{row['tflops']:7.1f} TFLOP/s")
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                log(f"N={n:>8} {label}: {row['error']}")
+                if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+                    raise
+                alive[label] = False
+            rows.append(row)
+    return rows
+
+
+def communication(n, strategies, mesh, systems, heads, d, dtype_name, dtype, devices) -> list:
+    """Each strategy's transfers alone, measured, beside ``mesh_cost``'s forward transfer time per system."""
+    b, h, qq, x, dd = nc.axes("b h q x d", d=d)
+    attn = nc.library.multi_head_attention(h, qq, x, dd, batch=(b,), causal=True, dtype=dtype_name)
+    exchange = {"ring": "ppermute", "all_gather": "all_gather", "ulysses": "all_to_all"}
+    q = jnp.ones((1, heads, n, d), dtype)
+    rows = []
+    for name in strategies:
+        f = transfers(name, mesh, devices)
+        seconds = time_calls(f, q, q, q, reps=5, batches=3, warmup=1, method="wall").seconds
+        row = {"n": n, "strategy": name, "comm_measured": seconds}
+        for label, system in systems.items():
+            c = nc.mesh_cost(attn, system, queries="q", keys="x", exchange=exchange[name], heads="h", balanced=True)
+            row[f"comm_predicted_{label}"] = float(c.subs(b=1, h=heads, q=n, x=n).transfer_time)
+        rows.append(row)
+        said = ", ".join(f"{k[len('comm_predicted_'):]} {v * 1e3:.3f}" for k, v in row.items() if "predicted" in k)
+        log(f"N={n:>8} {name:10} transfers alone {seconds * 1e3:.3f} ms; predicted ms: {said or 'n/a'}")
+    return rows
 
 
 def run(args) -> Path:
-    quick = args.quick
-    cfg = QUICK if quick else {}
+    smoke = args.smoke
+    cfg = SMOKE_SIZES if smoke else {}
     heads, d = cfg.get("heads", args.heads), cfg.get("d", D)
     dtype_name = cfg.get("dtype", "bf16")
     dtype = jnp.float32 if dtype_name == "f32" else jnp.bfloat16
     devices = cfg.get("devices", args.devices)
     g, s = cfg.get("tile", (128, 64))
     ns = cfg.get("ns") or [131072 * 2**i for i in range(8) if 131072 * 2**i <= args.max_n]
+    strategies = STRATEGIES if args.strategy == "all" else (args.strategy,)
     kind = jax.devices()[0].device_kind
     gpu = "cpu" if jax.devices()[0].platform == "cpu" else kind.replace(" ", "_")
-    log(f"{kind}: {jax.device_count()} devices, ring over {devices}; N = {ns}; H = {heads}, D = {d}, {dtype_name}")
+    log(f"{kind}: {jax.device_count()} devices, {', '.join(strategies)} over {devices}; N = {ns}; H = {heads}, "
+        f"D = {d}, {dtype_name}")
     if jax.device_count() < devices:
         raise SystemExit(f"needs {devices} devices, jax sees {jax.device_count()}")
     flash = scheduled(d, dtype_name, g, s)
-    single = lower(flash)
-    derivation = derive_devices(flash, ring("q", "x", "sp", devices), zigzag(), seed=0, sizes={"b": 1, "h": 2})
-    log("device-level steps verified:", *(str(st) for st in derivation.steps[1:]))
     mesh = Mesh(np.array(jax.devices()[:devices]), ("sp",))
-    ringed = lower_devices(derivation, mesh)
-    check_n = cfg.get("check_n", CHECK_N)
-    q, k, v, _ = inputs(check_n, heads, d, dtype, 1)
-    fns = {"1": compiled(single), str(devices): compiled(ringed)}
-    want = np.asarray(fns["1"][False](q, k, v), np.float32)
-    got = np.asarray(fns[str(devices)][False](q, k, v), np.float32)
-    err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-    log(f"check at N = {check_n}: ring vs one GPU, relative error {err:.1e}")
-    if err > TOLERANCE:
-        raise SystemExit(f"ring attention differs from the one-GPU kernel: {err:.1e} > {TOLERANCE}")
+    fns, backends = {}, {}
+    for name in strategies:
+        derivation = derive_devices(flash, *rules(name, devices), seed=0, sizes={"b": 1, "h": devices})
+        log(f"{name}: device-level steps verified:", *(str(st) for st in derivation.steps[1:]))
+        kernel = lower_devices(derivation, mesh)
+        fns[name] = compiled(kernel)
+        backends[name] = {k: v for k, v in kernel.backends.items() if "forward" in k}
+        log(f"{name}: per-device kernels {backends[name]}")
+    baseline = compiled(functools.partial(nc.attention, is_causal=True))
+    errors = check(fns, baseline, cfg.get("check_n", CHECK_N), heads, d, dtype)
     hw = for_device(kind)
-    system = System(hw, devices, NVLINK4) if hw is not None else None
-    rows, alive = [], {"1": True, str(devices): True}
+    systems = {"nvlink_datasheet": System(hw, devices, NVLINK4)} if hw is not None else {}
+    try:
+        link, calibration = fitted_link(mesh, heads, d, dtype, devices, ns[0])
+        log(f"fitted link: {link.bandwidth / 1e9:.1f} GB/s, {link.latency * 1e6:.1f} µs from {calibration}")
+    except CostError as e:  # timings too noisy to fit (tiny transfers on CPU): predictions with the datasheet only
+        link, calibration = None, str(e)
+        log(f"no fitted link: {e}")
+    if hw is not None and link is not None:
+        systems["fitted"] = replace(systems["nvlink_datasheet"], link=link)
+    rows, alive = [], {"one GPU": True} | dict.fromkeys(strategies, True)
     for n in ns:
-        args_n = inputs(n, heads, d, dtype, n)
-        for label in fns:
-            for backward in (False, True):
-                if not alive[label]:
-                    continue
-                row = {"n": n, "devices": int(label), "backward": backward}
-                try:
-                    t = timed(fns[label], args_n, backward)
-                    row |= {"seconds": t, "tflops": flops(n, heads, d, backward) / t / 1e12}
-                    log(
-                        f"N={n:>8} {label} device(s) {'fwd+bwd' if backward else 'fwd':7} {t * 1e3:9.2f} ms "
-                        f"{row['tflops']:7.1f} TFLOP/s"
-                    )
-                except Exception as e:  # out of memory ends that configuration's sweep
-                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-                    log(f"N={n:>8} {label} device(s): {row['error']}")
-                    if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower():
-                        alive[label] = False
-                    else:
-                        raise
-                rows.append(row)
-        if system is not None:
+        timed_n = sweep(n, {"one GPU": baseline} | fns, alive, heads, d, dtype)
+        one = {r["backward"]: r["seconds"] for r in timed_n if r["strategy"] == "one GPU" and "seconds" in r}
+        for r in timed_n:
+            if r["strategy"] != "one GPU" and "seconds" in r and r["backward"] in one:
+                r["speedup"] = one[r["backward"]] / r["seconds"]
+                what = "fwd+bwd" if r["backward"] else "fwd"
+                log(f"N={n:>8} {r['strategy']:11} {what:7} {r['speedup']:.2f}× one GPU")
+        rows += timed_n
+        rows += communication(n, strategies, mesh, systems, heads, d, dtype_name, dtype, devices)
+        if "fitted" in systems:
             b, h, qq, x, dd = nc.axes("b h q x d", d=d)
             attn = nc.library.multi_head_attention(h, qq, x, dd, batch=(b,), causal=True, dtype=dtype_name)
-            cost = nc.mesh_cost(attn, system, queries="q", keys="x", balanced=True).subs(b=1, h=heads, q=n, x=n)
-            predicted = float(cost.step_time) * (devices - 1)
-        else:
-            predicted = None
-        comm = measured_comm(mesh, n, heads, d, dtype, devices)
-        rows.append({"n": n, "comm_measured": comm, "comm_predicted": predicted})
-        log(
-            f"N={n:>8} ring transfers alone {comm * 1e3:.3f} ms; predicted "
-            f"{'n/a (no hardware model)' if predicted is None else f'{predicted * 1e3:.3f} ms'}"
-        )
+            choice = nc.choose_strategy(attn, systems["fitted"], {"b": 1, "h": heads, "q": n, "x": n}, queries="q",
+                                        keys="x", heads="h", balanced=True, backward=True)
+            timed_ = [r for r in rows if r.get("n") == n and r.get("backward") and "seconds" in r
+                      and r["strategy"] in strategies]
+            fastest = min(timed_, key=lambda r: r["seconds"])["strategy"] if timed_ else None
+            rows.append({"n": n, "model_picks": choice.strategy, "why": choice.why, "fastest_measured": fastest})
+            log(f"N={n:>8} the model picks {choice}; fastest measured: {fastest}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"ring_attention_{gpu}{'_quick' if quick else ''}.json"
+    path = out / f"ring_attention_{gpu}{'_smoke' if smoke else ''}.json"
     meta = {
-        "gpu": kind,
-        "devices": devices,
-        "heads": heads,
-        "d": d,
-        "dtype": dtype_name,
-        "causal": True,
-        "tile": [g, s],
-        "jax": jax.__version__,
-        "check_error": err,
+        "gpu": kind, "devices": devices, "heads": heads, "d": d, "dtype": dtype_name, "causal": True, "tile": [g, s],
+        "jax": jax.__version__, "check_errors": errors, "backends": backends, "baseline": "nc.attention, one GPU",
+        "fitted_link": {"bandwidth": link and link.bandwidth, "latency": link and link.latency, "from": calibration},
     }
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     plot(rows, meta, path.with_suffix(".png"))
@@ -198,26 +285,26 @@ def plot(rows, meta, path: Path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for devices in sorted({r["devices"] for r in rows if "devices" in r}):
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4))
+    for name in dict.fromkeys(r["strategy"] for r in rows if "tflops" in r):
         for backward, style in ((False, "-"), (True, "--")):
-            pts = [
-                (r["n"], r["tflops"])
-                for r in rows
-                if r.get("devices") == devices and r.get("backward") == backward and "tflops" in r
-            ]
+            pts = [(r["n"], r["tflops"]) for r in rows
+                   if r.get("strategy") == name and r.get("backward") == backward and "tflops" in r]
             if pts:
-                ax.plot(
-                    *zip(*pts, strict=True),
-                    style,
-                    marker="o",
-                    label=f"{devices} device{'s' if devices > 1 else ''}, {'fwd+bwd' if backward else 'fwd'}",
-                )
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("sequence length N")
-    ax.set_ylabel("TFLOP/s (all devices)")
-    ax.set_title(f"napkin-cat ring attention, causal {meta['dtype']}, D={meta['d']}, H={meta['heads']} — {meta['gpu']}")
-    ax.legend()
+                ax.plot(*zip(*pts, strict=True), style, marker="o", label=f"{name}, {'fwd+bwd' if backward else 'fwd'}")
+    for name in dict.fromkeys(r["strategy"] for r in rows if "comm_measured" in r):
+        mine = [r for r in rows if r.get("strategy") == name and "comm_measured" in r]
+        bx.plot([r["n"] for r in mine], [r["comm_measured"] * 1e3 for r in mine], "-o", label=f"{name} measured")
+        if mine and "comm_predicted_fitted" in mine[0]:
+            bx.plot([r["n"] for r in mine], [r["comm_predicted_fitted"] * 1e3 for r in mine], ":x",
+                    label=f"{name} predicted (fitted link)")
+    for a, label in ((ax, "TFLOP/s (all devices)"), (bx, "transfers alone, ms")):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("sequence length N")
+        a.set_ylabel(label)
+        a.legend(fontsize=7)
+    fig.suptitle(f"napkin-cat sequence parallelism over {meta['devices']}, causal {meta['dtype']}, D={meta['d']}, "
+                 f"H={meta['heads']} — {meta['gpu']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -226,11 +313,12 @@ def plot(rows, meta, path: Path):
 def main(argv=None) -> Path:
     """Parse ``argv`` and run; returns the JSON path."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--devices", type=int, default=4)
+    p.add_argument("--strategy", choices=[*STRATEGIES, "all"], default="all")
     p.add_argument("--max-n", type=int, default=2**20)
     p.add_argument("--heads", type=int, default=HEADS, help="more heads reach one GPU's memory at a shorter N")
     p.add_argument("--out", default=str(HERE / "results"))
-    p.add_argument("--quick", action="store_true", help="tiny sizes on 4 host devices (CPU)")
+    p.add_argument("--smoke", "--quick", action="store_true", help="tiny sizes on 4 host devices (CPU)")
     return run(p.parse_args(argv))
 
 

@@ -1,0 +1,278 @@
+"""Sequence parallelism: the ring, the all-gather and Ulysses (rewrites.ring/ulysses, lowering.lower_devices), causal
+and not, ragged, unequal query and key lengths, 2 and 4 devices and a 2×2 mesh; the per-device kernels through the
+backend registry; the communication model (nc.mesh_cost, nc.fit_link, nc.choose_strategy).
+
+Kernels on several devices need ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` before jax starts:
+``test_on_four_cpu_devices`` reruns this file's ``test_four_*`` tests in a subprocess with the flag.
+
+Every result is compared with :func:`reference`, attention written here in jax.numpy. Tolerances: f32 interpret
+mode, forward and gradients measured ≤ 6e-7 relative error on these cases (TOL = 1e-5); bf16 Mosaic (interpret)
+forward measured 2.9e-3 (BF16 = 1e-2).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+import sympy
+
+import napkin_cat as nc
+from lowering import MosaicConfig, NotLowerable, lower_devices
+from napkin_cat.errors import CostError
+from napkin_cat.hardware import H200, NVLINK4, Interconnect, System
+from rewrites import RewriteError, derive, derive_devices, execute_devices, ring, shard, stream, tile, ulysses, zigzag
+from rewrites._verify import FAST_COMPILE
+
+TOL, BF16 = 1e-5, 1e-2
+FOUR = jax.device_count() >= 4
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+on_four = pytest.mark.skipif(not FOUR, reason="runs in test_on_four_cpu_devices' subprocess")
+
+
+def reference(Q, K, V, causal=False):
+    """softmax(Q Kᵀ/√d) V over the last two axes, f32; causal: query i sees key j ≤ i (top-left, as jax.nn)."""
+    Q, K, V = (a.astype(jnp.float32) for a in (Q, K, V))
+    s = jnp.einsum("...qd,...kd->...qk", Q, K) / Q.shape[-1] ** 0.5
+    if causal:
+        s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
+    return jnp.einsum("...qk,...kd->...qd", jax.nn.softmax(s, axis=-1), V)
+
+
+def rel_err(a, b) -> float:
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def heads_flash(causal=False, batch=False, dtype="f32", g=16, s=16, d=None):
+    b, h, q, x = nc.axes("b h q x")
+    dd = nc.Axis("d", d) if d else nc.Axis("d")
+    mha = nc.library.multi_head_attention(h, q, x, dd, batch=(b,) if batch else (), causal=causal, dtype=dtype)
+    return derive(mha, tile(q, g), stream(x, s), verify=False)
+
+
+STRATEGIES = {
+    "ring": lambda p, causal: [ring("q", "x", "sp", p), *([zigzag()] if causal else [])],
+    "ring_contiguous": lambda p, causal: [ring("q", "x", "sp", p)],
+    "all_gather": lambda p, causal: [ring("q", "x", "sp", p, exchange="all_gather")],
+    "ulysses": lambda p, causal: [ulysses("q", "x", "h", "sp", p)],
+}
+
+
+def qkv(seed, heads, nq, nk, d=8, lead=(), dtype=jnp.float32):
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    return (
+        jax.random.normal(kq, (*lead, heads, nq, d), dtype),
+        jax.random.normal(kk, (*lead, heads, nk, d), dtype),
+        jax.random.normal(kv, (*lead, heads, nk, d), dtype),
+    )
+
+
+# --- in-process: the partitioned semantics, refusals, the cost model --------------------------------------
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_partitioned_semantics_unequal_lengths(seed, strategy, causal):
+    """Each strategy, verified by derive_devices, then its partitioned semantics against the reference at equal,
+    fewer-query and fewer-key lengths (ragged: none a multiple of the chunks)."""
+    rules = STRATEGIES[strategy](3, causal)
+    if strategy == "ring" and not causal:
+        rules = rules[:1]
+    done = derive_devices(heads_flash(causal), *rules, seed=seed)
+    assert all(s.verification.passed for s in done.steps[1:])
+    run = execute_devices(done.sharded)
+    for nq, nk in ((37, 37), (20, 45), (45, 20)):
+        Q, K, V = qkv(seed + nq, 6, nq, nk)
+        assert rel_err(run(Q, K, V), reference(Q, K, V, causal)) <= TOL, f"seed {seed}, {nq} × {nk}"
+
+
+def test_ulysses_side_conditions_exact_errors():
+    h, q, x, d = nc.axes("h q x d", h=6)
+    mha = nc.library.multi_head_attention(h, q, x, d, causal=True)
+    with pytest.raises(RewriteError) as e:
+        ulysses("q", "x", "h", "sp", 4)(mha)
+    assert str(e.value) == (
+        "ulysses(q, x, h, sp, 4): axis 'h': 6 heads do not divide over 4 devices; use a device count that divides 6, "
+        "or ring(q, x, sp, 4)"
+    )
+    with pytest.raises(RewriteError, match=r"^ulysses\(q, x, h, sp, 2\): axis 'h': no wire has axis h"):
+        ulysses("q", "x", "h", "sp", 2)(nc.library.attention(q, x, d))
+    with pytest.raises(RewriteError, match=r"^zigzag: Ulysses runs the whole sequence on every device"):
+        zigzag()(ulysses("q", "x", "h", "sp", 2)(mha))
+    with pytest.raises(RewriteError, match=r"^ring\(q, x, sp, 2\): the sequence is already split: ulysses\(q, x"):
+        ring("q", "x", "sp", 2)(ulysses("q", "x", "h", "sp", 2)(heads_flash(True)))
+    with pytest.raises(RewriteError, match=r"^shard\(h, tp, 2\): axis 'h': h is already partitioned over devices"):
+        shard("h", "tp", 2)(ulysses("q", "x", "h", "sp", 2)(mha))
+
+
+def test_refusals_at_the_call_name_axis_and_fix():
+    """Heads that do not divide (known only at the call), and zig-zag with fewer keys than queries, refused before
+    anything runs (one device: nothing is traced)."""
+    one = lower_devices(derive_devices(heads_flash(), ulysses("q", "x", "h", "sp", 1), verify=False))
+    from lowering._ulysses import check_heads
+
+    with pytest.raises(NotLowerable) as e:
+        check_heads(ulysses("q", "x", "h", "sp", 4)(heads_flash()), {"h": 6})
+    assert str(e.value) == (
+        "lower_devices, ulysses over sp, axis 'h': 6 heads do not divide over 4 devices; use a device count that "
+        "divides 6, or ring(q, x, sp, 4)"
+    )
+    assert one.exchange == "all_to_all"
+    balanced = lower_devices(derive_devices(heads_flash(True), ring("q", "x", "sp", 1), zigzag(), verify=False))
+    Q, K, V = qkv(0, 2, 24, 16)
+    with pytest.raises(NotLowerable) as e:
+        balanced(Q, K, V)
+    assert str(e.value) == (
+        "lower_devices: zigzag under a causal mask with fewer keys (x: 16) than queries (q: 24) is not lowered; "
+        "drop zigzag() or use ulysses"
+    )
+
+
+def test_backend_named_reaches_every_pair_kernel():
+    """backend="triton" and "xla": every per-device kernel, forward and backward, says so."""
+    s = derive_devices(heads_flash(True), ring("q", "x", "sp", 1), verify=False)
+    for name in ("triton", "xla"):
+        backends = lower_devices(s, backend=name).backends
+        assert set(backends.values()) == {name} and len(backends) == 8, backends
+    one = lower_devices(ulysses("q", "x", "h", "sp", 1)(heads_flash()), backend="xla")
+    assert set(one.backends.values()) == {"xla"}
+
+
+def mha_cost(causal=True):
+    h, q, x, d = nc.axes("h q x d", h=8, d=128)
+    return nc.library.multi_head_attention(h, q, x, d, causal=causal, dtype="bf16")
+
+
+def test_mesh_cost_ulysses_counts_four_all_to_alls():
+    system = System(H200, 4, NVLINK4)
+    c = nc.mesh_cost(mha_cost(), system, queries="q", keys="x", exchange="all_to_all", heads="h").subs(q=4096, x=4096)
+    chunk = 8 * 1024 * 128 * 2  # one device's chunk of Q (or K, V, O): 8 heads × N/4 × 128, bf16
+    assert c.link_bytes == 4 * chunk * sympy.Rational(3, 4)
+    assert c.transfer_time == c.comm_time == 4 * NVLINK4.latency + sympy.Float(3 * chunk) / NVLINK4.bandwidth
+    ring_ = nc.mesh_cost(mha_cost(), system, queries="q", keys="x", balanced=True).subs(q=4096, x=4096)
+    assert float(c.flops) == pytest.approx(float(ring_.flops))  # the same causal half, split two ways
+    with pytest.raises(CostError, match=r"Ulysses \(all_to_all\) needs heads= an input axis; got None"):
+        nc.mesh_cost(mha_cost(), system, queries="q", keys="x", exchange="all_to_all")
+
+
+def test_fit_link_recovers_bandwidth_and_latency(seed):
+    import random
+
+    rng = random.Random(seed)
+    bandwidth, latency = rng.uniform(50e9, 400e9), rng.uniform(1e-6, 2e-5)
+    sizes = [2**k for k in range(20, 29, 2)]
+    measured = [(b, (latency + b / bandwidth) * (1 + rng.uniform(-0.01, 0.01))) for b in sizes]
+    link = nc.fit_link(measured)
+    assert link.bandwidth == pytest.approx(bandwidth, rel=0.05), f"seed {seed}"
+    with pytest.raises(CostError, match="need transfers of at least two sizes"):
+        nc.fit_link(measured[:1])
+
+
+def test_choose_strategy_follows_the_link():
+    """A fast link hides the ring's transfers (the ring wins, on memory); a slow one exposes them, and Ulysses,
+    moving 3/4 of a chunk of four arrays to the ring's three K/V chunks, wins. Heads not dividing: no Ulysses."""
+    kw = {"queries": "q", "keys": "x", "heads": "h", "balanced": True}
+    fast = nc.choose_strategy(mha_cost(), System(H200, 4, NVLINK4), {"q": 131072, "x": 131072}, **kw)
+    assert fast.strategy == "ring" and "hidden" in fast.why
+    sizes, slow_link = {"q": 8192, "x": 8192}, System(H200, 4, Interconnect("slow", 5e9, 1e-5))
+    slow = nc.choose_strategy(mha_cost(), slow_link, sizes, backward=True, **kw)
+    times = {k: float(c.time) for k, c in slow.costs.items()}
+    assert slow.strategy == min(times, key=times.get) == "ulysses", slow.why
+    three = nc.choose_strategy(mha_cost(), System(H200, 3, NVLINK4), sizes, **kw)
+    assert "ulysses" not in three.costs and "ulysses: 8 heads do not divide over 3 devices" in three.why
+
+
+def docs_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "multi_device.md").read_text(), re.S)
+
+
+def test_docs_strategy_cost_example_runs(capsys):
+    """docs/multi_device.md's fitted-link example (after the cost example it builds on)."""
+    blocks, scope = docs_blocks(), {"nc": nc}
+    exec(next(b for b in blocks if "choose_exchange" in b), scope)  # noqa: S102 - the documentation's own example
+    exec(next(b for b in blocks if "fit_link" in b), scope)  # noqa: S102
+    assert capsys.readouterr().out.splitlines()[-1].startswith("ulysses: ring ")
+
+
+# --- several CPU devices (in a subprocess) ------------------------------------------------------------------
+
+
+def test_on_four_cpu_devices():
+    if FOUR:
+        pytest.skip("already on 4 devices: the test_four_* tests run here")
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:randomly", "-k", "four_", __file__]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
+
+
+def forward_and_gradients_close(kernel, causal, args, seed, tol=TOL):
+    """Forward and every gradient against :func:`reference`, the kernel's in one compilation."""
+    want_fn = functools.partial(reference, causal=causal)
+    dO = jax.random.normal(jax.random.key(seed + 1), want_fn(*args).shape)
+
+    def both(f, *a):
+        out, pullback = jax.vjp(f, *a)
+        return out, pullback(dO.astype(out.dtype))
+
+    out, got = jax.jit(functools.partial(both, kernel), compiler_options=FAST_COMPILE)(*args)
+    want_out, want = both(want_fn, *args)
+    assert rel_err(out, want_out) <= tol, "output"
+    for i, (a, w) in enumerate(zip(got, want, strict=True)):
+        assert rel_err(a, w) <= tol, f"gradient of input {i}"
+
+
+@on_four
+@pytest.mark.parametrize(
+    "strategy, devices, causal, nq, nk",
+    [
+        ("ulysses", 4, True, 45, 29),  # more queries than keys, ragged over 4
+        ("ulysses", 2, False, 21, 37),
+        ("ring_contiguous", 4, True, 45, 20),  # causal, fewer keys: the chunks past the last key cut
+        ("all_gather", 2, True, 20, 45),  # causal, fewer queries: the keys no query sees dropped
+    ],
+)
+def test_four_strategy_forward_and_gradients(seed, strategy, devices, causal, nq, nk):
+    rules = STRATEGIES[strategy](devices, causal)
+    kernel = lower_devices(derive_devices(heads_flash(causal), *rules, verify=False))
+    assert kernel.mesh.shape["sp"] == devices
+    forward_and_gradients_close(kernel, causal, qkv(seed, 4, nq, nk), seed)
+
+
+@on_four
+def test_four_ulysses_on_a_two_by_two_mesh(seed):
+    """Batch over dp (3: ragged), Ulysses over sp (4 heads, 2 per device), causal."""
+    rules = shard("b", "dp", 2), ulysses("q", "x", "h", "sp", 2)
+    done = derive_devices(heads_flash(True, batch=True), *rules, seed=seed)
+    kernel = lower_devices(done)
+    assert dict(kernel.mesh.shape) == {"dp": 2, "sp": 2}
+    forward_and_gradients_close(kernel, True, qkv(seed, 4, 33, 33, lead=(3,)), seed)
+
+
+def test_mosaic_pair_kernels_interpreted(seed):
+    """backend="mosaic" (interpret mode): the ring's per-device pair kernels are Mosaic's; bf16 forward. On one
+    device: JAX's Mosaic GPU interpreter keeps one simulated shared memory per process, so two host devices running
+    interpreted Mosaic kernels at once trip its barrier check (compiled, on GPUs, each device has its own)."""
+    s = derive_devices(heads_flash(True, dtype="bf16", g=128, s=64, d=64), ring("q", "x", "sp", 1), verify=False)
+    kernel = lower_devices(s, backend="mosaic", interpret=True, config=MosaicConfig(interpretable=True))
+    Q, K, V = qkv(seed, 1, 256, 256, d=64, dtype=jnp.bfloat16)
+    assert rel_err(jax.jit(kernel)(Q, K, V), reference(Q, K, V, causal=True)) <= BF16
+    assert {v for k, v in kernel.backends.items() if k.endswith("forward")} == {"mosaic"}
+
+
+@on_four
+def test_four_docs_strategy_examples(capsys):
+    """docs/multi_device.md's ring, all-gather and Ulysses examples, each against jax.nn."""
+    blocks, scope = docs_blocks(), {}
+    for name in ("ringed = ", "gathered = ", "u = "):
+        exec(next(b for b in blocks if name in b), scope)  # noqa: S102
+    assert capsys.readouterr().out.split() == ["True"] * 3
