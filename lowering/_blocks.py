@@ -10,6 +10,7 @@ cuts or keeps whole is the mask's own knowledge, asked through the generator
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 
 import jax
@@ -289,15 +290,23 @@ def mapped_bounds(p: Plan, m: Mapped, extent: dict):
     """:func:`map_bounds` of a kernel's mask from its block map, at sizes ``extent``: an int32 array laid out as
     :func:`segment_bounds`'s, the grid's batch axes (size 1 where the mask does not read one), then the tiles of
     its tiled axis, then the four bounds. It depends on sizes only, so it is evaluated when traced (a constant
-    of a ``jit``-compiled program) unless the mask function reads a traced value."""
+    of a ``jit``-compiled program) unless the mask function reads a traced value; the map itself is evaluated once
+    per mask function and sizes for every kernel (:func:`napkin_cat.generators._index.block_map`), and each
+    kernel's bounds from it by one compiled program."""
     x, s = p.stream
     names = (*p.batch, m.axis, x)
     blocks = {**dict.fromkeys(p.batch, 1), m.axis: p.tiles[m.axis], x: s}
+    grid = (-(-extent[m.axis] // blocks[m.axis]), -(-extent[x] // s))  # an axis the mask does not read: size 1
     with jax.ensure_compile_time_eval():
         kept, whole = m.box.block_map(names, {a: extent[a] for a in names}, blocks)
-        grid = (-(-extent[m.axis] // blocks[m.axis]), -(-extent[x] // s))  # an axis the mask does not read: size 1
-        kept, whole = (jnp.broadcast_to(v, (*v.shape[:-2], *grid)) for v in (kept, whole))
-        return map_bounds(kept, whole)
+        return _grid_bounds(kept, whole, grid)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _grid_bounds(kept, whole, grid: tuple):
+    """:func:`map_bounds` of a block map broadcast to ``grid`` (tiles, chunks) where the mask reads neither."""
+    kept, whole = (jnp.broadcast_to(v, (*v.shape[:-2], *grid)) for v in (kept, whole))
+    return map_bounds(kept, whole)
 
 
 def call_bounds(p: Plan, m: Segments | Mapped, arrays: list, extent: dict):
