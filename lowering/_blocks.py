@@ -10,6 +10,7 @@ cuts or keeps whole is the mask's own knowledge, asked through the generator
 
 from __future__ import annotations
 
+import collections
 import functools
 from dataclasses import dataclass, field, replace
 
@@ -345,9 +346,27 @@ def mapped_bounds(p: Plan, m: Mapped, extent: dict):
     names = (*p.batch, m.axis, x)
     blocks = {**dict.fromkeys(p.batch, 1), m.axis: p.tiles[m.axis], x: s}
     grid = (-(-extent[m.axis] // blocks[m.axis]), -(-extent[x] // s))  # an axis the mask does not read: size 1
+    sizes = {a: extent[a] for a in names}
+    key = (m.box.mask_function(), names, tuple(sizes.items()), tuple(blocks.items()))
+    try:
+        hash(key)
+    except TypeError:  # an unhashable mask function: block_map says why
+        key = None
+    if key in _BOUNDS:  # a kernel of the same tiles (the forward's, the dQ kernel's), or a second trace
+        _BOUNDS.move_to_end(key)
+        return _BOUNDS[key]
     with jax.ensure_compile_time_eval():
-        kept, whole = m.box.block_map(names, {a: extent[a] for a in names}, blocks)
-        return _grid_bounds(kept, whole, grid)
+        kept, whole = m.box.block_map(names, sizes, blocks)
+        out = _grid_bounds(kept, whole, grid)
+    if key is not None and not isinstance(out, jax.core.Tracer):
+        _BOUNDS[key] = out
+        while len(_BOUNDS) > 16:
+            _BOUNDS.popitem(last=False)
+    return out
+
+
+#: the last bounds :func:`mapped_bounds` gave, per (mask function, axes, sizes, blocks)
+_BOUNDS: collections.OrderedDict = collections.OrderedDict()
 
 
 @functools.partial(jax.jit, static_argnums=2)

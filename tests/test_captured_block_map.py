@@ -24,7 +24,7 @@ import napkin_cat as nc
 from napkin_cat.generators._index import block_map, depends_on
 
 FWD, GRAD = 1e-6, 4e-6
-B, H, D = 1, 2, 16
+B, D = 1, 16
 
 
 def dense_reference(keep):
@@ -42,7 +42,7 @@ def dense_reference(keep):
     return ref
 
 
-def counted(keep, g: int, c: int) -> tuple[float, float]:
+def counted(keep, g: int, c: int, heads: int) -> tuple[float, float]:
     """The shares of (program, chunk) blocks a kernel of tiles ``g`` and chunks ``c`` with four bounds per tile skips
     and runs unmasked over the dense mask ``keep`` [B, H, Nq, Nk], counted with numpy: per tile, chunks outside
     [first kept, last kept] skipped; the first longest run of chunks kept whole (a ragged last chunk: its keys all
@@ -50,7 +50,7 @@ def counted(keep, g: int, c: int) -> tuple[float, float]:
     *_, nq, nk = keep.shape
     tiles, chunks = -(-nq // g), -(-nk // c)
     skipped = unmasked = 0
-    for row in np.broadcast_to(keep, (B, H, nq, nk)).reshape(-1, nq, nk):
+    for row in np.broadcast_to(keep, (B, heads, nq, nk)).reshape(-1, nq, nk):
         for i in range(tiles):
             blk = row[i * g : (i + 1) * g]
             kept = np.array([blk[:, j * c : (j + 1) * c].any() for j in range(chunks)])
@@ -63,14 +63,14 @@ def counted(keep, g: int, c: int) -> tuple[float, float]:
                 if run > longest:
                     longest, end = run, j + 1
             unmasked += max(0, min(end, nk // c) - (end - longest))
-    total = B * H * tiles * chunks
+    total = B * heads * tiles * chunks
     return skipped / total, unmasked / total
 
 
-def check(mask_mod, keep, n: int, seed: int) -> None:
+def check(mask_mod, keep, n: int, seed: int, heads: int = 1):
     """The entry's output, gradients and sparsity for ``mask_mod`` against the dense mask ``keep``."""
     keys = jax.random.split(jax.random.key(seed), 4)
-    q, k, v, ct = (jax.random.normal(kk, (B, n, H, D)) for kk in keys)
+    q, k, v, ct = (jax.random.normal(kk, (B, n, heads, D)) for kk in keys)
     ref = dense_reference(keep)
     got, pull = jax.vjp(lambda *a: nc.attention(*a, mask_mod=mask_mod), q, k, v)
     want, ref_pull = jax.vjp(ref, q, k, v)
@@ -80,7 +80,7 @@ def check(mask_mod, keep, n: int, seed: int) -> None:
         assert float(jnp.max(jnp.abs(a - b))) <= GRAD * float(jnp.max(jnp.abs(b))), f"seed {seed}"
     made = nc.attention.kernel_for(q, k, v, mask_mod=mask_mod)
     s = made.sparsity(q, k, v, mask_mod=mask_mod)
-    skipped, full = counted(np.asarray(keep), made.signature.tile, made.signature.stream)
+    skipped, full = counted(np.asarray(keep), made.signature.tile, made.signature.stream, heads)
     assert s.skipped == pytest.approx(skipped) and s.full == pytest.approx(full), (s, skipped, full)
     return s
 
@@ -89,8 +89,8 @@ def grid(n: int):
     return np.arange(n)[:, None], np.arange(n)[None, :]
 
 
-@settings(max_examples=3, deadline=None, phases=[Phase.explicit, Phase.generate])  # kernels compiled per example
-@given(n=st.integers(130, 300), docs=st.integers(2, 6), seed=st.integers(0, 2**16))
+@settings(max_examples=2, deadline=None, phases=[Phase.explicit, Phase.generate])  # interpret mode: a few sizes
+@given(n=st.integers(129, 200), docs=st.integers(2, 6), seed=st.integers(0, 2**16))
 def test_documents_through_captured_ids(n, docs, seed):
     rng = np.random.default_rng(seed)
     ids = jnp.asarray(np.sort(rng.integers(0, docs, n)).astype(np.int32))  # ragged documents, sorted
@@ -99,14 +99,14 @@ def test_documents_through_captured_ids(n, docs, seed):
 
 
 def test_new_ids_reuse_the_kernel(seed):
-    n = 200
-    q = k = v = jax.random.normal(jax.random.key(seed), (B, n, H, D))
+    n = 160
+    q = k = v = jax.random.normal(jax.random.key(seed), (B, n, 1, D))
 
     @jax.jit
     def run(ids, q, k, v):
         return nc.attention(q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: ids[q_idx] == ids[kv_idx])
 
-    first = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 50)
+    first = jnp.repeat(jnp.arange(4, dtype=jnp.int32), 40)
     run(first, q, k, v)
     derived = nc.attention.derivations
     second = jnp.asarray(np.sort(np.random.default_rng(seed).integers(0, 3, n)).astype(np.int32))
@@ -117,11 +117,11 @@ def test_new_ids_reuse_the_kernel(seed):
 
 
 def test_a_window_per_head_and_image_coordinates(seed):
-    n = 192
+    n = 160
     windows = jnp.array([24, 80])  # head h sees its last windows[h] keys
     q_, k_ = grid(n)
     keep = (k_ <= q_) & (q_ - k_ < np.asarray(windows)[:, None, None])
-    s = check(lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & (q_idx - kv_idx < windows[h]), keep[None], n, seed)
+    s = check(lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & (q_idx - kv_idx < windows[h]), keep[None], n, seed, 2)
     assert s.skipped > 0
     row, col = jnp.arange(n) // 16, jnp.arange(n) % 16  # an image of 16-token rows, its coordinates captured
     keep = (abs(q_ // 16 - k_ // 16) <= 1) & (abs(q_ % 16 - k_ % 16) <= 2)
@@ -129,8 +129,8 @@ def test_a_window_per_head_and_image_coordinates(seed):
     assert check(mask_mod, keep, n, seed).skipped > 0
 
 
-@settings(max_examples=3, deadline=None, phases=[Phase.explicit, Phase.generate])
-@given(n=st.integers(130, 260), seed=st.integers(0, 2**16))
+@settings(max_examples=2, deadline=None, phases=[Phase.explicit, Phase.generate])
+@given(n=st.integers(129, 200), seed=st.integers(0, 2**16))
 def test_masks_of_indices_with_holes(n, seed):
     """A dilated window and attention-gym's 2-D neighbourhood (no linear inequalities), as users write them."""
     q_, k_ = grid(n)

@@ -104,8 +104,8 @@ def dense_reference(keep):
 def build_ms(made, sizes: dict) -> float:
     """Milliseconds to build every block map the kernels read (forward, then the backward's), compiled once, as a
     trace of the caller's ``jit`` builds them: the mask evaluated once (the kept map forgotten before each build),
-    then each kernel's bounds from it."""
-    from lowering._blocks import Mapped, call_bounds, segments
+    then each kernel's bounds from it (the kept bounds forgotten too)."""
+    from lowering._blocks import _BOUNDS, Mapped, call_bounds, segments
     from napkin_cat.generators._index import _FINE_MAPS
 
     plans = [k.plan for k in (made.kernel.forward, *made.kernel.kernels)]
@@ -113,6 +113,7 @@ def build_ms(made, sizes: dict) -> float:
 
     def build():
         _FINE_MAPS.clear()
+        _BOUNDS.clear()
         return [call_bounds(p, m, [], sizes) for p, m in maps]
 
     return time_calls(build, reps=5, batches=5, warmup=1).ms
