@@ -89,7 +89,7 @@ def grid(n: int):
     return np.arange(n)[:, None], np.arange(n)[None, :]
 
 
-@settings(max_examples=2, deadline=None, phases=[Phase.explicit, Phase.generate])  # interpret mode: a few sizes
+@settings(max_examples=1, deadline=None, phases=[Phase.explicit, Phase.generate])  # interpret mode: one size a run
 @given(n=st.integers(129, 200), docs=st.integers(2, 6), seed=st.integers(0, 2**16))
 def test_documents_through_captured_ids(n, docs, seed):
     rng = np.random.default_rng(seed)
@@ -129,7 +129,7 @@ def test_a_window_per_head_and_image_coordinates(seed):
     assert check(mask_mod, keep, n, seed).skipped > 0
 
 
-@settings(max_examples=2, deadline=None, phases=[Phase.explicit, Phase.generate])
+@settings(max_examples=1, deadline=None, phases=[Phase.explicit, Phase.generate])  # one size a run
 @given(n=st.integers(129, 200), seed=st.integers(0, 2**16))
 def test_masks_of_indices_with_holes(n, seed):
     """A dilated window and attention-gym's 2-D neighbourhood (no linear inequalities), as users write them."""
