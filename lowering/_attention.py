@@ -889,18 +889,44 @@ class AttentionKernel:
         """Why the kernel has no lowered backward, or None when it has one."""
         return self.kernel.why_not
 
-    def sparsity(self, query, key, value, bias=None, mask=None, segment_ids=None, *, positions: tuple | None = None):
+    def sparsity(
+        self,
+        query,
+        key,
+        value,
+        bias=None,
+        mask=None,
+        segment_ids=None,
+        *,
+        positions: tuple | None = None,
+        score_mod: Callable | None = None,
+        mask_mod: Callable | None = None,
+    ):
         """The blocks the forward kernel skips, runs unmasked and runs masked on these arrays, and how they were
         found (:class:`lowering._sparsity.Sparsity`): symbolically (affine masks), from segment ids, or at call time
-        from a mask's block map; a mask whose blocks no rule finds is named in its note.
+        from a mask's block map (over captured arrays: pass the functions, ``score_mod``/``mask_mod``, whose
+        arrays' values this call reads); a mask whose blocks no rule finds is named in its note.
 
         >>> x = jnp.ones((1, 64, 2, 16))
         >>> attention.kernel_for(x, x, x, is_causal=True).sparsity(x, x, x).found
         ('symbolic',)
+        >>> doc = jnp.repeat(jnp.arange(4), 16)
+        >>> same = lambda b, h, q_idx, kv_idx: doc[q_idx] == doc[kv_idx]
+        >>> attention.kernel_for(x, x, x, mask_mod=same).sparsity(x, x, x, mask_mod=same).found
+        ('call time (captured arrays)',)
         """
         batch = batched(query, key, value, bias, mask, segment_ids)
+        fns = [f for f in (converted(score_mod, True), converted(mask_mod, False)) if isinstance(f, Captured)]
+        wanted = [f for f in (self.signature.score_mod, self.signature.mask_mod) if isinstance(f, Captured)]
+        if [f.abstract() for f in fns] != wanted:
+            raise EvaluationError(
+                f"attention kernel for captured functions {[fname(f) for f in wanted]}: sparsity was given "
+                f"{[fname(f) for f in fns]}; pass the score_mod= and mask_mod= the kernel was made for, whose "
+                "arrays' values it reads"
+            )
+        captured = _captured_inputs(fns, batch[0], batch[1], self.signature.group)
         seed = jnp.zeros(batch[0].shape[:1], jnp.int32)  # the dropout's seed (where it has one) hides no block
-        return self.kernel.forward.sparsity(*self._arrays(*batch, positions, (), seed))
+        return self.kernel.forward.sparsity(*self._arrays(*batch, positions, captured, seed))
 
     def _arrays(self, query, key, value, bias, mask, segment_ids, positions, captured, seed=None) -> tuple:
         """The kernel's inputs, in the diagram's order, from arrays as :func:`batched` gives them: the queries

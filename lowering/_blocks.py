@@ -10,6 +10,8 @@ cuts or keeps whole is the mask's own knowledge, asked through the generator
 
 from __future__ import annotations
 
+import collections
+import functools
 from dataclasses import dataclass, field, replace
 
 import jax
@@ -19,7 +21,7 @@ from jax import lax
 import rewrites
 from lowering._plan import Plan
 from napkin_cat.diagram import Diagram
-from napkin_cat.generators import Context, Contract, Elementwise, IndexMap, Partial
+from napkin_cat.generators import Captured, Context, Contract, Elementwise, IndexMap, Partial
 
 
 @dataclass
@@ -199,10 +201,14 @@ class Segments:
 class Mapped:
     """A mask of a kernel that tiles ``axis`` and streams the other axis it reads, whose function has no affine
     form: its ``box`` (a :class:`~napkin_cat.generators.Mask`, or a mask's backward), whose blocks the wrapper
-    finds at call time from its block map (:meth:`~napkin_cat.generators.Mask.block_map`, :func:`map_bounds`)."""
+    finds at call time from its block map (:meth:`~napkin_cat.generators.Mask.block_map`, :func:`map_bounds`).
+    A mask over captured arrays (a :class:`~napkin_cat.generators.Captured` function, or its derivative in the
+    score) reads them from the kernel's inputs ``inputs``: its map is evaluated on them at each call
+    (:func:`captured_bounds`), so new values reuse the kernel."""
 
     box: object
     axis: str
+    inputs: tuple[int, ...] = ()
 
 
 def mapped_mask(box, p: Plan, names: tuple[str, ...]) -> Mapped | None:
@@ -219,11 +225,37 @@ def mapped_mask(box, p: Plan, names: tuple[str, ...]) -> Mapped | None:
     return Mapped(box, tiled[0])
 
 
+def captured_mask(box) -> tuple:
+    """A mask over captured arrays: its function (a :class:`~napkin_cat.generators.Captured` mask) and where the
+    box reads the function's inputs (positions among its inputs: after the score, or after the cotangent and the
+    score for the mask's derivative in its score, ``Partial(fn, 0)``); ``(None, ())`` for any other box.
+
+    >>> import jax.numpy as jnp
+    >>> import napkin_cat as nc
+    >>> from napkin_cat.generators import Captured
+    >>> ids = jnp.array([0, 0, 1])
+    >>> c = Captured.of(lambda q, x: ids[q] == ids[x], ("q", "x"), score=False)
+    >>> q, x = nc.axes("q x")
+    >>> box = nc.generators.elementwise(c, nc.Array(q, x), nc.Array(q, dtype="i32"), nc.Array(x, dtype="i32"),
+    ...                                 out=nc.Array(q, x))
+    >>> captured_mask(box)[1]
+    (1, 2)
+    """
+    fn = box.params["fn"] if isinstance(box, Elementwise) else None
+    first = 1
+    if isinstance(fn, Partial) and fn.arg == 0:  # the derivative in the score: its cotangent comes first
+        fn, first = fn.fn, 2
+    if not isinstance(fn, Captured) or fn.score:
+        return None, ()
+    return fn, tuple(range(first, len(box.dom)))
+
+
 def segments(d: Diagram, p: Plan) -> tuple[Segments | Mapped, ...]:
     """The masks of ``d`` (the plan's diagram or a kernel body) whose blocks are found at call time, in the
     order the kernel reads their bounds: segment masks, whose blocks the ids say (each reads labels along a
     tiled axis and along the streamed one, both inputs of the kernel, through copies and swaps), then masks of
-    any other function the symbolic path cannot read (:func:`mapped_mask`), whose blocks their block map says.
+    any other function the symbolic path cannot read (:func:`mapped_mask`), whose blocks their block map says,
+    the maps of masks over captured arrays (:func:`captured_mask`, read from inputs of the kernel) among them.
     Others run masked on every chunk, as any elementwise box.
 
     >>> import napkin_cat as nc
@@ -250,11 +282,29 @@ def segments(d: Diagram, p: Plan) -> tuple[Segments | Mapped, ...]:
             t = next((a for a in along if a != x), None)
             if x in along and t in p.tiles:
                 found.append(Segments(box, along[t], along[x], t))
+        fn, at = captured_mask(box)
+        if fn is not None and (m := _captured_map(box, [ins[k] for k in at], d, p)) is not None:
+            captured.append(m)
         return [None] * len(box.cod)
 
+    captured: list = []
     d.dataflow(list(range(len(d.dom))), step)
     mapped = (mapped_mask(b, p, b.dom.inside[0].names) for b in d.boxes if len(b.dom) == 1)
-    return (*found, *(m for m in mapped if m is not None))
+    return (*found, *(m for m in mapped if m is not None), *captured)
+
+
+def _captured_map(box, inputs: list, d: Diagram, p: Plan) -> Mapped | None:
+    """A :class:`Mapped` for a mask over captured arrays whose inputs are the kernel's ``inputs`` (None where one is
+    computed in the kernel), on scores of the streamed axis, one tiled axis and batch axes, each input on some of
+    them; None otherwise."""
+    x, rest = p.stream[0], [a for a in box.dom.inside[0].names if a not in p.batch]
+    tiled = [a for a in rest if a in p.tiles]
+    if None in inputs or x not in rest or len(tiled) != 1 or len(rest) != 2:
+        return None
+    names = {*p.batch, x, tiled[0]}
+    if any(not set(d.dom.inside[j].names) <= names for j in inputs):
+        return None
+    return Mapped(box, tiled[0], tuple(inputs))
 
 
 @jax.jit
@@ -289,21 +339,88 @@ def mapped_bounds(p: Plan, m: Mapped, extent: dict):
     """:func:`map_bounds` of a kernel's mask from its block map, at sizes ``extent``: an int32 array laid out as
     :func:`segment_bounds`'s, the grid's batch axes (size 1 where the mask does not read one), then the tiles of
     its tiled axis, then the four bounds. It depends on sizes only, so it is evaluated when traced (a constant
-    of a ``jit``-compiled program) unless the mask function reads a traced value."""
+    of a ``jit``-compiled program) unless the mask function reads a traced value; the map itself is evaluated once
+    per mask function and sizes for every kernel (:func:`napkin_cat.generators._index.block_map`), and each
+    kernel's bounds from it by one compiled program."""
     x, s = p.stream
     names = (*p.batch, m.axis, x)
     blocks = {**dict.fromkeys(p.batch, 1), m.axis: p.tiles[m.axis], x: s}
+    grid = (-(-extent[m.axis] // blocks[m.axis]), -(-extent[x] // s))  # an axis the mask does not read: size 1
+    sizes = {a: extent[a] for a in names}
+    key = (m.box.mask_function(), names, tuple(sizes.items()), tuple(blocks.items()))
+    try:
+        hash(key)
+    except TypeError:  # an unhashable mask function: block_map says why
+        key = None
+    if key in _BOUNDS:  # a kernel of the same tiles (the forward's, the dQ kernel's), or a second trace
+        _BOUNDS.move_to_end(key)
+        return _BOUNDS[key]
     with jax.ensure_compile_time_eval():
-        kept, whole = m.box.block_map(names, {a: extent[a] for a in names}, blocks)
-        grid = (-(-extent[m.axis] // blocks[m.axis]), -(-extent[x] // s))  # an axis the mask does not read: size 1
-        kept, whole = (jnp.broadcast_to(v, (*v.shape[:-2], *grid)) for v in (kept, whole))
-        return map_bounds(kept, whole)
+        kept, whole = m.box.block_map(names, sizes, blocks)
+        out = _grid_bounds(kept, whole, grid)
+    if key is not None and not isinstance(out, jax.core.Tracer):
+        _BOUNDS[key] = out
+        while len(_BOUNDS) > 16:
+            _BOUNDS.popitem(last=False)
+    return out
+
+
+#: the last bounds :func:`mapped_bounds` gave, per (mask function, axes, sizes, blocks)
+_BOUNDS: collections.OrderedDict = collections.OrderedDict()
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _grid_bounds(kept, whole, grid: tuple):
+    """:func:`map_bounds` of a block map broadcast to ``grid`` (tiles, chunks) where the mask reads neither."""
+    kept, whole = (jnp.broadcast_to(v, (*v.shape[:-2], *grid)) for v in (kept, whole))
+    return map_bounds(kept, whole)
+
+
+def captured_bounds(p: Plan, m: Mapped, arrays: list, extent: dict):
+    """:func:`map_bounds` of a mask over captured arrays, from its block map evaluated on the kernel's inputs
+    ``arrays`` (unpadded) at this call: laid out as :func:`segment_bounds`'s. Plain JAX, part of the caller's
+    program, so new values of the arrays (document ids, lengths) reuse the compiled kernel."""
+    d, (x, s) = p.diagram, p.stream
+    names = (*p.batch, m.axis, x)
+    ins = []
+    for j in m.inputs:
+        w = d.dom.inside[j]
+        present = [a for a in names if w.has(a)]
+        v = jnp.transpose(arrays[j], [w.names.index(a) for a in present])
+        v = v[tuple(slice(0, extent[a]) for a in present)]
+        ins.append(jnp.expand_dims(v, [i for i, a in enumerate(names) if not w.has(a)]))
+    fn = captured_mask(m.box)[0]
+    return _evaluated_bounds(fn, tuple(ins), p.tiles[m.axis], s, extent[m.axis], extent[x])
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2, 3, 4, 5))
+def _evaluated_bounds(fn, ins: tuple, g: int, s: int, nt: int, nx: int):
+    """The bounds of the Captured mask ``fn`` on inputs ``ins`` (``[*batch, nt, nx]``, size 1 where unread), per
+    tile of ``g`` and chunk of ``s``: every score's mask evaluated, reduced per block (a reshape), one program."""
+    tiles, chunks = -(-nt // g), -(-nx // s)
+
+    def blocked(v):  # [..., t, x] as [..., tiles, g, chunks, s] (1, 1 along an axis it lacks); padding repeats
+        *batch, a, b = v.shape
+        widths = [(0, tiles * g - a if a > 1 else 0), (0, chunks * s - b if b > 1 else 0)]
+        v = jnp.pad(v, [(0, 0)] * len(batch) + widths, mode="edge")
+        return v.reshape(*batch, *((tiles, g) if a > 1 else (1, 1)), *((chunks, s) if b > 1 else (1, 1)))
+
+    keep = jnp.isfinite(fn(jnp.zeros((), jnp.float32), *map(blocked, ins)))
+    rows = (jnp.arange(tiles)[:, None] * g + jnp.arange(g))[:, :, None, None] < nt
+    cols = (jnp.arange(chunks)[:, None] * s + jnp.arange(s)) < nx
+    valid = rows & cols
+    kept, whole = jnp.any(keep & valid, axis=(-3, -1)), jnp.all(keep | ~valid, axis=(-3, -1))
+    kept, whole = (jnp.broadcast_to(v, (*v.shape[:-2], tiles, chunks)) for v in (kept, whole))
+    return map_bounds(kept, whole)
 
 
 def call_bounds(p: Plan, m: Segments | Mapped, arrays: list, extent: dict):
     """The bounds the wrapper passes the kernel for one mask of :func:`segments`: from its ids
-    (:func:`segment_bounds`) or its block map (:func:`mapped_bounds`)."""
-    return mapped_bounds(p, m, extent) if isinstance(m, Mapped) else segment_bounds(p, m, arrays, extent)
+    (:func:`segment_bounds`), its block map (:func:`mapped_bounds`) or, for a mask over captured arrays, its
+    block map on this call's arrays (:func:`captured_bounds`)."""
+    if isinstance(m, Segments):
+        return segment_bounds(p, m, arrays, extent)
+    return captured_bounds(p, m, arrays, extent) if m.inputs else mapped_bounds(p, m, extent)
 
 
 def segment_blocks(tiled, streamed, tile: int, chunk: int):

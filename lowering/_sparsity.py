@@ -33,7 +33,8 @@ class Sparsity:
     """The fractions of a kernel's (program, chunk) blocks its masks hide (``skipped``), keep whole (``full``)
     and cut (``partial``), of ``blocks`` in all; ``found`` says how (``"symbolic"``: affine masks, from their
     inequalities; ``"segment ids"``: from the ids, at call time; ``"call time"``: any other mask function, from
-    its block map), ``note`` what skips nothing and why.
+    its block map, built once per sizes; ``"call time (captured arrays)"``: a mask over captured arrays, from its
+    block map on their values at each call), ``note`` what skips nothing and why.
 
     >>> Sparsity(0.5, 0.25, 0.25, 16, ("symbolic",))
     Sparsity(skipped=50.0%, full=25.0%, partial=25.0% of 16 blocks; found: symbolic)
@@ -85,7 +86,8 @@ def sparsity(p: Plan, arrays: list, extent: dict, masks: tuple | None = None) ->
         for how, present in (
             ("symbolic", bool(affine) or zero is not None),
             ("segment ids", any(isinstance(m, Segments) for m in later)),
-            ("call time", any(isinstance(m, Mapped) for m in later)),
+            ("call time", any(isinstance(m, Mapped) and not m.inputs for m in later)),
+            ("call time (captured arrays)", any(isinstance(m, Mapped) and m.inputs for m in later)),
         )
         if present
     )

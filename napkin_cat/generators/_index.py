@@ -22,6 +22,7 @@ True
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import inspect
@@ -238,15 +239,24 @@ class Mask(Generator):
 #: the most elements of a mask :func:`block_map` evaluates at once: larger maps run in slices (``lax.map``)
 BLOCK_MAP_ELEMENTS = 1 << 25
 
+#: the block a map is evaluated at and kept (cached) when every block asked is a multiple of it, so that kernels
+#: of other tiles (the forward's query tiles, the backward's key tiles) coarsen one evaluation
+FINE_BLOCK = 16
+
+#: the most blocks a cached fine map holds (two bools each); a larger map is evaluated at the blocks asked
+FINE_BLOCKS = 1 << 24
+
 
 def block_map(keep: Callable, names: tuple[str, ...], extent: dict, blocks: dict) -> tuple:
     """Which blocks the mask ``keep(**indices)`` keeps something of, and which it keeps whole: two bool arrays
     with one axis per name in ``names``, ``cdiv(extent[a], blocks[a])`` blocks of ``blocks[a]`` indices along
-    ``a`` (size 1 along an axis ``keep`` does not read). ``keep`` runs vectorised on every index of every block,
-    as a kernel would run it (jax.numpy, on the default device); indices past ``extent`` (a ragged block's
-    padding) count for neither. A mask function that knows its blocks (``keep.block_map``, as a precomputed
-    :class:`~napkin_cat.block_masks.BlockMask`) says them instead. Large maps are evaluated in slices of at most
-    :data:`BLOCK_MAP_ELEMENTS` elements.
+    ``a`` (size 1 along an axis ``keep``'s value does not depend on, :func:`depends_on`, though it may name it).
+    ``keep`` runs vectorised on every index of every block, as a kernel would run it (jax.numpy, on the default
+    device, one compiled program per mask function and sizes); indices past ``extent`` (a ragged block's padding)
+    count for neither. The map is evaluated at blocks of :data:`FINE_BLOCK` where every block asked is a multiple
+    of it, kept (the last few, per mask function and sizes) and coarsened for each kernel, so the forward's and the
+    backward's kernels and a second call share one evaluation. A mask function that knows its blocks
+    (``keep.block_map``, as a precomputed :class:`~napkin_cat.block_masks.BlockMask`) says them instead.
 
     >>> kept, whole = block_map(lambda q, x: abs(q - x) <= 2, ("q", "x"), {"q": 12, "x": 12}, {"q": 4, "x": 4})
     >>> kept.astype(int).tolist(), whole.astype(int).tolist()
@@ -262,46 +272,129 @@ def block_map(keep: Callable, names: tuple[str, ...], extent: dict, blocks: dict
             f"mask {fname(keep)}: its block map is compiled once per mask function, which must be hashable; "
             "make it a function or a frozen dataclass"
         ) from None
-    read = index_names(keep, score=False)
-    read = tuple(a for a in names if read is None or a in read)
-    counts = {a: -(-extent[a] // blocks[a]) for a in read}
-    total = math.prod(counts[a] * blocks[a] for a in read)
-    # sliced along the read axis with the most blocks, each slice at most BLOCK_MAP_ELEMENTS elements
-    along = max(read, key=lambda a: counts[a], default=None)
-    per = max(1, BLOCK_MAP_ELEMENTS * counts[along] // max(total, 1)) if along else 1
-    n_slices = -(-counts[along] // per) if along else 1
-    sizes = tuple((a, counts[a], blocks[a], extent[a]) for a in read)
-    kept, whole = _block_map(keep, names, sizes, along, min(per, counts[along]) if along else 1, n_slices)
-    if n_slices == 1:
-        return kept[0], whole[0]
-    # slices stacked first: put them back along ``along`` and drop the last slice's overhang
-    at = names.index(along)
-    kept, whole = (jnp.moveaxis(v, 0, at) for v in (kept, whole))
-    merged = [*kept.shape[:at], n_slices * per, *kept.shape[at + 2 :]]
-    return tuple(v.reshape(merged)[(slice(None),) * at + (slice(0, counts[along]),)] for v in (kept, whole))
+    read = tuple(sorted(depends_on(keep, tuple(sorted(names)))))  # one order: every kernel's map shares one
+    fine = {a: FINE_BLOCK if blocks[a] % FINE_BLOCK == 0 else blocks[a] for a in read}
+    if math.prod(-(-extent[a] // fine[a]) for a in read) > FINE_BLOCKS:
+        fine = {a: blocks[a] for a in read}
+    sizes = tuple((a, -(-extent[a] // fine[a]), fine[a], extent[a]) for a in read)
+    taken = index_names(keep, score=False)
+    unread = tuple(a for a in names if a not in read and (taken is None or a in taken))  # passed as 0
+    kept, whole = _fine_map(keep, sizes, unread)
+    factors = tuple(blocks[a] // fine[a] for a in read)
+    order = tuple(sorted(range(len(read)), key=lambda i: names.index(read[i])))
+    shape = tuple(-(-extent[a] // blocks[a]) if a in read else 1 for a in names)
+    return _coarse(kept, whole, factors, order, shape)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _coarse(kept, whole, factors: tuple, order: tuple, shape: tuple) -> tuple:
+    """A fine map coarsened by ``factors`` (padded blocks keep nothing and keep it whole), its axes put in the
+    caller's ``order`` and unit axes inserted (``shape``): one dispatch."""
+    for i, factor in enumerate(factors):
+        if factor > 1:
+            kept, whole = _coarsened(kept, i, factor, False), _coarsened(whole, i, factor, True)
+    return tuple(jnp.transpose(v, order).reshape(shape) for v in (kept, whole))
+
+
+def depends_on(keep: Callable, names: tuple[str, ...]) -> frozenset:
+    """The indices among ``names`` the value of the mask ``keep`` depends on: those it takes (all of ``names`` where
+    it takes ``**kwargs``), less those its trace never reads (FlexAttention's ``mask_mod(b, h, q_idx, kv_idx)``
+    names the batch and the head, and most masks read neither), so a block map is evaluated over those only.
+
+    >>> sorted(depends_on(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, ("b", "h", "kv_idx", "q_idx")))
+    ['kv_idx', 'q_idx']
+    """
+    return _depends_on(keep, names)
+
+
+@functools.lru_cache(maxsize=256)
+def _depends_on(keep: Callable, names: tuple[str, ...]) -> frozenset:
+    taken = index_names(keep, score=False)
+    taken = tuple(a for a in names if taken is None or a in taken)
+    i32 = jax.ShapeDtypeStruct((), jnp.int32)
+    try:
+        closed = jax.make_jaxpr(lambda *idx: keep(**dict(zip(taken, idx, strict=True))))(*[i32] * len(taken))
+    except Exception:  # noqa: BLE001 - a mask the trace cannot follow (Python control flow): every index taken
+        return frozenset(taken)
+    jaxpr = closed.jaxpr
+    want = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
+    for e in reversed(jaxpr.eqns):  # an equation whose result is wanted wants all its operands
+        if want & set(e.outvars):
+            want |= {v for v in e.invars if not isinstance(v, Literal)}
+    return frozenset(a for a, v in zip(taken, jaxpr.invars, strict=True) if v in want)
+
+
+#: the last fine maps evaluated, per (mask function, sizes, indices passed as 0): a few, each at most FINE_BLOCKS
+_FINE_MAPS: collections.OrderedDict = collections.OrderedDict()
+
+
+def _fine_map(keep: Callable, sizes: tuple, unread: tuple) -> tuple:
+    """The map at blocks ``sizes`` (each read axis's name, blocks, block size and extent; ``unread``: indices
+    the mask takes and ignores, passed as 0), kept for the next kernel or call at the same sizes (unless traced:
+    a caller's trace keeps its own), evaluated by one compiled program."""
+    key = (keep, sizes, unread)
+    if key in _FINE_MAPS:
+        _FINE_MAPS.move_to_end(key)
+        return _FINE_MAPS[key]
+    out = _evaluated(keep, sizes, unread)
+    if not any(isinstance(v, jax.core.Tracer) for v in out):
+        _FINE_MAPS[key] = out
+        while len(_FINE_MAPS) > 8:
+            _FINE_MAPS.popitem(last=False)
+    return out
+
+
+def _evaluated(keep: Callable, sizes: tuple, unread: tuple) -> tuple:
+    """:func:`_fine_map`'s evaluation by :func:`_block_map`, in slices of at most :data:`BLOCK_MAP_ELEMENTS`."""
+    if not sizes:
+        k = jnp.asarray(keep(**dict.fromkeys(unread, jnp.int32(0))), bool)
+        return k, k
+    total = math.prod(count * size for _, count, size, _ in sizes)
+    along = max(range(len(sizes)), key=lambda i: sizes[i][1])  # sliced along the axis of the most blocks
+    count = sizes[along][1]
+    per = min(count, max(1, BLOCK_MAP_ELEMENTS * count // max(total, 1)))
+    n_slices = -(-count // per)
+    return _block_map(keep, sizes, unread, along, per, n_slices)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
-def _block_map(keep: Callable, names: tuple, sizes: tuple, along: str | None, per: int, n_slices: int) -> tuple:
-    """:func:`block_map`'s evaluation, one compiled program per mask function and sizes (``sizes``: each read
-    axis's name, blocks, block size and extent), so a second call at the same sizes only runs: ``n_slices``
-    slices of ``per`` blocks along ``along``, stacked first."""
-    k = len(names)
+def _block_map(keep: Callable, sizes: tuple, unread: tuple, along: int, per: int, n_slices: int) -> tuple:
+    """:func:`block_map`'s evaluation, one compiled program per mask function and sizes: ``n_slices`` slices of
+    ``per`` blocks along the ``along``-th axis, stacked first. Each axis is laid out as (blocks, block), so a
+    block's any and all are reductions over the second of each."""
+    k = len(sizes)
 
     def evaluate(start):  # blocks [start, start + per) along ``along``; every block of the other axes
-        idx, valid = {}, jnp.ones((1,) * (2 * k), bool)
-        for a, count, size, extent in sizes:
-            at, shape = names.index(a), [1] * (2 * k)
-            shape[at], shape[k + at] = (per if a == along else count), size
-            first = start if a == along else 0
-            v = (first + jnp.arange(shape[at]))[:, None] * size + jnp.arange(size)
+        idx, valid = dict.fromkeys(unread, jnp.int32(0)), jnp.ones((1,) * (2 * k), bool)
+        for at, (a, count, size, extent) in enumerate(sizes):
+            shape = [1] * (2 * k)
+            shape[2 * at], shape[2 * at + 1] = (per if at == along else count), size
+            first = start if at == along else 0
+            v = (first + jnp.arange(shape[2 * at]))[:, None] * size + jnp.arange(size)
             idx[a] = v.reshape(shape).astype(jnp.int32)
             valid = valid & (idx[a] < extent)
         keeps = jnp.asarray(keep(**idx), bool)
-        inside = tuple(range(k, 2 * k))
+        inside = tuple(range(1, 2 * k, 2))
         return jnp.any(keeps & valid, axis=inside), jnp.all(keeps | ~valid, axis=inside)
 
-    return jax.lax.map(lambda j: evaluate(j * per), jnp.arange(n_slices))
+    if n_slices == 1:
+        return evaluate(0)
+    kept, whole = jax.lax.map(lambda j: evaluate(j * per), jnp.arange(n_slices))
+    # slices stacked first: put them back along ``along`` and drop the last slice's overhang
+    kept, whole = (jnp.moveaxis(v, 0, along) for v in (kept, whole))
+    merged = [*kept.shape[:along], n_slices * per, *kept.shape[along + 2 :]]
+    count = sizes[along][1]
+    return tuple(v.reshape(merged)[(slice(None),) * along + (slice(0, count),)] for v in (kept, whole))
+
+
+def _coarsened(v, axis: int, factor: int, fill: bool):
+    """``v``'s blocks along ``axis`` merged ``factor`` at a time: any of them (``fill`` False), all (True)."""
+    n = v.shape[axis]
+    widths = [(0, 0)] * v.ndim
+    widths[axis] = (0, -n % factor)
+    v = jnp.pad(v, widths, constant_values=fill)
+    v = v.reshape(*v.shape[:axis], -1, factor, *v.shape[axis + 1 :])
+    return v.all(axis + 1) if fill else v.any(axis + 1)
 
 
 def affine_form(keep):

@@ -15,7 +15,8 @@ of 128-token rows (|Δrow| ≤ 8, |Δcol| ≤ 8) are no Boolean combination of l
 their blocks from a block map evaluated at call time (:meth:`napkin_cat.generators.Mask.block_map`). Each is timed
 beside the causal kernel, TFLOP/s counted on the blocks each kernel visits (``kernel.sparsity``: 4·D FLOPs per
 (query, key) pair of a visited block), with the block maps' build time (every kernel's, forward and backward, once
-compiled) as a fraction of one forward + backward.
+compiled) as a fraction of one forward + backward. Documents (8, ragged, one ``document_id`` array) run twice: as
+``segment_ids`` and as a ``mask_mod`` over the captured array, whose block map is evaluated at each call.
 
 Dropout inside the kernel: causal attention with ``dropout_rate=0.1`` timed beside the same kernel without
 dropout (issue 29's target: forward + backward ≥ 0.85× without), checked first against a reference that uses the
@@ -106,37 +107,67 @@ def dense_reference(keep):
 
 
 def build_ms(made, sizes: dict) -> float:
-    """Milliseconds to build every block map the kernels read (forward, then the backward's), compiled once."""
-    from lowering._blocks import Mapped, call_bounds, segments
+    """Milliseconds to build every block map the kernels read (forward, then the backward's), compiled once, as a
+    trace of the caller's ``jit`` builds them: the mask evaluated once (the kept map forgotten before each build),
+    then each kernel's bounds from it (the kept bounds forgotten too)."""
+    from lowering._blocks import _BOUNDS, Mapped, call_bounds, segments
+    from napkin_cat.generators._index import _FINE_MAPS
 
     plans = [k.plan for k in (made.kernel.forward, *made.kernel.kernels)]
     maps = [(p, m) for p in plans for m in segments(p.diagram, p) if isinstance(m, Mapped)]
-    t = time_calls(lambda: [call_bounds(p, m, [], sizes) for p, m in maps], reps=5, batches=5, warmup=1)
-    return t.ms
+
+    def build():
+        _FINE_MAPS.clear()
+        _BOUNDS.clear()
+        return [call_bounds(p, m, [], sizes) for p, m in maps]
+
+    return time_calls(build, reps=5, batches=5, warmup=1).ms
+
+
+def document_ids(n: int, docs: int):
+    """Sorted ids of ``docs`` documents of ragged lengths over ``n`` tokens (fixed seed), int32.
+
+    >>> document_ids(10, 3).tolist()
+    [0, 0, 0, 0, 1, 1, 1, 1, 2, 2]
+    """
+    cuts = jnp.sort(jax.random.choice(jax.random.key(1), jnp.arange(1, n), (docs - 1,), replace=False))
+    return jnp.searchsorted(cuts, jnp.arange(n), side="right").astype(jnp.int32)
 
 
 def sparse_rows(q, k, v, ct, w: int, width: int, r: int) -> list:
     """The causal kernel and the non-affine masks, TFLOP/s counted on the blocks each visits, with their sparsity
-    and block-map build time (÷ one forward + backward)."""
+    and block-map build time (÷ one forward + backward); then documents given as segment ids and as a
+    ``mask_mod`` over a captured ``document_id`` array (its block map evaluated at each call, inside the timed
+    call)."""
     b, n, h, d = q.shape
     sizes = {"b": b, "h": h, "q_idx": n, "kv_idx": n, "d": d, "dv": d}
     causal = lambda b, h, q_idx, kv_idx: kv_idx <= q_idx  # noqa: E731
+    doc = document_ids(n, 8)
+    same = lambda b, h, q_idx, kv_idx: doc[q_idx] == doc[kv_idx]  # noqa: E731
+    cases = {
+        "causal": ({"is_causal": True}, causal),
+        **{m: ({"mask_mod": f}, f) for m, f in non_affine(n, w, width, r).items()},
+        "documents (segment ids)": ({"segment_ids": jnp.broadcast_to(doc, (b, n))}, same),
+        "documents (captured ids)": ({"mask_mod": same}, same),
+    }
     rows = []
-    for name, keep in {"causal": None, **non_affine(n, w, width, r)}.items():
-        kw = {"is_causal": True} if keep is None else {"mask_mod": keep}
+    for name, (kw, keep) in cases.items():
         made = nc.attention.kernel_for(q, k, v, **kw)
-        sp = made.sparsity(q, k, v)
+        sp = made.sparsity(q, k, v, **{a: f for a, f in kw.items() if a != "is_causal"})
         g, s = made.signature.tile, made.signature.stream
         flops = 4 * d * (1 - sp.skipped) * sp.blocks * g * s
-        row = measure(name, lambda q, k, v, kw=kw: nc.attention(q, k, v, **kw), q, k, v, ct,
-                      dense_reference(keep or causal), flops)
+        f = lambda q, k, v, kw=kw: nc.attention(q, k, v, **kw)  # noqa: E731
+        row = measure(name, f, q, k, v, ct, dense_reference(keep), flops)
         row["sparsity"] = {"skipped": sp.skipped, "full": sp.full, "partial": sp.partial, "found": sp.found}
-        if keep is not None:
+        if sp.found == ("call time",):
             row["block_map_ms"] = build_ms(made, sizes)
             row["block_map_share"] = row["block_map_ms"] / row["fwdbwd"]["ms"]
         print(f"   {sp}" + (f"; block maps {row['block_map_ms']:.3f} ms = {100 * row['block_map_share']:.2f}% of "
-                             "fwd+bwd" if keep is not None else ""), flush=True)
+                             "fwd+bwd" if "block_map_ms" in row else ""), flush=True)
         rows.append(row)
+    seg, cap = (next(row for row in rows if row["impl"] == f"documents ({m} ids)") for m in ("segment", "captured"))
+    ratio = {s: seg[s]["ms"] / cap[s]["ms"] for s in ("fwd", "fwdbwd")}
+    print("documents, captured ids ÷ segment ids (speed): " + ", ".join(f"{s} {x:.2f}×" for s, x in ratio.items()))
     return rows
 
 
