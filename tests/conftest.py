@@ -1,11 +1,21 @@
 import atexit
+import importlib.util
 import os
 import shutil
 import tempfile
 
-import jax
-import pytest
-from hypothesis import Phase, settings
+# On CPU the suite compiles hundreds of small programs (interpret-mode kernels, references at each drawn size)
+# and runs each once or twice at tiny sizes: LLVM's optimisation passes cost more than they save (a third of the
+# CPU time of tests/test_kernels_vs_jax.py::test_flash_attention). Semantics are unchanged (fast math stays off).
+# Only where JAX has no accelerator plugin (``jax_plugins``), so a GPU's kernels keep XLA's default. Set before
+# JAX starts its CPU client, which reads XLA_FLAGS once; inherited by test_mutations' runs.
+cpu_only = importlib.util.find_spec("jax_plugins") is None
+if cpu_only and "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+
+import jax  # noqa: E402 - after XLA_FLAGS
+import pytest  # noqa: E402
+from hypothesis import Phase, settings  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")  # CPU reference comparisons in true f32
 # The partitionable threefry compiles in 7-15 s on CPU for each rank-4/5 shape a test draws (1-2 s flat);

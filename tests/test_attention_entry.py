@@ -35,6 +35,11 @@ def rel(a, b) -> float:
     return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
 
 
+def value_and_pullback(f):
+    """``(f(*args), vjp(f)(ct))`` as one jitted program: a reference run eagerly compiles op by op, at each size."""
+    return jax.jit(lambda ct, *args: (lambda out, pullback: (out, pullback(ct)))(*jax.vjp(f, *args)))
+
+
 def arrays(seed: int, b: int, t: int, s: int, heads: int, kv_heads: int, d: int):
     kq, kk, kv, kc = jax.random.split(jax.random.key(seed), 4)
     q = jax.random.normal(kq, (b, t, heads, d))
@@ -44,9 +49,9 @@ def arrays(seed: int, b: int, t: int, s: int, heads: int, kv_heads: int, d: int)
 
 def check_against_jax_nn(seed, q, k, v, ct, entry: dict, reference: dict):
     """Outputs and all three gradients (one vjp with the cotangent ``ct``) within TOL of jax.nn's."""
-    out, pull = jax.vjp(lambda *a: attention(*a, **entry), q, k, v)
-    want, pull_ref = jax.vjp(lambda *a: jax.nn.dot_product_attention(*a, **reference), q, k, v)
-    errors = [rel(out, want)] + [rel(g, w) for g, w in zip(pull(ct), pull_ref(ct), strict=True)]
+    out, grads = value_and_pullback(lambda *a: attention(*a, **entry))(ct, q, k, v)
+    want, grads_ref = value_and_pullback(lambda *a: jax.nn.dot_product_attention(*a, **reference))(ct, q, k, v)
+    errors = [rel(out, want)] + [rel(g, w) for g, w in zip(grads, grads_ref, strict=True)]
     assert max(errors) <= TOL, f"seed {seed}: relative errors (out, dq, dk, dv) {errors}"
 
 
@@ -163,12 +168,13 @@ def check_value_dim(seed, dtype, t, s, heads, kv_heads, d, dv, causal):
     v, ct = jax.random.normal(kv, (2, s, kv_heads, dv), dtype), jax.random.normal(kc, (2, t, heads, dv), dtype)
     made = attention.kernel_for(q, k, v, is_causal=causal)
     assert (made.signature.value_dim, made.differentiation) == (True, "lowered")
-    out, pull = jax.vjp(lambda *a: attention(*a, is_causal=causal), q, k, v)
-    want, pull_ref = jax.vjp(lambda *a: mla_reference(*a, causal=causal), *(a.astype(jnp.float32) for a in (q, k, v)))
+    out, grads = value_and_pullback(lambda *a: attention(*a, is_causal=causal))(ct, q, k, v)
+    f32 = (a.astype(jnp.float32) for a in (ct, q, k, v))
+    want, grads_ref = value_and_pullback(lambda *a: mla_reference(*a, causal=causal))(*f32)
     fwd, grad = ARRAY_TOL[jnp.dtype(dtype).name]
     assert out.shape == (2, t, heads, dv) and out.dtype == dtype
     assert rel(out.astype(jnp.float32), want) <= fwd, f"NAPKIN_SEED={seed}: output"
-    for name, g, w in zip(("dq", "dk", "dv"), pull(ct), pull_ref(ct.astype(jnp.float32)), strict=True):
+    for name, g, w in zip(("dq", "dk", "dv"), grads, grads_ref, strict=True):
         assert g.dtype == dtype and rel(g.astype(jnp.float32), w) <= grad, f"NAPKIN_SEED={seed}: {name}"
 
 
@@ -247,10 +253,10 @@ def test_bias_and_mask_match_jax_nn_and_the_reference(seed, t, s, kv_heads, bias
         )
         return jnp.swapaxes(out, 1, 2)
 
-    out, pull = jax.vjp(entry, q, k, v, bias)
+    out, grads = value_and_pullback(entry)(ct, q, k, v, bias)
     for name, other in (("jax.nn", nn), ("reference", reference)):
-        want, pull_other = jax.vjp(other, q, k, v, bias)
-        errors = [rel(out, want)] + [rel(g, w) for g, w in zip(pull(ct), pull_other(ct), strict=True)]
+        want, grads_other = value_and_pullback(other)(ct, q, k, v, bias)
+        errors = [rel(out, want)] + [rel(g, w) for g, w in zip(grads, grads_other, strict=True)]
         assert max(errors) <= TOL, f"seed {seed}: vs {name}, relative errors (out, dq, dk, dv, dbias) {errors}"
     assert attention.kernel_for(q, k, v, bias, mask, is_causal=causal).differentiation == "lowered"
 
@@ -269,10 +275,11 @@ def test_bf16_bias_mask_and_segments(seed):
         same = (ids[:, None, :, None] == ids[:, None, None, :]) & mask
         return jnp.swapaxes(R.attention(Q, K, V, bias=lambda i, j: bias, mask=lambda i, j: same, groups=2), 1, 2)
 
-    out, pull = jax.vjp(lambda q, k, v, bias: attention(q, k, v, bias, mask, segment_ids=ids), q, k, v, bias)
-    want, pull_ref = jax.vjp(reference, q, k, v, bias)
+    entry = lambda q, k, v, bias: attention(q, k, v, bias, mask, segment_ids=ids)  # noqa: E731
+    out, grads = value_and_pullback(entry)(ct, q, k, v, bias)
+    want, grads_ref = value_and_pullback(reference)(ct.astype(jnp.float32), q, k, v, bias)
     assert out.dtype == jnp.bfloat16 and rel(out.astype(jnp.float32), want) <= fwd, f"NAPKIN_SEED={seed}"
-    for name, g, w in zip(("dq", "dk", "dv", "dbias"), pull(ct), pull_ref(ct.astype(jnp.float32)), strict=True):
+    for name, g, w in zip(("dq", "dk", "dv", "dbias"), grads, grads_ref, strict=True):
         assert g.dtype == jnp.bfloat16 and rel(g.astype(jnp.float32), w) <= grad, f"{name}: NAPKIN_SEED={seed}"
 
 
@@ -296,11 +303,11 @@ def test_a_bias_and_a_mask_at_head_dim_128_fit_the_h100s_shared_memory(seed):
         Q, K, V = heads_major(q, k, v)
         return jnp.swapaxes(R.attention(Q, K, V, bias=lambda i, j: bias, mask=lambda i, j: mask), 1, 2)
 
-    out, pull = jax.vjp(entry, q, k, v, bias)
-    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
-    want, pull_ref = jax.vjp(reference, *f32, bias)
+    out, grads = value_and_pullback(entry)(ct, q, k, v, bias)
+    f32 = [a.astype(jnp.float32) for a in (ct, q, k, v)]
+    want, grads_ref = value_and_pullback(reference)(*f32, bias)
     assert rel(out.astype(jnp.float32), want) <= fwd, f"NAPKIN_SEED={seed}"
-    for name, g, w in zip(("dq", "dk", "dv", "dbias"), pull(ct), pull_ref(ct.astype(jnp.float32)), strict=True):
+    for name, g, w in zip(("dq", "dk", "dv", "dbias"), grads, grads_ref, strict=True):
         assert rel(g.astype(jnp.float32), w) <= grad, f"{name}: NAPKIN_SEED={seed}"
 
 

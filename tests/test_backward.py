@@ -32,6 +32,11 @@ def grads(f, args, ct):
     return jax.vjp(f, *args)[1](ct.astype(args[0].dtype))
 
 
+def jitted_grads(f, args, ct):
+    """:func:`grads` as one compiled program: run eagerly, a reference compiles op by op at each drawn size."""
+    return jax.jit(lambda ct, *a: grads(f, a, ct))(ct, *args)
+
+
 def dpa(causal):
     t = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731 - jax.nn wants [b, n, h, d]
     return lambda Q, K, V: t(jax.nn.dot_product_attention(t(Q), t(K), t(V), is_causal=causal))
@@ -53,11 +58,11 @@ def test_mha_gradients(seed, key, nq, nx, causal, dtype):
     key = jax.random.fold_in(key, nq * 100 + nx)
     Q, K, V = rand(key, [(1, 2, nq, 16), (1, 2, nx, 16), (1, 2, nx, 16)], dtype)
     (ct,) = rand(jax.random.fold_in(key, 1), [(1, 2, nq, 16)], dtype)  # the cotangent in the output's dtype
-    ours = jax.jit(lambda ct, *a: grads(kernel, a, ct))(ct, Q, K, V)
+    ours = jitted_grads(kernel, (Q, K, V), ct)
     f32 = [a.astype(jnp.float32) for a in (Q, K, V, ct)]
-    independent = grads(lambda *a: R.attention(*a, causal=causal), f32[:3], f32[3])
-    jax_nn = grads(dpa(causal), f32[:3], f32[3])
-    naive = grads(nc.to_jax(attn), (Q, K, V), ct)
+    independent = jitted_grads(lambda *a: R.attention(*a, causal=causal), f32[:3], f32[3])
+    jax_nn = jitted_grads(dpa(causal), f32[:3], f32[3])
+    naive = jitted_grads(nc.to_jax(attn), (Q, K, V), ct)
     why = f"q={nq}, x={nx}, causal={causal}, {dtype} (NAPKIN_SEED={seed})"
     one_key = nx == 1 or (causal and nq == 1)  # every row sees one key: softmax is constant, so dS, dQ, dK ≡ 0
     for name, a, r, s, n in zip("QKV", ours, independent, jax_nn, naive, strict=True):

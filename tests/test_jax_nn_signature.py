@@ -30,11 +30,16 @@ def normal(key, *shapes, dtype=jnp.float32):
 def errors(f, g, q, k, v, bias, dout, **kw):
     """Max abs differences of the output and of dq, dk, dv, dbias between ``f`` and the reference ``g``."""
 
-    def run(fn):
-        out, pull = jax.vjp(lambda q, k, v, b: fn(q, k, v, b, **kw), q, k, v, bias)
-        return (out, *pull(dout))
+    @jax.jit  # both sides as one compiled program: run eagerly, jax.nn's reference compiles op by op
+    def run_both(q, k, v, bias, dout):
+        def run(fn):
+            out, pull = jax.vjp(lambda q, k, v, b: fn(q, k, v, b, **kw), q, k, v, bias)
+            return (out, *pull(dout))
 
-    return [float(jnp.abs(a - b).max()) for a, b in zip(run(f), run(g), strict=True)]
+        return run(f), run(g)
+
+    ours, theirs = run_both(q, k, v, bias, dout)
+    return [float(jnp.abs(a - b).max()) for a, b in zip(ours, theirs, strict=True)]
 
 
 SHAPES = [(B, 1, 1, N), (1, H, 1, N), (B, H, N, 1), (1, 1, N, N), (H, 1, N), (B, 1, 1, 1), (N,)]
@@ -138,7 +143,7 @@ def test_jax_dot_product_attention(group_num, use_vmap):
     if use_vmap:
         sdpa_ans = jax.vmap(sdpa_ans, in_axes=(0, 0, 0, None, None), out_axes=0)
     K_ref, V_ref = jnp.repeat(K, g, axis=2), jnp.repeat(V, g, axis=2)
-    out_ref, sdpa_vjp_ref = jax.vjp(sdpa_ref, Q, K_ref, V_ref, bias, mask)
+    out_ref, sdpa_vjp_ref = jax.vjp(jax.jit(sdpa_ref), Q, K_ref, V_ref, bias, mask)
     out_ans, sdpa_vjp_ans = jax.vjp(sdpa_ans, Q, K, V, bias, mask)
     dQ_ref, dK_ref, dV_ref = sdpa_vjp_ref(grad)[:3]
     dQ_ans, dK_ans, dV_ans = sdpa_vjp_ans(grad)[:3]
@@ -183,7 +188,7 @@ def test_jax_dot_product_attention_mask(mask_mode):
         )
 
     args = (Q, K, V, bias, mask)
-    out_ref, sdpa_vjp_ref = jax.vjp(fn(functools.partial(jax.nn.dot_product_attention, implementation=None)),
+    out_ref, sdpa_vjp_ref = jax.vjp(jax.jit(fn(functools.partial(jax.nn.dot_product_attention, implementation=None))),
                                     *args, q_seqlen, kv_seqlen)
     out_ans, sdpa_vjp_ans = jax.vjp(fn(attention), *args, q_seqlen, kv_seqlen)
     ref, ans = sdpa_vjp_ref(grad)[:4], sdpa_vjp_ans(grad)[:4]

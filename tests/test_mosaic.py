@@ -3,6 +3,7 @@ shared memory there), lower to Mosaic GPU for an abstract CUDA device (the compi
 operand included), and run compiled on a GPU (``gpu``-marked); refusals name the box, axis or level."""
 
 import contextlib
+import functools
 import os
 import re
 import signal
@@ -35,6 +36,7 @@ def matmul(g_m, g_n, s, dtype="bf16"):
     return derive(nc.library.matmul(m, k, n, dtype=dtype), tile(m, g_m), tile(n, g_n), stream(k, s), verify=False)
 
 
+@functools.partial(jax.jit, static_argnames=("causal", "score_mod"))  # compiled once per shape, not op by op
 def reference(Q, K, V, causal=False, score_mod=None):
     """Attention in f32, written here: einsum, mask, softmax, einsum."""
     Q, K, V = (a.astype(jnp.float32) for a in (Q, K, V))
@@ -447,7 +449,7 @@ def test_backward_interpret_matches_jax_grad(key, causal=True):
     turns = [(k.products, k.pingpong, k.s) for k in (kernel.forward, *kernel.kernels)]
     assert turns == [(2, True, 64), (2, True, 64), (0, False, None), (3, True, 128), (4, False, 64)]
     got = gradients(kernel, Q, K, V, dO)
-    want = gradients(lambda *a: reference(*a, causal), Q, K, V, dO.astype(jnp.float32))
+    want = gradients(jax.jit(lambda *a: reference(*a, causal)), Q, K, V, dO.astype(jnp.float32))
     for name, g, w in zip(("O", "dQ", "dK", "dV"), got, want, strict=True):
         assert relative_error(g, w) <= (BF16 if name == "O" else BF16_GRAD), name
 
@@ -577,7 +579,7 @@ def test_sliding_window_backward_interpret_visits_only_the_band(key):
         return jax.nn.softmax(jnp.where((j <= i) & (j > i - 100), s, -jnp.inf), axis=-1) @ V
 
     got = gradients(kernel, Q, K, V, dO)
-    want = gradients(reference, *(a.astype(jnp.float32) for a in (Q, K, V, dO)))
+    want = gradients(jax.jit(reference), *(a.astype(jnp.float32) for a in (Q, K, V, dO)))
     for name, g, w in zip(("O", "dQ", "dK", "dV"), got, want, strict=True):
         assert relative_error(g, w) <= (BF16 if name == "O" else BF16_GRAD), name
 
@@ -661,7 +663,7 @@ def variant_case(name: str, n: int, dim: int, key):
 
 def check_variant(kernel, args, dO, ref, tol_out, tol_grad):
     out, pull = jax.vjp(kernel, *args)
-    want, pull_ref = jax.vjp(ref, *(a.astype(jnp.float32) for a in args))
+    want, pull_ref = jax.vjp(jax.jit(ref), *(a.astype(jnp.float32) for a in args))  # compiled, not op by op
     assert relative_error(out, want) <= tol_out, "O"
     for i, (g, w) in enumerate(zip(pull(dO), pull_ref(dO.astype(jnp.float32)), strict=True)):
         assert relative_error(g, w) <= tol_grad, f"d(input {i})"

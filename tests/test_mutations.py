@@ -2,13 +2,13 @@
 
 Each run is a fresh interpreter (``python -m pytest -p tests.mutations``) with ``NAPKIN_MUTATION`` set, on
 the tests that should catch that bug; the run must end in a failed assertion (exit status 1), not an error
-or a missing target. The same tests pass unmutated.
+or a missing target. The same tests pass unmutated. Each test starts its own run (no shared fixture): under
+``pytest -n 2`` a module-scoped fixture would start every run once per worker.
 """
 
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -19,7 +19,7 @@ GQA = "tests/test_kernels_vs_jax.py::test_gqa_scale_alibi_causal"  # scale, ALiB
 MOSAIC = "tests/test_mosaic.py::test_interpret_matches_reference[plain-s64]"  # Mosaic interpret mode, 4 chunks
 SOFTCAP = "tests/test_variants.py::test_softcap"  # f32 gradients through the lowered backward against jax.grad
 # the masking order: a soft-cap after a mask array, against a reference that masks last
-ORDER = "tests/test_entry_reliability.py::test_masks_apply_after_the_score_modifier_in_the_diagram"
+ORDER = "tests/test_entry_reliability.py::test_masks_apply_after_the_score_modifier_in_the_diagram[softcap-array]"
 
 #: mutation -> the tests that catch it
 CATCHERS = {
@@ -44,23 +44,14 @@ def run(mutation: str | None, tests: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run([*cmd, *tests], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
-@pytest.fixture(scope="module")
-def runs():
-    """Every mutated run and the clean one, two at a time (each is a whole interpreter)."""
-    jobs = {None: sorted({t for ts in CATCHERS.values() for t in ts}), **CATCHERS}
-    with ThreadPoolExecutor(2) as pool:
-        done = {m: pool.submit(run, m, tests) for m, tests in jobs.items()}
-        return {m: f.result() for m, f in done.items()}
-
-
-def test_unmutated_tests_pass(runs):
-    clean = runs[None]
+def test_unmutated_tests_pass():
+    clean = run(None, sorted({t for ts in CATCHERS.values() for t in ts}))
     assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
 
 
 @pytest.mark.parametrize("mutation", sorted(CATCHERS))
-def test_planted_bug_is_caught(runs, mutation):
-    result = runs[mutation]
+def test_planted_bug_is_caught(mutation):
+    result = run(mutation, CATCHERS[mutation])
     log = result.stdout[-3000:] + result.stderr[-3000:]
     assert "MissingTarget" not in log, f"mutation {mutation!r} planted nothing:\n{log}"
     assert result.returncode == 1, f"mutation {mutation!r} survived (exit {result.returncode}):\n{log}"

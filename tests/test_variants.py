@@ -62,7 +62,7 @@ def check(
     (default: every float input) against jax.grad of the reference."""
     kernel = lower(derive(diagram, *schedule, verify=False), backward=backward, config=config)
     assert kernel.differentiation == backward, kernel.why_not
-    want = reference(*args)
+    want = jax.jit(reference)(*args)  # the reference compiled once, not op by op
     close(jax.jit(kernel)(*args), want, fwd_tol, seed, "forward")
     wrt = tuple(i for i, a in enumerate(args) if a.dtype == jnp.float32) if wrt is None else wrt
     (ct,) = normal(jax.random.key(seed + 1), want.shape)
@@ -71,7 +71,7 @@ def check(
         return lambda *a: jnp.sum(f(*a) * ct)
 
     ours = jax.jit(jax.grad(loss(kernel), argnums=wrt))(*args)
-    theirs = jax.grad(loss(reference), argnums=wrt)(*args)
+    theirs = jax.jit(jax.grad(loss(reference), argnums=wrt))(*args)
     for i, g, w in zip(wrt, ours, theirs, strict=True):
         close(g, w, grad_tol, seed, f"gradient of input {i} ({kernel.differentiation} backward)")
     return kernel
