@@ -8,10 +8,11 @@ q×d ⊗ x×d ⊗ x×d → q×d
 
 Five names are application entries rather than the language: ``nc.attention(q, k, v, ...)``, the drop-in
 for ``jax.nn.dot_product_attention`` (:mod:`lowering._attention`), ``nc.decode_attention(q, k_cache,
-v_cache, lengths)`` and ``nc.mla_decode_attention`` (:mod:`lowering._decode`), ``nc.linear_cross_entropy(h, w, labels)``, a classifier
-head's loss without its logits (:mod:`lowering._cross_entropy`), and ``nc.rms_norm_linear(x, g, w)``, an RMS
-norm fused into the projection after it (:mod:`lowering._rms_norm_linear`), loaded on first use so that
-importing napkin_cat never imports the lowering.
+v_cache, lengths)`` and ``nc.mla_decode_attention`` (:mod:`lowering._decode`),
+``nc.linear_cross_entropy(h, w, labels)``, a classifier head's loss without its logits
+(:mod:`lowering._cross_entropy`), and ``nc.rms_norm_linear(x, g, w)``, an RMS norm fused into the projection
+after it (:mod:`lowering._rms_norm_linear`), loaded on first use so that importing napkin_cat never imports the
+lowering.
 """
 
 from napkin_cat import architectures, hardware, library, optimize
