@@ -208,7 +208,7 @@ class Mosaic:
         >>> q, x, d = nc.axes("q x d", d=64)
         >>> MOSAIC.admit(plan(derive(nc.library.attention(q, x, d), tile(q, 128), stream(x, 64), verify=False).diagram),
         ...              interpret=True, config=None)  # f32 inputs
-        'input q/128×d:f32@HBM: wgmma takes 16-bit operands, got f32'
+        'input q/128×d:f32@HBM: wgmma takes 16-bit operands (or FP8: e4m3, e5m2), got f32'
         """
         return self._built(p, interpret, config)[1]
 

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from lowering._plan import NotLowerable
-from rewrites._device import Sharded, heads_refusal
+from rewrites import Sharded, heads_refusal
 
 
 def check_heads(s: Sharded, extent: dict) -> None:

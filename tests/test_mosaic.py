@@ -662,11 +662,13 @@ def variant_case(name: str, n: int, dim: int, key):
 
 
 def check_variant(kernel, args, dO, ref, tol_out, tol_grad):
+    """Output and gradients against ``ref``; ``tol_grad`` one tolerance, or one per input."""
     out, pull = jax.vjp(kernel, *args)
     want, pull_ref = jax.vjp(jax.jit(ref), *(a.astype(jnp.float32) for a in args))  # compiled, not op by op
     assert relative_error(out, want) <= tol_out, "O"
-    for i, (g, w) in enumerate(zip(pull(dO), pull_ref(dO.astype(jnp.float32)), strict=True)):
-        assert relative_error(g, w) <= tol_grad, f"d(input {i})"
+    tols = tol_grad if isinstance(tol_grad, tuple) else (tol_grad,) * len(args)
+    for i, (g, w, tol) in enumerate(zip(pull(dO), pull_ref(dO.astype(jnp.float32)), tols, strict=True)):
+        assert relative_error(g, w) <= tol, f"d(input {i})"
 
 
 @pytest.mark.parametrize("name", ["alibi", "sinks", "gqa"])
@@ -686,7 +688,10 @@ def test_variants_run_on_mosaic(key, name):
     assert set(kernel.backends.values()) == {"mosaic"}
     if name == "gqa":
         assert [str(w) for w in kernel.kernels[-1].plan.diagram.cod.inside] == ["g×hk×x/128×d"] * 2
-    check_variant(kernel, args, dO, ref, BF16, BF16_GRAD)
+    # a sink's logit's gradient is two numbers, each summing 256 rows of bf16 products: measured up to 6.7e-3 over 17
+    # seeds (the other gradients up to 5.9e-3)
+    grad = (BF16_GRAD,) * 3 + (1e-2,) if name == "sinks" else BF16_GRAD
+    check_variant(kernel, args, dO, ref, BF16, grad)
     compiled = lower(sched, backend="mosaic", interpret=False)
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (*args, dO)]
     backward = lambda *a: jax.vjp(compiled, *a[:-1])[1](a[-1])  # noqa: E731
