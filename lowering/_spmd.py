@@ -45,7 +45,7 @@ from jax.sharding import PartitionSpec as Spec
 
 from lowering._plan import NotLowerable, plan
 from napkin_cat.diagram import Diagram
-from rewrites import RewriteError, shard
+from rewrites import RewriteError, shard, summed
 
 #: per diagram axis, the mesh axes splitting it (a diagram axis absent is whole on every device)
 Assignment = dict[str, tuple[str, ...]]
@@ -59,6 +59,22 @@ def varying(arrays: Sequence) -> ManualAxisType:
     frozenset()
     """
     return ManualAxisType(varying=frozenset().union(*(jax.typeof(a).mat.varying for a in arrays)))
+
+
+def varying_like(tree, arrays: Sequence):
+    """``tree``'s arrays made varying (inside ``jax.shard_map``) over the mesh axes ``arrays`` vary over: a loop's
+    initial state (an accumulator's identity, built from constants) typed as the states its body returns.
+
+    >>> varying_like({"acc": jnp.zeros(2)}, [jnp.ones(3)])["acc"].shape
+    (2,)
+    """
+    over = varying([a for a in arrays if a is not None]).varying
+
+    def cast(a):
+        missing = tuple(sorted(over - jax.typeof(a).mat.varying))
+        return jax.lax.pcast(a, missing, to="varying") if missing else a
+
+    return jax.tree.map(cast, tree)
 
 
 def out_structs(wires, extent: dict, arrays: Sequence) -> list:
@@ -86,8 +102,32 @@ def shardable(d: Diagram) -> frozenset[str]:
     >>> sorted(shardable(derive(nc.library.attention(q, x, d, causal=True), tile(q, 16), stream(x, 16)).diagram))
     []
     """
-    p = plan(d)
-    return frozenset(a for a in (*p.batch, *p.tiles) if _refusal(d, a) is None)
+    plan(d)  # the guards first
+    return frozenset(a for a in dict.fromkeys(n for w in d.dom.inside for n in w.names) if _refusal(d, a) is None)
+
+
+def summed_over(d: Diagram, sharded: Assignment) -> list[tuple[str, ...]]:
+    """Per output of ``d``, the mesh axes its partial sums are added over: those splitting an axis the output
+    is a sum over (:func:`rewrites.summed`; the all-reduce of data parallelism's weight gradient).
+
+    >>> import napkin_cat as nc
+    >>> n, k, m = nc.axes("n k m")
+    >>> summed_over(nc.contract("n k, n m -> k m", n, k, m), {"n": ("data",)})
+    [('data',)]
+    """
+    over = [set() for _ in d.cod.inside]
+    for axis, mesh_axes in sharded.items():
+        for i, is_sum in enumerate(summed(d, axis)):
+            if is_sum:
+                over[i].update(mesh_axes)
+    return [tuple(sorted(o)) for o in over]
+
+
+def _add_partials(ys, over: list[tuple[str, ...]]):
+    """The kernel's outputs with each partial sum added across the devices holding its parts."""
+    single = not isinstance(ys, (tuple, list))
+    ys = [jax.lax.psum(y, axes) if axes else y for y, axes in zip((ys,) if single else ys, over, strict=True)]
+    return ys[0] if single else tuple(ys)
 
 
 def _refusal(d: Diagram, axis: str) -> str | None:
@@ -170,8 +210,9 @@ def call(fn: Callable, d: Diagram, arrays: Sequence, interpret: bool = False):
     sharded = assign(d, specs, dict(mesh.shape), [t.shape for t in types])
     if sharded:
         used = frozenset(m for ms in sharded.values() for m in ms)
+        over = summed_over(d, sharded)
         body = jax.shard_map(
-            lambda *xs: _local(fn, xs, interpret),
+            lambda *xs: _add_partials(_local(fn, xs, interpret), over),
             mesh=mesh,
             in_specs=specs_of(d.dom.inside, sharded),
             out_specs=_outs(d, specs_of(d.cod.inside, sharded)),
@@ -254,13 +295,10 @@ def _op(fn: Callable, d: Diagram, ins: list, outs: list, sums: bool = False) -> 
         sharded = assign(d, specs[: len(d.dom)], dict(mesh.shape), [s.shape for s in arg_shapes[: len(d.dom)]])
         in_specs, out_specs = specs_of(ins, sharded), specs_of(outs, sharded)
         used = {m for ms in sharded.values() for m in ms}
-        summed = [tuple(sorted(used - {m for a in w.axes for m in sharded.get(a.name, ())})) for w in outs]
+        cotangent_sums = [tuple(sorted(used - {m for a in w.axes for m in sharded.get(a.name, ())})) for w in outs]
 
-        def lower(*xs):
-            ys = fn(*xs)
-            if not sums:
-                return ys
-            return tuple(jax.lax.psum(y, axes) if axes else y for y, axes in zip(ys, summed, strict=True))
+        def lower(*xs):  # the backward's cotangents, or the forward's partial sums, added across devices
+            return _add_partials(fn(*xs), cotangent_sums if sums else summed_over(d, sharded))
 
         out_shardings = tuple(NamedSharding(mesh, s) for s in out_specs)
         if len(outs) == 1 and not sums:

@@ -24,6 +24,7 @@ from rewrites._device import (
     pair_diagrams,
     ring,
     shard,
+    summed,
     ulysses,
     zigzag,
 )
@@ -53,7 +54,7 @@ from rewrites._verify import Trial, Verification, random_inputs, relative_error,
 __all__ = [
     "DeviceDerivation", "DeviceRule", "DeviceStep", "Sequence", "Sharded", "chunking", "derive_devices",  # devices
     "execute_devices", "has_causal_mask", "heads_refusal", "merge_lse", "pair_diagrams", "ring",  # (rewrites._device)
-    "shard", "ulysses", "zigzag",
+    "shard", "summed", "ulysses", "zigzag",
     "LOG2E", "Neutral", "base2", "fuse_softmax", "neutral_padding", "pad_neutral", "tiled_first",  # (lowering rules)
     "AUTO", "Derivation", "OpenSize", "Proof", "Residual", "RewriteError", "Rule", "Step", "Trial", "Verification",
     "bind_sizes", "delta_lemma", "derive", "execute", "fuse_softmax_contract", "level", "lse_residual",

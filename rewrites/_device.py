@@ -128,6 +128,36 @@ class Sharded:
         return f"{', '.join(parts)} of {self.diagram.dom} → {self.diagram.cod}"
 
 
+def summed(d: Diagram, axis: str, fail=None) -> tuple[bool, ...]:
+    """Which outputs of ``d`` are sums over ``axis`` (so a device holding one group of ``axis`` computes a
+    partial sum of them); refused through ``fail(condition, box=, axis=)`` (a :class:`RewriteError`) where a box
+    mixes ``axis`` other than by a sum (ContractionSum or a ``sum`` Monoid), or a box reads such a sum (the
+    sum of a function of partial sums is not the function of their sum).
+
+    >>> import napkin_cat as nc
+    >>> n, k, m = nc.axes("n k m")
+    >>> summed(nc.contract("n k, n m -> k m", n, k, m), "n"), summed(nc.contract("n k, n m -> k m", n, k, m), "k")
+    ((True,), (False,))
+    """
+    fail = fail or (lambda condition, **where: RewriteError("summed", condition, **where))
+
+    def step(i, box, ins):  # a value: the name of the box whose sum over axis it is, or None
+        if src := next((v for v in ins if v), None):
+            raise fail(
+                f"the box reads box {src!r}'s sum over {axis}, of which each device would hold only a part",
+                box=box.name,
+                axis=axis,
+            )
+        if not isinstance(box, (g.Generator, g.Reshape)) or axis not in box.mixes:
+            return [None] * len(box.cod)
+        acc = box.accumulator(axis) if isinstance(box, g.Generator) else None
+        if not (isinstance(acc, g.ContractionSum) or (isinstance(acc, g.Monoid) and acc.op == "sum")):
+            raise fail(f"the box mixes elements along {axis}, so it is not weaved over it", box=box.name, axis=axis)
+        return [box.name] * len(box.cod)
+
+    return tuple(v is not None for v in d.dataflow([None] * len(d.dom), step))
+
+
 def _sharded(d) -> Sharded:
     return d if isinstance(d, Sharded) else Sharded(getattr(d, "diagram", d))
 
@@ -165,12 +195,18 @@ class DeviceRule(Rule):
 class shard(DeviceRule):  # noqa: N801 - rules are named as verbs, like functions
     """Group-partition ``axis`` over ``devices`` devices of ``mesh_axis`` (lowered to ``jax.shard_map``).
 
-    Side conditions: ``axis`` is on a wire, no box mixes it, no mask or score modifier reads its index.
+    Side conditions: ``axis`` is on a wire, no mask or score modifier reads its index, and no box mixes it
+    except a sum over it whose result is an output (:func:`summed`): each device sums its group and the
+    partial sums are added across devices (an all-reduce), since a sum over a partition of an axis is the sum
+    of the sums over its groups. That is data parallelism's weight gradient, Σ over the batch of tokens.
 
     >>> import napkin_cat as nc
     >>> b, q, x, d = nc.axes("b q x d")
     >>> print(shard("b", "dp", 2)(nc.library.multi_head_attention(b, q, x, d)))
     shard(b over dp:2) of b×q×d ⊗ b×x×d ⊗ b×x×d → b×q×d
+    >>> n, k, m = nc.axes("n k m")
+    >>> print(shard("n", "dp", 2)(nc.contract("n k, n m -> k m", n, k, m)))
+    shard(n over dp:2) of n×k ⊗ n×m → k×m
     >>> shard("q", "sp", 2)(nc.library.attention(q, x, d, causal=True))
     Traceback (most recent call last):
     ...
@@ -192,9 +228,8 @@ index of q, which one device's group does not know; split the sequence with ring
         s, a = _sharded(d), self.axis
         if a not in axis_names(s.diagram):
             raise self.fail(f"no wire has axis {a}; axes here: {', '.join(sorted(axis_names(s.diagram)))}", axis=a)
+        summed(s.diagram, a, self.fail)
         for box in s.diagram.boxes:
-            if isinstance(box, (g.Generator, g.Reshape)) and a in box.mixes:
-                raise self.fail(f"the box mixes elements along {a}, so it is not weaved over it", box=box.name, axis=a)
             if a in _reads(box):
                 raise self.fail(
                     f"the box reads the global index of {a}, which one device's group does not know; "
@@ -513,8 +548,13 @@ def execute_devices(s: Sharded):
                     _take(x, w.names.index(axis), start, min(start + step, size)) if w.has(axis) else x
                     for w, x in zip(d.dom.inside, xs, strict=True)
                 ]
-                parts.append(inner(*ins))
-            return jnp.concatenate(parts, axis=d.cod.inside[0].names.index(axis))
+                out = inner(*ins)
+                parts.append(out if isinstance(out, (tuple, list)) else (out,))
+            outs = [  # a kept axis is concatenated, a summed one added up (shard's all-reduce)
+                jnp.concatenate(ps, axis=w.names.index(axis)) if w.has(axis) else sum(ps[1:], ps[0])
+                for w, ps in zip(d.cod.inside, zip(*parts, strict=True), strict=True)
+            ]
+            return outs[0] if len(outs) == 1 else tuple(outs)
 
         return grouped
     if s.sequence is None:
@@ -709,5 +749,5 @@ def derive_devices(
 __all__ = [
     "EXCHANGES", "DeviceDerivation", "DeviceRule", "DeviceStep", "Sequence", "Sharded", "chunking", "derive_devices",
     "execute_devices", "has_causal_mask", "heads_refusal", "kind", "merge_lse", "pair_diagrams", "ring", "shard",
-    "ulysses", "zigzag",
+    "summed", "ulysses", "zigzag",
 ]

@@ -1,6 +1,7 @@
 """Lowered kernels under JAX's SPMD (lowering._spmd): ``nc.attention`` on inputs sharded over a 2 × 2 mesh, batch
 over "data" and heads over "model", under Explicit and Auto mesh axes and inside ``jax.shard_map(check_vma=True)``;
-gradients; the refusal of a sharded axis the kernel reduces over.
+gradients; a summed axis split over devices (partial sums added: data parallelism's weight gradient); the refusal
+of a sharded axis the kernel reduces over otherwise.
 
 Kernels on 4 devices need ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` before jax starts, and conftest
 starts jax with one device: ``test_spmd_on_four_cpu_devices`` reruns this file's ``test_four_*`` tests in a
@@ -118,3 +119,46 @@ def test_four_docs_example_runs():
     scope = {"jax": jax, "nc": nc}
     exec(example, scope)  # noqa: S102 - the documentation's own example
     assert jax.typeof(scope["out"]).sharding.spec == BHD
+
+
+def _weight_gradient(kind_or_mesh, seed, backend="xla"):
+    """A lowered kernel summing over tokens (``n k, n m → k m``: a weight's gradient) on tokens split over
+    "data": each device's partial sum, added across devices; against ``jnp.einsum`` on the gathered arrays."""
+    from lowering import lower
+    from rewrites import derive, stream, tile
+
+    n, k, m = nc.axes("n k m")
+    kernel = lower(derive(nc.contract("n k, n m -> k m", n, k, m), tile(k, 16), tile(m, 16), stream(n, 16),
+                          verify=False), backend=backend)
+    x, y = jax.random.normal(jax.random.key(seed), (2, 64, 16))
+    sharding = NamedSharding(kind_or_mesh, Spec("data", None))
+    got = jax.jit(kernel)(jax.device_put(x, sharding), jax.device_put(y, sharding))
+    close(got, jnp.einsum("nk,nm->km", x, y))
+    return got
+
+
+@on_four
+@pytest.mark.parametrize("kind", [AxisType.Explicit, AxisType.Auto])
+def test_four_a_summed_axis_split_over_devices_adds_the_partial_sums(seed, kind):
+    got = _weight_gradient(mesh(kind), seed)
+    assert jax.typeof(got).sharding.spec in (Spec(), Spec(None, None)) or got.sharding.is_fully_replicated
+
+
+@on_four
+def test_four_rms_norm_linear_trains_data_parallel(seed):
+    """The fused norm's backward (its weight gradients sum over the batch) under a batch-sharded jit."""
+    m = mesh(AxisType.Auto)
+    x, w = (jax.random.normal(jax.random.key(seed + i), s) for i, s in enumerate([(8, 4, 32), (32, 16)]))
+    g = 1 + 0.1 * jax.random.normal(jax.random.key(seed + 2), (32,))
+
+    def loss(x, g, w, f):
+        return jnp.sum(jnp.sin(f(x, g, w)))
+
+    def ref(x, g, w):
+        return (x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * g) @ w
+
+    xs = jax.device_put(x, NamedSharding(m, Spec("data", None, None)))
+    got = jax.jit(jax.grad(lambda *a: loss(*a, nc.rms_norm_linear), argnums=(0, 1, 2)))(xs, g, w)
+    want = jax.grad(lambda *a: loss(*a, ref), argnums=(0, 1, 2))(x, g, w)
+    for a, b in zip(got, want, strict=True):
+        assert float(jnp.max(jnp.abs(a - b))) <= 1e-4 * float(jnp.max(jnp.abs(b)))

@@ -34,6 +34,7 @@ from jax import lax
 
 from lowering._blocks import BlockContext
 from lowering._plan import NotLowerable, Plan, unweave
+from lowering._spmd import varying_like
 from napkin_cat.diagram import Diagram, is_structural
 from napkin_cat.generators import Jax
 from napkin_cat.hardware import H100, Hardware
@@ -271,7 +272,7 @@ def _block(p: Plan, d: Diagram, sizes: dict, extent: dict, config: XlaConfig, pm
 
     n_full, rest = divmod(extent[x], s)
     like = jax.eval_shape(probe, *chunk(0, s if n_full else rest))
-    states = {i: d.inside[i][1].accumulator(x).identity(like[i], ctx) for i in like}
+    states = varying_like({i: d.inside[i][1].accumulator(x).identity(like[i], ctx) for i in like}, blocks)
 
     def run(c, carry):
         carry = dict(carry)
