@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as Spec  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
 from lowering import lower_devices  # noqa: E402
+from lowering._attention import schedule  # noqa: E402
 from napkin_cat.errors import CostError  # noqa: E402
 from napkin_cat.hardware import NVLINK4, System, for_device  # noqa: E402
 from papers.flash_attention.timing import once, time_calls  # noqa: E402
@@ -50,6 +51,7 @@ from rewrites._verify import FAST_COMPILE  # noqa: E402
 
 HERE = Path(__file__).parent
 HEADS, D, CHECK_N, TOLERANCE = 8, 128, 4096, 1e-2
+SETS = 4  # independent sets of arrays per call in per_exchange
 SMOKE_SIZES = {"heads": 4, "d": 16, "ns": [64], "check_n": 64, "tile": (16, 16), "dtype": "f32", "devices": 4}
 STRATEGIES = ("ring", "all_gather", "ulysses")
 
@@ -111,9 +113,10 @@ def timed(fns: dict, args, backward: bool) -> float:
     return time_calls(f, *args, reps=max(1, int(0.2 / first)), batches=3, warmup=0, method="wall").seconds
 
 
-def transfers(strategy: str, mesh: Mesh, devices: int):
+def transfers(strategy: str, mesh: Mesh, devices: int, sets: int = 1):
     """The forward's collectives of ``strategy`` alone, on ``[b, h, n, d]`` arrays sharded over ``n``: the ring's
-    P − 1 ``ppermute`` steps of K and V, the all-gather of K and V, Ulysses' four all-to-alls (Q, K, V in, O out)."""
+    P − 1 ``ppermute`` steps of K and V, the all-gather of K and V, Ulysses' four all-to-alls (Q, K, V in, O out);
+    ``sets`` times, on independent sets of three arrays (:func:`per_exchange`)."""
     pairs = [(j, (j + 1) % devices) for j in range(devices)]
 
     def ring_steps(q, k, v):
@@ -131,20 +134,39 @@ def transfers(strategy: str, mesh: Mesh, devices: int):
     body = {"ring": ring_steps, "all_gather": gather, "ulysses": all_to_all}[strategy]
     spec = Spec(None, None, "sp")
     out = (spec, Spec()) if strategy == "all_gather" else (spec, spec if strategy == "ring" else Spec(None, "sp"))
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=out, check_vma=False))
+
+    def each(*arrays):
+        return tuple(body(*arrays[i : i + 3]) for i in range(0, len(arrays), 3))
+
+    return jax.jit(jax.shard_map(each, mesh=mesh, in_specs=(spec,) * 3 * sets, out_specs=(out,) * sets,
+                                 check_vma=False))
+
+
+def per_exchange(make, *arrays) -> tuple[float, float]:
+    """Seconds one exchange takes, and the fixed cost of a call: ``make(sets)`` (the exchange on ``sets``
+    independent sets of ``arrays``, one call) timed at 1 and ``SETS`` sets (wall clock, back-to-back calls); the
+    difference over ``SETS − 1`` is one set's transfer time without the call's dispatch and synchronisation."""
+    one = time_calls(make(1), *arrays, reps=5, batches=3, warmup=1, method="wall").seconds
+    extra = [a + i for i in range(1, SETS) for a in arrays]
+    many = time_calls(make(SETS), *arrays, *extra, reps=5, batches=3, warmup=1, method="wall").seconds
+    each = max((many - one) / (SETS - 1), 0.0)
+    return each, one - each
 
 
 def fitted_link(mesh: Mesh, heads: int, d: int, dtype, devices: int, n: int):
-    """The link fitted (``nc.fit_link``) to one ``ppermute`` of a K chunk at N/8, N/4 and N/2 (not the sizes the
-    predictions are checked at)."""
+    """The link fitted (``nc.fit_link``) to one ``ppermute`` of a K chunk at N/2, N and 2N (not the sizes the
+    predictions are checked at), each timed as :func:`per_exchange` (the call's fixed cost taken out)."""
     pairs = [(j, (j + 1) % devices) for j in range(devices)]
-    f = jax.jit(jax.shard_map(lambda k: jax.lax.ppermute(k, "sp", pairs), mesh=mesh, in_specs=Spec(None, None, "sp"),
-                              out_specs=Spec(None, None, "sp")))
+    spec = Spec(None, None, "sp")
+
+    def make(sets):
+        body = lambda *ks: tuple(jax.lax.ppermute(k, "sp", pairs) for k in ks)  # noqa: E731
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * sets, out_specs=(spec,) * sets))
+
     measured = []
-    for m in (max(devices, n // 8), max(devices, n // 4), max(devices, n // 2)):
+    for m in (max(devices, n // 2), max(devices, n), max(devices, 2 * n)):
         k = jnp.ones((1, heads, m, d), dtype)
-        seconds = time_calls(f, k, reps=5, batches=3, warmup=1, method="wall").seconds
-        measured.append((k.size // devices * k.dtype.itemsize, seconds))
+        measured.append((k.size // devices * k.dtype.itemsize, per_exchange(make, k)[0]))
     return nc.fit_link(measured, "fitted ppermute"), measured
 
 
@@ -194,15 +216,15 @@ def communication(n, strategies, mesh, systems, heads, d, dtype_name, dtype, dev
     q = jnp.ones((1, heads, n, d), dtype)
     rows = []
     for name in strategies:
-        f = transfers(name, mesh, devices)
-        seconds = time_calls(f, q, q, q, reps=5, batches=3, warmup=1, method="wall").seconds
-        row = {"n": n, "strategy": name, "comm_measured": seconds}
+        seconds, fixed = per_exchange(functools.partial(transfers, name, mesh, devices), q, q, q)
+        row = {"n": n, "strategy": name, "comm_measured": seconds, "call_fixed_cost": fixed}
         for label, system in systems.items():
             c = nc.mesh_cost(attn, system, queries="q", keys="x", exchange=exchange[name], heads="h", balanced=True)
             row[f"comm_predicted_{label}"] = float(c.subs(b=1, h=heads, q=n, x=n).transfer_time)
         rows.append(row)
         said = ", ".join(f"{k[len('comm_predicted_'):]} {v * 1e3:.3f}" for k, v in row.items() if "predicted" in k)
-        log(f"N={n:>8} {name:10} transfers alone {seconds * 1e3:.3f} ms; predicted ms: {said or 'n/a'}")
+        log(f"N={n:>8} {name:10} transfers alone {seconds * 1e3:.3f} ms (+ {fixed * 1e3:.3f} ms a call); predicted ms: "
+            f"{said or 'n/a'}")
     return rows
 
 
@@ -213,8 +235,11 @@ def run(args) -> Path:
     dtype_name = cfg.get("dtype", "bf16")
     dtype = jnp.float32 if dtype_name == "f32" else jnp.bfloat16
     devices = cfg.get("devices", args.devices)
-    g, s = cfg.get("tile", (128, 64))
     ns = cfg.get("ns") or [131072 * 2**i for i in range(8) if 131072 * 2**i <= args.max_n]
+    # the blocks nc.attention takes on one GPU (on Hopper Mosaic's own), at the shortest chunk a device holds:
+    # 'auto' lowers the per-device kernels on Mosaic only at blocks it was measured faster at
+    chunk = ns[0] // (2 * devices)
+    g, s = cfg.get("tile") or schedule(chunk, chunk, d, mosaic=jax.devices()[0].platform == "gpu")
     strategies = STRATEGIES if args.strategy == "all" else (args.strategy,)
     kind = jax.devices()[0].device_kind
     gpu = "cpu" if jax.devices()[0].platform == "cpu" else kind.replace(" ", "_")
