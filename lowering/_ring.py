@@ -231,7 +231,7 @@ def _reorder(x, axis: int, order: list[int]):
 
 class _PairKernels:
     """The lowered pair kernels by kind, through the backend registry (``options``: :func:`lower`'s): forward
-    with (f32 O, L); the backward pieces, chunked for the backend that lowers them, built when first used."""
+    with (O, its f32 L); the backward pieces, chunked for the backend that lowers them, built when first used."""
 
     def __init__(self, s: Sharded, options: dict):
         self._forward = {k: lower(v, **options) for k, v in pair_diagrams(s).items()}

@@ -131,17 +131,22 @@ class Sharded:
 def summed(d: Diagram, axis: str, fail=None) -> tuple[bool, ...]:
     """Which outputs of ``d`` are sums over ``axis`` (so a device holding one group of ``axis`` computes a
     partial sum of them); refused through ``fail(condition, box=, axis=)`` (a :class:`RewriteError`) where a box
-    mixes ``axis`` other than by a sum (ContractionSum or a ``sum`` Monoid), or a box reads such a sum (the
-    sum of a function of partial sums is not the function of their sum).
+    mixes ``axis`` other than by a sum (ContractionSum or a ``sum`` Monoid), or a box other than a cast reads
+    such a sum (a function of the partial sums, summed, is not the function of their sum; a cast is, up to its
+    dtype's rounding: a 16-bit output's parts are added in 16 bits, as XLA all-reduces 16-bit gradients).
 
     >>> import napkin_cat as nc
     >>> n, k, m = nc.axes("n k m")
     >>> summed(nc.contract("n k, n m -> k m", n, k, m), "n"), summed(nc.contract("n k, n m -> k m", n, k, m), "k")
     ((True,), (False,))
+    >>> summed(nc.contract("n k, n m -> k m", n, k, m) >> nc.cast(nc.Array(k, m), "bf16"), "n")
+    (True,)
     """
     fail = fail or (lambda condition, **where: RewriteError("summed", condition, **where))
 
     def step(i, box, ins):  # a value: the name of the box whose sum over axis it is, or None
+        if isinstance(box, g.Cast):  # the sum of the parts' casts: the cast of the sum, to the dtype's rounding
+            return list(ins)
         if src := next((v for v in ins if v), None):
             raise fail(
                 f"the box reads box {src!r}'s sum over {axis}, of which each device would hold only a part",
@@ -436,8 +441,8 @@ def has_causal_mask(s: Sharded) -> bool:
 
 def pair_diagrams(s: Sharded, lse: bool = True) -> dict[str, Diagram]:
     """The per-device diagrams of a sequence partition by pair kind: ``"full"`` (the causal mask removed) and,
-    when causal, ``"diagonal"`` (the diagram itself); with ``lse``, the softmax·contract's output in f32 and its
-    log-sum-exp as a second output.
+    when causal, ``"diagonal"`` (the diagram itself); with ``lse``, the softmax·contract's log-sum-exp (f32) as a
+    second output beside its output (in the diagram's dtype: :func:`merge_lse` merges the pairs in f32).
 
     >>> import napkin_cat as nc
     >>> from rewrites import derive, tile, stream
@@ -455,7 +460,7 @@ def pair_diagrams(s: Sharded, lse: bool = True) -> dict[str, Diagram]:
 
 def _pair(s: Sharded, unmask: bool, lse: bool) -> Diagram:
     """The per-device diagram without the causal mask if ``unmask``; with ``lse``, its softmax·contract also
-    outputs its log-sum-exp (both f32)."""
+    outputs its log-sum-exp (f32)."""
     seq, t = s.sequence, Tape()
     xs = [t.input(a, "x") for a in s.diagram.dom.inside]
 
@@ -465,7 +470,7 @@ def _pair(s: Sharded, unmask: bool, lse: bool) -> Diagram:
         if lse and isinstance(box, g.SoftmaxContract) and box.params["axis"] == seq.keys and len(box.cod) == 1:
             scores = box.dom.inside[0]
             stat = scores.with_(axes=[a for a in scores.axes if a.name != seq.keys], dtype=f32)
-            both = Ty(box.out.with_(dtype=f32), stat)
+            both = Ty(box.out, stat)  # O in its own dtype (16-bit: Mosaic writes it over Q's tile); merged in f32
             return list(t.apply(g.SoftmaxContract(box.name, box.dom, both, data=box.data), *ins))
         return list(t.apply(box, *ins))
 

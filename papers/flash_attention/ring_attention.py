@@ -255,7 +255,7 @@ def run(args) -> Path:
         log(f"{name}: device-level steps verified:", *(str(st) for st in derivation.steps[1:]))
         kernel = lower_devices(derivation, mesh)
         fns[name] = compiled(kernel)
-        backends[name] = {k: v for k, v in kernel.backends.items() if "forward" in k}
+        backends[name] = dict(kernel.backends)  # forward and backward kernels
         log(f"{name}: per-device kernels {backends[name]}")
     baseline = compiled(functools.partial(nc.attention, is_causal=True))
     errors = check(fns, baseline, cfg.get("check_n", CHECK_N), heads, d, dtype)
