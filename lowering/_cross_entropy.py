@@ -192,11 +192,32 @@ def _made(sig: Signature) -> LossKernel:
         said = _xla_said(sig)
     # verified at a hidden dim of at most 64 (the rules do not touch it), in a thread of its own, where no
     # caller's jit/grad trace is active (JAX's trace state is per thread): the check runs on concrete arrays
-    rules, sizes = (tile(TOKENS, t), stream(VOCAB, s)), {"d": min(sig.dim, 64)}
+    rules = (tile(TOKENS, t), stream(VOCAB, s))
+    sizes = _verified_at(t, s, sig.dim) if backend == "xla" else {"d": min(sig.dim, 64)}
     with ThreadPoolExecutor(1) as worker:
         derivation = worker.submit(derive, diagram, *rules, sizes=sizes).result()
     kernel = lower(derivation, backend=backend, interpret=sig.interpret, config=config)
     return LossKernel(sig, kernel, why, said)
+
+
+#: the most elements a wire may hold when the XLA backend's large blocks are verified
+VERIFY_ELEMENTS = 1 << 20
+
+
+def _verified_at(t: int, s: int, dim: int) -> dict[str, int]:
+    """Sizes to verify a schedule of large blocks at (the XLA backend's): two chunks of classes, the last ragged,
+    and the tokens and hidden dim halved from two tiles (the last ragged) and 64 until no wire holds more than
+    :data:`VERIFY_ELEMENTS` (a single ragged tile where the chunk is wide).
+
+    >>> _verified_at(16, 16, 4096), _verified_at(128, 131072, 4096)
+    ({'n': 17, 'v': 25, 'd': 64}, {'n': 4, 'v': 196609, 'd': 4})
+    """
+    v, n, d = s + s // 2 + 1, t + 1, min(dim, 64)
+    while v * d > VERIFY_ELEMENTS and d > 1:
+        d //= 2
+    while v * n > VERIFY_ELEMENTS and n > 1:
+        n //= 2
+    return {TOKENS: n, VOCAB: v, "d": d}
 
 
 def _xla_said(sig: Signature) -> str:
