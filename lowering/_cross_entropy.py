@@ -7,7 +7,8 @@ ICLR 2025).
 ``[tile, chunk]`` block at a time, the log-sum-exp carried by the online softmax over the vocabulary (as
 attention's over keys), and the derived backward (:mod:`lowering._backward`) recomputes each block of logits
 from ``h``, ``w`` and the forward's log-sum-exp: ``dh`` in a kernel tiling tokens and streaming the vocabulary,
-``dw`` in one tiling the vocabulary and streaming tokens. No ``[n, v]`` array is written, forward or backward.
+``dw`` in one tiling the vocabulary and streaming tokens. No ``[n, v]`` array is written, forward or backward
+(on the XLA backend, no logit block over its budget: the whole ``[n, v]`` only where it fits within it).
 
 The labels are compared with the vocabulary's index, an i32 input ``ids = arange(V)`` of the diagram (``4·V``
 bytes) that the entry passes. A label equal to ``ignore_index`` (default ``-100``, as PyTorch) gives a loss of 0
