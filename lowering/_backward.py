@@ -36,7 +36,7 @@ q/16×d ⊗ q/16
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import jax
@@ -280,6 +280,7 @@ def backward_of(
     *,
     narrow: bool = True,
     own: Chunks | None = None,
+    chunks: Mapping[str, int] | None = None,
 ) -> Backward:
     """The lowered backward's diagrams and schedules for the scheduled forward ``d`` (see the module),
     its blocks fitted to ``hardware``'s shared memory with ``config``'s pipeline stages.
@@ -290,7 +291,9 @@ def backward_of(
     kernels that stream the axis the forward streams (dQ: the keys): its largest chunk, never more than the
     forward's largest block, halved while the backend does not admit the kernel
     (:func:`lowering._tiles.fit_blocks`). The kernels that stream the forward's tiled axis (dK·dV: the queries)
-    hold more accumulators and keep ``backward_stream``.
+    hold more accumulators and keep ``backward_stream``. A backend whose blocks are arrays, not shared memory (XLA:
+    :attr:`lowering.xla.XlaConfig.chunks`), passes ``chunks``: the chunk of each axis a kernel streams, by name,
+    taken as given by every kernel streaming that axis.
 
     With ``narrow`` each kernel stores a cotangent in its input's dtype; without, in f32: partial gradients a
     caller sums further (a ring's steps, ``lowering._ring``) keep their precision until summed.
@@ -319,14 +322,18 @@ def backward_of(
     for rows in row_values(t, keyed, grads):
         tiled = [a for a in keyed if a in t.ty(rows[0]).names]
         pieces.append(_hoist(t, rows, tiled, [], sizes, hardware, config, "Δ"))
+    chunks = dict(chunks or {})
     for along in streams:  # an epilogue's cotangent, summing the streamed axis: streamed as the forward
         for values in summed_values(t, along, grads):
             tiled = [a for a in tiles if a in t.ty(values[0]).names]
-            pieces.append(_hoist(t, values, tiled, [along], sizes, hardware, config, f"Σ_{along}"))
+            at = (sizes[0], chunks.get(along, sizes[1]))
+            pieces.append(_hoist(t, values, tiled, [along], at, hardware, config, f"Σ_{along}"))
     order = list(t.inputs)
     mine = None if own is None else (own, min(max(blocks), own.largest))  # dQ's keys: chunks as the forward's
     for (kept, left), group in _schedules(t, grads, keyed, streams, d if narrow else None).items():
-        pieces.append(_gradients(t, order, (kept, left), group, (keyed, streams), sizes, mine, hardware, config))
+        at = (sizes[0], chunks.get(left[0], sizes[1])) if left else sizes
+        given = mine if not left or left[0] not in chunks else None
+        pieces.append(_gradients(t, order, (kept, left), group, (keyed, streams), at, given, hardware, config))
     return Backward(forward, positions, tuple(pieces))
 
 

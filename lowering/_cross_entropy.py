@@ -7,7 +7,8 @@ ICLR 2025).
 ``[tile, chunk]`` block at a time, the log-sum-exp carried by the online softmax over the vocabulary (as
 attention's over keys), and the derived backward (:mod:`lowering._backward`) recomputes each block of logits
 from ``h``, ``w`` and the forward's log-sum-exp: ``dh`` in a kernel tiling tokens and streaming the vocabulary,
-``dw`` in one tiling the vocabulary and streaming tokens. No ``[n, v]`` array is written, forward or backward.
+``dw`` in one tiling the vocabulary and streaming tokens. No ``[n, v]`` array is written, forward or backward
+(on the XLA backend, no logit block over its budget: the whole ``[n, v]`` only where it fits within it).
 
 The labels are compared with the vocabulary's index, an i32 input ``ids = arange(V)`` of the diagram (``4·V``
 bytes) that the entry passes. A label equal to ``ignore_index`` (default ``-100``, as PyTorch) gives a loss of 0
@@ -19,9 +20,14 @@ log-sum-exp). Options, each a box of the diagram: ``z_loss`` adds ``z_loss·lse�
 **Backends.** ``backend="auto"`` takes Triton (``lowering.lower``'s ``"auto"``: Mosaic where measured faster)
 where its blocks, which hold the hidden dim ``d`` whole, fit the target's shared memory
 (:func:`lowering._tiles.fit_blocks`), else the XLA backend (tiles vmapped, the vocabulary a ``lax.fori_loop``;
-at ``d = 4096`` in 16-bit even 16 × 16 blocks exceed an H100's 227 KiB); ``kernel_for(...)`` states the
-backend and why. Kernels are cached per :class:`Signature` (the dtype, ``d``, the options, the schedule):
-the token and vocabulary sizes stay symbolic, bound at each call.
+at ``d = 4096`` in 16-bit even 16 × 16 blocks exceed an H100's 227 KiB). The XLA backend's tiles all run at
+once (one matmul over every token of a chunk), so its blocks are sized by memory, not shared memory:
+:func:`xla_blocks` takes the largest chunks whose f32 logit block stays within a budget (``budget=``, by
+default :data:`XLA_BUDGET`), for the forward and the backward's kernels alike (:class:`lowering.xla.XlaConfig`'s
+``chunks``): a few large matmuls rather than thousands of small ones. ``kernel_for(...)`` states the backend,
+the blocks and why. Kernels are cached per :class:`Signature` (the dtype, ``d``, the options, the schedule):
+the token and vocabulary sizes stay symbolic, bound at each call (the XLA backend's chunks, powers of two, are
+chosen from them).
 
 >>> import jax, jax.numpy as jnp, optax
 >>> h = jax.random.normal(jax.random.key(0), (40, 32))
@@ -38,6 +44,7 @@ True
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -48,6 +55,7 @@ from lowering._api import BACKENDS, Kernel, lower
 from lowering._plan import NotLowerable, next_pow2
 from lowering._target import interpreted, target_hardware
 from lowering._tiles import fit_blocks
+from lowering.xla import XlaConfig
 from napkin_cat import library
 from napkin_cat.axes import Axis, axes
 from napkin_cat.diagram import Diagram
@@ -61,15 +69,48 @@ TOKENS, VOCAB = "n", "v"
 #: the dtypes ``h`` and ``w`` may have (one for both), by ``jnp.dtype`` name
 DTYPES = {"float32": f32, "bfloat16": bf16, "float16": f16}
 REDUCTIONS = ("mean", "sum", "none")
-#: the blocks each backend starts from: Triton's are halved until they fit shared memory; the XLA backend's
-#: tiles are vmapped, so its chunk is the width of one matmul over every token
-BLOCKS = {"triton": (64, 64), "xla": (128, 1024)}
+#: the blocks Triton starts from (tokens per tile, classes per chunk), halved until they fit shared memory
+BLOCKS = (64, 64)
+#: the XLA backend's bound on one f32 logit block, in bytes (:func:`xla_blocks`); XLA holds two or three such
+#: blocks at once (the logits, their cotangent in the inputs' dtype), and the backward's f32 ``dw`` accumulator
+XLA_BUDGET = 1 << 30
+#: the XLA backend's token tile: its tiles are vmapped together, so the tile only sets the tokens' padding
+XLA_TILE = 128
+
+
+def _floor_pow2(x: float) -> int:
+    """The largest power of two ≤ ``x`` (1 below)."""
+    return 1 << max(int(x).bit_length() - 1, 0)
+
+
+def xla_blocks(n: int, v: int, budget: int = XLA_BUDGET) -> tuple[int, int, int]:
+    """The XLA backend's blocks for ``n`` tokens and ``v`` classes: ``(tile, classes per chunk, tokens per
+    chunk)``. The backend vmaps its tiles, so each step of a loop over chunks is one matmul over the whole other
+    axis: the forward and ``dh`` (and any value summed over classes) hold ``[n, chunk]`` f32 logits, ``dw``
+    (classes tiled, tokens streamed) ``[v, chunk]``. Each chunk is the largest power of two whose f32 block
+    stays within ``budget`` bytes, between 16 and the axis's size rounded up to a power of two (one chunk where
+    it fits whole); the tile is :data:`XLA_TILE` (at most the tokens, rounded up), which sets only the padding.
+
+    >>> xla_blocks(16384, 128256)  # Llama 3's vocabulary: 16 logit blocks of 1 GiB per pass, 8 for dw
+    (128, 16384, 2048)
+    >>> xla_blocks(40, 100)  # one chunk each way
+    (64, 128, 64)
+    >>> xla_blocks(16384, 128256, budget=1 << 20)  # a small budget: the smallest chunks
+    (128, 16, 16)
+    """
+    tile = min(XLA_TILE, max(16, next_pow2(n)))
+    rows = -(-n // tile) * tile  # the tokens, padded to whole tiles
+    classes = min(max(16, _floor_pow2(budget / (4 * rows))), max(16, next_pow2(v)))
+    tokens = min(max(16, _floor_pow2(budget / (4 * v))), max(16, next_pow2(n)))
+    return tile, classes, tokens
 
 
 @dataclass(frozen=True)
 class Signature:
-    """What a kernel depends on, and so the cache's key: the dtype, the hidden dim, the options, the backend
-    and the blocks (tokens per tile, classes per chunk).
+    """What a kernel depends on, and so the cache's key: the dtype, the hidden dim, the options, the backend,
+    the blocks (tokens per tile, classes per chunk) Triton starts from, and where the XLA backend may run it, its
+    blocks (``xla``: :func:`xla_blocks`' tile, classes per chunk, tokens per chunk) and the ``budget`` they were
+    chosen for (None where ``blocks=`` gave them).
 
     >>> s = Signature("bfloat16", 64, -100, 0.0, 0.0, None, "triton", None, 64, 64)
     >>> [w.describe() for w in s.diagram().dom.inside]
@@ -87,6 +128,8 @@ class Signature:
     tile: int
     stream: int
     hardware: str | None = None
+    xla: tuple[int, int, int] | None = None
+    budget: int | None = None
 
     def diagram(self) -> Diagram:
         """The loss's diagram (:func:`napkin_cat.library.linear_cross_entropy`), tokens and vocabulary symbolic."""
@@ -106,23 +149,31 @@ class Signature:
 @dataclass(frozen=True)
 class LossKernel:
     """A cached kernel of the entry: its :class:`Signature`, the lowered :class:`~lowering.Kernel` (``kernel``,
-    which states its backends and differentiation) and, where ``backend="auto"`` passed Triton over, why.
+    which states its backends and differentiation), where ``backend="auto"`` passed Triton over, why, and the
+    blocks its kernels run and why (``blocks``).
 
     >>> h, w, y = jnp.ones((4, 16)), jnp.ones((8, 16)), jnp.zeros(4, jnp.int32)
     >>> made = linear_cross_entropy.kernel_for(h, w, y)
     >>> made.kernel.backend, made.kernel.differentiation, made.passed_over
     ('triton', 'lowered', None)
+    >>> print(linear_cross_entropy.kernel_for(h, w, y, backend="xla").blocks)  # doctest: +NORMALIZE_WHITESPACE
+    XLA: tokens in tiles of 16 (vmapped: one matmul over every token); classes in chunks of 16 (forward, dh)
+    and tokens in chunks of 16 (dw): the largest powers of two whose f32 logit blocks, [n, 16] and [v, 16],
+    fit the budget of 1,073,741,824 B, at most the axis (xla_blocks)
     """
 
     signature: Signature
     kernel: Kernel
     passed_over: str | None = None
+    blocks: str = ""
 
 
 @functools.lru_cache(maxsize=64)
 def _made(sig: Signature) -> LossKernel:
-    """Derive (verified) and lower the kernel of ``sig``, its blocks fitted to the target where Triton's."""
-    diagram, why = sig.diagram(), None
+    """Derive (verified) and lower the kernel of ``sig``: Triton's blocks fitted to the target's shared memory
+    where they fit, else (``"auto"``, or asked) the XLA backend's (``sig.xla``), its backward's chunks passed
+    as an :class:`~lowering.xla.XlaConfig`."""
+    diagram, why, config = sig.diagram(), None, None
     backend, (t, s) = sig.backend, (sig.tile, sig.stream)
     if backend in ("auto", "triton", "mosaic"):
         hw = target_hardware(interpreted(sig.interpret)) if sig.hardware is None else lookup(sig.hardware)
@@ -133,13 +184,56 @@ def _made(sig: Signature) -> LossKernel:
             if backend != "auto":
                 raise
             backend, why = "xla", f"Triton refused: {e}"
-            t, s = BLOCKS["xla"]
+        if backend != "xla" and sig.xla is not None:  # Triton's kernel depends on no size: cached without them
+            return _made(dataclasses.replace(sig, xla=None, budget=None))
+    said = f"{backend}: {t} tokens per tile, {s} classes per chunk (fitted to shared memory)"
+    if backend == "xla":
+        t, s, c = sig.xla
+        config = XlaConfig(chunks=((TOKENS, c), (VOCAB, s)))
+        said = _xla_said(sig)
     # verified at a hidden dim of at most 64 (the rules do not touch it), in a thread of its own, where no
     # caller's jit/grad trace is active (JAX's trace state is per thread): the check runs on concrete arrays
-    rules, sizes = (tile(TOKENS, t), stream(VOCAB, s)), {"d": min(sig.dim, 64)}
+    rules = (tile(TOKENS, t), stream(VOCAB, s))
+    sizes = _verified_at(t, s, sig.dim) if backend == "xla" else {"d": min(sig.dim, 64)}
     with ThreadPoolExecutor(1) as worker:
         derivation = worker.submit(derive, diagram, *rules, sizes=sizes).result()
-    return LossKernel(sig, lower(derivation, backend=backend, interpret=sig.interpret), why)
+    kernel = lower(derivation, backend=backend, interpret=sig.interpret, config=config)
+    return LossKernel(sig, kernel, why, said)
+
+
+#: the most elements a wire may hold when the XLA backend's large blocks are verified
+VERIFY_ELEMENTS = 1 << 20
+
+
+def _verified_at(t: int, s: int, dim: int) -> dict[str, int]:
+    """Sizes to verify a schedule of large blocks at (the XLA backend's): two chunks of classes, the last ragged,
+    and the tokens and hidden dim halved from two tiles (the last ragged) and 64 until no wire holds more than
+    :data:`VERIFY_ELEMENTS` (a single ragged tile where the chunk is wide).
+
+    >>> _verified_at(16, 16, 4096), _verified_at(128, 131072, 4096)
+    ({'n': 17, 'v': 25, 'd': 64}, {'n': 4, 'v': 196609, 'd': 4})
+    """
+    v, n, d = s + s // 2 + 1, t + 1, min(dim, 64)
+    while v * d > VERIFY_ELEMENTS and d > 1:
+        d //= 2
+    while v * n > VERIFY_ELEMENTS and n > 1:
+        n //= 2
+    return {TOKENS: n, VOCAB: v, "d": d}
+
+
+def _xla_said(sig: Signature) -> str:
+    """The XLA backend's blocks of ``sig``, and why: given, or :func:`xla_blocks`' rule."""
+    t, s, c = sig.xla
+    said = (
+        f"XLA: tokens in tiles of {t} (vmapped: one matmul over every token); classes in chunks of {s} "
+        f"(forward, dh) and tokens in chunks of {c} (dw)"
+    )
+    if sig.budget is None:
+        return said + ": given (blocks=)"
+    return said + (
+        f": the largest powers of two whose f32 logit blocks, [n, {s}] and [v, {c}], fit the budget of "
+        f"{sig.budget:,} B, at most the axis (xla_blocks)"
+    )
 
 
 def _check(h, w, labels, reduction, z_loss, label_smoothing, softcap, backend) -> None:
@@ -192,14 +286,16 @@ class LinearCrossEntropy:
     """The entry (one instance: :data:`linear_cross_entropy`); see the module.
 
     ``linear_cross_entropy(h, w, labels, *, reduction="mean", ignore_index=-100, z_loss=0.0,
-    label_smoothing=0.0, softcap=None, backend="auto", interpret=None, hardware=None, blocks=None)``
+    label_smoothing=0.0, softcap=None, backend="auto", interpret=None, hardware=None, blocks=None, budget=None)``
 
     ``h`` is ``[..., d]`` (tokens, any leading shape), ``w`` ``[v, d]`` (the classifier, or a tied embedding
     table), ``labels`` integers of ``h``'s leading shape; ``h`` and ``w`` share a dtype (f32, bf16, f16; the
     logits are accumulated in f32). Returns the mean over the tokens not ignored (NaN where every token is, as
     PyTorch), the sum, or (``"none"``) the per-token loss of ``labels``' shape, in f32. Differentiable in ``h``
     and ``w`` (``jax.grad``), jit-able. ``blocks=(tile, chunk)`` sets the tokens per tile and classes per chunk
-    (powers of two ≥ 16; by default the backend's :data:`BLOCKS`, Triton's halved to fit shared memory).
+    (powers of two ≥ 16; by default Triton's :data:`BLOCKS`, halved to fit shared memory); on the XLA backend
+    also the backward's (``dh`` streams classes in chunks of ``chunk``, ``dw`` tokens in chunks of ``tile``),
+    else chosen by :func:`xla_blocks` within ``budget`` bytes per f32 logit block (:data:`XLA_BUDGET`).
 
     >>> h, w = jnp.ones((2, 3, 16), jnp.bfloat16), jnp.ones((50, 16), jnp.bfloat16)
     >>> labels = jnp.array([[1, 2, -100], [4, 5, 6]])
@@ -228,6 +324,7 @@ for one-hot or soft targets use optax.softmax_cross_entropy
         interpret: bool | None = None,
         hardware: str | None = None,
         blocks: tuple[int, int] | None = None,
+        budget: int | None = None,
     ) -> Signature:
         """The :class:`Signature` of a call, its arguments checked.
 
@@ -235,12 +332,24 @@ for one-hot or soft targets use optax.softmax_cross_entropy
         16
         """
         _check(h, w, labels, reduction, z_loss, label_smoothing, softcap, backend)
-        t, s = blocks or BLOCKS["xla" if backend == "xla" else "triton"]
+        if budget is not None and (type(budget) is not int or budget < 1):
+            raise EvaluationError(f"linear_cross_entropy: budget must be a positive int (bytes), got {budget!r}")
+        if blocks is not None and budget is not None:
+            raise EvaluationError("linear_cross_entropy: pass blocks= or budget=, not both (blocks= sets every chunk)")
+        n = 1
+        for size in h.shape[:-1]:
+            n *= size
+        t, s = blocks or BLOCKS
         if blocks is None:  # never more than the sizes need
-            n = 1
-            for size in h.shape[:-1]:
-                n *= size
             t, s = min(t, max(16, next_pow2(n))), min(s, max(16, next_pow2(w.shape[0])))
+        xla = None
+        if backend in ("triton", "mosaic"):  # no XLA kernel: the budget bounds nothing
+            budget = None
+        elif blocks:  # the XLA backend's blocks given: its backward's too (dw streams tokens, tile at a time)
+            xla = (int(t), int(s), int(t))
+        else:
+            budget = budget or XLA_BUDGET
+            xla = xla_blocks(n, w.shape[0], budget)
         return Signature(
             jnp.dtype(h.dtype).name,
             int(w.shape[1]),
@@ -253,6 +362,8 @@ for one-hot or soft targets use optax.softmax_cross_entropy
             int(t),
             int(s),
             None if hardware is None else str(getattr(hardware, "name", hardware)),
+            xla,
+            budget,
         )
 
     def kernel_for(self, h, w, labels, **options) -> LossKernel:

@@ -1,8 +1,9 @@
 """``nc.linear_cross_entropy`` (lowering._cross_entropy) against optax on ``h @ w.T`` written here, and z-loss,
 label smoothing, soft-capping and ignored tokens written by hand in jax.numpy: the loss and its gradients in h
 and w, f32 and bf16, ragged sizes (the vocabulary not a multiple of the chunk), and no ``[n, v]`` buffer in the
-compiled forward or backward. The XLA backend runs most cases (it compiles fastest on CPU); one case runs
-Triton in interpret mode.
+compiled forward or backward. The XLA backend runs most cases (it compiles fastest on CPU), at its default
+blocks (at these sizes one chunk each way, within the budget) and at its smallest (a budget of one byte); one
+case runs Triton in interpret mode.
 
 Tolerances: relative error max |error| / max |reference| (``NAPKIN_MEASURE=1`` prints them), measured on one
 run's random cases at the sizes below: f32 ≤ 2.3e-7 for the loss and ≤ 2.7e-7 for gradients, so 2e-6 (the
@@ -59,13 +60,14 @@ def close(got, want, tol, seed, what):
     assert err <= tol, f"{what}: relative error {err:.2e} > {tol:.0e} (NAPKIN_SEED={seed})"
 
 
-def check(seed, h, w, labels, *, backend="xla", blocks=None, **options):
+def check(seed, h, w, labels, *, backend="xla", blocks=None, budget=None, **options):
     """The per-token loss and the gradients of a random projection of it, against :func:`reference`."""
     loss_tol, grad_tol = TOL[jnp.dtype(h.dtype).name]
     ct = jax.random.normal(jax.random.key(seed + 1), labels.shape)
+    chunks = dict(blocks=blocks, budget=budget)
 
     def ours(h, w):
-        return nc.linear_cross_entropy(h, w, labels, reduction="none", backend=backend, blocks=blocks, **options)
+        return nc.linear_cross_entropy(h, w, labels, reduction="none", backend=backend, **chunks, **options)
 
     def theirs(h, w):
         return reference(h, w, labels, **options)
@@ -87,6 +89,32 @@ def test_every_option(seed):
     """z-loss, label smoothing, soft-capped logits and ignored tokens at once."""
     h, w, labels = inputs(seed, 37, 16, 90, jnp.float32, ignored=5)
     check(seed, h, w, labels, z_loss=1e-3, label_smoothing=0.1, softcap=2.0, ignore_index=IGNORE)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_xla_chunks_forced_small(seed, dtype):
+    """A budget of one byte: the XLA backend's smallest chunks (16 classes in the forward, dh and the Σ_v kernel,
+    16 tokens in dw), several of each, the last ragged; every option at once."""
+    h, w, labels = inputs(seed, 37, 16, 90, jnp.dtype(dtype), ignored=5)
+    options = dict(z_loss=1e-3, label_smoothing=0.1, softcap=2.0)
+    made = nc.linear_cross_entropy.kernel_for(h, w, labels, backend="xla", budget=1, **options)
+    assert made.signature.xla == (64, 16, 16)
+    check(seed, h, w, labels, budget=1, **options)
+
+
+def test_xla_chunks_follow_the_budget():
+    """The rule (lowering._cross_entropy.xla_blocks) reaches every kernel: at n = 512, v = 4096 and a budget of
+    1 MiB, classes stream in chunks of 2^20 / (4·512) = 512 (forward, dh, Σ_v) and tokens in 2^20 / (4·4096) = 64
+    (dw); the kernel states them and why. Given blocks are kept as given, in the backward too."""
+    h, w, labels = jnp.ones((512, 16)), jnp.ones((4096, 16)), jnp.zeros(512, jnp.int32)
+    made = nc.linear_cross_entropy.kernel_for(h, w, labels, backend="xla", budget=1 << 20)
+    source = made.kernel.source
+    assert source.count("chunks of v (size 512,") == 4 and source.count("chunks of n (size 64,") == 1, source
+    assert "classes in chunks of 512 (forward, dh) and tokens in chunks of 64 (dw)" in made.blocks
+    assert "budget of 1,048,576 B" in made.blocks
+    given = nc.linear_cross_entropy.kernel_for(h, w, labels, backend="xla", blocks=(32, 128))
+    assert given.kernel.source.count("chunks of v (size 128,") == 4 and "chunks of n (size 32," in given.kernel.source
+    assert given.blocks.endswith("given (blocks=)")
 
 
 def test_triton_interpret(seed):
@@ -137,6 +165,16 @@ def test_no_logits_buffer_forward_or_backward():
         print(f"temporaries: forward {forward:,} B, forward+backward {backward:,} B, logits {logits:,} B")
     assert forward < logits / 8, f"forward temporaries {forward:,} B vs [n, v] logits {logits:,} B"
     assert backward < logits / 4, f"forward+backward temporaries {backward:,} B vs [n, v] logits {logits:,} B"
+    # the default blocks, within a budget of 1/16 of the logits: measured 2.03× and 2.04× the budget (an f32
+    # logit block and its cotangent at once), so 3×
+    budget = logits // 16
+
+    def budgeted(h, w):
+        return nc.linear_cross_entropy(h, w, labels, backend="xla", budget=budget)
+
+    for what, f in (("forward", budgeted), ("forward+backward", grad(budgeted))):
+        used = temp(f, h, w)
+        assert used <= 3 * budget, f"{what} temporaries {used:,} B over 3× the budget {budget:,} B"
 
 
 def test_kernel_states_how_it_was_made():
@@ -168,6 +206,8 @@ def test_auto_takes_xla_where_triton_blocks_cannot_fit():
         (((4, 16), (8, 16), (4,)), {"softcap": 0.0}, "softcap must be > 0"),
         (((4, 16), (8, 16), (4,)), {"backend": "cuda"}, "backend must be 'auto' or one of"),
         (((0, 16), (8, 16), (0,)), {}, "empty axis"),
+        (((4, 16), (8, 16), (4,)), {"budget": 0}, "budget must be a positive int"),
+        (((4, 16), (8, 16), (4,)), {"budget": 64, "blocks": (16, 16)}, "pass blocks= or budget=, not both"),
     ],
 )
 def test_bad_input_is_refused(args, options, message):

@@ -45,21 +45,36 @@ from rewrites import walk
 @dataclass(frozen=True)
 class XlaConfig:
     """Tuning knobs of the XLA backend (blocks come from the diagram's labels): ``unroll`` chunks of the
-    streamed loop per iteration of its ``lax.fori_loop`` (an integer ≥ 1), checked when made.
+    streamed loop per iteration of its ``lax.fori_loop`` (an integer ≥ 1), and ``chunks``, the chunk each
+    derived backward kernel streams an axis in, by the axis's name (``(("n", 1024), ("v", 8192))``; an axis
+    not named keeps the block policy's, Triton's). XLA's blocks are arrays in HBM, not shared memory, so a
+    caller that knows the sizes sizes them by memory (``lowering._cross_entropy.xla_blocks``); all checked when
+    made.
 
     >>> XlaConfig(unroll=2)
-    XlaConfig(unroll=2)
+    XlaConfig(unroll=2, chunks=())
     >>> XlaConfig(unroll=0)
     Traceback (most recent call last):
     ...
     lowering._plan.NotLowerable: XlaConfig: unroll must be an integer ≥ 1, got 0
+    >>> XlaConfig(chunks=(("v", 0),))
+    Traceback (most recent call last):
+    ...
+    lowering._plan.NotLowerable: XlaConfig: chunks must be (axis name, size ≥ 1) pairs, got (('v', 0),)
     """
 
     unroll: int = 1
+    chunks: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.unroll, int) or isinstance(self.unroll, bool) or self.unroll < 1:
             raise NotLowerable(f"XlaConfig: unroll must be an integer ≥ 1, got {self.unroll!r}")
+        pairs = isinstance(self.chunks, tuple) and all(
+            isinstance(c, tuple) and len(c) == 2 and isinstance(c[0], str) and type(c[1]) is int and c[1] >= 1
+            for c in self.chunks
+        )
+        if not pairs:
+            raise NotLowerable(f"XlaConfig: chunks must be (axis name, size ≥ 1) pairs, got {self.chunks!r}")
 
     @classmethod
     def get_default(cls, p: Plan) -> XlaConfig:
@@ -70,7 +85,7 @@ class XlaConfig:
         >>> from lowering import plan
         >>> q, x, d = nc.axes("q x d")
         >>> XlaConfig.get_default(plan(derive(nc.library.attention(q, x, d), tile(q, 16), verify=False).diagram))
-        XlaConfig(unroll=1)
+        XlaConfig(unroll=1, chunks=())
         """
         return cls()
 

@@ -7,11 +7,15 @@ v = 32,768. Each row records, for each implementation and pass: the median time 
 forward counts the logits' 2·n·d·v, forward+backward 3× that, as if the logits were computed once; recomputing
 them in the backward is the fused kernel's own cost), the ratio to XLA's time, the temporaries XLA's memory
 analysis reports for the compiled program, the device's peak bytes in use after it ran (``memory_stats``), the
-backend the entry chose (and why it passed Triton over), and the relative error of the loss and gradients
-against an f32 reference on the same bf16 inputs. An implementation that fails (out of memory: the unfused
-[n, v] f32 logits of the big row alone are 8.4 GB, their gradient as much again) is recorded with its error.
+backend the entry chose (and why it passed Triton over), its blocks and why (on the XLA backend: the chunks
+``lowering._cross_entropy.xla_blocks`` takes within ``--budget`` bytes per f32 logit block, or ``--blocks``), the
+backward's kernels, and the relative error of the loss and gradients against an f32 reference on the same bf16
+inputs. An implementation that fails (out of memory: the unfused [n, v] f32 logits of the big row alone are
+8.4 GB, their gradient as much again) is recorded with its error. ``--no-ignore`` passes ``ignore_index=None``
+(the entry's default, -100, adds a backward kernel recomputing the logits).
 
     python papers/flash_attention/linear_cross_entropy.py [--out DIR] [--smoke] [--blocks TILE CHUNK]
+        [--budget BYTES] [--no-ignore] [--backend auto|xla|triton|mosaic]
 
 Writes ``linear_cross_entropy_<GPU>.json`` and ``.png`` (times per row) after every row. ``--smoke`` runs tiny
 sizes on a CPU (interpret mode), to check the script.
@@ -94,26 +98,30 @@ def measure(name: str, loss, args, flops: float, want) -> dict:
     return row
 
 
-def run_row(n: int, d: int, v: int, blocks, interpret) -> dict:
+def run_row(n: int, d: int, v: int, options: dict) -> dict:
     kh, kw, ky = jax.random.split(jax.random.key(0), 3)
     h = jax.random.normal(kh, (n, d), jnp.float32).astype(jnp.bfloat16)
     w = (jax.random.normal(kw, (v, d), jnp.float32) / np.sqrt(d)).astype(jnp.bfloat16)
     labels = jax.random.randint(ky, (n,), 0, v)
     args = (h, w, labels)
-    options = dict(interpret=interpret, blocks=blocks)
 
     def fused(h, w, labels):
         return nc.linear_cross_entropy(h, w, labels, **options)
 
     made = nc.linear_cross_entropy.kernel_for(h, w, labels, **options)
-    print(f"n={n} d={d} v={v}: backend {made.kernel.backend}, blocks {made.signature.tile}×"
-          f"{made.signature.stream}" + (f" ({made.passed_over[:160]})" if made.passed_over else ""), flush=True)
+    kernels = list(made.kernel.backends.items())
+    print(f"n={n} d={d} v={v}: backend {made.kernel.backend}" +
+          (f" ({made.passed_over[:160]})" if made.passed_over else ""), flush=True)
+    print(f"  blocks: {made.blocks}", flush=True)
+    for what, backend in kernels:
+        print(f"  {backend:6s} {what}", flush=True)
     wide = (h.astype(jnp.float32), w.astype(jnp.float32), labels)  # f32 gradients, not rounded to bf16
     value, grads = jax.jit(jax.value_and_grad(reference, argnums=(0, 1)))(*wide)
     want = [value, *grads]
     flops = 2.0 * n * d * v
     row = {"n": n, "d": d, "v": v, "backend": made.kernel.backend, "passed_over": made.passed_over,
-           "blocks": [made.signature.tile, made.signature.stream], "logits_f32_bytes": 4 * n * v}
+           "blocks": made.blocks, "xla_blocks": made.signature.xla, "budget": made.signature.budget,
+           "kernels": kernels, "ignore_index": options.get("ignore_index", -100), "logits_f32_bytes": 4 * n * v}
     del value, grads, wide
     row["napkin"] = measure("napkin", fused, args, flops, want)
     row["xla"] = measure("xla", unfused, args, flops, want)
@@ -121,6 +129,9 @@ def run_row(n: int, d: int, v: int, blocks, interpret) -> dict:
         ours, theirs = row["napkin"].get(what, {}), row["xla"].get(what, {})
         if "ms" in ours and "ms" in theirs:
             row.setdefault("speedup_vs_xla", {})[what] = theirs["ms"] / ours["ms"]
+            print(f"  {what:17s} napkin {ours['ms']:9.3f} ms ({ours['tflops']:6.1f} TFLOP/s, temp "
+                  f"{ours['temp_bytes']}) vs xla {theirs['ms']:9.3f} ms (temp {theirs['temp_bytes']}): "
+                  f"{theirs['ms'] / ours['ms']:.2f}× xla's speed", flush=True)
     return row
 
 
@@ -152,13 +163,23 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on a CPU (interpret mode)")
     parser.add_argument("--blocks", type=int, nargs=2, metavar=("TILE", "CHUNK"), default=None)
+    parser.add_argument("--budget", type=int, default=None, help="bytes per f32 logit block on the XLA backend")
+    parser.add_argument("--backend", default="auto", help="the entry's backend: auto, xla, triton, mosaic")
+    parser.add_argument("--no-ignore", action="store_true", help="ignore_index=None (no Σ_v backward kernel)")
     opts = parser.parse_args(argv)
+    options = dict(interpret=True if opts.smoke else None, blocks=tuple(opts.blocks) if opts.blocks else None,
+                   budget=opts.budget, backend=opts.backend)
+    if opts.no_ignore:
+        options["ignore_index"] = None
     dev = device_info()
     stem = "linear_cross_entropy_" + device_stem(dev["kind"]) + ("_smoke" if opts.smoke else "")
+    given = (("budget", opts.budget), ("backend_", opts.backend))
+    stem += "".join(f"_{k}{v}" for k, v in given if v not in (None, "auto"))
+    stem += "_no_ignore" if opts.no_ignore else ""
     opts.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for n, d, v in ROWS["smoke" if opts.smoke else "full"]:
-        rows.append(run_row(n, d, v, tuple(opts.blocks) if opts.blocks else None, True if opts.smoke else None))
+        rows.append(run_row(n, d, v, options))
         (opts.out / f"{stem}.json").write_text(json.dumps({"device": dev, "rows": rows}, indent=1))
         plot(rows, opts.out / f"{stem}.png", f"linear cross-entropy, bf16, {dev['kind']}")
     print(f"wrote {opts.out / stem}.json and .png")
