@@ -103,7 +103,7 @@ class _Chunks(ChunkLoop):
         segs = segments(d, p)
         assert len(bound_refs) // 4 <= len(segs), "the wrapper and the kernel see different segment masks"
         # the wrapper's four bounds per mask read as ranges, then, where a block map has holes, its chunk lists
-        self.listed = bound_refs[-1] if len(bound_refs) % 4 else None
+        self.list_ref = bound_refs[-1] if len(bound_refs) % 4 else None
         bound_refs = bound_refs[: len(bound_refs) // 4 * 4]
         super().__init__(d, x, s, ctx, kept=resident, hidden=set(self.masks) | {id(m.box) for m in segs})
         zero = zeroing_mask(d, x)  # a mask on the tiles that zeroes every accumulator's input: hidden tiles run none
@@ -154,7 +154,7 @@ class _Chunks(ChunkLoop):
         return _bounds(self.p, self.masks.values(), self.zero, self.ctx, self.extent, n_chunks, self.bound_refs)
 
     def lists(self) -> tuple | None:
-        return None if self.listed is None else (_Listed(self.listed, 0), _Listed(self.listed, 1))
+        return None if self.list_ref is None else (_Listed(self.list_ref, 0), _Listed(self.list_ref, 1))
 
 
 class _Listed(ChunkList):
