@@ -120,8 +120,9 @@ def test_skipped_chunks_are_never_read(seed):
     checkerboard hidden whole, holes between the chunks every tile visits."""
     n = 64
     board = lambda q, x: ((q // 16) % 2 == 0) & ((x // 16) % 2 == 0)  # noqa: E731
-    kernel = lower(derive(nc.library.attention(q, x, d, mask=board), tile(q, G), stream(x, S), verify=False),
-                   interpret=True)
+    kernel = lower(
+        derive(nc.library.attention(q, x, d, mask=board), tile(q, G), stream(x, S), verify=False), interpret=True
+    )
     Q, K, V, ct = (jax.random.normal(k, (n, 16)) for k in jax.random.split(jax.random.key(seed), 4))
     hidden = (jnp.arange(n) // 16) % 2 == 1
     poison = lambda a: jnp.where(hidden[:, None], jnp.nan, a)  # noqa: E731
@@ -160,8 +161,12 @@ def test_documents_interleaved_through_captured_ids(monkeypatch, seed):
 
 def test_a_band_keeps_four_bounds():
     """A mask function whose map has no holes (a window, as a lambda) is read as ranges: no chunk lists."""
-    window = lower(derive(nc.library.attention(q, x, d, mask=lambda q, x: abs(q - x) < 24), tile(q, G), stream(x, S),
-                          verify=False), interpret=True).forward
+    window = lower(
+        derive(
+            nc.library.attention(q, x, d, mask=lambda q, x: abs(q - x) < 24), tile(q, G), stream(x, S), verify=False
+        ),
+        interpret=True,
+    ).forward
     extent = {"q": 96, "x": 96, "d": 16}
     assert not call_blocks(window.plan, segments(window.plan.diagram, window.plan), [], extent).listed
 
