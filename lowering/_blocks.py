@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import rewrites
-from lowering._plan import Plan
+from lowering._plan import NotLowerable, Plan
 from napkin_cat.diagram import Diagram
 from napkin_cat.generators import Captured, Context, Contract, Elementwise, IndexMap, Partial
 
@@ -335,13 +335,51 @@ def map_bounds(kept, whole):
     return jnp.stack([first, full_lo, full_hi, last], axis=-1).astype(jnp.int32)
 
 
-def mapped_bounds(p: Plan, m: Mapped, extent: dict):
-    """:func:`map_bounds` of a kernel's mask from its block map, at sizes ``extent``: an int32 array laid out as
+@jax.jit
+def chunk_lists(kept, whole):
+    """FlexAttention's block mask of a block map (``[..., tiles, chunks]``, as :func:`map_bounds` takes it), per
+    tile: the chunks it cuts (kept something of, not all: run masked) and those it keeps whole (run unmasked), each
+    sorted and padded to a power of two ≥ 16 with ``chunks`` (no chunk), as an int32 array ``[..., tiles, 2,
+    width]``. The padding stands for the counts (``kv_num_blocks``, ``full_kv_num_blocks``): the chunks of a list
+    below ``c`` number ``sum(list < c)``, one comparison a kernel also intersects the list with a range by.
+
+    >>> kept = jnp.array([[1, 0, 1, 1, 0, 1]], bool)
+    >>> whole = jnp.array([[0, 0, 1, 0, 0, 1]], bool)
+    >>> chunk_lists(kept, whole)[0, :, :6].tolist()
+    [[0, 3, 6, 6, 6, 6], [2, 5, 6, 6, 6, 6]]
+    """
+    n = kept.shape[-1]
+    width = max(16, 1 << (n - 1).bit_length())
+    at = lax.broadcasted_iota(jnp.int32, kept.shape, kept.ndim - 1)
+
+    def listed(flag):
+        chunks = jnp.sort(jnp.where(flag, at, n), axis=-1)
+        return jnp.pad(chunks, [(0, 0)] * (kept.ndim - 1) + [(0, width - n)], constant_values=n)
+
+    return jnp.stack([listed(kept & ~whole), listed(kept & whole)], axis=-2).astype(jnp.int32)
+
+
+@jax.jit
+def holed(kept, whole):
+    """Whether the four bounds of a block map (:func:`map_bounds`) lose some of its sparsity: a chunk between a
+    tile's ``first`` and ``last`` kept nothing of (a dilated window's hole), or a chunk kept whole outside the one
+    run the bounds run unmasked. A band (a sliding window, documents in order) has none.
+
+    >>> kept = jnp.array([[1, 0, 1]], bool)
+    >>> bool(holed(kept, jnp.zeros_like(kept))), bool(holed(kept.at[0, 1].set(True), jnp.zeros_like(kept)))
+    (True, False)
+    """
+    b = map_bounds(kept, whole)
+    return (jnp.sum(b[..., 3] - b[..., 0]) > jnp.sum(kept)) | (jnp.sum(b[..., 2] - b[..., 1]) < jnp.sum(kept & whole))
+
+
+def mapped_map(p: Plan, m: Mapped, extent: dict) -> tuple:
+    """The block map of a kernel's mask, ``(kept, whole)``, at sizes ``extent``: bool arrays laid out as
     :func:`segment_bounds`'s, the grid's batch axes (size 1 where the mask does not read one), then the tiles of
-    its tiled axis, then the four bounds. It depends on sizes only, so it is evaluated when traced (a constant
-    of a ``jit``-compiled program) unless the mask function reads a traced value; the map itself is evaluated once
+    its tiled axis, then the chunks. It depends on sizes only, so it is evaluated when traced (a constant of a
+    ``jit``-compiled program) unless the mask function reads a traced value; the map itself is evaluated once
     per mask function and sizes for every kernel (:func:`napkin_cat.generators._index.block_map`), and each
-    kernel's bounds from it by one compiled program."""
+    kernel's blocks from it by one compiled program."""
     x, s = p.stream
     names = (*p.batch, m.axis, x)
     blocks = {**dict.fromkeys(p.batch, 1), m.axis: p.tiles[m.axis], x: s}
@@ -352,34 +390,40 @@ def mapped_bounds(p: Plan, m: Mapped, extent: dict):
         hash(key)
     except TypeError:  # an unhashable mask function: block_map says why
         key = None
-    if key in _BOUNDS:  # a kernel of the same tiles (the forward's, the dQ kernel's), or a second trace
-        _BOUNDS.move_to_end(key)
-        return _BOUNDS[key]
+    if key in _MAPS:  # a kernel of the same tiles (the forward's, the dQ kernel's), or a second trace
+        _MAPS.move_to_end(key)
+        return _MAPS[key]
     with jax.ensure_compile_time_eval():
         kept, whole = m.box.block_map(names, sizes, blocks)
-        out = _grid_bounds(kept, whole, grid)
-    if key is not None and not isinstance(out, jax.core.Tracer):
-        _BOUNDS[key] = out
-        while len(_BOUNDS) > 16:
-            _BOUNDS.popitem(last=False)
+        out = _on_grid(kept, whole, grid)
+    if key is not None and not any(isinstance(v, jax.core.Tracer) for v in out):
+        _MAPS[key] = out
+        while len(_MAPS) > 16:
+            _MAPS.popitem(last=False)
     return out
 
 
-#: the last bounds :func:`mapped_bounds` gave, per (mask function, axes, sizes, blocks)
-_BOUNDS: collections.OrderedDict = collections.OrderedDict()
+#: the last maps :func:`mapped_map` gave, per (mask function, axes, sizes, blocks)
+_MAPS: collections.OrderedDict = collections.OrderedDict()
 
 
 @functools.partial(jax.jit, static_argnums=2)
-def _grid_bounds(kept, whole, grid: tuple):
-    """:func:`map_bounds` of a block map broadcast to ``grid`` (tiles, chunks) where the mask reads neither."""
-    kept, whole = (jnp.broadcast_to(v, (*v.shape[:-2], *grid)) for v in (kept, whole))
-    return map_bounds(kept, whole)
+def _on_grid(kept, whole, grid: tuple):
+    """A block map broadcast to ``grid`` (tiles, chunks) where the mask reads neither."""
+    return tuple(jnp.broadcast_to(v, (*v.shape[:-2], *grid)) for v in (kept, whole))
 
 
-def captured_bounds(p: Plan, m: Mapped, arrays: list, extent: dict):
-    """:func:`map_bounds` of a mask over captured arrays, from its block map evaluated on the kernel's inputs
-    ``arrays`` (unpadded) at this call: laid out as :func:`segment_bounds`'s. Plain JAX, part of the caller's
-    program, so new values of the arrays (document ids, lengths) reuse the compiled kernel."""
+def mapped_bounds(p: Plan, m: Mapped, extent: dict):
+    """:func:`map_bounds` of a kernel's mask from its block map (:func:`mapped_map`), at sizes ``extent``: an int32
+    array laid out as :func:`segment_bounds`'s."""
+    with jax.ensure_compile_time_eval():
+        return map_bounds(*mapped_map(p, m, extent))
+
+
+def captured_map(p: Plan, m: Mapped, arrays: list, extent: dict) -> tuple:
+    """The block map ``(kept, whole)`` of a mask over captured arrays, evaluated on the kernel's inputs ``arrays``
+    (unpadded) at this call, laid out as :func:`mapped_map`'s. Plain JAX, part of the caller's program, so new
+    values of the arrays (document ids, lengths) reuse the compiled kernel."""
     d, (x, s) = p.diagram, p.stream
     names = (*p.batch, m.axis, x)
     ins = []
@@ -390,12 +434,18 @@ def captured_bounds(p: Plan, m: Mapped, arrays: list, extent: dict):
         v = v[tuple(slice(0, extent[a]) for a in present)]
         ins.append(jnp.expand_dims(v, [i for i, a in enumerate(names) if not w.has(a)]))
     fn = captured_mask(m.box)[0]
-    return _evaluated_bounds(fn, tuple(ins), p.tiles[m.axis], s, extent[m.axis], extent[x])
+    return _evaluated_map(fn, tuple(ins), p.tiles[m.axis], s, extent[m.axis], extent[x])
+
+
+def captured_bounds(p: Plan, m: Mapped, arrays: list, extent: dict):
+    """:func:`map_bounds` of a mask over captured arrays (:func:`captured_map`): laid out as
+    :func:`segment_bounds`'s."""
+    return map_bounds(*captured_map(p, m, arrays, extent))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2, 3, 4, 5))
-def _evaluated_bounds(fn, ins: tuple, g: int, s: int, nt: int, nx: int):
-    """The bounds of the Captured mask ``fn`` on inputs ``ins`` (``[*batch, nt, nx]``, size 1 where unread), per
+def _evaluated_map(fn, ins: tuple, g: int, s: int, nt: int, nx: int):
+    """The block map of the Captured mask ``fn`` on inputs ``ins`` (``[*batch, nt, nx]``, size 1 where unread), per
     tile of ``g`` and chunk of ``s``: every score's mask evaluated, reduced per block (a reshape), one program."""
     tiles, chunks = -(-nt // g), -(-nx // s)
 
@@ -410,17 +460,68 @@ def _evaluated_bounds(fn, ins: tuple, g: int, s: int, nt: int, nx: int):
     cols = (jnp.arange(chunks)[:, None] * s + jnp.arange(s)) < nx
     valid = rows & cols
     kept, whole = jnp.any(keep & valid, axis=(-3, -1)), jnp.all(keep | ~valid, axis=(-3, -1))
-    kept, whole = (jnp.broadcast_to(v, (*v.shape[:-2], tiles, chunks)) for v in (kept, whole))
-    return map_bounds(kept, whole)
+    return tuple(jnp.broadcast_to(v, (*v.shape[:-2], tiles, chunks)) for v in (kept, whole))
 
 
 def call_bounds(p: Plan, m: Segments | Mapped, arrays: list, extent: dict):
-    """The bounds the wrapper passes the kernel for one mask of :func:`segments`: from its ids
-    (:func:`segment_bounds`), its block map (:func:`mapped_bounds`) or, for a mask over captured arrays, its
-    block map on this call's arrays (:func:`captured_bounds`)."""
+    """The four bounds per tile of one mask of :func:`segments`: from its ids (:func:`segment_bounds`), its block
+    map (:func:`mapped_bounds`) or, for a mask over captured arrays, its block map on this call's arrays
+    (:func:`captured_bounds`)."""
     if isinstance(m, Segments):
         return segment_bounds(p, m, arrays, extent)
     return captured_bounds(p, m, arrays, extent) if m.inputs else mapped_bounds(p, m, extent)
+
+
+@dataclass(frozen=True)
+class CallBlocks:
+    """What a kernel's wrapper passes it of its call-time masks (:func:`segments`): ``bounds``, ``(mask, int32
+    [..., tiles, 4])`` for each mask read as one range per tile (segment ids, a block map without holes), and
+    ``lists``, :func:`chunk_lists` of the block maps read chunk by chunk (a map with holes, or over captured
+    arrays, whose holes only its values say), and'ed into one (``[..., tiles, 2, width]``, on ``axis``), or
+    None. The kernel intersects both with its affine masks' ranges."""
+
+    bounds: tuple
+    lists: object = None
+    axis: str | None = None
+
+    @property
+    def listed(self) -> bool:
+        """Whether the kernel reads the chunk lists."""
+        return self.lists is not None
+
+
+def call_blocks(p: Plan, masks: tuple, arrays: list, extent: dict) -> CallBlocks:
+    """The :class:`CallBlocks` of a kernel's call-time ``masks`` on this call's ``arrays`` (sizes ``extent``): a
+    block map becomes chunk lists where its mask reads captured arrays or, at these sizes, its four bounds lose some
+    of its sparsity (:func:`holed`: decided when traced, the map being a constant of the sizes), else four bounds,
+    as segment ids are always (sorted ids leave no holes; unsorted ones, a superset, still correct)."""
+    bounds, maps = [], []
+    for m in masks:
+        if isinstance(m, Segments):
+            bounds.append((m, segment_bounds(p, m, arrays, extent)))
+            continue
+        if m.inputs:
+            maps.append((m, captured_map(p, m, arrays, extent)))
+            continue
+        kept, whole = mapped_map(p, m, extent)
+        with jax.ensure_compile_time_eval():
+            holes = holed(kept, whole)
+        if isinstance(holes, jax.core.Tracer) or bool(holes):  # a map of a traced value: its holes unknown
+            maps.append((m, (kept, whole)))
+        else:
+            bounds.append((m, mapped_bounds(p, m, extent)))
+    if not maps:
+        return CallBlocks(tuple(bounds))
+    axes = {m.axis for m, _ in maps}
+    if len(axes) > 1:
+        raise NotLowerable(
+            f"masks {', '.join(repr(m.box.name) for m, _ in maps)} have block maps with holes over different tiled "
+            f"axes {sorted(axes)}; a kernel reads chunk lists along one: give them one tiled axis"
+        )
+    kept, whole = maps[0][1]
+    for _, (k, w) in maps[1:]:
+        kept, whole = kept & k, whole & w
+    return CallBlocks(tuple(bounds), chunk_lists(kept, whole), axes.pop())
 
 
 def segment_blocks(tiled, streamed, tile: int, chunk: int):

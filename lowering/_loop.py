@@ -1,14 +1,15 @@
-"""The streamed loop every GPU backend's kernel body runs (FAN §3): the accumulators start at their identity,
-fold the chunks of the streamed axis a block visits, and the diagram's final walk gives the outputs.
+"""The streamed loop every GPU backend's kernel body runs (FAN §3): the accumulators start at their identity, fold the
+chunks of the streamed axis a block visits, and the diagram's final walk gives the outputs.
 
-:class:`ChunkLoop` is that skeleton, written once: the block shapes probed on one abstract chunk, the
-accumulators' identities, the chunk ranges the masks leave (``first ≤ full_lo ≤ full_hi ≤ last``: chunks outside
-``[first, last)`` skipped, those in ``[full_lo, full_hi)`` run without the masks, the others with them), one loop
-over each range, the final walk. A backend subclasses it with what differs: how a chunk's values are loaded and
+:class:`ChunkLoop` is that skeleton, written once: the block shapes probed on one abstract chunk, the accumulators'
+identities, the chunk ranges the masks leave (``first ≤ full_lo ≤ full_hi ≤ last``: chunks outside ``[first, last)``
+skipped, those in ``[full_lo, full_hi)`` run without the masks, the others with them), one loop over each range, or,
+where a block map has holes, over the chunks it lists in each range (:class:`ChunkList`: FlexAttention's ``kv_indices``
+and ``full_kv_indices``), the final walk. A backend subclasses it with what differs: how a chunk's values are loaded and
 released (Triton: slices of its block refs; Mosaic: ring slots behind barriers), where the ranges come from
-(:func:`lowering._blocks.visited` over its own offsets, and the segment masks' bounds as the wrapper passes them),
-what a skipped range costs (Mosaic's consumers still observe the chunks their warpgroup's producer loads), and
-its loop primitive (``lax.fori_loop`` by default).
+(:func:`lowering._blocks.visited` over its own offsets, and the segment masks' bounds as the wrapper passes them), what
+a skipped range costs (Mosaic's consumers still observe the chunks their warpgroup's producer loads), and its loop
+primitive (``lax.fori_loop`` by default).
 """
 
 from __future__ import annotations
@@ -16,11 +17,38 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from lowering._blocks import BlockContext
 from napkin_cat.diagram import Diagram
 from rewrites import walk
+
+
+class ChunkList(ABC):
+    """A block's chunks of one kind (cut, or kept whole, by a block map), sorted, as
+    :func:`lowering._blocks.chunk_lists` lays them out: the chunk at a position, and how many lie below a chunk.
+
+    >>> import jax.numpy as jnp
+    >>> class Listed(ChunkList):
+    ...     def __init__(self, row):
+    ...         self.row = row
+    ...     def at(self, i):
+    ...         return self.row[i]
+    >>> Listed(jnp.array([1, 4, 6, 6])).below(5)  # chunks 1 and 4 of 6, padded with 6
+    Array(2, dtype=int32)
+    """
+
+    row: object  # the whole list, padded with the chunk count
+
+    @abstractmethod
+    def at(self, i):
+        """The chunk at position ``i``."""
+
+    def below(self, c):
+        """How many chunks of the list lie below chunk ``c``: a list ∩ ``[lo, hi)`` is positions ``[below(lo),
+        below(hi))``."""
+        return jnp.sum((self.row < c).astype(jnp.int32))
 
 
 class ChunkLoop(ABC):
@@ -71,6 +99,11 @@ class ChunkLoop(ABC):
 
     def bounds(self) -> tuple | None:
         """``(first, full_lo, full_hi, last)`` where masks hide chunks of this block, else None."""
+        return None
+
+    def lists(self) -> tuple | None:
+        """The chunks a block map cuts and keeps whole (two :class:`ChunkList`), where the kernel reads them, else
+        None: only those in :meth:`bounds`' ranges run."""
         return None
 
     # -- what a backend may replace ------------------------------------------------------------------------------
@@ -136,6 +169,12 @@ class ChunkLoop(ABC):
             n = self.count()
             return init if n is None else self.loop(0, n, self.body(keys, False), init)
         first, full_lo, full_hi, last = bounds
+        if (lists := self.lists()) is not None:  # a cut chunk runs masked; a whole one unmasked in [full_lo, full_hi)
+            cut, whole = lists
+            carry = self.listed(cut, first, last, self.body(keys, False), init)
+            for lo, hi, unmasked in ((first, full_lo, False), (full_lo, full_hi, True), (full_hi, last, False)):
+                carry = self.listed(whole, lo, hi, self.body(keys, unmasked), carry)
+            return carry
         if self.span is not None:
             self.skipped(self.span[0], first)
         carry = self.loop(first, full_lo, self.body(keys, False), init)
@@ -144,6 +183,10 @@ class ChunkLoop(ABC):
         if self.span is not None:
             self.skipped(last, self.span[1])
         return carry
+
+    def listed(self, chunks: ChunkList, lo, hi, body, carry):
+        """``body`` on the chunks of ``chunks`` in ``[lo, hi)``: the positions of a sorted list holding them."""
+        return self.loop(chunks.below(lo), chunks.below(hi), lambda i, c: body(chunks.at(i), c), carry)
 
     def skip(self, unmasked: bool):
         """Which boxes a walk skips: the masks, in a chunk every mask keeps whole."""

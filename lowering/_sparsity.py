@@ -1,9 +1,9 @@
-"""How much of its streamed loop a kernel skips: per program (a tile of each tiled axis, at each batch index),
-the chunks its masks hide (never visited), keep whole (run unmasked) and cut (run masked), counted from the
-same bounds the kernel computes (:func:`lowering._blocks.visited` for affine masks, found symbolically;
-:func:`lowering._blocks.call_bounds` for segment ids and for any other mask function, found at call time
-from its block map), and how they were found. A kernel whose masks skip nothing says so, and names a mask
-it applies on every chunk because no rule finds its blocks.
+"""How much of its streamed loop a kernel skips: per program (a tile of each tiled axis, at each batch index), the
+chunks its masks hide (never visited), keep whole (run unmasked) and cut (run masked), counted from the same bounds
+the kernel computes (:func:`lowering._blocks.visited` for affine masks, found symbolically;
+:func:`lowering._blocks.call_blocks` for segment ids and for any other mask function, found at call time from its
+block map: four bounds per tile, or the chunk lists of a map with holes), and how they were found. A kernel whose
+masks skip nothing says so, and names a mask it applies on every chunk because no rule finds its blocks.
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ import jax
 import jax.numpy as jnp
 
 from lowering._blocks import (
+    CallBlocks,
     Mapped,
     Segments,
     affine_mask,
+    call_blocks,
     call_bounds,
     combine,
     mapped_mask,
@@ -54,10 +56,11 @@ class Sparsity:
         return f"Sparsity({shares} of {self.blocks} blocks; found: {found}{note})"
 
 
-def sparsity(p: Plan, arrays: list, extent: dict, masks: tuple | None = None) -> Sparsity:
+def sparsity(p: Plan, arrays: list, extent: dict, masks: tuple | None = None, *, lists: bool = True) -> Sparsity:
     """The :class:`Sparsity` of the kernel of plan ``p`` on ``arrays`` (sizes ``extent``), its call-time masks
     ``masks`` (default :func:`lowering._blocks.segments` of the plan's diagram; a backend reading fewer passes
-    its own).
+    its own), read as the kernel reads them: with ``lists``, a block map with holes chunk by chunk
+    (:func:`lowering._blocks.call_blocks`), else every one as four bounds per tile.
 
     >>> import napkin_cat as nc
     >>> from rewrites import derive, tile, stream
@@ -77,10 +80,10 @@ def sparsity(p: Plan, arrays: list, extent: dict, masks: tuple | None = None) ->
     zero = zeroing_mask(d, x)
     zero = zero if zero is not None and set(zero.axes) <= set(p.tiles) else None
     with jax.ensure_compile_time_eval():
-        first, full_lo, full_hi, last = _program_bounds(p, arrays, extent, affine, later, zero, n_chunks)
-        programs = first.size
-        skipped = float(jnp.sum(n_chunks - (last - first))) / (programs * n_chunks)
-        full = float(jnp.sum(full_hi - full_lo)) / (programs * n_chunks)
+        visits, unmasked = _program_chunks(p, arrays, extent, affine, later, zero, n_chunks, lists)
+        programs = visits.size
+        skipped = float(jnp.sum(n_chunks - visits)) / (programs * n_chunks)
+        full = float(jnp.sum(unmasked)) / (programs * n_chunks)
     found = tuple(
         how
         for how, present in (
@@ -94,9 +97,10 @@ def sparsity(p: Plan, arrays: list, extent: dict, masks: tuple | None = None) ->
     return Sparsity(skipped, full, 1.0 - skipped - full, programs * n_chunks, found, _note(p, later, found, skipped))
 
 
-def _program_bounds(p: Plan, arrays, extent, affine, later, zero, n_chunks) -> tuple:
-    """Every program's ``(first, full_lo, full_hi, last)``, each an array over the grid (batch axes, then tiles),
-    combined as the kernel combines them."""
+def _program_chunks(p: Plan, arrays, extent, affine, later, zero, n_chunks, lists: bool) -> tuple:
+    """How many chunks each program visits and runs unmasked, arrays over the grid (batch axes, then tiles): its
+    ``(first, full_lo, full_hi, last)`` combined as the kernel combines them, then, where it reads chunk lists,
+    those of the lists in them."""
     x, s = p.stream
     counts = [extent[a] for a in p.batch] + [-(-extent[t] // g) for t, g in p.tiles.items()]
     at = dict(zip((*p.batch, *p.tiles), jnp.meshgrid(*(jnp.arange(n) for n in counts), indexing="ij"), strict=True))
@@ -104,15 +108,29 @@ def _program_bounds(p: Plan, arrays, extent, affine, later, zero, n_chunks) -> t
     ranges = {a: (at[a], at[a] + 1) for a in p.batch} | {a: (0, extent[a]) for a in p.whole}
     ranges |= {t: (offsets[t], jnp.minimum(offsets[t] + g, extent[t])) for t, g in p.tiles.items()}
     bounds = visited(affine, x, s, n_chunks, ranges, extent[x])
-    for m in later:
-        b = call_bounds(p, m, arrays, extent)  # [batch axes (1 where unread), tiles of m.axis, 4]
-        others = [len(p.batch) + i for i, t in enumerate(p.tiles) if t != m.axis]
-        b = jnp.expand_dims(b, others) if others else b
+
+    def on_grid(b, axis):  # [batch axes (1 where unread), tiles of axis, ...] with the other tiled axes inserted
+        others = [len(p.batch) + i for i, t in enumerate(p.tiles) if t != axis]
+        return jnp.expand_dims(b, others) if others else b
+
+    given = (
+        call_blocks(p, later, arrays, extent)
+        if lists
+        else CallBlocks(tuple((m, call_bounds(p, m, arrays, extent)) for m in later))
+    )
+    for m, b in given.bounds:
+        b = on_grid(b, m.axis)
         bounds = combine(bounds, tuple(b[..., k] for k in range(4)))
     if zero is not None:
         kept = tile_kept(zero, p, offsets, extent)
         bounds = tuple(v * kept for v in bounds)
-    return jnp.broadcast_arrays(*(jnp.broadcast_to(v, counts) for v in bounds))
+    first, full_lo, full_hi, last = (jnp.broadcast_to(v, counts) for v in bounds)
+    if not given.listed:
+        return last - first, full_hi - full_lo
+    cut, whole = (on_grid(given.lists[..., k, :], given.axis) for k in range(2))
+    within = lambda v, lo, hi: jnp.sum((v >= lo[..., None]) & (v < hi[..., None]), -1)  # noqa: E731
+    unmasked = within(whole, full_lo, full_hi)
+    return within(cut, first, last) + within(whole, first, last), unmasked
 
 
 def unread(p: Plan, later=None) -> list[str]:

@@ -35,6 +35,10 @@ VARIANTS = {
     ),
     "sinks": lambda: lib.sink_attention(q, x, d, causal=True, batch=(b, h), dtype="bf16"),
     "sigmoid": lambda: lib.sigmoid_attention(q, x, d, causal=True, batch=(b, h), dtype="bf16"),
+    # a block map with holes (strides of 64 keys on, 192 off): the kernels read per-tile chunk lists
+    "strided_lambda": lambda: lib.attention(
+        q, x, d, mask=lambda q, x: (q >= x) & ((q - x) % 256 < 64), batch=(b, h), dtype="bf16"
+    ),
     "rope": lambda: lib.dot_product_attention(q, x, d, causal=True, batch=(b, h), dtype="bf16", rope=nc.Rope()),
     "rope_pairs_partial": lambda: lib.dot_product_attention(
         q, x, d, causal=True, batch=(b, h), dtype="bf16", rope=nc.Rope(rotary_dim=D // 2, interleaved=True)

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from lowering._blocks import BlockContext, affine_mask, call_bounds, segments, tiled_first
+from lowering._blocks import BlockContext, Mapped, affine_mask, call_bounds, holed, mapped_map, segments, tiled_first
 from lowering._plan import NotLowerable, Plan, base2, unweave
 from lowering._sparsity import Sparsity, described, sparsity
 from lowering._spmd import out_structs
@@ -117,6 +117,8 @@ class MosaicLowered:
         #: the segment masks over the split axis and the streamed one (documents): the wrapper finds from the ids
         #: which chunks each tile visits and keeps whole (``lowering._blocks.segment_blocks``), as Triton's does
         self.segments = tuple(m for m in segments(self.d, p) if m.axis == self.q)
+        if captured := [m.box.name for m in self.segments if isinstance(m, Mapped) and m.inputs]:
+            raise NotLowerable(_holes(captured[0], "its block map, evaluated on the captured arrays at each call, may"))
         #: the boxes a chunk kept whole by every mask runs without
         self.hidden = set(self.masks) | {id(m.box) for m in self.segments}
         self._check_wires()
@@ -299,7 +301,7 @@ class MosaicLowered:
         arrays = [jnp.asarray(a) for a in arrays]
         sizes = bind(full.dom, arrays)
         extent = {a.name: int(a.size.subs(sizes)) for w in full.dom.inside for a in w.axes}
-        return sparsity(self.plan, arrays, extent, self.segments)
+        return sparsity(self.plan, arrays, extent, self.segments, lists=False)
 
     def guard(self) -> None:
         """:meth:`check` now where the sizes it reads (the axes kept whole) are known: the tiled and streamed
@@ -394,6 +396,11 @@ class MosaicLowered:
         if why := self.ragged(*arrays):
             raise NotLowerable(why)
         self.check(extent)
+        for m in self.segments:
+            with jax.ensure_compile_time_eval():
+                holes = isinstance(m, Mapped) and holed(*mapped_map(self.plan, m, extent))
+            if isinstance(holes, jax.core.Tracer) or holes:
+                raise NotLowerable(_holes(m.box.name, f"at these sizes ({extent}) its block map does"))
         outs = self._call(arrays, sizes, extent)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
@@ -527,6 +534,15 @@ class MosaicLowered:
             interpret=plgpu.InterpretGPUParams() if self.interpret else None,
         )
         return call(*arrays, *(call_bounds(p, m, arrays, extent) for m in self.segments))
+
+
+def _holes(mask: str, why: str) -> str:
+    """Why the Mosaic backend refuses a block map with holes (``why``: what says it has them)."""
+    return (
+        f"mask {mask!r}: {why} have holes (chunks a tile visits none of between chunks it visits, or chunks kept "
+        "whole apart from one run), and the Mosaic backend's producer loads one range of chunks per tile, so it "
+        "would visit them; lower with backend='triton', whose kernels visit only the chunks the map lists"
+    )
 
 
 def _consumers(d: Diagram, q: str, given: int | None) -> int:

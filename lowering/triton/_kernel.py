@@ -21,7 +21,7 @@ from lowering._blocks import (
     visited,
     zeroing_mask,
 )
-from lowering._loop import ChunkLoop
+from lowering._loop import ChunkList, ChunkLoop
 from lowering._plan import Plan, neutral_padding, unweave
 from lowering.triton._namespace import Blocks
 from rewrites import Rule, walk
@@ -56,8 +56,10 @@ def _tile_id(pid, a: str, p: Plan, padded: dict, flip):
 
 def _kernel(p: Plan, sizes, extent, padded, xp: Blocks, n_bounds, flip, pages, *refs):
     """The kernel body of one program: the block diagram after :func:`kernel_rules`, walked once on its blocks, or
-    (where it streams) folded over the visited chunks (:class:`_Chunks`), then walked to its outputs. With a page
-    map (``pages``, :class:`lowering._paged.PageMap`) the table's row follows the segment bounds' refs."""
+    (where it streams) folded over the visited chunks (:class:`_Chunks`), then walked to its outputs. ``n_bounds``:
+    the refs of the call-time masks' bounds (four scalars a mask read as ranges, then one ``[2, width]`` block of
+    chunk lists where a block map has holes: :class:`lowering._blocks.CallBlocks`). With a page map (``pages``,
+    :class:`lowering._paged.PageMap`) the table's row follows them."""
     block = unweave(p.diagram, p.batch)
     laid = block.dom.inside  # the inputs' blocks as the caller lays them out
     d = functools.reduce(lambda d, rule: rule(d), kernel_rules(p, extent, padded), block)
@@ -99,7 +101,10 @@ class _Chunks(ChunkLoop):
         # chunks they hide are skipped, those they all keep whole run without them
         self.masks = {id(b): m for b in d.boxes if (m := affine_mask(b)) is not None and x in m.axes}
         segs = segments(d, p)
-        assert 4 * len(segs) == len(bound_refs), "the wrapper and the kernel see different segment masks"
+        assert len(bound_refs) // 4 <= len(segs), "the wrapper and the kernel see different segment masks"
+        # the wrapper's four bounds per mask read as ranges, then, where a block map has holes, its chunk lists
+        self.list_ref = bound_refs[-1] if len(bound_refs) % 4 else None
+        bound_refs = bound_refs[: len(bound_refs) // 4 * 4]
         super().__init__(d, x, s, ctx, kept=resident, hidden=set(self.masks) | {id(m.box) for m in segs})
         zero = zeroing_mask(d, x)  # a mask on the tiles that zeroes every accumulator's input: hidden tiles run none
         self.zero = zero if zero is not None and set(zero.axes) <= set(p.tiles) else None
@@ -147,6 +152,22 @@ class _Chunks(ChunkLoop):
             return None
         n_chunks = self.padded[self.x] // self.s
         return _bounds(self.p, self.masks.values(), self.zero, self.ctx, self.extent, n_chunks, self.bound_refs)
+
+    def lists(self) -> tuple | None:
+        return None if self.list_ref is None else (_Listed(self.list_ref, 0), _Listed(self.list_ref, 1))
+
+
+class _Listed(ChunkList):
+    """One of a program's chunk lists (:func:`lowering._blocks.chunk_lists`; 0: those its block map cuts, 1: those
+    it keeps whole), read from its ``[2, width]`` block: loaded whole once (for :meth:`below`'s counts), and a
+    scalar per chunk visited."""
+
+    def __init__(self, ref, k: int):
+        self.ref, self.k = ref, k
+        self.row = ref[k, :]
+
+    def at(self, i):
+        return self.ref[self.k, i]
 
 
 def _bounds(p: Plan, masks, zero, ctx: BlockContext, extent: dict, n_chunks: int, bound_refs) -> tuple:

@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 import rewrites
-from lowering._blocks import call_bounds, heavy_last, segments
+from lowering._blocks import CallBlocks, call_blocks, heavy_last, segments
 from lowering._fp8 import no_fp8_dot
 from lowering._plan import NotLowerable, Plan, next_pow2, smem_bytes
 from lowering._source import describe
@@ -162,7 +162,7 @@ class TritonLowered:
         if p.stream and padded[p.stream[0]] != extent[p.stream[0]]:
             x, s = p.stream
             paddable(d, x, extent[x], f"is not a multiple of the stream size {s}, so its last chunk is padded")
-        bounds = [(m, call_bounds(p, m, arrays, extent)) for m in segments(d, p)]  # ids or block maps, unpadded
+        bounds = call_blocks(p, segments(d, p), arrays, extent)  # from ids or block maps, unpadded
         arrays = [
             v if pm and i in pm.inputs else _pad(v, w, padded)
             for i, (v, w) in enumerate(zip(arrays, wires, strict=True))
@@ -211,22 +211,28 @@ class TritonLowered:
         return pl.BlockSpec(tuple(shape), self._index_map(wire, padded, flip))
 
     def _bound_specs(self, bounds, padded, flip=()) -> list:
-        """Four scalar blocks of each segment mask's bounds (``(mask, segment_blocks)`` pairs): this program's tile,
-        at its index along each batch axis the ids have (0 along the others, where the bounds broadcast)."""
+        """The blocks of the call-time masks' bounds (:class:`lowering._blocks.CallBlocks`), at this program's tile
+        and its index along each batch axis they have (0 along the others, where they broadcast): four scalars of
+        each mask read as ranges, then the ``[2, width]`` chunk lists where a block map has holes."""
         p = self.plan
         nb, strides = len(p.tiles), _strides(p, padded)
         tile_pos = {a: i for i, a in enumerate(p.tiles)}
+
+        def index_map(*ids, axis, b, k=()):
+            at = [
+                _batch_index(ids[nb], a, strides, padded) if n > 1 else 0
+                for a, n in zip(p.batch, b.shape, strict=False)
+            ]
+            return (*at, _tile_id(ids[tile_pos[axis]], axis, p, padded, flip), *k)
+
         specs = []
-        for m, b in bounds:
-
-            def index_map(*ids, k, m=m, b=b):
-                at = [
-                    _batch_index(ids[nb], a, strides, padded) if n > 1 else 0
-                    for a, n in zip(p.batch, b.shape, strict=False)
-                ]
-                return (*at, _tile_id(ids[tile_pos[m.axis]], m.axis, p, padded, flip), k)
-
-            specs += [pl.BlockSpec((None,) * b.ndim, functools.partial(index_map, k=k)) for k in range(4)]
+        for m, b in bounds.bounds:
+            at = functools.partial(index_map, axis=m.axis, b=b)
+            specs += [pl.BlockSpec((None,) * b.ndim, functools.partial(at, k=(k,))) for k in range(4)]
+        if bounds.listed:
+            b = bounds.lists
+            shape = (None,) * (b.ndim - 2) + b.shape[-2:]
+            specs.append(pl.BlockSpec(shape, functools.partial(index_map, axis=bounds.axis, b=b, k=(0, 0))))
         return specs
 
     def _page_specs(self, pm, arrays, table, padded, flip=()) -> tuple[dict, list]:
@@ -254,14 +260,15 @@ class TritonLowered:
         row = lambda *ids: (_batch_index(ids[nb], pm.batch, strides, padded), 0)  # noqa: E731
         return pools, [pl.BlockSpec((None, table.shape[1]), row)]
 
-    def _call(self, arrays, sizes, extent, padded, config, bounds=(), pages=(None, None)):
+    def _call(self, arrays, sizes, extent, padded, config, bounds: CallBlocks, pages=(None, None)):
         p, d = self.plan, self.plan.diagram
         pm, table = pages
         native = not self.interpret and operand_dtype(d) is not None  # the GPU's approximate instructions
         xp = Blocks(operand_dtype(d), tanh=native_tanh if native else None, trig=native_trig if native else None)
         flip = heavy_last(p, extent, padded)
         pools, table_spec = self._page_specs(pm, arrays, table, padded, flip)
-        kernel = functools.partial(_kernel, p, sizes, extent, padded, xp, 4 * len(bounds), flip, pm)
+        n_bounds = 4 * len(bounds.bounds) + bounds.listed
+        kernel = functools.partial(_kernel, p, sizes, extent, padded, xp, n_bounds, flip, pm)
         out_shape = out_structs(d.cod.inside, padded, arrays)
         specs = [pools.get(i) or self._spec(w, padded, flip) for i, w in enumerate(d.dom.inside)]
         call = pl.pallas_call(
@@ -274,7 +281,8 @@ class TritonLowered:
             interpret=self.interpret,
             name="napkin_kernel",
         )
-        return call(*arrays, *(b for _, b in bounds for _ in range(4)), *([table] if pm is not None else []))
+        values = [b for _, b in bounds.bounds for _ in range(4)] + ([bounds.lists] if bounds.listed else [])
+        return call(*arrays, *values, *([table] if pm is not None else []))
 
     @property
     def source(self) -> str:

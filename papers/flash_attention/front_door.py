@@ -18,6 +18,13 @@ beside the causal kernel, TFLOP/s counted on the blocks each kernel visits (``ke
 compiled) as a fraction of one forward + backward. Documents (8, ragged, one ``document_id`` array) run twice: as
 ``segment_ids`` and as a ``mask_mod`` over the captured array, whose block map is evaluated at each call.
 
+Masks with holes: a strided window (causal, runs of W keys every 4W) and interleaved documents (4 documents in runs
+of N/128 tokens, two per tile of 128 queries, a captured ``document_id``) leave empty blocks between kept ones; the
+kernels visit only the chunks their block map lists (``lowering._blocks.chunk_lists``). Each row states the share of
+blocks visited, ``visited``, beside the share FlexAttention's block mask would visit at the same blocks
+(``flex_visited``, counted here from the dense mask with jnp), which must agree; cuDNN's dense and causal kernels
+are timed beside (GPU only), TFLOP/s on all and on the causal pairs.
+
 Dropout inside the kernel: causal attention with ``dropout_rate=0.1`` timed beside the same kernel without
 dropout (issue 29's target: forward + backward ≥ 0.85× without), checked first against a reference that uses the
 kernel's hash (:func:`napkin_cat.generators.keep_bits`, the only napkin-cat code it calls) and jnp for the rest.
@@ -78,19 +85,37 @@ def window_mask(w: int):
 
 
 def non_affine(n: int, w: int, width: int, r: int) -> dict:
-    """Masks no linear inequalities describe: a dilated causal window (every other key of the last ``2w``) and a
-    2-D neighbourhood over an image of ``width``-token rows (``|Δrow| ≤ r`` and ``|Δcol| ≤ r``).
+    """Masks no linear inequalities describe: a dilated causal window (every other key of the last ``2w``), a 2-D
+    neighbourhood over an image of ``width``-token rows (``|Δrow| ≤ r`` and ``|Δcol| ≤ r``), and a strided window
+    (causal, runs of ``w`` keys every ``4w``), whose blocks have holes.
 
-    >>> dilated, image = non_affine(64, 4, 8, 1).values()
+    >>> dilated, image, strided = non_affine(64, 4, 8, 1).values()
     >>> [bool(dilated(0, 0, 9, j)) for j in (3, 4)], [bool(image(0, 0, 9, j)) for j in (18, 26)]
     ([True, False], [True, False])
+    >>> [bool(strided(0, 0, 20, j)) for j in (3, 4, 5)]
+    [True, True, False]
     """
     return {
         "dilated window": lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & (q_idx - kv_idx < 2 * w)
         & ((q_idx - kv_idx) % 2 == 0),
         "2-D neighbourhood": lambda b, h, q_idx, kv_idx: (abs(q_idx // width - kv_idx // width) <= r)
         & (abs(q_idx % width - kv_idx % width) <= r),
+        "strided window": lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & ((q_idx - kv_idx) % (4 * w) < w),
     }
+
+
+def flex_visited(keep, n: int, g: int, s: int) -> float:
+    """The share of (query tile of ``g``, key chunk of ``s``) blocks the mask ``keep`` keeps something of over ``n``
+    tokens: those FlexAttention's block mask visits (its ``kv_num_blocks`` plus ``full_kv_num_blocks``), counted with
+    jnp on the dense mask.
+
+    >>> flex_visited(lambda b, h, i, j: i == j, 64, 16, 16)
+    0.25
+    """
+    i = jnp.arange(n)
+    tiles, chunks = -(-n // g), -(-n // s)
+    dense = jnp.zeros((tiles * g, chunks * s), bool).at[:n, :n].set(keep(0, 0, i[:, None], i[None, :]))
+    return float(dense.reshape(tiles, g, chunks, s).any((1, 3)).mean())
 
 
 def dense_reference(keep):
@@ -110,16 +135,16 @@ def build_ms(made, sizes: dict) -> float:
     """Milliseconds to build every block map the kernels read (forward, then the backward's), compiled once, as a
     trace of the caller's ``jit`` builds them: the mask evaluated once (the kept map forgotten before each build),
     then each kernel's bounds from it (the kept bounds forgotten too)."""
-    from lowering._blocks import _BOUNDS, Mapped, call_bounds, segments
+    from lowering._blocks import _MAPS, call_blocks, segments
     from napkin_cat.generators._index import _FINE_MAPS
 
     plans = [k.plan for k in (made.kernel.forward, *made.kernel.kernels)]
-    maps = [(p, m) for p in plans for m in segments(p.diagram, p) if isinstance(m, Mapped)]
+    plans = [(p, segments(p.diagram, p)) for p in plans if p.stream is not None]
 
     def build():
         _FINE_MAPS.clear()
-        _BOUNDS.clear()
-        return [call_bounds(p, m, [], sizes) for p, m in maps]
+        _MAPS.clear()
+        return [call_blocks(p, masks, [], sizes) for p, masks in plans if masks]
 
     return time_calls(build, reps=5, batches=5, warmup=1).ms
 
@@ -144,13 +169,16 @@ def sparse_rows(q, k, v, ct, w: int, width: int, r: int) -> list:
     causal = lambda b, h, q_idx, kv_idx: kv_idx <= q_idx  # noqa: E731
     doc = document_ids(n, 8)
     same = lambda b, h, q_idx, kv_idx: doc[q_idx] == doc[kv_idx]  # noqa: E731
+    runs = (jnp.arange(n) // max(n // 128, 1)) % 4  # 4 documents interleaved in runs of N/128: several per tile
+    interleaved = lambda b, h, q_idx, kv_idx: runs[q_idx] == runs[kv_idx]  # noqa: E731
     cases = {
         "causal": ({"is_causal": True}, causal),
         **{m: ({"mask_mod": f}, f) for m, f in non_affine(n, w, width, r).items()},
         "documents (segment ids)": ({"segment_ids": jnp.broadcast_to(doc, (b, n))}, same),
         "documents (captured ids)": ({"mask_mod": same}, same),
+        "interleaved documents (captured ids)": ({"mask_mod": interleaved}, interleaved),
     }
-    rows = []
+    rows = cudnn_rows(q, k, v, ct, causal) if jax.default_backend() == "gpu" else []
     for name, (kw, keep) in cases.items():
         made = nc.attention.kernel_for(q, k, v, **kw)
         sp = made.sparsity(q, k, v, **{a: f for a, f in kw.items() if a != "is_causal"})
@@ -159,15 +187,30 @@ def sparse_rows(q, k, v, ct, w: int, width: int, r: int) -> list:
         f = lambda q, k, v, kw=kw: nc.attention(q, k, v, **kw)  # noqa: E731
         row = measure(name, f, q, k, v, ct, dense_reference(keep), flops)
         row["sparsity"] = {"skipped": sp.skipped, "full": sp.full, "partial": sp.partial, "found": sp.found}
+        row["visited"], row["flex_visited"] = 1 - sp.skipped, flex_visited(keep, n, g, s)
         if sp.found == ("call time",):
             row["block_map_ms"] = build_ms(made, sizes)
             row["block_map_share"] = row["block_map_ms"] / row["fwdbwd"]["ms"]
-        print(f"   {sp}" + (f"; block maps {row['block_map_ms']:.3f} ms = {100 * row['block_map_share']:.2f}% of "
-                             "fwd+bwd" if "block_map_ms" in row else ""), flush=True)
+        line = f"   {sp}; visited {100 * row['visited']:.1f}% (FlexAttention's: {100 * row['flex_visited']:.1f}%)"
+        if "block_map_ms" in row:
+            line += f"; block maps {row['block_map_ms']:.3f} ms = {100 * row['block_map_share']:.2f}% of fwd+bwd"
+        print(line, flush=True)
         rows.append(row)
     seg, cap = (next(row for row in rows if row["impl"] == f"documents ({m} ids)") for m in ("segment", "captured"))
     ratio = {s: seg[s]["ms"] / cap[s]["ms"] for s in ("fwd", "fwdbwd")}
     print("documents, captured ids ÷ segment ids (speed): " + ", ".join(f"{s} {x:.2f}×" for s, x in ratio.items()))
+    return rows
+
+
+def cudnn_rows(q, k, v, ct, causal) -> list:
+    """cuDNN's dense and causal kernels (``jax.nn.dot_product_attention``), TFLOP/s on all pairs and on the causal
+    pairs: the rates the sparse kernels' visited blocks compare with (GPU only)."""
+    b, n, h, d = q.shape
+    rows = []
+    for name, is_causal, pairs in (("cudnn dense", False, n * n), ("cudnn causal", True, n * (n + 1) // 2)):
+        f = lambda q, k, v, c=is_causal: jax.nn.dot_product_attention(q, k, v, is_causal=c, implementation="cudnn")  # noqa: E731
+        keep = causal if is_causal else (lambda b, h, q_idx, kv_idx: q_idx >= 0 * kv_idx)
+        rows.append(measure(name, f, q, k, v, ct, dense_reference(keep), 4 * b * h * d * pairs))
     return rows
 
 
