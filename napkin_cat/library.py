@@ -935,6 +935,11 @@ class Ignored:
     def __call__(self, loss, label):
         return jnp.where(label == self.index, 0.0, loss)
 
+    def derivative(self, t, ct, ins, y, const):
+        """The loss's cotangent, ``ct`` sent to 0 where the label is ``index``: it reads the label, not the loss,
+        so a derived backward never recomputes the loss (the generic rule differentiates at the loss's value)."""
+        return [t.ew(self, ct, ins[1], out=t.ty(ct)), None]
+
     @property
     def __name__(self):
         return f"ignore {self.index}"

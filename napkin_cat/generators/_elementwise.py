@@ -158,7 +158,9 @@ class Elementwise(Generator):
     def backward(self, t, ins, outs, cts):
         (ct,), (y,), p = cts, outs, self.params
         fn, const = p["fn"], p.get("const")
-        rule = DERIVATIVES.get(fn) if isinstance(fn, str) else None
+        # a named map's rule, or the function's own (``fn.derivative``, same signature: one that reads fewer
+        # values saves the backward their recomputation)
+        rule = DERIVATIVES.get(fn) if isinstance(fn, str) else getattr(fn, "derivative", None)
         if rule is not None:
             parts = rule(t, ct, ins, y, const)
         else:  # integer and boolean inputs (ids, masks) have no cotangent: nothing is computed for them
