@@ -86,9 +86,10 @@ class DeviceKernel:
     (None, 1, 'lowered', 'triton')
     """
 
-    def __init__(self, s: Sharded, mesh: Mesh, fn, *, exchange: str | None, differentiation: str, backends):
+    def __init__(self, s: Sharded, mesh: Mesh, fn, *, exchange: str | None, differentiation: str, backends, refused):
         self.sharded, self.mesh, self._fn = s, mesh, fn
-        self.exchange, self.differentiation, self._backends = exchange, differentiation, backends
+        self.exchange, self.differentiation = exchange, differentiation
+        self._backends, self._refused = backends, refused
         self.__name__ = "napkin_device_kernel"
 
     @property
@@ -97,6 +98,12 @@ class DeviceKernel:
         alone, Ulysses), or ``"<pair kind> forward"`` and ``"<pair kind> <backward kernel>"`` for the ring's pair
         kernels (the backward's built if need be)."""
         return self._backends()
+
+    @property
+    def refused(self) -> dict[str, str]:
+        """Why ``backend="auto"`` kept each per-device kernel (by the roles of :attr:`backends`) off the backends
+        before its own (:attr:`lowering.Kernel.refused`); a kernel on the first backend is not here."""
+        return self._refused()
 
     def __call__(self, *arrays):
         return self._fn(*arrays)
@@ -133,13 +140,11 @@ def lower_devices(
     m = _mesh(s, mesh)
     options = {"backend": backend, "interpret": interpret, "config": config, "hardware": hardware}
     d, seq = s.diagram, s.sequence
-    if seq is None:
+    if seq is None or seq.exchange == "all_to_all":  # one per-device kernel
         kernel = lower(d, **options)
-        bodies, differentiation, backends = (lambda lengths: kernel), kernel.differentiation, lambda: kernel.backends
-    elif seq.exchange == "all_to_all":
-        kernel = lower(d, **options)
-        bodies, differentiation = (lambda lengths: ulysses_body(s, kernel, lengths)), kernel.differentiation
-        backends = lambda: kernel.backends  # noqa: E731
+        bodies = (lambda lengths: kernel) if seq is None else (lambda lengths: ulysses_body(s, kernel, lengths))
+        differentiation = kernel.differentiation
+        backends, refused = (lambda: kernel.backends), (lambda: kernel.refused)
     else:
         for w in d.dom.inside:
             if not (w.has(seq.queries) or w.has(seq.keys)):
@@ -148,7 +153,8 @@ def lower_devices(
                     "the ring lowers attention's query-side and key-side inputs only"
                 )
         pairs = _PairKernels(s, options)
-        bodies, differentiation, backends = (lambda lengths: _ring_body(s, pairs, lengths)), "lowered", pairs.backends
+        bodies, differentiation = (lambda lengths: _ring_body(s, pairs, lengths)), "lowered"
+        backends, refused = pairs.backends, pairs.refused
     placed = {a: mm for a, mm, _ in s.groups}  # Ulysses: the sequence placed outside its kernel
     if seq is not None:
         placed |= {seq.queries: seq.mesh_axis, seq.keys: seq.mesh_axis}
@@ -168,7 +174,9 @@ def lower_devices(
 
     fn = functools.partial(_call, s, mapped)
     exchange = seq.exchange if seq else None
-    return DeviceKernel(s, m, fn, exchange=exchange, differentiation=differentiation, backends=backends)
+    return DeviceKernel(
+        s, m, fn, exchange=exchange, differentiation=differentiation, backends=backends, refused=refused
+    )
 
 
 def _call(s: Sharded, mapped, *xs):
@@ -255,13 +263,20 @@ class _PairKernels:
     def pieces(self, kind: str) -> tuple:
         return tuple(k.forward for k in self.lowered_pieces(kind))
 
-    def backends(self) -> dict[str, str]:
-        """``"<kind> forward"`` and ``"<kind> <piece>"`` → the backend that runs it (the pieces built if need be)."""
-        out = {f"{k} forward": v.backend for k, v in self._forward.items()}
+    def _by_role(self, of) -> dict:
+        out = {f"{k} forward": of(v) for k, v in self._forward.items()}
         for kind, b in self.backward.items():
             for p, k in zip(b.pieces, self.lowered_pieces(kind), strict=True):
-                out[f"{kind} {role(p)}"] = k.backend
+                out[f"{kind} {role(p)}"] = of(k)
         return out
+
+    def backends(self) -> dict[str, str]:
+        """``"<kind> forward"`` and ``"<kind> <piece>"`` → the backend that runs it (the pieces built if need be)."""
+        return self._by_role(lambda k: k.backend)
+
+    def refused(self) -> dict[str, str]:
+        """The same roles → why ``backend="auto"`` kept the kernel off the backends before its own (if it did)."""
+        return {r: why for r, why in self._by_role(lambda k: k.refused.get("forward")).items() if why}
 
 
 def _ring_body(s: Sharded, kernels: _PairKernels, lengths: tuple[int, int]):

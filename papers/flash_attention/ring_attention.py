@@ -256,6 +256,8 @@ def run(args) -> Path:
         kernel = lower_devices(derivation, mesh)
         fns[name] = compiled(kernel)
         backends[name] = dict(kernel.backends)  # forward and backward kernels
+        if kernel.refused:
+            log(f"{name}: kept off the backends before theirs: {kernel.refused}")
         log(f"{name}: per-device kernels {backends[name]}")
     baseline = compiled(functools.partial(nc.attention, is_causal=True))
     errors = check(fns, baseline, cfg.get("check_n", CHECK_N), heads, d, dtype)
