@@ -533,6 +533,19 @@ def _window(size) -> tuple[int, int] | None:
         ) from None
 
 
+def _before_kernel(rope, dim: int) -> bool:
+    """Whether ``rope`` rotates q and k once, by XLA, before the kernel (``Rope(fused=False)``, the default), after
+    the checks a kernel rotating them would make (:func:`_roped`).
+
+    >>> _before_kernel(Rope(), 64), _before_kernel(Rope(fused=True), 64), _before_kernel(None, 64)
+    (True, False, False)
+    """
+    if isinstance(rope, Rope) and not rope.fused:
+        _roped(rope, dim, "auto")
+        return True
+    return False
+
+
 def _roped(rope: Rope | None, dim: int, backend: str) -> str:
     """The backend of a call with ``rope`` (a :class:`~napkin_cat.generators.Rope`), checked against q's and k's head
     dim ``dim``: under ``"auto"``, Triton. Mosaic is refused: its ``wgmma`` reads K from shared memory, and a
@@ -1186,8 +1199,7 @@ fp8_scales=dict(descale_q=..., descale_k=..., descale_v=..., scale_s=...) (1.0 e
         backend = _implementation(implementation, backend)
         rate = check_rate(dropout_rate)
         value_dim = value.shape[-1]
-        if isinstance(rope, Rope) and not rope.fused:  # rotated once, by XLA, before the kernel (Rope's ``fused``)
-            _roped(rope, query.shape[-1], "auto")
+        if _before_kernel(rope, query.shape[-1]):
             sides = rope_positions(rope, query, key) or (None, None)
             query, key = (_rotated(rope, x, at) for x, at in zip((query, key), sides, strict=True))
             rope = None
@@ -1264,8 +1276,7 @@ fp8_scales=dict(descale_q=..., descale_k=..., descale_v=..., scale_s=...) (1.0 e
         :meth:`__call__` takes them); derived, verified and lowered on first use, outside any
         ``jit``/``vmap``/``grad`` trace. Every array is checked (shapes, dtypes) before anything is built."""
         backend = _implementation(implementation, options.pop("backend", "auto"))
-        if isinstance(rope := options.get("rope"), Rope) and not rope.fused:  # q and k come to it rotated
-            _roped(rope, query.shape[-1], "auto")
+        if _before_kernel(options.get("rope"), query.shape[-1]):  # q and k come to it rotated
             options["rope"] = None
         query, scale = _scaled(query, scale, options.get("fp8_scales") is not None)
         segment_ids = length_ids(query, key, segment_ids, query_seq_lengths, key_value_seq_lengths)
