@@ -165,7 +165,7 @@ def main(argv=None) -> None:
     parser.add_argument("--blocks", type=int, nargs=2, metavar=("TILE", "CHUNK"), default=None)
     parser.add_argument("--budget", type=int, default=None, help="bytes per f32 logit block on the XLA backend")
     parser.add_argument("--backend", default="auto", help="the entry's backend: auto, xla, triton, mosaic")
-    parser.add_argument("--no-ignore", action="store_true", help="ignore_index=None (no Σ_v backward kernel)")
+    parser.add_argument("--no-ignore", action="store_true", help="ignore_index=None (no ignored tokens)")
     opts = parser.parse_args(argv)
     options = dict(interpret=True if opts.smoke else None, blocks=tuple(opts.blocks) if opts.blocks else None,
                    budget=opts.budget, backend=opts.backend)
