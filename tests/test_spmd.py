@@ -110,15 +110,18 @@ def test_four_a_sharded_key_axis_is_refused(seed):
 
 
 @on_four
-def test_four_docs_example_runs():
-    """docs/multi_device.md's sharded-attention example (its Python block that makes a NamedSharding)."""
+def test_four_docs_example_runs(capsys):
+    """docs/multi_device.md's sharded-attention and summed-axis examples (its Python blocks that make a
+    NamedSharding)."""
     import re
 
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "multi_device.md").read_text(), re.S)
-    (example,) = [b for b in blocks if "NamedSharding(" in b and "distributed" not in b]
-    scope = {"jax": jax, "nc": nc}
-    exec(example, scope)  # noqa: S102 - the documentation's own example
+    sharded, summed = [b for b in blocks if "NamedSharding(" in b and "distributed" not in b]
+    scope = {"jax": jax, "jnp": jnp, "nc": nc}
+    exec(sharded, scope)  # noqa: S102 - the documentation's own example
     assert jax.typeof(scope["out"]).sharding.spec == BHD
+    exec(summed, scope)  # noqa: S102 - the summed axis's, on the same mesh
+    assert capsys.readouterr().out.split() == ["True"]
 
 
 def _weight_gradient(kind_or_mesh, seed, backend="xla"):
