@@ -86,9 +86,9 @@ def test_forward_and_gradients_match_a_reference_on_the_same_hash(key, backend, 
         assert float(jnp.max(jnp.abs(a - b))) <= GRAD
 
 
-# bf16 operands (Mosaic's wgmma takes 16-bit ones) against the f32 reference: measured ≤ 1.6e-2 (output) and
-# ≤ 3.1e-2 (gradients) relative to each array's largest entry over 6 seeds
-BF16_FWD, BF16_GRAD = 3e-2, 6e-2
+# bf16 operands (Mosaic's wgmma takes 16-bit ones) against the f32 reference: measured ≤ 4.5e-3 (output) and
+# ≤ 5.7e-3 (gradients) relative to each array's largest entry over 6 seeds
+BF16_FWD, BF16_GRAD = 1e-2, 1.2e-2
 
 
 def test_mosaic_forward_and_gradients_match_the_reference_on_the_same_hash(key):
