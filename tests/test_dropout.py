@@ -1,20 +1,27 @@
 """Attention dropout inside the kernel (``nc.attention(..., dropout_rate=p, dropout_key=key)``).
 
 The reference here imports only the hash (:func:`napkin_cat.generators.keep_bits`): the softmax, the dropout and
-the product with V are written with jax.numpy, so the kernels' forward and derived backward must give the same
-numbers on the same mask. The mask's statistics are tested on the hash itself.
+the product with V are written with jax.numpy, so the kernels' forward and derived backward (Triton, Mosaic GPU
+and the XLA backend, each at its own tiling) must give the same numbers on the same mask. The mask's statistics
+are tested on the hash itself: the keep rate, independence across seeds and along each axis, and no correlation
+between neighbours, between rows or keys a block apart, or around 2×2 rectangles (the kernels hash rows and keys
+separately and combine them per element, which a weak combination would show as rectangle structure).
 """
 
 import math
+import re
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax._src.pallas.triton import pallas_call_registration as registration
 
 from lowering import attention
 from napkin_cat.errors import NapkinError
 from napkin_cat.generators import keep_bits
+from napkin_cat.hardware import H100
 
 # f32 inputs, D = 16: the kernels' forward differs from this reference by ≤ 6e-7 and the gradients by ≤ 1e-5
 # (measured, Triton and XLA interpreted)
@@ -79,6 +86,76 @@ def test_forward_and_gradients_match_a_reference_on_the_same_hash(key, backend, 
         assert float(jnp.max(jnp.abs(a - b))) <= GRAD
 
 
+# bf16 operands (Mosaic's wgmma takes 16-bit ones) against the f32 reference: measured ≤ 4.5e-3 (output) and
+# ≤ 5.7e-3 (gradients) relative to each array's largest entry over 6 seeds
+BF16_FWD, BF16_GRAD = 1e-2, 1.2e-2
+
+
+def test_mosaic_forward_and_gradients_match_the_reference_on_the_same_hash(key):
+    """Mosaic GPU (interpreted) hashes rows and keys as vectors in its wgmma layouts, forward and in the backward's
+    kernels, at its own tiles (128 queries): the same mask as the reference."""
+    data, drop = jax.random.split(key)
+    q, k, v = (a.astype(jnp.bfloat16) for a in arrays(data, 256, 2))
+    opts = dict(is_causal=True, dropout_rate=0.25, dropout_key=drop, backend="mosaic", interpret=True)
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a).astype(jnp.float32)))  # noqa: E731
+    ours = jax.value_and_grad(loss(lambda *a: attention(*a, **opts)), (0, 1, 2))(q, k, v)
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    out = attention(q, k, v, **opts).astype(jnp.float32)
+    want = reference(*f32, drop, 0.25, causal=True)
+    assert float(jnp.max(jnp.abs(out - want)) / jnp.max(jnp.abs(want))) <= BF16_FWD
+    theirs = jax.grad(loss(lambda *a: reference(*a, drop, 0.25, causal=True)), (0, 1, 2))(*f32)
+    for a, b in zip(ours[1], theirs, strict=True):
+        assert float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)) / jnp.max(jnp.abs(b))) <= BF16_GRAD
+
+
+@pytest.fixture
+def abstract_hopper(monkeypatch):
+    """An sm_90 device for Pallas' Triton lowering, and the MLIR verifier on every Triton module it builds (as
+    tests/test_cuda_lowering.py); the modules' text is kept."""
+    monkeypatch.setattr(
+        registration.gpu_info_lib, "get_gpu_info", lambda: types.SimpleNamespace(compute_capability="9.0")
+    )
+    build, modules = registration.lowering.lower_jaxpr_to_triton_module, []
+
+    def verified(*args, **kwargs):
+        made = build(*args, **kwargs)
+        made.module.operation.verify()
+        modules.append(str(made.module))
+        return made
+
+    monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", verified)
+    return modules
+
+
+def block_ops(module: str, op: str) -> int:
+    """How many ``op``s of a Triton module act on 2-D tensors (once per score, not per row or key)."""
+    return len(re.findall(rf"= {op} [^\n]*: tensor<\d+x\d+x", module))
+
+
+@pytest.mark.parametrize("backend", ["triton", "mosaic"])
+def test_dropout_kernels_lower_for_cuda(abstract_hopper, backend):
+    """Forward and backward with dropout lower for an abstract sm_90 device; Triton's verify, and per score they
+    add one xor and one integer multiply to the kernel without dropout (the hash's other work is on vectors)."""
+    args = [jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)] * 3
+    counts = {}
+    for rate in (0.0, 0.1):
+        abstract_hopper.clear()
+        f = lambda q, k, v, rate=rate: attention(  # noqa: E731
+            q, k, v, is_causal=True, dropout_rate=rate, dropout_key=jax.random.key(0), backend=backend,
+            interpret=False, hardware=H100)
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        grad = jax.grad(lambda *a, f=f: f(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+        text += jax.jit(grad).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        if backend == "mosaic":
+            assert "mosaic_gpu" in text
+        counts[rate] = [(block_ops(m, "arith.xori"), block_ops(m, "arith.shrui")) for m in abstract_hopper]
+    if backend == "triton":
+        # the forward and both backward kernels gain xors on blocks (one per chunk loop: unmasked and masked
+        # copies), never a 2-D shift: no lowbias32 round runs per score
+        gained = [(x1 - x0, s1 - s0) for (x0, s0), (x1, s1) in zip(counts[0.0], counts[0.1], strict=True)]
+        assert sum(x > 0 for x, _ in gained) >= 3 and all(s == 0 for _, s in gained), gained
+
+
 def test_a_new_key_reuses_the_kernel_and_changes_the_mask(key):
     q, k, v = arrays(key)
     first = attention(q, k, v, dropout_rate=0.25, dropout_key=jax.random.key(1), **TRITON)
@@ -123,6 +200,40 @@ def test_masks_are_independent_across_seeds_and_axes(seed):
         agree = int((first == np.take(rest, [0], axis=axis)).sum())
         m = first.size
         assert abs(agree - m / 2) <= 5 * math.sqrt(m / 4), (axis, agree, m)
+
+
+def bit_correlation(a, b, rate: float) -> float:
+    """The z-score of the agreement between two equal-shaped boolean masks, each Bernoulli(1 − rate)."""
+    same = rate**2 + (1 - rate) ** 2
+    m = a.size
+    return (int((a == b).sum()) - m * same) / math.sqrt(m * same * (1 - same))
+
+
+@pytest.mark.parametrize("rate", [0.5, 0.1])
+def test_neighbours_block_strides_and_rectangles_are_uncorrelated(seed, rate):
+    """Over 4 heads of 512 × 512: the mask agrees with itself shifted by 1, 2, 64 or 128 queries or keys (a block
+    boundary of every tiling the kernels use) as independent bits would, within 5σ; and the xor of a 2×2
+    rectangle's corners (adjacent, a block apart, and at random corners) is odd as often as for independent bits:
+    ``(1 − (1 − 2p)⁴) / 2``."""
+    seed %= 2**31
+    n = 512
+    mask = np.asarray(keep_bits(seed, 0, jnp.arange(4)[:, None, None], jnp.arange(n)[:, None], jnp.arange(n))
+                      >= jnp.uint32(round(rate * 2**32)))
+    for axis in (1, 2):
+        for d in (1, 2, 64, 128):
+            a, b = np.take(mask, range(n - d), axis=axis), np.take(mask, range(d, n), axis=axis)
+            assert abs(bit_correlation(a, b, rate)) <= 5, (axis, d)
+    odd = (1 - (1 - 2 * rate) ** 4) / 2
+    corners = []
+    for d, e in ((1, 1), (1, 64), (64, 1), (128, 128)):
+        corners.append(mask[:, :-d, :-e] ^ mask[:, d:, :-e] ^ mask[:, :-d, e:] ^ mask[:, d:, e:])
+    rng = np.random.default_rng(seed)
+    h, q1, q2, x1, x2 = (rng.integers(0, m, 2**20) for m in (4, n, n, n, n))
+    far = mask[h, q1, x1] ^ mask[h, q2, x1] ^ mask[h, q1, x2] ^ mask[h, q2, x2]
+    corners.append(far[(q1 != q2) & (x1 != x2)])
+    for parity in corners:
+        m = parity.size
+        assert abs(int(parity.sum()) - m * odd) <= 5 * math.sqrt(m * odd * (1 - odd))
 
 
 @pytest.mark.parametrize("rate", [-0.1, 1.0, 1.5, "0.1", None])

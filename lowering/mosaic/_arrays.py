@@ -194,6 +194,14 @@ class MosaicArrays:
         return plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=layout)
 
     @staticmethod
+    def iota_over(shape: tuple, dims: tuple, axis: int):
+        """A block's rows (or columns) alone: index vectors in the layout of its row (column) statistics, which
+        ``broadcast_in_dim`` spreads back into wgmma's accumulator layout."""
+        if len(shape) == 2 and len(dims) == 1:
+            return plgpu.broadcasted_iota(jnp.int32, (shape[axis],), 0, layout=plgpu.Layout.WGMMA.reduce(1 - axis))
+        return MosaicArrays.iota(tuple(shape[d] for d in dims), dims.index(axis))
+
+    @staticmethod
     def full(shape: tuple, value):
         """A constant in the accumulator's layout (loop-carried states must keep one layout)."""
         layout = plgpu.Layout.WGMMA if len(shape) == 2 else plgpu.Layout.WGMMA.reduce(1)

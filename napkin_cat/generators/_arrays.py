@@ -110,6 +110,26 @@ class Jax:
         return jax.lax.broadcasted_iota(jnp.int32, shape, axis)
 
     @staticmethod
+    def iota_over(shape: tuple, dims: tuple, axis: int):
+        """The index along ``axis`` (one of ``dims``) of every element of the part of a ``shape`` array kept at
+        ``dims``, a block's rows or columns alone, to be spread back over the block by :meth:`broadcast_in_dim`
+        (attention dropout hashes each row and each key once this way).
+
+        >>> JAX.iota_over((2, 3), (1,), 1).tolist()
+        [0, 1, 2]
+        """
+        return jax.lax.broadcasted_iota(jnp.int32, tuple(shape[d] for d in dims), dims.index(axis))
+
+    @staticmethod
+    def broadcast_in_dim(v, shape: tuple, dims: tuple):
+        """``v`` spread over an array of ``shape``, its dimensions at ``dims``.
+
+        >>> JAX.broadcast_in_dim(JAX.iota_over((2, 3), (0,), 0), (2, 3), (0,)).tolist()
+        [[0, 0, 0], [1, 1, 1]]
+        """
+        return jax.lax.broadcast_in_dim(v, shape, dims)
+
+    @staticmethod
     def reshape(v, shape: tuple):
         """``v`` reshaped row-major."""
         return v.reshape(shape)
