@@ -172,7 +172,7 @@ def lower_devices(
             check_vma=False,  # Pallas calls carry no varying-manual-axes types
         )
 
-    fn = functools.partial(_call, s, mapped)
+    fn = jax.jit(functools.partial(_call, s, mapped))  # called eagerly, shard_map would dispatch op by op
     exchange = seq.exchange if seq else None
     return DeviceKernel(
         s, m, fn, exchange=exchange, differentiation=differentiation, backends=backends, refused=refused
