@@ -41,7 +41,7 @@ from lowering import lower  # noqa: E402
 from lowering._attention import KEYS, QUERIES, Signature  # noqa: E402
 from lowering._fp8 import scale_probabilities  # noqa: E402
 from papers.flash_attention.benchmark import device_info, device_stem  # noqa: E402
-from papers.flash_attention.timing import run_rows, time_calls, timed  # noqa: E402
+from papers.flash_attention.timing import run_rows, save_figure, time_calls, timed  # noqa: E402
 from rewrites import derive, stream, tile  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -197,9 +197,7 @@ def plot(res: dict, path: Path) -> None:
     z = res["sizes"]
     title = f"{res['device']['kind']}: FP8 (e4m3) and bf16 attention forward, B·N={z['BN']} H={z['H']} D={z['D']}"
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> dict:

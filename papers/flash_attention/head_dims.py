@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file: f
 
 import napkin_cat as nc  # noqa: E402
 from papers.flash_attention.benchmark import device_info, device_stem  # noqa: E402
-from papers.flash_attention.timing import run_rows, time_calls, timed  # noqa: E402
+from papers.flash_attention.timing import run_rows, save_figure, time_calls, timed  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 FWD_BWD_FACTOR = 3.5  # the backward does 2.5× the forward's matrix products (FlashAttention-2, Dao 2023, §4)
@@ -160,9 +160,7 @@ def plot(res: dict, path: Path) -> None:
     axes[1].legend(fontsize=7)
     z = res["sizes"]
     fig.suptitle(f"{res['device']['kind']}: bf16, B={z['B']} H={z['H']} N={z['N']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> dict:

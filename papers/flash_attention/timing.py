@@ -3,7 +3,7 @@ tile search use it too), under the name every script under ``papers/`` imports; 
 benchmarks (``rms_norm_linear.py``, ``linear_cross_entropy.py``, ``fp8.py``, ``head_dims.py``) share: timing each
 pass of an implementation (:func:`measure_passes`), the rows loop that records a failure as a result
 (:func:`run_rows`), the results file rewritten after every row (:func:`write_rows`) and its bar chart
-(:func:`bar_plot`).
+(:func:`bar_plot`, :func:`save_figure`).
 
 >>> import jax.numpy as jnp
 >>> time_calls(jnp.sin, jnp.ones(4), reps=2, batches=2, method="wall").method
@@ -180,6 +180,19 @@ def bar_plot(rows: list, path: Path, title: str, bars: dict, value: str, ticks: 
         ax.set_title(what)
         ax.legend()
     fig.suptitle(title)
+    save_figure(fig, path, dpi=120)
+
+
+def save_figure(fig, path: Path, dpi: int = 110) -> None:
+    """Lay ``fig`` out tightly, write it to ``path`` and close it (a sweep draws one per row).
+
+    >>> import tempfile, matplotlib
+    >>> matplotlib.use("Agg")
+    >>> import matplotlib.pyplot as plt
+    >>> save_figure(plt.figure(), Path(tempfile.mkdtemp()) / "empty.png")
+    """
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
