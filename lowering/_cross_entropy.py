@@ -51,7 +51,8 @@ from dataclasses import dataclass
 
 import jax.numpy as jnp
 
-from lowering._api import BACKENDS, Kernel, lower
+from lowering._api import Kernel, lower
+from lowering._arguments import require_arrays, require_backend, require_nonempty, require_one_dtype
 from lowering._plan import NotLowerable, next_pow2
 from lowering._target import interpreted, target_hardware
 from lowering._tiles import fit_blocks
@@ -238,9 +239,7 @@ def _xla_said(sig: Signature) -> str:
 
 def _check(h, w, labels, reduction, z_loss, label_smoothing, softcap, backend) -> None:
     """Refuse bad arguments before anything is built, naming the argument, what it is and what it should be."""
-    for name, a in (("h", h), ("w", w), ("labels", labels)):
-        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
-            raise EvaluationError(f"linear_cross_entropy: {name} must be an array, got {type(a).__name__}")
+    require_arrays("linear_cross_entropy", h=h, w=w, labels=labels)
     if h.ndim < 2 or w.ndim != 2:
         raise EvaluationError(
             f"linear_cross_entropy: h must be [..., n, d] and w [v, d], got h {tuple(h.shape)} and w {tuple(w.shape)}"
@@ -260,16 +259,8 @@ def _check(h, w, labels, reduction, z_loss, label_smoothing, softcap, backend) -
             f"linear_cross_entropy: labels must be integers (class indices), got {jnp.dtype(labels.dtype).name}; "
             "for one-hot or soft targets use optax.softmax_cross_entropy"
         )
-    dtypes = {jnp.dtype(h.dtype).name, jnp.dtype(w.dtype).name}
-    if len(dtypes) != 1 or not dtypes <= DTYPES.keys():
-        raise EvaluationError(
-            f"linear_cross_entropy: h and w must share one dtype among {', '.join(DTYPES)}, got "
-            f"{jnp.dtype(h.dtype).name} and {jnp.dtype(w.dtype).name}"
-        )
-    if 0 in (*h.shape, w.shape[0]):
-        raise EvaluationError(
-            f"linear_cross_entropy: no kernel for an empty axis (h {tuple(h.shape)}, w {tuple(w.shape)})"
-        )
+    require_one_dtype("linear_cross_entropy", DTYPES, h=h, w=w)
+    require_nonempty("linear_cross_entropy", h=h, w=w)
     if reduction not in REDUCTIONS:
         raise EvaluationError(f"linear_cross_entropy: reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if not 0.0 <= label_smoothing < 1.0:
@@ -278,8 +269,7 @@ def _check(h, w, labels, reduction, z_loss, label_smoothing, softcap, backend) -
         raise EvaluationError(f"linear_cross_entropy: z_loss must be ≥ 0, got {z_loss}")
     if softcap is not None and not softcap > 0:
         raise EvaluationError(f"linear_cross_entropy: softcap must be > 0 (or None), got {softcap}")
-    if backend not in ("auto", *BACKENDS):
-        raise EvaluationError(f"linear_cross_entropy: backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+    require_backend("linear_cross_entropy", backend)
 
 
 class LinearCrossEntropy:

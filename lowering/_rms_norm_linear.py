@@ -39,7 +39,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from lowering._api import BACKENDS, Kernel, lower
+from lowering._api import Kernel, lower
+from lowering._arguments import require_arrays, require_backend, require_nonempty, require_one_dtype
 from lowering._backward import Backward, backward_of, run_pieces
 from lowering._plan import next_pow2
 from lowering._target import interpreted, target_hardware
@@ -169,9 +170,7 @@ def _made(sig: Signature) -> Made:
 
 def _check(x, g, w, eps, backend) -> None:
     """Refuse bad arguments before anything is built, naming the argument, what it is and what it should be."""
-    for name, a in (("x", x), ("g", g), ("w", w)):
-        if not hasattr(a, "shape") or not hasattr(a, "dtype"):
-            raise EvaluationError(f"rms_norm_linear: {name} must be an array, got {type(a).__name__}")
+    require_arrays("rms_norm_linear", x=x, g=g, w=w)
     if x.ndim < 1 or g.ndim != 1 or w.ndim != 2:
         raise EvaluationError(
             f"rms_norm_linear: x must be [..., d], g [d] and w [d, m], got x {tuple(x.shape)}, g {tuple(g.shape)} "
@@ -182,16 +181,10 @@ def _check(x, g, w, eps, backend) -> None:
             f"rms_norm_linear: x's hidden dim {x.shape[-1]}, g's {g.shape[0]} and w's first {w.shape[0]} must agree "
             "(w is [d, m], as x @ w; pass w.T if yours is [m, d])"
         )
-    dtypes = {jnp.dtype(x.dtype).name, jnp.dtype(w.dtype).name}
-    if len(dtypes) != 1 or not dtypes <= DTYPES.keys():
-        raise EvaluationError(
-            f"rms_norm_linear: x and w must share one dtype among {', '.join(DTYPES)}, got "
-            f"{jnp.dtype(x.dtype).name} and {jnp.dtype(w.dtype).name}"
-        )
+    require_one_dtype("rms_norm_linear", DTYPES, x=x, w=w)
     if not jnp.issubdtype(g.dtype, jnp.floating):
         raise EvaluationError(f"rms_norm_linear: g must be floating point, got {jnp.dtype(g.dtype).name}")
-    if 0 in (*x.shape, w.shape[1]):
-        raise EvaluationError(f"rms_norm_linear: no kernel for an empty axis (x {tuple(x.shape)}, w {tuple(w.shape)})")
+    require_nonempty("rms_norm_linear", x=x, w=w)  # g's length is x's last axis, checked above
     if x.shape[-1] < 16:
         raise EvaluationError(
             f"rms_norm_linear: the hidden dim d = {x.shape[-1]} is below 16, the smallest block the kernels tile it "
@@ -199,8 +192,7 @@ def _check(x, g, w, eps, backend) -> None:
         )
     if not eps > 0:
         raise EvaluationError(f"rms_norm_linear: eps must be > 0 (it keeps a zero row finite), got {eps}")
-    if backend not in ("auto", *BACKENDS):
-        raise EvaluationError(f"rms_norm_linear: backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+    require_backend("rms_norm_linear", backend)
 
 
 @functools.lru_cache(maxsize=64)

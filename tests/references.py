@@ -13,6 +13,8 @@ True
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -127,3 +129,32 @@ def rel_err(got, want) -> float:
     if not np.isfinite(got).all():
         return float("inf")
     return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), np.finfo(np.float32).tiny))
+
+
+def assert_close(got, want, tol: float, seed: int, what: str) -> None:
+    """Assert :func:`rel_err` ``≤ tol``, naming ``what`` and the seed that reruns the case; ``NAPKIN_MEASURE=1``
+    prints the error (how the tests' tolerances are measured).
+
+    >>> assert_close(np.array([1.0, 2.001]), np.array([1.0, 2.0]), 1e-3, 7, "y")
+    >>> assert_close(np.array([1.0, 2.1]), np.array([1.0, 2.0]), 1e-3, 7, "y")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    AssertionError: y: relative error 5.00e-02 > 1e-03 (NAPKIN_SEED=7)...
+    """
+    err = rel_err(got, want)
+    if os.environ.get("NAPKIN_MEASURE"):
+        print(f"{what}: {err:.2e}")
+    assert err <= tol, f"{what}: relative error {err:.2e} > {tol:.0e} (NAPKIN_SEED={seed})"
+
+
+def assert_gradients_close(ours, theirs, args, ct, tol: float, seed: int, names) -> None:
+    """The gradients in every argument of ``sum(f(*args) · ct)`` (``f``'s output in f32) for ``ours`` and
+    ``theirs``: each in its argument's dtype, within ``tol`` of the other (:func:`assert_close`), named ``names``.
+
+    >>> x = jnp.array([0.5, 1.0])
+    >>> assert_gradients_close(jnp.sin, lambda x: jnp.sin(x), (x,), jnp.ones(2), 1e-6, 0, ["dx"])
+    """
+    projected = [lambda *a, f=f: jnp.sum(f(*a).astype(jnp.float32) * ct) for f in (ours, theirs)]
+    got, want = (jax.jit(jax.grad(f, argnums=tuple(range(len(args)))))(*args) for f in projected)
+    for name, a, b, like in zip(names, got, want, args, strict=True):
+        assert a.dtype == like.dtype, f"{name} is {a.dtype}, not the input's {like.dtype}"
+        assert_close(a, b, tol, seed, name)

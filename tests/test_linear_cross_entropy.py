@@ -53,13 +53,6 @@ def inputs(seed, n, d, v, dtype, ignored=0):
     return h, w, labels
 
 
-def close(got, want, tol, seed, what):
-    err = R.rel_err(got, want)
-    if os.environ.get("NAPKIN_MEASURE"):
-        print(f"{what}: {err:.2e}")
-    assert err <= tol, f"{what}: relative error {err:.2e} > {tol:.0e} (NAPKIN_SEED={seed})"
-
-
 def check(seed, h, w, labels, *, backend="xla", blocks=None, budget=None, **options):
     """The per-token loss and the gradients of a random projection of it, against :func:`reference`."""
     loss_tol, grad_tol = TOL[jnp.dtype(h.dtype).name]
@@ -72,12 +65,8 @@ def check(seed, h, w, labels, *, backend="xla", blocks=None, budget=None, **opti
     def theirs(h, w):
         return reference(h, w, labels, **options)
 
-    close(jax.jit(ours)(h, w), jax.jit(theirs)(h, w), loss_tol, seed, "loss")
-    projected = [lambda h, w, f=f: jnp.sum(f(h, w) * ct) for f in (ours, theirs)]
-    got, want = (jax.jit(jax.grad(f, argnums=(0, 1)))(h, w) for f in projected)
-    for name, a, b in zip(("dh", "dw"), got, want, strict=True):
-        assert a.dtype == h.dtype, f"{name} is {a.dtype}, not the input's {h.dtype}"
-        close(a, b, grad_tol, seed, name)
+    R.assert_close(jax.jit(ours)(h, w), jax.jit(theirs)(h, w), loss_tol, seed, "loss")
+    R.assert_gradients_close(ours, theirs, (h, w), ct, grad_tol, seed, ("dh", "dw"))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -137,9 +126,10 @@ def test_reductions_and_leading_shape(seed):
     kept = jnp.sum(labels != IGNORE)
     none = nc.linear_cross_entropy(h3, w, labels3, reduction="none", backend="xla")
     assert none.shape == (2, 12)
-    close(none.reshape(-1), per, TOL["float32"][0], seed, "none")
-    close(nc.linear_cross_entropy(h3, w, labels3, reduction="sum", backend="xla"), per.sum(), 2e-6, seed, "sum")
-    close(nc.linear_cross_entropy(h3, w, labels3, backend="xla"), per.sum() / kept, 2e-6, seed, "mean")
+    R.assert_close(none.reshape(-1), per, TOL["float32"][0], seed, "none")
+    total = nc.linear_cross_entropy(h3, w, labels3, reduction="sum", backend="xla")
+    R.assert_close(total, per.sum(), 2e-6, seed, "sum")
+    R.assert_close(nc.linear_cross_entropy(h3, w, labels3, backend="xla"), per.sum() / kept, 2e-6, seed, "mean")
 
 
 def test_no_logits_buffer_forward_or_backward():

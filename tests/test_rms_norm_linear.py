@@ -11,7 +11,6 @@ gradients: the kernels round the product's operand ``x ⊙ g`` and the output to
 each), and the backward also ``a = x ⊙ r ⊙ g`` and ``dA = dy·Wᵀ``, so 1.5e-2.
 """
 
-import os
 import re
 from pathlib import Path
 
@@ -45,13 +44,6 @@ def inputs(seed, lead, d, m, dtype):
     return x, g, w
 
 
-def close(got, want, tol, seed, what):
-    err = R.rel_err(got, want)
-    if os.environ.get("NAPKIN_MEASURE"):
-        print(f"{what}: {err:.2e}")
-    assert err <= tol, f"{what}: relative error {err:.2e} > {tol:.0e} (NAPKIN_SEED={seed})"
-
-
 def check(seed, x, g, w, **options):
     """The output and the gradients of a random projection of it, against :func:`reference`."""
     tol = TOL[jnp.dtype(x.dtype).name]
@@ -62,12 +54,8 @@ def check(seed, x, g, w, **options):
 
     y = jax.jit(ours)(x, g, w)
     assert y.dtype == x.dtype and y.shape == ct.shape
-    close(y, reference(x, g, w), tol, seed, "y")
-    projected = [lambda *a, f=f: jnp.sum(f(*a).astype(jnp.float32) * ct) for f in (ours, reference)]
-    got, want = (jax.jit(jax.grad(f, argnums=(0, 1, 2)))(x, g, w) for f in projected)
-    for name, a, b, like in zip(("dx", "dg", "dw"), got, want, (x, g, w), strict=True):
-        assert a.dtype == like.dtype, f"{name} is {a.dtype}, not the input's {like.dtype}"
-        close(a, b, tol, seed, name)
+    R.assert_close(y, reference(x, g, w), tol, seed, "y")
+    R.assert_gradients_close(ours, reference, (x, g, w), ct, tol, seed, ("dx", "dg", "dw"))
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])

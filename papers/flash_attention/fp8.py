@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -42,7 +41,7 @@ from lowering import lower  # noqa: E402
 from lowering._attention import KEYS, QUERIES, Signature  # noqa: E402
 from lowering._fp8 import scale_probabilities  # noqa: E402
 from papers.flash_attention.benchmark import device_info, device_stem  # noqa: E402
-from papers.flash_attention.timing import time_calls  # noqa: E402
+from papers.flash_attention.timing import run_rows, save_figure, time_calls, timed  # noqa: E402
 from rewrites import derive, stream, tile  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -146,27 +145,21 @@ def run(n: int, causal: bool, sizes: tuple, o, gpu: bool) -> list[dict]:
     scales = dict(descale_q=1.0, descale_k=1.0, descale_v=1.0, scale_s=o.scale_s)
     sig = Signature.of(q8, k8, v8, fp8_scales=scales, is_causal=causal, interpret=o.smoke or None)
     flops = 4 * b * h * n * n * d / (2 if causal else 1)
-    rows = []
-    for name, (layout, f) in implementations(causal, gpu, o.scale_s, o.blocks, o.smoke).items():
-        row = {"N": n, "B": b, "causal": causal, "impl": name}
-        try:
-            start = time.perf_counter()
-            row |= measure(name, layout, f, (q8, k8, v8, vt8, bf), causal, flops, sig, o.smoke)
-            row["seconds"] = time.perf_counter() - start
-            if name == "napkin fp8":
-                made = nc.attention.kernel_for(q8, k8, v8, fp8_scales=scales, is_causal=causal, interpret=sig.interpret)
-                inner = made.kernel
-                row["kernel"] = {"backends": dict(inner.backends or {}), "refused": dict(inner.refused or {})}
-                row["kernel"]["blocks"] = [made.signature.tile, made.signature.stream]
-        except Exception as e:  # noqa: BLE001 - a refusal or a failed build is a result of the run
-            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-        rows.append(row)
-        shown = row.get("error") or (
-            f"fwd {row['fwd']['tflops']:7.1f} TFLOP/s  err {row['err']:.1e}"
-            + (f"  err_p8 {row['err_p8']:.1e}" if "err_p8" in row else "")
-        )
-        print(f"N={n:5d} causal={int(causal)} {name:22s} {shown}", flush=True)
-    return rows
+
+    def work(name, impl, row):
+        row |= timed(measure, name, *impl, (q8, k8, v8, vt8, bf), causal, flops, sig, o.smoke)
+        if name == "napkin fp8":
+            made = nc.attention.kernel_for(q8, k8, v8, fp8_scales=scales, is_causal=causal, interpret=sig.interpret)
+            inner = made.kernel
+            row["kernel"] = {"backends": dict(inner.backends or {}), "refused": dict(inner.refused or {})}
+            row["kernel"]["blocks"] = [made.signature.tile, made.signature.stream]
+
+    def show(row):
+        shown = f"fwd {row['fwd']['tflops']:7.1f} TFLOP/s  err {row['err']:.1e}"
+        return shown + (f"  err_p8 {row['err_p8']:.1e}" if "err_p8" in row else "")
+
+    impls = implementations(causal, gpu, o.scale_s, o.blocks, o.smoke)
+    return run_rows(impls, {"N": n, "B": b, "causal": causal}, work, show, f"N={n:5d} causal={int(causal)}", 22)
 
 
 def ratios(rows: list[dict]) -> None:
@@ -204,9 +197,7 @@ def plot(res: dict, path: Path) -> None:
     z = res["sizes"]
     title = f"{res['device']['kind']}: FP8 (e4m3) and bf16 attention forward, B·N={z['BN']} H={z['H']} D={z['D']}"
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> dict:

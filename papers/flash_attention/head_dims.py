@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file: f
 
 import napkin_cat as nc  # noqa: E402
 from papers.flash_attention.benchmark import device_info, device_stem  # noqa: E402
-from papers.flash_attention.timing import time_calls  # noqa: E402
+from papers.flash_attention.timing import run_rows, save_figure, time_calls, timed  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 FWD_BWD_FACTOR = 3.5  # the backward does 2.5× the forward's matrix products (FlashAttention-2, Dao 2023, §4)
@@ -97,28 +96,24 @@ def run(dim: str, causal: bool, sizes: tuple, gpu: bool) -> list[dict]:
     q, k = (jax.random.normal(kk, (b, n, h, dqk), jnp.bfloat16) for kk in keys[:2])
     v, ct = (jax.random.normal(kk, (b, n, h, dv), jnp.bfloat16) for kk in keys[2:])
     flops = 2 * b * h * n * n * (dqk + dv) / (2 if causal else 1)
-    rows, auto = [], None
-    for name, f in implementations(causal, gpu).items():
-        row = {"dim": dim, "causal": causal, "impl": name}
-        try:
-            if name.startswith("napkin"):
-                row["kernel"] = kernel_story(q, k, v, causal, name.split()[1])
-                if name == "napkin mosaic" and auto is not None and set(auto["backends"].values()) == {"mosaic"}:
-                    continue  # auto already runs every kernel on Mosaic
-                auto = row["kernel"] if name == "napkin auto" else auto
-            start = time.perf_counter()
-            row |= measure(f, q, k, v, ct, causal, flops)
-            row["seconds"] = time.perf_counter() - start
-        except Exception as e:  # noqa: BLE001 - a refusal or a failed build is a result of the sweep
-            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-        rows.append(row)
+    auto = None
+
+    def work(name, f, row):
+        nonlocal auto
+        if name.startswith("napkin"):
+            row["kernel"] = kernel_story(q, k, v, causal, name.split()[1])
+            if name == "napkin mosaic" and auto is not None and set(auto["backends"].values()) == {"mosaic"}:
+                return False  # auto already runs every kernel on Mosaic
+            auto = row["kernel"] if name == "napkin auto" else auto
+        row |= timed(measure, f, q, k, v, ct, causal, flops)
+
+    def show(row):
         both = row.get("fwdbwd", {}).get("tflops", float("nan"))
-        shown = row.get("error") or (
-            f"fwd {row['fwd']['tflops']:6.1f}  fwd+bwd {both:6.1f} TFLOP/s  err {row['max_rel_error']:.1e}"
-            + (f"  (backward: {row['fwdbwd_error']})" if "fwdbwd_error" in row else "")
-        )
-        print(f"D={dim:>7s} causal={int(causal)} {name:14s} {shown}", flush=True)
-    return rows
+        shown = f"fwd {row['fwd']['tflops']:6.1f}  fwd+bwd {both:6.1f} TFLOP/s  err {row['max_rel_error']:.1e}"
+        return shown + (f"  (backward: {row['fwdbwd_error']})" if "fwdbwd_error" in row else "")
+
+    head = {"dim": dim, "causal": causal}
+    return run_rows(implementations(causal, gpu), head, work, show, f"D={dim:>7s} causal={int(causal)}", 14)
 
 
 def ratios(rows: list[dict]) -> None:
@@ -165,9 +160,7 @@ def plot(res: dict, path: Path) -> None:
     axes[1].legend(fontsize=7)
     z = res["sizes"]
     fig.suptitle(f"{res['device']['kind']}: bf16, B={z['B']} H={z['H']} N={z['N']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> dict:

@@ -24,9 +24,7 @@ sizes on a CPU (interpret mode), to check the script.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import traceback
 from pathlib import Path
 
 import jax
@@ -38,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file: f
 
 import napkin_cat as nc  # noqa: E402
 from papers.flash_attention.benchmark import device_info, device_stem  # noqa: E402
-from papers.flash_attention.timing import time_calls  # noqa: E402
+from papers.flash_attention.timing import bar_plot, measure_passes, speedups, write_rows  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROWS = {"full": ((16384, 4096, 128256), (4096, 4096, 32768)), "smoke": ((64, 32, 300), (40, 16, 100))}
@@ -55,47 +53,14 @@ def reference(h, w, labels):
     return unfused(h.astype(jnp.float32), w.astype(jnp.float32), labels)
 
 
-def rel_err(got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
-
-
-def temporaries(f, *args) -> int | None:
-    analysis = jax.jit(f).lower(*args).compile().memory_analysis()
-    return None if analysis is None else int(analysis.temp_size_in_bytes)
-
-
 def peak_bytes() -> int | None:
     stats = jax.devices()[0].memory_stats() or {}
     return stats.get("peak_bytes_in_use")
 
 
-def measure(name: str, loss, args, flops: float, want) -> dict:
-    """Forward and forward+backward of ``loss`` (a function of h, w, labels): time, TFLOP/s, memory, error."""
-    row = {}
-    passes = {"forward": loss, "forward+backward": jax.value_and_grad(loss, argnums=(0, 1))}
-    for what, f in passes.items():
-        try:
-            jitted = jax.jit(f)
-            out = jax.block_until_ready(jitted(*args))
-            t = time_calls(jitted, *args, reps=5, batches=3)
-            got = [out] if what == "forward" else [out[0], *out[1]]
-            errs = [rel_err(a, b) for a, b in zip(got, want if what != "forward" else want[:1], strict=True)]
-            row[what] = {
-                "ms": t.ms,
-                "method": t.method,
-                "tflops": flops * (1 if what == "forward" else 3) / t.seconds / 1e12,
-                "temp_bytes": temporaries(f, *args),
-                "peak_bytes_in_use": peak_bytes(),
-                "rel_err": errs,
-            }
-            print(f"  {name:8s} {what:17s} {t.ms:9.3f} ms  {row[what]['tflops']:7.1f} TFLOP/s  "
-                  f"temp {row[what]['temp_bytes']}  err {max(errs):.1e}", flush=True)
-        except Exception as e:  # recorded, not fatal: the unfused big row may not fit the device
-            row[what] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
-            print(f"  {name:8s} {what:17s} failed: {row[what]['error'][:200]}", flush=True)
-            traceback.print_exc(limit=2)
-    return row
+def passes(loss) -> dict:
+    """The forward and forward+backward (gradients in h and w) of ``loss``, a function of (h, w, labels)."""
+    return {"forward": loss, "forward+backward": jax.value_and_grad(loss, argnums=(0, 1))}
 
 
 def run_row(n: int, d: int, v: int, options: dict) -> dict:
@@ -123,39 +88,20 @@ def run_row(n: int, d: int, v: int, options: dict) -> dict:
            "blocks": made.blocks, "xla_blocks": made.signature.xla, "budget": made.signature.budget,
            "kernels": kernels, "ignore_index": options.get("ignore_index", -100), "logits_f32_bytes": 4 * n * v}
     del value, grads, wide
-    row["napkin"] = measure("napkin", fused, args, flops, want)
-    row["xla"] = measure("xla", unfused, args, flops, want)
-    for what in ("forward", "forward+backward"):
-        ours, theirs = row["napkin"].get(what, {}), row["xla"].get(what, {})
-        if "ms" in ours and "ms" in theirs:
-            row.setdefault("speedup_vs_xla", {})[what] = theirs["ms"] / ours["ms"]
-            print(f"  {what:17s} napkin {ours['ms']:9.3f} ms ({ours['tflops']:6.1f} TFLOP/s, temp "
-                  f"{ours['temp_bytes']}) vs xla {theirs['ms']:9.3f} ms (temp {theirs['temp_bytes']}): "
-                  f"{theirs['ms'] / ours['ms']:.2f}× xla's speed", flush=True)
+    memory = {"peak_bytes_in_use": peak_bytes}
+    row["napkin"] = measure_passes("napkin", passes(fused), args, flops, want, memory)
+    row["xla"] = measure_passes("xla", passes(unfused), args, flops, want, memory)
+    for what in speedups(row):
+        ours, theirs = row["napkin"][what], row["xla"][what]
+        print(f"  {what:17s} napkin {ours['ms']:9.3f} ms ({ours['tflops']:6.1f} TFLOP/s, temp "
+              f"{ours['temp_bytes']}) vs xla {theirs['ms']:9.3f} ms (temp {theirs['temp_bytes']}): "
+              f"{theirs['ms'] / ours['ms']:.2f}× xla's speed", flush=True)
     return row
 
 
 def plot(rows: list, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, what in zip(axes, ("forward", "forward+backward"), strict=True):
-        labels = [f"n={r['n']}\nv={r['v']}" for r in rows]
-        x = np.arange(len(rows))
-        for k, (impl, colour) in enumerate((("napkin", "C0"), ("xla", "C1"))):
-            ms = [r[impl].get(what, {}).get("ms", np.nan) for r in rows]
-            ax.bar(x + 0.4 * k, ms, 0.4, label=impl if impl == "xla" else "napkin-cat (fused)", color=colour)
-        ax.set_xticks(x + 0.2, labels)
-        ax.set_ylabel("ms")
-        ax.set_title(what)
-        ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    ticks = [f"n={r['n']}\nv={r['v']}" for r in rows]
+    bar_plot(rows, path, title, {"napkin": "napkin-cat (fused)", "xla": "xla"}, "ms", ticks, "ms")
 
 
 def main(argv=None) -> None:
@@ -176,13 +122,9 @@ def main(argv=None) -> None:
     given = (("budget", opts.budget), ("backend_", opts.backend))
     stem += "".join(f"_{k}{v}" for k, v in given if v not in (None, "auto"))
     stem += "_no_ignore" if opts.no_ignore else ""
-    opts.out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for n, d, v in ROWS["smoke" if opts.smoke else "full"]:
-        rows.append(run_row(n, d, v, options))
-        (opts.out / f"{stem}.json").write_text(json.dumps({"device": dev, "rows": rows}, indent=1))
-        plot(rows, opts.out / f"{stem}.png", f"linear cross-entropy, bf16, {dev['kind']}")
-    print(f"wrote {opts.out / stem}.json and .png")
+    title = f"linear cross-entropy, bf16, {dev['kind']}"
+    write_rows(ROWS["smoke" if opts.smoke else "full"], lambda n, d, v: run_row(n, d, v, options), dev, opts.out,
+               stem, lambda rows, path: plot(rows, path, title))
 
 
 if __name__ == "__main__":

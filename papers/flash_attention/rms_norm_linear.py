@@ -18,9 +18,7 @@ a CPU (interpret mode), to check the script.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import traceback
 from pathlib import Path
 
 import jax
@@ -31,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file: f
 
 import napkin_cat as nc  # noqa: E402
 from papers.flash_attention.benchmark import device_info, device_stem  # noqa: E402
-from papers.flash_attention.timing import time_calls  # noqa: E402
+from papers.flash_attention.timing import bar_plot, measure_passes, speedups, write_rows  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROWS = {"full": ((16384, 4096, 4096), (16384, 4096, 14336)), "smoke": ((64, 32, 48), (40, 64, 100))}
@@ -61,44 +59,9 @@ def with_gradients(f):
     return both
 
 
-def rel_err(got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
-
-
-def temporaries(f, *args) -> int | None:
-    analysis = jax.jit(f).lower(*args).compile().memory_analysis()
-    return None if analysis is None else int(analysis.temp_size_in_bytes)
-
-
-def measure(name: str, f, args, flops: float, want) -> dict:
-    """Forward and forward+backward of ``f`` (a function of x, g, w): time, TFLOP/s, temporaries, error."""
-    row = {}
-    passes = {"forward": (lambda x, g, w, dy: f(x, g, w)), "forward+backward": with_gradients(f)}
-    for what, run in passes.items():
-        try:
-            jitted = jax.jit(run)
-            out = jax.block_until_ready(jitted(*args))
-            t = time_calls(jitted, *args, reps=5, batches=3)
-            got = [out] if what == "forward" else list(out)
-            errs = [rel_err(a, b) for a, b in zip(got, want[: len(got)], strict=True)]
-            row[what] = {
-                "ms": t.ms,
-                "method": t.method,
-                "tflops": flops * (1 if what == "forward" else 3) / t.seconds / 1e12,
-                "temp_bytes": temporaries(run, *args),
-                "rel_err": errs,
-            }
-            print(
-                f"  {name:8s} {what:17s} {t.ms:9.3f} ms  {row[what]['tflops']:7.1f} TFLOP/s  "
-                f"temp {row[what]['temp_bytes']}  err {max(errs):.1e}",
-                flush=True,
-            )
-        except Exception as e:  # recorded, not fatal
-            row[what] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
-            print(f"  {name:8s} {what:17s} failed: {row[what]['error'][:200]}", flush=True)
-            traceback.print_exc(limit=2)
-    return row
+def passes(f) -> dict:
+    """The forward and forward+backward of ``f`` (a function of x, g, w), each a function of (x, g, w, dy)."""
+    return {"forward": lambda x, g, w, dy: f(x, g, w), "forward+backward": with_gradients(f)}
 
 
 def run_row(n: int, d: int, m: int, blocks, interpret) -> dict:
@@ -118,37 +81,18 @@ def run_row(n: int, d: int, m: int, blocks, interpret) -> dict:
     want = list(jax.jit(with_gradients(reference))(*wide))  # f32 gradients, not rounded to bf16
     print(f"n={n} d={d} m={m}: blocks {made.signature.tile}×{made.signature.stream}", flush=True)
     row = {"n": n, "d": d, "m": m, "blocks": [made.signature.tile, made.signature.stream]}
-    row["napkin"] = measure("napkin", fused, args, 2.0 * n * d * m, want)
+    row["napkin"] = measure_passes("napkin", passes(fused), args, 2.0 * n * d * m, want)
     row["backends"], row["differentiation"] = made.backends, made.differentiation
     print(f"  backends {row['backends']}", flush=True)
-    row["xla"] = measure("xla", unfused, args, 2.0 * n * d * m, want)
-    for what in ("forward", "forward+backward"):
-        ours, theirs = row["napkin"].get(what, {}), row["xla"].get(what, {})
-        if "ms" in ours and "ms" in theirs:
-            row.setdefault("speedup_vs_xla", {})[what] = theirs["ms"] / ours["ms"]
+    row["xla"] = measure_passes("xla", passes(unfused), args, 2.0 * n * d * m, want)
+    speedups(row)
     return row
 
 
 def plot(rows: list, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, what in zip(axes, ("forward", "forward+backward"), strict=True):
-        x = np.arange(len(rows))
-        for k, (impl, label) in enumerate((("napkin", "napkin-cat (fused)"), ("xla", "XLA (norm, then matmul)"))):
-            tflops = [r[impl].get(what, {}).get("tflops", np.nan) for r in rows]
-            ax.bar(x + 0.4 * k, tflops, 0.4, label=label, color=f"C{k}")
-        ax.set_xticks(x + 0.2, [f"n={r['n']}\nd={r['d']}, m={r['m']}" for r in rows])
-        ax.set_ylabel("TFLOP/s")
-        ax.set_title(what)
-        ax.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    ticks = [f"n={r['n']}\nd={r['d']}, m={r['m']}" for r in rows]
+    bars = {"napkin": "napkin-cat (fused)", "xla": "XLA (norm, then matmul)"}
+    bar_plot(rows, path, title, bars, "tflops", ticks, "TFLOP/s")
 
 
 def main(argv=None) -> None:
@@ -159,13 +103,10 @@ def main(argv=None) -> None:
     opts = parser.parse_args(argv)
     dev = device_info()
     stem = "rms_norm_linear_" + device_stem(dev["kind"]) + ("_smoke" if opts.smoke else "")
-    opts.out.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for n, d, m in ROWS["smoke" if opts.smoke else "full"]:
-        rows.append(run_row(n, d, m, tuple(opts.blocks) if opts.blocks else None, True if opts.smoke else None))
-        (opts.out / f"{stem}.json").write_text(json.dumps({"device": dev, "rows": rows}, indent=1))
-        plot(rows, opts.out / f"{stem}.png", f"RMS norm → projection, bf16, {dev['kind']}")
-    print(f"wrote {opts.out / stem}.json and .png")
+    blocks, interpret = tuple(opts.blocks) if opts.blocks else None, True if opts.smoke else None
+    title = f"RMS norm → projection, bf16, {dev['kind']}"
+    write_rows(ROWS["smoke" if opts.smoke else "full"], lambda n, d, m: run_row(n, d, m, blocks, interpret), dev,
+               opts.out, stem, lambda rows, path: plot(rows, path, title))
 
 
 if __name__ == "__main__":
