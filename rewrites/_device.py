@@ -555,9 +555,13 @@ def execute_devices(s: Sharded):
                 ]
                 out = inner(*ins)
                 parts.append(out if isinstance(out, (tuple, list)) else (out,))
-            outs = [  # a kept axis is concatenated, a summed one added up (shard's all-reduce)
-                jnp.concatenate(ps, axis=w.names.index(axis)) if w.has(axis) else sum(ps[1:], ps[0])
-                for w, ps in zip(d.cod.inside, zip(*parts, strict=True), strict=True)
+            # a kept axis is concatenated, a sum over it added up (shard's all-reduce, as lowering._spmd adds it);
+            # an output of neither is whole on every device
+            outs = [
+                jnp.concatenate(ps, axis=w.names.index(axis))
+                if w.has(axis)
+                else sum(ps[1:], ps[0]) if is_sum else ps[0]
+                for w, ps, is_sum in zip(d.cod.inside, zip(*parts, strict=True), summed(d, axis), strict=True)
             ]
             return outs[0] if len(outs) == 1 else tuple(outs)
 
