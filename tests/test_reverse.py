@@ -50,6 +50,12 @@ def assert_reverse(d, sizes: dict, seed: int, *, assume_finite: bool = False):
         return backward(*xs, *cts), pullback(cts[0] if len(cts) == 1 else tuple(cts)), out
 
     got, want, out = jax.jit(all_three)(xs, cts)
+    if not all(bool(np.isfinite(np.asarray(v, np.float32)).all()) for v in want):
+        # XLA's CPU backend at conftest's --xla_backend_optimization_level=0 can compile JAX's own vjp to NaN where
+        # the same vjp run op by op is finite (grouped-query attention at d=1, g=2, hk=5, q=1, x=2, seed 0): the
+        # reference is then taken eagerly, so the check stays on the derived backward
+        out, pullback = jax.vjp(forward, *xs)
+        want = pullback(cts[0] if len(cts) == 1 else tuple(cts))
     if assume_finite:
         assume(all(bool(np.isfinite(np.asarray(v, np.float32)).all()) for v in (*jax.tree.leaves(out), *want)))
     got = got if isinstance(got, tuple) else (got,)
@@ -107,6 +113,13 @@ LIBRARY = {
 def test_library(name, data, seed):
     d = LIBRARY[name]()
     assert_reverse(d, _sizes(d, data), seed)
+
+
+def test_grouped_query_attention_where_xla_compiles_the_reference_to_nan():
+    # the sizes and seed hypothesis 6.170 drew: the compiled reference is NaN under conftest's XLA flags
+    d = LIBRARY["grouped-query attention"]()
+    named = {str(s): s for w in d.dom.inside for a in w.axes for s in a.size.free_symbols}
+    assert_reverse(d, {named[k]: v for k, v in dict(d=1, g=2, hk=5, q=1, x=2).items()}, 0)
 
 
 @settings(max_examples=1, deadline=None)
