@@ -464,4 +464,5 @@ def differentiable(primal: Callable, kernels: Callable[[], tuple], b: Backward, 
         return tuple(grads)
 
     f.defvjp(f_fwd, f_bwd)
+    f.lowered = (primal, kernels, b, d)  # lowering._spmd partitions each kernel of the derivative on its own
     return f

@@ -224,6 +224,17 @@ def call(fn: Callable, d: Diagram, arrays: Sequence, interpret: bool = False):
     return _local(fn, arrays, interpret)
 
 
+def _on_mesh(outs, xs):
+    """``outs`` typed on the mesh ``xs`` name, their sharding left to the compiler. A ``custom_partitioning`` op's
+    results have its function's types, and a ``pallas_call`` names no mesh: the next kernel (or the cotangent's)
+    would find none on its inputs and run whole on every device (its inputs gathered), not per shard."""
+    mesh = next((m for x in xs if not (m := jax.typeof(x).sharding.mesh).empty), None)
+    if mesh is None:
+        return outs
+    free = lambda x: NamedSharding(mesh, Spec(*[Spec.UNCONSTRAINED] * x.ndim))  # noqa: E731
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, free(x)), outs)
+
+
 def _outs(d: Diagram, specs: tuple[Spec, ...]):
     return specs[0] if len(d.cod) == 1 else specs
 
@@ -245,8 +256,24 @@ def _local(fn: Callable, arrays: Sequence, interpret: bool):
 
 @functools.cache
 def _partitioned(fn: Callable, d: Diagram) -> Callable:
-    """``fn`` as ``custom_partitioning`` ops (forward, and the backward through ``fn``'s own), under Auto axes."""
+    """``fn`` as ``custom_partitioning`` ops (forward, and the backward through ``fn``'s own), under Auto axes.
+
+    A kernel with a lowered backward (:func:`lowering._backward.differentiable`) keeps its ``custom_vjp``: each of
+    its kernels, the forward with residuals and every backward piece, is an op of its own, so the backward reads
+    the forward's residuals. Any other ``fn`` is differentiated inside one op, recomputing its forward there."""
     dom, cod = list(d.dom.inside), list(d.cod.inside)
+    if hasattr(fn, "lowered"):
+        # imported here: lowering._backward imports the backends, which import this module
+        from lowering._backward import differentiable
+
+        primal, kernels, b, _ = fn.lowered
+
+        @functools.cache
+        def ops() -> tuple:  # the backward's pieces: their outputs are cotangents (summed over a split axis)
+            forward, *pieces = kernels()
+            return (_kernel_op(forward), *(_kernel_op(p, sums=True) for p in pieces))
+
+        return differentiable(_op(_positional(primal), d, dom, cod), ops, b, d)
     inexact = [i for i, w in enumerate(dom) if jnp.issubdtype(w.dtype.jnp, jnp.inexact)]
     forward = _op(fn, d, dom, cod)
 
@@ -281,6 +308,20 @@ def _partitioned(fn: Callable, d: Diagram) -> Callable:
     return f
 
 
+def _kernel_op(k, sums: bool = False) -> Callable:
+    """A lowered kernel ``k`` as a ``custom_partitioning`` op, by its own diagram (:func:`_op`)."""
+    d = k.plan.diagram
+    return _op(_positional(k, tupled=sums), d, list(d.dom.inside), list(d.cod.inside), sums)
+
+
+def _positional(k, tupled: bool = False) -> Callable:
+    """``k`` as a function of positional arrays only (``custom_partitioning`` binds its signature); ``tupled``: its
+    results always a tuple (as a ``sums`` op's shardings are)."""
+    if not tupled:
+        return lambda *xs: k(*xs)
+    return lambda *xs: (out if isinstance(out := k(*xs), tuple) else (out,))
+
+
 def _op(fn: Callable, d: Diagram, ins: list, outs: list, sums: bool = False) -> Callable:
     """``fn`` from wires ``ins`` to wires ``outs`` as a ``custom_partitioning`` op: its sharding rule names each
     dimension by its diagram axis, the axes no mesh may split (:func:`shardable`) kept replicated; ``sums``: an
@@ -310,4 +351,4 @@ def _op(fn: Callable, d: Diagram, ins: list, outs: list, sums: bool = False) -> 
         sharding_rule=f"{side(ins)} -> {side(outs)}",
         need_replication_factors=tuple(factor[a] for a in names if a not in shardable(d)),
     )
-    return op
+    return lambda *xs: _on_mesh(op(*xs), xs)

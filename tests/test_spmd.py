@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -88,6 +89,31 @@ def test_four_auto_axes_propagate_through_the_kernel(seed):
 
 
 @on_four
+def test_four_a_kernel_reading_another_kernel_s_output_runs_per_shard(seed):
+    # a pallas kernel's output named no mesh: the attention after the fused norm then ran whole on every device,
+    # its inputs gathered (data-parallel training ran every attention 4 times)
+    m = mesh(AxisType.Auto)
+    x, g, w = (jax.random.normal(jax.random.key(seed + i), s) for i, s in enumerate([(4, 24, 32), (32,), (32, 192)]))
+    x, g, w = (jax.device_put(a, NamedSharding(m, s)) for a, s in ((x, Spec("data")), (g, Spec()), (w, Spec())))
+
+    def layer(x, g, w, norm_linear):
+        q, k, v = jnp.split(norm_linear(x, g, w).reshape(4, 24, 12, 16), 3, axis=2)
+        attend = nc.attention if norm_linear is nc.rms_norm_linear else jax.nn.dot_product_attention
+        return attend(q, k, v, is_causal=True).sum()
+
+    def by_hand(x, g, w):
+        return (x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * g) @ w
+
+    program = jax.jit(jax.value_and_grad(lambda *a: layer(*a, nc.rms_norm_linear), argnums=(0, 1, 2)))
+    gathered = re.findall(r"= (f32\[\S*) all-gather\(", program.lower(x, g, w).compile().as_text())
+    assert not gathered, f"activations gathered: {gathered}"
+    got = program(x, g, w)
+    want = jax.value_and_grad(lambda *a: layer(*a, by_hand), argnums=(0, 1, 2))(jnp.asarray(jax.device_get(x)), g, w)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert float(jnp.max(jnp.abs(a - b))) <= TOL * (1 + float(jnp.max(jnp.abs(b))))
+
+
+@on_four
 def test_four_inside_shard_map_with_check_vma(seed):
     m = mesh(AxisType.Explicit)
     per_shard = jax.shard_map(nc.attention, mesh=m, in_specs=BHD, out_specs=BHD, check_vma=True)
@@ -113,8 +139,6 @@ def test_four_a_sharded_key_axis_is_refused(seed):
 def test_four_docs_example_runs(capsys):
     """docs/multi_device.md's sharded-attention and summed-axis examples (its Python blocks that make a
     NamedSharding)."""
-    import re
-
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "multi_device.md").read_text(), re.S)
     sharded, summed = [b for b in blocks if "NamedSharding(" in b and "distributed" not in b]
     scope = {"jax": jax, "jnp": jnp, "nc": nc}
