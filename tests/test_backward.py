@@ -42,6 +42,14 @@ def dpa(causal):
     return lambda Q, K, V: t(jax.nn.dot_product_attention(t(Q), t(K), t(V), is_causal=causal))
 
 
+def reference_grads(attn, causal, args, ct):
+    """dQ, dK, dV of tests/references.py and of jax.nn (in f32, from the inputs upcast) and of the naive diagram
+    (``nc.to_jax``, in the inputs' dtype): one program for the three, where three jits would compile three."""
+    f32 = [a.astype(jnp.float32) for a in (*args, ct)]
+    independent = grads(lambda *a: R.attention(*a, causal=causal), f32[:3], f32[3])
+    return independent, grads(dpa(causal), f32[:3], f32[3]), grads(nc.to_jax(attn), args, ct)
+
+
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     nq=st.integers(1, 50),
@@ -59,10 +67,7 @@ def test_mha_gradients(seed, key, nq, nx, causal, dtype):
     Q, K, V = rand(key, [(1, 2, nq, 16), (1, 2, nx, 16), (1, 2, nx, 16)], dtype)
     (ct,) = rand(jax.random.fold_in(key, 1), [(1, 2, nq, 16)], dtype)  # the cotangent in the output's dtype
     ours = jitted_grads(kernel, (Q, K, V), ct)
-    f32 = [a.astype(jnp.float32) for a in (Q, K, V, ct)]
-    independent = jitted_grads(lambda *a: R.attention(*a, causal=causal), f32[:3], f32[3])
-    jax_nn = jitted_grads(dpa(causal), f32[:3], f32[3])
-    naive = jitted_grads(nc.to_jax(attn), (Q, K, V), ct)
+    independent, jax_nn, naive = jax.jit(lambda ct, *a: reference_grads(attn, causal, a, ct))(ct, Q, K, V)
     why = f"q={nq}, x={nx}, causal={causal}, {dtype} (NAPKIN_SEED={seed})"
     one_key = nx == 1 or (causal and nq == 1)  # every row sees one key: softmax is constant, so dS, dQ, dK ≡ 0
     for name, a, r, s, n in zip("QKV", ours, independent, jax_nn, naive, strict=True):

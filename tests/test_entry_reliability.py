@@ -149,8 +149,9 @@ def diagram_errors(seed: int, path: str, mod: str) -> list[float]:
     extra += [args["segment_ids"]] * 2 if "segment_ids" in args else []
     run = nc.to_jax(diagram_for(args, SCORE_MODS[mod], biased))
     inputs = (Q, K, V, *[bias][:biased])
-    out, grads = value_and_pullback(lambda Q, K, V, *bias: run(Q, K, V, *bias, *extra))(dO, *inputs)
-    want, grads_ref = value_and_pullback(lambda *a: reference(*a, score_mod=SCORE_MODS[mod], keep=keep))(dO, *inputs)
+    ours = lambda Q, K, V, *bias: run(Q, K, V, *bias, *extra)  # noqa: E731
+    ref = lambda *a: reference(*a, score_mod=SCORE_MODS[mod], keep=keep)  # noqa: E731
+    (out, grads), (want, grads_ref) = value_and_pullbacks(ours, ref)(dO, *inputs)
     return [rel(out, want)] + [rel(g, w) for g, w in zip(grads, grads_ref, strict=True)]
 
 
@@ -188,8 +189,7 @@ def entry_errors(run, q, k, v, dO, args: dict, keep, score_mod, bias=None) -> li
     def ref(q, k, v, bias):
         return jnp.swapaxes(reference(*heads_major(q, k, v), bias, score_mod=score_mod, keep=keep), 1, 2)
 
-    out, ours = value_and_pullback(entry)(dO, q, k, v, bias)
-    want, theirs = value_and_pullback(ref)(dO, q, k, v, bias)
+    (out, ours), (want, theirs) = value_and_pullbacks(entry, ref)(dO, q, k, v, bias)
     grads = [(g, w) for g, w in zip(ours, theirs, strict=True) if w is not None]
     return [rel(out, want)] + [rel(g, w) for g, w in grads]
 
@@ -197,6 +197,12 @@ def entry_errors(run, q, k, v, dO, args: dict, keep, score_mod, bias=None) -> li
 def value_and_pullback(f):
     """``(f(*args), vjp(f)(ct))`` as one jitted program: run eagerly, a reference compiles op by op."""
     return jax.jit(lambda ct, *args: (lambda out, pullback: (out, pullback(ct)))(*jax.vjp(f, *args)))
+
+
+def value_and_pullbacks(*fs):
+    """:func:`value_and_pullback` of each of ``fs`` on the same arguments, all in one jitted program (one compile
+    where a jit each would compile each); each still computed by its own code."""
+    return jax.jit(lambda ct, *args: [value_and_pullback(f)(ct, *args) for f in fs])
 
 
 def normal(key, *shapes):
@@ -279,8 +285,8 @@ def test_multi_head_attention_with_a_score_mod_reading_the_head(seed):
     assert str(mha.cod) == "b×h×q_idx×d"
     Q, K, V, dO = normal(jax.random.key(seed), *[(B, H, n, 16)] * 4)
     keep = odd_batches_causal(*jnp.ix_(jnp.arange(B), jnp.arange(n), jnp.arange(n)))[:, None]
-    out, grads = value_and_pullback(nc.to_jax(mha))(dO, Q, K, V)
-    want, grads_ref = value_and_pullback(lambda *a: reference(*a, score_mod=slopes, keep=keep))(dO, Q, K, V)
+    ref = lambda *a: reference(*a, score_mod=slopes, keep=keep)  # noqa: E731
+    (out, grads), (want, grads_ref) = value_and_pullbacks(nc.to_jax(mha), ref)(dO, Q, K, V)
     errors = [rel(out, want)] + [rel(g, w) for g, w in zip(grads, grads_ref, strict=True)]
     assert max(errors) <= TOL["softcap"], f"(out, dq, dk, dv) {errors} (NAPKIN_SEED={seed})"
     plain = library.multi_head_attention(h, q, x, d, batch=(b,), causal=True)
