@@ -27,9 +27,9 @@ once (one matmul over every token of a chunk), so its blocks are sized by memory
 :func:`xla_blocks` takes the largest chunk of classes whose f32 logit block stays within a budget (``budget=``,
 by default :data:`XLA_BUDGET`), for the forward and the backward's one pass alike
 (:class:`lowering.xla.XlaConfig`'s ``chunks``): a few large matmuls rather than thousands of small ones.
-``kernel_for(...)`` states the backend, the blocks and why. Kernels are cached per :class:`Signature` (the dtype, ``d``, the options, the schedule):
-the token and vocabulary sizes stay symbolic, bound at each call (the XLA backend's chunks, powers of two, are
-chosen from them).
+``kernel_for(...)`` states the backend, the blocks and why. Kernels are cached per :class:`Signature` (the dtype,
+``d``, the options, the schedule): the token and vocabulary sizes stay symbolic, bound at each call (the XLA
+backend's chunks, powers of two, are chosen from them).
 
 >>> import jax, jax.numpy as jnp, optax
 >>> h = jax.random.normal(jax.random.key(0), (40, 32))
@@ -284,7 +284,8 @@ class LinearCrossEntropy:
     PyTorch), the sum, or (``"none"``) the per-token loss of ``labels``' shape, in f32. Differentiable in ``h``
     and ``w`` (``jax.grad``), jit-able. ``blocks=(tile, chunk)`` sets the tokens per tile and classes per chunk
     (powers of two ≥ 16; by default Triton's :data:`BLOCKS`, halved to fit shared memory); on the XLA backend
-    also the backward's (one pass over classes in chunks of ``chunk``), else chosen by :func:`xla_blocks` within ``budget`` bytes per f32 logit block (:data:`XLA_BUDGET`).
+    also the backward's (one pass over classes in chunks of ``chunk``), else chosen by :func:`xla_blocks` within
+    ``budget`` bytes per f32 logit block (:data:`XLA_BUDGET`).
 
     >>> h, w = jnp.ones((2, 3, 16), jnp.bfloat16), jnp.ones((50, 16), jnp.bfloat16)
     >>> labels = jnp.array([[1, 2, -100], [4, 5, 6]])

@@ -7,8 +7,9 @@ is weaved over it (it runs per chunk: it combines no elements along ``x``) or re
 accumulator ``B(f(a), b) = f(a ⊕ b)``, and no wire carrying ``x`` reaches a box after the reduction. A
 wire carrying ``x`` may leave the diagram where it is computed from chunks alone (no completed reduction on
 its way): each chunk's slice of it is then written once, as a tiled axis's blocks are (a backward's ``dW``
-of a streamed vocabulary, beside the ``dh`` the stream accumulates). Composition and weaving preserve this (the Fusion Theorem), so the check is local
-to boxes and wires; what it accepts is streamable by construction, what it refuses is named.
+of a streamed vocabulary, beside the ``dh`` the stream accumulates). Composition and weaving preserve this
+(the Fusion Theorem), so the check is local to boxes and wires; what it accepts is streamable by construction,
+what it refuses is named.
 
 ``stream(x, s)`` is the composite ``fuse_softmax(x) ; relabel``: before checking, it applies the rule
 :class:`fuse_softmax` (FAN's softmax-contraction lemma): a softmax over ``x`` whose output reaches a

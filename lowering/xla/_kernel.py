@@ -5,8 +5,9 @@ blocks of ``g`` and every block runs at once (``jax.vmap`` over the blocks, and 
 streamed axis becomes a ``lax.fori_loop`` over chunks of ``s`` folding the accumulators (FAN §3), so a
 block never holds more than one chunk of the streamed axis; an output that carries the streamed axis
 (computed from chunks alone, as :func:`rewrites.streamability` allows) is a buffer the loop carries, each
-chunk's slice written into it once (``lax.dynamic_update_slice``, which XLA does in place); each block's body is the scheduled interpreter
-:func:`rewrites.walk`, as in the Pallas kernels. Sizes the blocks do not divide: a tiled axis is padded with
+chunk's slice written into it once (``lax.dynamic_update_slice``, which XLA does in place); each block's body
+is the scheduled interpreter :func:`rewrites.walk`, as in the Pallas kernels. Sizes the blocks do not divide: a
+tiled axis is padded with
 zeros (no box combines elements along it, so its padding rows reach only themselves, and are sliced off);
 the streamed axis ends on a shorter chunk (exact, as :func:`rewrites.execute`: no neutral value needed); an
 axis kept whole is never padded.
