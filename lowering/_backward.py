@@ -281,6 +281,7 @@ def backward_of(
     narrow: bool = True,
     own: Chunks | None = None,
     chunks: Mapping[str, int] | None = None,
+    one_pass: bool = False,
 ) -> Backward:
     """The lowered backward's diagrams and schedules for the scheduled forward ``d`` (see the module),
     its blocks fitted to ``hardware``'s shared memory with ``config``'s pipeline stages.
@@ -294,6 +295,12 @@ def backward_of(
     hold more accumulators and keep ``backward_stream``. A backend whose blocks are arrays, not shared memory (XLA:
     :attr:`lowering.xla.XlaConfig.chunks`), passes ``chunks``: the chunk of each axis a kernel streams, by name,
     taken as given by every kernel streaming that axis.
+
+    With ``one_pass`` (a backend whose tiles all run at once, XLA's: :attr:`lowering.xla.XlaConfig.one_pass`), the
+    cotangents that hold the forward's streamed axis and would stream a tiled one (a classifier's ``dW``: tile
+    the vocabulary, stream tokens) are computed by the kernel streaming the forward's streamed axis (``dh``'s),
+    its tiled axes kept whole (:func:`one_pass`): each chunk's block recomputed once for both, ``dh`` accumulated
+    and ``dW``'s slice written per chunk.
 
     With ``narrow`` each kernel stores a cotangent in its input's dtype; without, in f32: partial gradients a
     caller sums further (a ring's steps, ``lowering._ring``) keep their precision until summed.
@@ -330,7 +337,8 @@ def backward_of(
             pieces.append(_hoist(t, values, tiled, [along], at, hardware, config, f"Σ_{along}"))
     order = list(t.inputs)
     mine = None if own is None else (own, min(max(blocks), own.largest))  # dQ's keys: chunks as the forward's
-    for (kept, left), group in _schedules(t, grads, keyed, streams, d if narrow else None).items():
+    groups = _schedules(t, grads, keyed, streams, d if narrow else None)
+    for (kept, left), group in (one_pass_groups(t, groups, tiles, streams) if one_pass else groups).items():
         at = (sizes[0], chunks.get(left[0], sizes[1])) if left else sizes
         given = mine if not left or left[0] not in chunks else None
         pieces.append(_gradients(t, order, (kept, left), group, (keyed, streams), at, given, hardware, config))
@@ -368,6 +376,32 @@ def _schedules(t, grads, keyed: list, streams: dict, narrow: Diagram | None) -> 
             wide = t.cast(wide, narrow.dom.inside[i].dtype)
         schedules.setdefault((kept, tuple(left)), []).append((i, wide, summed))
     return schedules
+
+
+def one_pass_groups(t, groups: dict, tiles: dict, streams: dict) -> dict:
+    """:func:`_schedules`' ``groups`` with those whose kernel streams a tiled axis and whose cotangents all hold the
+    forward's streamed axis ``x`` merged into the kernel streaming ``x``, which then tiles nothing (its tiled
+    axes kept whole: a cotangent summing one is complete in each chunk's block) and writes each merged cotangent
+    chunk by chunk along ``x`` (:func:`rewrites.streamability`: computed from chunks alone). The merged kernel
+    runs first; groups that nothing merges with are returned as they were.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> n, d, v = nc.axes("n d v")
+    >>> lce = derive(nc.library.linear_cross_entropy(n, d, v), tile(n, 16), stream(v, 16), verify=False).diagram
+    >>> [(p.outputs, [str(r) for r in p.rules]) for p in backward_of(lce, one_pass=True).pieces]
+    [((0, 1), ['stream(v, 16)'])]
+    """
+    if not streams:
+        return groups
+    (x,) = streams
+    merged, rest = {}, {}
+    for (kept, left), group in groups.items():
+        along = left == (x,) or (left and left[0] in tiles and all(x in t.ty(wide).names for _, wide, _ in group))
+        (merged if along else rest)[(kept, left)] = group
+    if len(merged) < 2:
+        return groups
+    return {((), (x,)): [c for group in merged.values() for c in group], **rest}
 
 
 def _gradients(t, order: list, key: tuple, group: list, loops: tuple, sizes: tuple, own, hardware, config) -> Piece:

@@ -6,9 +6,11 @@ ICLR 2025).
 :func:`napkin_cat.library.linear_cross_entropy`: ``tile(n), stream(v)`` gives a forward whose logits live one
 ``[tile, chunk]`` block at a time, the log-sum-exp carried by the online softmax over the vocabulary (as
 attention's over keys), and the derived backward (:mod:`lowering._backward`) recomputes each block of logits
-from ``h``, ``w`` and the forward's log-sum-exp: ``dh`` in a kernel tiling tokens and streaming the vocabulary,
-``dw`` in one tiling the vocabulary and streaming tokens. No ``[n, v]`` array is written, forward or backward
-(on the XLA backend, no logit block over its budget: the whole ``[n, v]`` only where it fits within it).
+from ``h``, ``w`` and the forward's log-sum-exp: on Triton ``dh`` in a kernel tiling tokens and streaming the
+vocabulary, ``dw`` in one tiling the vocabulary and streaming tokens; on the XLA backend one kernel streaming the
+vocabulary (:attr:`lowering.xla.XlaConfig.one_pass`), each chunk's logits recomputed once for ``dh``
+(accumulated) and ``dw``'s slice (written per chunk). No ``[n, v]`` array is written, forward or backward (on the
+XLA backend, no logit block over its budget: the whole ``[n, v]`` only where it fits within it).
 
 The labels are compared with the vocabulary's index, an i32 input ``ids = arange(V)`` of the diagram (``4·V``
 bytes) that the entry passes. A label equal to ``ignore_index`` (default ``-100``, as PyTorch) gives a loss of 0
@@ -22,12 +24,12 @@ where its blocks, which hold the hidden dim ``d`` whole, fit the target's shared
 (:func:`lowering._tiles.fit_blocks`), else the XLA backend (tiles vmapped, the vocabulary a ``lax.fori_loop``;
 at ``d = 4096`` in 16-bit even 16 × 16 blocks exceed an H100's 227 KiB). The XLA backend's tiles all run at
 once (one matmul over every token of a chunk), so its blocks are sized by memory, not shared memory:
-:func:`xla_blocks` takes the largest chunks whose f32 logit block stays within a budget (``budget=``, by
-default :data:`XLA_BUDGET`), for the forward and the backward's kernels alike (:class:`lowering.xla.XlaConfig`'s
-``chunks``): a few large matmuls rather than thousands of small ones. ``kernel_for(...)`` states the backend,
-the blocks and why. Kernels are cached per :class:`Signature` (the dtype, ``d``, the options, the schedule):
-the token and vocabulary sizes stay symbolic, bound at each call (the XLA backend's chunks, powers of two, are
-chosen from them).
+:func:`xla_blocks` takes the largest chunk of classes whose f32 logit block stays within a budget (``budget=``,
+by default :data:`XLA_BUDGET`), for the forward and the backward's one pass alike
+(:class:`lowering.xla.XlaConfig`'s ``chunks``): a few large matmuls rather than thousands of small ones.
+``kernel_for(...)`` states the backend, the blocks and why. Kernels are cached per :class:`Signature` (the dtype,
+``d``, the options, the schedule): the token and vocabulary sizes stay symbolic, bound at each call (the XLA
+backend's chunks, powers of two, are chosen from them).
 
 >>> import jax, jax.numpy as jnp, optax
 >>> h = jax.random.normal(jax.random.key(0), (40, 32))
@@ -72,8 +74,8 @@ DTYPES = {"float32": f32, "bfloat16": bf16, "float16": f16}
 REDUCTIONS = ("mean", "sum", "none")
 #: the blocks Triton starts from (tokens per tile, classes per chunk), halved until they fit shared memory
 BLOCKS = (64, 64)
-#: the XLA backend's bound on one f32 logit block, in bytes (:func:`xla_blocks`); XLA holds two or three such
-#: blocks at once (the logits, their cotangent in the inputs' dtype), and the backward's f32 ``dw`` accumulator
+#: the XLA backend's bound on one f32 logit block, in bytes (:func:`xla_blocks`); XLA holds about two such blocks
+#: at once (the logits, their cotangent in the inputs' dtype), beside the backward's f32 ``dh`` accumulator
 XLA_BUDGET = 1 << 30
 #: the XLA backend's token tile: its tiles are vmapped together, so the tile only sets the tokens' padding
 XLA_TILE = 128
@@ -84,33 +86,31 @@ def _floor_pow2(x: float) -> int:
     return 1 << max(int(x).bit_length() - 1, 0)
 
 
-def xla_blocks(n: int, v: int, budget: int = XLA_BUDGET) -> tuple[int, int, int]:
-    """The XLA backend's blocks for ``n`` tokens and ``v`` classes: ``(tile, classes per chunk, tokens per
-    chunk)``. The backend vmaps its tiles, so each step of a loop over chunks is one matmul over the whole other
-    axis: the forward and ``dh`` (and any value summed over classes) hold ``[n, chunk]`` f32 logits, ``dw``
-    (classes tiled, tokens streamed) ``[v, chunk]``. Each chunk is the largest power of two whose f32 block
-    stays within ``budget`` bytes, between 16 and the axis's size rounded up to a power of two (one chunk where
-    it fits whole); the tile is :data:`XLA_TILE` (at most the tokens, rounded up), which sets only the padding.
+def xla_blocks(n: int, v: int, budget: int = XLA_BUDGET) -> tuple[int, int]:
+    """The XLA backend's blocks for ``n`` tokens and ``v`` classes: ``(tile, classes per chunk)``. The backend
+    vmaps its tiles, so each step of a loop over chunks is one matmul over every token: the forward and the
+    backward's one pass (``dh`` and ``dw``'s slice, the tokens kept whole) hold ``[n, chunk]`` f32 logits. The
+    chunk is the largest power of two whose f32 block stays within ``budget`` bytes, between 16 and the
+    vocabulary rounded up to a power of two (one chunk where it fits whole); the tile is :data:`XLA_TILE` (at most
+    the tokens, rounded up), which sets only the padding.
 
-    >>> xla_blocks(16384, 128256)  # Llama 3's vocabulary: 16 logit blocks of 1 GiB per pass, 8 for dw
-    (128, 16384, 2048)
-    >>> xla_blocks(40, 100)  # one chunk each way
-    (64, 128, 64)
+    >>> xla_blocks(16384, 128256)  # Llama 3's vocabulary: 16 logit blocks of 1 GiB per pass
+    (128, 16384)
+    >>> xla_blocks(40, 100)  # one chunk
+    (64, 128)
     >>> xla_blocks(16384, 128256, budget=1 << 20)  # a small budget: the smallest chunks
-    (128, 16, 16)
+    (128, 16)
     """
     tile = min(XLA_TILE, max(16, next_pow2(n)))
     rows = -(-n // tile) * tile  # the tokens, padded to whole tiles
-    classes = min(max(16, _floor_pow2(budget / (4 * rows))), max(16, next_pow2(v)))
-    tokens = min(max(16, _floor_pow2(budget / (4 * v))), max(16, next_pow2(n)))
-    return tile, classes, tokens
+    return tile, min(max(16, _floor_pow2(budget / (4 * rows))), max(16, next_pow2(v)))
 
 
 @dataclass(frozen=True)
 class Signature:
     """What a kernel depends on, and so the cache's key: the dtype, the hidden dim, the options, the backend,
     the blocks (tokens per tile, classes per chunk) Triton starts from, and where the XLA backend may run it, its
-    blocks (``xla``: :func:`xla_blocks`' tile, classes per chunk, tokens per chunk) and the ``budget`` they were
+    blocks (``xla``: :func:`xla_blocks`' tile and classes per chunk) and the ``budget`` they were
     chosen for (None where ``blocks=`` gave them).
 
     >>> s = Signature("bfloat16", 64, -100, 0.0, 0.0, None, "triton", None, 64, 64)
@@ -129,7 +129,7 @@ class Signature:
     tile: int
     stream: int
     hardware: str | None = None
-    xla: tuple[int, int, int] | None = None
+    xla: tuple[int, int] | None = None
     budget: int | None = None
 
     def diagram(self) -> Diagram:
@@ -158,9 +158,9 @@ class LossKernel:
     >>> made.kernel.backend, made.kernel.differentiation, made.passed_over
     ('triton', 'lowered', None)
     >>> print(linear_cross_entropy.kernel_for(h, w, y, backend="xla").blocks)  # doctest: +NORMALIZE_WHITESPACE
-    XLA: tokens in tiles of 16 (vmapped: one matmul over every token); classes in chunks of 16 (forward, dh)
-    and tokens in chunks of 16 (dw): the largest powers of two whose f32 logit blocks, [n, 16] and [v, 16],
-    fit the budget of 1,073,741,824 B, at most the axis (xla_blocks)
+    XLA: tokens in tiles of 16 (vmapped: one matmul over every token); classes in chunks of 16 (the forward,
+    and the backward's one pass for dh and dw): the largest power of two whose f32 logit block [n, 16] fits the
+    budget of 1,073,741,824 B, at most the axis (xla_blocks)
     """
 
     signature: Signature
@@ -189,8 +189,8 @@ def _made(sig: Signature) -> LossKernel:
             return _made(dataclasses.replace(sig, xla=None, budget=None))
     said = f"{backend}: {t} tokens per tile, {s} classes per chunk (fitted to shared memory)"
     if backend == "xla":
-        t, s, c = sig.xla
-        config = XlaConfig(chunks=((TOKENS, c), (VOCAB, s)))
+        t, s = sig.xla
+        config = XlaConfig(chunks=((VOCAB, s),), one_pass=True)
         said = _xla_said(sig)
     # verified at a hidden dim of at most 64 (the rules do not touch it), in a thread of its own, where no
     # caller's jit/grad trace is active (JAX's trace state is per thread): the check runs on concrete arrays
@@ -224,16 +224,16 @@ def _verified_at(t: int, s: int, dim: int) -> dict[str, int]:
 
 def _xla_said(sig: Signature) -> str:
     """The XLA backend's blocks of ``sig``, and why: given, or :func:`xla_blocks`' rule."""
-    t, s, c = sig.xla
+    t, s = sig.xla
     said = (
         f"XLA: tokens in tiles of {t} (vmapped: one matmul over every token); classes in chunks of {s} "
-        f"(forward, dh) and tokens in chunks of {c} (dw)"
+        "(the forward, and the backward's one pass for dh and dw)"
     )
     if sig.budget is None:
         return said + ": given (blocks=)"
     return said + (
-        f": the largest powers of two whose f32 logit blocks, [n, {s}] and [v, {c}], fit the budget of "
-        f"{sig.budget:,} B, at most the axis (xla_blocks)"
+        f": the largest power of two whose f32 logit block [n, {s}] fits the budget of {sig.budget:,} B, at most "
+        "the axis (xla_blocks)"
     )
 
 
@@ -284,8 +284,8 @@ class LinearCrossEntropy:
     PyTorch), the sum, or (``"none"``) the per-token loss of ``labels``' shape, in f32. Differentiable in ``h``
     and ``w`` (``jax.grad``), jit-able. ``blocks=(tile, chunk)`` sets the tokens per tile and classes per chunk
     (powers of two ≥ 16; by default Triton's :data:`BLOCKS`, halved to fit shared memory); on the XLA backend
-    also the backward's (``dh`` streams classes in chunks of ``chunk``, ``dw`` tokens in chunks of ``tile``),
-    else chosen by :func:`xla_blocks` within ``budget`` bytes per f32 logit block (:data:`XLA_BUDGET`).
+    also the backward's (one pass over classes in chunks of ``chunk``), else chosen by :func:`xla_blocks` within
+    ``budget`` bytes per f32 logit block (:data:`XLA_BUDGET`).
 
     >>> h, w = jnp.ones((2, 3, 16), jnp.bfloat16), jnp.ones((50, 16), jnp.bfloat16)
     >>> labels = jnp.array([[1, 2, -100], [4, 5, 6]])
@@ -335,8 +335,8 @@ for one-hot or soft targets use optax.softmax_cross_entropy
         xla = None
         if backend in ("triton", "mosaic"):  # no XLA kernel: the budget bounds nothing
             budget = None
-        elif blocks:  # the XLA backend's blocks given: its backward's too (dw streams tokens, tile at a time)
-            xla = (int(t), int(s), int(t))
+        elif blocks:  # the XLA backend's blocks given: its backward's too
+            xla = (int(t), int(s))
         else:
             budget = budget or XLA_BUDGET
             xla = xla_blocks(n, w.shape[0], budget)

@@ -74,6 +74,7 @@ class Plan:
     batch: tuple  # axes mapped to a flattened grid dimension, block 1
     whole: tuple  # axes kept whole in every block
     diagram: Diagram
+    written: tuple = ()  # outputs carrying the streamed axis (by position): each chunk's slice written once
 
 
 def plan(d: Diagram) -> Plan:
@@ -123,7 +124,8 @@ def plan(d: Diagram) -> Plan:
     whole = kept_whole(d)
     batch = tuple(n for n in names if n not in whole and n not in tiles and n not in streamed)
     _check_contractions(d, streamed)
-    return Plan(dict(tiles), stream, batch, whole, d)
+    written = tuple(i for i, w in enumerate(d.cod.inside) if streamed & set(w.names))
+    return Plan(dict(tiles), stream, batch, whole, d, written)
 
 
 def kept_whole(d: Diagram) -> tuple[str, ...]:

@@ -66,6 +66,29 @@ class Backend(Protocol):
     def prefer(self, kernel, *, backward: bool) -> str | None: ...
 
 
+def streamed_output(p: Plan, title: str) -> str | None:
+    """Why a Pallas backend (``title``) refuses ``p``: an output carrying the streamed axis (:attr:`Plan.written`),
+    which its kernels, writing each output once per program of the grid, cannot write chunk by chunk; else None.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, stream
+    >>> from lowering import plan
+    >>> n, v = nc.axes("n v")
+    >>> x = nc.Array(n, v)
+    >>> exp_and_sum = nc.copy(x) >> (nc.exp(x) @ nc.reduce_sum(x, v))  # exp(x) written per chunk of v
+    >>> print(streamed_output(plan(derive(exp_and_sum, stream(v, 16), verify=False).diagram), "Triton"))
+    output 0 (n×v~16:f32@HBM) carries the streamed axis 'v': Triton writes each output once per program of its \
+grid, not chunk by chunk (the XLA backend does: backend='xla')
+    """
+    if not p.written:
+        return None
+    wire = p.diagram.cod.inside[p.written[0]]
+    return (
+        f"output {p.written[0]} ({wire.describe()}) carries the streamed axis {p.stream[0]!r}: {title} writes each "
+        "output once per program of its grid, not chunk by chunk (the XLA backend does: backend='xla')"
+    )
+
+
 def offer(b: Backend, p: Plan, *, interpret, config, hardware, backward: bool) -> tuple:
     """``"auto"``'s question to a backend: its kernel for ``p`` and None, or None and why not (not available
     here, or its guards refuse the plan: ``"<Title> refused: …"``). ``config`` is passed to the backend only
@@ -114,6 +137,8 @@ class Triton:
         ...              interpret=None, config=None) is None  # a sum pads with zeros
         True
         """
+        if why := streamed_output(p, self.title):
+            return why
         d = p.diagram
         size = {a.name: a.size for w in d.dom.inside for a in w.axes}
         for a in p.whole:
@@ -210,7 +235,7 @@ class Mosaic:
         ...              interpret=True, config=None)  # f32 inputs
         'input q/128×d:f32@HBM: wgmma takes 16-bit operands (or FP8: e4m3, e5m2), got f32'
         """
-        return self._built(p, interpret, config)[1]
+        return streamed_output(p, self.title) or self._built(p, interpret, config)[1]
 
     def heuristic(self, p: Plan) -> MosaicConfig:
         """MosaicConfig's defaults: two consumer warpgroups (or the diagram's ``split``), two stages, ping-pong

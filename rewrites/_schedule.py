@@ -181,11 +181,16 @@ def _streamed(d: Diagram, values: list, ctx: Context, streams: dict) -> list:
     ((x, s),) = streams.items()
     n = _extent(d.dom.inside, values, x)
     states: dict = {}
+    written = []  # each chunk's outputs: those carrying x are its slices of them (the others None)
     for start in range(0, n, s):
         chunk = [_slice(v, w, x, start, min(start + s, n)) for v, w in zip(values, d.dom.inside, strict=True)]
-        walk(d, chunk, ctx.at(**{x: ctx.offsets.get(x, 0) + start}), x, "chunk", states)
+        written.append(walk(d, chunk, ctx.at(**{x: ctx.offsets.get(x, 0) + start}), x, "chunk", states))
     final = [None if w.has(x) else v for v, w in zip(values, d.dom.inside, strict=True)]
-    return walk(d, final, ctx, x, "final", states)
+    outs = walk(d, final, ctx, x, "final", states)
+    return [
+        ctx.xp.concatenate([c[k] for c in written], axis=w.names.index(x)) if w.has(x) else o
+        for k, (o, w) in enumerate(zip(outs, d.cod.inside, strict=True))
+    ]
 
 
 def execute(d: Diagram) -> Callable:

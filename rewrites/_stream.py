@@ -4,9 +4,12 @@ rewrite: a diagram streamable along ``x``  →  the same diagram with ``x`` rela
 
 A diagram is streamable along ``x`` (FAN §3) when every box that reads ``x`` either keeps it and
 is weaved over it (it runs per chunk: it combines no elements along ``x``) or removes it through an
-accumulator ``B(f(a), b) = f(a ⊕ b)``, and no wire carrying ``x`` leaves the diagram or reaches a box
-after the reduction. Composition and weaving preserve this (the Fusion Theorem), so the check is local
-to boxes and wires; what it accepts is streamable by construction, what it refuses is named.
+accumulator ``B(f(a), b) = f(a ⊕ b)``, and no wire carrying ``x`` reaches a box after the reduction. A
+wire carrying ``x`` may leave the diagram where it is computed from chunks alone (no completed reduction on
+its way): each chunk's slice of it is then written once, as a tiled axis's blocks are (a backward's ``dW``
+of a streamed vocabulary, beside the ``dh`` the stream accumulates). Composition and weaving preserve this
+(the Fusion Theorem), so the check is local to boxes and wires; what it accepts is streamable by construction,
+what it refuses is named.
 
 ``stream(x, s)`` is the composite ``fuse_softmax(x) ; relabel``: before checking, it applies the rule
 :class:`fuse_softmax` (FAN's softmax-contraction lemma): a softmax over ``x`` whose output reaches a
@@ -280,11 +283,12 @@ def streamability(d: Diagram, axis: str, rule: str = "stream") -> list:
                 out_c = [w.has(axis) for w in box.cod.inside]
                 out_a = [any(ins_a)] * len(box.cod)
         carried[n : n + k], after[n : n + k] = out_c, out_a
-    for i, (c, w) in enumerate(zip(carried, d.cod.inside, strict=True)):
-        if c:
+    for i, (c, a, w) in enumerate(zip(carried, after, d.cod.inside, strict=True)):
+        if c and a:  # a chunk's slice of it needs the whole reduction: a second pass
             raise RewriteError(
                 rule,
-                f"output wire {i} ({w.describe()}) carries {axis} out of the stream unreduced",
+                f"output wire {i} ({w.describe()}) carries {axis} out of the stream and is computed from a "
+                f"completed reduction over {axis}: two passes, not one stream",
                 box=_producer(d, i),
                 axis=axis,
             )

@@ -82,29 +82,47 @@ def test_every_option(seed):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_xla_chunks_forced_small(seed, dtype):
-    """A budget of one byte: the XLA backend's smallest chunks (16 classes in the forward and dh,
-    16 tokens in dw), several of each, the last ragged; every option at once."""
+    """A budget of one byte: the XLA backend's smallest chunks (16 classes in the forward and the backward's
+    one pass), several of them, the last ragged; every option at once."""
     h, w, labels = inputs(seed, 37, 16, 90, jnp.dtype(dtype), ignored=5)
     options = dict(z_loss=1e-3, label_smoothing=0.1, softcap=2.0)
     made = nc.linear_cross_entropy.kernel_for(h, w, labels, backend="xla", budget=1, **options)
-    assert made.signature.xla == (64, 16, 16)
+    assert made.signature.xla == (64, 16)
     check(seed, h, w, labels, budget=1, **options)
 
 
 def test_xla_chunks_follow_the_budget():
     """The rule (lowering._cross_entropy.xla_blocks) reaches every kernel: at n = 512, v = 4096 and a budget of
-    1 MiB, classes stream in chunks of 2^20 / (4·512) = 512 (the forward, with and without residuals, and dh; no
-    Σ_v kernel: an ignored label's derivative reads no loss) and tokens in 2^20 / (4·4096) = 64 (dw); the kernel
-    states them and why. Given blocks are kept as given, in the backward too."""
+    1 MiB, classes stream in chunks of 2^20 / (4·512) = 512 (the forward, with and without residuals, and the
+    backward's one pass; no Σ_v kernel: an ignored label's derivative reads no loss), and no kernel streams
+    tokens; the kernel states them and why. Given blocks are kept as given, in the backward too."""
     h, w, labels = jnp.ones((512, 16)), jnp.ones((4096, 16)), jnp.zeros(512, jnp.int32)
     made = nc.linear_cross_entropy.kernel_for(h, w, labels, backend="xla", budget=1 << 20)
     source = made.kernel.source
-    assert source.count("chunks of v (size 512,") == 3 and source.count("chunks of n (size 64,") == 1, source
-    assert "classes in chunks of 512 (forward, dh) and tokens in chunks of 64 (dw)" in made.blocks
+    assert source.count("chunks of v (size 512,") == 3 and "chunks of n" not in source, source
+    assert "classes in chunks of 512 (the forward, and the backward's one pass for dh and dw)" in made.blocks
     assert "budget of 1,048,576 B" in made.blocks
     given = nc.linear_cross_entropy.kernel_for(h, w, labels, backend="xla", blocks=(32, 128))
-    assert given.kernel.source.count("chunks of v (size 128,") == 3 and "chunks of n (size 32," in given.kernel.source
+    assert given.kernel.source.count("chunks of v (size 128,") == 3 and "chunks of n" not in given.kernel.source
     assert given.blocks.endswith("given (blocks=)")
+
+
+@pytest.mark.parametrize("options", [{}, {"z_loss": 1e-3, "label_smoothing": 0.1, "softcap": 2.0}])
+def test_xla_backward_is_one_pass_per_chunk(options):
+    """On the XLA backend the backward is one kernel (lowering._backward.one_pass_groups): it streams the
+    vocabulary, tiles nothing, accumulates dh and writes dw's slice per chunk, so each chunk's logits are
+    recomputed once (four matmuls in all with the forward's, not five). On Triton dh and dw keep a kernel each."""
+    h, w, labels = jnp.ones((64, 16)), jnp.ones((300, 16)), jnp.zeros(64, jnp.int32)
+    made = nc.linear_cross_entropy.kernel_for(h, w, labels, backend="xla", blocks=(16, 64), **options)
+    backward = [k for k in made.kernel.backends if k.startswith("backward kernel")]
+    assert backward == ["backward kernel d(input 0), d(input 1) (stream(v, 64))"], made.kernel.backends
+    source = made.kernel.source.split("\n\n")[-1]
+    assert "vmap over: nothing" in source and "v~64×d:f32@HBM), a slice written per chunk" in source, source
+    triton = nc.linear_cross_entropy.kernel_for(h, w, labels, backend="triton", interpret=True, **options)
+    assert [k.split(" (")[0] for k in triton.kernel.backends if k.startswith("backward kernel")] == [
+        "backward kernel d(input 0)",
+        "backward kernel d(input 1)",
+    ]
 
 
 def test_triton_interpret(seed):

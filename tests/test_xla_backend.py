@@ -8,6 +8,7 @@ import pytest
 
 import napkin_cat as nc
 from lowering import Config, NotLowerable, lower
+from lowering._backward import backward_of
 from lowering.xla import XlaConfig
 from rewrites import derive, stream, tile
 from tests.references import rel_err
@@ -105,3 +106,23 @@ def test_the_entry_passes_the_backend_through(key):
     got = jax.grad(lambda Q: nc.attention(Q, K, V, is_causal=True, backend="xla").sum())(Q)
     want = jax.grad(lambda Q: jax.nn.dot_product_attention(Q, K, V, is_causal=True).sum())(Q)
     assert rel_err(got, want) <= TOL
+
+
+def test_one_pass_backward_writes_the_streamed_axis_per_chunk(key):
+    """``XlaConfig(one_pass=True)``: dK and dV (which tile keys and stream queries by default) join dQ's kernel
+    streaming keys, queries kept whole, their slices written per chunk of keys: one gradient kernel after Δ's,
+    against jax.nn at sizes the chunks do not divide. Triton refuses such a plan, naming the output."""
+    b, h, q, x, d = nc.axes("b h q x d")
+    flash = derive(
+        nc.library.multi_head_attention(h, q, x, d, batch=(b,), causal=True), tile(q, 16), stream(x, 16), verify=False
+    )
+    kernel = lower(flash, backend="xla", config=XlaConfig(one_pass=True))
+    Q, K, V = draw(key, (2, 3, 40, 8), (2, 3, 40, 8), (2, 3, 40, 8))
+    check(kernel, lambda *a: nn(*a, is_causal=True), (Q, K, V))
+    assert [k for k in kernel.backends if k.startswith("backward")] == [
+        "backward kernel Δ (tile(q, 16))",
+        "backward kernel d(input 0), d(input 1), d(input 2) (stream(x, 16))",
+    ]
+    one_pass = backward_of(flash.diagram, one_pass=True).pieces[-1].scheduled  # writes dK and dV per chunk
+    with pytest.raises(NotLowerable, match="carries the streamed axis 'x': Triton writes each output once"):
+        lower(one_pass, backend="triton", interpret=True)

@@ -14,7 +14,7 @@ class Xla:
     :func:`lowering.plan` makes (XLA places the blocks: no power-of-two, shared-memory or register limit).
 
     >>> XLA.available(None, None), XLA.heuristic(None), len(XLA.space(None))
-    (None, XlaConfig(unroll=1, chunks=()), 3)
+    (None, XlaConfig(unroll=1, chunks=(), one_pass=False), 3)
     """
 
     name, title, when, config = "xla", "XLA", "XLA where neither admits the plan", XlaConfig
@@ -38,12 +38,18 @@ class Xla:
 
     def chunks(self, d: Diagram, config, *, auto: bool) -> dict:
         """The backward's chunks: those ``config`` names by axis (:attr:`XlaConfig.chunks`), else
-        FlashAttention-2's (:func:`lowering._backward.backward_of`'s own).
+        FlashAttention-2's (:func:`lowering._backward.backward_of`'s own), and its ``one_pass`` where asked.
 
         >>> XLA.chunks(None, XlaConfig(chunks=(("v", 4096),)), auto=False), XLA.chunks(None, None, auto=False)
         ({'chunks': {'v': 4096}}, {})
+        >>> XLA.chunks(None, XlaConfig(chunks=(("v", 4096),), one_pass=True), auto=False)
+        {'chunks': {'v': 4096}, 'one_pass': True}
         """
-        return {"chunks": dict(config.chunks)} if isinstance(config, XlaConfig) and config.chunks else {}
+        if not isinstance(config, XlaConfig):
+            return {}
+        return ({"chunks": dict(config.chunks)} if config.chunks else {}) | (
+            {"one_pass": True} if config.one_pass else {}
+        )
 
     def emit(self, p: Plan, *, interpret: bool | None, config, hardware: Hardware | None) -> XlaLowered:
         """An :class:`XlaLowered` (``interpret`` has no meaning for it: XLA always compiles)."""

@@ -3,8 +3,11 @@
 The plan (:mod:`lowering._plan`) reads the same as for the Pallas backends: each tiled axis is split into
 blocks of ``g`` and every block runs at once (``jax.vmap`` over the blocks, and over the batch axes); the
 streamed axis becomes a ``lax.fori_loop`` over chunks of ``s`` folding the accumulators (FAN §3), so a
-block never holds more than one chunk of the streamed axis; each block's body is the scheduled interpreter
-:func:`rewrites.walk`, as in the Pallas kernels. Sizes the blocks do not divide: a tiled axis is padded with
+block never holds more than one chunk of the streamed axis; an output that carries the streamed axis
+(computed from chunks alone, as :func:`rewrites.streamability` allows) is a buffer the loop carries, each
+chunk's slice written into it once (``lax.dynamic_update_slice``, which XLA does in place); each block's body
+is the scheduled interpreter :func:`rewrites.walk`, as in the Pallas kernels. Sizes the blocks do not divide: a
+tiled axis is padded with
 zeros (no box combines elements along it, so its padding rows reach only themselves, and are sliced off);
 the streamed axis ends on a shorter chunk (exact, as :func:`rewrites.execute`: no neutral value needed); an
 axis kept whole is never padded.
@@ -45,14 +48,17 @@ from rewrites import walk
 @dataclass(frozen=True)
 class XlaConfig:
     """Tuning knobs of the XLA backend (blocks come from the diagram's labels): ``unroll`` chunks of the
-    streamed loop per iteration of its ``lax.fori_loop`` (an integer ≥ 1), and ``chunks``, the chunk each
+    streamed loop per iteration of its ``lax.fori_loop`` (an integer ≥ 1), ``chunks``, the chunk each
     derived backward kernel streams an axis in, by the axis's name (``(("n", 1024), ("v", 8192))``; an axis
-    not named keeps the block policy's, Triton's). XLA's blocks are arrays in HBM, not shared memory, so a
-    caller that knows the sizes sizes them by memory (``lowering._cross_entropy.xla_blocks``); all checked when
-    made.
+    not named keeps the block policy's, Triton's), and ``one_pass``: the derived backward computes every
+    cotangent that holds the forward's streamed axis in the kernel streaming it, beside those it accumulates,
+    its tiled axes kept whole (:func:`lowering._backward.backward_of`'s ``one_pass``: a classifier's ``dW``
+    written chunk by chunk beside ``dh``, the logits recomputed once, not twice). XLA's blocks are arrays in HBM,
+    not shared memory, so a caller that knows the sizes sizes them by memory
+    (``lowering._cross_entropy.xla_blocks``); all checked when made.
 
     >>> XlaConfig(unroll=2)
-    XlaConfig(unroll=2, chunks=())
+    XlaConfig(unroll=2, chunks=(), one_pass=False)
     >>> XlaConfig(unroll=0)
     Traceback (most recent call last):
     ...
@@ -65,6 +71,7 @@ class XlaConfig:
 
     unroll: int = 1
     chunks: tuple[tuple[str, int], ...] = ()
+    one_pass: bool = False
 
     def __post_init__(self):
         if not isinstance(self.unroll, int) or isinstance(self.unroll, bool) or self.unroll < 1:
@@ -75,6 +82,8 @@ class XlaConfig:
         )
         if not pairs:
             raise NotLowerable(f"XlaConfig: chunks must be (axis name, size ≥ 1) pairs, got {self.chunks!r}")
+        if not isinstance(self.one_pass, bool):
+            raise NotLowerable(f"XlaConfig: one_pass must be a bool, got {self.one_pass!r}")
 
     @classmethod
     def get_default(cls, p: Plan) -> XlaConfig:
@@ -85,7 +94,7 @@ class XlaConfig:
         >>> from lowering import plan
         >>> q, x, d = nc.axes("q x d")
         >>> XlaConfig.get_default(plan(derive(nc.library.attention(q, x, d), tile(q, 16), verify=False).diagram))
-        XlaConfig(unroll=1, chunks=())
+        XlaConfig(unroll=1, chunks=(), one_pass=False)
         """
         return cls()
 
@@ -194,6 +203,7 @@ class XlaLowered:
             lines.append(f"  loop: fori_loop over chunks of {x} (size {s}, unroll {self.config.unroll}), carrying:")
             accs = [b for b in body.boxes if not is_structural(b) and b.accumulator(x)]
             lines += [f"    {type(b.accumulator(x)).__name__} of {b.name!r}" for b in accs]
+            lines += [f"    output {k} ({body.cod.inside[k].describe()}), a slice written per chunk" for k in p.written]
         lines.append(f"  body (per block): rewrites.walk of {body.dom} → {body.cod}")
         return "\n".join(lines)
 
@@ -280,22 +290,36 @@ def _block(p: Plan, d: Diagram, sizes: dict, extent: dict, config: XlaConfig, pm
     def fold(acc, state, ins, c):
         return acc.step(state, ins, c)
 
-    def probe(*vals):  # the accumulators' states, shaped by one abstract chunk
+    written = [k for k, w in enumerate(d.cod.inside) if w.has(x)]  # outputs along x: a slice per chunk
+
+    def probe(*vals):  # the accumulators' states and the written outputs' slices, shaped by one abstract chunk
         shapes: dict = {}
-        walk(d, list(vals), ctx.at(**{x: 0}), x, "chunk", shapes, fold=lambda acc, st, ins, c: acc.partial(ins, c))
-        return shapes
+        part = lambda acc, st, ins, c: acc.partial(ins, c)  # noqa: E731
+        outs = walk(d, list(vals), ctx.at(**{x: 0}), x, "chunk", shapes, fold=part)
+        return shapes, [outs[k] for k in written]
 
     n_full, rest = divmod(extent[x], s)
-    like = jax.eval_shape(probe, *chunk(0, s if n_full else rest))
-    states = varying_like({i: d.inside[i][1].accumulator(x).identity(like[i], ctx) for i in like}, blocks)
+    like, slices = jax.eval_shape(probe, *chunk(0, s if n_full else rest))
+    states = {i: d.inside[i][1].accumulator(x).identity(like[i], ctx) for i in like}
+    at = [d.cod.inside[k].names.index(x) for k in written]  # where x lies in each written output
+    buffers = [
+        jnp.zeros(tuple(extent[x] if j == a else n for j, n in enumerate(o.shape)), o.dtype)
+        for o, a in zip(slices, at, strict=True)
+    ]
+    carry = varying_like((states, buffers), blocks)
 
-    def run(c, carry):
-        carry = dict(carry)
-        walk(d, chunk(c * s, s), ctx.at(**{x: c * s}), x, "chunk", carry, fold=fold)
-        return carry
+    def step(start, size, carry):
+        states, buffers = dict(carry[0]), carry[1]
+        outs = walk(d, chunk(start, size), ctx.at(**{x: start}), x, "chunk", states, fold=fold)
+        put = lax.dynamic_update_slice_in_dim
+        return states, [put(b, outs[k], start, a) for b, k, a in zip(buffers, written, at, strict=True)]
 
     if n_full:  # (a loop of none would still trace its body, on a chunk longer than the axis)
-        states = lax.fori_loop(0, n_full, run, states, unroll=config.unroll)
+        carry = lax.fori_loop(0, n_full, lambda c, carry: step(c * s, s, carry), carry, unroll=config.unroll)
     if rest:  # the last chunk, shorter: exact, no padding
-        walk(d, chunk(n_full * s, rest), ctx.at(**{x: n_full * s}), x, "chunk", states, fold=fold)
-    return walk(d, [None if w.has(x) else v for v, w in zip(blocks, wires, strict=True)], ctx, x, "final", states)
+        carry = step(n_full * s, rest, carry)
+    states, buffers = carry
+    outs = walk(d, [None if w.has(x) else v for v, w in zip(blocks, wires, strict=True)], ctx, x, "final", states)
+    for k, b in zip(written, buffers, strict=True):
+        outs[k] = b
+    return outs

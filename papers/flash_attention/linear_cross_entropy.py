@@ -11,8 +11,9 @@ backend the entry chose (and why it passed Triton over), its blocks and why (on 
 ``lowering._cross_entropy.xla_blocks`` takes within ``--budget`` bytes per f32 logit block, or ``--blocks``), the
 backward's kernels, and the relative error of the loss and gradients against an f32 reference on the same bf16
 inputs. An implementation that fails (out of memory: the unfused [n, v] f32 logits of the big row alone are
-8.4 GB, their gradient as much again) is recorded with its error. ``--no-ignore`` passes ``ignore_index=None``
-(the entry's default, -100, adds a backward kernel recomputing the logits).
+8.4 GB, their gradient as much again) is recorded with its error. ``--no-ignore`` passes ``ignore_index=None``.
+Each row prints the entry's kernels, forward and backward, with their schedules: on the XLA backend the
+backward is one kernel streaming the vocabulary (``dh`` accumulated, ``dw``'s slice written per chunk).
 
     python papers/flash_attention/linear_cross_entropy.py [--out DIR] [--smoke] [--blocks TILE CHUNK]
         [--budget BYTES] [--no-ignore] [--backend auto|xla|triton|mosaic]
