@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from lowering._api import lower
 from lowering._paged import PageMap, check_paged, check_pages_used, paged_split
 from lowering._plan import NotLowerable
-from lowering.triton import TritonConfig
+from lowering.triton import TRITON_BLOCKS, TritonConfig
 from napkin_cat import library
 from napkin_cat.axes import axes
 from napkin_cat.diagram import Array, Diagram, Ty, swap
@@ -126,6 +126,8 @@ class Plan:
     pages: tuple[int, int] | None = None
     #: MLA: the keys' trailing rotary dims, read from their own inputs (the latent keys are the values); 0 else
     rope: int = 0
+    #: rows per program (the row tile); None: :func:`row_tile`'s
+    tile: int | None = None
 
     @property
     def rows(self) -> int:
@@ -133,11 +135,12 @@ class Plan:
         return self.queries * self.group
 
     def blocks(self) -> tuple[int, int]:
-        """Rows per tile and keys per streamed chunk: powers of two ≥ 16 (every 16-bit dot's K), at most 64 (and
-        at most :func:`chunk_keys`, so wide heads' chunks fit shared memory); a paged cache's chunk is its pages."""
+        """Rows per tile (:func:`row_tile`, or the plan's ``tile``) and keys per streamed chunk: a power of two ≥ 16
+        (every 16-bit dot's K), at most 64 (and at most :func:`chunk_keys`, so wide heads' chunks fit shared
+        memory); a paged cache's chunk is its pages."""
         pow2 = lambda n: max(16, 1 << (n - 1).bit_length())  # noqa: E731
         keys = min(chunk_keys(self.dims), pow2(self.chunk))
-        return min(64, pow2(self.rows)), keys if self.pages is None else self.pages[1]
+        return self.tile or row_tile(self.rows, self.dims), keys if self.pages is None else self.pages[1]
 
     def page_map(self) -> PageMap | None:
         """Where a paged cache's chunks load from: the kernel's keys and values (inputs 1, 2) read as pools
@@ -160,9 +163,12 @@ class Plan:
             diagram = self._attention(b, h, q, x, d, dv, mods)
         rows, chunk = self.blocks()
         derivation = derive(diagram, tile(q, rows), stream(x, chunk))
-        # MLA's 64 rows × 512 latent dims: an f32 accumulator two warpgroups hold (FlashMLA's split), two stages
+        # MLA's 64 rows × 512 latent dims: an f32 accumulator two warpgroups hold (FlashMLA's split), two stages;
+        # a tile past Triton's 128 rows: 16 rows a warp, as its 64- and 128-row tiles have
         wide = self.rope and max(self.dims) >= 256 and self.backend in ("auto", "triton")
+        tall = rows > TRITON_BLOCKS.tile and self.backend in ("auto", "triton")
         config = TritonConfig(num_warps=8, num_stages=2) if wide else None
+        config = TritonConfig(num_warps=rows // 16, num_stages=2) if tall else config
         return lower(with_lse(derivation.diagram, x.name), self.backend, self.interpret, config)
 
     def _attention(self, b, h, q, x, d, dv, mods):
@@ -274,14 +280,36 @@ def _checked_common(q, k_cache, v_cache, lengths, keys: int) -> None:
             )
 
 
-def row_tiles(rows: int) -> int:
-    """The row tiles of one KV head's ``Nq · H/H_kv`` rows (tiles of 64 at most): programs the grid already has
-    without splitting the keys, so fewer parts fill the SMs.
+def row_tile(rows: int, dims: tuple[int, int]) -> int:
+    """Rows per program for one KV head's ``rows = Nq · H/H_kv`` rows at head dims ``dims``: Triton's attention tile
+    (FlashAttention-2's 128, 64 where a query and an output row are wider than 256: MLA's latent heads), no more than
+    the rows need (a power of two ≥ 16). Each row tile of a KV head streams the whole cache
+    (:func:`lowering.decode_cost` counts it), so the largest tile the backend holds reads it the fewest times.
 
-    >>> row_tiles(4), row_tiles(256)
-    (1, 4)
+    >>> row_tile(4, (128, 128)), row_tile(256, (128, 128)), row_tile(128, (512, 512))
+    (16, 128, 64)
     """
-    return -(-rows // 64)
+    return TRITON_BLOCKS.entry(rows, 1, *dims)[0]
+
+
+def row_tiles(rows: int, dims: tuple[int, int] = (128, 128), tile: int | None = None) -> int:
+    """The row tiles of one KV head's ``rows`` (tiles of ``tile`` rows, by default :func:`row_tile`'s): programs
+    the grid already has without splitting the keys (so fewer parts fill the SMs), each reading the cache.
+
+    >>> row_tiles(4), row_tiles(256), row_tiles(256, tile=64), row_tiles(128, (512, 512))
+    (1, 2, 4, 2)
+    """
+    return -(-rows // (tile or row_tile(rows, dims)))
+
+
+def _checked_tile(tile):
+    """``tile`` (rows per program) where it is None or a power of two from 16 to 256, else an error naming it."""
+    if tile is not None and tile not in (16, 32, 64, 128, 256):
+        raise EvaluationError(
+            f"decode_attention: tile={tile!r} rows per program must be a power of two from 16 to 256 (every 16-bit "
+            "dot's K ≥ 16; Triton's tiles of 256 take 16 warps); pass None for the default"
+        )
+    return tile
 
 
 def _parts(batch: int, programs: int, keys: int, hardware: Hardware) -> int:
@@ -341,10 +369,12 @@ def decode_attention(
     hardware: Hardware | str | None = None,
     page_table=None,
     chunk: int | None = None,
+    tile: int | None = None,
 ):
     """Attention of the ``Nq`` newest tokens ``q`` ``[B, Nq, H, D]`` over the caches ``[B, S, H_kv, D]`` holding
     ``lengths`` ``[B]`` valid keys each, by split-KV (the module's docstring). ``parts`` overrides the number of
-    parts chosen for ``hardware`` (by default an H100's SMs). Returns ``[B, Nq, H, Dv]``
+    parts chosen for ``hardware`` (by default an H100's SMs), ``tile`` the rows per program (:func:`row_tile`'s:
+    a power of two from 16 to 256). Returns ``[B, Nq, H, Dv]``
     in q's dtype, and with ``return_residual`` also the log-sum-exp ``[B, Nq, H]`` (f32; −∞ where no key is seen).
 
     With ``page_table`` (int32 ``[B, pages_per_seq]``) the caches are page pools ``[P, page_size, H_kv, D]``:
@@ -367,7 +397,7 @@ the cache's valid keys, the Nq new tokens included
     """
     if page_table is not None:
         out, lse = _paged(q, k_cache, v_cache, lengths, page_table, scale, (score_mod, mask_mod), parts, chunk,
-                          backend, interpret, hardware)  # fmt: skip
+                          backend, interpret, hardware, tile=tile)  # fmt: skip
         return (out, lse) if return_residual else out
     if chunk is not None:
         raise EvaluationError(f"decode_attention: chunk={chunk!r} is the paged kernel's; pass it with page_table=")
@@ -380,21 +410,22 @@ the cache's valid keys, the Nq new tokens included
                 "position in the cache), e.g. lambda score, kv_idx: ..."
             )
     fns = tuple(None if f is None else positional(f, FLEX, score=s) for f, s in ((score_mod, True), (mask_mod, False)))
-    out, lse = _contiguous(q, k_cache, v_cache, lengths, scale, fns, parts, backend, interpret, hardware)
+    out, lse = _contiguous(q, k_cache, v_cache, lengths, scale, fns, parts, backend, interpret, hardware, tile=tile)
     return (out, lse) if return_residual else out
 
 
-def _contiguous(q, k_cache, v_cache, lengths, scale, fns, parts, backend, interpret, hardware, rope=None):
+def _contiguous(q, k_cache, v_cache, lengths, scale, fns, parts, backend, interpret, hardware, rope=None, tile=None):
     """A checked contiguous call planned (``parts`` from the hardware's SMs unless given) and run; ``rope``:
     MLA's rotary queries and keys."""
     (batch, nq, heads, dim), (_, keys, kv_heads, dv) = q.shape, v_cache.shape
     hw = lookup(hardware) if hardware is not None else lookup("H100")
-    n = _parts(batch, kv_heads * row_tiles(nq * heads // kv_heads), keys, hw) if parts is None else parts
+    tiles = row_tiles(nq * heads // kv_heads, (dim, dv), _checked_tile(tile))
+    n = _parts(batch, kv_heads * tiles, keys, hw) if parts is None else parts
     if not isinstance(n, int) or not 1 <= n <= keys:
         raise EvaluationError(f"decode_attention: parts must be an integer in [1, S] = [1, {keys}], got {n!r}")
     r = 0 if rope is None else rope[1].shape[-1]
     plan = Plan(jnp.dtype(q.dtype).name, nq, heads // kv_heads, (dim, dv), n, math.ceil(keys / n), scale, *fns,
-                backend, interpret, rope=r)  # fmt: skip
+                backend, interpret, rope=r, tile=tile)  # fmt: skip
     _kernel(plan)  # built (derived, verified, lowered) here, outside any trace of the caller's
     return _step(plan, q, k_cache, v_cache, lengths, None, rope)
 
@@ -498,7 +529,8 @@ def _step(plan: Plan, q, k_cache, v_cache, lengths, page_table=None, rope=None):
 
 
 def _paged(
-    q, k_pages, v_pages, lengths, page_table, scale, mods, parts, chunk, backend, interpret, hardware, rope=None
+    q, k_pages, v_pages, lengths, page_table, scale, mods, parts, chunk, backend, interpret, hardware, rope=None,
+    tile=None,
 ):
     """``decode_attention`` over page pools: checked (before anything is built), planned, run through the same
     derived kernel as a contiguous cache, its keys and values read through the page map."""
@@ -518,7 +550,8 @@ def _paged(
             f"{backend!r} has no page map: pass backend='triton' or 'xla'"
         )
     hw = lookup(hardware) if hardware is not None else lookup("H100")
-    n_default = choose_parts(batch * kv_heads * row_tiles(nq * heads // kv_heads), width * page_size, hw)
+    tiles = row_tiles(nq * heads // kv_heads, (dim, dv), _checked_tile(tile))
+    n_default = choose_parts(batch * kv_heads * tiles, width * page_size, hw)
     covered = max(16, 1 << (width * page_size - 1).bit_length())  # a short table's keys, to a power of two
     default = min(chunk_keys((dim, dv)), covered)
     n, per_part, keys = paged_split(width, page_size, parts=parts, chunk=default if chunk is None else chunk,
@@ -526,6 +559,6 @@ def _paged(
     backend = "triton" if backend == "auto" else backend
     plan = Plan(jnp.dtype(q.dtype).name, nq, heads // kv_heads, (dim, dv), n, per_part * page_size, scale,
                 backend=backend, interpret=interpret, pages=(page_size, keys),
-                rope=0 if rope is None else rope[1].shape[-1])  # fmt: skip
+                rope=0 if rope is None else rope[1].shape[-1], tile=tile)  # fmt: skip
     _kernel(plan)
     return _step(plan, q, k_pages, v_pages, lengths, page_table, rope)
