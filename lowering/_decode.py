@@ -2,8 +2,8 @@
 
 A decode step (``Nq`` = 1 to 64 new query tokens per sequence, a long cache) run as a prefill launches one
 program per (batch, head) and leaves most SMs idle. Here the cache is split into ``n`` parts
-(:func:`rewrites.split_kv`, ``n`` from :func:`rewrites.choose_parts`: enough programs to fill the SMs); the
-parts become a batch axis of one kernel (the cache ``[B, S, H_kv, D]`` read as ``[B·n, S/n, H_kv, D]``, a
+(:func:`rewrites.split_kv`, ``n`` from :func:`rewrites.choose_parts`: enough programs to fill the SMs, in whole
+waves); the parts become a batch axis of one kernel (the cache ``[B, S, H_kv, D]`` read as ``[B·n, S/n, H_kv, D]``, a
 reshape), each part's kernel outputs its ``(o, lse)`` (:func:`rewrites.with_lse`, lowered by
 :func:`lowering.lower`), and the parts merge in JAX by the log-sum-exp merge (:func:`rewrites.merge_parts`,
 ``[B, n, Nq, H]`` numbers, cheap). The per-part diagram's schedule is derived and verified (``derive``); the
@@ -43,6 +43,7 @@ import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
@@ -141,6 +142,17 @@ class Plan:
         pow2 = lambda n: max(16, 1 << (n - 1).bit_length())  # noqa: E731
         keys = min(chunk_keys(self.dims), pow2(self.chunk))
         return self.tile or row_tile(self.rows, self.dims), keys if self.pages is None else self.pages[1]
+
+    def summary(self) -> dict:
+        """What a run of this plan does: its parts and keys per part, a KV head's row tiles and rows per tile, the
+        keys per streamed chunk, and the backend its kernel was lowered for (built if it was not).
+
+        >>> Plan("float32", 1, 4, (16, 16), parts=3, chunk=40).summary()
+        {'parts': 3, 'keys_per_part': 40, 'row_tiles': 1, 'tile': 16, 'chunk': 64, 'backend': 'triton'}
+        """
+        tile, chunk = self.blocks()
+        return {"parts": self.parts, "keys_per_part": self.chunk, "row_tiles": -(-self.rows // tile), "tile": tile,
+                "chunk": chunk, "backend": _kernel(self).backend}  # fmt: skip
 
     def page_map(self) -> PageMap | None:
         """Where a paged cache's chunks load from: the kernel's keys and values (inputs 1, 2) read as pools
@@ -312,11 +324,21 @@ def _checked_tile(tile):
     return tile
 
 
-def _parts(batch: int, programs: int, keys: int, hardware: Hardware) -> int:
-    """``choose_parts``'s number for ``batch · programs`` programs (KV heads times row tiles), moved to a divisor of
-    the keys where one is at least half of it (no padding)."""
-    n = choose_parts(batch * programs, keys, hardware)
-    return next((m for m in range(n, (n + 1) // 2 - 1, -1) if keys % m == 0), n)
+def _parts(batch: int, programs: int, keys: int, hardware: Hardware, *, exact: bool = True) -> int:
+    """The parts for ``batch · programs`` programs (KV heads times row tiles): at most ``choose_parts``'s number
+    (enough to fill the SMs), the one whose grid fills its last wave of SMs best (FlashAttention-2's split rule: a
+    wave begun costs a whole one, so 8 programs take 16 parts, 128 on 132 SMs, not 17, 136: two waves), ties to
+    the most parts; with ``exact`` (a contiguous cache, read as parts by a reshape) only divisors of the keys
+    where one is at least half of ``choose_parts``'s (else the cache would be padded: a copy).
+
+    >>> from napkin_cat.hardware import H100
+    >>> _parts(1, 8, 32768, H100), _parts(1, 8, 32768 + 64, H100, exact=False), _parts(16, 8, 32768, H100)
+    (16, 16, 2)
+    """
+    top = choose_parts(batch * programs, keys, hardware)
+    fits = [m for m in range(top, (top + 1) // 2 - 1, -1) if keys % m == 0] if exact else []
+    waves = lambda m: -(-batch * programs * m // hardware.sms)  # noqa: E731
+    return max(fits or range(1, top + 1), key=lambda m: (Fraction(batch * programs * m, waves(m)), m))
 
 
 def _masks(lengths, plan: Plan, batch: int):
@@ -395,10 +417,41 @@ def decode_attention(
     napkin_cat.errors.EvaluationError: decode_attention: lengths [30] outside [Nq, S] = [2, 24]: each length counts \
 the cache's valid keys, the Nq new tokens included
     """
+    plan = decode_plan(q, k_cache, v_cache, lengths, scale=scale, score_mod=score_mod, mask_mod=mask_mod, parts=parts,
+                       backend=backend, interpret=interpret, hardware=hardware, page_table=page_table, chunk=chunk,
+                       tile=tile)  # fmt: skip
+    out, lse = _step(plan, q, k_cache, v_cache, lengths, page_table)
+    return (out, lse) if return_residual else out
+
+
+def decode_plan(
+    q,
+    k_cache,
+    v_cache,
+    lengths,
+    *,
+    scale: float | None = None,
+    score_mod: Callable | None = None,
+    mask_mod: Callable | None = None,
+    parts: int | None = None,
+    backend: str = "auto",
+    interpret: bool | None = None,
+    hardware: Hardware | str | None = None,
+    page_table=None,
+    chunk: int | None = None,
+    tile: int | None = None,
+) -> Plan:
+    """The :class:`Plan` :func:`decode_attention` runs for these arguments (the same ones), checked, its kernel
+    built: what a benchmark prints beside its time (:meth:`Plan.summary`).
+
+    >>> import jax.numpy as jnp
+    >>> q, kv = jnp.zeros((1, 64, 32, 16)), jnp.zeros((1, 4096, 8, 16))
+    >>> decode_plan(q, kv, kv, jnp.array([4096])).summary()   # Nq = 64 at GQA 4: 256 rows in 2 tiles of 128
+    {'parts': 8, 'keys_per_part': 512, 'row_tiles': 2, 'tile': 128, 'chunk': 64, 'backend': 'triton'}
+    """
     if page_table is not None:
-        out, lse = _paged(q, k_cache, v_cache, lengths, page_table, scale, (score_mod, mask_mod), parts, chunk,
-                          backend, interpret, hardware, tile=tile)  # fmt: skip
-        return (out, lse) if return_residual else out
+        return _paged(q, k_cache, v_cache, lengths, page_table, scale, (score_mod, mask_mod), parts, chunk,
+                      backend, interpret, hardware, tile=tile)  # fmt: skip
     if chunk is not None:
         raise EvaluationError(f"decode_attention: chunk={chunk!r} is the paged kernel's; pass it with page_table=")
     _checked(q, k_cache, v_cache, lengths)
@@ -410,13 +463,12 @@ the cache's valid keys, the Nq new tokens included
                 "position in the cache), e.g. lambda score, kv_idx: ..."
             )
     fns = tuple(None if f is None else positional(f, FLEX, score=s) for f, s in ((score_mod, True), (mask_mod, False)))
-    out, lse = _contiguous(q, k_cache, v_cache, lengths, scale, fns, parts, backend, interpret, hardware, tile=tile)
-    return (out, lse) if return_residual else out
+    return _contiguous(q, k_cache, v_cache, scale, fns, parts, backend, interpret, hardware, tile=tile)
 
 
-def _contiguous(q, k_cache, v_cache, lengths, scale, fns, parts, backend, interpret, hardware, rope=None, tile=None):
-    """A checked contiguous call planned (``parts`` from the hardware's SMs unless given) and run; ``rope``:
-    MLA's rotary queries and keys."""
+def _contiguous(q, k_cache, v_cache, scale, fns, parts, backend, interpret, hardware, rope=None, tile=None) -> Plan:
+    """A checked contiguous call planned (``parts`` from the hardware's SMs unless given), its kernel built;
+    ``rope``: MLA's rotary queries and keys."""
     (batch, nq, heads, dim), (_, keys, kv_heads, dv) = q.shape, v_cache.shape
     hw = lookup(hardware) if hardware is not None else lookup("H100")
     tiles = row_tiles(nq * heads // kv_heads, (dim, dv), _checked_tile(tile))
@@ -427,7 +479,7 @@ def _contiguous(q, k_cache, v_cache, lengths, scale, fns, parts, backend, interp
     plan = Plan(jnp.dtype(q.dtype).name, nq, heads // kv_heads, (dim, dv), n, math.ceil(keys / n), scale, *fns,
                 backend, interpret, rope=r, tile=tile)  # fmt: skip
     _kernel(plan)  # built (derived, verified, lowered) here, outside any trace of the caller's
-    return _step(plan, q, k_cache, v_cache, lengths, None, rope)
+    return plan
 
 
 def mla_decode_attention(
@@ -480,15 +532,16 @@ def mla_decode_attention(
     k, k_r = latent_cache[:, :, None], rope_cache[:, :, None]  # the one KV head
     q_c, rope = q[..., :c], (q[..., c:], k_r)
     if page_table is not None:
-        out, lse = _paged(q_c, k, k, lengths, page_table, scale, (None, None), parts, chunk, backend, interpret,
-                          hardware, rope)  # fmt: skip
+        plan = _paged(q_c, k, k, lengths, page_table, scale, (None, None), parts, chunk, backend, interpret,
+                      hardware, rope)  # fmt: skip
     else:
         if chunk is not None:
             raise EvaluationError(
                 f"mla_decode_attention: chunk={chunk!r} is the paged kernel's; pass it with page_table="
             )
         _checked(q_c, k, k, lengths)
-        out, lse = _contiguous(q_c, k, k, lengths, scale, (None, None), parts, backend, interpret, hardware, rope)
+        plan = _contiguous(q_c, k, k, scale, (None, None), parts, backend, interpret, hardware, rope)
+    out, lse = _step(plan, q_c, k, k, lengths, page_table, rope)
     return (out, lse) if return_residual else out
 
 
@@ -528,12 +581,10 @@ def _step(plan: Plan, q, k_cache, v_cache, lengths, page_table=None, rope=None):
     return out.astype(q.dtype), lse
 
 
-def _paged(
-    q, k_pages, v_pages, lengths, page_table, scale, mods, parts, chunk, backend, interpret, hardware, rope=None,
-    tile=None,
-):
-    """``decode_attention`` over page pools: checked (before anything is built), planned, run through the same
-    derived kernel as a contiguous cache, its keys and values read through the page map."""
+def _paged(q, k_pages, v_pages, lengths, page_table, scale, mods, parts, chunk, backend, interpret, hardware, rope=None,
+           tile=None):  # fmt: skip
+    """``decode_attention``'s plan over page pools: checked (before anything is built), planned, the same derived
+    kernel as a contiguous cache's built, its keys and values to be read through the page map."""
     check_paged(q, k_pages, v_pages, page_table, chunk, MAX_QUERIES)
     (batch, nq, heads, dim), (pool, page_size, kv_heads, dv) = q.shape, v_pages.shape
     width = page_table.shape[1]
@@ -551,7 +602,7 @@ def _paged(
         )
     hw = lookup(hardware) if hardware is not None else lookup("H100")
     tiles = row_tiles(nq * heads // kv_heads, (dim, dv), _checked_tile(tile))
-    n_default = choose_parts(batch * kv_heads * tiles, width * page_size, hw)
+    n_default = _parts(batch, kv_heads * tiles, width * page_size, hw, exact=False)
     covered = max(16, 1 << (width * page_size - 1).bit_length())  # a short table's keys, to a power of two
     default = min(chunk_keys((dim, dv)), covered)
     n, per_part, keys = paged_split(width, page_size, parts=parts, chunk=default if chunk is None else chunk,
@@ -561,4 +612,4 @@ def _paged(
                 backend=backend, interpret=interpret, pages=(page_size, keys),
                 rope=0 if rope is None else rope[1].shape[-1], tile=tile)  # fmt: skip
     _kernel(plan)
-    return _step(plan, q, k_pages, v_pages, lengths, page_table, rope)
+    return plan

@@ -5,10 +5,10 @@ DRAM traffic over the bandwidth (FAN §4's memory-bound case), unless the rows p
 the two products outweigh it (the roofline's other side). The kernel moves:
 
 * the keys and values each sequence's parts visit: its length rounded up to whole chunks, ``× H_kv × (D + Dv)``
-  elements of the cache's dtype (chunks past a length are skipped, never read), times the row tiles of a KV head
-  (``⌈Nq · H/H_kv / rows per program⌉``: each tile's program streams the part's keys itself); for MLA (``rope = R``: latent
-  keys of ``D`` dims that are also the values, and ``R`` rotary dims) ``× (D + R)``: the latent chunk is read from
-  DRAM once for both products (its second load is served by the L2);
+  elements of the cache's dtype (chunks past a length are skipped, never read), times the row tiles of a KV
+  head (``⌈Nq · H/H_kv / rows per program⌉``: each tile's program streams the part's keys itself); for MLA
+  (``rope = R``: latent keys of ``D`` dims that are also the values, and ``R`` rotary dims) ``× (D + R)``: the
+  latent chunk is read from DRAM once for both products (its second load is served by the L2);
 * the queries, once per part, the page table (int32, paged caches), and each part's ``(o, lse)`` in f32;
 
 and the merge (:func:`rewrites.merge_parts`, an XLA fusion) reads the parts' ``(o, lse)`` and writes the output.
@@ -96,7 +96,7 @@ def decode_cost(
     ``row_tiles`` the programs a KV head's rows are cut into, each reading the cache (``lowering._decode.row_tiles``).
 
     >>> [decode_cost(batch=1, queries=64, heads=32, kv_heads=8, dim=128, lengths=[32768], parts=4,
-    ...              row_tiles=t).kernel_bytes // 2**20 for t in (1, 2, 4)]   # Nq = 64: 256 rows in tiles of 256, 128, 64
+    ...              row_tiles=t).kernel_bytes // 2**20 for t in (1, 2, 4)]   # 256 rows: tiles of 256, 128, 64
     [134, 262, 518]
     >>> [decode_cost(batch=4, queries=nq, heads=64, kv_heads=8, dim=128, lengths=[4096] * 4, parts=4,
     ...              table_width=64).bound for nq in (1, 64)]   # 8 or 512 rows per KV head
