@@ -517,6 +517,15 @@ def mla_decode_attention(
     >>> out.shape, bool(jnp.allclose(out, ref, atol=1e-5))
     ((1, 1, 16, 32), True)
     """
+    plan, q_c, k, rope = _mla_plan(q, latent_cache, rope_cache, lengths, scale, page_table, parts, chunk, backend,
+                                   interpret, hardware)  # fmt: skip
+    out, lse = _step(plan, q_c, k, k, lengths, page_table, rope)
+    return (out, lse) if return_residual else out
+
+
+def _mla_plan(q, latent_cache, rope_cache, lengths, scale, page_table, parts, chunk, backend, interpret, hardware):
+    """``mla_decode_attention``'s arguments checked and planned: the plan, the latent queries, the latent cache as
+    one KV head, and the rotary queries and keys."""
     c = latent_cache.shape[-1]
     if not (q.ndim == 4 and latent_cache.ndim == rope_cache.ndim == 3 and latent_cache.shape[:2] == rope_cache.shape[:2]
             and q.shape[3] == c + rope_cache.shape[-1]):  # fmt: skip
@@ -541,8 +550,7 @@ def mla_decode_attention(
             )
         _checked(q_c, k, k, lengths)
         plan = _contiguous(q_c, k, k, scale, (None, None), parts, backend, interpret, hardware, rope)
-    out, lse = _step(plan, q_c, k, k, lengths, page_table, rope)
-    return (out, lse) if return_residual else out
+    return plan, q_c, k, rope
 
 
 @functools.partial(jax.jit, static_argnums=0)
