@@ -360,6 +360,7 @@ def main(argv=None) -> dict:
         else:
             entry = configuration(row, heads, gpu, seed)
         entry["seconds"] = round(time.perf_counter() - began, 1)
+        print(f"  ({row['name']}: {entry['seconds']} s, {time.perf_counter() - start:.0f} s in all)", flush=True)
         res["entries"].append(entry)
         res["ratios"] = ratios(res["entries"])
         (o.out / f"{stem}.json").write_text(json.dumps(res, indent=1))
