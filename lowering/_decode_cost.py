@@ -6,7 +6,8 @@ the two products outweigh it (the roofline's other side). The kernel moves:
 
 * the keys and values each sequence's parts visit: its length rounded up to whole chunks, ``× H_kv × (D + Dv)``
   elements of the cache's dtype (chunks past a length are skipped, never read), times the row tiles of a KV
-  head (``⌈Nq · H/H_kv / rows per program⌉``: each tile's program streams the part's keys itself); for MLA
+  head (``⌈Nq · H/H_kv / rows per program⌉``: each tile's program streams the part's keys itself; the L2 may
+  serve a later tile's read where the tiles run together, which this bound does not count); for MLA
   (``rope = R``: latent keys of ``D`` dims that are also the values, and ``R`` rotary dims) ``× (D + R)``: the
   latent chunk is read from DRAM once for both products (its second load is served by the L2);
 * the queries, once per part, the page table (int32, paged caches), and each part's ``(o, lse)`` in f32;
