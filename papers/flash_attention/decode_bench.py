@@ -267,7 +267,7 @@ def ratios(entries: list) -> list:
         if "ms" in r
     }
     out = []
-    for b, s in dict.fromkeys((e["B"], e["S"]) for e in entries):
+    for b, s in dict.fromkeys((e["B"], e["S"]) for e in entries if "mla" not in e):
         one = ms.get((b, s, 1, "napkin"))
         row = {"B": b, "S": s}
         if one and (paged := ms.get((b, s, 1, "paged"))):
