@@ -2,8 +2,8 @@
 
 A decode step (``Nq`` = 1 to 64 new query tokens per sequence, a long cache) run as a prefill launches one
 program per (batch, head) and leaves most SMs idle. Here the cache is split into ``n`` parts
-(:func:`rewrites.split_kv`, ``n`` from :func:`rewrites.choose_parts`: enough programs to fill the SMs); the
-parts become a batch axis of one kernel (the cache ``[B, S, H_kv, D]`` read as ``[B·n, S/n, H_kv, D]``, a
+(:func:`rewrites.split_kv`, ``n`` from :func:`rewrites.choose_parts`: enough programs to fill the SMs, in whole
+waves); the parts become a batch axis of one kernel (the cache ``[B, S, H_kv, D]`` read as ``[B·n, S/n, H_kv, D]``, a
 reshape), each part's kernel outputs its ``(o, lse)`` (:func:`rewrites.with_lse`, lowered by
 :func:`lowering.lower`), and the parts merge in JAX by the log-sum-exp merge (:func:`rewrites.merge_parts`,
 ``[B, n, Nq, H]`` numbers, cheap). The per-part diagram's schedule is derived and verified (``derive``); the
@@ -43,6 +43,7 @@ import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +51,7 @@ import jax.numpy as jnp
 from lowering._api import lower
 from lowering._paged import PageMap, check_paged, check_pages_used, paged_split
 from lowering._plan import NotLowerable
-from lowering.triton import TritonConfig
+from lowering.triton import TRITON_BLOCKS, TritonConfig
 from napkin_cat import library
 from napkin_cat.axes import axes
 from napkin_cat.diagram import Array, Diagram, Ty, swap
@@ -126,6 +127,8 @@ class Plan:
     pages: tuple[int, int] | None = None
     #: MLA: the keys' trailing rotary dims, read from their own inputs (the latent keys are the values); 0 else
     rope: int = 0
+    #: rows per program (the row tile); None: :func:`row_tile`'s
+    tile: int | None = None
 
     @property
     def rows(self) -> int:
@@ -133,11 +136,23 @@ class Plan:
         return self.queries * self.group
 
     def blocks(self) -> tuple[int, int]:
-        """Rows per tile and keys per streamed chunk: powers of two ≥ 16 (every 16-bit dot's K), at most 64 (and
-        at most :func:`chunk_keys`, so wide heads' chunks fit shared memory); a paged cache's chunk is its pages."""
+        """Rows per tile (:func:`row_tile`, or the plan's ``tile``) and keys per streamed chunk: a power of two ≥ 16
+        (every 16-bit dot's K), at most 64 (and at most :func:`chunk_keys`, so wide heads' chunks fit shared
+        memory); a paged cache's chunk is its pages."""
         pow2 = lambda n: max(16, 1 << (n - 1).bit_length())  # noqa: E731
         keys = min(chunk_keys(self.dims), pow2(self.chunk))
-        return min(64, pow2(self.rows)), keys if self.pages is None else self.pages[1]
+        return self.tile or row_tile(self.rows, self.dims), keys if self.pages is None else self.pages[1]
+
+    def summary(self) -> dict:
+        """What a run of this plan does: its parts and keys per part, a KV head's row tiles and rows per tile, the
+        keys per streamed chunk, and the backend its kernel was lowered for (built if it was not).
+
+        >>> Plan("float32", 1, 4, (16, 16), parts=3, chunk=40).summary()
+        {'parts': 3, 'keys_per_part': 40, 'row_tiles': 1, 'tile': 16, 'chunk': 64, 'backend': 'triton'}
+        """
+        tile, chunk = self.blocks()
+        return {"parts": self.parts, "keys_per_part": self.chunk, "row_tiles": -(-self.rows // tile), "tile": tile,
+                "chunk": chunk, "backend": _kernel(self).backend}  # fmt: skip
 
     def page_map(self) -> PageMap | None:
         """Where a paged cache's chunks load from: the kernel's keys and values (inputs 1, 2) read as pools
@@ -160,9 +175,12 @@ class Plan:
             diagram = self._attention(b, h, q, x, d, dv, mods)
         rows, chunk = self.blocks()
         derivation = derive(diagram, tile(q, rows), stream(x, chunk))
-        # MLA's 64 rows × 512 latent dims: an f32 accumulator two warpgroups hold (FlashMLA's split), two stages
+        # MLA's 64 rows × 512 latent dims: an f32 accumulator two warpgroups hold (FlashMLA's split), two stages;
+        # a tile past Triton's 128 rows: 16 rows a warp, as its 64- and 128-row tiles have
         wide = self.rope and max(self.dims) >= 256 and self.backend in ("auto", "triton")
+        tall = rows > TRITON_BLOCKS.tile and self.backend in ("auto", "triton")
         config = TritonConfig(num_warps=8, num_stages=2) if wide else None
+        config = TritonConfig(num_warps=rows // 16, num_stages=2) if tall else config
         return lower(with_lse(derivation.diagram, x.name), self.backend, self.interpret, config)
 
     def _attention(self, b, h, q, x, d, dv, mods):
@@ -274,21 +292,53 @@ def _checked_common(q, k_cache, v_cache, lengths, keys: int) -> None:
             )
 
 
-def row_tiles(rows: int) -> int:
-    """The row tiles of one KV head's ``Nq · H/H_kv`` rows (tiles of 64 at most): programs the grid already has
-    without splitting the keys, so fewer parts fill the SMs.
+def row_tile(rows: int, dims: tuple[int, int]) -> int:
+    """Rows per program for one KV head's ``rows = Nq · H/H_kv`` rows at head dims ``dims``: Triton's attention tile
+    (FlashAttention-2's 128, 64 where a query and an output row are wider than 256: MLA's latent heads), no more than
+    the rows need (a power of two ≥ 16). Each row tile of a KV head streams the whole cache
+    (:func:`lowering.decode_cost` counts it), so the largest tile the backend holds reads it the fewest times.
 
-    >>> row_tiles(4), row_tiles(256)
-    (1, 4)
+    >>> row_tile(4, (128, 128)), row_tile(256, (128, 128)), row_tile(128, (512, 512))
+    (16, 128, 64)
     """
-    return -(-rows // 64)
+    return TRITON_BLOCKS.entry(rows, 1, *dims)[0]
 
 
-def _parts(batch: int, programs: int, keys: int, hardware: Hardware) -> int:
-    """``choose_parts``'s number for ``batch · programs`` programs (KV heads times row tiles), moved to a divisor of
-    the keys where one is at least half of it (no padding)."""
-    n = choose_parts(batch * programs, keys, hardware)
-    return next((m for m in range(n, (n + 1) // 2 - 1, -1) if keys % m == 0), n)
+def row_tiles(rows: int, dims: tuple[int, int] = (128, 128), tile: int | None = None) -> int:
+    """The row tiles of one KV head's ``rows`` (tiles of ``tile`` rows, by default :func:`row_tile`'s): programs
+    the grid already has without splitting the keys (so fewer parts fill the SMs), each reading the cache.
+
+    >>> row_tiles(4), row_tiles(256), row_tiles(256, tile=64), row_tiles(128, (512, 512))
+    (1, 2, 4, 2)
+    """
+    return -(-rows // (tile or row_tile(rows, dims)))
+
+
+def _checked_tile(tile):
+    """``tile`` (rows per program) where it is None or a power of two from 16 to 256, else an error naming it."""
+    if tile is not None and tile not in (16, 32, 64, 128, 256):
+        raise EvaluationError(
+            f"decode_attention: tile={tile!r} rows per program must be a power of two from 16 to 256 (every 16-bit "
+            "dot's K ≥ 16; Triton's tiles of 256 take 16 warps); pass None for the default"
+        )
+    return tile
+
+
+def _parts(batch: int, programs: int, keys: int, hardware: Hardware, *, exact: bool = True) -> int:
+    """The parts for ``batch · programs`` programs (KV heads times row tiles): at most ``choose_parts``'s number
+    (enough to fill the SMs), the one whose grid fills its last wave of SMs best (FlashAttention-2's split rule: a
+    wave begun costs a whole one, so 8 programs take 16 parts, 128 on 132 SMs, not 17, 136: two waves), ties to
+    the most parts; with ``exact`` (a contiguous cache, read as parts by a reshape) only divisors of the keys
+    where one is at least half of ``choose_parts``'s (else the cache would be padded: a copy).
+
+    >>> from napkin_cat.hardware import H100
+    >>> _parts(1, 8, 32768, H100), _parts(1, 8, 32768 + 64, H100, exact=False), _parts(16, 8, 32768, H100)
+    (16, 16, 2)
+    """
+    top = choose_parts(batch * programs, keys, hardware)
+    fits = [m for m in range(top, (top + 1) // 2 - 1, -1) if keys % m == 0] if exact else []
+    waves = lambda m: -(-batch * programs * m // hardware.sms)  # noqa: E731
+    return max(fits or range(1, top + 1), key=lambda m: (Fraction(batch * programs * m, waves(m)), m))
 
 
 def _masks(lengths, plan: Plan, batch: int):
@@ -341,10 +391,12 @@ def decode_attention(
     hardware: Hardware | str | None = None,
     page_table=None,
     chunk: int | None = None,
+    tile: int | None = None,
 ):
     """Attention of the ``Nq`` newest tokens ``q`` ``[B, Nq, H, D]`` over the caches ``[B, S, H_kv, D]`` holding
     ``lengths`` ``[B]`` valid keys each, by split-KV (the module's docstring). ``parts`` overrides the number of
-    parts chosen for ``hardware`` (by default an H100's SMs). Returns ``[B, Nq, H, Dv]``
+    parts chosen for ``hardware`` (by default an H100's SMs), ``tile`` the rows per program (:func:`row_tile`'s:
+    a power of two from 16 to 256). Returns ``[B, Nq, H, Dv]``
     in q's dtype, and with ``return_residual`` also the log-sum-exp ``[B, Nq, H]`` (f32; −∞ where no key is seen).
 
     With ``page_table`` (int32 ``[B, pages_per_seq]``) the caches are page pools ``[P, page_size, H_kv, D]``:
@@ -365,10 +417,41 @@ def decode_attention(
     napkin_cat.errors.EvaluationError: decode_attention: lengths [30] outside [Nq, S] = [2, 24]: each length counts \
 the cache's valid keys, the Nq new tokens included
     """
+    plan = decode_plan(q, k_cache, v_cache, lengths, scale=scale, score_mod=score_mod, mask_mod=mask_mod, parts=parts,
+                       backend=backend, interpret=interpret, hardware=hardware, page_table=page_table, chunk=chunk,
+                       tile=tile)  # fmt: skip
+    out, lse = _step(plan, q, k_cache, v_cache, lengths, page_table)
+    return (out, lse) if return_residual else out
+
+
+def decode_plan(
+    q,
+    k_cache,
+    v_cache,
+    lengths,
+    *,
+    scale: float | None = None,
+    score_mod: Callable | None = None,
+    mask_mod: Callable | None = None,
+    parts: int | None = None,
+    backend: str = "auto",
+    interpret: bool | None = None,
+    hardware: Hardware | str | None = None,
+    page_table=None,
+    chunk: int | None = None,
+    tile: int | None = None,
+) -> Plan:
+    """The :class:`Plan` :func:`decode_attention` runs for these arguments (the same ones), checked, its kernel
+    built: what a benchmark prints beside its time (:meth:`Plan.summary`).
+
+    >>> import jax.numpy as jnp
+    >>> q, kv = jnp.zeros((1, 64, 32, 16)), jnp.zeros((1, 4096, 8, 16))
+    >>> decode_plan(q, kv, kv, jnp.array([4096])).summary()   # Nq = 64 at GQA 4: 256 rows in 2 tiles of 128
+    {'parts': 8, 'keys_per_part': 512, 'row_tiles': 2, 'tile': 128, 'chunk': 64, 'backend': 'triton'}
+    """
     if page_table is not None:
-        out, lse = _paged(q, k_cache, v_cache, lengths, page_table, scale, (score_mod, mask_mod), parts, chunk,
-                          backend, interpret, hardware)  # fmt: skip
-        return (out, lse) if return_residual else out
+        return _paged(q, k_cache, v_cache, lengths, page_table, scale, (score_mod, mask_mod), parts, chunk,
+                      backend, interpret, hardware, tile=tile)  # fmt: skip
     if chunk is not None:
         raise EvaluationError(f"decode_attention: chunk={chunk!r} is the paged kernel's; pass it with page_table=")
     _checked(q, k_cache, v_cache, lengths)
@@ -380,23 +463,23 @@ the cache's valid keys, the Nq new tokens included
                 "position in the cache), e.g. lambda score, kv_idx: ..."
             )
     fns = tuple(None if f is None else positional(f, FLEX, score=s) for f, s in ((score_mod, True), (mask_mod, False)))
-    out, lse = _contiguous(q, k_cache, v_cache, lengths, scale, fns, parts, backend, interpret, hardware)
-    return (out, lse) if return_residual else out
+    return _contiguous(q, k_cache, v_cache, scale, fns, parts, backend, interpret, hardware, tile=tile)
 
 
-def _contiguous(q, k_cache, v_cache, lengths, scale, fns, parts, backend, interpret, hardware, rope=None):
-    """A checked contiguous call planned (``parts`` from the hardware's SMs unless given) and run; ``rope``:
-    MLA's rotary queries and keys."""
+def _contiguous(q, k_cache, v_cache, scale, fns, parts, backend, interpret, hardware, rope=None, tile=None) -> Plan:
+    """A checked contiguous call planned (``parts`` from the hardware's SMs unless given), its kernel built;
+    ``rope``: MLA's rotary queries and keys."""
     (batch, nq, heads, dim), (_, keys, kv_heads, dv) = q.shape, v_cache.shape
     hw = lookup(hardware) if hardware is not None else lookup("H100")
-    n = _parts(batch, kv_heads * row_tiles(nq * heads // kv_heads), keys, hw) if parts is None else parts
+    tiles = row_tiles(nq * heads // kv_heads, (dim, dv), _checked_tile(tile))
+    n = _parts(batch, kv_heads * tiles, keys, hw) if parts is None else parts
     if not isinstance(n, int) or not 1 <= n <= keys:
         raise EvaluationError(f"decode_attention: parts must be an integer in [1, S] = [1, {keys}], got {n!r}")
     r = 0 if rope is None else rope[1].shape[-1]
     plan = Plan(jnp.dtype(q.dtype).name, nq, heads // kv_heads, (dim, dv), n, math.ceil(keys / n), scale, *fns,
-                backend, interpret, rope=r)  # fmt: skip
+                backend, interpret, rope=r, tile=tile)  # fmt: skip
     _kernel(plan)  # built (derived, verified, lowered) here, outside any trace of the caller's
-    return _step(plan, q, k_cache, v_cache, lengths, None, rope)
+    return plan
 
 
 def mla_decode_attention(
@@ -434,6 +517,15 @@ def mla_decode_attention(
     >>> out.shape, bool(jnp.allclose(out, ref, atol=1e-5))
     ((1, 1, 16, 32), True)
     """
+    plan, q_c, k, rope = _mla_plan(q, latent_cache, rope_cache, lengths, scale, page_table, parts, chunk, backend,
+                                   interpret, hardware)  # fmt: skip
+    out, lse = _step(plan, q_c, k, k, lengths, page_table, rope)
+    return (out, lse) if return_residual else out
+
+
+def _mla_plan(q, latent_cache, rope_cache, lengths, scale, page_table, parts, chunk, backend, interpret, hardware):
+    """``mla_decode_attention``'s arguments checked and planned: the plan, the latent queries, the latent cache as
+    one KV head, and the rotary queries and keys."""
     c = latent_cache.shape[-1]
     if not (q.ndim == 4 and latent_cache.ndim == rope_cache.ndim == 3 and latent_cache.shape[:2] == rope_cache.shape[:2]
             and q.shape[3] == c + rope_cache.shape[-1]):  # fmt: skip
@@ -449,16 +541,16 @@ def mla_decode_attention(
     k, k_r = latent_cache[:, :, None], rope_cache[:, :, None]  # the one KV head
     q_c, rope = q[..., :c], (q[..., c:], k_r)
     if page_table is not None:
-        out, lse = _paged(q_c, k, k, lengths, page_table, scale, (None, None), parts, chunk, backend, interpret,
-                          hardware, rope)  # fmt: skip
+        plan = _paged(q_c, k, k, lengths, page_table, scale, (None, None), parts, chunk, backend, interpret,
+                      hardware, rope)  # fmt: skip
     else:
         if chunk is not None:
             raise EvaluationError(
                 f"mla_decode_attention: chunk={chunk!r} is the paged kernel's; pass it with page_table="
             )
         _checked(q_c, k, k, lengths)
-        out, lse = _contiguous(q_c, k, k, lengths, scale, (None, None), parts, backend, interpret, hardware, rope)
-    return (out, lse) if return_residual else out
+        plan = _contiguous(q_c, k, k, scale, (None, None), parts, backend, interpret, hardware, rope)
+    return plan, q_c, k, rope
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -497,11 +589,10 @@ def _step(plan: Plan, q, k_cache, v_cache, lengths, page_table=None, rope=None):
     return out.astype(q.dtype), lse
 
 
-def _paged(
-    q, k_pages, v_pages, lengths, page_table, scale, mods, parts, chunk, backend, interpret, hardware, rope=None
-):
-    """``decode_attention`` over page pools: checked (before anything is built), planned, run through the same
-    derived kernel as a contiguous cache, its keys and values read through the page map."""
+def _paged(q, k_pages, v_pages, lengths, page_table, scale, mods, parts, chunk, backend, interpret, hardware, rope=None,
+           tile=None):  # fmt: skip
+    """``decode_attention``'s plan over page pools: checked (before anything is built), planned, the same derived
+    kernel as a contiguous cache's built, its keys and values to be read through the page map."""
     check_paged(q, k_pages, v_pages, page_table, chunk, MAX_QUERIES)
     (batch, nq, heads, dim), (pool, page_size, kv_heads, dv) = q.shape, v_pages.shape
     width = page_table.shape[1]
@@ -518,7 +609,8 @@ def _paged(
             f"{backend!r} has no page map: pass backend='triton' or 'xla'"
         )
     hw = lookup(hardware) if hardware is not None else lookup("H100")
-    n_default = choose_parts(batch * kv_heads * row_tiles(nq * heads // kv_heads), width * page_size, hw)
+    tiles = row_tiles(nq * heads // kv_heads, (dim, dv), _checked_tile(tile))
+    n_default = _parts(batch, kv_heads * tiles, width * page_size, hw, exact=False)
     covered = max(16, 1 << (width * page_size - 1).bit_length())  # a short table's keys, to a power of two
     default = min(chunk_keys((dim, dv)), covered)
     n, per_part, keys = paged_split(width, page_size, parts=parts, chunk=default if chunk is None else chunk,
@@ -526,6 +618,6 @@ def _paged(
     backend = "triton" if backend == "auto" else backend
     plan = Plan(jnp.dtype(q.dtype).name, nq, heads // kv_heads, (dim, dv), n, per_part * page_size, scale,
                 backend=backend, interpret=interpret, pages=(page_size, keys),
-                rope=0 if rope is None else rope[1].shape[-1])  # fmt: skip
+                rope=0 if rope is None else rope[1].shape[-1], tile=tile)  # fmt: skip
     _kernel(plan)
-    return _step(plan, q, k_pages, v_pages, lengths, page_table, rope)
+    return plan

@@ -5,9 +5,11 @@ DRAM traffic over the bandwidth (FAN §4's memory-bound case), unless the rows p
 the two products outweigh it (the roofline's other side). The kernel moves:
 
 * the keys and values each sequence's parts visit: its length rounded up to whole chunks, ``× H_kv × (D + Dv)``
-  elements of the cache's dtype (chunks past a length are skipped, never read); for MLA (``rope = R``: latent
-  keys of ``D`` dims that are also the values, and ``R`` rotary dims) ``× (D + R)``: the latent chunk is read from
-  DRAM once for both products (its second load is served by the L2);
+  elements of the cache's dtype (chunks past a length are skipped, never read), times the row tiles of a KV
+  head (``⌈Nq · H/H_kv / rows per program⌉``: each tile's program streams the part's keys itself; the L2 may
+  serve a later tile's read where the tiles run together, which this bound does not count); for MLA
+  (``rope = R``: latent keys of ``D`` dims that are also the values, and ``R`` rotary dims) ``× (D + R)``: the
+  latent chunk is read from DRAM once for both products (its second load is served by the L2);
 * the queries, once per part, the page table (int32, paged caches), and each part's ``(o, lse)`` in f32;
 
 and the merge (:func:`rewrites.merge_parts`, an XLA fusion) reads the parts' ``(o, lse)`` and writes the output.
@@ -85,13 +87,18 @@ def decode_cost(
     dtype: str = "bfloat16",
     table_width: int = 0,
     rope: int = 0,
+    row_tiles: int = 1,
     hardware: Hardware | str = "H100",
 ) -> DecodeCost:
     """The cost of one ``nc.decode_attention`` step (the module's docstring): ``batch`` sequences of ``lengths``
     valid keys, ``queries`` new tokens each, ``parts`` parts streamed in ``chunk``-key chunks; ``table_width``
     pages per sequence for a paged cache (0: contiguous); ``rope`` the rotary dims of an
-    ``nc.mla_decode_attention`` step (``dim`` its latent dims, which are also the values'; 0: not MLA).
+    ``nc.mla_decode_attention`` step (``dim`` its latent dims, which are also the values'; 0: not MLA);
+    ``row_tiles`` the programs a KV head's rows are cut into, each reading the cache (``lowering._decode.row_tiles``).
 
+    >>> [decode_cost(batch=1, queries=64, heads=32, kv_heads=8, dim=128, lengths=[32768], parts=4,
+    ...              row_tiles=t).kernel_bytes // 2**20 for t in (1, 2, 4)]   # 256 rows: tiles of 256, 128, 64
+    [134, 262, 518]
     >>> [decode_cost(batch=4, queries=nq, heads=64, kv_heads=8, dim=128, lengths=[4096] * 4, parts=4,
     ...              table_width=64).bound for nq in (1, 64)]   # 8 or 512 rows per KV head
     ['memory', 'compute']
@@ -102,11 +109,13 @@ def decode_cost(
     """
     if len(lengths) != batch:
         raise CostError(f"decode_cost: {len(lengths)} lengths for a batch of {batch}")
+    if not isinstance(row_tiles, int) or row_tiles < 1:
+        raise CostError(f"decode_cost: row_tiles must be a positive integer (programs per KV head), got {row_tiles!r}")
     if dtype not in DTYPES:
         raise CostError(f"decode_cost: dtype {dtype!r} is none of {', '.join(DTYPES)}")
     hw, dt, dv = lookup(hardware), DTYPES[dtype], dim if value_dim is None else value_dim
     keys = sum(-(-int(n) // chunk) * chunk for n in lengths)
-    cache = keys * kv_heads * ((dim + rope) if rope else (dim + dv)) * dt.bytes  # MLA: the values are the keys
+    cache = keys * kv_heads * ((dim + rope) if rope else (dim + dv)) * dt.bytes * row_tiles  # MLA: values are keys
     partial = batch * parts * queries * heads * (dv + 1) * 4  # each part's (o, lse), f32
     kernel = cache + batch * parts * queries * heads * (dim + rope) * dt.bytes + batch * table_width * 4 + partial
     merge = partial + batch * queries * heads * (dv * dt.bytes + 4)

@@ -20,7 +20,8 @@ from rewrites import RewriteError, derive, merge_parts, prove_merge, prove_monoi
 #: max abs error by dtype: measured on these cases at most 4.8e-7 (f32) and 4.4e-3 (bf16, its output rounding)
 ATOL = {"float32": 5e-6, "bfloat16": 1e-2}
 
-#: (dtype, B, Nq, H, H_kv, S, parts): GQA groups 4, 2, 4, 2; Nq = 1, 4, 4, 64 (128 rows: two row tiles); parts 2, 3, 4
+#: (dtype, B, Nq, H, H_kv, S, parts): GQA groups 4, 2, 4, 2; Nq = 1, 4, 4, 64 (128 rows: one row tile; more in
+#: test_decode_rows.py); parts 2, 3, 4
 #: (S = 38: ragged) and 2; parts 1 below
 CASES = [
     ("float32", 2, 1, 8, 2, 40, 2),

@@ -19,7 +19,7 @@ from papers.flash_attention.generate import TinyLM, generate, greedy_reference
 ATOL = {"float32": 5e-6, "bfloat16": 1e-2}
 
 #: (dtype, B, Nq, H, H_kv, page_size, pages per sequence, pool, chunk): GQA 4, 2, 2; 2 pages, half a page and 1 page
-#: per streamed chunk; Nq = 1, 4, 64 (128 rows: two row tiles)
+#: per streamed chunk; Nq = 1, 4, 64 (128 rows: one row tile; more in test_decode_rows.py)
 CASES = [
     ("float32", 2, 1, 8, 2, 8, 5, 12, 16),
     ("float32", 2, 4, 4, 2, 32, 2, 6, 16),

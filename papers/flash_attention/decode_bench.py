@@ -2,32 +2,37 @@
 through ``jax.nn.dot_product_attention``, and a device copy of the cache for the bandwidth ceiling; the same cache
 paged (pages of 64 keys, a random permutation of the pool, ``page_table=``: the same derived kernel, its chunks
 loaded through the table) beside it; and each napkin-cat row's predicted time (``lowering.decode_cost``: its bytes
-over the DRAM bandwidth, or its flops where longer, plus the merge) beside the measurement. Each (B, S) runs
-``Nq`` = 1, 64 and 4 one after the other, and the run ends with two ratios per (B, S): paged over contiguous time
-at ``Nq`` = 1 (target ≤ 1.1) and ``Nq`` = 64 over ``Nq`` = 1 time (target ≤ 1.5). Then MLA decoding
+over the DRAM bandwidth, or its flops where longer, plus the merge) beside the measurement. Each napkin-cat row
+prints the plan it ran (``lowering._decode.decode_plan``): parts and keys per part, row tiles of a KV head and
+rows per tile, keys per streamed chunk, backend. The run ends with two ratios per (B, S): paged over contiguous
+time at ``Nq`` = 1 (target ≤ 1.1) and ``Nq`` = 64 over ``Nq`` = 1 time (target ≤ 1.5). MLA decoding
 (``nc.mla_decode_attention``, DeepSeek-V3's absorbed shape: 128 heads, latent 512 + rotary 64, one shared KV
 head, contiguous and paged by 64) in GB/s of cache read against the device copy's (target ≥ 70%).
 
-bf16, ``Nq`` = 1 new token per sequence (and ``Nq`` = 4 and 64, speculative decoding / chunked prefill), 32 query
-heads over 8 KV heads (grouped-query), D = 128, every key valid, (B, cache S) ∈ (1, 32k), (1, 128k), (16, 32k), (64,
-4k), (64, 32k). Each implementation gets its inputs in its own layout before timing: ``q`` [B, Nq, 32, D], caches
-[B, S, 8, D] for all three (jax.nn takes fewer KV heads when they divide the query heads), ``lengths`` = S for
-napkin-cat. Its default part count (``parts=None``) is timed and printed. For ``Nq`` > 1 the new tokens are causal
-among themselves, bottom-right aligned (query ``i`` sees keys ``< S − Nq + i + 1``); jax.nn aligns ``is_causal``
+bf16, 32 query heads over 8 KV heads (grouped-query), D = 128, every key valid. The rows (:data:`ROWS`, named
+``<what>-b<B>-s<S>``) run in order of importance, so a budget that runs out leaves the least important: issue 32's
+table first (B = 1 at 32k and 128k with ``Nq`` = 64 beside ``Nq`` = 1, then B = 16 and 64), MLA, the variants that
+explain a row (``sweep-…``: twice the parts, paged chunks of two pages, rows per program 64 and 256 at ``Nq`` = 64),
+then the rest of B ∈ {1, 16, 64} × cache ∈ {4k, 32k, 128k} and ``Nq`` = 4. ``--rows`` selects rows by name
+patterns (``--rows 'nq1-*,mla-*'``; ``--list`` prints them). Caches over 12 GB (B = 64 at 128k) run without the
+paged copy and the device copy (they would not fit beside it). Each implementation gets its inputs in its own
+layout before timing: ``q`` [B, Nq, 32, D], caches [B, S, 8, D] for all three (jax.nn takes fewer KV heads when
+they divide the query heads), ``lengths`` = S for napkin-cat. For ``Nq`` > 1 the new tokens are causal among
+themselves, bottom-right aligned (query ``i`` sees keys ``< S − Nq + i + 1``); jax.nn aligns ``is_causal``
 top-left and cuDNN takes no right window, so the baselines get that mask as a boolean array [1, 1, Nq, S]. Every
 output is checked against an f32 reference (jnp, written here) on batch element 0 first. GB/s count the cache read
 (the K and V bytes over the time); the copy's count what it reads and writes; ratios are to cuDNN's time.
 
-    python papers/flash_attention/decode_bench.py [--out DIR] [--budget-s 300] [--smoke] [--mla-only]
+    python papers/flash_attention/decode_bench.py [--out DIR] [--budget-s 300] [--rows PATTERNS] [--list] [--smoke]
 
-Rows are written (``decode_<GPU>.json`` and ``.png``) after every configuration; configurations left when the
-budget is spent are recorded as skipped. ``--smoke`` (or ``--quick``) runs tiny sizes in interpret mode on a CPU
-(cuDNN skipped).
+Rows are written (``decode_<GPU>.json`` and ``.png``) after every row; rows left when the budget is spent are
+recorded as skipped. ``--smoke`` (or ``--quick``) runs tiny sizes in interpret mode on a CPU (cuDNN skipped).
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import sys
 import time
@@ -40,22 +45,58 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file: f
 
 import napkin_cat as nc  # noqa: E402
 from lowering import decode_cost  # noqa: E402
-from lowering._decode import _parts, chunk_keys, row_tiles  # noqa: E402  the entry's own parts and chunks
-from lowering._paged import paged_split  # noqa: E402  the paged entry's split (parts, chunk), to predict it
+from lowering._decode import _mla_plan, decode_plan  # noqa: E402  the entries' own plans: parts, tiles, chunk, backend
 from napkin_cat.hardware import for_device, lookup  # noqa: E402
 from papers.flash_attention.benchmark import device_info, device_stem  # noqa: E402
 from papers.flash_attention.timing import time_calls  # noqa: E402
-from rewrites import choose_parts  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 TOLERANCE = 2e-2  # bf16 relative error against the f32 reference, as front_door.py
-CONFIGS = ((1, 32768), (1, 131072), (16, 32768), (64, 4096), (64, 32768))  # (B, cache S), issue 32's table
-QUICK_CONFIGS = ((1, 256), (2, 128))
 HEADS = {"full": (32, 8, 128), "quick": (8, 2, 32)}  # query heads, KV heads, D
-NQS = (1, 64, 4)  # Nq = 64 right after Nq = 1, so their ratio comes from one stretch of the run
 PAGE = 64  # keys per page of the paged cache
 MLA = {"full": (128, 512, 64), "quick": (16, 32, 16)}  # query heads, latent dims, rotary dims (one KV head)
-MLA_CONFIGS, QUICK_MLA = ((1, 32768), (16, 8192), (64, 4096)), ((2, 128),)
+BIG = 12e9  # cache bytes past which the paged pool and the device copy are left out (they would not fit beside it)
+BASE = ("napkin", "paged", "cudnn", "xla", "copy")
+#: variants of a napkin-cat row: (keyword arguments to decode_attention, paged): what explains a row's time
+VARIANTS = {
+    "napkin_parts2x": ({"parts": "2x"}, False),
+    "paged_chunk128": ({"chunk": 2 * PAGE}, True),
+    "napkin_tile64": ({"tile": 64}, False),
+    "napkin_tile256": ({"tile": 256}, False),
+}
+
+
+def rows(quick: bool) -> list[dict]:
+    """The rows in the order they run: ``{name, B, S, Nq, impls}`` (``mla``: an MLA row). ``quick``: tiny caches.
+
+    >>> [r["name"] for r in rows(quick=False)][:4]
+    ['nq1-b1-s32k', 'nq64-b1-s32k', 'nq1-b1-s128k', 'nq64-b1-s128k']
+    >>> len(rows(quick=False)), len(rows(quick=True))
+    (21, 21)
+    """
+    k = 1 if quick else 1024
+    s4, s32, s128 = (64, 128, 256) if quick else (4 * k, 32 * k, 128 * k)
+    b16, b64 = (2, 3) if quick else (16, 64)
+
+    def row(what, b, s, nq=1, impls=BASE):
+        size = f"{s // k}k" if not quick else str(s)
+        return {"name": f"{what}-b{b}-s{size}", "B": b, "S": s, "Nq": nq, "impls": impls}
+
+    sweep = ("napkin", "napkin_parts2x", "paged", "paged_chunk128")
+    tiles = ("napkin", "napkin_tile64", "napkin_tile256")
+    return [
+        row("nq1", 1, s32), row("nq64", 1, s32, 64, ("napkin", "paged", "cudnn")),
+        row("nq1", 1, s128), row("nq64", 1, s128, 64, ("napkin", "paged")),
+        row("nq1", b16, s32), row("nq1", b64, s4), row("nq1", b64, s32),
+        {**row("mla", 1, s32, impls=("mla", "mla_paged", "copy")), "mla": True},
+        {**row("mla", b64, s4, impls=("mla", "mla_paged", "copy")), "mla": True},
+        row("sweep-nq1", 1, s32, 1, sweep), row("sweep-nq64", 1, s32, 64, tiles),
+        row("sweep-nq1", b16, s32, 1, sweep),
+        row("nq1", 1, s4), row("nq1", b16, s4), row("nq1", b16, s128), row("nq1", b64, s128, impls=BASE[:4]),
+        row("nq4", 1, s32, 4), row("nq64", b16, s32, 64, ("napkin", "paged", "xla")),
+        row("nq64", b64, s4, 64, ("napkin", "paged", "xla")), row("nq4", b64, s32, 4),
+        {**row("mla", b16, s32 // 4, impls=("mla", "mla_paged", "copy")), "mla": True},
+    ]  # fmt: skip
 
 
 def tail_mask(nq: int, s: int):
@@ -93,33 +134,61 @@ def pages(k, v, seed: int):
     return (*pool, perm.reshape(b, s // PAGE))
 
 
-def predicted(impl: str, q, k, v, hw) -> float | None:
-    """The napkin-cat rows' predicted milliseconds (``decode_cost`` with the entry's own parts and chunks)."""
+def options(impl: str, parts: int) -> tuple[dict, bool]:
+    """A napkin-cat implementation's keyword arguments to ``decode_attention`` and whether it reads pages
+    (``parts``: the default's, which ``napkin_parts2x`` doubles).
+
+    >>> options("napkin_parts2x", 16), options("paged", 16)
+    (({'parts': 32}, False), ({}, True))
+    """
+    kw, paged = VARIANTS.get(impl, ({}, impl == "paged"))
+    return ({**kw, "parts": 2 * parts} if kw.get("parts") == "2x" else kw), paged
+
+
+def plans(q, k, v, lengths, table, impls, hw) -> dict:
+    """Each napkin-cat implementation's plan (``decode_plan``: built as the call builds it) and its prediction."""
     (b, nq, h, d), (_, s, h_kv, _) = q.shape, k.shape
-    shape = dict(batch=b, queries=nq, heads=h, kv_heads=h_kv, dim=d, lengths=[s] * b, hardware=hw)
-    if impl == "napkin":
-        n = _parts(b, h_kv * row_tiles(nq * h // h_kv), s, hw)
-        return 1e3 * decode_cost(**shape, parts=n, chunk=min(64, -(-s // n))).seconds
-    if impl == "paged":
-        n, _, chunk = paged_split(s // PAGE, PAGE, parts=None, chunk=chunk_keys((d, d)),
-                                  n_default=choose_parts(b * h_kv * row_tiles(nq * h // h_kv), s, hw))  # fmt: skip
-        return 1e3 * decode_cost(**shape, parts=n, chunk=chunk, table_width=s // PAGE).seconds
-    return None
+    default = decode_plan(q, k, v, lengths).parts
+    out = {}
+    for impl in impls:
+        if not impl.startswith(("napkin", "paged")):
+            continue
+        kw, paged = options(impl, default)
+        pools = table is not None and paged
+        plan = decode_plan(q, *(table[:2] if pools else (k, v)), lengths, page_table=table[2] if pools else None, **kw)
+        summary = plan.summary()
+        cost = decode_cost(batch=b, queries=nq, heads=h, kv_heads=h_kv, dim=d, lengths=[s] * b, parts=plan.parts,
+                           chunk=summary["chunk"], row_tiles=summary["row_tiles"], hardware=hw,
+                           table_width=s // PAGE if paged else 0)  # fmt: skip
+        out[impl] = (kw, paged, {**summary, "predicted_ms": 1e3 * cost.seconds, "predicted_on": hw.name})
+    return out
 
 
-def implementations(q, k, v, gpu: bool, seed: int = 0) -> dict:
-    """Each implementation: its jitted function and its arguments, laid out before timing."""
+def implementations(q, k, v, impls, gpu: bool, seed: int = 0) -> tuple[dict, dict]:
+    """Each implementation of ``impls``: its jitted function and its arguments, laid out before timing, and the
+    napkin-cat rows' plans (:func:`plans`)."""
     b, nq, s = q.shape[0], q.shape[1], k.shape[1]
     lengths = jnp.full((b,), s, jnp.int32)
     mask = tail_mask(nq, s) if nq > 1 else None
-    impls = {"napkin": (jax.jit(lambda q, k, v, n: nc.decode_attention(q, k, v, n)), (q, k, v, lengths))}
-    paged = jax.jit(lambda q, k, v, t, n: nc.decode_attention(q, k, v, n, page_table=t))
-    impls["paged"] = (paged, (q, *pages(k, v, seed), lengths))
-    for name in ("cudnn", "xla") if gpu else ("xla",):
-        fn = jax.jit(lambda q, k, v, m, name=name: jax.nn.dot_product_attention(q, k, v, mask=m, implementation=name))
-        impls[name] = (fn, (q, k, v, mask))
-    impls["copy"] = (jax.jit(lambda k, v: (jnp.copy(k), jnp.copy(v))), (k, v))
-    return impls
+    table = pages(k, v, seed) if any(VARIANTS.get(i, (0, i == "paged"))[1] for i in impls) else None
+    hw = for_device(device_info()["kind"]) or lookup("H100")  # the GPU's model; H100 where there is none
+    planned = plans(q, k, v, lengths, table, impls, hw)
+    out = {}
+    for impl, (kw, paged, _) in planned.items():
+        if paged:
+            fn = jax.jit(lambda q, k, v, t, n, kw=kw: nc.decode_attention(q, k, v, n, page_table=t, **kw))
+            out[impl] = (fn, (q, *table, lengths))
+        else:
+            out[impl] = (jax.jit(lambda q, k, v, n, kw=kw: nc.decode_attention(q, k, v, n, **kw)), (q, k, v, lengths))
+    for name in ("cudnn", "xla"):
+        if name in impls and (gpu or name == "xla"):
+            fn = jax.jit(
+                lambda q, k, v, m, name=name: jax.nn.dot_product_attention(q, k, v, mask=m, implementation=name)
+            )
+            out[name] = (fn, (q, k, v, mask))
+    if "copy" in impls:
+        out["copy"] = (jax.jit(lambda k, v: (jnp.copy(k), jnp.copy(v))), (k, v))
+    return out, {impl: summary for impl, (_, _, summary) in planned.items()}
 
 
 def rel(a, b) -> float:
@@ -143,35 +212,44 @@ def measure(name, fn, args, want, cache_bytes: int) -> dict:
     return row
 
 
-def configuration(b: int, s: int, nq: int, heads: tuple, gpu: bool, seed: int) -> dict:
-    """One (B, S, Nq): every implementation checked and timed, GB/s and ratios to cuDNN printed."""
-    h, h_kv, d = heads
+def configuration(row: dict, heads: tuple, gpu: bool, seed: int) -> dict:
+    """One row: every implementation checked and timed, GB/s, ratios to cuDNN and the napkin-cat plans printed."""
+    (h, h_kv, d), b, s, nq = heads, row["B"], row["S"], row["Nq"]
     keys = jax.random.split(jax.random.key(seed), 3)
     q = jax.random.normal(keys[0], (b, nq, h, d), jnp.bfloat16)
     k, v = (jax.random.normal(kk, (b, s, h_kv, d), jnp.bfloat16) for kk in keys[1:])
     cache_bytes = 2 * k.size * k.dtype.itemsize
+    impls = [i for i in row["impls"] if cache_bytes <= BIG or i not in ("paged", "copy")]
     want = reference(q[:1], k[:1], v[:1])
-    parts = _parts(b, h_kv * row_tiles(nq * h // h_kv), s, lookup("H100"))
-    hw = for_device(device_info()["kind"]) or lookup("H100")  # the GPU's model; H100 where there is none
-    entry = {"B": b, "S": s, "Nq": nq, "cache_GB": cache_bytes / 1e9, "parts": parts, "rows": []}
-    print(f"B={b} S={s} Nq={nq}: cache {cache_bytes / 1e9:.2f} GB, napkin-cat's default parts {parts}", flush=True)
-    for name, (fn, args) in implementations(q, k, v, gpu, seed).items():
-        row = measure(name, fn, args, want, cache_bytes)
-        if (ms := predicted(name, q, k, v, hw)) is not None:
-            row.update(predicted_ms=ms, predicted_on=hw.name)
-        entry["rows"].append(row)
+    entry = {"name": row["name"], "B": b, "S": s, "Nq": nq, "cache_GB": cache_bytes / 1e9, "rows": []}
+    print(f"{row['name']}: B={b} S={s} Nq={nq}, cache {cache_bytes / 1e9:.2f} GB", flush=True)
+    fns, planned = implementations(q, k, v, impls, gpu, seed)
+    for name, (fn, args) in fns.items():
+        entry["rows"].append({**measure(name, fn, args, want, cache_bytes), **planned.get(name, {})})
     base = next((r for r in entry["rows"] if r["impl"] == "cudnn" and "ms" in r), None)
     for r in entry["rows"]:
         if base is not None and "ms" in r and r["impl"] != "copy":
             r["vs_cudnn"] = base["ms"] / r["ms"]
         if "ms" in r:
-            ratio = f"  {r['vs_cudnn']:.2f}× cuDNN" if "vs_cudnn" in r else ""
-            err = f"  err {r['max_rel_error']:.1e}" if "max_rel_error" in r else "  (read + write)"
-            pred = f"  predicted {r['predicted_ms']:.4g} ms on {r['predicted_on']}" if "predicted_ms" in r else ""
-            print(
-                f"  {r['impl']:7s} {r['ms']:8.3f} ms {r['gbs']:7.0f} GB/s{ratio}{pred}{err} ({r['clock']})", flush=True
-            )
+            print(f"  {r['impl']:15s} {r['ms']:8.3f} ms {r['gbs']:7.0f} GB/s{described(r)}", flush=True)
     return entry
+
+
+def described(r: dict) -> str:
+    """A row's ratio to cuDNN, prediction, plan (parts × keys, row tiles × rows, chunk, backend), error and clock.
+
+    >>> described({"impl": "napkin", "vs_cudnn": 0.9, "parts": 16, "keys_per_part": 2048, "row_tiles": 1,
+    ...            "tile": 16, "chunk": 64, "backend": "triton", "max_rel_error": 0.003, "clock": "cupti"})
+    '  0.90× cuDNN  [16 parts × 2048 keys, 1 × 16 rows, chunk 64, triton]  err 3.0e-03 (cupti)'
+    """
+    out = f"  {r['vs_cudnn']:.2f}× cuDNN" if "vs_cudnn" in r else ""
+    out += f"  {100 * r['of_copy_bandwidth']:.0f}% of the copy's GB/s" if "of_copy_bandwidth" in r else ""
+    out += f"  predicted {r['predicted_ms']:.4g} ms on {r['predicted_on']}" if "predicted_ms" in r else ""
+    if "parts" in r:
+        out += f"  [{r['parts']} parts × {r['keys_per_part']} keys, {r['row_tiles']} × {r['tile']} rows, "
+        out += f"chunk {r['chunk']}, {r['backend']}]"
+    out += f"  err {r['max_rel_error']:.1e}" if "max_rel_error" in r else "  (read + write)"
+    return out + f" ({r['clock']})"
 
 
 def ratios(entries: list) -> list:
@@ -181,9 +259,15 @@ def ratios(entries: list) -> list:
     >>> ratios([{"B": 1, "S": 8, "Nq": 1, "rows": row(1.0)}, {"B": 1, "S": 8, "Nq": 64, "rows": row(1.4)}])
     [{'B': 1, 'S': 8, 'paged_over_contiguous': 1.05, 'nq64_over_nq1': 1.4}]
     """
-    ms = {(e["B"], e["S"], e["Nq"], r["impl"]): r["ms"] for e in entries for r in e.get("rows", []) if "ms" in r}
+    ms = {
+        (e["B"], e["S"], e["Nq"], r["impl"]): r["ms"]
+        for e in entries
+        if not e.get("name", "").startswith("sweep")  # a sweep's rows repeat the default beside its variants
+        for r in e.get("rows", [])
+        if "ms" in r
+    }
     out = []
-    for b, s in dict.fromkeys((e["B"], e["S"]) for e in entries):
+    for b, s in dict.fromkeys((e["B"], e["S"]) for e in entries if "mla" not in e):
         one = ms.get((b, s, 1, "napkin"))
         row = {"B": b, "S": s}
         if one and (paged := ms.get((b, s, 1, "paged"))):
@@ -202,46 +286,47 @@ def mla_reference(q, latent, rope):
     return jnp.einsum("bhqk,bkc->bqhc", jax.nn.softmax(s, axis=-1), latent)
 
 
-def mla_configuration(b: int, s: int, dims: tuple, seed: int) -> dict:
-    """MLA decoding at (B, S), ``Nq`` = 1: contiguous and paged (pages of ``PAGE``), checked, timed, in GB/s of
-    cache read (latent + rotary keys) beside the device copy's (read + write), with ``decode_cost``'s prediction."""
-    h, c, r = dims
+def mla_configuration(row: dict, dims: tuple, seed: int) -> dict:
+    """An MLA row, ``Nq`` = 1: contiguous and paged (pages of ``PAGE``), checked, timed, in GB/s of cache read
+    (latent + rotary keys) beside the device copy's (read + write), with its plan and ``decode_cost``'s prediction."""
+    (h, c, r), b, s = dims, row["B"], row["S"]
     keys = jax.random.split(jax.random.key(seed), 3)
     q = jax.random.normal(keys[0], (b, 1, h, c + r), jnp.bfloat16)
     latent, rope = (jax.random.normal(kk, (b, s, n), jnp.bfloat16) for kk, n in zip(keys[1:], (c, r), strict=True))
     cache_bytes = (latent.size + rope.size) * 2
     lengths = jnp.full((b,), s, jnp.int32)
     pool_c, pool_r, table = pages(latent[:, :, None], rope[:, :, None], seed)
+    pools = (pool_c[:, :, 0], pool_r[:, :, 0])
     impls = {
         "mla": (jax.jit(lambda q, c, r, n: nc.mla_decode_attention(q, c, r, n)), (q, latent, rope, lengths)),
         "mla_paged": (
             jax.jit(lambda q, c, r, t, n: nc.mla_decode_attention(q, c, r, n, page_table=t)),
-            (q, pool_c[:, :, 0], pool_r[:, :, 0], table, lengths),
+            (q, *pools, table, lengths),
         ),  # fmt: skip
         "copy": (jax.jit(lambda c, r: (jnp.copy(c), jnp.copy(r))), (latent, rope)),
     }
     want = mla_reference(q[:1], latent[:1], rope[:1])
     hw = for_device(device_info()["kind"]) or lookup("H100")
-    entry = {"B": b, "S": s, "Nq": 1, "mla": dict(zip(("H", "C", "R"), dims, strict=True)), "rows": []}
-    entry["cache_GB"] = cache_bytes / 1e9
-    print(f"MLA B={b} S={s}: H={h}, latent {c} + rotary {r}, cache {cache_bytes / 1e9:.2f} GB", flush=True)
-    n = _parts(b, row_tiles(h), s, lookup("H100"))
+    entry = {"name": row["name"], "B": b, "S": s, "Nq": 1, "mla": dict(zip(("H", "C", "R"), dims, strict=True))}
+    entry |= {"cache_GB": cache_bytes / 1e9, "rows": []}
+    print(f"{row['name']}: B={b} S={s}: H={h}, latent {c} + rotary {r}, cache {cache_bytes / 1e9:.2f} GB", flush=True)
     for name, (fn, args) in impls.items():
-        row = measure(name, fn, args, want, cache_bytes)
+        got = measure(name, fn, args, want, cache_bytes)
         if name != "copy":
-            paged = dict(table_width=s // PAGE) if name == "mla_paged" else {}
-            cost = decode_cost(batch=b, queries=1, heads=h, kv_heads=1, dim=c, rope=r, lengths=[s] * b, parts=n,
-                               chunk=chunk_keys((c, c)), hardware=hw, **paged)  # fmt: skip
-            row.update(predicted_ms=1e3 * cost.seconds, predicted_on=hw.name)
-        entry["rows"].append(row)
+            paged = name == "mla_paged"
+            caches = (*pools, table) if paged else (latent, rope, None)
+            summary = _mla_plan(q, *caches[:2], lengths, None, caches[2], None, None, "auto", None, None)[0].summary()
+            cost = decode_cost(batch=b, queries=1, heads=h, kv_heads=1, dim=c, rope=r, lengths=[s] * b,
+                               parts=summary["parts"], chunk=summary["chunk"], row_tiles=summary["row_tiles"],
+                               hardware=hw, table_width=s // PAGE if paged else 0)  # fmt: skip
+            got |= {**summary, "predicted_ms": 1e3 * cost.seconds, "predicted_on": hw.name}
+        entry["rows"].append(got)
     copy = next((r for r in entry["rows"] if r["impl"] == "copy" and "gbs" in r), None)
     for r in entry["rows"]:
         if copy is not None and "gbs" in r and r["impl"] != "copy":
             r["of_copy_bandwidth"] = r["gbs"] / copy["gbs"]
         if "ms" in r:
-            share = f"  {100 * r['of_copy_bandwidth']:.0f}% of the copy's GB/s" if "of_copy_bandwidth" in r else ""
-            err = f"  err {r['max_rel_error']:.1e}" if "max_rel_error" in r else "  (read + write)"
-            print(f"  {r['impl']:9s} {r['ms']:8.3f} ms {r['gbs']:7.0f} GB/s{share}{err} ({r['clock']})", flush=True)
+            print(f"  {r['impl']:15s} {r['ms']:8.3f} ms {r['gbs']:7.0f} GB/s{described(r)}", flush=True)
     return entry
 
 
@@ -250,8 +335,14 @@ def main(argv=None) -> dict:
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--budget-s", type=float, default=300.0)
     p.add_argument("--smoke", "--quick", dest="quick", action="store_true", help="tiny sizes, interpret mode")
-    p.add_argument("--mla-only", action="store_true", help="only the MLA configurations")
+    p.add_argument("--rows", default="*", help="comma-separated name patterns of the rows to run, e.g. 'nq1-*,mla-*'")
+    p.add_argument("--list", action="store_true", help="print the rows (in the order they run) and exit")
     o = p.parse_args(argv)
+    patterns = o.rows.split(",")
+    chosen = [r for r in rows(o.quick) if any(fnmatch.fnmatch(r["name"], pat) for pat in patterns)]
+    if o.list:
+        print("\n".join(f"{r['name']}: Nq={r['Nq']} {', '.join(r['impls'])}" for r in chosen))
+        return {"rows": chosen}
     start, seed = time.perf_counter(), int(time.time()) % 10_000
     dev, gpu = device_info(), jax.default_backend() == "gpu"
     heads = HEADS["quick" if o.quick else "full"]
@@ -259,21 +350,21 @@ def main(argv=None) -> dict:
     res = {"device": dev, "heads": dict(zip(("H", "H_kv", "D"), heads, strict=True)), "seed": seed, "entries": []}
     stem = f"decode_{device_stem(dev['kind'])}{'_quick' if o.quick else ''}"
     o.out.mkdir(parents=True, exist_ok=True)
-    skipped = {"skipped": f"budget of {o.budget_s:.0f} s spent"}
-    for b, s in () if o.mla_only else QUICK_CONFIGS if o.quick else CONFIGS:
-        for nq in NQS:
-            over = time.perf_counter() - start > o.budget_s
-            res["entries"].append(
-                {"B": b, "S": s, "Nq": nq, **skipped} if over else configuration(b, s, nq, heads, gpu, seed)
-            )
-            res["ratios"] = ratios(res["entries"])
-            (o.out / f"{stem}.json").write_text(json.dumps(res, indent=1))
-            plot(res, o.out / f"{stem}.png")
-    for b, s in QUICK_MLA if o.quick else MLA_CONFIGS:
-        over = time.perf_counter() - start > o.budget_s
-        mla = MLA["quick" if o.quick else "full"]
-        res.setdefault("mla", []).append({"B": b, "S": s, **skipped} if over else mla_configuration(b, s, mla, seed))
+    for row in chosen:
+        began = time.perf_counter()
+        if began - start > o.budget_s:
+            entry = {"name": row["name"], "B": row["B"], "S": row["S"], "Nq": row["Nq"]}
+            entry["skipped"] = f"budget of {o.budget_s:.0f} s spent"
+        elif row.get("mla"):
+            entry = mla_configuration(row, MLA["quick" if o.quick else "full"], seed)
+        else:
+            entry = configuration(row, heads, gpu, seed)
+        entry["seconds"] = round(time.perf_counter() - began, 1)
+        print(f"  ({row['name']}: {entry['seconds']} s, {time.perf_counter() - start:.0f} s in all)", flush=True)
+        res["entries"].append(entry)
+        res["ratios"] = ratios(res["entries"])
         (o.out / f"{stem}.json").write_text(json.dumps(res, indent=1))
+        plot(res, o.out / f"{stem}.png")
     for r in res.get("ratios", []):
         print(f"B={r['B']} S={r['S']}: paged / contiguous {r.get('paged_over_contiguous', '–')} (Nq = 1), "
               f"Nq = 64 / Nq = 1 {r.get('nq64_over_nq1', '–')}", flush=True)  # fmt: skip
@@ -295,7 +386,7 @@ def plot(res: dict, path: Path) -> None:
         ys = [next((r.get("gbs", 0.0) for r in e["rows"] if r["impl"] == name), 0.0) for e in done]
         label = "copy (read + write)" if name == "copy" else name
         ax.bar([x + width * i for x in range(len(done))], ys, width, label=label)
-    ticks = [f"B={e['B']}\nS={e['S']}\nNq={e['Nq']}" for e in done]
+    ticks = [e.get("name", f"B={e['B']} S={e['S']} Nq={e['Nq']}").replace("-", "\n") for e in done]
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(done))], ticks, fontsize=7)
     z = res["heads"]
     ax.set_title(f"{res['device']['kind']}: decoding, bf16, H={z['H']}, H_kv={z['H_kv']}, D={z['D']}", fontsize=9)
