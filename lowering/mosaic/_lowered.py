@@ -118,8 +118,6 @@ class MosaicLowered:
         #: the segment masks over the split axis and the streamed one (documents): the wrapper finds from the ids
         #: which chunks each tile visits and keeps whole (``lowering._blocks.segment_blocks``), as Triton's does
         self.segments = tuple(m for m in segments(self.d, p) if m.axis == self.q)
-        if captured := [m.box.name for m in self.segments if isinstance(m, Mapped) and m.inputs]:
-            raise NotLowerable(_holes(captured[0], "its block map, evaluated on the captured arrays at each call, may"))
         #: the boxes a chunk kept whole by every mask runs without
         self.hidden = set(self.masks) | {id(m.box) for m in self.segments}
         self._check_wires()
@@ -539,15 +537,6 @@ class MosaicLowered:
             interpret=plgpu.InterpretGPUParams() if self.interpret else None,
         )
         return call(*arrays, *(b for _, b in blocks.bounds), *([blocks.lists] if blocks.listed else []))
-
-
-def _holes(mask: str, why: str) -> str:
-    """Why the Mosaic backend refuses a block map with holes (``why``: what says it has them)."""
-    return (
-        f"mask {mask!r}: {why} have holes (chunks a tile visits none of between chunks it visits, or chunks kept "
-        "whole apart from one run), and the Mosaic backend's producer loads one range of chunks per tile, so it "
-        "would visit them; lower with backend='triton', whose kernels visit only the chunks the map lists"
-    )
 
 
 def _consumers(d: Diagram, q: str, given: int | None) -> int:
