@@ -22,9 +22,9 @@ Masks with holes: a strided window (causal, runs of W keys every 4W) and interle
 of N/128 tokens, two per tile of 128 queries, a captured ``document_id``) leave empty blocks between kept ones; the
 kernels visit only the chunks their block map lists (``lowering._blocks.chunk_lists``), on Triton and on Mosaic GPU
 alike (``backend="auto"`` takes Mosaic on sm_90 where it lowers; each row records its kernels' ``backends``). Each
-row states the share of blocks visited, ``visited``, beside the share FlexAttention's block mask would visit at the same blocks
-(``flex_visited``, counted here from the dense mask with jnp), which must agree; cuDNN's dense and causal kernels
-are timed beside (GPU only), TFLOP/s on all and on the causal pairs.
+row states the share of blocks visited, ``visited``, beside the share FlexAttention's block mask would visit at the
+same blocks (``flex_visited``, counted here from the dense mask with jnp), which must agree; cuDNN's dense and
+causal kernels are timed beside (GPU only), TFLOP/s on all and on the causal pairs.
 
 Dropout inside the kernel: causal attention with ``dropout_rate=0.1`` timed beside the same kernel without
 dropout, on Mosaic GPU and on Triton (issue 29's target: forward + backward ≥ 0.85× without), checked first
