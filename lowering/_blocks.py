@@ -490,11 +490,12 @@ class CallBlocks:
         return self.lists is not None
 
 
-def call_blocks(p: Plan, masks: tuple, arrays: list, extent: dict) -> CallBlocks:
+def call_blocks(p: Plan, masks: tuple, arrays: list, extent: dict, *, every: bool = False) -> CallBlocks:
     """The :class:`CallBlocks` of a kernel's call-time ``masks`` on this call's ``arrays`` (sizes ``extent``): a
     block map becomes chunk lists where its mask reads captured arrays or, at these sizes, its four bounds lose some
-    of its sparsity (:func:`holed`: decided when traced, the map being a constant of the sizes), else four bounds,
-    as segment ids are always (sorted ids leave no holes; unsorted ones, a superset, still correct)."""
+    of its sparsity (:func:`holed`: decided when traced, the map being a constant of the sizes), or with ``every``
+    (a check that the kernel's listed path lowers, at sizes too small for holes), else four bounds, as segment ids
+    are always (sorted ids leave no holes; unsorted ones, a superset, still correct)."""
     bounds, maps = [], []
     for m in masks:
         if isinstance(m, Segments):
@@ -506,7 +507,7 @@ def call_blocks(p: Plan, masks: tuple, arrays: list, extent: dict) -> CallBlocks
         kept, whole = mapped_map(p, m, extent)
         with jax.ensure_compile_time_eval():
             holes = holed(kept, whole)
-        if isinstance(holes, jax.core.Tracer) or bool(holes):  # a map of a traced value: its holes unknown
+        if every or isinstance(holes, jax.core.Tracer) or bool(holes):  # a traced value's map: its holes unknown
             maps.append((m, (kept, whole)))
         else:
             bounds.append((m, mapped_bounds(p, m, extent)))

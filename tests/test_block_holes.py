@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import lowering._attention as entry
 import napkin_cat as nc
-from lowering import NotLowerable, lower
+from lowering import lower
 from lowering._blocks import call_blocks, segments
 from lowering._sparsity import sparsity
 from rewrites import derive, stream, tile
@@ -170,12 +170,3 @@ def test_a_band_keeps_four_bounds():
     ).forward
     extent = {"q": 96, "x": 96, "d": 16}
     assert not call_blocks(window.plan, segments(window.plan.diagram, window.plan), [], extent).listed
-
-
-def test_mosaic_refuses_a_holed_map_by_name():
-    b, h, qm, xm, dm = nc.axes("b h q x d", d=64)
-    attn = nc.library.multi_head_attention(h, qm, xm, dm, batch=(b,), dtype="bf16", mask=wide)
-    kernel = lower(derive(attn, tile(qm, 128), stream(xm, 64), verify=False), backend="mosaic", interpret=True)
-    Q = jnp.ones((1, 1, 512, 64), jnp.bfloat16)
-    with pytest.raises(NotLowerable, match=r"mask 'mask wide'.*have holes.*backend='triton'"):
-        kernel.forward(Q, Q, Q)

@@ -1,5 +1,6 @@
 """The Mosaic GPU kernel body (:class:`MosaicKernel`): one producer warpgroup filling the rings by TMA, consumer
-warpgroups walking the block diagram on their rows (FlashAttention-3's warp specialisation)."""
+warpgroups walking the block diagram on their rows (FlashAttention-3's warp specialisation). Where a block map has
+holes, producer and consumers walk the chunks its lists name (:class:`_Walk`), in one order, the ring's."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from lowering._blocks import BlockContext, combine, heavy_last, visited
-from lowering._loop import ChunkLoop
+from lowering._loop import ChunkList, ChunkLoop
 from lowering._plan import NotLowerable
 from lowering.mosaic._arrays import Counting, MosaicArrays, Smem, value_of
 from rewrites import walk
@@ -41,9 +42,12 @@ class _Scratch(NamedTuple):
 class MosaicKernel:
     """The kernel body: a producer warpgroup filling the rings, consumer warpgroups walking the diagram."""
 
-    def __init__(self, low: MosaicLowered, sizes, extent, streamed, resident, n_tiles, n_chunks, batch):
+    def __init__(self, low: MosaicLowered, sizes, extent, streamed, resident, n_tiles, n_chunks, batch, blocks=(0, 0)):
         self.low, self.sizes, self.extent = low, sizes, extent
         self.streamed, self.resident, self.n_tiles, self.n_chunks = streamed, resident, n_tiles, n_chunks
+        #: the refs the wrapper passes after the inputs: four bounds per call-time mask read as ranges, then (1) or
+        #: not (0) the chunk lists of the block maps with holes (:class:`lowering._blocks.CallBlocks`)
+        self.n_bounds, self.listed = blocks
         self.batch = batch
         #: whether the tiles launch last-first: the last tile is the heaviest (causal queries)
         self.flip = low.q in heavy_last(low.plan, extent, extent)
@@ -121,9 +125,10 @@ class MosaicKernel:
     def __call__(self, *refs):
         low, c = self.low, self.low.config
         full = low.plan.diagram
-        n_in, n_out = len(full.dom) + len(low.segments), len(full.cod)
+        n_in, n_out = len(full.dom) + self.n_bounds + self.listed, len(full.cod)
         in_refs, out_refs, scratch = refs[:n_in], refs[n_in : n_in + n_out], refs[n_in + n_out :]
-        in_refs, bounds = in_refs[: len(full.dom)], in_refs[len(full.dom) :]
+        lists = in_refs[-1] if self.listed else None
+        in_refs, bounds = in_refs[: len(full.dom)], in_refs[len(full.dom) : len(full.dom) + self.n_bounds]
         turn, staging = (scratch[6] or [None])[0], (scratch[7] if len(scratch) > 7 else [None])[0]
         scratch = _Scratch(*scratch[:6], turn, staging)
         wg, tile = lax.axis_index("wg"), lax.axis_index("tile")
@@ -133,28 +138,40 @@ class MosaicKernel:
         g = low.plan.tiles[low.q]
         # the chunks [first, chunks) this block streams: those some row of its tile sees
         first, chunks = _i32(0), _i32(self.n_chunks)
+        span = (first, first, chunks, chunks)
         if low.hidden:
-            first, _, _, chunks = self.visited(bid, tile, tile * g, g, bounds)
+            first, _, _, chunks = span = self.visited(bid, tile, tile * g, g, bounds)
         if not self.streamed:  # no loop (the backward's Δ): the producer has nothing to fill
             chunks = _i32(0)
+        # a block map with holes: the chunks its lists name in the tile's range, one walk for every warpgroup
+        walk = _Walk.of(lists, self._batch(bid), low.plan.batch, tile, span) if self.listed else None
         consumer_regs, producer_regs = c.registers()
 
         @pl.when(wg < c.consumers)
         def _consumer():
             plgpu.set_max_registers(consumer_regs, action="increase")
-            self.consume(in_refs, out_refs, scratch, wg, bid, tile, (first, chunks), bounds)
+            self.consume(in_refs, out_refs, scratch, wg, bid, tile, (first, chunks), bounds, walk)
 
         @pl.when(wg == c.consumers)
         def _producer():
             plgpu.set_max_registers(producer_regs, action="decrease")
-            if self.streamed:
-                self.produce(in_refs, scratch.rings, scratch.loaded, scratch.consumed, bid, tile, first, chunks)
+            if not self.streamed:
+                return
+            ring = (scratch.rings, scratch.loaded, scratch.consumed)
+            if walk is None:
+                self.produce(in_refs, *ring, bid, tile, first, chunks)
+            else:  # the ring takes the listed chunks in turn: step t in slot t mod stages
+                self.produce(in_refs, *ring, bid, tile, _i32(0), walk.steps, walk.chunk)
 
-    def produce(self, in_refs, rings, loaded, consumed, bid, tile, first, chunks):
+    def produce(self, in_refs, rings, loaded, consumed, bid, tile, first, chunks, chunk_of=None):
+        """The producer: steps ``[first, chunks)`` loaded by TMA into ring slot ``step mod stages``, each slot's
+        previous load released by every consumer first; step ``t`` loads chunk ``chunk_of(t)`` (default ``t``)."""
         low, hbm, stages, s = self.low, self.low.plan.diagram.dom.inside, self.low.config.stages, self.low.s
+        chunk_of = chunk_of or (lambda t: t)
         g = low.plan.tiles[low.q]
 
-        def load(chunk, slot):
+        def load(step, slot):
+            chunk = chunk_of(step)
             for k, i in enumerate(self.streamed):
                 blocks = {low.x: pl.ds(chunk * s, s), low.q: pl.ds(tile * g, g)}
                 view = in_refs[i].at[self._index(hbm[i], bid, **blocks)]
@@ -178,15 +195,15 @@ class MosaicKernel:
             for k in range(len(self.streamed)):
                 plgpu.barrier_wait(consumed[k].at[lax.rem(chunk, _i32(stages))])
 
-    def consume(self, in_refs, out_refs, scratch: _Scratch, wg, bid, tile, block, bounds):
+    def consume(self, in_refs, out_refs, scratch: _Scratch, wg, bid, tile, block, bounds, walk=None):
         """A consumer warpgroup: its rows of the resident inputs loaded (:meth:`_prologue`), the streamed loop over
-        the chunks the producer fills (:class:`_Consumer`), its results stored (:meth:`store`)."""
+        the chunks the producer fills (:class:`_Consumer`; the tile's :class:`_Walk` where a block map has holes),
+        its results stored (:meth:`store`)."""
         low = self.low
         start = tile * low.plan.tiles[low.q] + wg * low.rows
         started = self._prologue(in_refs, scratch.tiles, scratch.arrived, scratch.turn, scratch.staging, wg, bid, start)
-        loop = _Consumer(
-            self, scratch, started, wg, start, block, lambda: self.visited(bid, tile, start, low.rows, bounds)
-        )
+        visit = (lambda: walk.span) if walk is not None else (lambda: self.visited(bid, tile, start, low.rows, bounds))
+        loop = _Consumer(self, scratch, started, wg, start, block, visit, walk)
         self.store(loop.run(), out_refs, scratch.outs, scratch.tiles, wg, bid, start)
 
     def _prologue(self, in_refs, tiles, arrived, turn, staging, wg, bid, start) -> tuple:
@@ -233,9 +250,11 @@ class _Consumer(ChunkLoop):
     (``block``: the producer's ``[first, chunks)``) its own rows do not visit observed and released all the same;
     the ping-pong turns of two consumers offset by one; an error while walking names the box."""
 
-    def __init__(self, kernel: MosaicKernel, scratch: _Scratch, started: tuple, wg, start, block, visited):
+    def __init__(self, kernel: MosaicKernel, scratch: _Scratch, started: tuple, wg, start, block, visited, walk=None):
         self.turn, self.pingpong, grid, ctx, self.resident, self.scalars = started
         low, self.kernel, self.scratch, self.wg, self.visit = kernel.low, kernel, scratch, wg, visited
+        #: the tile's walk of its lists (a block map with holes), and the ring slot of the listed chunk being walked
+        self.tour, self.slot = walk, None
         x = low.x or ""
         final = [
             None if w.has(x) else self.resident.get(i, self.scalars.get(i)) for i, w in enumerate(low.d.dom.inside)
@@ -261,6 +280,20 @@ class _Consumer(ChunkLoop):
     def bounds(self) -> tuple | None:
         return self.visit() if self.kernel.low.hidden else None
 
+    def lists(self) -> tuple | None:
+        return None if self.tour is None else (self.tour.cut, self.tour.whole)
+
+    def listed(self, chunks: ChunkList, lo, hi, body, carry):
+        """The listed chunks in ``[lo, hi)``, each in the ring slot of its step in the tile's walk (:class:`_Walk`:
+        the cut chunks, then the whole ones), where the producer loaded it."""
+        stages, origin = self.kernel.low.config.stages, self.tour.origin(chunks)
+
+        def step(i, carry):
+            self.slot = lax.rem(origin + i, _i32(stages))
+            return body(chunks.at(i), carry)
+
+        return self.loop(chunks.below(lo), chunks.below(hi), step, carry)
+
     def chunk(self, c, walk_chunk) -> None:
         low, wires, rows, wg = self.kernel.low, self.d.dom.inside, self.kernel.low.rows, self.wg
         rings, loaded, consumed = self.scratch.rings, self.scratch.loaded, self.scratch.consumed
@@ -271,7 +304,7 @@ class _Consumer(ChunkLoop):
                 return ref
             return ref.at[tuple(pl.ds(wg * rows, rows) if n == low.q else slice(None) for n in names)]
 
-        slot = lax.rem(c, _i32(low.config.stages))
+        slot = lax.rem(c, _i32(low.config.stages)) if self.tour is None else self.slot
         streamed = self.kernel.streamed
         ring = {i: Smem(rows_of(i, rings[k].at[slot]), loaded[k].at[slot]).along(1) for k, i in enumerate(streamed)}
         self.pingpong.issued = 0
@@ -324,6 +357,63 @@ class _Consumer(ChunkLoop):
             @pl.when(self.wg == 0)
             def _():
                 self.pingpong.schedule()
+
+
+class _Listed(ChunkList):
+    """One of a tile's chunk lists (:func:`lowering._blocks.chunk_lists`; ``k`` 0: the chunks its block map cuts,
+    1: those it keeps whole) in HBM, read a scalar at a time: the chunk at a position, and how many lie below a chunk
+    by a binary search of the sorted, padded list (log₂ width + 1 loads)."""
+
+    def __init__(self, ref, index: tuple, k: int):
+        self.ref, self.index, self.width = ref, (*index, _i32(k)), ref.shape[-1]
+
+    def at(self, i):
+        return self.ref[(*self.index, i)]
+
+    def below(self, c):
+        pos, step = _i32(0), self.width // 2
+        while step:  # the sorted list's first `pos` entries are below c
+            pos = jnp.where(self.at(pos + step - 1) < c, pos + step, pos)
+            step //= 2
+        return pos + (self.at(pos) < c).astype(jnp.int32)
+
+
+class _Walk(NamedTuple):
+    """The chunks a tile visits where a block map has holes, in the order its ring takes them: those of its cut list
+    in ``span`` (``first ≤ full_lo ≤ full_hi ≤ last``, the tile's range from its other masks), then those of its
+    whole list there. Producer and every consumer walk it alike, so step ``t`` is in ring slot ``t mod stages``
+    for all; a consumer runs a cut chunk masked and a whole one unmasked in ``[full_lo, full_hi)``."""
+
+    cut: _Listed
+    whole: _Listed
+    span: tuple
+    #: the listed chunks in the span: cut, and all; the steps of the lists' positions 0
+    n_cut: Any
+    steps: Any
+    origins: tuple
+
+    @classmethod
+    def of(cls, ref, batch: dict, axes: tuple, tile, span: tuple) -> _Walk:
+        """The walk of ``tile`` (at ``batch``, its index along each grid axis ``axes``) of the lists ``ref``
+        (``[batch axes the map reads (else 1), tiles, 2, width]``)."""
+        at = [batch[a] if n > 1 else _i32(0) for a, n in zip(axes, ref.shape, strict=False)]
+        cut, whole = (_Listed(ref, (*at, tile), k) for k in (0, 1))
+        first, last = span[0], span[3]
+        cut_first, whole_first = cut.below(first), whole.below(first)
+        n_cut = cut.below(last) - cut_first
+        steps = n_cut + whole.below(last) - whole_first
+        return cls(cut, whole, span, n_cut, steps, (-cut_first, n_cut - whole_first))
+
+    def origin(self, chunks: _Listed):
+        """The step of position 0 of ``chunks`` (its positions in the span are consecutive steps)."""
+        return self.origins[chunks is self.whole]
+
+    def chunk(self, t):
+        """The chunk of step ``t`` (in ``[0, steps)``)."""
+        last = self.cut.width - 1
+        in_cut = self.cut.at(jnp.minimum(t - self.origin(self.cut), last))
+        in_whole = self.whole.at(jnp.clip(t - self.origin(self.whole), 0, last))
+        return jnp.where(t < self.n_cut, in_cut, in_whole)
 
 
 #: the hardware named barrier the consumer warpgroups pass their ping-pong turns through (Mosaic GPU uses the

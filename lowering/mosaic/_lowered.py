@@ -29,6 +29,7 @@ Anything this cannot express raises :class:`NotLowerable` naming the box or axis
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 
@@ -36,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from lowering._blocks import BlockContext, Mapped, affine_mask, call_bounds, holed, mapped_map, segments, tiled_first
+from lowering._blocks import BlockContext, Mapped, affine_mask, call_blocks, segments, tiled_first
 from lowering._plan import NotLowerable, Plan, base2, unweave
 from lowering._sparsity import Sparsity, described, sparsity
 from lowering._spmd import out_structs
@@ -117,8 +118,6 @@ class MosaicLowered:
         #: the segment masks over the split axis and the streamed one (documents): the wrapper finds from the ids
         #: which chunks each tile visits and keeps whole (``lowering._blocks.segment_blocks``), as Triton's does
         self.segments = tuple(m for m in segments(self.d, p) if m.axis == self.q)
-        if captured := [m.box.name for m in self.segments if isinstance(m, Mapped) and m.inputs]:
-            raise NotLowerable(_holes(captured[0], "its block map, evaluated on the captured arrays at each call, may"))
         #: the boxes a chunk kept whole by every mask runs without
         self.hidden = set(self.masks) | {id(m.box) for m in self.segments}
         self._check_wires()
@@ -301,7 +300,7 @@ class MosaicLowered:
         arrays = [jnp.asarray(a) for a in arrays]
         sizes = bind(full.dom, arrays)
         extent = {a.name: int(a.size.subs(sizes)) for w in full.dom.inside for a in w.axes}
-        return sparsity(self.plan, arrays, extent, self.segments, lists=False)
+        return sparsity(self.plan, arrays, extent, self.segments)
 
     def guard(self) -> None:
         """:meth:`check` now where the sizes it reads (the axes kept whole) are known: the tiled and streamed
@@ -353,8 +352,10 @@ class MosaicLowered:
         structs = [
             jax.ShapeDtypeStruct(tuple(int(a.size.subs(example)) for a in w.axes), w.dtype.jnp) for w in full.dom.inside
         ]
+        # a block map's chunk lists lowered too (at these sizes its map may have no holes)
+        run = functools.partial(self._run, every=any(isinstance(m, Mapped) for m in self.segments))
         try:
-            jax.jit(self).trace(*structs).lower(lowering_platforms=("cuda",))
+            jax.jit(run).trace(*structs).lower(lowering_platforms=("cuda",))
         except Exception as e:  # noqa: BLE001 - any failure of Mosaic GPU's lowering is the reason reported
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             return f"Mosaic GPU does not lower it for CUDA: {type(e).__name__}: {first[:300]}"
@@ -389,6 +390,10 @@ class MosaicLowered:
         )
 
     def __call__(self, *arrays):
+        return self._run(*arrays)
+
+    def _run(self, *arrays, every: bool = False):
+        """The kernel on ``arrays``; with ``every``, each block map read as chunk lists (:meth:`lowering_error`)."""
         full = self.plan.diagram
         arrays = [jnp.asarray(a) for a in arrays]
         sizes = bind(full.dom, arrays)
@@ -396,12 +401,7 @@ class MosaicLowered:
         if why := self.ragged(*arrays):
             raise NotLowerable(why)
         self.check(extent)
-        for m in self.segments:
-            with jax.ensure_compile_time_eval():
-                holes = isinstance(m, Mapped) and holed(*mapped_map(self.plan, m, extent))
-            if isinstance(holes, jax.core.Tracer) or holes:
-                raise NotLowerable(_holes(m.box.name, f"at these sizes ({extent}) its block map does"))
-        outs = self._call(arrays, sizes, extent)
+        outs = self._call(arrays, sizes, extent, every)
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def check(self, extent: dict) -> None:
@@ -492,8 +492,10 @@ class MosaicLowered:
         wires = self.d.dom.inside
         return next((w.dtype for w in wires if self._role(w) == "stream" and len(w.axes) == 2), wires[0].dtype)
 
-    def _call(self, arrays, sizes, extent):
+    def _call(self, arrays, sizes, extent, every: bool = False):
         p, full, c = self.plan, self.plan.diagram, self.config
+        # the call-time masks' blocks: four bounds per tile, or chunk lists where a block map has holes
+        blocks = call_blocks(p, self.segments, arrays, extent, every=every)
         wires = self.d.dom.inside
         streamed = [i for i, w in enumerate(wires) if self._role(w) == "stream"]
         resident = [i for i, w in enumerate(wires) if self._role(w) == "tile"]
@@ -516,7 +518,8 @@ class MosaicLowered:
         scratch.append([plgpu.Barrier(num_arrivals=c.consumers)] if self.pingpong and self.interpret else [])
         if self.staged and streamed:
             scratch.append([smem((c.consumers, self.rows, self.s), self._staged_dtype().jnp)])
-        kernel = MosaicKernel(self, sizes, extent, streamed, resident, n_tiles, n_chunks, batch)
+        listed = (len(blocks.bounds), int(blocks.listed))
+        kernel = MosaicKernel(self, sizes, extent, streamed, resident, n_tiles, n_chunks, batch, listed)
         others = [extent[a] // n for a, n in self.others.items()]
         out_type = out_structs(full.cod.inside, extent, arrays)
         call = plgpu.kernel(
@@ -533,16 +536,7 @@ class MosaicLowered:
             kernel_name="napkin_mosaic",
             interpret=plgpu.InterpretGPUParams() if self.interpret else None,
         )
-        return call(*arrays, *(call_bounds(p, m, arrays, extent) for m in self.segments))
-
-
-def _holes(mask: str, why: str) -> str:
-    """Why the Mosaic backend refuses a block map with holes (``why``: what says it has them)."""
-    return (
-        f"mask {mask!r}: {why} have holes (chunks a tile visits none of between chunks it visits, or chunks kept "
-        "whole apart from one run), and the Mosaic backend's producer loads one range of chunks per tile, so it "
-        "would visit them; lower with backend='triton', whose kernels visit only the chunks the map lists"
-    )
+        return call(*arrays, *(b for _, b in blocks.bounds), *([blocks.lists] if blocks.listed else []))
 
 
 def _consumers(d: Diagram, q: str, given: int | None) -> int:

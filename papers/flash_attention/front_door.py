@@ -20,10 +20,11 @@ compiled) as a fraction of one forward + backward. Documents (8, ragged, one ``d
 
 Masks with holes: a strided window (causal, runs of W keys every 4W) and interleaved documents (4 documents in runs
 of N/128 tokens, two per tile of 128 queries, a captured ``document_id``) leave empty blocks between kept ones; the
-kernels visit only the chunks their block map lists (``lowering._blocks.chunk_lists``). Each row states the share of
-blocks visited, ``visited``, beside the share FlexAttention's block mask would visit at the same blocks
-(``flex_visited``, counted here from the dense mask with jnp), which must agree; cuDNN's dense and causal kernels
-are timed beside (GPU only), TFLOP/s on all and on the causal pairs.
+kernels visit only the chunks their block map lists (``lowering._blocks.chunk_lists``), on Triton and on Mosaic GPU
+alike (``backend="auto"`` takes Mosaic on sm_90 where it lowers; each row records its kernels' ``backends``). Each
+row states the share of blocks visited, ``visited``, beside the share FlexAttention's block mask would visit at the
+same blocks (``flex_visited``, counted here from the dense mask with jnp), which must agree; cuDNN's dense and
+causal kernels are timed beside (GPU only), TFLOP/s on all and on the causal pairs.
 
 Dropout inside the kernel: causal attention with ``dropout_rate=0.1`` timed beside the same kernel without
 dropout, on Mosaic GPU and on Triton (issue 29's target: forward + backward ≥ 0.85× without), checked first
@@ -190,10 +191,12 @@ def sparse_rows(q, k, v, ct, w: int, width: int, r: int) -> list:
         row = measure(name, f, q, k, v, ct, dense_reference(keep), flops)
         row["sparsity"] = {"skipped": sp.skipped, "full": sp.full, "partial": sp.partial, "found": sp.found}
         row["visited"], row["flex_visited"] = 1 - sp.skipped, flex_visited(keep, n, g, s)
+        row["backends"] = made.kernel.backends  # per kernel: "auto" takes Mosaic on sm_90 where it lowers
         if sp.found == ("call time",):
             row["block_map_ms"] = build_ms(made, sizes)
             row["block_map_share"] = row["block_map_ms"] / row["fwdbwd"]["ms"]
         line = f"   {sp}; visited {100 * row['visited']:.1f}% (FlexAttention's: {100 * row['flex_visited']:.1f}%)"
+        line += f"; on {'/'.join(sorted(set(row['backends'].values())))}"
         if "block_map_ms" in row:
             line += f"; block maps {row['block_map_ms']:.3f} ms = {100 * row['block_map_share']:.2f}% of fwd+bwd"
         print(line, flush=True)
