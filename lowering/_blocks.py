@@ -215,11 +215,12 @@ def length_masks(d: Diagram, p: Plan) -> tuple[Lengths, ...]:
     are an input along the streamed axis alone, in the order of their boxes.
 
     >>> import napkin_cat as nc
-    >>> from lowering._decode import key_lengths
+    >>> from lowering._decode import KEY_LENGTH, length_wires
     >>> from rewrites import derive, tile, stream
     >>> from lowering import plan
     >>> b, q, x, d = nc.axes("b q x d")
-    >>> p = plan(derive(key_lengths(q, x, d, b), tile(q, 16), stream(x, 16), verify=False).diagram)
+    >>> att = nc.library.dot_product_attention(q, x, d, batch=(b,), captured=((KEY_LENGTH, length_wires(b, q, x)),))
+    >>> p = plan(derive(att, tile(q, 16), stream(x, 16), verify=False).diagram)
     >>> [(m.n, m.t) for m in length_masks(p.diagram, p)]
     [(4, 5)]
     """

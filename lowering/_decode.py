@@ -5,8 +5,8 @@ program per (batch, head) and leaves most SMs idle. Here the cache is split into
 (:func:`rewrites.split_kv`, ``n`` from :func:`rewrites.choose_parts`: enough programs to fill the SMs, in whole
 waves); the parts become a batch axis of one kernel (the cache ``[B, S, H_kv, D]`` read as ``[B·n, S/n, H_kv, D]``, a
 reshape), each part's kernel outputs its ``(o, lse)`` (:func:`rewrites.with_lse`, lowered by
-:func:`lowering.lower`), and the parts merge in JAX by the log-sum-exp merge (:func:`merge`, one
-reduction over ``[B, n, Nq, H, D]`` numbers, cheap). The per-part diagram's schedule is derived and verified (``derive``); the
+:func:`lowering.lower`), and the parts merge in JAX by the log-sum-exp merge (:func:`merge`: one reduction over
+``[B, n, Nq, H, D]`` numbers, cheap). The per-part diagram's schedule is derived and verified (``derive``); the
 split itself is the rule ``split_kv`` verified and proved in :mod:`rewrites._split_kv`.
 
 **Layout and masks.** ``q`` ``[B, Nq, H, D]`` are the tokens at positions ``lengths − Nq … lengths − 1`` of each
@@ -43,8 +43,8 @@ import math
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import ClassVar
 from fractions import Fraction
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
