@@ -198,6 +198,62 @@ class Segments:
 
 
 @dataclass(frozen=True)
+class Lengths:
+    """A length mask of a kernel streaming ``x``: its ``box``, whose function keeps key ``pos[x]`` where ``pos[x] <
+    n + t`` and says where it reads ``(pos, n, t)`` (``length_labels``), and the kernel inputs holding ``n`` (over
+    grid axes: a sequence's length) and ``t`` (over grid and tiled axes: a row's offset from it). ``pos`` is the
+    streamed index itself (an ``arange``), so the kernel finds its chunks from ``n`` and ``t`` alone
+    (:func:`length_bounds`), in the program: no call-time pass over ids."""
+
+    box: object
+    n: int
+    t: int
+
+
+def length_masks(d: Diagram, p: Plan) -> tuple[Lengths, ...]:
+    """The length masks of ``d`` (a kernel body) whose ``n`` and ``t`` are inputs of the kernel and whose positions
+    are an input along the streamed axis alone, in the order of their boxes.
+
+    >>> import napkin_cat as nc
+    >>> from lowering._decode import KEY_LENGTH, length_wires
+    >>> from rewrites import derive, tile, stream
+    >>> from lowering import plan
+    >>> b, q, x, d = nc.axes("b q x d")
+    >>> att = nc.library.dot_product_attention(q, x, d, batch=(b,), captured=((KEY_LENGTH, length_wires(b, q, x)),))
+    >>> p = plan(derive(att, tile(q, 16), stream(x, 16), verify=False).diagram)
+    >>> [(m.n, m.t) for m in length_masks(p.diagram, p)]
+    [(4, 5)]
+    """
+    if p.stream is None:
+        return ()
+    x, found = p.stream[0], []
+
+    def step(i, box, ins):
+        fn = box.params["fn"] if isinstance(box, Elementwise) else None
+        at = getattr(fn, "length_labels", None)
+        if at is not None:
+            pos, n, t = (ins[k] for k in at)
+            if None not in (pos, n, t) and tuple(d.dom.inside[pos].names) == (x,):
+                found.append(Lengths(box, n, t))
+        return [None] * len(box.cod)
+
+    d.dataflow(list(range(len(d.dom))), step)
+    return tuple(found)
+
+
+def length_bounds(n, t, s: int, n_chunks: int) -> tuple:
+    """The chunks of ``s`` keys a block of a length mask visits, ``(first, full_lo, full_hi, last)``: those below
+    ``n + max(t)`` (the longest row's keys), and, kept whole, those below ``n + min(t)`` (the shortest row's).
+
+    >>> [int(v) for v in length_bounds(jnp.int32(40), jnp.array([-3, 0]), 16, 4)]
+    [0, 0, 2, 3]
+    """
+    hi, lo = n + jnp.max(t), n + jnp.min(t)
+    last = jnp.clip(-(-hi // s), 0, n_chunks).astype(jnp.int32)
+    return 0, 0, jnp.clip(lo // s, 0, last).astype(jnp.int32), last
+
+
+@dataclass(frozen=True)
 class Mapped:
     """A mask of a kernel that tiles ``axis`` and streams the other axis it reads, whose function has no affine
     form: its ``box`` (a :class:`~napkin_cat.generators.Mask`, or a mask's backward), whose blocks the wrapper

@@ -5,17 +5,17 @@ program per (batch, head) and leaves most SMs idle. Here the cache is split into
 (:func:`rewrites.split_kv`, ``n`` from :func:`rewrites.choose_parts`: enough programs to fill the SMs, in whole
 waves); the parts become a batch axis of one kernel (the cache ``[B, S, H_kv, D]`` read as ``[B·n, S/n, H_kv, D]``, a
 reshape), each part's kernel outputs its ``(o, lse)`` (:func:`rewrites.with_lse`, lowered by
-:func:`lowering.lower`), and the parts merge in JAX by the log-sum-exp merge (:func:`rewrites.merge_parts`,
-``[B, n, Nq, H]`` numbers, cheap). The per-part diagram's schedule is derived and verified (``derive``); the
+:func:`lowering.lower`), and the parts merge in JAX by the log-sum-exp merge (:func:`merge`: one reduction over
+``[B, n, Nq, H, D]`` numbers, cheap). The per-part diagram's schedule is derived and verified (``derive``); the
 split itself is the rule ``split_kv`` verified and proved in :mod:`rewrites._split_kv`.
 
 **Layout and masks.** ``q`` ``[B, Nq, H, D]`` are the tokens at positions ``lengths − Nq … lengths − 1`` of each
 sequence (bottom-right causal alignment: query ``i`` sees keys ``< lengths − Nq + i + 1``); caches ``[B, S, H_kv,
 D]`` hold ``lengths[b]`` valid keys (the rest is never seen). Grouped-query heads of one KV head are packed into
 the kernel's rows (``Nq · H/H_kv`` rows per KV head, FlashInfer's trick), so the cache is read once per KV head.
-``lengths`` are read when the kernel runs (segment ids per key, and for ``Nq > 1`` a boolean mask of the
-causal tail), so one kernel serves every length, under ``jax.jit`` too. Blocks past a sequence's length are
-skipped, not read.
+``lengths`` are read when the kernel runs (:class:`KeyLength`: each program compares its keys' positions with its
+part's count of valid keys, less the causal tail's offset for ``Nq > 1``), so one kernel serves every length, under
+``jax.jit`` too. Chunks past a sequence's length are skipped, not read: each program finds them from its count.
 
 **Index functions** (FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx)``, ``mask_mod(b, h, q_idx,
 kv_idx)``, or by name) read the batch ``b``, the query head ``h`` and the key's position ``kv_idx`` in the cache;
@@ -44,9 +44,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 from lowering._api import lower
 from lowering._paged import PageMap, check_paged, check_pages_used, paged_split
@@ -60,7 +63,7 @@ from napkin_cat.dtypes import bf16, f16, f32
 from napkin_cat.errors import EvaluationError
 from napkin_cat.generators import add, contract, elementwise, fname, index_names, positional, softmax
 from napkin_cat.hardware import Hardware, lookup
-from rewrites import choose_parts, derive, merge_parts, stream, tile, with_lse
+from rewrites import choose_parts, derive, stream, tile, with_lse
 
 #: the most new tokens per sequence a decode step takes (speculative decoding, chunked prefill); more is a prefill
 MAX_QUERIES = 64
@@ -104,6 +107,48 @@ class Decoded:
     @property
     def __name__(self):
         return fname(self.fn)
+
+
+@dataclass(frozen=True)
+class KeyLength:
+    """The mask of a part's valid keys: score ``s`` where the key's position ``pos`` (the part's streamed index)
+    is below ``n + t``, else −∞. ``n`` is the part's count of the sequence's keys (its length less the keys of the
+    parts before it, per program), ``t`` a row's offset from it (``0``, or for ``Nq > 1`` new tokens the causal
+    tail: token ``i`` sees ``Nq − 1 − i`` fewer keys). Called as ``(s, pos, n, t)``; it says where it reads them
+    (``length_labels``), so a kernel finds the chunks it visits from ``n`` and ``t`` as it runs
+    (:func:`lowering._blocks.length_bounds`), and ``lengths`` stay values: one kernel serves every length.
+
+    >>> KEY_LENGTH(jnp.zeros(4), jnp.arange(4), jnp.int32(3), jnp.array([0, 0, -1, -1])).tolist()
+    [0.0, 0.0, -inf, -inf]
+    """
+
+    name: str = "key_length"
+    #: a mask of the scores: it commutes with scaling them (the exp2 fold passes through it)
+    passes_base: ClassVar[bool] = True
+    #: a mask, not a score modifier, among ``library.dot_product_attention``'s ``captured`` pairs
+    score: ClassVar[bool] = False
+    #: the positions, among its arguments ``(s, pos, n, t)``, of the key's position, the length and the offset
+    length_labels: ClassVar[tuple[int, int, int]] = (1, 2, 3)
+
+    def __call__(self, s, pos, n, t):
+        return jnp.where(pos < n + t, s, -jnp.inf)
+
+    @property
+    def __name__(self):
+        return self.name
+
+
+KEY_LENGTH = KeyLength()
+
+
+def length_wires(b, q, x) -> tuple[Array, Array, Array]:
+    """The inputs :class:`KeyLength` reads: the keys' positions ``[x]``, the lengths ``[b]`` and the rows'
+    offsets ``[q]`` (i32).
+
+    >>> print(*length_wires(*axes("b q x")))
+    x b q
+    """
+    return Array(x, dtype="i32"), Array(b, dtype="i32"), Array(q, dtype="i32")
 
 
 @dataclass(frozen=True)
@@ -170,7 +215,7 @@ class Plan:
                 mods[key] = Decoded(fn, self.parts, self.chunk, self.group, score)
         if self.rope:
             r = axes("r", r=self.rope)[0]
-            diagram = mla_attention(b, h, q, x, d, r, self.scale, DTYPES[self.dtype], tail=self.queries > 1)
+            diagram = mla_attention(b, h, q, x, d, r, self.scale, DTYPES[self.dtype])
         else:
             diagram = self._attention(b, h, q, x, d, dv, mods)
         rows, chunk = self.blocks()
@@ -192,41 +237,37 @@ class Plan:
             dtype=DTYPES[self.dtype],
             batch=(b, h),
             seq_at=1,  # [b, seq, h, d]: the caller's layout, read in place
-            segment_batch=(b,),
-            mask_batch=(b,) if self.queries > 1 else None,
+            captured=((KEY_LENGTH, length_wires(b, q, x)),),
             value_dim=dv if self.dims[1] != self.dims[0] else None,
             **mods,
         )
 
 
-def mla_attention(b, h, q, x, c, r, scale, dtype, *, tail: bool) -> Diagram:
+def mla_attention(b, h, q, x, c, r, scale, dtype) -> Diagram:
     """Absorbed multi-head latent attention (DeepSeek-V2/V3's MLA at inference) as one diagram, laid out ``[b, seq,
-    h, dim]``: ``Q_c[c] ⊗ K_c[c] ⊗ V[c] ⊗ Q_r[r] ⊗ K_r[r] ⊗ [M] ⊗ ids_q ⊗ ids_x → O[c]``, scores ``scale·(Q_c·K_cᵀ +
+    h, dim]``: ``Q_c[c] ⊗ K_c[c] ⊗ V[c] ⊗ Q_r[r] ⊗ K_r[r] ⊗ pos ⊗ n ⊗ t → O[c]``, scores ``scale·(Q_c·K_cᵀ +
     Q_r·K_rᵀ)`` (the latent and rotary parts, ``c + r`` dims; ``scale`` defaults to ``1/√(c + r)``), masked by the
-    causal tail ``M`` (``tail``) and the segment ids, softmax, then contracted with ``V`` over the keys. ``V`` is
-    the latent keys themselves (the caller passes one array twice: the streamed loop loads its chunk for both).
+    valid keys (:class:`KeyLength` on :func:`length_wires`), softmax, then contracted with ``V`` over the keys.
+    ``V`` is the latent keys themselves (the caller passes one array twice: the streamed loop loads its chunk for
+    both).
 
     >>> b, h, q, x, c, r = axes("b h q x c r", c=32, r=16)
-    >>> print(mla_attention(b, h, q, x, c, r, None, f32, tail=False).dom)
-    b×q×h×c ⊗ b×x×h×c ⊗ b×x×h×c ⊗ b×q×h×r ⊗ b×x×h×r ⊗ b×q ⊗ b×x
+    >>> print(mla_attention(b, h, q, x, c, r, None, f32).dom)
+    b×q×h×c ⊗ b×x×h×c ⊗ b×x×h×c ⊗ b×q×h×r ⊗ b×x×h×r ⊗ x ⊗ b ⊗ q
     """
     scale = 1 / math.sqrt(c.size + r.size) if scale is None else scale
     S, V = Array(b, h, q, x), Array(b, x, h, c, dtype=dtype)
-    ids = (Array(b, q, dtype="i32"), Array(b, x, dtype="i32"))
-    M = (Array(b, q, x, dtype="bool"),) if tail else ()  # noqa: N806 - a mask's wire, as the library names it
     n = {a: a.name for a in (b, h, q, x, c)}
 
     def scores(e):
         spec = f"{n[b]} {n[q]} {n[h]} {e.name}, {n[b]} {n[x]} {n[h]} {e.name} -> {n[b]} {n[h]} {n[q]} {n[x]}"
         return contract(spec, b, h, q, x, e, scale=scale, dtype=dtype, out_dtype=f32)
 
-    rest = Ty(*M, *ids)
+    rest = Ty(*length_wires(b, q, x))
     out = scores(c) @ identity(Ty(V)) @ scores(r) @ identity(rest)  # S V S_r rest
     out = out >> (identity(Ty(S)) @ swap(Ty(V), Ty(S)) @ identity(rest)) >> (add(S, S) @ identity(Ty(V) @ rest))
     out = out >> (identity(Ty(S)) @ swap(Ty(V), rest))  # S rest V
-    if tail:
-        out = out >> (elementwise(library.keep_where, S, M[0], out=S) @ identity(Ty(*ids, V)))
-    out = out >> (elementwise(library.same_document, S, *ids, out=S) @ identity(Ty(V)))
+    out = out >> (elementwise(KEY_LENGTH, S, *rest.inside, out=S) @ identity(Ty(V)))
     spec = f"{n[b]} {n[h]} {n[q]} {n[x]}, {n[b]} {n[x]} {n[h]} {n[c]} -> {n[b]} {n[q]} {n[h]} {n[c]}"
     return (
         out >> (softmax(S, x) @ identity(Ty(V))) >> contract(spec, b, h, q, x, c, dtype=(f32, dtype), out_dtype=dtype)
@@ -341,19 +382,40 @@ def _parts(batch: int, programs: int, keys: int, hardware: Hardware, *, exact: b
     return max(fits or range(1, top + 1), key=lambda m: (Fraction(batch * programs * m, waves(m)), m))
 
 
-def _masks(lengths, plan: Plan, batch: int):
-    """Per part: the keys' segment ids (1 valid, 0 past the length), the rows' (all 1), and for ``Nq > 1`` the
-    causal tail: row ``i·group + g`` keeps key ``j < lengths − Nq + i + 1``."""
+def _lengths(lengths, plan: Plan, batch: int) -> tuple:
+    """:class:`KeyLength`'s inputs: the part's key positions (a constant), each part's count of its sequence's keys
+    (``lengths − p·chunk``, one small program), and each row's offset: row ``i·group + g`` (token ``i``) sees keys
+    ``< lengths − Nq + i + 1`` (a constant)."""
     n, c = plan.parts, plan.chunk
-    j = jnp.arange(n * c).reshape(1, n, c)
-    length = lengths.astype(jnp.int32).reshape(batch, 1, 1)
-    kv_ids = (j < length).astype(jnp.int32).reshape(batch * n, c)
-    q_ids = jnp.ones((batch * n, plan.rows), jnp.int32)
-    if plan.queries == 1:
-        return q_ids, kv_ids
-    token = jnp.arange(plan.rows) // plan.group
-    seen = j[:, :, None, :] < (length - plan.queries + 1)[..., None] + token[None, None, :, None]
-    return seen.reshape(batch * n, plan.rows, c), q_ids, kv_ids
+    counts = lengths.astype(jnp.int32)[:, None] - c * jnp.arange(n, dtype=jnp.int32)
+    tail = np.arange(plan.rows, dtype=np.int32) // plan.group - (plan.queries - 1)
+    return np.arange(c, dtype=np.int32), counts.reshape(batch * n), tail
+
+
+def merge(o, lse):
+    """The parts' ``(o, lse)`` (``o`` ``[B, n, ...]``, ``lse`` ``[B, n, ...]`` with ``o``'s last axis past it)
+    merged along the parts' axis 1 by one reduction: the pairwise log-sum-exp merge
+    (:func:`rewrites.prove_merge`'s, proved associative), shifted by the larger ``lse`` so nothing overflows. A
+    part that saw no key (``lse = ±∞``, ``o = 0``) weighs 0; a row no part saw gives ``o = 0``, ``lse = −∞``.
+
+    >>> o, lse = merge(jnp.array([[[1.0], [3.0]]]), jnp.array([[0.0, 0.0]]))
+    >>> o.tolist(), round(float(lse[0]), 4)
+    ([[2.0]], 0.6931)
+    """
+
+    def pair(a, b):
+        (la, oa), (lb, ob) = a, b
+        m = jnp.maximum(la, lb)
+        shift = jnp.where(jnp.isfinite(m), m, 0.0)
+        wa, wb = jnp.exp(la - shift), jnp.exp(lb - shift)
+        total = wa + wb
+        o = jnp.where(total > 0, (wa * oa + wb * ob) / jnp.where(total > 0, total, 1.0), 0.0)
+        return jnp.where(total > 0, shift + jnp.log(total), -jnp.inf), o
+
+    lse = jnp.where(jnp.isfinite(lse), lse, -jnp.inf)  # an empty part's lse may be +∞ (its sum 0 inverted)
+    wide = jnp.broadcast_to(lse[..., None], o.shape)
+    lse, o = lax.reduce((wide, o), (jnp.float32(-jnp.inf), jnp.float32(0)), pair, (1,))
+    return o, lse[..., 0]
 
 
 def _inference(kernel) -> Callable:
@@ -570,7 +632,7 @@ def _step(plan: Plan, q, k_cache, v_cache, lengths, page_table=None, rope=None):
         return c.reshape(batch * n, chunk, *c.shape[2:])
 
     ins = [rows(q), k_cache, v_cache, *([] if rope is None else [rows(rope[0]), rope[1]])]
-    masks = _masks(lengths, plan, batch)
+    masks = _lengths(lengths, plan, batch)
     if page_table is None:
         ins = [a if i in (0, 3) else parts(a) for i, a in enumerate(ins)]
         o, lse = _inference(kernel)(*ins, *masks)
@@ -581,12 +643,11 @@ def _step(plan: Plan, q, k_cache, v_cache, lengths, page_table=None, rope=None):
         o, lse = _inference(paged)(*ins, *masks, table)
     o_names, l_names = (tuple(w.names) for w in kernel.diagram.cod.inside)
     o = _arrange(o, o_names, "b q_idx h dv" if "dv" in o_names else "b q_idx h d")
-    o = o.reshape(batch, n, plan.rows, kv_heads, dv)
-    lse = _arrange(lse, l_names, "b q_idx h").reshape(batch, n, plan.rows, kv_heads)
-    out, lse = merge_parts(o, lse, 1)
-    out = out.reshape(batch, nq, group, kv_heads, dv).transpose(0, 1, 3, 2, 4).reshape(batch, nq, heads, dv)
-    lse = lse.reshape(batch, nq, group, kv_heads).transpose(0, 1, 3, 2).reshape(batch, nq, heads)
-    return out.astype(q.dtype), lse
+    # rows (token, head in group) back to (token, query head) before the merge, which reads them in that order
+    o = o.reshape(batch, n, nq, group, kv_heads, dv).transpose(0, 1, 2, 4, 3, 5)
+    lse = _arrange(lse, l_names, "b q_idx h").reshape(batch, n, nq, group, kv_heads).transpose(0, 1, 2, 4, 3)
+    out, lse = merge(o.astype(jnp.float32), lse)
+    return out.reshape(batch, nq, heads, dv).astype(q.dtype), lse.reshape(batch, nq, heads)
 
 
 def _paged(q, k_pages, v_pages, lengths, page_table, scale, mods, parts, chunk, backend, interpret, hardware, rope=None,

@@ -2,6 +2,7 @@
 reference written here with jax.numpy (softmax over each sequence's valid keys, bottom-right causal alignment)."""
 
 import inspect
+import re
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 import napkin_cat as nc
 from lowering import NotLowerable, decode_cost
-from lowering._decode import _step
+from lowering._decode import _step, decode_plan, merge
 from napkin_cat.errors import EvaluationError
 from napkin_cat.generators._softmax import OnlineSoftmax
 from rewrites import RewriteError, derive, merge_parts, prove_merge, prove_monoid, split_kv, stream, tile
@@ -206,3 +207,50 @@ def test_decode_cost_counts_pages_and_mla():
         want = keys * per_key * 4 + b * n * nq * h * (d + rope) * 4 + b * table * 4 + partial
         assert c.kernel_bytes == want and c.merge_bytes == partial + b * nq * h * (d * 4 + 4), (rope, table)
         assert c.flops == 2 * nq * h * (2 * d + rope) * sum(lengths)
+
+
+def launches(hlo: str) -> int:
+    """The kernels a compiled program launches: the fusions and custom calls at the top of its entry computation,
+    the interpreted Pallas kernel (a ``while`` on CPU, with the fusions XLA hoisted out of it) counted once."""
+    entry = hlo[hlo.index("\nENTRY ") :]
+    entry = entry[: entry.index("\n}")]
+    lines = re.findall(r"^\s*(?:ROOT )?%\S+ = .*? (?:fusion|custom-call|while)\(.*$", entry, re.M)
+    outside = [line for line in lines if "napkin_kernel" not in line]
+    return len(outside) + any("napkin_kernel" in line for line in lines)
+
+
+@pytest.mark.parametrize("nq", [1, 4])
+def test_a_decode_step_launches_few_kernels(nq):
+    """Besides the kernel: the queries packed into rows, the parts' counts of valid keys, the merge (one reduction)
+    and its two outputs' casts. The masks' positions and row offsets are constants; no per-key ids, no call-time
+    pass over them (the kernel finds its chunks from its count)."""
+    q = jnp.zeros((1, nq, 8, 16), jnp.bfloat16)
+    k = jnp.zeros((1, 512, 2, 16), jnp.bfloat16)
+    lengths = jnp.array([300])
+    plan = decode_plan(q, k, k, lengths, parts=4)
+    hlo = _step.lower(plan, q, k, k, lengths).compile().as_text()
+    assert launches(hlo) <= 6, hlo
+
+
+def test_chunks_past_a_length_are_not_read():
+    """Values past each part's valid keys (rounded up to the kernel's chunks of 64) are NaN: a chunk the kernel read
+    and masked would make the output NaN (0 · NaN), so a finite output says those chunks were skipped."""
+    r = np.random.default_rng(2)
+    q = jnp.asarray(r.standard_normal((2, 1, 4, 16), np.float32))
+    k, v = (jnp.asarray(r.standard_normal((2, 256, 2, 16), np.float32)) for _ in range(2))
+    lengths = jnp.array([70, 20])  # part 0 (keys 0–127) visits chunks 0–1 and 0; part 1 none
+    past = jnp.arange(256)[None, :, None, None] >= jnp.array([128, 64])[:, None, None, None]
+    out = nc.decode_attention(q, k, jnp.where(past, jnp.nan, v), lengths, parts=2)
+    assert bool(jnp.all(jnp.isfinite(out)))
+    assert float(jnp.max(jnp.abs(out - reference(q, k, v, lengths)))) <= ATOL["float32"]
+
+
+def test_the_one_reduction_merge_matches_merge_parts():
+    r = np.random.default_rng(4)
+    o, lse = jnp.asarray(r.standard_normal((2, 5, 3, 4), np.float32)), jnp.asarray(r.standard_normal((2, 5, 3)))
+    lse = lse.at[0, 1, 2].set(jnp.inf).at[1, :, 0].set(-jnp.inf)  # a part that saw no key; a row none saw
+    o = o.at[0, 1, 2].set(0.0).at[1, :, 0].set(0.0)
+    got, total = merge(o, lse)
+    want, want_total = merge_parts(o, lse, 1)
+    assert jnp.allclose(got, want, atol=1e-6) and jnp.allclose(total, want_total, atol=1e-6)
+    assert float(total[1, 0]) == -jnp.inf and bool(jnp.all(got[1, 0] == 0))

@@ -15,6 +15,8 @@ from lowering._blocks import (
     BlockContext,
     affine_mask,
     combine,
+    length_bounds,
+    length_masks,
     mask_padding,
     segments,
     tile_kept,
@@ -102,10 +104,12 @@ class _Chunks(ChunkLoop):
         self.masks = {id(b): m for b in d.boxes if (m := affine_mask(b)) is not None and x in m.axes}
         segs = segments(d, p)
         assert len(bound_refs) // 4 <= len(segs), "the wrapper and the kernel see different segment masks"
+        self.lengths = length_masks(d, p)  # length masks: their chunks found here, from their resident n and t
         # the wrapper's four bounds per mask read as ranges, then, where a block map has holes, its chunk lists
         self.list_ref = bound_refs[-1] if len(bound_refs) % 4 else None
         bound_refs = bound_refs[: len(bound_refs) // 4 * 4]
-        super().__init__(d, x, s, ctx, kept=resident, hidden=set(self.masks) | {id(m.box) for m in segs})
+        hidden = set(self.masks) | {id(m.box) for m in (*segs, *self.lengths)}
+        super().__init__(d, x, s, ctx, kept=resident, hidden=hidden)
         zero = zeroing_mask(d, x)  # a mask on the tiles that zeroes every accumulator's input: hidden tiles run none
         self.zero = zero if zero is not None and set(zero.axes) <= set(p.tiles) else None
         self.p, self.laid, self.extent, self.padded = p, laid, extent, padded
@@ -151,7 +155,10 @@ class _Chunks(ChunkLoop):
         if not self.hidden:
             return None
         n_chunks = self.padded[self.x] // self.s
-        return _bounds(self.p, self.masks.values(), self.zero, self.ctx, self.extent, n_chunks, self.bound_refs)
+        bounds = _bounds(self.p, self.masks.values(), self.zero, self.ctx, self.extent, n_chunks, self.bound_refs)
+        for m in self.lengths:
+            bounds = combine(bounds, length_bounds(self.kept[m.n], self.kept[m.t], self.s, n_chunks))
+        return bounds
 
     def lists(self) -> tuple | None:
         return None if self.list_ref is None else (_Listed(self.list_ref, 0), _Listed(self.list_ref, 1))

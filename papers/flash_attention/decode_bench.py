@@ -95,7 +95,7 @@ def rows(quick: bool) -> list[dict]:
         row("nq1", 1, s4), row("nq1", b16, s4), row("nq1", b16, s128), row("nq1", b64, s128, impls=BASE[:4]),
         row("nq4", 1, s32, 4), row("nq64", b16, s32, 64, ("napkin", "paged", "xla")),
         row("nq64", b64, s4, 64, ("napkin", "paged", "xla")), row("nq4", b64, s32, 4),
-        {**row("mla", b16, s32 // 4, impls=("mla", "mla_paged", "copy")), "mla": True},
+        {**row("mla", b16, max(s32 // 4, s4), impls=("mla", "mla_paged", "copy")), "mla": True},  # whole pages
     ]  # fmt: skip
 
 
