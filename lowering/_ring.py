@@ -39,7 +39,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as Spec
 
-from lowering._api import _chunks, lower, role
+from lowering._api import _chunks, _Emitter, lower, role
 from lowering._backward import backward_of
 from lowering._plan import NotLowerable
 from lowering._ulysses import check_heads, ulysses_body
@@ -239,44 +239,51 @@ def _reorder(x, axis: int, order: list[int]):
 
 class _PairKernels:
     """The lowered pair kernels by kind, through the backend registry (``options``: :func:`lower`'s): forward
-    with (O, its f32 L); the backward pieces, chunked for the backend that lowers them, built when first used."""
+    with (O, its f32 L); the backward pieces, chunked for the backend that lowers them, built when first used.
+
+    Each backward piece is emitted as :func:`lower` emits its own backward kernels (one emitter, the piece's
+    :func:`role`), so ``"auto"`` weighs it as a backward kernel (:func:`lowering.mosaic.faster` with
+    ``backward=True``: Mosaic's dQ and dK·dV were measured faster at chunks the forward's rule refuses)."""
 
     def __init__(self, s: Sharded, options: dict):
-        self._forward = {k: lower(v, **options) for k, v in pair_diagrams(s).items()}
+        # the forward pair kernels' own backward is never run (the ring differentiates through the pieces)
+        self._forward = {k: lower(v, backward="reference", **options) for k, v in pair_diagrams(s).items()}
         self.forward = {k: v.forward for k, v in self._forward.items()}
         plain = pair_diagrams(s, lse=False)
-        hw = lookup(options["hardware"]) if options["hardware"] is not None else H100
+        self._hw = lookup(options["hardware"]) if options["hardware"] is not None else None
         triton = options["config"] if isinstance(options["config"], Config) else None
         chunks = functools.partial(_chunks, backend=options["backend"], interpret=options["interpret"])
         # each step's gradients in f32: they are partial sums, added over the ring's steps before the cast
         self.backward = {
-            k: backward_of(v, hw, triton, narrow=False, **chunks(v, config=options["config"]))
+            k: backward_of(v, self._hw or H100, triton, narrow=False, **chunks(v, config=options["config"]))
             for k, v in plain.items()
         }
         self._options = options
 
     @functools.cache  # noqa: B019 - one per lowered device kernel, kept as long as it is
-    def lowered_pieces(self, kind: str) -> tuple:
-        # each piece is one kernel: backward="reference" skips deriving a backward of the backward piece
-        return tuple(lower(p.scheduled, backward="reference", **self._options) for p in self.backward[kind].pieces)
+    def emitted(self, kind: str) -> tuple[tuple, dict]:
+        """The kernels of ``kind``'s backward pieces, and by role the backend each got and why ``"auto"`` passed
+        over the ones before it (shapes that split into no whole blocks added as they are called)."""
+        o = self._options
+        emit = _Emitter(o["backend"], o["interpret"], o["config"], self._hw)
+        return tuple(emit(p.scheduled, role(p)) for p in self.backward[kind].pieces), emit.chosen
 
     def pieces(self, kind: str) -> tuple:
-        return tuple(k.forward for k in self.lowered_pieces(kind))
+        return self.emitted(kind)[0]
 
-    def _by_role(self, of) -> dict:
-        out = {f"{k} forward": of(v) for k, v in self._forward.items()}
-        for kind, b in self.backward.items():
-            for p, k in zip(b.pieces, self.lowered_pieces(kind), strict=True):
-                out[f"{kind} {role(p)}"] = of(k)
+    def _by_role(self) -> dict[str, tuple[str, str | None]]:
+        out = {f"{k} {r}": (b, v.refused.get(r)) for k, v in self._forward.items() for r, b in v.backends.items()}
+        for kind in self.backward:
+            out |= {f"{kind} {r}": chosen for r, chosen in self.emitted(kind)[1].items()}
         return out
 
     def backends(self) -> dict[str, str]:
         """``"<kind> forward"`` and ``"<kind> <piece>"`` → the backend that runs it (the pieces built if need be)."""
-        return self._by_role(lambda k: k.backend)
+        return {r: b for r, (b, _) in self._by_role().items()}
 
     def refused(self) -> dict[str, str]:
         """The same roles → why ``backend="auto"`` kept the kernel off the backends before its own (if it did)."""
-        return {r: why for r, why in self._by_role(lambda k: k.refused.get("forward")).items() if why}
+        return {r: why for r, (_, why) in self._by_role().items() if why}
 
 
 def _ring_body(s: Sharded, kernels: _PairKernels, lengths: tuple[int, int]):
