@@ -278,7 +278,8 @@ def test_ring_pair_kernels_take_mosaic_on_hopper_at_the_benchmarks_blocks(hopper
     from lowering._attention import schedule
 
     g, s = schedule(131072 // 8, 131072 // 8, 128, mosaic=True)
-    sharded = derive_devices(heads_flash(True, True, "bf16", g, s, 128), ring("q", "x", "sp", 1), zigzag(), verify=False)
+    flash = heads_flash(True, True, "bf16", g, s, 128)
+    sharded = derive_devices(flash, ring("q", "x", "sp", 1), zigzag(), verify=False)
     mesh = jax.sharding.Mesh(jax.devices()[:1], ("sp",))
     hopper()
     kernel = lower_devices(sharded, mesh, interpret=False)
@@ -288,6 +289,22 @@ def test_ring_pair_kernels_take_mosaic_on_hopper_at_the_benchmarks_blocks(hopper
     assert set(interpreted.backends.values()) == {"triton"}
     assert set(interpreted.refused.values()) == {"interpret=True: 'auto' interprets with Triton"}
     assert interpreted.refused.keys() == interpreted.backends.keys()
+
+
+def test_ring_binds_an_open_head_dim_at_the_call_on_hopper(hopper, seed):
+    """A head dim the diagram leaves open: on a stand-in sm_90 under auto, the ring's pair kernels are built at the
+    call for the arrays' head dim (Mosaic's registers, hence the backend, depend on it), all on Mosaic at D = 128,
+    and the whole ring, forward and backward, lowers for CUDA (here, not run)."""
+    sharded = derive_devices(heads_flash(True, dtype="bf16", g=128, s=128), ring("q", "x", "sp", 1), verify=False)
+    mesh = jax.sharding.Mesh(jax.devices()[:1], ("sp",))
+    hopper()
+    kernel = lower_devices(sharded, mesh, interpret=False)
+    assert kernel.backends == {}  # none built before the call
+    Q, K, V = qkv(seed, 2, 256, 256, d=128, dtype=jnp.bfloat16)
+    jax.jit(jax.grad(lambda *a: kernel(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))).trace(Q, K, V).lower(
+        lowering_platforms=("cuda",)
+    )
+    assert set(kernel.backends.values()) == {"mosaic"} and len(kernel.backends) == 8, kernel.refused
 
 
 @on_four
