@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
@@ -39,13 +40,13 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as Spec
 
-from lowering._api import _chunks, lower, role
+from lowering._api import _chunks, _Emitter, _late_sizes, lower, role
 from lowering._backward import backward_of
 from lowering._plan import NotLowerable
 from lowering._ulysses import check_heads, ulysses_body
 from lowering.triton import Config
 from napkin_cat.hardware import H100, lookup
-from rewrites import Sharded, chunking, has_causal_mask, merge_lse, pair_diagrams
+from rewrites import Sharded, bind_sizes, chunking, has_causal_mask, merge_lse, pair_diagrams
 
 
 def _mesh(s: Sharded, mesh: Mesh | None) -> Mesh:
@@ -96,7 +97,8 @@ class DeviceKernel:
     def backends(self) -> dict[str, str]:
         """The backend of each per-device kernel by role: the per-device kernel's own roles (a group partition
         alone, Ulysses), or ``"<pair kind> forward"`` and ``"<pair kind> <backward kernel>"`` for the ring's pair
-        kernels (the backward's built if need be)."""
+        kernels (the backward's built if need be; under ``"auto"`` on an sm_90 GPU with a head dim the diagram leaves
+        open, those of the last call, {} before it)."""
         return self._backends()
 
     @property
@@ -144,7 +146,7 @@ def lower_devices(
         kernel = lower(d, **options)
         bodies = (lambda lengths: kernel) if seq is None else (lambda lengths: ulysses_body(s, kernel, lengths))
         differentiation = kernel.differentiation
-        backends, refused = (lambda: kernel.backends), (lambda: kernel.refused)
+        backends, refused, late = (lambda: kernel.backends), (lambda: kernel.refused), ()
     else:
         for w in d.dom.inside:
             if not (w.has(seq.queries) or w.has(seq.keys)):
@@ -152,9 +154,9 @@ def lower_devices(
                     f"lower_devices: input {w.describe()} is indexed by neither {seq.queries} nor {seq.keys}; "
                     "the ring lowers attention's query-side and key-side inputs only"
                 )
-        pairs = _PairKernels(s, options)
-        bodies, differentiation = (lambda lengths: _ring_body(s, pairs, lengths)), "lowered"
-        backends, refused = pairs.backends, pairs.refused
+        pairs = _Pairs(s, options)
+        bodies, differentiation = (lambda lengths: _ring_body(s, pairs(lengths), lengths[:2])), "lowered"
+        backends, refused, late = pairs.backends, pairs.refused, pairs.late
     placed = {a: mm for a, mm, _ in s.groups}  # Ulysses: the sequence placed outside its kernel
     if seq is not None:
         placed |= {seq.queries: seq.mesh_axis, seq.keys: seq.mesh_axis}
@@ -163,7 +165,7 @@ def lower_devices(
         return Spec(*(placed.get(n) for n in w.names))
 
     @functools.cache
-    def mapped(lengths: tuple[int, int] | None):
+    def mapped(lengths: tuple | None):
         return jax.shard_map(
             bodies(lengths),
             mesh=m,
@@ -172,17 +174,18 @@ def lower_devices(
             check_vma=False,  # Pallas calls carry no varying-manual-axes types
         )
 
-    fn = jax.jit(functools.partial(_call, s, mapped))  # called eagerly, shard_map would dispatch op by op
+    fn = jax.jit(functools.partial(_call, s, mapped, late))  # called eagerly, shard_map would dispatch op by op
     exchange = seq.exchange if seq else None
     return DeviceKernel(
         s, m, fn, exchange=exchange, differentiation=differentiation, backends=backends, refused=refused
     )
 
 
-def _call(s: Sharded, mapped, *xs):
+def _call(s: Sharded, mapped, late: tuple[str, ...], *xs):
     """Pad every partitioned axis to whole chunks (zig-zag: reorder the chunks to their devices), run, undo.
     Under a causal mask keys past the last query are dropped first (no query sees them) and the rest chunked as
-    the queries; ``mapped`` is keyed by the query and key lengths the devices see."""
+    the queries; ``mapped`` is keyed by the query and key lengths the devices see, then the sizes of the axes
+    kept whole that the ring's pair kernels bind (``late``)."""
     d, seq = s.diagram, s.sequence
     if len(xs) != len(d.dom):
         raise NotLowerable(f"device kernel {d.dom} → {d.cod}: expected {len(d.dom)} arrays, got {len(xs)}")
@@ -209,6 +212,7 @@ def _call(s: Sharded, mapped, *xs):
         n = seq.units * seq.devices
         whole |= {seq.queries: n * cq, seq.keys: n * ck}
         order, lengths = [c for dev in range(seq.devices) for c in seq.owned(dev)], (nq, nk)
+        lengths += tuple((a, extent[a]) for a in late)
 
     def prepare(w, x):
         for i, name in enumerate(w.names):
@@ -239,44 +243,80 @@ def _reorder(x, axis: int, order: list[int]):
 
 class _PairKernels:
     """The lowered pair kernels by kind, through the backend registry (``options``: :func:`lower`'s): forward
-    with (O, its f32 L); the backward pieces, chunked for the backend that lowers them, built when first used."""
+    with (O, its f32 L); the backward pieces, chunked for the backend that lowers them, built when first used.
+
+    Each backward piece is emitted as :func:`lower` emits its own backward kernels (one emitter, the piece's
+    :func:`role`), so ``"auto"`` weighs it as a backward kernel (:func:`lowering.mosaic.faster` with
+    ``backward=True``: Mosaic's dQ and dK·dV were measured faster at chunks the forward's rule refuses)."""
 
     def __init__(self, s: Sharded, options: dict):
-        self._forward = {k: lower(v, **options) for k, v in pair_diagrams(s).items()}
+        # the forward pair kernels' own backward is never run (the ring differentiates through the pieces)
+        self._forward = {k: lower(v, backward="reference", **options) for k, v in pair_diagrams(s).items()}
         self.forward = {k: v.forward for k, v in self._forward.items()}
         plain = pair_diagrams(s, lse=False)
-        hw = lookup(options["hardware"]) if options["hardware"] is not None else H100
+        self._hw = lookup(options["hardware"]) if options["hardware"] is not None else None
         triton = options["config"] if isinstance(options["config"], Config) else None
         chunks = functools.partial(_chunks, backend=options["backend"], interpret=options["interpret"])
         # each step's gradients in f32: they are partial sums, added over the ring's steps before the cast
         self.backward = {
-            k: backward_of(v, hw, triton, narrow=False, **chunks(v, config=options["config"]))
+            k: backward_of(v, self._hw or H100, triton, narrow=False, **chunks(v, config=options["config"]))
             for k, v in plain.items()
         }
         self._options = options
 
     @functools.cache  # noqa: B019 - one per lowered device kernel, kept as long as it is
-    def lowered_pieces(self, kind: str) -> tuple:
-        # each piece is one kernel: backward="reference" skips deriving a backward of the backward piece
-        return tuple(lower(p.scheduled, backward="reference", **self._options) for p in self.backward[kind].pieces)
+    def emitted(self, kind: str) -> tuple[tuple, dict]:
+        """The kernels of ``kind``'s backward pieces, and by role the backend each got and why ``"auto"`` passed
+        over the ones before it (shapes that split into no whole blocks added as they are called)."""
+        o = self._options
+        emit = _Emitter(o["backend"], o["interpret"], o["config"], self._hw)
+        return tuple(emit(p.scheduled, role(p)) for p in self.backward[kind].pieces), emit.chosen
 
     def pieces(self, kind: str) -> tuple:
-        return tuple(k.forward for k in self.lowered_pieces(kind))
+        return self.emitted(kind)[0]
 
-    def _by_role(self, of) -> dict:
-        out = {f"{k} forward": of(v) for k, v in self._forward.items()}
-        for kind, b in self.backward.items():
-            for p, k in zip(b.pieces, self.lowered_pieces(kind), strict=True):
-                out[f"{kind} {role(p)}"] = of(k)
+    def _by_role(self) -> dict[str, tuple[str, str | None]]:
+        out = {f"{k} {r}": (b, v.refused.get(r)) for k, v in self._forward.items() for r, b in v.backends.items()}
+        for kind in self.backward:
+            out |= {f"{kind} {r}": chosen for r, chosen in self.emitted(kind)[1].items()}
         return out
 
     def backends(self) -> dict[str, str]:
         """``"<kind> forward"`` and ``"<kind> <piece>"`` → the backend that runs it (the pieces built if need be)."""
-        return self._by_role(lambda k: k.backend)
+        return {r: b for r, (b, _) in self._by_role().items()}
 
     def refused(self) -> dict[str, str]:
         """The same roles → why ``backend="auto"`` kept the kernel off the backends before its own (if it did)."""
-        return {r: why for r, why in self._by_role(lambda k: k.refused.get("forward")).items() if why}
+        return {r: why for r, (_, why) in self._by_role().items() if why}
+
+
+class _Pairs:
+    """A sequence partition's :class:`_PairKernels`, built at once, or under ``backend="auto"`` where Mosaic is
+    available and the diagram leaves the size of an axis kept whole open (a head dim: Mosaic's registers, hence the
+    backend, depend on it; :func:`lowering._api._late_sizes`) once per size, bound at the call (``late``: those
+    axes). ``backends`` and ``refused`` are those of the last built ({} before the first call)."""
+
+    def __init__(self, s: Sharded, options: dict):
+        self.late = _late_sizes(s.diagram, options["backend"], options["interpret"], options["config"])
+        self._s, self._options, self._last = s, options, None
+        self._built = functools.cache(self._build)
+        if not self.late:
+            self._last = self._built(())
+
+    def _build(self, at: tuple) -> _PairKernels:
+        s = self._s if not at else replace(self._s, diagram=bind_sizes(self._s.diagram, dict(at)))
+        return _PairKernels(s, self._options)
+
+    def __call__(self, key: tuple) -> _PairKernels:
+        """The pair kernels for ``mapped``'s key: the lengths, then ``(axis, size)`` of each axis in ``late``."""
+        self._last = self._built(tuple(key[2:]))
+        return self._last
+
+    def backends(self) -> dict[str, str]:
+        return {} if self._last is None else self._last.backends()
+
+    def refused(self) -> dict[str, str]:
+        return {} if self._last is None else self._last.refused()
 
 
 def _ring_body(s: Sharded, kernels: _PairKernels, lengths: tuple[int, int]):

@@ -9,7 +9,9 @@ checked against the baseline at a small N (relative error ≤ 1e-2) before timin
 batches of back-to-back calls, forward and forward+backward. The transfers alone (each strategy's collectives
 with no compute) are timed beside ``nc.mesh_cost``'s prediction, with NVLink's datasheet link and with the link
 fitted (``nc.fit_link``) to single ``ppermute`` transfers of other sizes; ``nc.choose_strategy`` (fitted) names
-the strategy it picks at each N, next to the fastest measured. Writes ``results/ring_attention_<GPU>.json``
+the strategy it picks at each N, next to the fastest measured. Each strategy's per-device kernels, forward and
+backward (the ring's pair kernels by kind), are logged with their backend and why ``backend="auto"`` kept any off
+Mosaic (``DeviceKernel.refused``), and recorded in the JSON. Writes ``results/ring_attention_<GPU>.json``
 and ``.png``.
 
     python papers/flash_attention/ring_attention.py [--devices 4] [--strategy all] [--max-n 1048576] [--out DIR]
@@ -71,6 +73,18 @@ def rules(strategy: str, devices: int) -> list:
     if strategy == "ulysses":
         return [ulysses("q", "x", "h", "sp", devices)]
     return [ring("q", "x", "sp", devices, exchange="ppermute" if strategy == "ring" else "all_gather"), zigzag()]
+
+
+def report(name: str, kernel, logged: frozenset = frozenset()) -> frozenset:
+    """Log the backend of each per-device kernel of ``kernel`` (a ``DeviceKernel``) not in ``logged``, forward and
+    backward (the ring's pair kernels by kind, Ulysses' kernel by role), and why ``backend="auto"`` kept any off
+    the backends before its own (Mosaic); returns every role logged."""
+    backends, refused = kernel.backends, kernel.refused
+    for role, backend in backends.items():
+        if role not in logged:
+            why = f" (kept off the backends before it: {refused[role]})" if role in refused else ""
+            log(f"{name}: {role}: {backend}{why}")
+    return frozenset(backends)
 
 
 def flops(n: int, heads: int, d: int, backward: bool) -> float:
@@ -249,16 +263,13 @@ def run(args) -> Path:
         raise SystemExit(f"needs {devices} devices, jax sees {jax.device_count()}")
     flash = scheduled(d, dtype_name, g, s)
     mesh = Mesh(np.array(jax.devices()[:devices]), ("sp",))
-    fns, backends = {}, {}
+    fns, kernels, logged = {}, {}, {}
     for name in strategies:
         derivation = derive_devices(flash, *rules(name, devices), seed=0, sizes={"b": 1, "h": devices})
         log(f"{name}: device-level steps verified:", *(str(st) for st in derivation.steps[1:]))
-        kernel = lower_devices(derivation, mesh)
-        fns[name] = compiled(kernel)
-        backends[name] = dict(kernel.backends)  # forward and backward kernels
-        if kernel.refused:
-            log(f"{name}: kept off the backends before theirs: {kernel.refused}")
-        log(f"{name}: per-device kernels {backends[name]}")
+        kernels[name] = lower_devices(derivation, mesh)
+        fns[name] = compiled(kernels[name])
+        logged[name] = report(name, kernels[name])
     baseline = compiled(functools.partial(nc.attention, is_causal=True))
     errors = check(fns, baseline, cfg.get("check_n", CHECK_N), heads, d, dtype)
     hw = for_device(kind)
@@ -292,12 +303,17 @@ def run(args) -> Path:
             fastest = min(timed_, key=lambda r: r["seconds"])["strategy"] if timed_ else None
             rows.append({"n": n, "model_picks": choice.strategy, "why": choice.why, "fastest_measured": fastest})
             log(f"N={n:>8} the model picks {choice}; fastest measured: {fastest}")
+    for name, kernel in kernels.items():  # after the runs: any shape a kernel left to another backend
+        report(name, kernel, logged[name])
+    backends = {name: k.backends for name, k in kernels.items()}
+    refused = {name: k.refused for name, k in kernels.items()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"ring_attention_{gpu}{'_smoke' if smoke else ''}.json"
     meta = {
         "gpu": kind, "devices": devices, "heads": heads, "d": d, "dtype": dtype_name, "causal": True, "tile": [g, s],
-        "jax": jax.__version__, "check_errors": errors, "backends": backends, "baseline": "nc.attention, one GPU",
+        "jax": jax.__version__, "check_errors": errors, "backends": backends, "refused": refused,
+        "baseline": "nc.attention, one GPU",
         "fitted_link": {"bandwidth": link and link.bandwidth, "latency": link and link.latency, "from": calibration},
     }
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
