@@ -291,7 +291,8 @@ def backward_of(
     kernels that stream the axis the forward streams (dQ: the keys): its largest chunk, never more than the
     forward's largest block, halved while the backend does not admit the kernel
     (:func:`lowering._tiles.fit_blocks`). The kernels that stream the forward's tiled axis (dK·dV: the queries)
-    hold more accumulators and keep ``backward_stream``. A backend whose blocks are arrays, not shared memory (XLA:
+    hold more accumulators and keep ``backward_stream``, fitted by the backend's checks where it refuses those
+    blocks (at least its smallest chunk, the tile halved: the wide head dims). A backend whose blocks are arrays, not shared memory (XLA:
     :attr:`lowering.xla.XlaConfig.chunks`), passes ``chunks``: the chunk of each axis a kernel streams, by name,
     taken as given by every kernel streaming that axis.
 
@@ -390,6 +391,11 @@ def _gradients(t, order: list, key: tuple, group: list, loops: tuple, sizes: tup
         if own is not None and left and left[0] in streams:  # dQ's keys, as the forward
             chunks, s_ = own
         rules, scheduled = fit_blocks(naive, list(kept), list(left), g_, s_, hardware, config, own=chunks)
+        if own is not None and chunks is None and left and not own[0].admits(scheduled):
+            # dK·dV at blocks the backend refuses (wide head dims): its own checks fit them, its chunk at least
+            rules, scheduled = fit_blocks(
+                naive, list(kept), list(left), g_, max(s_, own[0].smallest), hardware, config, own=own[0]
+            )
     else:  # a summed batch axis, one element at a time: each step loads a tile of every input (Q, K, V, dO
         # at the same b), so the pipeline's stages hold four tiles each (the policy's batch_tile)
         g_ = min(sizes[0], TRITON_BLOCKS.batch_tile)

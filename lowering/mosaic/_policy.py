@@ -31,6 +31,8 @@ class MosaicBlocks:
     faster_rows: int = 128
     faster_chunk: int = 128
     faster_whole: tuple = (64, 128)
+    #: the consumer warpgroups of every kernel measured so (one consumer, a tile of 64, is not measured)
+    faster_consumers: int = 2
     #: the forward blocks (tile, chunk) Mosaic was measured fastest at, per head dim, where they differ from the
     #: entry's rule (Triton's, FlashAttention-2's): at D = 64 a tile of 256 (128 rows per consumer) streaming 128
     #: keys ran at 326–435 TFLOP/s against Triton's 128 × 64 at 282–355 (1.15–1.23×; Mosaic's own 128 × 64 at
@@ -104,6 +106,11 @@ measured faster than Triton there; 'auto' takes Mosaic at 128-row blocks, or 64-
     rows, chunk, widths = policy.faster_rows, policy.faster_chunk, policy.faster_whole
     if other := kernel.unmeasured():
         return f"{other}: Mosaic compiled and measured only on attention's blocks; 'auto' keeps it on Triton"
+    if kernel.config.consumers != policy.faster_consumers:
+        return (
+            f"{kernel.config.consumers} consumer warpgroup(s) (tile {kernel.q}/{kernel.plan.tiles[kernel.q]}): Mosaic "
+            f"measured faster than Triton only with {policy.faster_consumers}; 'auto' keeps it on Triton"
+        )
     blocks = backward or kernel.rows == rows or (kernel.rows == rows // 2 and kernel.s == chunk)
     if blocks and all(n.is_number and int(n) in widths for n in whole.values()):
         return None
