@@ -432,8 +432,8 @@ class MosaicLowered:
 
     def registers(self, extent: dict) -> int:
         """f32 registers per consumer thread that the loop keeps live: one accumulator per output block and the
-        largest chunk-sized value a box computes (the scores), spread over a warpgroup's 128 threads. Over the budget the
-        compiler spills (measured on H100: g256 s128 at D = 128, 256 registers, ran at 328 TFLOP/s against 542
+        largest chunk-sized value a box computes (the scores), spread over a warpgroup's 128 threads. Over the budget
+        the compiler spills (measured on H100: g256 s128 at D = 128, 256 registers, ran at 328 TFLOP/s against 542
         for g256 s64, 192 registers).
 
         >>> import napkin_cat as nc
