@@ -423,8 +423,8 @@ def fit_blocks(
     axes kept whole, where the diagram knows them, with ``config``'s stages or Triton's default) exceeds
     ``hardware.smem_per_block``; :class:`NotLowerable` where even 16 × 16 blocks exceed it. A backend with blocks
     and checks of its own passes them as ``own`` (:class:`Chunks`) instead: the stream halves while
-    ``own.admits`` refuses (or, with ``own.triton``, Triton's shared memory does), down to ``own.smallest``, then
-    the tile while ``own.admits`` refuses, down to ``own.smallest`` too.
+    ``own.admits`` refuses (or, with ``own.triton``, Triton's shared memory does), down to ``own.smallest``; then,
+    where the backend refuses even that, the largest halved tile (down to ``own.smallest``) it admits, if any.
 
     A bias streamed beside K and V takes its share: at D = 128 an f32 [q, x] bias block of 128 × 128 in three
     stages alone is 196,608 B, so 128-key chunks halve to 64.
@@ -455,11 +455,13 @@ def fit_blocks(
                 return rules, scheduled
             if streamed and stream_size // 2 >= own.smallest:
                 stream_size //= 2
-            elif not admitted and tiled and tile_size // 2 >= own.smallest:  # the wide head dims' backward
-                tile_size //= 2
-            else:
-                return rules, scheduled  # where even the smallest fails, the backend names why when lowering
-            continue
+                continue
+            if not admitted and tiled and tile_size // 2 >= own.smallest:  # a smaller tile the backend takes (the
+                # wide head dims' backward), else these blocks
+                smaller = fit_blocks(naive, tiled, streamed, tile_size // 2, stream_size, hardware, config, own)
+                if own.admits(smaller[1]):
+                    return smaller
+            return rules, scheduled  # where even the smallest fails, the backend names why when lowering
         if fits:
             return rules, scheduled
         if streamed and stream_size > 16:
