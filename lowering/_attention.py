@@ -79,8 +79,8 @@ from lowering._fp8 import Fp8Scales, check_fp8, scale_probabilities
 from lowering._plan import NotLowerable, next_pow2
 from lowering._plan import _captured as captured
 from lowering._target import interpreted, target_hardware
-from lowering._tiles import fit_blocks
-from lowering.mosaic import MOSAIC_BLOCKS, unavailable
+from lowering._tiles import Chunks, fit_blocks
+from lowering.mosaic import MOSAIC_BLOCKS, WGMMA_M, admits, unavailable
 from lowering.triton import TRITON_BLOCKS
 from napkin_cat import library
 from napkin_cat.axes import axes
@@ -302,7 +302,7 @@ class Signature:
             rate,
             bool(broadcast_dropout) and rate > 0,
         )
-        return _fitted(made)
+        return _fitted(made, mosaic and MOSAIC_BLOCKS.entry(dim, value_dim) is not None)
 
     def derivation(self) -> Derivation:
         """The diagram, derived by the schedule and verified (each step and the lowered kernel, on a trial); FP8's
@@ -400,10 +400,11 @@ class Signature:
 
 
 @functools.lru_cache(maxsize=256)
-def _fitted(sig: Signature) -> Signature:
+def _fitted(sig: Signature, mosaic: bool = False) -> Signature:
     """``sig`` with the rule's blocks halved (the chunk first) until the variant's kernel fits the target's shared
     memory (:func:`lowering._tiles.fit_blocks`): a bias or mask array is streamed beside K and V and takes its
-    share. Cached: the entry asks on every call.
+    share. Blocks of Mosaic's own (``mosaic``) are fitted by Mosaic's checks (:func:`lowering.mosaic.admits`, two
+    stages) and, under auto, Triton's too, never below wgmma's 64. Cached: the entry asks on every call.
 
     >>> x = jnp.zeros((1, 256, 2, 128), jnp.bfloat16)
     >>> plain = Signature.of(x, x, x, hardware="H100")
@@ -412,7 +413,8 @@ def _fitted(sig: Signature) -> Signature:
     ((128, 128), (128, 64))
     """
     hw = lookup(sig.hardware) if sig.hardware is not None else target_hardware(interpreted(sig.interpret))
-    (t, s), _ = fit_blocks(sig.diagram(), [QUERIES], [KEYS], sig.tile, sig.stream, hw, None)
+    own = Chunks(sig.stream, WGMMA_M, admits, triton=sig.backend == "auto") if mosaic else None
+    (t, s), _ = fit_blocks(sig.diagram(), [QUERIES], [KEYS], sig.tile, sig.stream, hw, None, own=own)
     return dataclasses.replace(sig, tile=int(t.g), stream=int(s.s))
 
 

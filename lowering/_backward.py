@@ -292,7 +292,9 @@ def backward_of(
     kernels that stream the axis the forward streams (dQ: the keys): its largest chunk, never more than the
     forward's largest block, halved while the backend does not admit the kernel
     (:func:`lowering._tiles.fit_blocks`). The kernels that stream the forward's tiled axis (dK·dV: the queries)
-    hold more accumulators and keep ``backward_stream``. A backend whose blocks are arrays, not shared memory (XLA:
+    hold more accumulators and keep ``backward_stream``; where the backend refuses those blocks (the wide head
+    dims), they are fitted by its checks instead (at least its smallest chunk, the tile halved), under ``auto``
+    only where it then admits them. A backend whose blocks are arrays, not shared memory (XLA:
     :attr:`lowering.xla.XlaConfig.chunks`), passes ``chunks``: the chunk of each axis a kernel streams, by name,
     taken as given by every kernel streaming that axis.
 
@@ -341,7 +343,15 @@ def backward_of(
     for (kept, left), group in (one_pass_groups(t, groups, tiles, streams) if one_pass else groups).items():
         at = (sizes[0], chunks.get(left[0], sizes[1])) if left else sizes
         given = mine if not left or left[0] not in chunks else None
-        pieces.append(_gradients(t, order, (kept, left), group, (keyed, streams), at, given, hardware, config))
+        made = [_gradients(t, order, (kept, left), group, (keyed, streams), at, given, hardware, config)]
+        if len(group) > 1 and own is not None and not own.triton and not own.admits(made[0].scheduled):
+            # the backend holds no kernel with every accumulator of the group (dK and dV at D = 256): one kernel
+            # per cotangent where it holds each
+            one = [
+                _gradients(t, order, (kept, left), [c], (keyed, streams), at, given, hardware, config) for c in group
+            ]
+            made = one if all(own.admits(p.scheduled) for p in one) else made
+        pieces += made
     return Backward(forward, positions, tuple(pieces))
 
 
@@ -424,6 +434,12 @@ def _gradients(t, order: list, key: tuple, group: list, loops: tuple, sizes: tup
         if own is not None and left and left[0] in streams:  # dQ's keys, as the forward
             chunks, s_ = own
         rules, scheduled = fit_blocks(naive, list(kept), list(left), g_, s_, hardware, config, own=chunks)
+        if own is not None and chunks is None and left and not own[0].admits(scheduled):
+            # dK·dV at blocks the backend refuses (wide head dims): its own checks fit them, its chunk at least; under
+            # auto only where it then takes them (else the Triton kernel standing in keeps Triton's blocks)
+            fitted = fit_blocks(naive, list(kept), list(left), g_, max(s_, own[0].smallest), hardware, config, own[0])
+            if not own[0].triton or own[0].admits(fitted[1]):
+                rules, scheduled = fitted
     else:  # a summed batch axis, one element at a time: each step loads a tile of every input (Q, K, V, dO
         # at the same b), so the pipeline's stages hold four tiles each (the policy's batch_tile)
         g_ = min(sizes[0], TRITON_BLOCKS.batch_tile)

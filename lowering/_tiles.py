@@ -423,7 +423,8 @@ def fit_blocks(
     axes kept whole, where the diagram knows them, with ``config``'s stages or Triton's default) exceeds
     ``hardware.smem_per_block``; :class:`NotLowerable` where even 16 × 16 blocks exceed it. A backend with blocks
     and checks of its own passes them as ``own`` (:class:`Chunks`) instead: the stream halves while
-    ``own.admits`` refuses (or, with ``own.triton``, Triton's shared memory does), down to ``own.smallest``.
+    ``own.admits`` refuses (or, with ``own.triton``, Triton's shared memory does), down to ``own.smallest``; then,
+    where the backend refuses even that, the largest halved tile (down to ``own.smallest``) it admits, if any.
 
     A bias streamed beside K and V takes its share: at D = 128 an f32 [q, x] bias block of 128 × 128 in three
     stages alone is 196,608 B, so 128-key chunks halve to 64.
@@ -449,10 +450,18 @@ def fit_blocks(
         smem = smem_bytes(p, padded, stages)
         fits = smem <= hardware.smem_per_block
         if own is not None:  # the backend's own checks (shared memory among them), and Triton's where it stands in
-            if (own.admits(scheduled) and (fits or not own.triton)) or not streamed or stream_size // 2 < own.smallest:
-                return rules, scheduled  # where even the smallest fails, the backend names why when lowering
-            stream_size //= 2
-            continue
+            admitted = own.admits(scheduled)
+            if admitted and (fits or not own.triton):
+                return rules, scheduled
+            if streamed and stream_size // 2 >= own.smallest:
+                stream_size //= 2
+                continue
+            if not admitted and tiled and tile_size // 2 >= own.smallest:  # a smaller tile the backend takes (the
+                # wide head dims' backward), else these blocks
+                smaller = fit_blocks(naive, tiled, streamed, tile_size // 2, stream_size, hardware, config, own)
+                if own.admits(smaller[1]):
+                    return smaller
+            return rules, scheduled  # where even the smallest fails, the backend names why when lowering
         if fits:
             return rules, scheduled
         if streamed and stream_size > 16:

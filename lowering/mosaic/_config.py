@@ -23,7 +23,7 @@ class MosaicConfig:
     """The Hopper knobs the diagram does not carry (yet): ring stages, ping-pong, registers.
 
     ``consumers`` (the warpgroups a tile is split over) comes from the diagram's ``split`` label; given here
-    it must agree with the label, and without either it is 2.
+    it must agree with the label, and without either it is 2 (1 for a tile of wgmma's 64 rows).
 
     ``interpretable`` keeps to what Mosaic's interpret mode runs: a register A operand is staged through
     shared memory, and a product is added to its accumulator after the ``wgmma`` instead of the ``wgmma``

@@ -2,7 +2,7 @@
 
 FAN's Hopper algorithm, read from the plan: the tiled axis is split over ``consumers`` warpgroups (a
 group partition one level below the thread block, ``g/consumers`` rows each, a multiple of wgmma's 64:
-the diagram's label ``q/g÷w`` from ``rewrites.split(q, w)``, else 2);
+the diagram's label ``q/g÷w`` from ``rewrites.split(q, w)``, else 2, or 1 for a tile of 64 rows);
 the streamed axis becomes a ring of ``stages`` shared-memory buffers per streamed input, filled by TMA
 from one producer warpgroup and released through ``consumed`` barriers; contractions become ``wgmma``
 (A from shared memory or registers, B from shared memory) whose accumulators, like the accumulators'
@@ -45,7 +45,7 @@ from lowering._target import interpreted
 from lowering.mosaic._arrays import Counting
 from lowering.mosaic._config import REGISTERS, SMEM_ALIGNMENT, SMEM_LIMIT, WGMMA_M, MosaicConfig
 from lowering.mosaic._kernel import MosaicKernel
-from napkin_cat.diagram import Diagram
+from napkin_cat.diagram import Diagram, is_structural
 from napkin_cat.dtypes import FP8
 from napkin_cat.hardware import H100
 from napkin_cat.semantics import bind
@@ -94,7 +94,7 @@ class MosaicLowered:
         g = p.tiles[self.q]
         #: the other tiled axes: grid dimensions whose blocks every warpgroup shares
         self.others = {a: n for a, n in p.tiles.items() if a != self.q}
-        self.config = replace(self.config, consumers=_consumers(p.diagram, self.q, self.config.consumers))
+        self.config = replace(self.config, consumers=_consumers(p.diagram, self.q, self.config.consumers, g))
         c = self.config.consumers
         if g % (c * WGMMA_M):
             raise NotLowerable(
@@ -432,8 +432,8 @@ class MosaicLowered:
 
     def registers(self, extent: dict) -> int:
         """f32 registers per consumer thread that the loop keeps live: one accumulator per output block and the
-        largest chunk-sized value (the scores), spread over a warpgroup's 128 threads. Over the budget the
-        compiler spills (measured on H100: g256 s128 at D = 128, 256 registers, ran at 328 TFLOP/s against 542
+        largest chunk-sized value a box computes (the scores), spread over a warpgroup's 128 threads. Over the budget
+        the compiler spills (measured on H100: g256 s128 at D = 128, 256 registers, ran at 328 TFLOP/s against 542
         for g256 s64, 192 registers).
 
         >>> import napkin_cat as nc
@@ -446,7 +446,9 @@ class MosaicLowered:
         [192, 256]
         """
         accumulators = sum(math.prod(self.block(w, extent)) for w in self.d.cod.inside)
-        chunks = [w for b in self.d.boxes for w in b.cod.inside if self.x in w.names and self._role(w)]
+        # a copy or swap of a chunk (K's, V's in shared memory; P's) holds no registers of its own
+        boxes = [b for b in self.d.boxes if not is_structural(b)]
+        chunks = [w for b in boxes for w in b.cod.inside if self.x in w.names and self._role(w)]
         return (accumulators + max((math.prod(self.block(w, extent)) for w in chunks), default=0)) // 128
 
     def block(self, w, extent, *, ring: bool = False) -> tuple:
@@ -539,9 +541,10 @@ class MosaicLowered:
         return call(*arrays, *(b for _, b in blocks.bounds), *([blocks.lists] if blocks.listed else []))
 
 
-def _consumers(d: Diagram, q: str, given: int | None) -> int:
-    """The consumer warpgroups: the diagram's split of ``q`` (``rewrites.split``), else ``given``, else 2
-    (FA3's); a ``given`` number other than the diagram's is refused."""
+def _consumers(d: Diagram, q: str, given: int | None, g: int) -> int:
+    """The consumer warpgroups: the diagram's split of ``q`` (``rewrites.split``), else ``given``, else 2 (FA3's)
+    where the tile ``g`` holds two wgmma row blocks, 1 where it holds one (a tile of 64: the wide head dims'
+    backward, whose blocks fit shared memory only there); a ``given`` number other than the diagram's is refused."""
     parts = {a.split for w in (*d.dom.inside, *d.cod.inside) for a in w.axes if a.name == q and a.split is not None}
     label = int(next(iter(parts))) if parts else None
     if given is not None and label is not None and given != label:
@@ -549,7 +552,7 @@ def _consumers(d: Diagram, q: str, given: int | None) -> int:
             f"axis {q!r}: the diagram splits each tile over {label} warpgroups (split({q}, {label})) but "
             f"MosaicConfig(consumers={given}) asks for {given}; drop one of them"
         )
-    return label or given or 2
+    return label or given or (2 if g >= 2 * WGMMA_M else 1)
 
 
 def _aligned(n: int) -> int:

@@ -31,6 +31,8 @@ class MosaicBlocks:
     faster_rows: int = 128
     faster_chunk: int = 128
     faster_whole: tuple = (64, 128)
+    #: the consumer warpgroups of every kernel measured so (one consumer, a tile of 64, is not measured)
+    faster_consumers: int = 2
     #: the forward blocks (tile, chunk) Mosaic was measured fastest at, per head dim, where they differ from the
     #: entry's rule (Triton's, FlashAttention-2's): at D = 64 a tile of 256 (128 rows per consumer) streaming 128
     #: keys ran at 326–435 TFLOP/s against Triton's 128 × 64 at 282–355 (1.15–1.23×; Mosaic's own 128 × 64 at
@@ -85,8 +87,9 @@ MOSAIC_BLOCKS = MosaicBlocks()
 
 def faster(kernel: MosaicLowered, backward: bool = False) -> str | None:
     """None where ``backend="auto"`` expects ``kernel`` to beat Triton's (measured: :class:`MosaicBlocks`'
-    ``faster_rows``, ``faster_chunk``, ``faster_whole``), else why not. A ``backward`` kernel (Δ, dQ, dK·dV, at the
-    chunks :func:`lowering._backward.backward_of` gives Mosaic) needs only whole axes of ``faster_whole``:
+    ``faster_rows``, ``faster_chunk``, ``faster_whole``, ``faster_consumers``), else why not; an unmeasured head dim
+    is named first. A ``backward`` kernel (Δ, dQ, dK·dV, at the chunks :func:`lowering._backward.backward_of` gives
+    Mosaic) needs only two consumers and whole axes of ``faster_whole``:
     each was measured faster than Triton's (H100, N = 8192, docs/mosaic.md v6: dK·dV 1.15–1.28×, dQ 1.00–1.36×;
     forward + backward all on Mosaic 1.05–1.19× Mosaic's forward with Triton's backward, every configuration).
 
@@ -104,12 +107,20 @@ measured faster than Triton there; 'auto' takes Mosaic at 128-row blocks, or 64-
     rows, chunk, widths = policy.faster_rows, policy.faster_chunk, policy.faster_whole
     if other := kernel.unmeasured():
         return f"{other}: Mosaic compiled and measured only on attention's blocks; 'auto' keeps it on Triton"
+    narrow = all(n.is_number and int(n) in widths for n in whole.values())
     blocks = backward or kernel.rows == rows or (kernel.rows == rows // 2 and kernel.s == chunk)
-    if blocks and all(n.is_number and int(n) in widths for n in whole.values()):
+    paired = kernel.config.consumers == policy.faster_consumers
+    if blocks and narrow and paired:
         return None
-    where = f"{kernel.rows}-row consumer blocks (tile {kernel.q}/{kernel.plan.tiles[kernel.q]} over "
+    tiled = f"tile {kernel.q}/{kernel.plan.tiles[kernel.q]}"
+    if narrow and not paired:  # an unmeasured head dim is named first, below
+        return (
+            f"{kernel.config.consumers} consumer warpgroup ({tiled}): Mosaic measured faster than Triton only with "
+            f"{policy.faster_consumers}; 'auto' keeps it on Triton"
+        )
+    where = f"{kernel.rows}-row consumer blocks ({tiled} over "
     where += f"{kernel.config.consumers} warpgroups)" + (f" streaming chunks of {kernel.s}" if kernel.x else "")
-    if blocks:
+    if not narrow:
         where = ", ".join(f"whole axis {a} = {n}" for a, n in whole.items())
     return (
         f"{where}: Mosaic not measured faster than Triton there; 'auto' takes Mosaic at {rows}-row blocks, "

@@ -3,8 +3,9 @@ FP8/parity issue's head-dim target: no head dim below 0.8× the dense D = 128 ke
 
 bf16, B·N = 16k tokens (N = 8192, B = 2), H = 16, causal and not. For each head dim: ``nc.attention`` as a user
 calls it (``backend="auto"``: which backend each kernel runs on, and why the others refused, are recorded from the
-kernel), ``backend="mosaic"`` forced where auto did not take Mosaic (to measure what the refusal costs), and cuDNN
-(``jax.nn.dot_product_attention(implementation="cudnn")``; it refuses a value head dim differing from the query's).
+kernel; each row prints its kernels' backends), ``backend="mosaic"`` forced where auto did not take Mosaic (to
+measure what the refusal costs), and cuDNN (``jax.nn.dot_product_attention(implementation="cudnn")``; it refuses a
+value head dim differing from the query's).
 Each output and gradient is checked against an f32 reference written here (batch 0, two heads) before timing.
 TFLOP/s: 2·B·H·N²·(D_qk + D_v) forward (halved when causal), 3.5× that forward + backward. Writes
 ``head_dims_<GPU>.json`` and ``.png`` under ``--out`` and prints each row with its ratio to cuDNN and to
@@ -62,10 +63,27 @@ def implementations(causal: bool, gpu: bool) -> dict:
 
 
 def kernel_story(q, k, v, causal: bool, backend: str = "auto") -> dict:
-    """Which backend each of the kernels runs on, and why the others were refused, as the kernel says."""
+    """Which backend each of the kernels runs on, and why the others were refused, as the kernel says (a backward
+    that cannot be built leaves the forward's, and says why)."""
     made = nc.attention.kernel_for(q, k, v, is_causal=causal, backend=backend)
     inner = made.kernel
-    return {"backends": dict(inner.backends or {}), "refused": dict(inner.refused or {}), "why_not": made.why_not}
+    try:
+        backends = dict(inner.backends or {})
+    except Exception:  # noqa: BLE001 - the forward still runs; why_not says why the backward does not
+        backends = {"forward": inner.backend}
+    return {"backends": backends, "refused": dict(inner.refused or {}), "why_not": made.why_not}
+
+
+def backend_summary(story: dict) -> str:
+    """The backends of a row's kernels, short: ``fwd mosaic, bwd mosaic×3`` (``bwd none`` without a backward).
+
+    >>> backend_summary({"backends": {"forward": "mosaic", "forward with residuals": "mosaic", "Δ": "triton"}})
+    'fwd mosaic, bwd triton×1'
+    """
+    bwd = [b for k, b in story["backends"].items() if not k.startswith("forward")]
+    counts = {b: bwd.count(b) for b in dict.fromkeys(bwd)}
+    shown = "+".join(f"{b}×{n}" for b, n in counts.items()) or "none"
+    return f"fwd {story['backends'].get('forward')}, bwd {shown}"
 
 
 def measure(f, q, k, v, ct, causal: bool, flops: float) -> dict:
@@ -110,6 +128,7 @@ def run(dim: str, causal: bool, sizes: tuple, gpu: bool) -> list[dict]:
     def show(row):
         both = row.get("fwdbwd", {}).get("tflops", float("nan"))
         shown = f"fwd {row['fwd']['tflops']:6.1f}  fwd+bwd {both:6.1f} TFLOP/s  err {row['max_rel_error']:.1e}"
+        shown += f"  [{backend_summary(row['kernel'])}]" if "kernel" in row else ""
         return shown + (f"  (backward: {row['fwdbwd_error']})" if "fwdbwd_error" in row else "")
 
     head = {"dim": dim, "causal": causal}
