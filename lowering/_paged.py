@@ -121,7 +121,9 @@ divisor of one: stream x in chunks of a multiple or a divisor of the page size
         if size > p:
             got = pool[jnp.clip(entries(start // p, size // p), 0, last)]
             return got.reshape(size, *pool.shape[2:])
-        return window(pool, jnp.clip(entries(start // p), 0, last), start % p, size)
+        # start ≥ 0: lax's truncating division (jnp's floor division lowers to a select Triton's lowering mistypes)
+        page, offset = jax.lax.div(start, jnp.int32(p)), jax.lax.rem(start, jnp.int32(p))
+        return window(pool, jnp.clip(entries(page), 0, last), offset, size)
 
 
 def check_paged(q, k_pages, v_pages, page_table, chunk: int | None, max_queries: int) -> None:

@@ -102,3 +102,25 @@ def test_soft_cap_tanh_is_the_hardware_instruction_in_16_bit_kernels(abstract_ho
     hardware = [m for m in modules if "tanh.approx.f32" in m]
     libdevice = [m for m in modules if "__nv_tanhf" in m]
     assert (len(hardware), len(libdevice)) == ((3, 0) if native else (0, 3))  # the forward, dQ and dK·dV kernels
+
+
+@pytest.mark.parametrize("nq", [1, 64])
+def test_paged_decode_lowers_for_cuda(abstract_hopper, monkeypatch, nq):
+    """The paged decode kernel (pages gathered as it streams, the length mask read per program) lowers for sm_90:
+    jnp's floor division and remainder of the chunk's start once lowered to a select Triton's lowering mistyped
+    (i1 against i32), which interpret mode accepts."""
+    import lowering.triton._lowered as triton_lowered
+
+    monkeypatch.setattr(triton_lowered, "target_hardware", lambda interpret: H100)
+    pages, page, kv_heads = 16, 64, 2
+    args = (
+        jax.ShapeDtypeStruct((1, nq, 8, 128), jnp.bfloat16),
+        *(jax.ShapeDtypeStruct((pages, page, kv_heads, 128), jnp.bfloat16),) * 2,
+        jax.ShapeDtypeStruct((1,), jnp.int32),
+        jax.ShapeDtypeStruct((1, pages), jnp.int32),
+    )
+
+    def paged(q, k, v, lengths, table):
+        return nc.decode_attention(q, k, v, lengths, page_table=table, interpret=False, hardware=H100)
+
+    jax.jit(paged).trace(*args).lower(lowering_platforms=("cuda",))
