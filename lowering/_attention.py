@@ -413,7 +413,8 @@ def _fitted(sig: Signature, mosaic: bool = False) -> Signature:
     ((128, 128), (128, 64))
     """
     hw = lookup(sig.hardware) if sig.hardware is not None else target_hardware(interpreted(sig.interpret))
-    own = Chunks(sig.stream, WGMMA_M, admits, triton=sig.backend == "auto") if mosaic else None
+    standin = sig.backend == "auto" and not MOSAIC_BLOCKS.all_wide(set(sig.head_dims or ()))
+    own = Chunks(sig.stream, WGMMA_M, admits, triton=standin) if mosaic else None
     (t, s), _ = fit_blocks(sig.diagram(), [QUERIES], [KEYS], sig.tile, sig.stream, hw, None, own=own)
     return dataclasses.replace(sig, tile=int(t.g), stream=int(s.s))
 

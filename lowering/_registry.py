@@ -255,7 +255,8 @@ class Mosaic:
         if not all(size[a].is_number for a in plan(d).whole):
             return {}
         tuned = config if isinstance(config, MosaicConfig) else None
-        return {"own": Chunks(MOSAIC_BLOCKS.backward_chunk, WGMMA_M, functools.partial(admits, config=tuned), auto)}
+        standin = auto and not MOSAIC_BLOCKS.all_wide({int(size[a]) for a in plan(d).whole})  # Triton may take a kernel
+        return {"own": Chunks(MOSAIC_BLOCKS.backward_chunk, WGMMA_M, functools.partial(admits, config=tuned), standin)}
 
     def emit(self, p: Plan, *, interpret, config, hardware) -> MosaicLowered:
         """The :class:`lowering.MosaicLowered` :meth:`admit` built (its hardware model is its own, H100)."""

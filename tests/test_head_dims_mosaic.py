@@ -124,7 +124,17 @@ def test_dk_and_dv_part_where_no_consumer_holds_both_else_the_refusal_is_named(r
         jax.jit(jax.grad(lambda Q, V: kernel(Q, Q, V).astype(jnp.float32).sum())).trace(Q, V)
 
 
-@pytest.mark.parametrize("dims", [(32, 32), (256, 256), (192, 128)], ids=["32", "256", "192-128"])
+def test_auto_takes_mosaic_at_the_measured_wide_head_dim(hopper):
+    """D = 256 was measured faster on Mosaic's own wide blocks, every kernel (lowering.mosaic.MosaicBlocks'
+    ``faster_wide``): ``auto`` takes Mosaic for all six (dK and dV in a kernel each), refusing none."""
+    q = jnp.zeros((1, 256, 2, 256), jnp.bfloat16)
+    hopper()
+    kernel = nc.attention.kernel_for(q, q, q, is_causal=True, interpret=False).kernel
+    assert set(kernel.backends.values()) == {"mosaic"} and len(kernel.backends) == 6, kernel.backends
+    assert kernel.refused == {}
+
+
+@pytest.mark.parametrize("dims", [(32, 32), (192, 128)], ids=["32", "192-128"])
 def test_auto_says_why_a_kernel_is_off_mosaic(hopper, dims):
     """On sm_90, each of ``nc.attention``'s kernels runs on Mosaic or ``kernel.refused`` says why not (no head dim
     from 32 to 256 off Mosaic silently)."""

@@ -33,6 +33,11 @@ class MosaicBlocks:
     faster_whole: tuple = (64, 128)
     #: the consumer warpgroups of every kernel measured so (one consumer, a tile of 64, is not measured)
     faster_consumers: int = 2
+    #: head dims whose every kernel, on Mosaic's own wide blocks (``wide_blocks``; dQ at 64 queries on one consumer,
+    #: dK and dV in a kernel each), was measured faster than Triton's (H200, ``head_dims.py``, bf16, B = 2, H = 16,
+    #: N = 8192, non-causal / causal): D = 256 forward 636 / 664 TFLOP/s against Triton's 448 / 430, forward +
+    #: backward 388 / 377 against 130 / 133 (cuDNN 743 / 680 and 410 / 440); MLA's 192 / 128 is not measured
+    faster_wide: tuple = (256,)
     #: the forward blocks (tile, chunk) Mosaic was measured fastest at, per head dim, where they differ from the
     #: entry's rule (Triton's, FlashAttention-2's): at D = 64 a tile of 256 (128 rows per consumer) streaming 128
     #: keys ran at 326–435 TFLOP/s against Triton's 128 × 64 at 282–355 (1.15–1.23×; Mosaic's own 128 × 64 at
@@ -68,9 +73,19 @@ class MosaicBlocks:
         ``faster_whole``, where it was measured faster than Triton.
 
         >>> MOSAIC_BLOCKS.measured(128), MOSAIC_BLOCKS.measured(256), MOSAIC_BLOCKS.measured(192, 128)
+        (True, True, False)
+        """
+        dims = {dim, dim if value_dim is None else value_dim}
+        return dims <= set(self.faster_whole) or self.all_wide(dims)
+
+    def all_wide(self, dims) -> bool:
+        """Whether head dims ``dims`` are all among ``faster_wide``: every kernel goes to Mosaic's own blocks, none
+        to Triton (so the backward's chunks need not fit Triton too).
+
+        >>> MOSAIC_BLOCKS.all_wide({256}), MOSAIC_BLOCKS.all_wide({192, 128}), MOSAIC_BLOCKS.all_wide(set())
         (True, False, False)
         """
-        return {dim, dim if value_dim is None else value_dim} <= set(self.faster_whole)
+        return bool(dims) and set(dims) <= set(self.faster_wide)
 
     def space(self) -> tuple[MosaicConfig, ...]:
         """The configs a search times: ``search_stages`` × ``search_pingpong``.
@@ -107,6 +122,8 @@ measured faster than Triton there; 'auto' takes Mosaic at 128-row blocks, or 64-
     rows, chunk, widths = policy.faster_rows, policy.faster_chunk, policy.faster_whole
     if other := kernel.unmeasured():
         return f"{other}: Mosaic compiled and measured only on attention's blocks; 'auto' keeps it on Triton"
+    if all(n.is_number for n in whole.values()) and policy.all_wide({int(n) for n in whole.values()}):
+        return None  # Mosaic's own wide blocks, every kernel measured faster
     narrow = all(n.is_number and int(n) in widths for n in whole.values())
     blocks = backward or kernel.rows == rows or (kernel.rows == rows // 2 and kernel.s == chunk)
     paired = kernel.config.consumers == policy.faster_consumers
