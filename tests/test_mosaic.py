@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import napkin_cat as nc
@@ -378,10 +378,15 @@ def test_matmul_lowers_for_cuda():
 
 @settings(max_examples=5, deadline=None)
 @given(g=st.sampled_from([64, 128, 256, 512]), s=st.sampled_from([16, 32, 64, 128]))
+@example(g=64, s=64).via("one consumer")
 def test_block_guards(g, s):
-    """A tile must split into whole 64-row warpgroup blocks, a chunk must be a multiple of 64."""
+    """A tile must split into whole 64-row warpgroup blocks (a tile of 64: one consumer), a chunk must be a
+    multiple of 64."""
     if g % 128 == 0 and s % 64 == 0:
         assert MosaicLowered(plan(attention(64, g, s).diagram)).rows == g // 2
+    elif g == 64 and s % 64 == 0:
+        k = MosaicLowered(plan(attention(64, g, s).diagram))
+        assert (k.rows, k.config.consumers) == (64, 1)
     else:
         with pytest.raises(NotLowerable, match=r"axis '[qx]'"):
             MosaicLowered(plan(attention(64, g, s).diagram))
