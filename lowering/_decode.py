@@ -5,9 +5,9 @@ program per (batch, head) and leaves most SMs idle. Here the cache is split into
 (:func:`rewrites.split_kv`, ``n`` from :func:`rewrites.choose_parts`: enough programs to fill the SMs, in whole
 waves); the parts become a batch axis of one kernel (the cache ``[B, S, H_kv, D]`` read as ``[B·n, S/n, H_kv, D]``, a
 reshape), each part's kernel outputs its ``(o, lse)`` (:func:`rewrites.with_lse`, lowered by
-:func:`lowering.lower`), and the parts merge in JAX by the log-sum-exp merge (:func:`merge`: one reduction over
-``[B, n, Nq, H, D]`` numbers, cheap). The per-part diagram's schedule is derived and verified (``derive``); the
-split itself is the rule ``split_kv`` verified and proved in :mod:`rewrites._split_kv`.
+:func:`lowering.lower`), and the parts merge in JAX by the log-sum-exp merge (:func:`rewrites.merge_parts`: one
+reduction over ``[B, n, Nq, H, D]`` numbers, cheap). The per-part diagram's schedule is derived and verified
+(``derive``); the split itself is the rule ``split_kv`` verified and proved in :mod:`rewrites._split_kv`.
 
 **Layout and masks.** ``q`` ``[B, Nq, H, D]`` are the tokens at positions ``lengths − Nq … lengths − 1`` of each
 sequence (bottom-right causal alignment: query ``i`` sees keys ``< lengths − Nq + i + 1``); caches ``[B, S, H_kv,
@@ -49,7 +49,6 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from lowering._api import lower
 from lowering._paged import PageMap, check_paged, check_pages_used, paged_split
@@ -63,7 +62,7 @@ from napkin_cat.dtypes import bf16, f16, f32
 from napkin_cat.errors import EvaluationError
 from napkin_cat.generators import add, contract, elementwise, fname, index_names, positional, softmax
 from napkin_cat.hardware import Hardware, lookup
-from rewrites import choose_parts, derive, stream, tile, with_lse
+from rewrites import choose_parts, derive, merge_parts, stream, tile, with_lse
 
 #: the most new tokens per sequence a decode step takes (speculative decoding, chunked prefill); more is a prefill
 MAX_QUERIES = 64
@@ -392,32 +391,6 @@ def _lengths(lengths, plan: Plan, batch: int) -> tuple:
     return np.arange(c, dtype=np.int32), counts.reshape(batch * n), tail
 
 
-def merge(o, lse):
-    """The parts' ``(o, lse)`` (``o`` ``[B, n, ...]``, ``lse`` ``[B, n, ...]`` with ``o``'s last axis past it)
-    merged along the parts' axis 1 by one reduction: the pairwise log-sum-exp merge
-    (:func:`rewrites.prove_merge`'s, proved associative), shifted by the larger ``lse`` so nothing overflows. A
-    part that saw no key (``lse = ±∞``, ``o = 0``) weighs 0; a row no part saw gives ``o = 0``, ``lse = −∞``.
-
-    >>> o, lse = merge(jnp.array([[[1.0], [3.0]]]), jnp.array([[0.0, 0.0]]))
-    >>> o.tolist(), round(float(lse[0]), 4)
-    ([[2.0]], 0.6931)
-    """
-
-    def pair(a, b):
-        (la, oa), (lb, ob) = a, b
-        m = jnp.maximum(la, lb)
-        shift = jnp.where(jnp.isfinite(m), m, 0.0)
-        wa, wb = jnp.exp(la - shift), jnp.exp(lb - shift)
-        total = wa + wb
-        o = jnp.where(total > 0, (wa * oa + wb * ob) / jnp.where(total > 0, total, 1.0), 0.0)
-        return jnp.where(total > 0, shift + jnp.log(total), -jnp.inf), o
-
-    lse = jnp.where(jnp.isfinite(lse), lse, -jnp.inf)  # an empty part's lse may be +∞ (its sum 0 inverted)
-    wide = jnp.broadcast_to(lse[..., None], o.shape)
-    lse, o = lax.reduce((wide, o), (jnp.float32(-jnp.inf), jnp.float32(0)), pair, (1,))
-    return o, lse[..., 0]
-
-
 def _inference(kernel) -> Callable:
     """``kernel`` with no gradient: differentiating it raises :class:`NotLowerable` (decoding is inference)."""
 
@@ -646,7 +619,7 @@ def _step(plan: Plan, q, k_cache, v_cache, lengths, page_table=None, rope=None):
     # rows (token, head in group) back to (token, query head) before the merge, which reads them in that order
     o = o.reshape(batch, n, nq, group, kv_heads, dv).transpose(0, 1, 2, 4, 3, 5)
     lse = _arrange(lse, l_names, "b q_idx h").reshape(batch, n, nq, group, kv_heads).transpose(0, 1, 2, 4, 3)
-    out, lse = merge(o.astype(jnp.float32), lse)
+    out, lse = merge_parts(o.astype(jnp.float32), lse, 1)
     return out.reshape(batch, nq, heads, dv).astype(q.dtype), lse.reshape(batch, nq, heads)
 
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import jax.numpy as jnp
 import sympy
+from jax import lax
 
 from napkin_cat import Tape
 from napkin_cat import generators as g
@@ -153,22 +154,29 @@ def with_lse(d: Diagram, axis: str) -> Diagram:
 def merge_parts(o, lse, part: int, rows: int | None = None):
     """The parts' partial results ``o`` (f32) and ``lse`` merged along their axis ``part`` (``rows``: ``o``'s
     axes past ``lse``'s, broadcast; default 1): the n-ary log-sum-exp merge, ``o = Σ_p e^{L_p} o_p / Σ_p e^{L_p}``,
-    ``L = log Σ_p e^{L_p}``, shifted by the largest ``L`` so nothing overflows. A part that saw no key
-    (``lse = ±∞`` with ``o = 0``) weighs 0; a row no part saw gives ``o = 0``, ``L = −∞``.
+    ``L = log Σ_p e^{L_p}``, as one reduction of the pairwise merge :func:`prove_merge` proves associative, each
+    pair shifted by its larger ``L`` so nothing overflows. A part that saw no key (``lse = ±∞`` with ``o = 0``)
+    weighs 0; a row no part saw gives ``o = 0``, ``L = −∞``.
 
     >>> o, l = merge_parts(jnp.array([[1.0, 1.0], [3.0, 3.0]]), jnp.array([0.0, 0.0]), 0)
     >>> o.tolist(), round(float(l), 4)
     ([2.0, 2.0], 0.6931)
     """
-    seen = jnp.isfinite(lse)
-    m = jnp.max(jnp.where(seen, lse, -jnp.inf), axis=part, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    w = jnp.where(seen, jnp.exp(lse - m), 0.0)
-    total = jnp.sum(w, axis=part)
-    wide = jnp.expand_dims(w, tuple(range(w.ndim, w.ndim + (1 if rows is None else rows))))
-    safe = jnp.where(total > 0, total, 1.0)
-    out = jnp.sum(wide * o, axis=part) / jnp.expand_dims(safe, tuple(range(total.ndim, wide.ndim - 1)))
-    return out, jnp.where(total > 0, jnp.squeeze(m, part) + jnp.log(safe), -jnp.inf)
+
+    def pair(a, b):
+        (la, oa), (lb, ob) = a, b
+        m = jnp.maximum(la, lb)
+        shift = jnp.where(jnp.isfinite(m), m, 0.0)
+        wa, wb = jnp.exp(la - shift), jnp.exp(lb - shift)
+        total = wa + wb
+        merged = jnp.where(total > 0, (wa * oa + wb * ob) / jnp.where(total > 0, total, 1.0), 0.0)
+        return jnp.where(total > 0, shift + jnp.log(total), -jnp.inf), merged
+
+    rows = 1 if rows is None else rows
+    lse = jnp.where(jnp.isfinite(lse), lse, -jnp.inf)  # an empty part's lse may be +∞ (its sum 0 inverted)
+    wide = jnp.broadcast_to(lse.reshape(lse.shape + (1,) * rows), o.shape)
+    total, out = lax.reduce((wide, o), (jnp.float32(-jnp.inf), jnp.float32(0)), pair, (part,))
+    return out, total[(..., *(0,) * rows)]
 
 
 def prove_merge(parts: int = 3, keys: int = 2, dim: int = 2) -> Proof:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import napkin_cat as nc
 from lowering import NotLowerable, decode_cost
-from lowering._decode import _step, decode_plan, merge
+from lowering._decode import _step, decode_plan
 from napkin_cat.errors import EvaluationError
 from napkin_cat.generators._softmax import OnlineSoftmax
 from rewrites import RewriteError, derive, merge_parts, prove_merge, prove_monoid, split_kv, stream, tile
@@ -245,12 +245,16 @@ def test_chunks_past_a_length_are_not_read():
     assert float(jnp.max(jnp.abs(out - reference(q, k, v, lengths)))) <= ATOL["float32"]
 
 
-def test_the_one_reduction_merge_matches_merge_parts():
+def test_the_merge_along_the_decode_s_parts_axis_matches_a_logsumexp():
+    """``merge_parts`` as the decode step calls it (parts on axis 1), against softmax and logsumexp written here."""
     r = np.random.default_rng(4)
     o, lse = jnp.asarray(r.standard_normal((2, 5, 3, 4), np.float32)), jnp.asarray(r.standard_normal((2, 5, 3)))
     lse = lse.at[0, 1, 2].set(jnp.inf).at[1, :, 0].set(-jnp.inf)  # a part that saw no key; a row none saw
     o = o.at[0, 1, 2].set(0.0).at[1, :, 0].set(0.0)
-    got, total = merge(o, lse)
-    want, want_total = merge_parts(o, lse, 1)
-    assert jnp.allclose(got, want, atol=1e-6) and jnp.allclose(total, want_total, atol=1e-6)
+    got, total = merge_parts(o, lse, 1)
+    seen = jnp.where(jnp.isfinite(lse), lse, -jnp.inf)
+    want = jnp.einsum("bpr,bprd->brd", jnp.nan_to_num(jax.nn.softmax(seen, axis=1)), o)
+    assert jnp.allclose(got, want, atol=1e-6)
+    assert jnp.allclose(total[0], jax.nn.logsumexp(seen[0], axis=0), atol=1e-6)
+    assert jnp.allclose(total[1, 1:], jax.nn.logsumexp(seen[1, :, 1:], axis=0), atol=1e-6)
     assert float(total[1, 0]) == -jnp.inf and bool(jnp.all(got[1, 0] == 0))
