@@ -104,8 +104,8 @@ def test_soft_cap_tanh_is_the_hardware_instruction_in_16_bit_kernels(abstract_ho
     assert (len(hardware), len(libdevice)) == ((3, 0) if native else (0, 3))  # the forward, dQ and dK·dV kernels
 
 
-@pytest.mark.parametrize("nq", [1, 64])
-def test_paged_decode_lowers_for_cuda(abstract_hopper, monkeypatch, nq):
+@pytest.mark.parametrize(("nq", "chunk"), [(1, None), (64, None), (1, 128)])  # one page a chunk, or two gathered
+def test_paged_decode_lowers_for_cuda(abstract_hopper, monkeypatch, nq, chunk):
     """The paged decode kernel (pages gathered as it streams, the length mask read per program) lowers for sm_90:
     jnp's floor division and remainder of the chunk's start once lowered to a select Triton's lowering mistyped
     (i1 against i32), which interpret mode accepts."""
@@ -121,6 +121,6 @@ def test_paged_decode_lowers_for_cuda(abstract_hopper, monkeypatch, nq):
     )
 
     def paged(q, k, v, lengths, table):
-        return nc.decode_attention(q, k, v, lengths, page_table=table, interpret=False, hardware=H100)
+        return nc.decode_attention(q, k, v, lengths, page_table=table, interpret=False, hardware=H100, chunk=chunk)
 
     jax.jit(paged).trace(*args).lower(lowering_platforms=("cuda",))
