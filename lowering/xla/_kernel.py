@@ -290,7 +290,7 @@ def _block(p: Plan, d: Diagram, sizes: dict, extent: dict, config: XlaConfig, pm
     def fold(acc, state, ins, c):
         return acc.step(state, ins, c)
 
-    written = [k for k, w in enumerate(d.cod.inside) if w.has(x)]  # outputs along x: a slice per chunk
+    written = p.written  # outputs along x: a slice per chunk
 
     def probe(*vals):  # the accumulators' states and the written outputs' slices, shaped by one abstract chunk
         shapes: dict = {}
