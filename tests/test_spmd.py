@@ -29,6 +29,9 @@ import napkin_cat as nc
 from lowering import NotLowerable
 
 TOL = 1e-5
+#: the fused norm then attention, loss and gradients in f32 (sums over 96 tokens split over devices, the loss up to
+#: ~50): measured 4.8e-6 to 2.8e-5 of 1 + max |reference| over 6 seeds (3893602696, 1–5)
+CHAIN_TOL = 1e-4
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 on_four = pytest.mark.skipif(jax.device_count() < 4, reason="runs in test_spmd_on_four_cpu_devices' subprocess")
 BHD = Spec("data", None, "model", None)  # [batch, seq, heads, dim]: data parallel over batch, tensor over heads
@@ -110,7 +113,7 @@ def test_four_a_kernel_reading_another_kernel_s_output_runs_per_shard(seed):
     got = program(x, g, w)
     want = jax.value_and_grad(lambda *a: layer(*a, by_hand), argnums=(0, 1, 2))(jnp.asarray(jax.device_get(x)), g, w)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        assert float(jnp.max(jnp.abs(a - b))) <= TOL * (1 + float(jnp.max(jnp.abs(b))))
+        assert float(jnp.max(jnp.abs(a - b))) <= CHAIN_TOL * (1 + float(jnp.max(jnp.abs(b))))
 
 
 @on_four
