@@ -99,20 +99,52 @@ class XlaConfig:
         return cls()
 
 
-class Upcast(Jax):
-    """The XLA backend's array namespace on a CPU: the reference's (:class:`napkin_cat.generators.Jax`), but a
-    contraction of 16-bit operands multiplies them upcast to f32: the same products (exact in f32) summed in f32,
-    which XLA's CPU backend runs as an f32 matmul where a 16-bit dot with an f32 result takes several times longer.
+def narrowed(xs: tuple) -> tuple:
+    """A contraction's operands in one dtype: where a 16-bit operand meets an f32 one, the f32 one rounded to the
+    16-bit dtype, as the Triton and Mosaic kernels multiply them (FlashAttention-2 casts ``P`` to ``V``'s dtype).
+
+    >>> a, b = jnp.ones(2, jnp.bfloat16), jnp.full(2, 1 + 2**-12, jnp.float32)
+    >>> [str(v.dtype) for v in narrowed((a, b))], float(narrowed((a, b))[1][0])
+    (['bfloat16', 'bfloat16'], 1.0)
+    """
+    narrow = [v.dtype for v in xs if jnp.dtype(v.dtype).itemsize == 2]
+    if not narrow or len(set(narrow)) > 1:
+        return xs
+    return tuple(v.astype(narrow[0]) if v.dtype == jnp.float32 else v for v in xs)
+
+
+class Narrow(Jax):
+    """The XLA backend's array namespace on a GPU: the reference's (:class:`napkin_cat.generators.Jax`), but a
+    contraction of a 16-bit and an f32 operand multiplies in the 16-bit dtype (:func:`narrowed`), accumulated in
+    f32, as the Pallas kernels do. Promoted instead, a derived backward's ``dS·K`` (f32 ``dS``) would run as an
+    f32 matmul, several times slower than the 16-bit one on a GPU's tensor cores.
+
+    >>> a, p = jnp.ones((4, 4), jnp.bfloat16), jnp.full((4, 4), 1 + 2**-12, jnp.float32)
+    >>> float(Narrow.einsum("ik,kj->ij", p, a)[0, 0]), float(Jax.einsum("ik,kj->ij", p, a)[0, 0])
+    (4.0, 4.0009765625)
+    """
+
+    @staticmethod
+    def einsum(spec: str, *xs):
+        """A contraction accumulated in f32, its operands :func:`narrowed`."""
+        return Jax.einsum(spec, *narrowed(xs))
+
+
+class Upcast(Narrow):
+    """The XLA backend's array namespace on a CPU: :class:`Narrow`'s, but a contraction of 16-bit operands
+    multiplies them upcast to f32: the same products (exact in f32) summed in f32, which XLA's CPU backend runs as
+    an f32 matmul where a 16-bit dot with an f32 result takes several times longer.
 
     >>> a = jnp.full((4, 4), 1 + 2**-7, jnp.bfloat16)
-    >>> up, ref = Upcast.einsum("ik,kj->ij", a, a), Jax.einsum("ik,kj->ij", a, a)
-    >>> up.dtype, bool(up[0, 0] == ref[0, 0])
+    >>> up, gpu = Upcast.einsum("ik,kj->ij", a, a), Narrow.einsum("ik,kj->ij", a, a)
+    >>> up.dtype, bool(up[0, 0] == gpu[0, 0])
     (dtype('float32'), True)
     """
 
     @staticmethod
     def einsum(spec: str, *xs):
-        """A contraction in f32, its 16-bit operands upcast first."""
+        """A contraction in f32, its operands :func:`narrowed`, then the 16-bit ones upcast."""
+        xs = narrowed(xs)
         return jnp.einsum(spec, *(v.astype(jnp.float32) if jnp.dtype(v.dtype).itemsize == 2 else v for v in xs))
 
 
@@ -268,7 +300,7 @@ def _block(p: Plan, d: Diagram, sizes: dict, extent: dict, config: XlaConfig, pm
         *blocks, row = blocks
     offsets = {a: ids[i] * g for i, (a, g) in enumerate(p.tiles.items())}
     grid = dict(zip(p.batch, ids[len(p.tiles) :], strict=True))
-    xp = Upcast() if jax.default_backend() == "cpu" else Jax()  # elsewhere 16-bit dots with f32 results are native
+    xp = Upcast() if jax.default_backend() == "cpu" else Narrow()  # elsewhere 16-bit dots with f32 results are native
     ctx = BlockContext(sizes=sizes, offsets=offsets, xp=xp, grid=grid)
     if p.stream is None:
         return walk(d, list(blocks), ctx, "", "final", {})
