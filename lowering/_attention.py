@@ -273,6 +273,9 @@ class Signature:
         converted_fns = isinstance(score_mod, Captured) or isinstance(mask_mod, Captured)
         arrays = bias is not None or mask is not None or converted_fns
         mosaic = backend != "triton" and unavailable(interpret) is None and not arrays
+        # wgmma multiplies 16-bit or FP8 operands: f32 inputs (a head dim padded to Mosaic's wide blocks among them)
+        # run on Triton, whose rule fits their blocks
+        mosaic = mosaic and jnp.dtype(query.dtype).itemsize <= 2
         # auto takes Mosaic's own blocks only at head dims it was measured faster at; asked for, at any
         mosaic = mosaic and (backend == "mosaic" or MOSAIC_BLOCKS.measured(dim, value_dim))
         t, s = schedule(query.shape[-3], key.shape[-3], dim, value_dim, mosaic=mosaic)

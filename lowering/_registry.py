@@ -28,6 +28,8 @@ from __future__ import annotations
 import functools
 from typing import Protocol
 
+import jax.numpy as jnp
+
 from lowering._plan import NotLowerable, Plan, neutral_padding, next_pow2, plan
 from lowering._tiles import Chunks
 from lowering.mosaic import MOSAIC_BLOCKS, WGMMA_M, MosaicConfig, MosaicLowered, admits, faster, unavailable
@@ -252,8 +254,11 @@ class Mosaic:
         shapes Mosaic cannot take would not fit) where the sizes its registers depend on (the axes kept whole)
         are known; else FlashAttention-2's, Triton's (none here)."""
         size = {a.name: a.size for w in d.dom.inside for a in w.axes}
-        if not all(size[a].is_number for a in plan(d).whole):
+        whole = plan(d).whole
+        if not all(size[a].is_number for a in whole):
             return {}
+        if any(w.dtype.jnp == jnp.float32 and set(w.names) & set(whole) for w in d.dom.inside):
+            return {}  # f32 operands, which wgmma does not multiply: every kernel runs on Triton
         tuned = config if isinstance(config, MosaicConfig) else None
         standin = auto and not MOSAIC_BLOCKS.all_wide({int(size[a]) for a in plan(d).whole})  # Triton may take a kernel
         return {"own": Chunks(MOSAIC_BLOCKS.backward_chunk, WGMMA_M, functools.partial(admits, config=tuned), standin)}

@@ -124,3 +124,35 @@ def test_paged_decode_lowers_for_cuda(abstract_hopper, monkeypatch, nq, chunk):
         return nc.decode_attention(q, k, v, lengths, page_table=table, interpret=False, hardware=H100, chunk=chunk)
 
     jax.jit(paged).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def test_f32_attention_at_a_padded_head_dim_lowers_under_auto_on_a_hopper(abstract_hopper, monkeypatch):
+    """f32 at head dim 192 (padded to 256 for Triton) on an sm_90 GPU under ``auto``: Mosaic's wide blocks (64 × 64)
+    were fitted for a kernel wgmma cannot multiply, and Triton, which runs f32, was handed them: 458,752 B of
+    shared memory, refused on an H200. Now f32 takes Triton's rule, forward and backward."""
+    import lowering._attention as entry
+    import lowering._registry as registry
+    from napkin_cat.hardware import H200
+
+    for module in (entry, registry):
+        monkeypatch.setattr(module, "unavailable", lambda interpret=None, config=None: None)  # an sm_90 GPU here
+    for module in ("lowering._attention", "lowering._api", "lowering.triton._lowered"):
+        monkeypatch.setattr(f"{module}.target_hardware", lambda interpret=False: H200)
+    entry.attention.cache_clear()
+    q = jax.ShapeDtypeStruct((2, 100, 2, 192), jnp.float32)
+    k = jax.ShapeDtypeStruct((2, 131, 2, 192), jnp.float32)
+
+    def loss(q, k, v):
+        return nc.attention(
+            q,
+            k,
+            v,
+            score_mod=lambda score, q_idx, kv_idx: score - 0.25 * abs(q_idx - kv_idx),
+            scale=0.1,
+            interpret=False,
+        ).sum()
+
+    try:
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k).lower(lowering_platforms=("cuda",))
+    finally:
+        entry.attention.cache_clear()
