@@ -424,7 +424,10 @@ def lower(
     the diagram (:mod:`lowering._backward`: FlashAttention-2's log-sum-exp residual and Δ, one kernel per
     schedule), built when first differentiated, so lowering never fails because of them; where there
     are none, ``kernel.why_not`` names the box and the reason and differentiating raises
-    :class:`NotLowerable`. ``backward="reference"`` differentiates the reference semantics instead.
+    :class:`NotLowerable`. ``backward="fused"`` is ``"lowered"`` with dQ computed in the dK·dV kernel, its
+    programs' partial sums added into an f32 output (FlashAttention-3's five products:
+    :func:`lowering._backward.fused_groups`; the Mosaic and XLA backends add them, Triton refuses the kernel).
+    ``backward="reference"`` differentiates the reference semantics instead.
 
     Partition sizes the derivation left open (``tile(q)``, ``stream(x)``) are chosen here for ``hardware``
     from the diagram's own cost (:func:`lowering.choose_tiles`: the largest tiles whose blocks fit shared
@@ -480,8 +483,8 @@ def _arguments(scheduled, backend: str, backward: str, hardware) -> tuple[Diagra
     if not isinstance(d, Diagram):
         raise NotLowerable(f"lower takes a Derivation or a Diagram, got {type(scheduled).__name__}")
     _backend(backend)
-    if backward not in ("lowered", "reference"):
-        raise NotLowerable(f"backward {backward!r}: choose 'lowered' or 'reference'")
+    if backward not in ("lowered", "fused", "reference"):
+        raise NotLowerable(f"backward {backward!r}: choose 'lowered', 'fused' or 'reference'")
     try:
         return d, None if hardware is None else lookup(hardware)
     except CostError as e:
@@ -577,7 +580,8 @@ def _lower(
 
     try:  # the backward's diagrams and schedules now (cheap, and they say whether it exists); kernels when needed
         triton = config if isinstance(config, Config) else None
-        b = backward_of(d, primal.hardware, triton, **_chunks(d, name, interpret, config))
+        fused = backward == "fused"
+        b = backward_of(d, primal.hardware, triton, fused_dq=fused, **_chunks(d, name, interpret, config))
         for p in b.pieces:
             plan(p.scheduled)
         if name != "auto" and registered(name).eager:  # every kernel now: a piece it cannot lower is named early

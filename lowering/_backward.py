@@ -282,6 +282,7 @@ def backward_of(
     own: Chunks | None = None,
     chunks: Mapping[str, int] | None = None,
     one_pass: bool = False,
+    fused_dq: bool = False,
 ) -> Backward:
     """The lowered backward's diagrams and schedules for the scheduled forward ``d`` (see the module),
     its blocks fitted to ``hardware``'s shared memory with ``config``'s pipeline stages.
@@ -303,6 +304,12 @@ def backward_of(
     the vocabulary, stream tokens) are computed by the kernel streaming the forward's streamed axis (``dh``'s),
     its tiled axes kept whole (:func:`one_pass`): each chunk's block recomputed once for both, ``dh`` accumulated
     and ``dW``'s slice written per chunk.
+
+    With ``fused_dq`` (FlashAttention-3's backward, five products per tile pair where the two kernels run seven), the
+    cotangents the kernel streaming the forward's streamed axis would compute (attention's dQ: tile queries, stream
+    keys, S and dP recomputed) are computed by the kernel that tiles it (dK·dV: tile keys, stream queries) from the
+    dS it holds anyway: each chunk's partial dQ = dS·K over the program's key tile, added into an f32 output
+    (:func:`fused_groups`; the kernel's ``tile(x, g, summed=True)``), cast to the input's dtype after.
 
     With ``narrow`` each kernel stores a cotangent in its input's dtype; without, in f32: partial gradients a
     caller sums further (a ring's steps, ``lowering._ring``) keep their precision until summed.
@@ -340,11 +347,14 @@ def backward_of(
     order = list(t.inputs)
     mine = None if own is None else (own, min(max(blocks), own.largest))  # dQ's keys: chunks as the forward's
     groups = _schedules(t, grads, keyed, streams, d if narrow else None)
-    for (kept, left), group in (one_pass_groups(t, groups, tiles, streams) if one_pass else groups).items():
+    groups = one_pass_groups(t, groups, tiles, streams) if one_pass else groups
+    groups, fused = fused_groups(t, groups, tiles, streams) if fused_dq else (groups, None)
+    for (kept, left), group in groups.items():
         at = (sizes[0], chunks.get(left[0], sizes[1])) if left else sizes
         given = mine if not left or left[0] not in chunks else None
-        made = [_gradients(t, order, (kept, left), group, (keyed, streams), at, given, hardware, config)]
-        if len(group) > 1 and own is not None and not own.triton and not own.admits(made[0].scheduled):
+        summed = (kept, left) == fused
+        made = [_gradients(t, order, (kept, left), group, (keyed, streams), at, given, hardware, config, summed)]
+        if len(group) > 1 and not summed and own is not None and not own.triton and not own.admits(made[0].scheduled):
             # the backend holds no kernel with every accumulator of the group (dK and dV at D = 256): one kernel
             # per cotangent where it holds each
             one = [
@@ -414,11 +424,52 @@ def one_pass_groups(t, groups: dict, tiles: dict, streams: dict) -> dict:
     return {((), (x,)): [c for group in merged.values() for c in group], **rest}
 
 
-def _gradients(t, order: list, key: tuple, group: list, loops: tuple, sizes: tuple, own, hardware, config) -> Piece:
+def fused_groups(t, groups: dict, tiles: dict, streams: dict) -> tuple[dict, tuple]:
+    """:func:`_schedules`' ``groups`` with the cotangents of the kernel streaming the forward's streamed axis ``x``
+    (dQ: tile ``q``, stream ``x``) moved into the kernel tiling ``x`` and streaming ``q`` (dK·dV), each in f32 (its
+    cast to the input's dtype dropped: the kernel adds its programs' partial sums over their ``x`` tiles into it,
+    :func:`rewrites.summed_outputs`), and that kernel's key. FlashAttention-3's backward (Shah et al. 2024, §3.3:
+    dQ accumulated in f32 across the programs by atomic adds): the dS each chunk computes for dK gives dQ with one
+    more product, where a kernel of its own recomputes S and dP (two more). Raises :class:`NotLowerable` where the
+    forward is not one tiled and one streamed axis with a kernel of each.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> q, x, d = nc.axes("q x d")
+    >>> flash = derive(nc.library.attention(q, x, d), tile(q, 16), stream(x, 16), verify=False).diagram
+    >>> [(p.outputs, [str(r) for r in p.rules]) for p in backward_of(flash, fused_dq=True).pieces]
+    [((6,), ['tile(q, 16)']), ((1, 2, 0), ['tile(x, 16, summed=True)', 'stream(q, 16)'])]
+    """
+    streamed, tiled = tuple(streams), tuple(tiles)
+    into, away = (streamed, tiled), (tiled, streamed)
+    if len(tiles) != 1 or len(streams) != 1 or into not in groups or away not in groups:
+        raise NotLowerable(
+            f"fused_dq: the forward tiles {sorted(tiles)} and streams {sorted(streams)}; fusing dQ into the dK·dV "
+            "kernel needs one tiled and one streamed axis, with a cotangent kernel of each (attention's)"
+        )
+    moved = []
+    for i, wide, summed in groups[away]:
+        step = next(s for s in t.steps if s[2] == (wide,))
+        if isinstance(step[0], g.Cast):  # stored in f32: the programs' partial sums are added into it
+            wide = step[1][0]
+        if summed or t.ty(wide).dtype.bits != 32:
+            raise NotLowerable(
+                f"fused_dq: the cotangent of input {i} ({t.ty(wide).describe()}) is not one f32 sum over "
+                f"{streamed[0]!r} the kernel tiling it can add into its output"
+            )
+        moved.append((i, wide, ()))
+    rest = {k: v for k, v in groups.items() if k not in (into, away)}
+    return {into: [*groups[into], *moved], **rest}, into
+
+
+def _gradients(
+    t, order: list, key: tuple, group: list, loops: tuple, sizes: tuple, own, hardware, config, summed: bool = False
+) -> Piece:
     """The piece computing one group of :func:`_schedules`, its kernel keeping (tiling) and streaming the axes
     of its ``key`` (``(kept, left)``), ``loops`` the forward's ``(keyed, streams)``, in blocks of ``sizes`` (tile,
     chunk) or, where it streams the forward's streamed axis, a backend's own chunks (``own``: its
-    :class:`~lowering._tiles.Chunks` and the largest chunk it may take; None without)."""
+    :class:`~lowering._tiles.Chunks` and the largest chunk it may take; None without); with ``summed``, its tiled
+    axes admit sums into outputs (:func:`fused_groups`)."""
     outs = [wide for _, wide, _ in group]
     inputs = _live(t, outs)
     naive = t.diagram(outs, inputs=inputs)
@@ -433,11 +484,14 @@ def _gradients(t, order: list, key: tuple, group: list, loops: tuple, sizes: tup
         chunks = None
         if own is not None and left and left[0] in streams:  # dQ's keys, as the forward
             chunks, s_ = own
-        rules, scheduled = fit_blocks(naive, list(kept), list(left), g_, s_, hardware, config, own=chunks)
+        rules, scheduled = fit_blocks(
+            naive, list(kept), list(left), g_, s_, hardware, config, own=chunks, summed=summed
+        )
         if own is not None and chunks is None and left and not own[0].admits(scheduled):
             # dK·dV at blocks the backend refuses (wide head dims): its own checks fit them, its chunk at least; under
             # auto only where it then takes them (else the Triton kernel standing in keeps Triton's blocks)
-            fitted = fit_blocks(naive, list(kept), list(left), g_, max(s_, own[0].smallest), hardware, config, own[0])
+            smallest = max(s_, own[0].smallest)
+            fitted = fit_blocks(naive, list(kept), list(left), g_, smallest, hardware, config, own[0], summed=summed)
             if not own[0].triton or own[0].admits(fitted[1]):
                 rules, scheduled = fitted
     else:  # a summed batch axis, one element at a time: each step loads a tile of every input (Q, K, V, dO

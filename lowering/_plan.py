@@ -22,7 +22,7 @@ import functools
 import inspect
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import numpy as np
@@ -34,7 +34,7 @@ from napkin_cat.generators import Captured, Generator, fname
 from rewrites import LOG2E as LOG2E  # the rules live in rewrites; these names stay importable here
 from rewrites import Neutral as Neutral
 from rewrites import neutral_padding as neutral_padding
-from rewrites import open_sizes, partitions
+from rewrites import open_sizes, partitions, summed_outputs
 
 
 class NotLowerable(NapkinError, ValueError):
@@ -75,6 +75,9 @@ class Plan:
     whole: tuple  # axes kept whole in every block
     diagram: Diagram
     written: tuple = ()  # outputs carrying the streamed axis (by position): each chunk's slice written once
+    #: outputs summed over tiled axes (by position: the axes): each program's partial sums added into them
+    #: (``tile(a, g, summed=True)``: FlashAttention-3's dQ, summed over the key tiles of the kernel tiling keys)
+    summed: dict = field(default_factory=dict)
 
 
 def plan(d: Diagram) -> Plan:
@@ -98,6 +101,7 @@ def plan(d: Diagram) -> Plan:
     if len(tiles) > 2:
         raise NotLowerable(f"at most two tiled axes fit the Triton grid (≤ 3 dims), got {sorted(tiles)}")
     stream = next(iter(streams.items()), None)
+    summed = {a: positions for a in tiles if not summed_outputs(d, a)[1] and (positions := summed_outputs(d, a)[0])}
     mixed, names = set(), []
     for box in d.boxes:
         if is_structural(box) or getattr(box, "transfers", False):
@@ -105,7 +109,7 @@ def plan(d: Diagram) -> Plan:
         if not isinstance(box, Generator):
             raise NotLowerable(f"box {box.name!r} is not a generator the lowering knows")
         _check_closure(box)
-        mixed |= set(box.mixes)
+        mixed |= {a for a in box.mixes if not (a in summed and a in box.reduced)}  # a sum into an output: added
     for w in (*d.dom.inside, *d.cod.inside):
         names += [n for n in w.names if n not in names]
     for a, g in tiles.items():
@@ -125,7 +129,8 @@ def plan(d: Diagram) -> Plan:
     batch = tuple(n for n in names if n not in whole and n not in tiles and n not in streamed)
     _check_contractions(d, streamed)
     written = tuple(i for i, w in enumerate(d.cod.inside) if streamed & set(w.names))
-    return Plan(dict(tiles), stream, batch, whole, d, written)
+    by_output = {k: tuple(a for a in summed if k in summed[a]) for k in sorted(set().union(*summed.values()))}
+    return Plan(dict(tiles), stream, batch, whole, d, written, by_output)
 
 
 def kept_whole(d: Diagram) -> tuple[str, ...]:

@@ -70,7 +70,8 @@ class Backend(Protocol):
 
 def streamed_output(p: Plan, title: str) -> str | None:
     """Why a Pallas backend (``title``) refuses ``p``: an output carrying the streamed axis (:attr:`Plan.written`),
-    which its kernels, writing each output once per program of the grid, cannot write chunk by chunk; else None.
+    which its kernels, writing each output once per program of the grid, cannot write chunk by chunk, or one summed
+    over a tiled axis (:attr:`Plan.summed`), which they do not add across programs; else None.
 
     >>> import napkin_cat as nc
     >>> from rewrites import derive, stream
@@ -82,6 +83,13 @@ def streamed_output(p: Plan, title: str) -> str | None:
     output 0 (n×v~16:f32@HBM) carries the streamed axis 'v': Triton writes each output once per program of its \
 grid, not chunk by chunk (the XLA backend does: backend='xla')
     """
+    if p.summed:  # checked first: such an output is written chunk by chunk too
+        k, axes = next(iter(p.summed.items()))
+        return (
+            f"output {k} ({p.diagram.cod.inside[k].describe()}) is summed over the tiled axis {axes[0]!r}, each "
+            f"program's partial sums added into it (backward='fused': dQ in the dK·dV kernel): {title} does not add "
+            "outputs across the programs of its grid (the XLA backend does: backend='xla'; else backward='lowered')"
+        )
     if not p.written:
         return None
     wire = p.diagram.cod.inside[p.written[0]]

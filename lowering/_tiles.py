@@ -416,6 +416,7 @@ def fit_blocks(
     hardware: Hardware,
     config: Config | None,
     own: Chunks | None = None,
+    summed: bool = False,
 ) -> tuple[tuple, Diagram]:
     """The rules and scheduled diagram of one kernel (a backward piece's, the attention entry's): ``tiled`` axes
     in blocks of ``tile_size``, ``streamed`` in chunks of ``stream_size``, halved (the stream first, then the
@@ -425,6 +426,7 @@ def fit_blocks(
     and checks of its own passes them as ``own`` (:class:`Chunks`) instead: the stream halves while
     ``own.admits`` refuses (or, with ``own.triton``, Triton's shared memory does), down to ``own.smallest``; then,
     where the backend refuses even that, the largest halved tile (down to ``own.smallest``) it admits, if any.
+    ``summed``: the tiled axes admit contractions summing into outputs (``tile(a, g, summed=True)``).
 
     A bias streamed beside K and V takes its share: at D = 128 an f32 [q, x] bias block of 128 × 128 in three
     stages alone is 196,608 B, so 128-key chunks halve to 64.
@@ -439,7 +441,7 @@ def fit_blocks(
     """
     known = {a.name: int(a.size) for w in naive.dom.inside for a in w.axes if a.size.is_number}
     while True:
-        rules = tuple(tile(a, tile_size) for a in tiled) + tuple(stream(a, stream_size) for a in streamed)
+        rules = tuple(tile(a, tile_size, summed) for a in tiled) + tuple(stream(a, stream_size) for a in streamed)
         scheduled = derive(naive, *rules, verify=False).diagram
         p = plan(scheduled)
         if not all(a in known for a in p.whole):
@@ -458,7 +460,7 @@ def fit_blocks(
                 continue
             if not admitted and tiled and tile_size // 2 >= own.smallest:  # a smaller tile the backend takes (the
                 # wide head dims' backward), else these blocks
-                smaller = fit_blocks(naive, tiled, streamed, tile_size // 2, stream_size, hardware, config, own)
+                smaller = fit_blocks(naive, tiled, streamed, tile_size // 2, stream_size, hardware, config, own, summed)
                 if own.admits(smaller[1]):
                     return smaller
             return rules, scheduled  # where even the smallest fails, the backend names why when lowering

@@ -44,7 +44,7 @@ from rewrites._lowering_rules import LOG2E, Neutral, base2, neutral_padding, pad
 from rewrites._proofs import Proof, prove_accumulator, prove_equivalent, prove_monoid
 from rewrites._pseudocode import pseudocode
 from rewrites._rule import AUTO, OpenSize, RewriteError, Rule, bind_sizes, open_sizes, resolve
-from rewrites._schedule import execute, partitions, walk
+from rewrites._schedule import execute, partitions, summed_outputs, walk
 from rewrites._split import split
 from rewrites._split_kv import choose_parts, merge_parts, prove_merge, split_kv, with_lse
 from rewrites._stream import fuse_softmax, fuse_softmax_contract, stream, streamability
@@ -60,7 +60,7 @@ __all__ = [
     "bind_sizes", "delta_lemma", "derive", "execute", "fuse_softmax_contract", "level", "lse_residual",
     "narrow_operands", "open_sizes", "partitions", "prove_accumulator", "prove_equivalent", "prove_lemmas",
     "prove_monoid", "pseudocode", "random_inputs", "reduced", "relative_error", "resolve", "row_weight_lemma", "split",
-    "stream", "streamability", "tile", "tolerance", "walk", "widened",
+    "stream", "streamability", "summed_outputs", "tile", "tolerance", "walk", "widened",
     "choose_parts", "merge_parts", "prove_merge", "split_kv", "with_lse",  # split-KV (rewrites._split_kv)
     "factor_row_scale",  # a row scaling moved after a contraction (rewrites._factor)
 ]

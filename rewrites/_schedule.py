@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from napkin_cat.diagram import Diagram
-from napkin_cat.generators import Accumulator, Context, Generator
+from napkin_cat.generators import Accumulator, Context, ContractionSum, Generator
 from napkin_cat.semantics import bind, run
 from rewrites._rule import RewriteError
 
@@ -52,6 +52,42 @@ def partitions(d: Diagram) -> tuple[dict, dict]:
             if a.stream is not None:
                 streams[a.name] = int(a.stream) if a.stream.is_number else a.stream
     return tiles, streams
+
+
+def summed_outputs(d: Diagram, a: str) -> tuple[tuple[int, ...], str | None]:
+    """The outputs of ``d`` that are sums over ``a`` (a contraction removing ``a`` whose value goes straight to them,
+    through copies and swaps only), and why ``a`` cannot be tiled with them (None where it can): a box removing ``a``
+    that is no sum of products (its accumulator along ``a`` is not a plain sum), or whose sum another box reads
+    (it would see one group's partial sum, not the whole). Tiled with them (:class:`rewrites.tile`'s ``summed``),
+    each group's partial sums are added into those outputs: FlashAttention-3's dQ, accumulated across the programs
+    of the kernel that tiles the keys.
+
+    >>> import napkin_cat as nc
+    >>> n, k, c = nc.axes("n k c")
+    >>> summed_outputs(nc.library.matmul(n, k, c), "k")
+    ((0,), None)
+    >>> summed_outputs(nc.library.attention(n, k, c), "c")
+    ((), "box 'n c, k c → n k': the sum over c is read by the box 'softmax k', not an output")
+    """
+    partial: dict = {}  # the values (by id of a token) that are a partial sum over a, by the box making them
+    why: list[str] = []
+
+    def step(i, box, ins):
+        if isinstance(box, Generator) and a in box.reduced:
+            if not isinstance(box.accumulator(a), ContractionSum):
+                why.append(f"box {box.name!r} removes {a} but is no sum of products")
+            outs = [object() for _ in box.cod]
+            partial.update((id(o), box.name) for o in outs)
+            return outs
+        for v in ins:
+            if id(v) in partial:
+                why.append(f"box {partial[id(v)]!r}: the sum over {a} is read by the box {box.name!r}, not an output")
+        if isinstance(box, Generator) and a in box.mixes:
+            why.append(f"box {box.name!r} combines elements along {a}")
+        return [object() for _ in box.cod]
+
+    outs = d.dataflow([object() for _ in d.dom], step)
+    return tuple(k for k, o in enumerate(outs) if id(o) in partial), (why[0] if why else None)
 
 
 def _slice(value, wire, axis: str, start: int, stop: int):
@@ -147,8 +183,13 @@ def _tiled(d: Diagram, values: list, ctx: Context, tiles: list, streams: dict) -
     for start in range(0, n, g):
         sub = [_slice(v, w, a, start, min(start + g, n)) for v, w in zip(values, d.dom.inside, strict=True)]
         pieces.append(_tiled(d, sub, ctx.at(**{a: ctx.offsets.get(a, 0) + start}), rest, streams))
+    summed = summed_outputs(d, a)[0]  # each group's partial sums, added (tile(a, g, summed=True))
     return [
-        ctx.xp.concatenate([p[k] for p in pieces], axis=w.names.index(a)) if w.has(a) else pieces[0][k]
+        ctx.xp.concatenate([p[k] for p in pieces], axis=w.names.index(a))
+        if w.has(a)
+        else sum(p[k] for p in pieces)
+        if k in summed
+        else pieces[0][k]
         for k, w in enumerate(d.cod.inside)
     ]
 

@@ -7,6 +7,10 @@ cost functor sees as their transfers multiplied by ``a/g``. Side conditions: ``a
 no box removes ``a`` (the diagram is weaved over it), no reshape splits or merges it, and ``0 < g ≤ a`` where
 ``a`` is concrete. Sizes that ``g`` does not divide are handled exactly: the last group is ragged.
 
+``tile(a, g, summed=True)`` also admits contractions that remove ``a`` where their sums go straight to outputs
+(:func:`rewrites._schedule.summed_outputs`): each group's partial sum is added into the output (split-K across
+the grid; FlashAttention-3's dQ, summed over the key tiles of the kernel that tiles keys).
+
 ``tile(a)`` (or ``tile(a, "auto")``) leaves ``g`` open: the diagram is relabelled by the symbol ``g_a``, its
 cost and pseudocode stay sympy in it, ``derive`` verifies it at small random sizes, and
 ``lowering.lower`` chooses it for the hardware from the cost model (``kernel.tiles``).
@@ -32,6 +36,7 @@ from napkin_cat.axes import Axis
 from napkin_cat.diagram import Diagram
 from napkin_cat.generators import Generator, Reshape
 from rewrites._rule import Rule, axis_names, is_open, partition_size, relabel_axis
+from rewrites._schedule import summed_outputs
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,7 @@ class tile(Rule):  # noqa: N801 - rules are named as verbs, like functions
 
     axis: Axis | str
     g: int | str | None = None
+    summed: bool = False
 
     def __post_init__(self):
         g = partition_size(repr(self), "group size", self.g, self.name, f"g_{self.name}")
@@ -68,15 +74,30 @@ class tile(Rule):  # noqa: N801 - rules are named as verbs, like functions
         return getattr(self.axis, "name", self.axis)
 
     def __repr__(self):
-        return f"tile({self.name})" if is_open(self.g) else f"tile({self.name}, {self.g})"
+        size = "" if is_open(self.g) else f", {self.g}"
+        return f"tile({self.name}{size}{', summed=True' if self.summed else ''})"
 
     def apply(self, d: Diagram) -> Diagram:
+        """``d`` relabelled; with ``summed``, its contractions over the axis summing straight into outputs.
+
+        >>> import napkin_cat as nc
+        >>> from rewrites import derive
+        >>> n, k, c = nc.axes("n k c")
+        >>> split_k = derive(nc.library.matmul(n, k, c), tile(k, 4, summed=True), seed=0)
+        >>> str(split_k.diagram.dom), split_k.steps[-1].verification.passed
+        ('n×k/4 ⊗ k/4×c', True)
+        """
         a = self.name
         if a not in axis_names(d):
             raise self.fail(f"no wire has axis {a}; axes here: {', '.join(sorted(axis_names(d)))}", axis=a)
+        if self.summed and (why := summed_outputs(d, a)[1]):
+            raise self.fail(why, axis=a)
+        summing = self.summed and summed_outputs(d, a)[0]
         for box in d.boxes:
             if isinstance(box, Reshape) and a in box.mixes:
                 raise self.fail(f"a reshape splits or merges {a}", box=box.name, axis=a)
+            if summing and isinstance(box, Generator) and a in box.reduced:
+                continue  # a sum straight into an output: each group's partial added (summed_outputs)
             if isinstance(box, Generator) and a in box.mixes:
                 how = "removes" if a in box.reduced else "combines elements along"
                 raise self.fail(f"the box {how} {a}, so the diagram is not weaved over it", box=box.name, axis=a)

@@ -82,6 +82,13 @@ class MosaicLowered:
         config = config or MosaicConfig()
         self.config = replace(config, interpretable=config.interpretable or self.interpret)
         self.__name__ = "napkin_mosaic_kernel"
+        if p.summed:  # FlashAttention-3's dQ: TMA reduce-add of each chunk's partial into a zeroed f32 output
+            k, axes = next(iter(p.summed.items()))
+            raise NotLowerable(
+                f"Mosaic backend: output {k} ({p.diagram.cod.inside[k].describe()}) is summed over the tiled axis "
+                f"{axes[0]!r} (backward='fused': dQ in the dK·dV kernel); this backend does not yet add its programs' "
+                "partial sums into an output; use backward='lowered' (two kernels) or backend='xla'"
+            )
         if not p.tiles:
             raise NotLowerable(
                 "Mosaic backend: tiled axes (the first output's first one split over consumer warpgroups) and at "

@@ -208,7 +208,10 @@ class XlaLowered:
             for i, (v, w) in enumerate(zip(arrays, wires, strict=True))
         ]
         outs = fn(ids, *blocks, *([_lead(table, names[-1], grid)] if pm is not None else []))
-        return [_join(o, w, p, extent, grid) for o, w in zip(outs, d.cod.inside, strict=True)]
+        return [
+            _join(o, w, p, extent, grid, p.summed.get(k, ()))
+            for k, (o, w) in enumerate(zip(outs, d.cod.inside, strict=True))
+        ]
 
     @property
     def source(self) -> str:
@@ -236,6 +239,7 @@ class XlaLowered:
             accs = [b for b in body.boxes if not is_structural(b) and b.accumulator(x)]
             lines += [f"    {type(b.accumulator(x)).__name__} of {b.name!r}" for b in accs]
             lines += [f"    output {k} ({body.cod.inside[k].describe()}), a slice written per chunk" for k in p.written]
+        lines += [f"  output {k}: the blocks' partial sums added over {', '.join(a)}" for k, a in p.summed.items()]
         lines.append(f"  body (per block): rewrites.walk of {body.dom} → {body.cod}")
         return "\n".join(lines)
 
@@ -264,8 +268,13 @@ def _lead(v, names, grid: tuple):
     return jnp.transpose(v, lead + [j for j in range(v.ndim) if j not in lead])
 
 
-def _join(o, wire, p: Plan, extent: dict, grid: tuple):
-    """An output from the vmaps' layout (every grid axis first, then its block) to the wire's, sliced to size."""
+def _join(o, wire, p: Plan, extent: dict, grid: tuple, summed: tuple = ()):
+    """An output from the vmaps' layout (every grid axis first, then its block) to the wire's, sliced to size; the
+    blocks' partial sums added along the tiled axes it is ``summed`` over (:attr:`Plan.summed`: a zero-padded
+    tile adds nothing, for a contraction with a padded input is zero there)."""
+    if summed:
+        o = jnp.sum(o, axis=tuple(grid.index(a) for a in summed))
+        grid = tuple(a for a in grid if a not in summed)
     o = o[tuple(slice(None) if wire.has(a) else 0 for a in grid)]  # an output lacking a grid axis is one value
     kept = [a for a in grid if wire.has(a)]
     block = [a.name for a in wire.axes if a.name not in p.batch]

@@ -6,15 +6,16 @@ kernel at the tiles measured best (g256 s64 and the entry's g128 s128 at D = 128
 warpgroups, ping-pong; the tables keep the fastest), napkin Triton (g128 s64), cuDNN, tokamax. Forward + backward
 (``jax.vjp`` with a random cotangent): napkin ``backend="mosaic"`` (every kernel on Mosaic: the forward with its
 log-sum-exp, Δ, dQ, dK·dV), with ``--auto`` ``backend="auto"`` too (each kernel where it was measured fastest,
-``kernel.backends``), napkin Triton, cuDNN, tokamax. Every implementation gets its inputs in its own layout ([B, H,
-N, D] for napkin-cat, [B, N, H, D] for cuDNN and tokamax); each time is the median over batches of back-to-back
-calls; every output and gradient is checked against an f32 reference (batch 0, two heads) before it is timed.
-TFLOP/s: 4·B·H·N²·D forward (halved when causal), 3.5× that forward + backward. Writes ``mosaic_<GPU>.json`` and
-``.png`` under ``--out`` after every configuration (a run cut short keeps its rows) and prints the tables with
-ratios. Configurations left when ``--budget-s`` runs out are recorded as skipped.
+``kernel.backends``), with ``--fused`` ``backward="fused"`` too (dQ in the dK·dV kernel, FlashAttention-3's five
+products; a refusal is recorded as the row's error), napkin Triton, cuDNN, tokamax. Every implementation gets its
+inputs in its own layout ([B, H, N, D] for napkin-cat, [B, N, H, D] for cuDNN and tokamax); each time is the median
+over batches of back-to-back calls; every output and gradient is checked against an f32 reference (batch 0, two heads)
+before it is timed. TFLOP/s: 4·B·H·N²·D forward (halved when causal), 3.5× that forward + backward. Writes
+``mosaic_<GPU>.json`` and ``.png`` under ``--out`` after every configuration (a run cut short keeps its rows) and
+prints the tables with ratios. Configurations left when ``--budget-s`` runs out are recorded as skipped.
 
     python papers/flash_attention/mosaic_bench.py [--out DIR] [--only D,N,causal] [--dtypes bf16,f16]
-        [--sections fwd,fwdbwd] [--budget-s 540] [--matmul] [--auto] [--pingpong] [--tiles 128x128,...]
+        [--sections fwd,fwdbwd] [--budget-s 540] [--matmul] [--auto] [--pingpong] [--fused] [--tiles 128x128,...]
     python papers/flash_attention/mosaic_bench.py --profile [--only 128,8192,1] [--softcap 50]   # one forward, for ncu
 """
 
@@ -61,6 +62,8 @@ HANG_S = 150
 AUTO = False
 #: whether forward + backward also times Mosaic with ping-pong turns in the backward's kernels (``--pingpong``)
 PINGPONG = False
+#: also ``backward="fused"`` (``--fused``): dQ in the dK·dV kernel
+FUSED = False
 #: further napkin Mosaic tiles (g, s) to time beside :data:`TILES`' (``--tiles 128x64,256x128``)
 EXTRA_TILES: list[tuple[int, int]] = []
 #: where ``main`` saves the rows measured so far (with a row it adds), for the watchdog
@@ -120,8 +123,8 @@ def implementations(D: int, causal: bool, dtype: str, section: str):
             )
             continue
 
-        def made(backend, config=None, napkin=napkin):
-            kernel = lower(napkin, backend=backend, config=config)
+        def made(backend, config=None, napkin=napkin, backward="lowered"):
+            kernel = lower(napkin, backend=backend, config=config, backward=backward)
             if kernel.why_not:
                 raise RuntimeError(kernel.why_not)
             return kernel, "bhnd", ", ".join(f"{r}: {b}" for r, b in kernel.backends.items())
@@ -130,6 +133,8 @@ def implementations(D: int, causal: bool, dtype: str, section: str):
             impls[f"napkin auto g{g} s{s}"] = lambda made=made: made("auto")
         if PINGPONG:
             impls[f"napkin mosaic g{g} s{s} pp"] = lambda made=made: made("mosaic", MosaicConfig(pingpong=True))
+        if FUSED:
+            impls[f"napkin mosaic g{g} s{s} fused"] = lambda made=made: made("mosaic", backward="fused")
         impls[f"napkin mosaic g{g} s{s}"] = lambda made=made: made("mosaic")
     return impls
 
@@ -341,13 +346,14 @@ def main():
     ap.add_argument("--matmul", action="store_true", help="also the tiled matmul against XLA's dot at 8192³")
     ap.add_argument("--auto", action="store_true", help="also backend='auto' forward + backward")
     ap.add_argument("--pingpong", action="store_true", help="also Mosaic with ping-pong in the backward's kernels")
+    ap.add_argument("--fused", action="store_true", help="also Mosaic with backward='fused' (dQ in the dK·dV kernel)")
     ap.add_argument("--tiles", default="", help="further Mosaic forward tiles GxS to time, e.g. 128x128,256x128")
     ap.add_argument("--profile", action="store_true", help="run one forward twice, for ncu (--only: which; D=128 N=8k)")
     ap.add_argument("--softcap", type=float, default=None, help="with --profile: soft-capped scores (Gemma 2's cap)")
     args = ap.parse_args()
     start = time.perf_counter()
-    global AUTO, PINGPONG
-    AUTO, PINGPONG = args.auto, args.pingpong
+    global AUTO, PINGPONG, FUSED
+    AUTO, PINGPONG, FUSED = args.auto, args.pingpong, args.fused
     EXTRA_TILES[:] = [tuple(int(n) for n in t.split("x")) for t in args.tiles.split(",") if t]
     gpu = jax.devices()[0].device_kind
     print(f"device: {gpu}; jax {jax.__version__}", flush=True)
