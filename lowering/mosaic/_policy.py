@@ -33,11 +33,12 @@ class MosaicBlocks:
     faster_whole: tuple = (64, 128)
     #: the consumer warpgroups of every kernel measured so (one consumer, a tile of 64, is not measured)
     faster_consumers: int = 2
-    #: head dims whose every kernel, on Mosaic's own wide blocks (``wide_blocks``; dQ at 64 queries on one consumer,
-    #: dK and dV in a kernel each), was measured faster than Triton's (H200, ``head_dims.py``, bf16, B = 2, H = 16,
-    #: N = 8192, non-causal / causal): D = 256 forward 636 / 664 TFLOP/s against Triton's 448 / 430, forward +
-    #: backward 388 / 377 against 130 / 133 (cuDNN 743 / 680 and 410 / 440); MLA's 192 / 128 is not measured
-    faster_wide: tuple = (256,)
+    #: the head dims (q and k's, v's) whose every kernel, on Mosaic's own wide blocks (``wide_blocks``; dQ at 64
+    #: queries on one consumer, dK and dV in a kernel each), was measured faster than Triton's (H200,
+    #: ``head_dims.py``, bf16, B = 2, H = 16, N = 8192): D = 256 forward 636 / 664 TFLOP/s (non-causal / causal)
+    #: against Triton's 448 / 430, forward + backward 388 / 377 against 130 / 133 (cuDNN 743 / 680 and 410 / 440);
+    #: MLA's 192 / 128 non-causal, forward 498 against 319, forward + backward 240 against 195
+    faster_wide: tuple = ((256,), (192, 128))
     #: the forward blocks (tile, chunk) Mosaic was measured fastest at, per head dim, where they differ from the
     #: entry's rule (Triton's, FlashAttention-2's): at D = 64 a tile of 256 (128 rows per consumer) streaming 128
     #: keys ran at 326–435 TFLOP/s against Triton's 128 × 64 at 282–355 (1.15–1.23×; Mosaic's own 128 × 64 at
@@ -72,20 +73,21 @@ class MosaicBlocks:
         """Whether ``"auto"`` may take Mosaic at head dims ``dim`` (q, k) and ``value_dim`` (v): both among
         ``faster_whole``, where it was measured faster than Triton.
 
-        >>> MOSAIC_BLOCKS.measured(128), MOSAIC_BLOCKS.measured(256), MOSAIC_BLOCKS.measured(192, 128)
+        >>> MOSAIC_BLOCKS.measured(128), MOSAIC_BLOCKS.measured(256), MOSAIC_BLOCKS.measured(160, 128)
         (True, True, False)
         """
         dims = {dim, dim if value_dim is None else value_dim}
         return dims <= set(self.faster_whole) or self.all_wide(dims)
 
     def all_wide(self, dims) -> bool:
-        """Whether head dims ``dims`` are all among ``faster_wide``: every kernel goes to Mosaic's own blocks, none
-        to Triton (so the backward's chunks need not fit Triton too).
+        """Whether head dims ``dims`` (a kernel's whole axes, or a call's q and v head dims) are one of
+        ``faster_wide``'s: every kernel goes to Mosaic's own blocks, none to Triton (so the backward's chunks need not
+        fit Triton too).
 
-        >>> MOSAIC_BLOCKS.all_wide({256}), MOSAIC_BLOCKS.all_wide({192, 128}), MOSAIC_BLOCKS.all_wide(set())
-        (True, False, False)
+        >>> MOSAIC_BLOCKS.all_wide({256}), MOSAIC_BLOCKS.all_wide({192, 128}), MOSAIC_BLOCKS.all_wide({128})
+        (True, True, False)
         """
-        return bool(dims) and set(dims) <= set(self.faster_wide)
+        return any(set(dims) == set(wide) for wide in self.faster_wide)
 
     def space(self) -> tuple[MosaicConfig, ...]:
         """The configs a search times: ``search_stages`` × ``search_pingpong``.
