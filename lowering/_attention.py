@@ -80,7 +80,7 @@ from lowering._plan import NotLowerable, next_pow2
 from lowering._plan import _captured as captured
 from lowering._target import interpreted, target_hardware
 from lowering._tiles import Chunks, fit_blocks
-from lowering.mosaic import MOSAIC_BLOCKS, WGMMA_M, admits, unavailable
+from lowering.mosaic import MOSAIC_BLOCKS, WGMMA_M, admits, unavailable, wgmma_takes
 from lowering.triton import TRITON_BLOCKS
 from napkin_cat import library
 from napkin_cat.axes import axes
@@ -273,9 +273,8 @@ class Signature:
         converted_fns = isinstance(score_mod, Captured) or isinstance(mask_mod, Captured)
         arrays = bias is not None or mask is not None or converted_fns
         mosaic = backend != "triton" and unavailable(interpret) is None and not arrays
-        # wgmma multiplies 16-bit or FP8 operands: f32 inputs (a head dim padded to Mosaic's wide blocks among them)
-        # run on Triton, whose rule fits their blocks
-        mosaic = mosaic and jnp.dtype(query.dtype).itemsize <= 2
+        # f32 inputs (a head dim padded to Mosaic's wide blocks among them) run on Triton, whose rule fits their blocks
+        mosaic = mosaic and wgmma_takes(query.dtype)
         # auto takes Mosaic's own blocks only at head dims it was measured faster at; asked for, at any
         mosaic = mosaic and (backend == "mosaic" or MOSAIC_BLOCKS.measured(dim, value_dim))
         t, s = schedule(query.shape[-3], key.shape[-3], dim, value_dim, mosaic=mosaic)
@@ -416,7 +415,7 @@ def _fitted(sig: Signature, mosaic: bool = False) -> Signature:
     ((128, 128), (128, 64))
     """
     hw = lookup(sig.hardware) if sig.hardware is not None else target_hardware(interpreted(sig.interpret))
-    standin = sig.backend == "auto" and not MOSAIC_BLOCKS.all_wide(set(sig.head_dims or ()))
+    standin = MOSAIC_BLOCKS.stands_in(set(sig.head_dims or ()), sig.backend == "auto")
     own = Chunks(sig.stream, WGMMA_M, admits, triton=standin) if mosaic else None
     (t, s), _ = fit_blocks(sig.diagram(), [QUERIES], [KEYS], sig.tile, sig.stream, hw, None, own=own)
     return dataclasses.replace(sig, tile=int(t.g), stream=int(s.s))

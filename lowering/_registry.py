@@ -32,7 +32,16 @@ import jax.numpy as jnp
 
 from lowering._plan import NotLowerable, Plan, neutral_padding, next_pow2, plan
 from lowering._tiles import Chunks
-from lowering.mosaic import MOSAIC_BLOCKS, WGMMA_M, MosaicConfig, MosaicLowered, admits, faster, unavailable
+from lowering.mosaic import (
+    MOSAIC_BLOCKS,
+    WGMMA_M,
+    MosaicConfig,
+    MosaicLowered,
+    admits,
+    faster,
+    unavailable,
+    wgmma_takes,
+)
 from lowering.triton import TRITON_BLOCKS, Config, Lowered, launch
 from lowering.xla import XLA
 from napkin_cat.diagram import Diagram
@@ -265,10 +274,13 @@ class Mosaic:
         whole = plan(d).whole
         if not all(size[a].is_number for a in whole):
             return {}
-        if any(w.dtype.jnp == jnp.float32 and set(w.names) & set(whole) for w in d.dom.inside):
-            return {}  # f32 operands, which wgmma does not multiply: every kernel runs on Triton
+        if any(
+            jnp.issubdtype(w.dtype.jnp, jnp.floating) and not wgmma_takes(w.dtype) and set(w.names) & set(whole)
+            for w in d.dom.inside
+        ):
+            return {}  # operands wgmma does not multiply (f32): every kernel runs on Triton
         tuned = config if isinstance(config, MosaicConfig) else None
-        standin = auto and not MOSAIC_BLOCKS.all_wide({int(size[a]) for a in plan(d).whole})  # Triton may take a kernel
+        standin = MOSAIC_BLOCKS.stands_in({int(size[a]) for a in whole}, auto)
         return {"own": Chunks(MOSAIC_BLOCKS.backward_chunk, WGMMA_M, functools.partial(admits, config=tuned), standin)}
 
     def emit(self, p: Plan, *, interpret, config, hardware) -> MosaicLowered:

@@ -10,6 +10,7 @@ from lowering.mosaic._arrays import MosaicArrays as MosaicArrays
 from lowering.mosaic._config import WGMMA_M as WGMMA_M
 from lowering.mosaic._config import MosaicConfig as MosaicConfig
 from lowering.mosaic._config import unavailable as unavailable
+from lowering.mosaic._config import wgmma_takes as wgmma_takes
 from lowering.mosaic._lowered import MosaicLowered as MosaicLowered
 from lowering.mosaic._policy import MOSAIC_BLOCKS as MOSAIC_BLOCKS
 from lowering.mosaic._policy import MosaicBlocks as MosaicBlocks

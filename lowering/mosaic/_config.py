@@ -6,12 +6,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 
 from napkin_cat.hardware import H100
 from napkin_cat.levels import REG
 
 #: wgmma's row count per warpgroup
 WGMMA_M = 64
+
+
+def wgmma_takes(dtype) -> bool:
+    """Whether ``wgmma`` multiplies operands of ``dtype`` (a jnp or napkin-cat dtype): 16-bit floats or FP8 (e4m3,
+    e5m2); an f32 kernel runs on Triton.
+
+    >>> wgmma_takes(jnp.bfloat16), wgmma_takes(jnp.float8_e4m3fn), wgmma_takes(jnp.float32)
+    (True, True, False)
+    """
+    d = jnp.dtype(getattr(dtype, "jnp", dtype))
+    return d.itemsize == 2 or d in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 #: the Hopper budgets a configuration is refused against before compiling (the hardware model's H100)
 SMEM_LIMIT, REGISTERS = H100.smem_per_block, H100.capacity(REG) // 4
 #: where Mosaic GPU starts each shared-memory allocation (jax._src.pallas.mosaic_gpu.core.SMEM_ALIGNMENT)

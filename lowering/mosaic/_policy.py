@@ -89,6 +89,16 @@ class MosaicBlocks:
         """
         return any(set(dims) == set(wide) for wide in self.faster_wide)
 
+    def stands_in(self, dims, auto: bool) -> bool:
+        """Whether, under ``auto``, a Triton kernel may stand in for one of a call's kernels at head dims ``dims``
+        (a shape Mosaic cannot take, known only when called), so Mosaic's blocks must fit Triton too: everywhere
+        but the :meth:`all_wide` head dims, whose every kernel runs on Mosaic.
+
+        >>> MOSAIC_BLOCKS.stands_in({128}, auto=True), MOSAIC_BLOCKS.stands_in({256}, auto=True)
+        (True, False)
+        """
+        return auto and not self.all_wide(dims)
+
     def space(self) -> tuple[MosaicConfig, ...]:
         """The configs a search times: ``search_stages`` × ``search_pingpong``.
 
