@@ -53,13 +53,14 @@ import numpy as np
 from lowering._api import lower
 from lowering._paged import PageMap, check_paged, check_pages_used, paged_split
 from lowering._plan import NotLowerable
+from lowering._target import interpreted, target_hardware
 from lowering.triton import TRITON_BLOCKS, TritonConfig
 from napkin_cat import library
 from napkin_cat.axes import axes
 from napkin_cat.diagram import Array, Diagram, Ty, swap
 from napkin_cat.diagram import id as identity
 from napkin_cat.dtypes import bf16, f16, f32
-from napkin_cat.errors import EvaluationError
+from napkin_cat.errors import CostError, EvaluationError
 from napkin_cat.generators import add, contract, elementwise, fname, index_names, positional, softmax
 from napkin_cat.hardware import Hardware, lookup
 from rewrites import choose_parts, derive, merge_parts, stream, tile, with_lse
@@ -173,6 +174,8 @@ class Plan:
     rope: int = 0
     #: rows per program (the row tile); None: :func:`row_tile`'s
     tile: int | None = None
+    #: the GPU the kernel is lowered for (its shared-memory limit, its target); None: the machine's
+    hardware: Hardware | None = None
 
     @property
     def rows(self) -> int:
@@ -225,7 +228,7 @@ class Plan:
         tall = rows > TRITON_BLOCKS.tile and self.backend in ("auto", "triton")
         config = TritonConfig(num_warps=8, num_stages=2) if wide else None
         config = TritonConfig(num_warps=rows // 16, num_stages=2) if tall else config
-        return lower(with_lse(derivation.diagram, x.name), self.backend, self.interpret, config)
+        return lower(with_lse(derivation.diagram, x.name), self.backend, self.interpret, config, hardware=self.hardware)
 
     def _attention(self, b, h, q, x, d, dv, mods):
         return library.dot_product_attention(
@@ -364,6 +367,27 @@ def _checked_tile(tile):
     return tile
 
 
+def _hardware(hardware: Hardware | str | None, interpret: bool | None) -> Hardware:
+    """The GPU a decode step is planned (its parts: the SMs) and lowered for: ``hardware`` where named, so a step
+    lowers for that GPU on any machine (``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))``), else the
+    machine's (:func:`lowering._target.target_hardware`: the detected GPU, H100 when interpreting).
+
+    >>> _hardware("A100", None).name, _hardware(None, True).name
+    ('A100', 'H100')
+    >>> _hardware("B300", None)
+    Traceback (most recent call last):
+    ...
+    lowering._plan.NotLowerable: decode_attention: hardware='B300': unknown hardware 'B300'; known: A100, A100-40GB, \
+H100, H200 (or pass a Hardware)
+    """
+    if hardware is None:
+        return target_hardware(interpreted(interpret))
+    try:
+        return lookup(hardware)
+    except CostError as e:
+        raise NotLowerable(f"decode_attention: hardware={hardware!r}: {e}") from e
+
+
 def _parts(batch: int, programs: int, keys: int, hardware: Hardware, *, exact: bool = True) -> int:
     """The parts for ``batch · programs`` programs (KV heads times row tiles): at most ``choose_parts``'s number
     (enough to fill the SMs), the one whose grid fills its last wave of SMs best (FlashAttention-2's split rule: a
@@ -429,10 +453,11 @@ def decode_attention(
     tile: int | None = None,
 ):
     """Attention of the ``Nq`` newest tokens ``q`` ``[B, Nq, H, D]`` over the caches ``[B, S, H_kv, D]`` holding
-    ``lengths`` ``[B]`` valid keys each, by split-KV (the module's docstring). ``parts`` overrides the number of
-    parts chosen for ``hardware`` (by default an H100's SMs), ``tile`` the rows per program (:func:`row_tile`'s:
-    a power of two from 16 to 256). Returns ``[B, Nq, H, Dv]``
-    in q's dtype, and with ``return_residual`` also the log-sum-exp ``[B, Nq, H]`` (f32; −∞ where no key is seen).
+    ``lengths`` ``[B]`` valid keys each, by split-KV (the module's docstring). ``hardware`` (a
+    :class:`~napkin_cat.hardware.Hardware` or its name; by default the machine's GPU, H100 when interpreting) is
+    the GPU the step is planned for (the parts fill its SMs) and its kernel lowered for (so with
+    ``interpret=False`` it lowers for that GPU on any machine); ``parts`` overrides the number of parts, ``tile``
+    the rows per program (:func:`row_tile`'s: a power of two from 16 to 256). Returns ``[B, Nq, H, Dv]`` in q's dtype, and with ``return_residual`` also the log-sum-exp ``[B, Nq, H]`` (f32; −∞ where no key is seen).
 
     With ``page_table`` (int32 ``[B, pages_per_seq]``) the caches are page pools ``[P, page_size, H_kv, D]``:
     sequence ``b``'s key ``j`` is ``k_cache[page_table[b, j // page_size], j % page_size]``, gathered by the kernel
@@ -505,14 +530,14 @@ def _contiguous(q, k_cache, v_cache, scale, fns, parts, backend, interpret, hard
     """A checked contiguous call planned (``parts`` from the hardware's SMs unless given), its kernel built;
     ``rope``: MLA's rotary queries and keys."""
     (batch, nq, heads, dim), (_, keys, kv_heads, dv) = q.shape, v_cache.shape
-    hw = lookup(hardware) if hardware is not None else lookup("H100")
+    hw = _hardware(hardware, interpret)
     tiles = row_tiles(nq * heads // kv_heads, (dim, dv), _checked_tile(tile))
     n = _parts(batch, kv_heads * tiles, keys, hw) if parts is None else parts
     if not isinstance(n, int) or not 1 <= n <= keys:
         raise EvaluationError(f"decode_attention: parts must be an integer in [1, S] = [1, {keys}], got {n!r}")
     r = 0 if rope is None else rope[1].shape[-1]
     plan = Plan(jnp.dtype(q.dtype).name, nq, heads // kv_heads, (dim, dv), n, math.ceil(keys / n), scale, *fns,
-                backend, interpret, rope=r, tile=tile)  # fmt: skip
+                backend, interpret, rope=r, tile=tile, hardware=hw)  # fmt: skip
     _kernel(plan)  # built (derived, verified, lowered) here, outside any trace of the caller's
     return plan
 
@@ -642,7 +667,7 @@ def _paged(q, k_pages, v_pages, lengths, page_table, scale, mods, parts, chunk, 
             f"decode_attention: a page table is read by the Triton and XLA backends' streamed loops; backend="
             f"{backend!r} has no page map: pass backend='triton' or 'xla'"
         )
-    hw = lookup(hardware) if hardware is not None else lookup("H100")
+    hw = _hardware(hardware, interpret)
     tiles = row_tiles(nq * heads // kv_heads, (dim, dv), _checked_tile(tile))
     n_default = _parts(batch, kv_heads * tiles, width * page_size, hw, exact=False)
     covered = max(16, 1 << (width * page_size - 1).bit_length())  # a short table's keys, to a power of two
@@ -652,6 +677,6 @@ def _paged(q, k_pages, v_pages, lengths, page_table, scale, mods, parts, chunk, 
     backend = "triton" if backend == "auto" else backend
     plan = Plan(jnp.dtype(q.dtype).name, nq, heads // kv_heads, (dim, dv), n, per_part * page_size, scale,
                 backend=backend, interpret=interpret, pages=(page_size, keys),
-                rope=0 if rope is None else rope[1].shape[-1], tile=tile)  # fmt: skip
+                rope=0 if rope is None else rope[1].shape[-1], tile=tile, hardware=hw)  # fmt: skip
     _kernel(plan)
     return plan
