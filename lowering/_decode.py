@@ -457,7 +457,8 @@ def decode_attention(
     :class:`~napkin_cat.hardware.Hardware` or its name; by default the machine's GPU, H100 when interpreting) is
     the GPU the step is planned for (the parts fill its SMs) and its kernel lowered for (so with
     ``interpret=False`` it lowers for that GPU on any machine); ``parts`` overrides the number of parts, ``tile``
-    the rows per program (:func:`row_tile`'s: a power of two from 16 to 256). Returns ``[B, Nq, H, Dv]`` in q's dtype, and with ``return_residual`` also the log-sum-exp ``[B, Nq, H]`` (f32; −∞ where no key is seen).
+    the rows per program (:func:`row_tile`'s: a power of two from 16 to 256). Returns ``[B, Nq, H, Dv]`` in q's
+    dtype, and with ``return_residual`` also the log-sum-exp ``[B, Nq, H]`` (f32; −∞ where no key is seen).
 
     With ``page_table`` (int32 ``[B, pages_per_seq]``) the caches are page pools ``[P, page_size, H_kv, D]``:
     sequence ``b``'s key ``j`` is ``k_cache[page_table[b, j // page_size], j % page_size]``, gathered by the kernel
@@ -480,8 +481,7 @@ the cache's valid keys, the Nq new tokens included
     plan = decode_plan(q, k_cache, v_cache, lengths, scale=scale, score_mod=score_mod, mask_mod=mask_mod, parts=parts,
                        backend=backend, interpret=interpret, hardware=hardware, page_table=page_table, chunk=chunk,
                        tile=tile)  # fmt: skip
-    out, lse = _step(plan, q, k_cache, v_cache, lengths, page_table)
-    return (out, lse) if return_residual else out
+    return _step(plan, q, k_cache, v_cache, lengths, page_table, residual=return_residual)
 
 
 def decode_plan(
@@ -579,8 +579,7 @@ def mla_decode_attention(
     """
     plan, q_c, k, rope = _mla_plan(q, latent_cache, rope_cache, lengths, scale, page_table, parts, chunk, backend,
                                    interpret, hardware)  # fmt: skip
-    out, lse = _step(plan, q_c, k, k, lengths, page_table, rope)
-    return (out, lse) if return_residual else out
+    return _step(plan, q_c, k, k, lengths, page_table, rope, residual=return_residual)
 
 
 def _mla_plan(q, latent_cache, rope_cache, lengths, scale, page_table, parts, chunk, backend, interpret, hardware):
@@ -613,11 +612,12 @@ def _mla_plan(q, latent_cache, rope_cache, lengths, scale, page_table, parts, ch
     return plan, q_c, k, rope
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _step(plan: Plan, q, k_cache, v_cache, lengths, page_table=None, rope=None):
+@functools.partial(jax.jit, static_argnums=0, static_argnames="residual")
+def _step(plan: Plan, q, k_cache, v_cache, lengths, page_table=None, rope=None, *, residual: bool = False):
     """One decode step for ``plan`` (compiled once per plan and shapes; ``lengths`` and ``page_table`` are values):
     the queries packed into rows and repeated per part, the caches read as parts (a paged cache's table as each
-    part's pages), the kernel, the parts merged. ``rope``: MLA's rotary queries and keys ``(q_r, k_r)``."""
+    part's pages), the kernel, the parts merged. ``rope``: MLA's rotary queries and keys ``(q_r, k_r)``. The output,
+    and with ``residual`` its log-sum-exp (else not computed: an eager call would launch its slice too)."""
     (batch, nq, heads, _), (kv_heads, dv) = q.shape, v_cache.shape[2:]
     n, chunk, group, kernel = plan.parts, plan.chunk, plan.group, _kernel(plan)
 
@@ -645,7 +645,8 @@ def _step(plan: Plan, q, k_cache, v_cache, lengths, page_table=None, rope=None):
     o = o.reshape(batch, n, nq, group, kv_heads, dv).transpose(0, 1, 2, 4, 3, 5)
     lse = _arrange(lse, l_names, "b q_idx h").reshape(batch, n, nq, group, kv_heads).transpose(0, 1, 2, 4, 3)
     out, lse = merge_parts(o.astype(jnp.float32), lse, 1)
-    return out.reshape(batch, nq, heads, dv).astype(q.dtype), lse.reshape(batch, nq, heads)
+    out = out.reshape(batch, nq, heads, dv).astype(q.dtype)
+    return (out, lse.reshape(batch, nq, heads)) if residual else out
 
 
 def _paged(q, k_pages, v_pages, lengths, page_table, scale, mods, parts, chunk, backend, interpret, hardware, rope=None,
