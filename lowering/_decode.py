@@ -53,7 +53,7 @@ import numpy as np
 from lowering._api import lower
 from lowering._paged import PageMap, check_paged, check_pages_used, paged_split
 from lowering._plan import NotLowerable
-from lowering._target import interpreted, target_hardware
+from lowering._target import interpreted, no_gpu, target_hardware
 from lowering.triton import TRITON_BLOCKS, TritonConfig
 from napkin_cat import library
 from napkin_cat.axes import axes
@@ -367,13 +367,14 @@ def _checked_tile(tile):
     return tile
 
 
-def _hardware(hardware: Hardware | str | None, interpret: bool | None) -> Hardware:
+def _hardware(hardware: Hardware | str | None, interpret: bool | None, backend: str = "auto") -> Hardware:
     """The GPU a decode step is planned (its parts: the SMs) and lowered for: ``hardware`` where named, so a step
     lowers for that GPU on any machine (``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))``), else the
-    machine's (:func:`lowering._target.target_hardware`: the detected GPU, H100 when interpreting).
+    machine's (:func:`lowering._target.target_hardware`: the detected GPU, H100 when interpreting or where the XLA
+    backend runs without one).
 
-    >>> _hardware("A100", None).name, _hardware(None, True).name
-    ('A100', 'H100')
+    >>> _hardware("A100", None).name, _hardware(None, True).name, _hardware(None, False, "xla").name  # on a CPU
+    ('A100', 'H100', 'H100')
     >>> _hardware("B300", None)
     Traceback (most recent call last):
     ...
@@ -381,7 +382,7 @@ def _hardware(hardware: Hardware | str | None, interpret: bool | None) -> Hardwa
 H100, H200 (or pass a Hardware)
     """
     if hardware is None:
-        return target_hardware(interpreted(interpret))
+        return target_hardware(interpreted(interpret) or (backend == "xla" and no_gpu() is not None))
     try:
         return lookup(hardware)
     except CostError as e:
@@ -530,7 +531,7 @@ def _contiguous(q, k_cache, v_cache, scale, fns, parts, backend, interpret, hard
     """A checked contiguous call planned (``parts`` from the hardware's SMs unless given), its kernel built;
     ``rope``: MLA's rotary queries and keys."""
     (batch, nq, heads, dim), (_, keys, kv_heads, dv) = q.shape, v_cache.shape
-    hw = _hardware(hardware, interpret)
+    hw = _hardware(hardware, interpret, backend)
     tiles = row_tiles(nq * heads // kv_heads, (dim, dv), _checked_tile(tile))
     n = _parts(batch, kv_heads * tiles, keys, hw) if parts is None else parts
     if not isinstance(n, int) or not 1 <= n <= keys:
@@ -668,7 +669,7 @@ def _paged(q, k_pages, v_pages, lengths, page_table, scale, mods, parts, chunk, 
             f"decode_attention: a page table is read by the Triton and XLA backends' streamed loops; backend="
             f"{backend!r} has no page map: pass backend='triton' or 'xla'"
         )
-    hw = _hardware(hardware, interpret)
+    hw = _hardware(hardware, interpret, backend)
     tiles = row_tiles(nq * heads // kv_heads, (dim, dv), _checked_tile(tile))
     n_default = _parts(batch, kv_heads * tiles, width * page_size, hw, exact=False)
     covered = max(16, 1 << (width * page_size - 1).bit_length())  # a short table's keys, to a power of two
