@@ -3,8 +3,9 @@
 A decode step (``Nq`` = 1 to 64 new query tokens per sequence, a long cache) run as a prefill launches one
 program per (batch, head) and leaves most SMs idle. Here the cache is split into ``n`` parts
 (:func:`rewrites.split_kv`, ``n`` from :func:`rewrites.choose_parts`: enough programs to fill the SMs, in whole
-waves); the parts become a batch axis of one kernel (the cache ``[B, S, H_kv, D]`` read as ``[B·n, S/n, H_kv, D]``, a
-reshape), each part's kernel outputs its ``(o, lse)`` (:func:`rewrites.with_lse`, lowered by
+waves); the parts become a batch axis of one kernel (the cache ``[B, S, H_kv, D]`` read as ``[B, n, S/n, H_kv, D]``,
+a reshape; the queries have no part axis: each part's program reads them in place, :func:`decode_diagram`), each
+part's kernel outputs its ``(o, lse)`` (:func:`rewrites.with_lse`, lowered by
 :func:`lowering.lower`), and the parts merge in JAX by the log-sum-exp merge (:func:`rewrites.merge_parts`: one
 reduction over ``[B, n, Nq, H, D]`` numbers, cheap). The per-part diagram's schedule is derived and verified
 (``derive``); the split itself is the rule ``split_kv`` verified and proved in :mod:`rewrites._split_kv`.
@@ -13,9 +14,10 @@ reduction over ``[B, n, Nq, H, D]`` numbers, cheap). The per-part diagram's sche
 sequence (bottom-right causal alignment: query ``i`` sees keys ``< lengths − Nq + i + 1``); caches ``[B, S, H_kv,
 D]`` hold ``lengths[b]`` valid keys (the rest is never seen). Grouped-query heads of one KV head are packed into
 the kernel's rows (``Nq · H/H_kv`` rows per KV head, FlashInfer's trick), so the cache is read once per KV head.
-``lengths`` are read when the kernel runs (:class:`KeyLength`: each program compares its keys' positions with its
-part's count of valid keys, less the causal tail's offset for ``Nq > 1``), so one kernel serves every length, under
-``jax.jit`` too. Chunks past a sequence's length are skipped, not read: each program finds them from its count.
+``lengths`` are read when the kernel runs, as given (:class:`KeyLength`: each program compares its keys' positions
+with its sequence's length less its part's first key and, for ``Nq > 1``, the causal tail: a constant per part
+and row), so one kernel serves every length, under ``jax.jit`` too, and nothing runs on them before it. Chunks
+past a sequence's length are skipped, not read: each program finds them from its length.
 
 **Index functions** (FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx)``, ``mask_mod(b, h, q_idx,
 kv_idx)``, or by name) read the batch ``b``, the query head ``h`` and the key's position ``kv_idx`` in the cache;
@@ -53,14 +55,16 @@ import numpy as np
 from lowering._api import lower
 from lowering._paged import PageMap, check_paged, check_pages_used, paged_split
 from lowering._plan import NotLowerable
+from lowering._target import interpreted, no_gpu, target_hardware
 from lowering.triton import TRITON_BLOCKS, TritonConfig
-from napkin_cat import library
 from napkin_cat.axes import axes
 from napkin_cat.diagram import Array, Diagram, Ty, swap
 from napkin_cat.diagram import id as identity
 from napkin_cat.dtypes import bf16, f16, f32
-from napkin_cat.errors import EvaluationError
+from napkin_cat.errors import CostError, EvaluationError
 from napkin_cat.generators import add, contract, elementwise, fname, index_names, positional, softmax
+from napkin_cat.generators import mask as index_mask
+from napkin_cat.generators import score_mod as index_score_mod
 from napkin_cat.hardware import Hardware, lookup
 from rewrites import choose_parts, derive, merge_parts, stream, tile, with_lse
 
@@ -73,17 +77,16 @@ DTYPES = {"float32": f32, "bfloat16": bf16, "float16": f16}
 
 @dataclass(frozen=True)
 class Decoded:
-    """A user's index function read on the kernel's indices: the kernel's batch ``b`` is (sequence, part) and its
-    head ``h`` the KV head, its rows (token, head in group) and its keys a part's; the user's ``b``, ``h``,
+    """A user's index function read on the kernel's indices: the kernel's batch is the sequence ``b``, the part
+    ``p`` and the KV head ``h``, its rows (token, head in group) and its keys a part's; the user's ``b``, ``h``,
     ``kv_idx`` are the sequence, the query head and the key's position in the cache.
 
-    >>> f = Decoded(lambda s, b, h, kv_idx: s + 100 * b + 10 * h + kv_idx, parts=2, chunk=8, group=4, score=True)
-    >>> f(0, b=3, h=1, q_idx=6, kv_idx=5)  # sequence 1, part 1; query head 1·4 + 6 % 4; key 8 + 5
+    >>> f = Decoded(lambda s, b, h, kv_idx: s + 100 * b + 10 * h + kv_idx, chunk=8, group=4, score=True)
+    >>> f(0, b=1, p=1, h=1, q_idx=6, kv_idx=5)  # sequence 1, part 1; query head 1·4 + 6 % 4; key 8 + 5
     173
     """
 
     fn: Callable
-    parts: int
     chunk: int
     group: int
     score: bool
@@ -92,16 +95,15 @@ class Decoded:
         names = index_names(self.fn, score=self.score)
         return ("b", "h", "kv_idx") if names is None else names
 
-    def __call__(self, *value, b, h, q_idx, kv_idx):
-        mine = {"b": b // self.parts, "h": h * self.group + q_idx % self.group}
-        mine["kv_idx"] = (b % self.parts) * self.chunk + kv_idx
+    def __call__(self, *value, b, p, h, q_idx, kv_idx):
+        mine = {"b": b, "h": h * self.group + q_idx % self.group, "kv_idx": p * self.chunk + kv_idx}
         return self.fn(*value, **{n: mine[n] for n in self._names()})
 
     @property
     def __signature__(self):
         kw, first = inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_ONLY
         value = [inspect.Parameter("score", first)] if self.score else []
-        return inspect.Signature([*value, *(inspect.Parameter(n, kw) for n in FLEX)])
+        return inspect.Signature([*value, *(inspect.Parameter(n, kw) for n in ("b", "p", "h", "q_idx", "kv_idx"))])
 
     @property
     def __name__(self):
@@ -140,14 +142,16 @@ class KeyLength:
 KEY_LENGTH = KeyLength()
 
 
-def length_wires(b, q, x) -> tuple[Array, Array, Array]:
-    """The inputs :class:`KeyLength` reads: the keys' positions ``[x]``, the lengths ``[b]`` and the rows'
-    offsets ``[q]`` (i32).
+def length_wires(b, q, x, p=None) -> tuple[Array, Array, Array]:
+    """The inputs :class:`KeyLength` reads: the keys' positions ``[x]`` (a part's), the lengths ``[b]`` and the rows'
+    offsets ``[q]``, or ``[p, q]`` with a part axis ``p`` (the part's first key taken off: the lengths are then the
+    sequences' own, read as given) (i32).
 
-    >>> print(*length_wires(*axes("b q x")))
-    x b q
+    >>> print(*length_wires(*axes("b q x")), length_wires(*axes("b q x p"))[2])
+    x b q p×q
     """
-    return Array(x, dtype="i32"), Array(b, dtype="i32"), Array(q, dtype="i32")
+    t = Array(q, dtype="i32") if p is None else Array(p, q, dtype="i32")
+    return Array(x, dtype="i32"), Array(b, dtype="i32"), t
 
 
 @dataclass(frozen=True)
@@ -173,11 +177,19 @@ class Plan:
     rope: int = 0
     #: rows per program (the row tile); None: :func:`row_tile`'s
     tile: int | None = None
+    #: the GPU the kernel is lowered for (its shared-memory limit, its target); None: the machine's
+    hardware: Hardware | None = None
 
     @property
     def rows(self) -> int:
         """The kernel's rows per KV head: the new tokens times the query heads sharing it."""
         return self.queries * self.group
+
+    @property
+    def padded_rows(self) -> int:
+        """:attr:`rows` padded to whole row tiles (the step pads them, and the length mask's offsets with them)."""
+        tile = self.blocks()[0]
+        return -(-self.rows // tile) * tile
 
     def blocks(self) -> tuple[int, int]:
         """Rows per tile (:func:`row_tile`, or the plan's ``tile``) and keys per streamed chunk: a power of two ≥ 16
@@ -206,17 +218,19 @@ class Plan:
 
     def kernel(self):
         """The per-part kernel: the diagram with its (o, lse) outputs, its schedule derived and verified, lowered."""
-        b, h, q, x = axes("b h q_idx kv_idx")
+        b, p, h, q, x = axes("b p h q_idx kv_idx")
         d, dv = axes("d dv", d=self.dims[0], dv=self.dims[1])
+        part = p if self.pages is None else None  # a paged cache's parts stay in the batch axis its table rows follow
         mods = {}
         for key, fn, score in (("score_mod", self.score_mod, True), ("mask", self.mask_mod, False)):
             if fn is not None:
-                mods[key] = Decoded(fn, self.parts, self.chunk, self.group, score)
+                mods[key] = Decoded(fn, self.chunk, self.group, score)
         if self.rope:
             r = axes("r", r=self.rope)[0]
-            diagram = mla_attention(b, h, q, x, d, r, self.scale, DTYPES[self.dtype])
+            diagram = mla_attention(b, h, q, x, d, r, self.scale, DTYPES[self.dtype], part)
         else:
-            diagram = self._attention(b, h, q, x, d, dv, mods)
+            e = dv if self.dims[1] != self.dims[0] else d
+            diagram = decode_diagram(b, part, h, q, x, d, e, self.scale, DTYPES[self.dtype], **mods)
         rows, chunk = self.blocks()
         derivation = derive(diagram, tile(q, rows), stream(x, chunk))
         # MLA's 64 rows × 512 latent dims: an f32 accumulator two warpgroups hold (FlashMLA's split), two stages;
@@ -225,52 +239,66 @@ class Plan:
         tall = rows > TRITON_BLOCKS.tile and self.backend in ("auto", "triton")
         config = TritonConfig(num_warps=8, num_stages=2) if wide else None
         config = TritonConfig(num_warps=rows // 16, num_stages=2) if tall else config
-        return lower(with_lse(derivation.diagram, x.name), self.backend, self.interpret, config)
-
-    def _attention(self, b, h, q, x, d, dv, mods):
-        return library.dot_product_attention(
-            q,
-            x,
-            d,
-            scale=self.scale,
-            dtype=DTYPES[self.dtype],
-            batch=(b, h),
-            seq_at=1,  # [b, seq, h, d]: the caller's layout, read in place
-            captured=((KEY_LENGTH, length_wires(b, q, x)),),
-            value_dim=dv if self.dims[1] != self.dims[0] else None,
-            **mods,
-        )
+        return lower(with_lse(derivation.diagram, x.name), self.backend, self.interpret, config, hardware=self.hardware)
 
 
-def mla_attention(b, h, q, x, c, r, scale, dtype) -> Diagram:
+def decode_diagram(b, p, h, q, x, d, e, scale, dtype, score_mod=None, mask=None) -> Diagram:
+    """A part's attention, laid out as the caller's arrays are (``[b, seq, h, dim]``): ``Q[b, q, h, d] ⊗ K[b, p, x,
+    h, d] ⊗ V[b, p, x, h, e] ⊗ pos ⊗ n ⊗ t → O[b, p, q, h, e]``: scores ``scale·Q·Kᵀ`` (``1/√d`` by default), then
+    ``score_mod``, ``mask`` and the valid keys (:class:`KeyLength` on :func:`length_wires`), softmax, contracted with
+    ``V``. The queries have no part axis ``p``: every part's program reads them where they lie, not a copy per part.
+    With ``p`` None (a paged cache, whose table rows follow one batch axis) ``b`` stands for (sequence, part).
+
+    >>> b, p, h, q, x, d = axes("b p h q x d")
+    >>> print(decode_diagram(b, p, h, q, x, d, d, None, f32).dom)
+    b×q×h×d ⊗ b×p×x×h×d ⊗ b×p×x×h×d ⊗ x ⊗ b ⊗ p×q
+    """
+    kv = (b,) if p is None else (b, p)
+    S, V, out_wire = Array(*kv, h, q, x), Array(*kv, x, h, e, dtype=dtype), Array(*kv, q, h, e, dtype=dtype)
+    n = lambda *axs: " ".join(a.name for a in axs)  # noqa: E731
+    scale = d.size**-0.5 if scale is None else scale  # a symbolic size stays symbolic
+    scores = contract(f"{n(b, q, h, d)}, {n(*kv, x, h, d)} -> {n(*S.axes)}", *kv, h, q, x, d, scale=scale, dtype=dtype,
+                      out_dtype=f32)  # fmt: skip
+    rest = Ty(*length_wires(b, q, x, p))
+    out = (scores @ identity(Ty(V)) @ identity(rest)) >> (identity(Ty(S)) @ swap(Ty(V), rest))  # S rest V
+    later = identity(rest @ Ty(V))
+    out = out if score_mod is None else out >> (index_score_mod(S, score_mod) @ later)
+    out = out if mask is None else out >> (index_mask(S, mask) @ later)
+    out = out >> (elementwise(KEY_LENGTH, S, *rest.inside, out=S) @ identity(Ty(V)))
+    spec = f"{n(*S.axes)}, {n(*V.axes)} -> {n(*out_wire.axes)}"
+    return out >> (softmax(S, x) @ identity(Ty(V))) >> contract(spec, *kv, h, q, x, e, dtype=(f32, dtype),
+                                                                out_dtype=dtype)  # fmt: skip
+
+
+def mla_attention(b, h, q, x, c, r, scale, dtype, p=None) -> Diagram:
     """Absorbed multi-head latent attention (DeepSeek-V2/V3's MLA at inference) as one diagram, laid out ``[b, seq,
     h, dim]``: ``Q_c[c] ⊗ K_c[c] ⊗ V[c] ⊗ Q_r[r] ⊗ K_r[r] ⊗ pos ⊗ n ⊗ t → O[c]``, scores ``scale·(Q_c·K_cᵀ +
     Q_r·K_rᵀ)`` (the latent and rotary parts, ``c + r`` dims; ``scale`` defaults to ``1/√(c + r)``), masked by the
     valid keys (:class:`KeyLength` on :func:`length_wires`), softmax, then contracted with ``V`` over the keys.
     ``V`` is the latent keys themselves (the caller passes one array twice: the streamed loop loads its chunk for
-    both).
+    both). With a part axis ``p`` the keys, values and output have it and the queries not (:func:`decode_diagram`).
 
     >>> b, h, q, x, c, r = axes("b h q x c r", c=32, r=16)
     >>> print(mla_attention(b, h, q, x, c, r, None, f32).dom)
     b×q×h×c ⊗ b×x×h×c ⊗ b×x×h×c ⊗ b×q×h×r ⊗ b×x×h×r ⊗ x ⊗ b ⊗ q
     """
     scale = 1 / math.sqrt(c.size + r.size) if scale is None else scale
-    S, V = Array(b, h, q, x), Array(b, x, h, c, dtype=dtype)
-    n = {a: a.name for a in (b, h, q, x, c)}
+    kv = (b,) if p is None else (b, p)
+    S, V = Array(*kv, h, q, x), Array(*kv, x, h, c, dtype=dtype)
+    n = lambda *axs: " ".join(a.name for a in axs)  # noqa: E731
 
     def scores(e):
-        spec = f"{n[b]} {n[q]} {n[h]} {e.name}, {n[b]} {n[x]} {n[h]} {e.name} -> {n[b]} {n[h]} {n[q]} {n[x]}"
-        return contract(spec, b, h, q, x, e, scale=scale, dtype=dtype, out_dtype=f32)
+        return contract(f"{n(b, q, h, e)}, {n(*kv, x, h, e)} -> {n(*S.axes)}", *kv, h, q, x, e, scale=scale,
+                        dtype=dtype, out_dtype=f32)  # fmt: skip
 
-    rest = Ty(*length_wires(b, q, x))
+    rest = Ty(*length_wires(b, q, x, p))
     out = scores(c) @ identity(Ty(V)) @ scores(r) @ identity(rest)  # S V S_r rest
     out = out >> (identity(Ty(S)) @ swap(Ty(V), Ty(S)) @ identity(rest)) >> (add(S, S) @ identity(Ty(V) @ rest))
     out = out >> (identity(Ty(S)) @ swap(Ty(V), rest))  # S rest V
     out = out >> (elementwise(KEY_LENGTH, S, *rest.inside, out=S) @ identity(Ty(V)))
-    spec = f"{n[b]} {n[h]} {n[q]} {n[x]}, {n[b]} {n[x]} {n[h]} {n[c]} -> {n[b]} {n[q]} {n[h]} {n[c]}"
-    return (
-        out >> (softmax(S, x) @ identity(Ty(V))) >> contract(spec, b, h, q, x, c, dtype=(f32, dtype), out_dtype=dtype)
-    )
+    spec = f"{n(*S.axes)}, {n(*V.axes)} -> {n(*kv, q, h, c)}"
+    return out >> (softmax(S, x) @ identity(Ty(V))) >> contract(spec, *kv, h, q, x, c, dtype=(f32, dtype),
+                                                                out_dtype=dtype)  # fmt: skip
 
 
 def chunk_keys(dims: tuple[int, int]) -> int:
@@ -364,6 +392,28 @@ def _checked_tile(tile):
     return tile
 
 
+def _hardware(hardware: Hardware | str | None, interpret: bool | None, backend: str = "auto") -> Hardware:
+    """The GPU a decode step is planned (its parts: the SMs) and lowered for: ``hardware`` where named, so a step
+    lowers for that GPU on any machine (``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))``), else the
+    machine's (:func:`lowering._target.target_hardware`: the detected GPU, H100 when interpreting or where the XLA
+    backend runs without one).
+
+    >>> _hardware("A100", None).name, _hardware(None, True).name, _hardware(None, False, "xla").name  # on a CPU
+    ('A100', 'H100', 'H100')
+    >>> _hardware("B300", None)
+    Traceback (most recent call last):
+    ...
+    lowering._plan.NotLowerable: decode_attention: hardware='B300': unknown hardware 'B300'; known: A100, A100-40GB, \
+H100, H200 (or pass a Hardware)
+    """
+    if hardware is None:
+        return target_hardware(interpreted(interpret) or (backend == "xla" and no_gpu() is not None))
+    try:
+        return lookup(hardware)
+    except CostError as e:
+        raise NotLowerable(f"decode_attention: hardware={hardware!r}: {e}") from e
+
+
 def _parts(batch: int, programs: int, keys: int, hardware: Hardware, *, exact: bool = True) -> int:
     """The parts for ``batch · programs`` programs (KV heads times row tiles): at most ``choose_parts``'s number
     (enough to fill the SMs), the one whose grid fills its last wave of SMs best (FlashAttention-2's split rule: a
@@ -382,12 +432,16 @@ def _parts(batch: int, programs: int, keys: int, hardware: Hardware, *, exact: b
 
 
 def _lengths(lengths, plan: Plan, batch: int) -> tuple:
-    """:class:`KeyLength`'s inputs: the part's key positions (a constant), each part's count of its sequence's keys
-    (``lengths − p·chunk``, one small program), and each row's offset: row ``i·group + g`` (token ``i``) sees keys
-    ``< lengths − Nq + i + 1`` (a constant)."""
+    """:class:`KeyLength`'s inputs: the part's key positions (a constant), the lengths, and each row's offset: row
+    ``i·group + g`` (token ``i``) of part ``p`` sees keys ``< lengths − Nq + i + 1 − p·chunk`` of its part (a
+    constant ``[parts, rows]``), so the kernel reads ``lengths`` as given. A paged cache's kernel (one batch axis,
+    sequence × part) takes each part's count ``lengths − p·chunk`` instead (one small program) and ``[rows]``."""
     n, c = plan.parts, plan.chunk
-    counts = lengths.astype(jnp.int32)[:, None] - c * jnp.arange(n, dtype=jnp.int32)
     tail = np.arange(plan.rows, dtype=np.int32) // plan.group - (plan.queries - 1)
+    if plan.pages is None:  # rows padded to whole tiles here, as their first row: they widen no tile's chunk range
+        tail = np.pad(tail, (0, plan.padded_rows - plan.rows), constant_values=tail[0])
+        return np.arange(c, dtype=np.int32), lengths.astype(jnp.int32), tail - c * np.arange(n, dtype=np.int32)[:, None]
+    counts = lengths.astype(jnp.int32)[:, None] - c * jnp.arange(n, dtype=jnp.int32)
     return np.arange(c, dtype=np.int32), counts.reshape(batch * n), tail
 
 
@@ -429,10 +483,12 @@ def decode_attention(
     tile: int | None = None,
 ):
     """Attention of the ``Nq`` newest tokens ``q`` ``[B, Nq, H, D]`` over the caches ``[B, S, H_kv, D]`` holding
-    ``lengths`` ``[B]`` valid keys each, by split-KV (the module's docstring). ``parts`` overrides the number of
-    parts chosen for ``hardware`` (by default an H100's SMs), ``tile`` the rows per program (:func:`row_tile`'s:
-    a power of two from 16 to 256). Returns ``[B, Nq, H, Dv]``
-    in q's dtype, and with ``return_residual`` also the log-sum-exp ``[B, Nq, H]`` (f32; −∞ where no key is seen).
+    ``lengths`` ``[B]`` valid keys each, by split-KV (the module's docstring). ``hardware`` (a
+    :class:`~napkin_cat.hardware.Hardware` or its name; by default the machine's GPU, H100 when interpreting) is
+    the GPU the step is planned for (the parts fill its SMs) and its kernel lowered for (so with
+    ``interpret=False`` it lowers for that GPU on any machine); ``parts`` overrides the number of parts, ``tile``
+    the rows per program (:func:`row_tile`'s: a power of two from 16 to 256). Returns ``[B, Nq, H, Dv]`` in q's
+    dtype, and with ``return_residual`` also the log-sum-exp ``[B, Nq, H]`` (f32; −∞ where no key is seen).
 
     With ``page_table`` (int32 ``[B, pages_per_seq]``) the caches are page pools ``[P, page_size, H_kv, D]``:
     sequence ``b``'s key ``j`` is ``k_cache[page_table[b, j // page_size], j % page_size]``, gathered by the kernel
@@ -455,8 +511,7 @@ the cache's valid keys, the Nq new tokens included
     plan = decode_plan(q, k_cache, v_cache, lengths, scale=scale, score_mod=score_mod, mask_mod=mask_mod, parts=parts,
                        backend=backend, interpret=interpret, hardware=hardware, page_table=page_table, chunk=chunk,
                        tile=tile)  # fmt: skip
-    out, lse = _step(plan, q, k_cache, v_cache, lengths, page_table)
-    return (out, lse) if return_residual else out
+    return _step(plan, q, k_cache, v_cache, lengths, page_table, residual=return_residual)
 
 
 def decode_plan(
@@ -505,14 +560,14 @@ def _contiguous(q, k_cache, v_cache, scale, fns, parts, backend, interpret, hard
     """A checked contiguous call planned (``parts`` from the hardware's SMs unless given), its kernel built;
     ``rope``: MLA's rotary queries and keys."""
     (batch, nq, heads, dim), (_, keys, kv_heads, dv) = q.shape, v_cache.shape
-    hw = lookup(hardware) if hardware is not None else lookup("H100")
+    hw = _hardware(hardware, interpret, backend)
     tiles = row_tiles(nq * heads // kv_heads, (dim, dv), _checked_tile(tile))
     n = _parts(batch, kv_heads * tiles, keys, hw) if parts is None else parts
     if not isinstance(n, int) or not 1 <= n <= keys:
         raise EvaluationError(f"decode_attention: parts must be an integer in [1, S] = [1, {keys}], got {n!r}")
     r = 0 if rope is None else rope[1].shape[-1]
     plan = Plan(jnp.dtype(q.dtype).name, nq, heads // kv_heads, (dim, dv), n, math.ceil(keys / n), scale, *fns,
-                backend, interpret, rope=r, tile=tile)  # fmt: skip
+                backend, interpret, rope=r, tile=tile, hardware=hw)  # fmt: skip
     _kernel(plan)  # built (derived, verified, lowered) here, outside any trace of the caller's
     return plan
 
@@ -554,8 +609,7 @@ def mla_decode_attention(
     """
     plan, q_c, k, rope = _mla_plan(q, latent_cache, rope_cache, lengths, scale, page_table, parts, chunk, backend,
                                    interpret, hardware)  # fmt: skip
-    out, lse = _step(plan, q_c, k, k, lengths, page_table, rope)
-    return (out, lse) if return_residual else out
+    return _step(plan, q_c, k, k, lengths, page_table, rope, residual=return_residual)
 
 
 def _mla_plan(q, latent_cache, rope_cache, lengths, scale, page_table, parts, chunk, backend, interpret, hardware):
@@ -588,21 +642,25 @@ def _mla_plan(q, latent_cache, rope_cache, lengths, scale, page_table, parts, ch
     return plan, q_c, k, rope
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _step(plan: Plan, q, k_cache, v_cache, lengths, page_table=None, rope=None):
+@functools.partial(jax.jit, static_argnums=0, static_argnames="residual")
+def _step(plan: Plan, q, k_cache, v_cache, lengths, page_table=None, rope=None, *, residual: bool = False):
     """One decode step for ``plan`` (compiled once per plan and shapes; ``lengths`` and ``page_table`` are values):
-    the queries packed into rows and repeated per part, the caches read as parts (a paged cache's table as each
-    part's pages), the kernel, the parts merged. ``rope``: MLA's rotary queries and keys ``(q_r, k_r)``."""
+    the queries packed into rows (repeated per part for a paged cache), the caches read as parts (a paged cache's
+    table as each part's pages), the kernel, the parts merged. ``rope``: MLA's rotary queries and keys ``(q_r,
+    k_r)``. The output, and with ``residual`` its log-sum-exp (else not computed: an eager call would launch its slice
+    too)."""
     (batch, nq, heads, _), (kv_heads, dv) = q.shape, v_cache.shape[2:]
     n, chunk, group, kernel = plan.parts, plan.chunk, plan.group, _kernel(plan)
 
-    def rows(a):  # rows (token, head in group) per KV head, repeated for each part (small beside the cache)
+    def rows(a):  # rows (token, head in group) per KV head, padded to whole tiles; a paged kernel's repeated per part
         a = a.reshape(batch, nq, kv_heads, group, -1).transpose(0, 1, 3, 2, 4).reshape(batch, plan.rows, kv_heads, -1)
+        if page_table is None:
+            return jnp.pad(a, [(0, 0), (0, plan.padded_rows - plan.rows), (0, 0), (0, 0)])
         return jnp.broadcast_to(a[:, None], (batch, n, *a.shape[1:])).reshape(batch * n, *a.shape[1:])
 
     def parts(c):  # a contiguous cache read as parts: a reshape, padded only where n does not divide S
         c = jnp.pad(c, [(0, 0), (0, n * chunk - c.shape[1]), (0, 0), (0, 0)])
-        return c.reshape(batch * n, chunk, *c.shape[2:])
+        return c.reshape(batch, n, chunk, *c.shape[2:])
 
     ins = [rows(q), k_cache, v_cache, *([] if rope is None else [rows(rope[0]), rope[1]])]
     masks = _lengths(lengths, plan, batch)
@@ -615,12 +673,16 @@ def _step(plan: Plan, q, k_cache, v_cache, lengths, page_table=None, rope=None):
         paged = lambda *xs: kernel.forward(*xs[:-1], pages=(plan.page_map(), xs[-1]))  # noqa: E731
         o, lse = _inference(paged)(*ins, *masks, table)
     o_names, l_names = (tuple(w.names) for w in kernel.diagram.cod.inside)
-    o = _arrange(o, o_names, "b q_idx h dv" if "dv" in o_names else "b q_idx h d")
+    lead = "b p" if "p" in o_names else "b"  # (sequence, part): two axes, or one of B·n (paged)
+    at = len(lead.split())  # the rows' axis, their padding cut
+    o = jax.lax.slice_in_dim(_arrange(o, o_names, f"{lead} q_idx h {o_names[-1]}"), 0, plan.rows, axis=at)
+    lse = jax.lax.slice_in_dim(_arrange(lse, l_names, f"{lead} q_idx h"), 0, plan.rows, axis=at)
     # rows (token, head in group) back to (token, query head) before the merge, which reads them in that order
     o = o.reshape(batch, n, nq, group, kv_heads, dv).transpose(0, 1, 2, 4, 3, 5)
-    lse = _arrange(lse, l_names, "b q_idx h").reshape(batch, n, nq, group, kv_heads).transpose(0, 1, 2, 4, 3)
+    lse = lse.reshape(batch, n, nq, group, kv_heads).transpose(0, 1, 2, 4, 3)
     out, lse = merge_parts(o.astype(jnp.float32), lse, 1)
-    return out.reshape(batch, nq, heads, dv).astype(q.dtype), lse.reshape(batch, nq, heads)
+    out = out.reshape(batch, nq, heads, dv).astype(q.dtype)
+    return (out, lse.reshape(batch, nq, heads)) if residual else out
 
 
 def _paged(q, k_pages, v_pages, lengths, page_table, scale, mods, parts, chunk, backend, interpret, hardware, rope=None,
@@ -642,7 +704,7 @@ def _paged(q, k_pages, v_pages, lengths, page_table, scale, mods, parts, chunk, 
             f"decode_attention: a page table is read by the Triton and XLA backends' streamed loops; backend="
             f"{backend!r} has no page map: pass backend='triton' or 'xla'"
         )
-    hw = lookup(hardware) if hardware is not None else lookup("H100")
+    hw = _hardware(hardware, interpret, backend)
     tiles = row_tiles(nq * heads // kv_heads, (dim, dv), _checked_tile(tile))
     n_default = _parts(batch, kv_heads * tiles, width * page_size, hw, exact=False)
     covered = max(16, 1 << (width * page_size - 1).bit_length())  # a short table's keys, to a power of two
@@ -652,6 +714,6 @@ def _paged(q, k_pages, v_pages, lengths, page_table, scale, mods, parts, chunk, 
     backend = "triton" if backend == "auto" else backend
     plan = Plan(jnp.dtype(q.dtype).name, nq, heads // kv_heads, (dim, dv), n, per_part * page_size, scale,
                 backend=backend, interpret=interpret, pages=(page_size, keys),
-                rope=0 if rope is None else rope[1].shape[-1], tile=tile)  # fmt: skip
+                rope=0 if rope is None else rope[1].shape[-1], tile=tile, hardware=hw)  # fmt: skip
     _kernel(plan)
     return plan

@@ -21,6 +21,8 @@ its datasheet HBM rate; the compute rate its measured dense matmul ceiling, else
 (134.6, 'H100')
 >>> round(c.seconds * 1e6, 1)                      # 134 MB at 3.35 TB/s, plus the merge
 40.3
+>>> round(c.read_bytes / 1e6, 1)                   # the cache, the queries, the parts' (o, lse) read by the merge
+134.6
 >>> mla = decode_cost(batch=64, queries=1, heads=128, kv_heads=1, dim=512, rope=64, lengths=[4096] * 64, parts=2,
 ...                   chunk=64, table_width=64)       # DeepSeek-V3's absorbed MLA over pages of 64 keys
 >>> round(mla.kernel_bytes / 1e6, 1), mla.bound
@@ -56,6 +58,13 @@ class DecodeCost:
     hardware: str
     bandwidth: float
     compute: float
+    #: of the bytes moved, those written (each part's ``(o, lse)``, the merged output): the rest are reads
+    written_bytes: int = 0
+
+    @property
+    def read_bytes(self) -> int:
+        """The bytes the kernel and the merge read from DRAM (what ncu's ``dram__bytes_read.sum`` counts)."""
+        return self.kernel_bytes + self.merge_bytes - self.written_bytes
 
     @property
     def kernel_seconds(self) -> float:
@@ -118,7 +127,8 @@ def decode_cost(
     cache = keys * kv_heads * ((dim + rope) if rope else (dim + dv)) * dt.bytes * row_tiles  # MLA: values are keys
     partial = batch * parts * queries * heads * (dv + 1) * 4  # each part's (o, lse), f32
     kernel = cache + batch * parts * queries * heads * (dim + rope) * dt.bytes + batch * table_width * 4 + partial
-    merge = partial + batch * queries * heads * (dv * dt.bytes + 4)
+    output = batch * queries * heads * (dv * dt.bytes + 4)
+    merge = partial + output
     flops = 2 * queries * heads * (dim + rope + dv) * sum(int(n) for n in lengths)
     bandwidth = hw.ceiling("dram") or hw.bandwidth(L2, outer=HBM)
-    return DecodeCost(kernel, merge, flops, hw.name, bandwidth, hw.ceiling(dt.name) or hw.flops(dt))
+    return DecodeCost(kernel, merge, flops, hw.name, bandwidth, hw.ceiling(dt.name) or hw.flops(dt), partial + output)

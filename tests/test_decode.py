@@ -206,6 +206,8 @@ def test_decode_cost_counts_pages_and_mla():
         partial = b * n * nq * h * (d + 1) * 4
         want = keys * per_key * 4 + b * n * nq * h * (d + rope) * 4 + b * table * 4 + partial
         assert c.kernel_bytes == want and c.merge_bytes == partial + b * nq * h * (d * 4 + 4), (rope, table)
+        reads = keys * per_key * 4 + b * n * nq * h * (d + rope) * 4 + b * table * 4  # the kernel's
+        assert c.read_bytes == reads + partial, (rope, table)  # and the merge's: each part's (o, lse)
         assert c.flops == 2 * nq * h * (2 * d + rope) * sum(lengths)
 
 
@@ -221,15 +223,17 @@ def launches(hlo: str) -> int:
 
 @pytest.mark.parametrize("nq", [1, 4])
 def test_a_decode_step_launches_few_kernels(nq):
-    """Besides the kernel: the queries packed into rows, the parts' counts of valid keys, the merge (one reduction)
-    and its two outputs' casts. The masks' positions and row offsets are constants; no per-key ids, no call-time
-    pass over them (the kernel finds its chunks from its count)."""
+    """Besides the kernel: the queries packed into rows (transposed, padded to the row tile; not repeated per part:
+    the parts' programs read them in place), the merge (one reduction) and its output's cast; with the residual, its
+    slice too. The lengths reach the kernel as given; the masks' positions and the parts' and rows' offsets are
+    constants; no per-key ids, no call-time pass over them (the kernel finds its chunks from its length)."""
     q = jnp.zeros((1, nq, 8, 16), jnp.bfloat16)
     k = jnp.zeros((1, 512, 2, 16), jnp.bfloat16)
     lengths = jnp.array([300])
     plan = decode_plan(q, k, k, lengths, parts=4)
-    hlo = _step.lower(plan, q, k, k, lengths).compile().as_text()
-    assert launches(hlo) <= 6, hlo
+    for residual, most in ((False, 4), (True, 5)):
+        hlo = _step.lower(plan, q, k, k, lengths, residual=residual).compile().as_text()
+        assert launches(hlo) <= most, (residual, hlo)
 
 
 def test_chunks_past_a_length_are_not_read():

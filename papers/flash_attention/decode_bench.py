@@ -19,11 +19,23 @@ paged copy and the device copy (they would not fit beside it). Each implementati
 layout before timing: ``q`` [B, Nq, 32, D], caches [B, S, 8, D] for all three (jax.nn takes fewer KV heads when
 they divide the query heads), ``lengths`` = S for napkin-cat. For ``Nq`` > 1 the new tokens are causal among
 themselves, bottom-right aligned (query ``i`` sees keys ``< S − Nq + i + 1``); jax.nn aligns ``is_causal``
-top-left and cuDNN takes no right window, so the baselines get that mask as a boolean array [1, 1, Nq, S]. Every
+top-left and cuDNN takes no right window, so the baselines get that mask as a boolean array [1, 1, Nq, S]; XLA
+also gets ``key_value_seq_lengths`` = ``lengths`` (issue 32's target: ≥ 2× XLA with a length mask). Every
 output is checked against an f32 reference (jnp, written here) on batch element 0 first. GB/s count the cache read
-(the K and V bytes over the time); the copy's count what it reads and writes; ratios are to cuDNN's time.
+(the K and V bytes over the time); the copy's count what it reads and writes; ratios are to cuDNN's and XLA's
+time.
 
     python papers/flash_attention/decode_bench.py [--out DIR] [--budget-s 300] [--rows PATTERNS] [--list] [--smoke]
+    ncu --profile-from-start off --clock-control none --metrics dram__bytes_read.sum,gpu__time_duration.sum \
+        python papers/flash_attention/decode_bench.py --ncu nq1-b1-s32k[:IMPL]
+    python papers/flash_attention/decode_bench.py --launches nq1-b1-s32k[:IMPL]
+
+``--ncu ROW[:IMPL]`` (IMPL: napkin by default, or paged, a variant, cudnn, xla) runs one step of that row, compiled
+and warmed first, between ``cudaProfilerStart`` and ``cudaProfilerStop`` (so ncu, started with
+``--profile-from-start off``, profiles that step's kernels only: sum their DRAM bytes) and prints ``decode_cost``'s
+predicted bytes read and time beside (issue 32: DRAM bytes within 10%, time within 30%). ``--launches ROW[:IMPL]``
+prints the kernels the compiled step launches (its entry computation's fusions and custom calls: on a CPU the
+interpreted kernel is a loop).
 
 Rows are written (``decode_<GPU>.json`` and ``.png``) after every row; rows left when the budget is spent are
 recorded as skipped. ``--smoke`` (or ``--quick``) runs tiny sizes in interpret mode on a CPU (cuDNN skipped).
@@ -32,8 +44,11 @@ recorded as skipped. ``--smoke`` (or ``--quick``) runs tiny sizes in interpret m
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import fnmatch
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -160,7 +175,8 @@ def plans(q, k, v, lengths, table, impls, hw) -> dict:
         cost = decode_cost(batch=b, queries=nq, heads=h, kv_heads=h_kv, dim=d, lengths=[s] * b, parts=plan.parts,
                            chunk=summary["chunk"], row_tiles=summary["row_tiles"], hardware=hw,
                            table_width=s // PAGE if paged else 0)  # fmt: skip
-        out[impl] = (kw, paged, {**summary, "predicted_ms": 1e3 * cost.seconds, "predicted_on": hw.name})
+        out[impl] = (kw, paged, {**summary, "predicted_ms": 1e3 * cost.seconds, "predicted_on": hw.name,
+                                 "predicted_read_bytes": cost.read_bytes})  # fmt: skip
     return out
 
 
@@ -180,12 +196,13 @@ def implementations(q, k, v, impls, gpu: bool, seed: int = 0) -> tuple[dict, dic
             out[impl] = (fn, (q, *table, lengths))
         else:
             out[impl] = (jax.jit(lambda q, k, v, n, kw=kw: nc.decode_attention(q, k, v, n, **kw)), (q, k, v, lengths))
-    for name in ("cudnn", "xla"):
-        if name in impls and (gpu or name == "xla"):
-            fn = jax.jit(
-                lambda q, k, v, m, name=name: jax.nn.dot_product_attention(q, k, v, mask=m, implementation=name)
-            )
-            out[name] = (fn, (q, k, v, mask))
+    if "cudnn" in impls and gpu:
+        fn = jax.jit(lambda q, k, v, m: jax.nn.dot_product_attention(q, k, v, mask=m, implementation="cudnn"))
+        out["cudnn"] = (fn, (q, k, v, mask))
+    if "xla" in impls:  # with a length mask, as issue 32's target states it
+        fn = jax.jit(lambda q, k, v, m, n: jax.nn.dot_product_attention(q, k, v, mask=m, key_value_seq_lengths=n,
+                                                                         implementation="xla"))  # fmt: skip
+        out["xla"] = (fn, (q, k, v, mask, lengths))
     if "copy" in impls:
         out["copy"] = (jax.jit(lambda k, v: (jnp.copy(k), jnp.copy(v))), (k, v))
     return out, {impl: summary for impl, (_, _, summary) in planned.items()}
@@ -212,12 +229,18 @@ def measure(name, fn, args, want, cache_bytes: int) -> dict:
     return row
 
 
-def configuration(row: dict, heads: tuple, gpu: bool, seed: int) -> dict:
-    """One row: every implementation checked and timed, GB/s, ratios to cuDNN and the napkin-cat plans printed."""
+def inputs(row: dict, heads: tuple, seed: int) -> tuple:
+    """A row's ``q`` [B, Nq, H, D] and caches [B, S, H_kv, D], bf16, random."""
     (h, h_kv, d), b, s, nq = heads, row["B"], row["S"], row["Nq"]
     keys = jax.random.split(jax.random.key(seed), 3)
     q = jax.random.normal(keys[0], (b, nq, h, d), jnp.bfloat16)
-    k, v = (jax.random.normal(kk, (b, s, h_kv, d), jnp.bfloat16) for kk in keys[1:])
+    return (q, *(jax.random.normal(kk, (b, s, h_kv, d), jnp.bfloat16) for kk in keys[1:]))
+
+
+def configuration(row: dict, heads: tuple, gpu: bool, seed: int) -> dict:
+    """One row: every implementation checked and timed, GB/s, ratios to cuDNN and XLA, the napkin-cat plans."""
+    b, s, nq = row["B"], row["S"], row["Nq"]
+    q, k, v = inputs(row, heads, seed)
     cache_bytes = 2 * k.size * k.dtype.itemsize
     impls = [i for i in row["impls"] if cache_bytes <= BIG or i not in ("paged", "copy")]
     want = reference(q[:1], k[:1], v[:1])
@@ -226,23 +249,28 @@ def configuration(row: dict, heads: tuple, gpu: bool, seed: int) -> dict:
     fns, planned = implementations(q, k, v, impls, gpu, seed)
     for name, (fn, args) in fns.items():
         entry["rows"].append({**measure(name, fn, args, want, cache_bytes), **planned.get(name, {})})
-    base = next((r for r in entry["rows"] if r["impl"] == "cudnn" and "ms" in r), None)
+    for name in ("cudnn", "xla"):
+        base = next((r for r in entry["rows"] if r["impl"] == name and "ms" in r), None)
+        for r in entry["rows"]:
+            if base is not None and "ms" in r and r["impl"] not in ("copy", name):
+                r[f"vs_{name}"] = base["ms"] / r["ms"]
     for r in entry["rows"]:
-        if base is not None and "ms" in r and r["impl"] != "copy":
-            r["vs_cudnn"] = base["ms"] / r["ms"]
         if "ms" in r:
             print(f"  {r['impl']:15s} {r['ms']:8.3f} ms {r['gbs']:7.0f} GB/s{described(r)}", flush=True)
     return entry
 
 
 def described(r: dict) -> str:
-    """A row's ratio to cuDNN, prediction, plan (parts × keys, row tiles × rows, chunk, backend), error and clock.
+    """A row's ratios to cuDNN and XLA, prediction, plan (parts × keys, row tiles × rows, chunk, backend), error
+    and clock.
 
-    >>> described({"impl": "napkin", "vs_cudnn": 0.9, "parts": 16, "keys_per_part": 2048, "row_tiles": 1,
-    ...            "tile": 16, "chunk": 64, "backend": "triton", "max_rel_error": 0.003, "clock": "cupti"})
-    '  0.90× cuDNN  [16 parts × 2048 keys, 1 × 16 rows, chunk 64, triton]  err 3.0e-03 (cupti)'
+    >>> described({"impl": "napkin", "vs_cudnn": 0.9, "vs_xla": 1.25, "parts": 16, "keys_per_part": 2048,
+    ...            "row_tiles": 1, "tile": 16, "chunk": 64, "backend": "triton", "max_rel_error": 0.003,
+    ...            "clock": "cupti"})
+    '  0.90× cuDNN  1.25× XLA  [16 parts × 2048 keys, 1 × 16 rows, chunk 64, triton]  err 3.0e-03 (cupti)'
     """
     out = f"  {r['vs_cudnn']:.2f}× cuDNN" if "vs_cudnn" in r else ""
+    out += f"  {r['vs_xla']:.2f}× XLA" if "vs_xla" in r else ""
     out += f"  {100 * r['of_copy_bandwidth']:.0f}% of the copy's GB/s" if "of_copy_bandwidth" in r else ""
     out += f"  predicted {r['predicted_ms']:.4g} ms on {r['predicted_on']}" if "predicted_ms" in r else ""
     if "parts" in r:
@@ -330,6 +358,81 @@ def mla_configuration(row: dict, dims: tuple, seed: int) -> dict:
     return entry
 
 
+def one_step(spec: str, quick: bool, seed: int) -> tuple:
+    """The step ``spec`` names (``ROW[:IMPL]``, IMPL napkin by default): its row, implementation, jitted function,
+    arguments and plan (napkin-cat implementations: :func:`plans`'s summary, with its predicted bytes read)."""
+    name, _, impl = spec.partition(":")
+    impl = impl or "napkin"
+    row = next((r for r in rows(quick) if r["name"] == name and not r.get("mla")), None)
+    if row is None:
+        raise SystemExit(f"no decode row {name!r} (MLA rows aside); --list prints them")
+    q, k, v = inputs(row, HEADS["quick" if quick else "full"], seed)
+    fns, planned = implementations(q, k, v, [impl], jax.default_backend() == "gpu", seed)
+    if impl not in fns:
+        raise SystemExit(f"{impl!r} does not run here: napkin, paged, {', '.join(VARIANTS)}, cudnn (on a GPU), xla")
+    return row, impl, *fns[impl], planned.get(impl, {})
+
+
+def cudart():
+    """The CUDA runtime library (where ``cudaProfilerStart`` is): JAX's wheel's, else the loader's; None off a GPU."""
+    if jax.default_backend() != "gpu":
+        return None
+    try:
+        import nvidia  # the CUDA wheels JAX's GPU plugin depends on
+
+        found = [str(f) for d in nvidia.__path__ for f in sorted(Path(d).glob("cuda_runtime/lib/libcudart.so*"))]
+    except ImportError:
+        found = []
+    for name in (*found, "libcudart.so", "libcudart.so.13", "libcudart.so.12"):
+        with contextlib.suppress(OSError):
+            return ctypes.CDLL(name)
+    raise SystemExit("--ncu: no libcudart found to mark the step with cudaProfilerStart; install JAX's CUDA wheels")
+
+
+@contextlib.contextmanager
+def marked():
+    """The block between ``cudaProfilerStart`` and ``cudaProfilerStop``: what ``ncu --profile-from-start off``
+    profiles. Off a GPU, the block alone."""
+    lib = cudart()
+    if lib is not None and lib.cudaProfilerStart() != 0:
+        raise SystemExit("--ncu: cudaProfilerStart failed")
+    try:
+        yield
+    finally:
+        if lib is not None:
+            lib.cudaProfilerStop()
+
+
+def ncu_step(spec: str, quick: bool, seed: int) -> dict:
+    """One step of ``spec`` under the profiler marker (:func:`marked`), after three warm calls; its prediction."""
+    row, impl, fn, args, plan = one_step(spec, quick, seed)
+    for _ in range(3):
+        jax.block_until_ready(fn(*args))
+    with marked():
+        jax.block_until_ready(fn(*args))
+    out = {"row": row["name"], "impl": impl, **plan}
+    said = f"{row['name']}:{impl}: one step run under cudaProfilerStart/Stop"
+    if "predicted_read_bytes" in plan:
+        said += f"; decode_cost predicts {plan['predicted_read_bytes']:,} B read, {1e3 * plan['predicted_ms']:.3g} us"
+        said += f" on {plan['predicted_on']} (sum ncu's dram__bytes_read.sum over the step's kernels)"
+    print(said, flush=True)
+    return out
+
+
+def launches(hlo: str) -> list[str]:
+    """What a compiled program's entry computation runs: each instruction but parameters, constants, tuples and
+    bitcasts (a fusion, a custom call, a copy; on a CPU the interpreted kernel's loop), as ``name = op``.
+
+    >>> launches("HloModule m\\nENTRY %main {\\n  %p = f32[4] parameter(0)\\n  %f = f32[4] fusion(%p), kind=kLoop\\n}")
+    ['%f = fusion']
+    """
+    entry = hlo[hlo.index("\nENTRY ") :]
+    entry = entry[: entry.index("\n}")]
+    ops = re.findall(r"^\s*(?:ROOT )?(%\S+) = .*? ([a-z-]+)\(", entry, re.M)
+    quiet = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"}
+    return [f"{name} = {op}" for name, op in ops if op not in quiet]
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=HERE / "results")
@@ -337,7 +440,16 @@ def main(argv=None) -> dict:
     p.add_argument("--smoke", "--quick", dest="quick", action="store_true", help="tiny sizes, interpret mode")
     p.add_argument("--rows", default="*", help="comma-separated name patterns of the rows to run, e.g. 'nq1-*,mla-*'")
     p.add_argument("--list", action="store_true", help="print the rows (in the order they run) and exit")
+    p.add_argument("--ncu", metavar="ROW[:IMPL]", help="run one step of ROW under cudaProfilerStart/Stop, for ncu")
+    p.add_argument("--launches", metavar="ROW[:IMPL]", help="print the kernels one compiled step of ROW launches")
     o = p.parse_args(argv)
+    if o.ncu:
+        return ncu_step(o.ncu, o.quick, seed=0)
+    if o.launches:
+        row, impl, fn, args, _ = one_step(o.launches, o.quick, seed=0)
+        ran = launches(fn.lower(*args).compile().as_text())
+        print(f"{row['name']}:{impl} on {jax.devices()[0].device_kind}: {len(ran)} launches", *ran, sep="\n  ")
+        return {"row": row["name"], "impl": impl, "launches": ran}
     patterns = o.rows.split(",")
     chosen = [r for r in rows(o.quick) if any(fnmatch.fnmatch(r["name"], pat) for pat in patterns)]
     if o.list:
