@@ -43,7 +43,7 @@ def dpa(Q, K, V, causal):
     return t(jax.nn.dot_product_attention(t(Q), t(K), t(V), is_causal=causal))
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     nq=st.integers(1, 70),
     nx=st.integers(1, 70),
