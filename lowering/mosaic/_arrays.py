@@ -9,6 +9,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from lowering._plan import NotLowerable
 from napkin_cat.generators import JAX
+from napkin_cat.generators._vectors import Unvectorised, Vector, on_vectors
 
 
 class Smem:
@@ -94,6 +95,23 @@ class Product:
 
 def value_of(v):
     return v.value() if isinstance(v, Smem | Product) else v
+
+
+def _indexed(fn, v, indices: dict, spread):
+    """``fn(v, **indices)`` (``v`` None: ``fn(**indices)``), the indices :class:`Vector` s of a block's rows or
+    columns: run on them (:func:`on_vectors`), or, where the function does what vectors do not keep (a gather), on
+    whole index grids, spread as numpy would broadcast them."""
+    names, args = list(indices), ([] if v is None else [v]) + list(indices.values())
+
+    def call(*xs):
+        return fn(*xs[: len(xs) - len(names)], **dict(zip(names, xs[len(xs) - len(names) :], strict=True)))
+
+    try:
+        return on_vectors(call, args, spread)
+    except Unvectorised:
+        block = jnp.broadcast_shapes(*(a.shape for a in args if isinstance(a, Vector)))
+        whole = tuple(d for d, n in enumerate(block) if n > 1)
+        return call(*(a.over(whole, block, spread) if isinstance(a, Vector) else a for a in args))
 
 
 class MosaicArrays:
@@ -187,9 +205,22 @@ class MosaicArrays:
         v = value_of(v)
         return v.astype(other.dtype) if other.dtype != jnp.float32 else v
 
+    def index_map(self, fn, v, indices: dict):
+        """``fn(v, **indices)`` on a block ``v`` (in wgmma's accumulator layout) and index vectors (:meth:`iota`)."""
+        v = value_of(v)
+        return _indexed(fn, Vector(v, (0, 1), tuple(v.shape)), indices, self.broadcast_in_dim)
+
+    def index_mask(self, keep, indices: dict):
+        """``keep(**indices)`` on index vectors (:meth:`iota`), spread over the block where it mixes its axes."""
+        return _indexed(keep, None, indices, self.broadcast_in_dim)
+
     @staticmethod
     def iota(shape: tuple, axis: int):
-        """Index grids in the layout of wgmma's accumulator (rows, columns), or of its row statistics."""
+        """Index grids in the layout of wgmma's accumulator (rows, columns), or of its row statistics; an index
+        vector (a block's ``shape`` of size 1 but along ``axis``, which a register array cannot have) as a
+        :class:`~napkin_cat.generators._vectors.Vector` of the block's rows or columns (:meth:`iota_over`)."""
+        if len(shape) == 2 and shape[1 - axis] == 1 < shape[axis]:
+            return Vector(MosaicArrays.iota_over(shape, (axis,), axis), (axis,), tuple(shape))
         layout = plgpu.Layout.WGMMA if len(shape) == 2 else plgpu.Layout.WGMMA.reduce(1)
         return plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=layout)
 

@@ -151,8 +151,13 @@ class Jax:
 
     @staticmethod
     def index_map(fn: Callable, v, indices: dict):
-        """``fn(v, **indices)`` elementwise, ``indices`` the global index grids by axis name."""
+        """``fn(v, **indices)`` elementwise, ``indices`` the global indices by axis name (vectors along their axes)."""
         return fn(v, **indices)
+
+    @staticmethod
+    def index_mask(keep: Callable, indices: dict):
+        """``keep(**indices)``, ``indices`` the global indices by axis name (vectors along their axes)."""
+        return keep(**indices)
 
 
 def _as(value) -> np.ndarray:
@@ -276,6 +281,17 @@ class Sympy:
     def lift(fn: Callable) -> Callable:
         """A user's elementwise callable: a ``jax.numpy`` function by its sympy twin, any other elementwise."""
         return getattr(SYMPY, _JAX_NAMES.get(fn, ""), None) or _pointwise(fn).__func__
+
+    @staticmethod
+    def broadcast_in_dim(v, shape: tuple, dims: tuple):
+        """``v`` spread over an array of ``shape``, its dimensions at ``dims``."""
+        v = np.asarray(v)
+        return np.broadcast_to(np.expand_dims(v, tuple(i for i in range(len(shape)) if i not in dims)), shape)
+
+    @staticmethod
+    def index_mask(keep: Callable, indices: dict):
+        """``keep(**indices)`` on the index arrays, a bool array."""
+        return np.asarray(keep(**indices), dtype=bool)
 
     @staticmethod
     def index_map(fn: Callable, v, indices: dict):
