@@ -97,21 +97,20 @@ def value_of(v):
     return v.value() if isinstance(v, Smem | Product) else v
 
 
-def _indexed(fn, v, indices: dict, spread):
-    """``fn(v, **indices)`` (``v`` None: ``fn(**indices)``), the indices :class:`Vector` s of a block's rows or
-    columns: run on them (:func:`on_vectors`), or, where the function does what vectors do not keep (a gather), on
-    whole index grids, spread as numpy would broadcast them."""
+def _indexed(fn, v, indices: dict, spread, shape: tuple):
+    """``fn(v, **indices)`` (``v`` None: ``fn(**indices)``) over a block of ``shape``, the indices :class:`Vector` s
+    of its rows or columns: run on them (:func:`on_vectors`), or, where the function does what vectors do not keep (a
+    scan), on whole index grids."""
     names, args = list(indices), ([] if v is None else [v]) + list(indices.values())
 
     def call(*xs):
         return fn(*xs[: len(xs) - len(names)], **dict(zip(names, xs[len(xs) - len(names) :], strict=True)))
 
     try:
-        return on_vectors(call, args, spread)
+        return on_vectors(call, args, spread, shape)
     except Unvectorised:
-        block = jnp.broadcast_shapes(*(a.shape for a in args if isinstance(a, Vector)))
-        whole = tuple(d for d, n in enumerate(block) if n > 1)
-        return call(*(a.over(whole, block, spread) if isinstance(a, Vector) else a for a in args))
+        whole = tuple(d for d, n in enumerate(shape) if n > 1)
+        return call(*(a.over(whole, shape, spread) if isinstance(a, Vector) else a for a in args))
 
 
 class MosaicArrays:
@@ -208,11 +207,12 @@ class MosaicArrays:
     def index_map(self, fn, v, indices: dict):
         """``fn(v, **indices)`` on a block ``v`` (in wgmma's accumulator layout) and index vectors (:meth:`iota`)."""
         v = value_of(v)
-        return _indexed(fn, Vector(v, (0, 1), tuple(v.shape)), indices, self.broadcast_in_dim)
+        return _indexed(fn, Vector(v, (0, 1), tuple(v.shape)), indices, self.broadcast_in_dim, tuple(v.shape))
 
-    def index_mask(self, keep, indices: dict):
-        """``keep(**indices)`` on index vectors (:meth:`iota`), spread over the block where it mixes its axes."""
-        return _indexed(keep, None, indices, self.broadcast_in_dim)
+    def index_mask(self, keep, indices: dict, shape: tuple):
+        """``keep(**indices)`` over a block of ``shape``, on index vectors (:meth:`iota`), spread over the block
+        where it mixes its axes."""
+        return _indexed(keep, None, indices, self.broadcast_in_dim, tuple(shape))
 
     @staticmethod
     def iota(shape: tuple, axis: int):

@@ -155,9 +155,14 @@ class Jax:
         return fn(v, **indices)
 
     @staticmethod
-    def index_mask(keep: Callable, indices: dict):
-        """``keep(**indices)``, ``indices`` the global indices by axis name (vectors along their axes)."""
-        return keep(**indices)
+    def index_mask(keep: Callable, indices: dict, shape: tuple):
+        """``keep(**indices)`` over a block of ``shape``, ``indices`` the global indices by axis name (vectors along
+        their axes, broadcast by the operations that mix them; a result reading fewer is broadcast here).
+
+        >>> JAX.index_mask(lambda q: q > 0, {"q": JAX.iota((2, 1), 0)}, (2, 3)).tolist()
+        [[False, False, False], [True, True, True]]
+        """
+        return jnp.broadcast_to(keep(**indices), shape)
 
 
 def _as(value) -> np.ndarray:
@@ -283,15 +288,9 @@ class Sympy:
         return getattr(SYMPY, _JAX_NAMES.get(fn, ""), None) or _pointwise(fn).__func__
 
     @staticmethod
-    def broadcast_in_dim(v, shape: tuple, dims: tuple):
-        """``v`` spread over an array of ``shape``, its dimensions at ``dims``."""
-        v = np.asarray(v)
-        return np.broadcast_to(np.expand_dims(v, tuple(i for i in range(len(shape)) if i not in dims)), shape)
-
-    @staticmethod
-    def index_mask(keep: Callable, indices: dict):
-        """``keep(**indices)`` on the index arrays, a bool array."""
-        return np.asarray(keep(**indices), dtype=bool)
+    def index_mask(keep: Callable, indices: dict, shape: tuple):
+        """``keep(**indices)`` on the index arrays, a bool array of ``shape``."""
+        return np.broadcast_to(np.asarray(keep(**indices), dtype=bool), shape)
 
     @staticmethod
     def index_map(fn: Callable, v, indices: dict):

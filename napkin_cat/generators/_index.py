@@ -72,12 +72,12 @@ def _check(fn: Callable, a: Array, rule: str, *, score: bool):
         raise AxisError(f"{rule} {fname(fn)}: indices {unknown} are not axes of {a.describe()}")
 
 
-def filled(xp, value, shape: tuple):
+def _filled(xp, value, shape: tuple):
     """An index function's result over the whole block of ``shape``: given its indices as vectors, a function
     reading one index (or none) returns a vector (or a scalar), broadcast here.
 
     >>> from napkin_cat.generators import JAX
-    >>> filled(JAX, jnp.arange(2)[:, None], (2, 3)).tolist()
+    >>> _filled(JAX, jnp.arange(2)[:, None], (2, 3)).tolist()
     [[0, 0, 0], [1, 1, 1]]
     """
     have = tuple(xp.shape(value))
@@ -147,7 +147,7 @@ class IndexMap(Generator):
         (v,), xp = ins, ctx.xp
         fn = self.params["fn"]
         idx = _wanted(fn, ctx.indices(self.dom.inside[0], xp.shape(v)), score=True)
-        return [xp.cast(filled(xp, xp.index_map(fn, xp.f32(v), idx), xp.shape(v)), self.out.dtype)]
+        return [xp.cast(_filled(xp, xp.index_map(fn, xp.f32(v), idx), xp.shape(v)), self.out.dtype)]
 
     def flops(self):
         return self.out.size
@@ -199,8 +199,9 @@ class Mask(Generator):
     def evaluate(self, ins, ctx):
         (v,), xp = ins, ctx.xp
         keep = self.params["mask"]
-        keep = xp.index_mask(keep, _wanted(keep, ctx.indices(self.dom.inside[0], xp.shape(v)), score=False))
-        return [xp.cast(xp.where(filled(xp, keep, xp.shape(v)), v, -xp.inf), self.out.dtype)]
+        shape = xp.shape(v)
+        keep = xp.index_mask(keep, _wanted(keep, ctx.indices(self.dom.inside[0], shape), score=False), shape)
+        return [xp.cast(xp.where(keep, v, -xp.inf), self.out.dtype)]
 
     def flops(self):
         return self.out.size

@@ -72,8 +72,9 @@ class Unvectorised(NapkinError):
     moves axes); the caller evaluates the function on whole blocks instead."""
 
 
-def on_vectors(fn: Callable, args: list, spread: Callable):
-    """``fn(*args)`` over the block the arguments' shapes broadcast to, each argument a :class:`Vector` or a scalar:
+def on_vectors(fn: Callable, args: list, spread: Callable, shape: tuple | None = None):
+    """``fn(*args)`` over the block of ``shape`` (by default, the arguments' shapes broadcast), each argument a
+    :class:`Vector` or a scalar:
     every operation on vectors along one axis runs on those vectors; an operand is spread (``spread(value, sizes,
     positions)``) only where an operation mixes axes, and the result over the whole block (its dimensions of more
     than one index: the block without its unit axes). Raises :class:`Unvectorised` where the trace has an operation
@@ -87,7 +88,7 @@ def on_vectors(fn: Callable, args: list, spread: Callable):
     closed = jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(a.shape, jnp.result_type(a.value)) for a in args))
     _check(closed)  # before any operation is emitted: a kernel falling back keeps no half of this one
     (out,) = _run(closed.jaxpr, [scalar(c) for c in closed.consts], args, spread)
-    block = jnp.broadcast_shapes(*(a.shape for a in args))
+    block = tuple(shape) if shape is not None else jnp.broadcast_shapes(*(a.shape for a in args))
     whole = tuple(d for d, n in enumerate(block) if n > 1)
     lead = len(block) - len(out.shape)  # a result of lower rank (a constant) stands for the block's trailing axes
     out = Vector(out.value, tuple(d + lead for d in out.dims), block)
