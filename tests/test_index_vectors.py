@@ -1,7 +1,7 @@
 """Index functions see their indices as vectors (``Context.indices``: the queries' ``[tq, 1]``, the keys' ``[1, tk]``),
 so what a mask or a score modifier computes from one index (``q // W``, ``q % W``) runs once per index, and the block
 is formed at the first operation that mixes the two: in jax.numpy and Triton by numpy broadcasting, in Mosaic GPU
-(whose register arrays have no unit axes) by :func:`napkin_cat.generators._vectors.on_vectors`, on the row and column
+(whose register arrays have no unit axes) by :func:`napkin_cat.generators.on_vectors`, on the row and column
 vectors of wgmma's layout.
 
 Checked against code written here: every integer division and remainder in the kernels' bodies (Triton and Mosaic,
@@ -26,8 +26,7 @@ import lowering.mosaic._arrays as arrays
 import napkin_cat as nc
 from lowering import MosaicLowered, lower
 from lowering.mosaic._arrays import _indexed
-from napkin_cat.generators import JAX, Context
-from napkin_cat.generators._vectors import Unvectorised, Vector, on_vectors
+from napkin_cat.generators import JAX, Context, Unvectorised, Vector, on_vectors
 from rewrites import derive, stream, tile
 
 TRITON, MOSAIC = 1e-6, 5e-3
@@ -158,7 +157,7 @@ FUNCTIONS = {
 }
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(
     name=st.sampled_from(sorted(FUNCTIONS)),
     tq=st.integers(2, 9),

@@ -8,8 +8,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from lowering._plan import NotLowerable
-from napkin_cat.generators import JAX
-from napkin_cat.generators._vectors import Unvectorised, Vector, on_vectors
+from napkin_cat.generators import JAX, Unvectorised, Vector, on_vectors
 
 
 class Smem:
@@ -218,7 +217,7 @@ class MosaicArrays:
     def iota(shape: tuple, axis: int):
         """Index grids in the layout of wgmma's accumulator (rows, columns), or of its row statistics; an index
         vector (a block's ``shape`` of size 1 but along ``axis``, which a register array cannot have) as a
-        :class:`~napkin_cat.generators._vectors.Vector` of the block's rows or columns (:meth:`iota_over`)."""
+        :class:`~napkin_cat.generators.Vector` of the block's rows or columns (:meth:`iota_over`)."""
         if len(shape) == 2 and shape[1 - axis] == 1 < shape[axis]:
             return Vector(MosaicArrays.iota_over(shape, (axis,), axis), (axis,), tuple(shape))
         layout = plgpu.Layout.WGMMA if len(shape) == 2 else plgpu.Layout.WGMMA.reduce(1)

@@ -24,7 +24,7 @@ from napkin_cat.errors import NapkinError
 
 #: the primitives computed element by element (with numpy broadcasting of unit axes and scalars): an operation on
 #: vectors along one axis stays a vector
-ELEMENTWISE = frozenset(
+PRIMITIVES = frozenset(
     """abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type cos cosh div eq erf
     erf_inv erfc exp exp2 expm1 floor ge gt integer_pow is_finite le log log1p logistic lt max min mul ne neg
     nextafter not or population_count pow reduce_precision rem round rsqrt select_n shift_left shift_right_arithmetic
@@ -56,14 +56,22 @@ class Vector:
 
     def over(self, dims: tuple, shape: tuple, spread: Callable):
         """The value spanning the dimensions ``dims`` (which include :attr:`dims`) of ``shape``, spread along the
-        others by ``spread(value, sizes, positions)`` (``broadcast_in_dim``)."""
+        others by ``spread(value, sizes, positions)`` (``broadcast_in_dim``).
+
+        >>> Vector(jnp.arange(2), (0,), (2, 1)).over((0, 1), (2, 3), jax.lax.broadcast_in_dim).tolist()
+        [[0, 0, 0], [1, 1, 1]]
+        """
         if dims == self.dims:
             return self.value
         return spread(self.value, tuple(shape[d] for d in dims), tuple(dims.index(d) for d in self.dims))
 
 
 def scalar(value) -> Vector:
-    """A scalar as a :class:`Vector` of no dimensions."""
+    """A scalar as a :class:`Vector` of no dimensions.
+
+    >>> scalar(3).dims
+    ()
+    """
     return Vector(value, (), jnp.shape(value))
 
 
@@ -74,11 +82,10 @@ class Unvectorised(NapkinError):
 
 def on_vectors(fn: Callable, args: list, spread: Callable, shape: tuple | None = None):
     """``fn(*args)`` over the block of ``shape`` (by default, the arguments' shapes broadcast), each argument a
-    :class:`Vector` or a scalar:
-    every operation on vectors along one axis runs on those vectors; an operand is spread (``spread(value, sizes,
-    positions)``) only where an operation mixes axes, and the result over the whole block (its dimensions of more
-    than one index: the block without its unit axes). Raises :class:`Unvectorised` where the trace has an operation
-    it does not know to keep on vectors.
+    :class:`Vector` or a scalar: every operation on vectors along one axis runs on those vectors; an operand is spread
+    (``spread(value, sizes, positions)``) only where an operation mixes axes, and the result over the whole block
+    (its dimensions of more than one index: the block without its unit axes). Raises :class:`Unvectorised`, before
+    computing anything, where the trace has an operation it does not know to keep on vectors.
 
     >>> q, x = Vector(jnp.arange(4), (0,), (4, 1)), Vector(jnp.arange(3), (1,), (1, 3))
     >>> on_vectors(lambda q, x: q % 2 == x % 2, [q, x], jax.lax.broadcast_in_dim).astype(int).tolist()
@@ -108,7 +115,7 @@ def _check(closed) -> None:
             (a,), (b,) = ([v.aval.shape for v in vs] for vs in (e.invars[:1], e.outvars))
             if [n for n in a if n > 1] != [n for n in b if n > 1]:
                 raise Unvectorised(f"{name} from {a} to {b}")
-        elif name not in ELEMENTWISE and name not in MOVES:
+        elif name not in PRIMITIVES and name not in MOVES:
             raise Unvectorised(name)
 
 
@@ -126,7 +133,7 @@ def _run(jaxpr, consts: list, args: list, spread: Callable) -> list:
     env.update(zip(jaxpr.invars, args, strict=True))
     for e in jaxpr.eqns:
         ins, name = [read(v) for v in e.invars], e.primitive.name
-        if name in ELEMENTWISE:
+        if name in PRIMITIVES:
             outs = _elementwise(e, ins, spread)
         elif name in MOVES:
             outs = [_moved(ins[0], tuple(e.outvars[0].aval.shape), e.params.get("broadcast_dimensions"))]
