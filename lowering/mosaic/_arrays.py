@@ -105,6 +105,8 @@ def _indexed(fn, v, indices: dict, spread, shape: tuple):
     def call(*xs):
         return fn(*xs[: len(xs) - len(names)], **dict(zip(names, xs[len(xs) - len(names) :], strict=True)))
 
+    if not any(isinstance(i, Vector) for i in indices.values()):  # no index of the block (a soft-cap): as written
+        return call(*(a.value if isinstance(a, Vector) else a for a in args))
     try:
         return on_vectors(call, args, spread, shape)
     except Unvectorised:

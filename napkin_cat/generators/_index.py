@@ -146,7 +146,7 @@ class IndexMap(Generator):
     def evaluate(self, ins, ctx):
         (v,), xp = ins, ctx.xp
         fn = self.params["fn"]
-        idx = _wanted(fn, ctx.indices(self.dom.inside[0], xp.shape(v)), score=True)
+        idx = _wanted(fn, ctx.indices(self.dom.inside[0], xp.shape(v), index_names(fn, score=True)), score=True)
         return [xp.cast(_filled(xp, xp.index_map(fn, xp.f32(v), idx), xp.shape(v)), self.out.dtype)]
 
     def flops(self):
@@ -200,7 +200,8 @@ class Mask(Generator):
         (v,), xp = ins, ctx.xp
         keep = self.params["mask"]
         shape = xp.shape(v)
-        keep = xp.index_mask(keep, _wanted(keep, ctx.indices(self.dom.inside[0], shape), score=False), shape)
+        idx = ctx.indices(self.dom.inside[0], shape, index_names(keep, score=False))
+        keep = xp.index_mask(keep, _wanted(keep, idx, score=False), shape)
         return [xp.cast(xp.where(keep, v, -xp.inf), self.out.dtype)]
 
     def flops(self):
