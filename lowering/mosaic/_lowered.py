@@ -82,13 +82,6 @@ class MosaicLowered:
         config = config or MosaicConfig()
         self.config = replace(config, interpretable=config.interpretable or self.interpret)
         self.__name__ = "napkin_mosaic_kernel"
-        if p.summed:  # FlashAttention-3's dQ: TMA reduce-add of each chunk's partial into a zeroed f32 output
-            k, axes = next(iter(p.summed.items()))
-            raise NotLowerable(
-                f"Mosaic backend: output {k} ({p.diagram.cod.inside[k].describe()}) is summed over the tiled axis "
-                f"{axes[0]!r} (backward='fused': dQ in the dK·dV kernel); this backend does not yet add its programs' "
-                "partial sums into an output; use backward='lowered' (two kernels) or backend='xla'"
-            )
         if not p.tiles:
             raise NotLowerable(
                 "Mosaic backend: tiled axes (the first output's first one split over consumer warpgroups) and at "
@@ -127,6 +120,9 @@ class MosaicLowered:
         self.segments = tuple(m for m in segments(self.d, p) if m.axis == self.q)
         #: the boxes a chunk kept whole by every mask runs without
         self.hidden = set(self.masks) | {id(m.box) for m in self.segments}
+        #: the outputs summed over the tiled axis (FlashAttention-3's dQ), by position: each chunk's partial, a
+        #: [streamed axis, whole] block in f32, added into the zeroed output by a TMA reduce-add
+        self.summed = tuple(sorted(p.summed))
         self._check_wires()
         #: whether a register A operand (P) goes through shared memory: in interpret mode, and where it meets an FP8
         #: operand (jax 0.11.2's Mosaic GPU layout inference has no relayout from wgmma's f32 accumulator layout to
@@ -134,6 +130,10 @@ class MosaicLowered:
         self.staged = self.config.interpretable or any(
             self._role(w) == "stream" and len(w.axes) == 2 and w.dtype in FP8 for w in self.d.dom.inside
         )
+        #: whether the kernel holds a staging buffer: where P is staged, and where a summed output's product reads a
+        #: register operand transposed (dQ = dSᵀ·K, dS held as [keys, queries]: written to shared memory, read back
+        #: transposed, FlashAttention-3's dS in shared memory)
+        self.staging = self.staged or bool(self.summed)
         self._buffers()
         #: the wgmmas one chunk issues, counted on abstract blocks
         self.products = self._products() if p.stream is not None else 0
@@ -163,11 +163,28 @@ class MosaicLowered:
                         f"{what} {w.describe()}: its innermost axis {w.names[-1]!r} is a grid (batch) axis; TMA copies "
                         "blocks whose innermost axis is contiguous"
                     )
-        for w in self.d.cod.inside:
-            if self._role(w) != "tile" or w.names[0] != self.q:
+        for k, w in enumerate(self.d.cod.inside):
+            if k in self.summed:
+                self._check_summed(k, w)
+            elif self._role(w) != "tile" or w.names[0] != self.q:
                 raise NotLowerable(
                     f"output {w.describe()}: the Mosaic backend stores [{self.q}, whole or tiled] blocks"
                 )
+
+    def _check_summed(self, k: int, w) -> None:
+        """Refuse a summed output the kernel cannot add into: one summed over another axis than the split one, or no
+        f32 [streamed axis, whole] block written per chunk."""
+        axes = self.plan.summed[k]
+        if tuple(axes) != (self.q,) or k not in self.plan.written:
+            raise NotLowerable(
+                f"output {k} ({w.describe()}): summed over {list(axes)}, written per chunk: "
+                f"{k in self.plan.written}; the Mosaic backend adds the partial sums of the split axis {self.q!r} only, "
+                "an output written per chunk of the streamed one"
+            )
+        if len(w.names) != 2 or w.names[0] != self.x or w.names[1] not in self.plan.whole or w.dtype.bits != 32:
+            raise NotLowerable(
+                f"output {k} ({w.describe()}): a summed output is added by TMA as an f32 [{self.x}, whole] block"
+            )
 
     def _buffers(self) -> None:
         """Where each output is stored from: a dead resident input tile of its block (``reuse``), else a buffer of
@@ -279,6 +296,11 @@ class MosaicLowered:
                 *(
                     f"register A operands staged through shared memory in {self._staged_dtype()} (FP8 wgmma)"
                     for _ in range(self.staged and not c.interpretable and bool(self.x))
+                ),
+                *(
+                    f"output {self.d.cod.inside[k].describe()} summed over {self.q}: each chunk's partial stored "
+                    "through a shared-memory buffer per consumer and added into the zeroed output by a TMA reduce-add"
+                    for k in self.summed
                 ),
                 *(
                     f"block sparsity: the chunks {', '.join(b.name for b in self.d.boxes if id(b) in self.masks)} "
@@ -452,10 +474,13 @@ class MosaicLowered:
         ...  for s in (64, 128)]
         [192, 256]
         """
-        accumulators = sum(math.prod(self.block(w, extent)) for w in self.d.cod.inside)
-        # a copy or swap of a chunk (K's, V's in shared memory; P's) holds no registers of its own
+        wires = self.d.cod.inside
+        accumulators = sum(math.prod(self.block(w, extent)) for k, w in enumerate(wires) if k not in self.summed)
+        # a copy or swap of a chunk (K's, V's in shared memory; P's) holds no registers of its own; a summed output
+        # (dQ) is a chunk's product, stored and released each chunk, not an accumulator of the loop
         boxes = [b for b in self.d.boxes if not is_structural(b)]
         chunks = [w for b in boxes for w in b.cod.inside if self.x in w.names and self._role(w)]
+        chunks += [wires[k] for k in self.summed]
         return (accumulators + max((math.prod(self.block(w, extent)) for w in chunks), default=0)) // 128
 
     def block(self, w, extent, *, ring: bool = False) -> tuple:
@@ -492,7 +517,7 @@ class MosaicLowered:
             barriers += 2 * c.stages if role == "stream" else c.consumers  # loaded and consumed; arrived
         for w in self.own:
             total += _aligned(math.prod(self.block(w, extent)) * w.dtype.bytes * c.consumers)
-        if self.staged and self.x:
+        if self.staging and self.x:
             total += _aligned(self.rows * self.s * self._staged_dtype().bytes * c.consumers)
         return total + _aligned(8 * barriers)
 
@@ -525,15 +550,17 @@ class MosaicLowered:
             [plgpu.Barrier(num_barriers=c.consumers) for _ in resident],
         ]
         scratch.append([plgpu.Barrier(num_arrivals=c.consumers)] if self.pingpong and self.interpret else [])
-        if self.staged and streamed:
+        if self.staging and streamed:
             scratch.append([smem((c.consumers, self.rows, self.s), self._staged_dtype().jnp)])
         listed = (len(blocks.bounds), int(blocks.listed))
         kernel = MosaicKernel(self, sizes, extent, streamed, resident, n_tiles, n_chunks, batch, listed)
         others = [extent[a] // n for a, n in self.others.items()]
         out_type = out_structs(full.cod.inside, extent, arrays)
+        summed = [jax.new_ref(self._zeros(out_type[k])) for k in self.summed]
+        stored = [t for k, t in enumerate(out_type) if k not in self.summed]
         call = plgpu.kernel(
             kernel,
-            out_type=out_type,
+            out_type=stored,
             scratch_types=scratch,
             # the last grid axis is the fastest (CUDA's x): sections of the batch, then tiles, then the section's
             # members (MosaicKernel.members)
@@ -545,8 +572,17 @@ class MosaicLowered:
             kernel_name="napkin_mosaic",
             interpret=plgpu.InterpretGPUParams() if self.interpret else None,
         )
-        return call(*arrays, *(b for _, b in blocks.bounds), *([blocks.lists] if blocks.listed else []))
+        lists = [blocks.lists] if blocks.listed else []
+        outs = iter(call(*arrays, *(b for _, b in blocks.bounds), *lists, *summed))
+        added = iter(r[...].sum(0) if self.interpret else r[...] for r in summed)
+        return [next(added) if k in self.summed else next(outs) for k in range(len(out_type))]
 
+    def _zeros(self, struct):
+        """A summed output's start: zeros, as the kernel adds into them; interpreted, one copy per consumer (the
+        interpreter runs a program's warpgroups as threads, between which a read-modify-write would race, and its
+        programs one after another), summed after."""
+        shape = ((self.config.consumers,) if self.interpret else ()) + struct.shape
+        return jnp.zeros(shape, struct.dtype)
 
 def _consumers(d: Diagram, q: str, given: int | None, g: int) -> int:
     """The consumer warpgroups: the diagram's split of ``q`` (``rewrites.split``), else ``given``, else 2 (FA3's)
