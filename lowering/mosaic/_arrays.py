@@ -110,11 +110,11 @@ class MosaicArrays:
     arrays, with contractions as ``wgmma`` and index grids in the wgmma register layout.
 
     ``staging`` (when given) is a shared-memory buffer a register A operand is written to first: every one where
-    ``every`` (interpret mode; compiled, an FP8 one: :attr:`MosaicLowered.staged`), else only one laid out contraction
-    × rows, read back transposed (the fused backward's dQ = dSᵀ·K, dS held as [keys, queries]); ``in_place`` whether a product accumulates in the wgmma
-    (compiled) or is added after it (interpret mode); ``turn``
-    (when given) the ping-pong barrier passed around each chunk's matrix products, ``issued`` of which
-    are counted per chunk: an mbarrier in interpret mode, compiled a function that passes a named one.
+    ``every`` (interpret mode; compiled, an FP8 one: :attr:`MosaicLowered.staged`), else only one laid out
+    contraction × rows, read back transposed (the fused backward's dQ = dSᵀ·K, dS held as [keys, queries]);
+    ``in_place`` whether a product accumulates in the wgmma (compiled) or is added after it (interpret mode); ``turn``
+    (when given) the ping-pong barrier passed around each chunk's matrix products, ``issued`` of which are counted per
+    chunk: an mbarrier in interpret mode, compiled a function that passes a named one.
     """
 
     def __init__(self, staging=None, turn=None, in_place=False, every=True):

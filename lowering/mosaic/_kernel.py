@@ -251,7 +251,6 @@ class MosaicKernel:
             plgpu.copy_smem_to_gmem(buf.at[wg], out.at[self._index(w, bid, **{low.q: pl.ds(start, rows)})])
         plgpu.wait_smem_to_gmem(0)
 
-
     def add(self, k: int, v, out, buf, wg, bid, chunk) -> None:
         """A chunk's partial sum of a summed output (dQ's over this consumer's keys) added into its slice of ``out``:
         through ``buf`` (this consumer's, its previous chunk's store waited on) by a TMA reduce-add. Interpreted (whose

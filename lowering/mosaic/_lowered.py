@@ -177,9 +177,9 @@ class MosaicLowered:
         axes = self.plan.summed[k]
         if tuple(axes) != (self.q,) or k not in self.plan.written:
             raise NotLowerable(
-                f"output {k} ({w.describe()}): summed over {list(axes)}, written per chunk: "
-                f"{k in self.plan.written}; the Mosaic backend adds the partial sums of the split axis {self.q!r} only, "
-                "an output written per chunk of the streamed one"
+                f"output {k} ({w.describe()}): summed over {list(axes)}, written per chunk: {k in self.plan.written}; "
+                f"the Mosaic backend adds the partial sums of the split axis {self.q!r} only, into an output written "
+                "per chunk of the streamed one"
             )
         if len(w.names) != 2 or w.names[0] != self.x or w.names[1] not in self.plan.whole or w.dtype.bits != 32:
             raise NotLowerable(
@@ -583,6 +583,7 @@ class MosaicLowered:
         programs one after another), summed after."""
         shape = ((self.config.consumers,) if self.interpret else ()) + struct.shape
         return jnp.zeros(shape, struct.dtype)
+
 
 def _consumers(d: Diagram, q: str, given: int | None, g: int) -> int:
     """The consumer warpgroups: the diagram's split of ``q`` (``rewrites.split``), else ``given``, else 2 (FA3's)
