@@ -10,7 +10,9 @@ states, live in registers across the loop. The loop body is the diagram itself: 
 ``evaluate`` and accumulators run on register arrays through the namespace :class:`MosaicArrays`
 (``ctx.xp``), exactly as in the reference semantics. log₂e is folded into the score scale so the
 online softmax uses ``exp2``; a causal mask splits the loop into unmasked and diagonal chunks and the
-chunks above the diagonal are never loaded.
+chunks above the diagonal are never loaded. An output summed over the tiled axis (``backward="fused"``'s dQ,
+FlashAttention-3's five products) is each chunk's product, dQ = dSᵀ·K with dS written to shared memory and read back
+transposed, added into a zeroed f32 output by a TMA reduce-add.
 
 Anything this cannot express raises :class:`NotLowerable` naming the box or axis, before compiling.
 
@@ -40,7 +42,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from lowering._blocks import BlockContext, Mapped, affine_mask, call_blocks, segments, tiled_first
 from lowering._plan import NotLowerable, Plan, base2, unweave
 from lowering._sparsity import Sparsity, described, sparsity
-from lowering._spmd import out_structs
+from lowering._spmd import out_structs, varying_like
 from lowering._target import interpreted
 from lowering.mosaic._arrays import Counting
 from lowering.mosaic._config import REGISTERS, SMEM_ALIGNMENT, SMEM_LIMIT, WGMMA_M, MosaicConfig
@@ -461,7 +463,8 @@ class MosaicLowered:
 
     def registers(self, extent: dict) -> int:
         """f32 registers per consumer thread that the loop keeps live: one accumulator per output block and the
-        largest chunk-sized value a box computes (the scores), spread over a warpgroup's 128 threads. Over the budget
+        largest chunk-sized value a box computes (the scores; a summed output's block, dQ's, which lives one chunk),
+        spread over a warpgroup's 128 threads. Over the budget
         the compiler spills (measured on H100: g256 s128 at D = 128, 256 registers, ran at 328 TFLOP/s against 542
         for g256 s64, 192 registers).
 
@@ -491,11 +494,11 @@ class MosaicLowered:
         return tuple(size.get(n, extent.get(n)) for n in w.names)
 
     def smem_bytes(self, extent: dict) -> int:
-        """Shared memory held: per streamed input ``stages`` chunks, per resident input and output one
-        tile per consumer (an output written into a resident input's tile takes none), the staging
-        buffer of a register operand in interpret mode, and the barriers; each allocation starts on a 1,024 B
-        boundary, as Mosaic GPU places them (``SMEM_ALIGNMENT``; a vector of 64 f32 rows per consumer takes 1,024 B,
-        not 512: attention sinks' dQ at D = 128 needed 234,656 B where the unaligned count said 230,912).
+        """Shared memory held: per streamed input ``stages`` chunks, per resident input and output one tile per
+        consumer (an output written into a resident input's tile takes none), the staging buffer of a register operand
+        (interpret mode, FP8; the fused backward's dS, read transposed), and the barriers; each allocation starts on a
+        1,024 B boundary, as Mosaic GPU places them (``SMEM_ALIGNMENT``; a vector of 64 f32 rows per consumer takes
+        1,024 B, not 512: attention sinks' dQ at D = 128 needed 234,656 B where the unaligned count said 230,912).
 
         >>> import napkin_cat as nc
         >>> from rewrites import derive, tile, stream
@@ -556,7 +559,7 @@ class MosaicLowered:
         kernel = MosaicKernel(self, sizes, extent, streamed, resident, n_tiles, n_chunks, batch, listed)
         others = [extent[a] // n for a, n in self.others.items()]
         out_type = out_structs(full.cod.inside, extent, arrays)
-        summed = [jax.new_ref(self._zeros(out_type[k])) for k in self.summed]
+        summed = [jax.new_ref(varying_like(self._zeros(out_type[k]), arrays)) for k in self.summed]
         stored = [t for k, t in enumerate(out_type) if k not in self.summed]
         call = plgpu.kernel(
             kernel,
