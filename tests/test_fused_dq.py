@@ -136,6 +136,18 @@ def test_fused_mosaic_kernel_lowers_for_sm90(dim, causal):
     assert k.lowering_error() is None, k.source
 
 
+def test_fused_mosaic_gradient_lowers_for_cuda_with_dq_aliased():
+    """The jitted forward and backward of ``lower(backend="mosaic", backward="fused")`` lower for CUDA, dQ's zeroed
+    f32 ref passed in and aliased to the kernel's output (no copy of it written back)."""
+    kernel = lower(mosaic_flash(128, True), backend="mosaic", interpret=False, backward="fused")
+    a = jax.ShapeDtypeStruct((2, 2, 512, 128), jnp.bfloat16)
+    grads = jax.jit(lambda q, k, v, do: jax.vjp(kernel, q, k, v)[1](do))
+    text = grads.trace(a, a, a, a).lower(lowering_platforms=("cuda",)).as_text()
+    # the fused kernel's third output (dQ) is its seventh operand: Q, K, V, dO, L, Δ, then the zeros
+    assert "output_operand_alias<output_tuple_indices = [2], operand_index = 6," in text
+    assert "tensor<2x2x512x128xf32>" in text
+
+
 def batched_reference(causal: bool):
     """:func:`reference` over [b, h, n, d] arrays."""
     return jax.vmap(jax.vmap(lambda q, k, v: reference(q, k, v, causal)))
