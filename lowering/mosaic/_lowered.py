@@ -45,7 +45,7 @@ from lowering._sparsity import Sparsity, described, sparsity
 from lowering._spmd import out_structs, varying_like
 from lowering._target import interpreted
 from lowering.mosaic._arrays import Counting
-from lowering.mosaic._config import REGISTERS, SMEM_ALIGNMENT, SMEM_LIMIT, WGMMA_M, MosaicConfig
+from lowering.mosaic._config import REGISTERS, SMEM_ALIGNMENT, SMEM_LIMIT, WGMMA_M, MosaicConfig, wgmma_takes
 from lowering.mosaic._kernel import MosaicKernel
 from napkin_cat.diagram import Diagram, is_structural
 from napkin_cat.dtypes import FP8
@@ -153,7 +153,7 @@ class MosaicLowered:
                     f"input {w.describe()}: a block must be 2-D (the tiled or streamed axis, and one whole axis), "
                     f"a vector along the tiled or streamed axis, or one number per program (a scalar)"
                 )
-            if len(w.axes) == 2 and w.dtype.bits != 16 and w.dtype not in FP8:
+            if len(w.axes) == 2 and not wgmma_takes(w.dtype):
                 raise NotLowerable(
                     f"input {w.describe()}: wgmma takes 16-bit operands (or FP8: e4m3, e5m2), got {w.dtype}"
                 )
