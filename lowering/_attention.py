@@ -278,6 +278,10 @@ class Signature:
         # auto takes Mosaic's own blocks only at head dims it was measured faster at; asked for, at any
         mosaic = mosaic and (backend == "mosaic" or MOSAIC_BLOCKS.measured(dim, value_dim))
         t, s = schedule(query.shape[-3], key.shape[-3], dim, value_dim, mosaic=mosaic)
+        fns = score_mod, mask_mod, segment_ids, window, rope, fp8
+        plain = all(f is None for f in fns) and rate == 0  # the measured configuration: no variant
+        if backward == "lowered" and mosaic and plain and MOSAIC_BLOCKS.fuses_dq(dim, value_dim):
+            backward = "fused"  # measured faster there; kernel.backends names the fused dK·dV·dQ kernel
         made = cls(
             jnp.dtype(query.dtype).name,
             group,

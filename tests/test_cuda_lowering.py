@@ -156,3 +156,33 @@ def test_f32_attention_at_a_padded_head_dim_lowers_under_auto_on_a_hopper(abstra
         jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k).lower(lowering_platforms=("cuda",))
     finally:
         entry.attention.cache_clear()
+
+
+@pytest.mark.parametrize(("heads", "dim", "fused"), [((4, 4), 64, True), ((4, 2), 64, True), ((4, 4), 128, False)])
+def test_the_entry_fuses_dq_where_measured_faster(abstract_hopper, monkeypatch, heads, dim, fused):
+    """On an sm_90 GPU ``nc.attention``'s backward at D = 64 fuses dQ into the dK·dV kernel (measured faster there:
+    ``MOSAIC_BLOCKS.fused_dq_dims``), grouped-query heads too; at D = 128 it keeps two kernels; a score_mod keeps
+    two kernels (the variants are not measured fused). Its jitted gradient lowers for CUDA."""
+    import lowering._attention as entry
+    import lowering._registry as registry
+    from lowering._attention import Signature
+    from napkin_cat.hardware import H200
+
+    for module in (entry, registry):
+        monkeypatch.setattr(module, "unavailable", lambda interpret=None, config=None: None)  # an sm_90 GPU here
+    for module in ("lowering._attention", "lowering._api", "lowering.triton._lowered"):
+        monkeypatch.setattr(f"{module}.target_hardware", lambda interpret=False: H200)
+    entry.attention.cache_clear()
+    q = jax.ShapeDtypeStruct((2, 512, heads[0], dim), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 512, heads[1], dim), jnp.bfloat16)
+    assert Signature.of(q, k, k, is_causal=True).backward == ("fused" if fused else "lowered")
+    assert Signature.of(q, k, k, score_mod=lambda s, q_idx, kv_idx: s - 0.1 * (q_idx - kv_idx)).backward == "lowered"
+
+    def loss(q, k, v):
+        return nc.attention(q, k, v, is_causal=True, interpret=False).astype(jnp.float32).sum()
+
+    try:
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
+        assert ("output_operand_alias" in text) == fused  # dQ's zeroed f32 buffer, added into by TMA reduce-add
+    finally:
+        entry.attention.cache_clear()

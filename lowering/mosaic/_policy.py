@@ -54,6 +54,11 @@ class MosaicBlocks:
     #: dQ runs 1.05–1.11× faster than at 64, dK·dV at D = 64 within 2% of it, and at D = 128 dK·dV's accumulators
     #: leave no registers for it
     backward_chunk: int = 128
+    #: the head dims (q, k and v alike) whose backward ``"auto"`` derives with dQ fused into the dK·dV kernel
+    #: (``backward="fused"``, FlashAttention-3's five products per tile pair): at D = 64 forward + backward ran
+    #: 1.05–1.08× the two-kernel backward (H200, stop 40, ``mosaic_bench.py --fused``, bf16, N ∈ {2048, 8192}, causal
+    #: and not); at D = 128 0.77–0.83× (the fused kernel streams 64 queries), so two kernels there
+    fused_dq_dims: tuple = (64,)
     #: what a search times: ring stages × ping-pong as measured or off
     search_stages: tuple = (2, 3)
     search_pingpong: tuple = (None, False)
@@ -78,6 +83,15 @@ class MosaicBlocks:
         """
         dims = {dim, dim if value_dim is None else value_dim}
         return dims <= set(self.faster_whole) or self.all_wide(dims)
+
+    def fuses_dq(self, dim: int, value_dim: int | None = None) -> bool:
+        """Whether the entry's backward on Mosaic fuses dQ into the dK·dV kernel at head dims ``dim`` (q, k) and
+        ``value_dim`` (v): both in ``fused_dq_dims``, where it was measured faster than two kernels.
+
+        >>> MOSAIC_BLOCKS.fuses_dq(64), MOSAIC_BLOCKS.fuses_dq(128), MOSAIC_BLOCKS.fuses_dq(64, 128)
+        (True, False, False)
+        """
+        return {dim, dim if value_dim is None else value_dim} <= set(self.fused_dq_dims)
 
     def all_wide(self, dims) -> bool:
         """Whether head dims ``dims`` (a kernel's whole axes, or a call's q and v head dims) are one of
