@@ -89,6 +89,7 @@ from napkin_cat.generators._softmax import (
     softmax_contract,
 )
 from napkin_cat.generators._structure import Move, Reshape, merge, move, split
+from napkin_cat.generators._vectors import Unvectorised, Vector, on_vectors
 
 __all__ = [
     "FLEX_INDICES",
@@ -127,6 +128,8 @@ __all__ = [
     "Softmax",
     "SoftmaxContract",
     "Sympy",
+    "Unvectorised",
+    "Vector",
     "add",
     "align",
     "attains",
@@ -151,6 +154,7 @@ __all__ = [
     "move",
     "multiply",
     "normalised_contract",
+    "on_vectors",
     "positional",
     "reduce_max",
     "reduce_min",
