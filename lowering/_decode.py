@@ -264,10 +264,17 @@ def decode_diagram(b, p, h, q, x, d, e, scale, dtype, score_mod=None, mask=None)
     later = identity(rest @ Ty(V))
     out = out if score_mod is None else out >> (index_score_mod(S, score_mod) @ later)
     out = out if mask is None else out >> (index_mask(S, mask) @ later)
-    out = out >> (elementwise(KEY_LENGTH, S, *rest.inside, out=S) @ identity(Ty(V)))
-    spec = f"{n(*S.axes)}, {n(*V.axes)} -> {n(*out_wire.axes)}"
-    return out >> (softmax(S, x) @ identity(Ty(V))) >> contract(spec, *kv, h, q, x, e, dtype=(f32, dtype),
-                                                                out_dtype=dtype)  # fmt: skip
+    return _attend(out, S, V, rest, out_wire, x, dtype)
+
+
+def _attend(scored: Diagram, S: Array, V: Array, rest: Ty, out: Array, x, dtype) -> Diagram:
+    """``scored`` (giving the scores ``S``, the length wires ``rest`` and ``V``) then the valid keys
+    (:class:`KEY_LENGTH`), softmax over ``x`` and the contraction with ``V`` into ``out``: the tail
+    :func:`decode_diagram` and :func:`mla_attention` share."""
+    masked = scored >> (elementwise(KEY_LENGTH, S, *rest.inside, out=S) @ identity(Ty(V)))
+    spec = f"{' '.join(S.names)}, {' '.join(V.names)} -> {' '.join(out.names)}"
+    axes_ = dict.fromkeys(a for w in (S, V, out) for a in w.axes)
+    return masked >> (softmax(S, x) @ identity(Ty(V))) >> contract(spec, *axes_, dtype=(f32, dtype), out_dtype=dtype)
 
 
 def mla_attention(b, h, q, x, c, r, scale, dtype, p=None) -> Diagram:
@@ -295,10 +302,7 @@ def mla_attention(b, h, q, x, c, r, scale, dtype, p=None) -> Diagram:
     out = scores(c) @ identity(Ty(V)) @ scores(r) @ identity(rest)  # S V S_r rest
     out = out >> (identity(Ty(S)) @ swap(Ty(V), Ty(S)) @ identity(rest)) >> (add(S, S) @ identity(Ty(V) @ rest))
     out = out >> (identity(Ty(S)) @ swap(Ty(V), rest))  # S rest V
-    out = out >> (elementwise(KEY_LENGTH, S, *rest.inside, out=S) @ identity(Ty(V)))
-    spec = f"{n(*S.axes)}, {n(*V.axes)} -> {n(*kv, q, h, c)}"
-    return out >> (softmax(S, x) @ identity(Ty(V))) >> contract(spec, *kv, h, q, x, c, dtype=(f32, dtype),
-                                                                out_dtype=dtype)  # fmt: skip
+    return _attend(out, S, V, rest, Array(*kv, q, h, c, dtype=dtype), x, dtype)
 
 
 def chunk_keys(dims: tuple[int, int]) -> int:

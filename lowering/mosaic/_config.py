@@ -14,6 +14,11 @@ from napkin_cat.levels import REG
 #: wgmma's row count per warpgroup
 WGMMA_M = 64
 
+#: the Hopper budgets a configuration is refused against before compiling (the hardware model's H100)
+SMEM_LIMIT, REGISTERS = H100.smem_per_block, H100.capacity(REG) // 4
+#: where Mosaic GPU starts each shared-memory allocation (jax._src.pallas.mosaic_gpu.core.SMEM_ALIGNMENT)
+SMEM_ALIGNMENT = 1024
+
 
 def wgmma_takes(dtype) -> bool:
     """Whether ``wgmma`` multiplies operands of ``dtype`` (a jnp or napkin-cat dtype): 16-bit floats or FP8 (e4m3,
@@ -24,10 +29,6 @@ def wgmma_takes(dtype) -> bool:
     """
     d = jnp.dtype(getattr(dtype, "jnp", dtype))
     return d.itemsize == 2 or d in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
-#: the Hopper budgets a configuration is refused against before compiling (the hardware model's H100)
-SMEM_LIMIT, REGISTERS = H100.smem_per_block, H100.capacity(REG) // 4
-#: where Mosaic GPU starts each shared-memory allocation (jax._src.pallas.mosaic_gpu.core.SMEM_ALIGNMENT)
-SMEM_ALIGNMENT = 1024
 
 
 @dataclass(frozen=True)

@@ -125,8 +125,12 @@ class MosaicKernel:
     def __call__(self, *refs):
         low, c = self.low, self.low.config
         full = low.plan.diagram
-        n_in, n_out = len(full.dom) + self.n_bounds + self.listed, len(full.cod)
+        n_in, n_out = len(full.dom) + self.n_bounds + self.listed + len(low.summed), len(full.cod) - len(low.summed)
         in_refs, out_refs, scratch = refs[:n_in], refs[n_in : n_in + n_out], refs[n_in + n_out :]
+        # the summed outputs (dQ) come in as zeroed refs after the inputs: in the outputs' order again
+        in_refs, summed = in_refs[: n_in - len(low.summed)], iter(in_refs[n_in - len(low.summed) :])
+        stored = iter(out_refs)
+        out_refs = [next(summed) if k in low.summed else next(stored) for k in range(len(full.cod))]
         lists = in_refs[-1] if self.listed else None
         in_refs, bounds = in_refs[: len(full.dom)], in_refs[len(full.dom) : len(full.dom) + self.n_bounds]
         turn, staging = (scratch[6] or [None])[0], (scratch[7] if len(scratch) > 7 else [None])[0]
@@ -203,7 +207,7 @@ class MosaicKernel:
         start = tile * low.plan.tiles[low.q] + wg * low.rows
         started = self._prologue(in_refs, scratch.tiles, scratch.arrived, scratch.turn, scratch.staging, wg, bid, start)
         visit = (lambda: walk.span) if walk is not None else (lambda: self.visited(bid, tile, start, low.rows, bounds))
-        loop = _Consumer(self, scratch, started, wg, start, block, visit, walk)
+        loop = _Consumer(self, scratch, started, wg, start, block, visit, walk, (out_refs, bid))
         self.store(loop.run(), out_refs, scratch.outs, scratch.tiles, wg, bid, start)
 
     def _prologue(self, in_refs, tiles, arrived, turn, staging, wg, bid, start) -> tuple:
@@ -213,11 +217,11 @@ class MosaicKernel:
         for k, i in enumerate(self.resident):
             view = in_refs[i].at[self._index(low.plan.diagram.dom.inside[i], bid, **{low.q: pl.ds(start, rows)})]
             plgpu.copy_gmem_to_smem(view, tiles[k].at[wg], arrived[k].at[wg])
-        in_place = not low.config.interpretable
-        xp = MosaicArrays(staging.at[wg] if staging is not None else None, in_place=in_place)
+        in_place, every = not low.config.interpretable, low.staged
+        xp = MosaicArrays(staging.at[wg] if staging is not None else None, in_place=in_place, every=every)
         if low.pingpong and not low.interpret:
             turn = _named_turn(low.config.consumers)
-        pingpong = MosaicArrays(xp.staging, turn, in_place)
+        pingpong = MosaicArrays(xp.staging, turn, in_place, every)
         grid = self._batch(bid)  # this program's index along each batch axis (ALiBi reads the head)
         ctx = BlockContext(sizes=self.sizes, offsets={low.q: start}, xp=xp, grid=grid)
         resident = {i: Smem(tiles[k].at[wg], arrived[k].at[wg]).along(0) for k, i in enumerate(self.resident)}
@@ -232,8 +236,12 @@ class MosaicKernel:
         low, rows = self.low, self.low.rows
         # every result in registers before any store: an output may overwrite a resident input's tile
         results = [value_of(v) for v in results]
-        stored = set()
-        for i, j, v, w, out in zip(low.reuse, low.shared, results, low.plan.diagram.cod.inside, out_refs, strict=True):
+        stored = set(low.shared[k] for k in low.summed)  # a summed output's buffer was last stored from in the loop
+        for k, (i, j, v, w, out) in enumerate(
+            zip(low.reuse, low.shared, results, low.plan.diagram.cod.inside, out_refs, strict=True)
+        ):
+            if k in low.summed:  # added into chunk by chunk (:meth:`add`)
+                continue
             buf = outs[j] if i is None else tiles[self.resident.index(i)]
             if j is not None and j in stored:  # the buffer's previous output has left for HBM before it is overwritten
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -243,6 +251,22 @@ class MosaicKernel:
             plgpu.copy_smem_to_gmem(buf.at[wg], out.at[self._index(w, bid, **{low.q: pl.ds(start, rows)})])
         plgpu.wait_smem_to_gmem(0)
 
+    def add(self, k: int, v, out, buf, wg, bid, chunk) -> None:
+        """A chunk's partial sum of a summed output (dQ's over this consumer's keys) added into its slice of ``out``:
+        through ``buf`` (this consumer's, its previous chunk's store waited on) by a TMA reduce-add. Interpreted (whose
+        TMA has no reduction) read, added and written into this consumer's own copy (``MosaicLowered._zeros``)."""
+        low = self.low
+        at = self._index(low.plan.diagram.cod.inside[k], bid, **{low.x: pl.ds(chunk * low.s, low.s)})
+        v = value_of(v).astype(jnp.float32)
+        if low.interpret:
+            dst = out.at[wg].at[at]
+            dst[...] = dst[...] + v
+            return
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        buf[...] = v
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(buf, out.at[at], reduction_op="add")
+
 
 class _Consumer(ChunkLoop):
     """A consumer warpgroup's streamed loop (:class:`lowering._loop.ChunkLoop`): each chunk its rows of the ring
@@ -250,7 +274,12 @@ class _Consumer(ChunkLoop):
     (``block``: the producer's ``[first, chunks)``) its own rows do not visit observed and released all the same;
     the ping-pong turns of two consumers offset by one; an error while walking names the box."""
 
-    def __init__(self, kernel: MosaicKernel, scratch: _Scratch, started: tuple, wg, start, block, visited, walk=None):
+    def __init__(
+        self, kernel: MosaicKernel, scratch: _Scratch, started: tuple, wg, start, block, visited, walk=None, outs=None
+    ):
+        #: the output refs and the program's batch position, where summed outputs are added into chunk by chunk,
+        #: and the last chunk walk's outputs (a summed output's partial)
+        self.outs, self.walked = outs, []
         self.turn, self.pingpong, grid, ctx, self.resident, self.scalars = started
         low, self.kernel, self.scratch, self.wg, self.visit = kernel.low, kernel, scratch, wg, visited
         #: the tile's walk of its lists (a block map with holes), and the ring slot of the listed chunk being walked
@@ -309,6 +338,10 @@ class _Consumer(ChunkLoop):
         ring = {i: Smem(rows_of(i, rings[k].at[slot]), loaded[k].at[slot]).along(1) for k, i in enumerate(streamed)}
         self.pingpong.issued = 0
         walk_chunk([ring.get(i, self.resident.get(i, self.scalars.get(i))) for i in range(len(wires))])
+        for k in low.summed:  # its product issued here: counted among the chunk's wgmma
+            out_refs, bid = self.outs
+            buf = self.scratch.outs[low.shared[k]].at[wg]
+            self.kernel.add(k, self.walked[k], out_refs[k], buf, wg, bid, c)
         if self.pingpong.issued != self.counting.wgmma:  # the turns an observed chunk takes would not match
             raise NotLowerable(
                 f"a chunk issued {self.pingpong.issued} wgmma, the shape probe counted {self.counting.wgmma}"
@@ -326,7 +359,8 @@ class _Consumer(ChunkLoop):
             return skip(box)
 
         try:
-            return walk(*args, skip=watched, **kw)
+            self.walked = walk(*args, skip=watched, **kw)
+            return self.walked
         except (NotLowerable, NotImplementedError, ValueError, TypeError) as e:
             raise NotLowerable(f"box {getattr(self.box, 'name', self.box)!r}: {e}") from e
 

@@ -10,7 +10,9 @@ states, live in registers across the loop. The loop body is the diagram itself: 
 ``evaluate`` and accumulators run on register arrays through the namespace :class:`MosaicArrays`
 (``ctx.xp``), exactly as in the reference semantics. log₂e is folded into the score scale so the
 online softmax uses ``exp2``; a causal mask splits the loop into unmasked and diagonal chunks and the
-chunks above the diagonal are never loaded.
+chunks above the diagonal are never loaded. An output summed over the tiled axis (``backward="fused"``'s dQ,
+FlashAttention-3's five products) is each chunk's product, dQ = dSᵀ·K with dS written to shared memory and read back
+transposed, added into a zeroed f32 output by a TMA reduce-add.
 
 Anything this cannot express raises :class:`NotLowerable` naming the box or axis, before compiling.
 
@@ -40,10 +42,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from lowering._blocks import BlockContext, Mapped, affine_mask, call_blocks, segments, tiled_first
 from lowering._plan import NotLowerable, Plan, base2, unweave
 from lowering._sparsity import Sparsity, described, sparsity
-from lowering._spmd import out_structs
+from lowering._spmd import out_structs, varying_like
 from lowering._target import interpreted
 from lowering.mosaic._arrays import Counting
-from lowering.mosaic._config import REGISTERS, SMEM_ALIGNMENT, SMEM_LIMIT, WGMMA_M, MosaicConfig
+from lowering.mosaic._config import REGISTERS, SMEM_ALIGNMENT, SMEM_LIMIT, WGMMA_M, MosaicConfig, wgmma_takes
 from lowering.mosaic._kernel import MosaicKernel
 from napkin_cat.diagram import Diagram, is_structural
 from napkin_cat.dtypes import FP8
@@ -82,13 +84,6 @@ class MosaicLowered:
         config = config or MosaicConfig()
         self.config = replace(config, interpretable=config.interpretable or self.interpret)
         self.__name__ = "napkin_mosaic_kernel"
-        if p.summed:  # FlashAttention-3's dQ: TMA reduce-add of each chunk's partial into a zeroed f32 output
-            k, axes = next(iter(p.summed.items()))
-            raise NotLowerable(
-                f"Mosaic backend: output {k} ({p.diagram.cod.inside[k].describe()}) is summed over the tiled axis "
-                f"{axes[0]!r} (backward='fused': dQ in the dK·dV kernel); this backend does not yet add its programs' "
-                "partial sums into an output; use backward='lowered' (two kernels) or backend='xla'"
-            )
         if not p.tiles:
             raise NotLowerable(
                 "Mosaic backend: tiled axes (the first output's first one split over consumer warpgroups) and at "
@@ -127,6 +122,9 @@ class MosaicLowered:
         self.segments = tuple(m for m in segments(self.d, p) if m.axis == self.q)
         #: the boxes a chunk kept whole by every mask runs without
         self.hidden = set(self.masks) | {id(m.box) for m in self.segments}
+        #: the outputs summed over the tiled axis (FlashAttention-3's dQ), by position: each chunk's partial, a
+        #: [streamed axis, whole] block in f32, added into the zeroed output by a TMA reduce-add
+        self.summed = tuple(sorted(p.summed))
         self._check_wires()
         #: whether a register A operand (P) goes through shared memory: in interpret mode, and where it meets an FP8
         #: operand (jax 0.11.2's Mosaic GPU layout inference has no relayout from wgmma's f32 accumulator layout to
@@ -134,6 +132,10 @@ class MosaicLowered:
         self.staged = self.config.interpretable or any(
             self._role(w) == "stream" and len(w.axes) == 2 and w.dtype in FP8 for w in self.d.dom.inside
         )
+        #: whether the kernel holds a staging buffer: where P is staged, and where a summed output's product reads a
+        #: register operand transposed (dQ = dSᵀ·K, dS held as [keys, queries]: written to shared memory, read back
+        #: transposed, FlashAttention-3's dS in shared memory)
+        self.staging = self.staged or bool(self.summed)
         self._buffers()
         #: the wgmmas one chunk issues, counted on abstract blocks
         self.products = self._products() if p.stream is not None else 0
@@ -151,7 +153,7 @@ class MosaicLowered:
                     f"input {w.describe()}: a block must be 2-D (the tiled or streamed axis, and one whole axis), "
                     f"a vector along the tiled or streamed axis, or one number per program (a scalar)"
                 )
-            if len(w.axes) == 2 and w.dtype.bits != 16 and w.dtype not in FP8:
+            if len(w.axes) == 2 and not wgmma_takes(w.dtype):
                 raise NotLowerable(
                     f"input {w.describe()}: wgmma takes 16-bit operands (or FP8: e4m3, e5m2), got {w.dtype}"
                 )
@@ -163,11 +165,28 @@ class MosaicLowered:
                         f"{what} {w.describe()}: its innermost axis {w.names[-1]!r} is a grid (batch) axis; TMA copies "
                         "blocks whose innermost axis is contiguous"
                     )
-        for w in self.d.cod.inside:
-            if self._role(w) != "tile" or w.names[0] != self.q:
+        for k, w in enumerate(self.d.cod.inside):
+            if k in self.summed:
+                self._check_summed(k, w)
+            elif self._role(w) != "tile" or w.names[0] != self.q:
                 raise NotLowerable(
                     f"output {w.describe()}: the Mosaic backend stores [{self.q}, whole or tiled] blocks"
                 )
+
+    def _check_summed(self, k: int, w) -> None:
+        """Refuse a summed output the kernel cannot add into: one summed over another axis than the split one, or no
+        f32 [streamed axis, whole] block written per chunk."""
+        axes = self.plan.summed[k]
+        if tuple(axes) != (self.q,) or k not in self.plan.written:
+            raise NotLowerable(
+                f"output {k} ({w.describe()}): summed over {list(axes)}, written per chunk: {k in self.plan.written}; "
+                f"the Mosaic backend adds the partial sums of the split axis {self.q!r} only, into an output written "
+                "per chunk of the streamed one"
+            )
+        if len(w.names) != 2 or w.names[0] != self.x or w.names[1] not in self.plan.whole or w.dtype.bits != 32:
+            raise NotLowerable(
+                f"output {k} ({w.describe()}): a summed output is added by TMA as an f32 [{self.x}, whole] block"
+            )
 
     def _buffers(self) -> None:
         """Where each output is stored from: a dead resident input tile of its block (``reuse``), else a buffer of
@@ -279,6 +298,11 @@ class MosaicLowered:
                 *(
                     f"register A operands staged through shared memory in {self._staged_dtype()} (FP8 wgmma)"
                     for _ in range(self.staged and not c.interpretable and bool(self.x))
+                ),
+                *(
+                    f"output {self.d.cod.inside[k].describe()} summed over {self.q}: each chunk's partial stored "
+                    "through a shared-memory buffer per consumer and added into the zeroed output by a TMA reduce-add"
+                    for k in self.summed
                 ),
                 *(
                     f"block sparsity: the chunks {', '.join(b.name for b in self.d.boxes if id(b) in self.masks)} "
@@ -439,7 +463,8 @@ class MosaicLowered:
 
     def registers(self, extent: dict) -> int:
         """f32 registers per consumer thread that the loop keeps live: one accumulator per output block and the
-        largest chunk-sized value a box computes (the scores), spread over a warpgroup's 128 threads. Over the budget
+        largest chunk-sized value a box computes (the scores; a summed output's block, dQ's, which lives one chunk),
+        spread over a warpgroup's 128 threads. Over the budget
         the compiler spills (measured on H100: g256 s128 at D = 128, 256 registers, ran at 328 TFLOP/s against 542
         for g256 s64, 192 registers).
 
@@ -452,10 +477,13 @@ class MosaicLowered:
         ...  for s in (64, 128)]
         [192, 256]
         """
-        accumulators = sum(math.prod(self.block(w, extent)) for w in self.d.cod.inside)
-        # a copy or swap of a chunk (K's, V's in shared memory; P's) holds no registers of its own
+        wires = self.d.cod.inside
+        accumulators = sum(math.prod(self.block(w, extent)) for k, w in enumerate(wires) if k not in self.summed)
+        # a copy or swap of a chunk (K's, V's in shared memory; P's) holds no registers of its own; a summed output
+        # (dQ) is a chunk's product, stored and released each chunk, not an accumulator of the loop
         boxes = [b for b in self.d.boxes if not is_structural(b)]
         chunks = [w for b in boxes for w in b.cod.inside if self.x in w.names and self._role(w)]
+        chunks += [wires[k] for k in self.summed]
         return (accumulators + max((math.prod(self.block(w, extent)) for w in chunks), default=0)) // 128
 
     def block(self, w, extent, *, ring: bool = False) -> tuple:
@@ -466,11 +494,11 @@ class MosaicLowered:
         return tuple(size.get(n, extent.get(n)) for n in w.names)
 
     def smem_bytes(self, extent: dict) -> int:
-        """Shared memory held: per streamed input ``stages`` chunks, per resident input and output one
-        tile per consumer (an output written into a resident input's tile takes none), the staging
-        buffer of a register operand in interpret mode, and the barriers; each allocation starts on a 1,024 B
-        boundary, as Mosaic GPU places them (``SMEM_ALIGNMENT``; a vector of 64 f32 rows per consumer takes 1,024 B,
-        not 512: attention sinks' dQ at D = 128 needed 234,656 B where the unaligned count said 230,912).
+        """Shared memory held: per streamed input ``stages`` chunks, per resident input and output one tile per
+        consumer (an output written into a resident input's tile takes none), the staging buffer of a register operand
+        (interpret mode, FP8; the fused backward's dS, read transposed), and the barriers; each allocation starts on a
+        1,024 B boundary, as Mosaic GPU places them (``SMEM_ALIGNMENT``; a vector of 64 f32 rows per consumer takes
+        1,024 B, not 512: attention sinks' dQ at D = 128 needed 234,656 B where the unaligned count said 230,912).
 
         >>> import napkin_cat as nc
         >>> from rewrites import derive, tile, stream
@@ -492,7 +520,7 @@ class MosaicLowered:
             barriers += 2 * c.stages if role == "stream" else c.consumers  # loaded and consumed; arrived
         for w in self.own:
             total += _aligned(math.prod(self.block(w, extent)) * w.dtype.bytes * c.consumers)
-        if self.staged and self.x:
+        if self.staging and self.x:
             total += _aligned(self.rows * self.s * self._staged_dtype().bytes * c.consumers)
         return total + _aligned(8 * barriers)
 
@@ -525,15 +553,17 @@ class MosaicLowered:
             [plgpu.Barrier(num_barriers=c.consumers) for _ in resident],
         ]
         scratch.append([plgpu.Barrier(num_arrivals=c.consumers)] if self.pingpong and self.interpret else [])
-        if self.staged and streamed:
+        if self.staging and streamed:
             scratch.append([smem((c.consumers, self.rows, self.s), self._staged_dtype().jnp)])
         listed = (len(blocks.bounds), int(blocks.listed))
         kernel = MosaicKernel(self, sizes, extent, streamed, resident, n_tiles, n_chunks, batch, listed)
         others = [extent[a] // n for a, n in self.others.items()]
         out_type = out_structs(full.cod.inside, extent, arrays)
+        summed = [jax.new_ref(varying_like(self._zeros(out_type[k]), arrays)) for k in self.summed]
+        stored = [t for k, t in enumerate(out_type) if k not in self.summed]
         call = plgpu.kernel(
             kernel,
-            out_type=out_type,
+            out_type=stored,
             scratch_types=scratch,
             # the last grid axis is the fastest (CUDA's x): sections of the batch, then tiles, then the section's
             # members (MosaicKernel.members)
@@ -545,7 +575,17 @@ class MosaicLowered:
             kernel_name="napkin_mosaic",
             interpret=plgpu.InterpretGPUParams() if self.interpret else None,
         )
-        return call(*arrays, *(b for _, b in blocks.bounds), *([blocks.lists] if blocks.listed else []))
+        lists = [blocks.lists] if blocks.listed else []
+        outs = iter(call(*arrays, *(b for _, b in blocks.bounds), *lists, *summed))
+        added = iter(r[...].sum(0) if self.interpret else r[...] for r in summed)
+        return [next(added) if k in self.summed else next(outs) for k in range(len(out_type))]
+
+    def _zeros(self, struct):
+        """A summed output's start: zeros, as the kernel adds into them; interpreted, one copy per consumer (the
+        interpreter runs a program's warpgroups as threads, between which a read-modify-write would race, and its
+        programs one after another), summed after."""
+        shape = ((self.config.consumers,) if self.interpret else ()) + struct.shape
+        return jnp.zeros(shape, struct.dtype)
 
 
 def _consumers(d: Diagram, q: str, given: int | None, g: int) -> int:

@@ -12,10 +12,14 @@ inputs in its own layout ([B, H, N, D] for napkin-cat, [B, N, H, D] for cuDNN an
 over batches of back-to-back calls; every output and gradient is checked against an f32 reference (batch 0, two heads)
 before it is timed. TFLOP/s: 4·B·H·N²·D forward (halved when causal), 3.5× that forward + backward. Writes
 ``mosaic_<GPU>.json`` and ``.png`` under ``--out`` after every configuration (a run cut short keeps its rows) and
-prints the tables with ratios. Configurations left when ``--budget-s`` runs out are recorded as skipped.
+prints the tables with ratios, and for each napkin forward + backward row the backend each kernel ran on (the
+fused rows' ``tile(x, 128, summed=True)`` kernel among them). Configurations left when ``--budget-s`` runs out are
+recorded as skipped. ``--smoke`` checks the napkin rows on a CPU (interpreted, D = 64, N = 256, H = 2, causal, bf16;
+built and checked, not timed; cuDNN and tokamax left out).
 
     python papers/flash_attention/mosaic_bench.py [--out DIR] [--only D,N,causal] [--dtypes bf16,f16]
         [--sections fwd,fwdbwd] [--budget-s 540] [--matmul] [--auto] [--pingpong] [--fused] [--tiles 128x128,...]
+        [--smoke]
     python papers/flash_attention/mosaic_bench.py --profile [--only 128,8192,1] [--softcap 50]   # one forward, for ncu
 """
 
@@ -66,6 +70,8 @@ PINGPONG = False
 FUSED = False
 #: further napkin Mosaic tiles (g, s) to time beside :data:`TILES`' (``--tiles 128x64,256x128``)
 EXTRA_TILES: list[tuple[int, int]] = []
+#: ``--smoke``: the napkin rows at a CPU's sizes, interpreted, checked and not timed
+SMOKE = False
 #: where ``main`` saves the rows measured so far (with a row it adds), for the watchdog
 SAVE = {"rows": [], "save": lambda rows: None}
 
@@ -117,7 +123,7 @@ def implementations(D: int, causal: bool, dtype: str, section: str):
         napkin = scheduled(D, causal, g, s, dtype)
         if section == "fwd":
             impls[f"napkin mosaic g{g} s{s}"] = lambda napkin=napkin: (
-                MosaicLowered(plan(napkin.diagram), interpret=False),
+                MosaicLowered(plan(napkin.diagram), interpret=None if SMOKE else False),
                 "bhnd",
                 "",
             )
@@ -147,6 +153,8 @@ def baselines(D: int, causal: bool, dtype: str) -> dict:
         "bhnd",
         "",
     )
+    if SMOKE:  # neither runs on a CPU
+        return impls
     impls["cudnn"] = lambda: (
         lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn"),
         "bnhd",
@@ -207,7 +215,7 @@ def run(D: int, N: int, causal: bool, dtype: str, section: str) -> list[dict]:
             worst = [e for e, tol in zip(errs, tolerances, strict=True) if not e <= tol]
             if worst:
                 row["error"] = f"relative errors {[f'{e:.3g}' for e in errs]} over {TOLERANCE} (O) / {GRAD_TOLERANCE}"
-            else:
+            elif not SMOKE:
                 t = median_time(f, args)
                 row["ms"], row["tflops"] = t * 1e3, flops / t / 1e12
         except Exception as e:  # recorded per implementation: one failure must not hide the others
@@ -266,7 +274,14 @@ def table(rows: list[dict]) -> str:
     lines = []
     heads = {
         "fwd": ["napkin mosaic", "napkin triton g128 s64", "cudnn", "tokamax mosaic"],  # TFLOP/s, the best of each
-        "fwdbwd": ["napkin mosaic", "napkin auto", "napkin triton g128 s64", "cudnn", "tokamax mosaic"],
+        "fwdbwd": [
+            "napkin mosaic",
+            "napkin mosaic fused",
+            "napkin auto",
+            "napkin triton g128 s64",
+            "cudnn",
+            "tokamax mosaic",
+        ],
     }
     for section, names in heads.items():
         lines += [
@@ -282,7 +297,7 @@ def table(rows: list[dict]) -> str:
             if not here:
                 continue
             # the best row of each (napkin mosaic with and without --pingpong's variant)
-            tf = {n: max((r.get("tflops") or 0 for r in here if r["impl"].startswith(n)), default=0) for n in names}
+            tf = {n: max((r.get("tflops") or 0 for r in here if _of(r["impl"], n)), default=0) for n in names}
 
             def cell(v):
                 return f"{v:.0f}" if v else "—"
@@ -296,6 +311,12 @@ def table(rows: list[dict]) -> str:
                 f"{ratio(mosaic, tf['cudnn'])} | {ratio(mosaic, tf['tokamax mosaic'])} | "
                 f"{ratio(mosaic, tf['napkin triton g128 s64'])} |"
             )
+    lines += ["backend of each kernel (napkin forward + backward rows):"]
+    lines += [
+        f"  {r['impl']} ({r['dtype']}, D {r['D']}, N {r['N']}, causal {r['causal']}): {r['backends']}"
+        for r in rows
+        if r.get("section") == "fwdbwd" and r.get("backends")
+    ]
     for dtype in DTYPES:
         mm = [r for r in rows if r.get("matmul") and r["dtype"] == dtype and r.get("tflops")]
         xla = next((r["tflops"] for r in mm if r["impl"] == "xla dot"), None)
@@ -306,6 +327,11 @@ def table(rows: list[dict]) -> str:
                 f"{xla or 0:.0f}: ×XLA {best['tflops'] / xla if xla else float('nan'):.2f}"
             )
     return "\n".join(lines)
+
+
+def _of(impl: str, name: str) -> bool:
+    """Whether row ``impl`` belongs to column ``name``: its prefix, fused (``backward="fused"``) or not alike."""
+    return impl.startswith(name.removesuffix(" fused")) and impl.endswith(" fused") == name.endswith(" fused")
 
 
 def plot(rows: list[dict], gpu: str, path: Path):
@@ -347,13 +373,14 @@ def main():
     ap.add_argument("--auto", action="store_true", help="also backend='auto' forward + backward")
     ap.add_argument("--pingpong", action="store_true", help="also Mosaic with ping-pong in the backward's kernels")
     ap.add_argument("--fused", action="store_true", help="also Mosaic with backward='fused' (dQ in the dK·dV kernel)")
+    ap.add_argument("--smoke", action="store_true", help="the napkin rows on a CPU: interpreted, tiny, not timed")
     ap.add_argument("--tiles", default="", help="further Mosaic forward tiles GxS to time, e.g. 128x128,256x128")
     ap.add_argument("--profile", action="store_true", help="run one forward twice, for ncu (--only: which; D=128 N=8k)")
     ap.add_argument("--softcap", type=float, default=None, help="with --profile: soft-capped scores (Gemma 2's cap)")
     args = ap.parse_args()
     start = time.perf_counter()
-    global AUTO, PINGPONG, FUSED
-    AUTO, PINGPONG, FUSED = args.auto, args.pingpong, args.fused
+    global AUTO, PINGPONG, FUSED, SMOKE, TOKENS, HEADS
+    AUTO, PINGPONG, FUSED, SMOKE = args.auto, args.pingpong, args.fused, args.smoke
     EXTRA_TILES[:] = [tuple(int(n) for n in t.split("x")) for t in args.tiles.split(",") if t]
     gpu = jax.devices()[0].device_kind
     print(f"device: {gpu}; jax {jax.__version__}", flush=True)
@@ -365,6 +392,9 @@ def main():
         jax.block_until_ready(f(*q))
         jax.block_until_ready(f(*q))
         return
+    if SMOKE:
+        TOKENS, HEADS, CONFIGS[:], TILES[64] = 256, 2, [(64, 256, True)], [(128, 64)]
+        args.dtypes = "bf16"
     configs = CONFIGS
     if args.only:
         D, N, c = (int(v) for v in args.only.split(","))
