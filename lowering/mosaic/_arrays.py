@@ -8,7 +8,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from lowering._plan import NotLowerable
-from napkin_cat.generators import JAX, Unvectorised, Vector, on_vectors
+from napkin_cat.generators import JAX, Later, Unvectorised, Vector, on_blocks, on_vectors
 
 
 class Smem:
@@ -108,7 +108,7 @@ def value_of(v):
 def _indexed(fn, v, indices: dict, spread, shape: tuple):
     """``fn(v, **indices)`` (``v`` None: ``fn(**indices)``) over a block of ``shape``, the indices :class:`Vector` s
     of its rows or columns: run on them (:func:`on_vectors`), or, where the function does what vectors do not keep (a
-    scan), on whole index grids."""
+    scan, a gather), on whole index grids (:func:`on_blocks`); an index it does not read is never made."""
     names, args = list(indices), ([] if v is None else [v]) + list(indices.values())
 
     def call(*xs):
@@ -119,8 +119,7 @@ def _indexed(fn, v, indices: dict, spread, shape: tuple):
     try:
         return on_vectors(call, args, spread, shape)
     except Unvectorised:
-        whole = tuple(d for d, n in enumerate(shape) if n > 1)
-        return call(*(a.over(whole, shape, spread) if isinstance(a, Vector) else a for a in args))
+        return on_blocks(call, args, spread, shape)
 
 
 class MosaicArrays:
@@ -237,8 +236,10 @@ class MosaicArrays:
         """Index grids in the layout of wgmma's accumulator (rows, columns), or of its row statistics; an index
         vector (a block's ``shape`` of size 1 but along ``axis``, which a register array cannot have) as a
         :class:`~napkin_cat.generators.Vector` of the block's rows or columns (:meth:`iota_over`)."""
-        if len(shape) == 2 and shape[1 - axis] == 1 < shape[axis]:
-            return Vector(MosaicArrays.iota_over(shape, (axis,), axis), (axis,), tuple(shape))
+        if len(shape) == 2 and shape[1 - axis] == 1 < shape[axis]:  # made where read: Mosaic GPU finds no layout
+            # for an iota nothing reads
+            made = Later(lambda: MosaicArrays.iota_over(shape, (axis,), axis), jnp.int32)
+            return Vector(made, (axis,), tuple(shape))
         layout = plgpu.Layout.WGMMA if len(shape) == 2 else plgpu.Layout.WGMMA.reduce(1)
         return plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=layout)
 

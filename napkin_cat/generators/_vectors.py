@@ -7,7 +7,10 @@ A namespace whose arrays cannot have unit axes (Mosaic GPU lays a block out in w
 columns as vectors of their own layouts, and has no ``[tq, 1]`` array) holds such an index as a :class:`Vector`: the
 array over the axes it spans alone, and the shape it stands for. :func:`on_vectors` traces the function at the
 shapes its arguments stand for and runs the trace on the vectors, spreading an operand over another axis only where
-an operation mixes two axes, which is where numpy broadcasting would.
+an operation mixes two axes, which is where numpy broadcasting would. Only what the result depends on is emitted,
+and an index the function does not read is never made (its value a :class:`Later`): Mosaic GPU's layout inference
+finds no layout for an array nothing reads (an index vector a score modifier's derivative drops, ALiBi's
+``∂(s − m·|q − x|)/∂s = 1``) and runs out of search.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import Literal
+from jax._src.interpreters.partial_eval import dce_jaxpr  # no public API prunes a jaxpr (jax 0.11.2)
+from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
 
 from napkin_cat.errors import NapkinError
 
@@ -66,6 +70,41 @@ class Vector:
         return spread(self.value, tuple(shape[d] for d in dims), tuple(dims.index(d) for d in self.dims))
 
 
+class Later:
+    """An array made on its first read (an index vector, :meth:`Later.get`), and made once: what a function does not
+    read is never emitted. Adding an offset stays later.
+
+    >>> made = []
+    >>> i = Later(lambda: made.append(1) or jnp.arange(3), jnp.int32) + 2
+    >>> len(made)
+    0
+    >>> i.get().tolist(), i.get().tolist(), len(made)
+    ([2, 3, 4], [2, 3, 4], 1)
+    """
+
+    def __init__(self, make: Callable, dtype):
+        self.make, self.dtype, self.made = make, jnp.dtype(dtype), None
+
+    def get(self):
+        if self.made is None:
+            self.made = self.make()
+        return self.made
+
+    def __add__(self, other):
+        return Later(lambda: self.get() + other, jnp.result_type(self.dtype, other))
+
+    __radd__ = __add__
+
+
+def made(value):
+    """``value``, made if it is a :class:`Later`.
+
+    >>> made(Later(lambda: 3, jnp.int32)), made(4)
+    (3, 4)
+    """
+    return value.get() if isinstance(value, Later) else value
+
+
 def scalar(value) -> Vector:
     """A scalar as a :class:`Vector` of no dimensions.
 
@@ -92,14 +131,50 @@ def on_vectors(fn: Callable, args: list, spread: Callable, shape: tuple | None =
     [[1, 0, 1], [0, 1, 0], [1, 0, 1], [0, 1, 0]]
     """
     args = [a if isinstance(a, Vector) else scalar(a) for a in args]
-    closed = jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(a.shape, jnp.result_type(a.value)) for a in args))
+    closed, read = _traced(fn, [jax.ShapeDtypeStruct(a.shape, _dtype(a.value)) for a in args])
     _check(closed)  # before any operation is emitted: a kernel falling back keeps no half of this one
-    (out,) = _run(closed.jaxpr, [scalar(c) for c in closed.consts], args, spread)
+    used = [Vector(made(a.value), a.dims, a.shape) for a, r in zip(args, read, strict=True) if r]
+    (out,) = _run(closed.jaxpr, [scalar(c) for c in closed.consts], used, spread)
     block = tuple(shape) if shape is not None else jnp.broadcast_shapes(*(a.shape for a in args))
     whole = tuple(d for d, n in enumerate(block) if n > 1)
     lead = len(block) - len(out.shape)  # a result of lower rank (a constant) stands for the block's trailing axes
     out = Vector(out.value, tuple(d + lead for d in out.dims), block)
     return out.over(whole, block, spread)
+
+
+def on_blocks(fn: Callable, args: list, spread: Callable, shape: tuple):
+    """``fn(*args)`` on whole index grids of the block of ``shape`` (what :func:`on_vectors` does not keep: a gather,
+    a scan): each :class:`Vector` it reads spread over the block (its dimensions of more than one index), those it
+    does not read never made, and only the operations its result depends on emitted.
+
+    >>> q, x = Vector(jnp.arange(2), (0,), (2, 1)), Vector(Later(lambda: 1 / 0, jnp.int32), (1,), (1, 3))
+    >>> on_blocks(lambda q, x: jnp.cumsum(q, axis=1), [q, x], jax.lax.broadcast_in_dim, (2, 3)).tolist()
+    [[0, 0, 0], [1, 2, 3]]
+    """
+    whole = tuple(d for d, n in enumerate(shape) if n > 1)
+    sizes = tuple(shape[d] for d in whole)
+    avals = [
+        jax.ShapeDtypeStruct(sizes if isinstance(a, Vector) else jnp.shape(a), _dtype(getattr(a, "value", a)))
+        for a in args
+    ]
+    closed, read = _traced(fn, avals)
+    grids = [
+        Vector(made(a.value), a.dims, a.shape).over(whole, shape, spread) if isinstance(a, Vector) else a
+        for a, r in zip(args, read, strict=True)
+        if r
+    ]
+    return jaxpr_as_fun(closed)(*grids)[0]
+
+
+def _traced(fn: Callable, avals: list) -> tuple[ClosedJaxpr, list]:
+    """``fn`` traced at ``avals``, pruned to the operations its result depends on, and which arguments it reads."""
+    closed = jax.make_jaxpr(fn)(*avals)
+    jaxpr, read = dce_jaxpr(closed.jaxpr, True)
+    return ClosedJaxpr(jaxpr, closed.consts), read
+
+
+def _dtype(value):
+    return value.dtype if isinstance(value, Later) else jnp.result_type(value)
 
 
 def _check(closed) -> None:
