@@ -7,8 +7,9 @@ vectors of wgmma's layout.
 Checked against code written here: every integer division and remainder in the kernels' bodies (Triton and Mosaic,
 interpret mode) is on a vector; a mask or score modifier reading one index (or none) is spread over the block; the
 vector evaluation equals the same function on whole index grids over random sizes and offsets (jax.numpy), including
-where it falls back to whole grids; and Mosaic's kernels for the dilated window, the 2-D neighbourhood and a mask
-reading a captured array lower for CUDA on the CPU.
+where it falls back to whole grids, and what the function's result does not depend on is never emitted; and
+Mosaic's kernels (forward, dQ, dK·dV, fused) for the dilated window, the 2-D neighbourhood and ALiBi, and the forward
+of a mask reading a captured array, lower for CUDA on the CPU.
 
 Tolerances: Triton f32 interpret, max |error| / max |reference|, as tests/test_block_holes.py (1e-6, measured there
 ≤ 1.9e-7 for the same kernels); Mosaic bf16 relative Frobenius error, tests/test_block_holes_mosaic.py's 5e-3.
@@ -189,10 +190,27 @@ def test_what_vectors_do_not_keep_is_named():
         on_vectors(FUNCTIONS["fallback"], [q, x, jnp.int32(0)], jax.lax.broadcast_in_dim)
 
 
-@pytest.mark.parametrize("mask", [dilated, image], ids=["dilated", "image"])
-def test_mosaic_forward_lowers_for_cuda_with_index_vectors(monkeypatch, mask):
-    """The forward kernel of each non-affine mask lowers to Mosaic GPU for CUDA on the CPU, its mask run on vectors
-    of the rows and columns of wgmma's layout (no fallback to whole grids)."""
+def alibi_scheduled():
+    """ALiBi (its score modifier reads the head, a grid index, and both block indices), causal, as Mosaic tiles it."""
+    b, q, x, d = nc.axes("b q x d", d=64)
+    made = nc.library.alibi_attention(nc.Axis("h", 4), q, x, d, causal=True, batch=(b,), dtype="bf16")
+    return derive(made, tile(q, 128), stream(x, 128), verify=False)
+
+
+SCHEDULES = {
+    "dilated": lambda: scheduled(dilated, 128, 128, 64, "bf16"),
+    "image": lambda: scheduled(image, 128, 128, 64, "bf16"),
+    "alibi": alibi_scheduled,
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_mosaic_kernels_lower_for_cuda_with_index_vectors(monkeypatch, name):
+    """Every Mosaic kernel of the dilated window, the 2-D neighbourhood and ALiBi lowers for CUDA on the CPU: the
+    forward (with its residual), dQ, dK·dV and the fused dK·dV·dQ (``backward="fused"``), each index function run on
+    vectors of the rows and columns of wgmma's layout (no fallback to whole grids). ALiBi's score derivative reads
+    none of the indices its signature names: an index vector emitted all the same had no layout Mosaic GPU's
+    inference could find (the dQ kernel failed to lower)."""
     calls, run = [], arrays.on_vectors
 
     def counted(*a):
@@ -202,8 +220,9 @@ def test_mosaic_forward_lowers_for_cuda_with_index_vectors(monkeypatch, mask):
         return out
 
     monkeypatch.setattr(arrays, "on_vectors", counted)
-    kernel = lower(scheduled(mask, 128, 64, 64, "bf16"), backend="mosaic", interpret=True).forward
-    assert MosaicLowered(kernel.plan, interpret=False).lowering_error() is None
+    for backward, kernels in (("lowered", 5), ("fused", 4)):  # compiled, each kernel is lowered for CUDA when built
+        roles = lower(SCHEDULES[name](), backend="mosaic", interpret=False, backward=backward).backends
+        assert len(roles) == kernels and set(roles.values()) == {"mosaic"}, roles  # forward, Δ, dQ and dK·dV, or fused
     assert calls and set(calls) == {"on vectors"}
 
 
