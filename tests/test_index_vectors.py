@@ -27,7 +27,7 @@ import lowering.mosaic._arrays as arrays
 import napkin_cat as nc
 from lowering import MosaicLowered, lower
 from lowering.mosaic._arrays import _indexed
-from napkin_cat.generators import JAX, Context, Unvectorised, Vector, on_vectors
+from napkin_cat.generators import JAX, Context, Later, ScoreDerivative, Unvectorised, Vector, on_vectors
 from rewrites import derive, stream, tile
 
 TRITON, MOSAIC = 1e-6, 5e-3
@@ -188,6 +188,32 @@ def test_what_vectors_do_not_keep_is_named():
     q, x = Vector(jnp.arange(4), (0,), (4, 1)), Vector(jnp.arange(3), (1,), (1, 3))
     with pytest.raises(Unvectorised, match="cumsum"):
         on_vectors(FUNCTIONS["fallback"], [q, x, jnp.int32(0)], jax.lax.broadcast_in_dim)
+
+
+def unmade(axis: int, shape: tuple) -> Vector:
+    """An index vector whose making fails: a function that reads it fails."""
+
+    def fail():
+        raise AssertionError(f"index {axis} made")
+
+    return Vector(Later(fail, jnp.int32), (axis,), shape)
+
+
+def test_an_index_the_result_does_not_read_is_never_made(key):
+    """ALiBi's score derivative names q and x but its value, 1, reads neither: on vectors, neither index is made (an
+    iota nothing reads has no layout Mosaic GPU can find). Falling back to whole grids (a scan of the queries), the
+    keys' index it does not read is not made either. Both against values written here."""
+    tq, tk = 4, 5
+    s = jax.random.normal(key, (tq, tk))
+    block = Vector(s, (0, 1), (tq, tk))
+    derivative = ScoreDerivative(nc.library.ALiBi("h", "q", "x", 4))
+    idx = {"h": jnp.int32(1), "q": unmade(0, (tq, 1)), "x": unmade(1, (1, tk))}
+    got = _indexed(derivative, block, idx, jax.lax.broadcast_in_dim, (tq, tk))
+    assert (np.asarray(got) == 1.0).all()
+    rows = {"q": Vector(jnp.arange(tq) + 3, (0,), (tq, 1)), "x": unmade(1, (1, tk))}
+    got = _indexed(lambda s, q, x: s + jnp.cumsum(q, axis=0), block, rows, jax.lax.broadcast_in_dim, (tq, tk))
+    want = s + np.cumsum(np.arange(tq) + 3)[:, None]
+    assert np.allclose(np.asarray(got), want, rtol=0, atol=1e-6)
 
 
 def alibi_scheduled():
