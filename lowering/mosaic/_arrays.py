@@ -238,8 +238,8 @@ class MosaicArrays:
         :class:`~napkin_cat.generators.Vector` of the block's rows or columns (:meth:`iota_over`)."""
         if len(shape) == 2 and shape[1 - axis] == 1 < shape[axis]:  # made where read: Mosaic GPU finds no layout
             # for an iota nothing reads
-            made = Later(lambda: MosaicArrays.iota_over(shape, (axis,), axis), jnp.int32)
-            return Vector(made, (axis,), tuple(shape))
+            later = Later(lambda: MosaicArrays.iota_over(shape, (axis,), axis), jnp.int32)
+            return Vector(later, (axis,), tuple(shape))
         layout = plgpu.Layout.WGMMA if len(shape) == 2 else plgpu.Layout.WGMMA.reduce(1)
         return plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=layout)
 
