@@ -39,8 +39,8 @@ class BlockContext(Context):
     def at(self, **offsets) -> BlockContext:
         return replace(self, offsets={**self.offsets, **offsets})
 
-    def indices(self, wire, shape: tuple) -> dict:
-        return {**self.grid, **super().indices(wire, shape)}
+    def indices(self, wire, shape: tuple, names=None) -> dict:
+        return {**self.grid, **super().indices(wire, shape, names)}
 
 
 def affine_mask(box):

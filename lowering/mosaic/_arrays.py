@@ -8,7 +8,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from lowering._plan import NotLowerable
-from napkin_cat.generators import JAX
+from napkin_cat.generators import JAX, Later, Unvectorised, Vector, on_blocks, on_vectors
 
 
 class Smem:
@@ -103,6 +103,23 @@ class Transposed:
 
 def value_of(v):
     return v.value() if isinstance(v, Smem | Product) else v
+
+
+def _indexed(fn, v, indices: dict, spread, shape: tuple):
+    """``fn(v, **indices)`` (``v`` None: ``fn(**indices)``) over a block of ``shape``, the indices :class:`Vector` s
+    of its rows or columns: run on them (:func:`on_vectors`), or, where the function does what vectors do not keep (a
+    scan, a gather), on whole index grids (:func:`on_blocks`); an index it does not read is never made."""
+    names, args = list(indices), ([] if v is None else [v]) + list(indices.values())
+
+    def call(*xs):
+        return fn(*xs[: len(xs) - len(names)], **dict(zip(names, xs[len(xs) - len(names) :], strict=True)))
+
+    if not any(isinstance(i, Vector) for i in indices.values()):  # no index of the block (a soft-cap): as written
+        return call(*(a.value if isinstance(a, Vector) else a for a in args))
+    try:
+        return on_vectors(call, args, spread, shape)
+    except Unvectorised:
+        return on_blocks(call, args, spread, shape)
 
 
 class MosaicArrays:
@@ -204,9 +221,25 @@ class MosaicArrays:
         v = value_of(v)
         return v.astype(other.dtype) if other.dtype != jnp.float32 else v
 
+    def index_map(self, fn, v, indices: dict):
+        """``fn(v, **indices)`` on a block ``v`` (in wgmma's accumulator layout) and index vectors (:meth:`iota`)."""
+        v = value_of(v)
+        return _indexed(fn, Vector(v, (0, 1), tuple(v.shape)), indices, self.broadcast_in_dim, tuple(v.shape))
+
+    def index_mask(self, keep, indices: dict, shape: tuple):
+        """``keep(**indices)`` over a block of ``shape``, on index vectors (:meth:`iota`), spread over the block
+        where it mixes its axes."""
+        return _indexed(keep, None, indices, self.broadcast_in_dim, tuple(shape))
+
     @staticmethod
     def iota(shape: tuple, axis: int):
-        """Index grids in the layout of wgmma's accumulator (rows, columns), or of its row statistics."""
+        """Index grids in the layout of wgmma's accumulator (rows, columns), or of its row statistics; an index
+        vector (a block's ``shape`` of size 1 but along ``axis``, which a register array cannot have) as a
+        :class:`~napkin_cat.generators.Vector` of the block's rows or columns (:meth:`iota_over`)."""
+        if len(shape) == 2 and shape[1 - axis] == 1 < shape[axis]:  # made where read: Mosaic GPU finds no layout
+            # for an iota nothing reads
+            later = Later(lambda: MosaicArrays.iota_over(shape, (axis,), axis), jnp.int32)
+            return Vector(later, (axis,), tuple(shape))
         layout = plgpu.Layout.WGMMA if len(shape) == 2 else plgpu.Layout.WGMMA.reduce(1)
         return plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=layout)
 

@@ -89,6 +89,7 @@ from napkin_cat.generators._softmax import (
     softmax_contract,
 )
 from napkin_cat.generators._structure import Move, Reshape, merge, move, split
+from napkin_cat.generators._vectors import Later, Unvectorised, Vector, on_blocks, on_vectors
 
 __all__ = [
     "FLEX_INDICES",
@@ -109,6 +110,7 @@ __all__ = [
     "IndexMap",
     "Jax",
     "Kept",
+    "Later",
     "Mask",
     "Monoid",
     "Move",
@@ -127,6 +129,8 @@ __all__ = [
     "Softmax",
     "SoftmaxContract",
     "Sympy",
+    "Unvectorised",
+    "Vector",
     "add",
     "align",
     "attains",
@@ -151,6 +155,8 @@ __all__ = [
     "move",
     "multiply",
     "normalised_contract",
+    "on_blocks",
+    "on_vectors",
     "positional",
     "reduce_max",
     "reduce_min",

@@ -151,8 +151,18 @@ class Jax:
 
     @staticmethod
     def index_map(fn: Callable, v, indices: dict):
-        """``fn(v, **indices)`` elementwise, ``indices`` the global index grids by axis name."""
+        """``fn(v, **indices)`` elementwise, ``indices`` the global indices by axis name (vectors along their axes)."""
         return fn(v, **indices)
+
+    @staticmethod
+    def index_mask(keep: Callable, indices: dict, shape: tuple):
+        """``keep(**indices)`` over a block of ``shape``, ``indices`` the global indices by axis name (vectors along
+        their axes, broadcast by the operations that mix them; a result reading fewer is broadcast here).
+
+        >>> JAX.index_mask(lambda q: q > 0, {"q": JAX.iota((2, 1), 0)}, (2, 3)).tolist()
+        [[False, False, False], [True, True, True]]
+        """
+        return jnp.broadcast_to(keep(**indices), shape)
 
 
 def _as(value) -> np.ndarray:
@@ -276,6 +286,11 @@ class Sympy:
     def lift(fn: Callable) -> Callable:
         """A user's elementwise callable: a ``jax.numpy`` function by its sympy twin, any other elementwise."""
         return getattr(SYMPY, _JAX_NAMES.get(fn, ""), None) or _pointwise(fn).__func__
+
+    @staticmethod
+    def index_mask(keep: Callable, indices: dict, shape: tuple):
+        """``keep(**indices)`` on the index arrays, a bool array of ``shape``."""
+        return np.broadcast_to(np.asarray(keep(**indices), dtype=bool), shape)
 
     @staticmethod
     def index_map(fn: Callable, v, indices: dict):

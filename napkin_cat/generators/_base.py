@@ -76,14 +76,23 @@ class Context:
             raise NapkinError(f"cannot evaluate {expr}: unbound sizes {sorted(map(str, value.free_symbols))}")
         return self.xp.number(value)
 
-    def indices(self, wire: Array, shape: tuple) -> dict:
-        """Global index of every element along each axis of ``wire``, broadcastable to ``shape``.
+    def indices(self, wire: Array, shape: tuple, names=None) -> dict:
+        """Global index along each axis of ``wire`` (those in ``names``, where given) of a block of ``shape``: a
+        vector along that axis, of size 1 on the others, so that what an index function computes from one index
+        (``q // W``, ``ids[q]``) is computed once per index, and broadcasting to the block happens at the first
+        operation that mixes two axes.
 
         >>> from napkin_cat import axes
-        >>> Context(offsets={"n": 2}).indices(Array(*axes("n")), (3,))["n"].tolist()
-        [2, 3, 4]
+        >>> idx = Context(offsets={"n": 2}).indices(Array(*axes("m n")), (2, 3))
+        >>> idx["m"].tolist(), idx["n"].tolist()
+        ([[0], [1]], [[2, 3, 4]])
         """
-        return {a.name: self.xp.iota(shape, i) + self.offsets.get(a.name, 0) for i, a in enumerate(wire.axes)}
+        along = lambda i: tuple(n if j == i else 1 for j, n in enumerate(shape))  # noqa: E731
+        return {
+            a.name: self.xp.iota(along(i), i) + self.offsets.get(a.name, 0)
+            for i, a in enumerate(wire.axes)
+            if names is None or a.name in names  # only those read: a kernel emits no index it never uses
+        }
 
 
 def _letters(*wires: Array) -> dict:

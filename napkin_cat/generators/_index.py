@@ -72,6 +72,20 @@ def _check(fn: Callable, a: Array, rule: str, *, score: bool):
         raise AxisError(f"{rule} {fname(fn)}: indices {unknown} are not axes of {a.describe()}")
 
 
+def _filled(xp, value, shape: tuple):
+    """An index function's result over the whole block of ``shape``: given its indices as vectors, a function
+    reading one index (or none) returns a vector (or a scalar), broadcast here.
+
+    >>> from napkin_cat.generators import JAX
+    >>> _filled(JAX, jnp.arange(2)[:, None], (2, 3)).tolist()
+    [[0, 0, 0], [1, 1, 1]]
+    """
+    have = tuple(xp.shape(value))
+    if have == tuple(shape):
+        return value
+    return xp.broadcast_in_dim(value, tuple(shape), tuple(range(len(shape) - len(have), len(shape))))
+
+
 @dataclass(frozen=True)
 class ScoreDerivative:
     """``∂fn(s, **indices)/∂s``, elementwise: the index map of a score modifier's derivative.
@@ -132,8 +146,8 @@ class IndexMap(Generator):
     def evaluate(self, ins, ctx):
         (v,), xp = ins, ctx.xp
         fn = self.params["fn"]
-        idx = _wanted(fn, ctx.indices(self.dom.inside[0], xp.shape(v)), score=True)
-        return [xp.cast(xp.index_map(fn, xp.f32(v), idx), self.out.dtype)]
+        idx = _wanted(fn, ctx.indices(self.dom.inside[0], xp.shape(v), index_names(fn, score=True)), score=True)
+        return [xp.cast(_filled(xp, xp.index_map(fn, xp.f32(v), idx), xp.shape(v)), self.out.dtype)]
 
     def flops(self):
         return self.out.size
@@ -185,7 +199,9 @@ class Mask(Generator):
     def evaluate(self, ins, ctx):
         (v,), xp = ins, ctx.xp
         keep = self.params["mask"]
-        keep = keep(**_wanted(keep, ctx.indices(self.dom.inside[0], xp.shape(v)), score=False))
+        shape = xp.shape(v)
+        idx = ctx.indices(self.dom.inside[0], shape, index_names(keep, score=False))
+        keep = xp.index_mask(keep, _wanted(keep, idx, score=False), shape)
         return [xp.cast(xp.where(keep, v, -xp.inf), self.out.dtype)]
 
     def flops(self):
