@@ -677,7 +677,7 @@ def _step(plan: Plan, q, k_cache, v_cache, lengths, page_table=None, rope=None, 
         out, lse = (v.swapaxes(1, 2) for v in merge_parts(o.astype(jnp.float32), lse, 1))
         out = out.astype(q.dtype)
     else:  # one kernel writing the caller's layout and dtype
-        out, lse = merge(o, lse, q.dtype, interpret=interpreted(plan.interpret))
+        out, lse = _inference(functools.partial(merge, dtype=q.dtype, interpret=interpreted(plan.interpret)))(o, lse)
     out = out.reshape(batch, nq, heads, dv)
     return (out, lse.reshape(batch, nq, heads)) if residual else out
 
