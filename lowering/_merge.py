@@ -3,10 +3,9 @@ layout and dtype (FlashDecoding's second kernel, Dao et al. 2023).
 
 :func:`rewrites.merge_parts` is the merge in JAX (the reference, and the XLA backend's); XLA runs it as a
 reduction and the cast to the caller's dtype as a second launch. Here one Pallas program per (sequence, KV head,
-new token) loads its parts' rows whole (``[parts, group, Dv]``, each dimension a power of two for Triton, the
-part, row and dim past the arrays' ends masked), shifts by the largest ``lse``, and stores the ``group`` query
-heads' rows of the output ``[B, Nq, H_kv, group, Dv]`` (the caller's ``[B, Nq, H, Dv]``, a reshape) and their
-log-sum-exp.
+new token, tile of the ``group`` query heads' rows) folds its parts one at a time (``[rows, Dv]`` each, powers of
+two for Triton, the rows and dims past the arrays' ends masked) by the online log-sum-exp, and stores its rows of
+the output ``[B, Nq, H_kv, group, Dv]`` (the caller's ``[B, Nq, H, Dv]``, a reshape) and their log-sum-exp.
 
 >>> import jax, jax.numpy as jnp
 >>> from rewrites import merge_parts
@@ -44,18 +43,20 @@ def merge(o, lse, dtype, *, interpret: bool):
     [[1.0, 1.0, 1.0, 1.0], [0.0]]
     """
     batch, n, kv_heads, nq, group, dv = o.shape
-    blocks = tuple(next_pow2(v) for v in (n, group, dv))
-    kernel = functools.partial(_merged, sizes=(n, group, dv))
+    width = next_pow2(dv)
+    rows = min(next_pow2(group), max(1, BLOCK // width))  # a program's rows: its accumulator within BLOCK numbers
+    grid = (batch, kv_heads, nq, -(-group // rows))
+    kernel = functools.partial(_merged, n=n, sizes=(group, dv))
     return pl.pallas_call(
         kernel,
-        grid=(batch, kv_heads, nq),
+        grid=grid,
         in_specs=[
-            pl.BlockSpec((None, blocks[0], None, None, *blocks[1:]), lambda b, h, i: (b, 0, h, i, 0, 0)),
-            pl.BlockSpec((None, blocks[0], None, None, blocks[1]), lambda b, h, i: (b, 0, h, i, 0)),
+            pl.BlockSpec((None, n, None, None, rows, width), lambda b, h, i, g: (b, 0, h, i, g, 0)),
+            pl.BlockSpec((None, n, None, None, rows), lambda b, h, i, g: (b, 0, h, i, g)),
         ],
         out_specs=[
-            pl.BlockSpec((None, None, None, *blocks[1:]), lambda b, h, i: (b, i, h, 0, 0)),
-            pl.BlockSpec((None, None, None, blocks[1]), lambda b, h, i: (b, i, h, 0)),
+            pl.BlockSpec((None, None, None, rows, width), lambda b, h, i, g: (b, i, h, g, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda b, h, i, g: (b, i, h, g)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((batch, nq, kv_heads, group, dv), dtype),
@@ -66,24 +67,35 @@ def merge(o, lse, dtype, *, interpret: bool):
     )(o, lse)
 
 
-def _merged(o_ref, l_ref, out_ref, lse_ref, *, sizes):
-    """One program: its parts' rows ``[n, group, Dv]`` (blocks padded to powers of two, masked) merged."""
+#: the most f32 numbers a program's accumulator holds (rows × Dv): 32 KB, 64 a thread of 4 warps
+BLOCK = 8192
 
-    def inside(shape, dims):  # where a block of ``shape`` (the dims ``dims`` of the parts' block) holds values
-        ok = [lax.broadcasted_iota(jnp.int32, shape, k) < sizes[d] for k, d in enumerate(dims)]
-        return functools.reduce(jnp.logical_and, ok)
 
-    (n, group, dv), f32 = o_ref.shape, jnp.float32
-    lse = pltriton.load(l_ref, mask=inside((n, group), (0, 1)), other=jnp.asarray(-jnp.inf, f32)).astype(f32)
-    lse = jnp.where(jnp.isfinite(lse), lse, -jnp.inf)  # an empty part's lse may be +∞ (its sum 0 inverted)
-    top = jnp.max(lse, axis=0)
-    shift = jnp.where(jnp.isfinite(top), top, 0.0)
-    weights = jnp.exp(lse - shift[None, :])
-    total = jnp.sum(weights, axis=0)
-    o = pltriton.load(o_ref, mask=inside((n, group, dv), (0, 1, 2)), other=jnp.zeros((), o_ref.dtype))
-    acc = jnp.sum(weights[:, :, None] * o.astype(f32), axis=0)
+def _merged(o_ref, l_ref, out_ref, lse_ref, *, n: int, sizes: tuple[int, int]):
+    """One program: its rows' parts folded one at a time by the online log-sum-exp (a running largest ``lse``, the
+    sum and the output rescaled as it grows), its block's rows and dims past the arrays' ends masked."""
+    rows, width = out_ref.shape
+    first = pl.program_id(3) * rows
+    row_in = lax.broadcasted_iota(jnp.int32, (rows,), 0) + first < sizes[0]
+    dims_in = (lax.broadcasted_iota(jnp.int32, (rows, width), 0) + first < sizes[0]) & (
+        lax.broadcasted_iota(jnp.int32, (rows, width), 1) < sizes[1]
+    )
+    f32 = jnp.float32
+
+    def fold(p, carry):
+        top, total, acc = carry
+        lse = pltriton.load(l_ref.at[p], mask=row_in, other=jnp.asarray(-jnp.inf, f32)).astype(f32)
+        lse = jnp.where(jnp.isfinite(lse), lse, -jnp.inf)  # an empty part's lse may be +∞ (its sum 0 inverted)
+        new = jnp.maximum(top, lse)
+        shift = jnp.where(jnp.isfinite(new), new, 0.0)
+        scale, weight = jnp.exp(top - shift), jnp.exp(lse - shift)
+        o = pltriton.load(o_ref.at[p], mask=dims_in, other=jnp.zeros((), o_ref.dtype)).astype(f32)
+        return new, total * scale + weight, acc * scale[:, None] + weight[:, None] * o
+
+    init = (jnp.full((rows,), -jnp.inf, f32), jnp.zeros((rows,), f32), jnp.zeros((rows, width), f32))
+    top, total, acc = lax.fori_loop(0, n, fold, init)
     seen = total > 0
     out = jnp.where(seen[:, None], acc / jnp.where(seen, total, 1.0)[:, None], 0.0)
-    pltriton.store(out_ref, out.astype(out_ref.dtype), mask=inside((group, dv), (1, 2)))
-    lse_out = jnp.where(seen, shift + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
-    pltriton.store(lse_ref, lse_out, mask=inside((group,), (1,)))
+    pltriton.store(out_ref, out.astype(out_ref.dtype), mask=dims_in)
+    shift = jnp.where(jnp.isfinite(top), top, 0.0)
+    pltriton.store(lse_ref, jnp.where(seen, shift + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf), mask=row_in)
