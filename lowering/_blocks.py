@@ -201,13 +201,15 @@ class Segments:
 class Lengths:
     """A length mask of a kernel streaming ``x``: its ``box``, whose function keeps key ``pos[x]`` where ``pos[x] <
     n + t`` and says where it reads ``(pos, n, t)`` (``length_labels``), and the kernel inputs holding ``n`` (over
-    grid axes: a sequence's length) and ``t`` (over grid and tiled axes: a row's offset from it). ``pos`` is the
-    streamed index itself (an ``arange``), so the kernel finds its chunks from ``n`` and ``t`` alone
-    (:func:`length_bounds`), in the program: no call-time pass over ids."""
+    grid axes: a sequence's length) and ``t`` (over grid and tiled axes: a row's offset from it). ``pos`` (input
+    ``pos``) is the streamed index itself (an ``arange``), so the kernel finds its chunks from ``n`` and ``t`` alone
+    (:func:`length_bounds`), in the program: no call-time pass over ids; a Triton kernel makes ``pos`` itself (an
+    iota), never reading that input."""
 
     box: object
     n: int
     t: int
+    pos: int = -1
 
 
 def length_masks(d: Diagram, p: Plan) -> tuple[Lengths, ...]:
@@ -234,21 +236,29 @@ def length_masks(d: Diagram, p: Plan) -> tuple[Lengths, ...]:
         if at is not None:
             pos, n, t = (ins[k] for k in at)
             if None not in (pos, n, t) and tuple(d.dom.inside[pos].names) == (x,):
-                found.append(Lengths(box, n, t))
+                found.append(Lengths(box, n, t, pos))
         return [None] * len(box.cod)
 
     d.dataflow(list(range(len(d.dom))), step)
     return tuple(found)
 
 
-def length_bounds(n, t, s: int, n_chunks: int) -> tuple:
+def length_bounds(n, t, s: int, n_chunks: int, valid=None) -> tuple:
     """The chunks of ``s`` keys a block of a length mask visits, ``(first, full_lo, full_hi, last)``: those below
-    ``n + max(t)`` (the longest row's keys), and, kept whole, those below ``n + min(t)`` (the shortest row's).
+    ``n + max(t)`` (the longest row's keys), and, kept whole, those below ``n + min(t)`` (the shortest row's);
+    ``valid`` (bool, ``t``'s shape): the rows of ``t`` that exist (a tile past the array's end holds others).
 
     >>> [int(v) for v in length_bounds(jnp.int32(40), jnp.array([-3, 0]), 16, 4)]
     [0, 0, 2, 3]
+    >>> [int(v) for v in length_bounds(jnp.int32(40), jnp.array([-20, 0]), 16, 4, jnp.array([True, False]))]
+    [0, 0, 1, 2]
     """
-    hi, lo = n + jnp.max(t), n + jnp.min(t)
+    if valid is not None:  # rows past the array's end widen no range
+        big = jnp.iinfo(jnp.int32)
+        t_hi, t_lo = jnp.where(valid, t, big.min), jnp.where(valid, t, big.max)
+    else:
+        t_hi = t_lo = t
+    hi, lo = n + jnp.max(t_hi), n + jnp.min(t_lo)
     last = jnp.clip(-(-hi // s), 0, n_chunks).astype(jnp.int32)
     return 0, 0, jnp.clip(lo // s, 0, last).astype(jnp.int32), last
 

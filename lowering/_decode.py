@@ -5,10 +5,13 @@ program per (batch, head) and leaves most SMs idle. Here the cache is split into
 (:func:`rewrites.split_kv`, ``n`` from :func:`rewrites.choose_parts`: enough programs to fill the SMs, in whole
 waves); the parts become a batch axis of one kernel (the cache ``[B, S, H_kv, D]`` read as ``[B, n, S/n, H_kv, D]``,
 a reshape; the queries have no part axis: each part's program reads them in place, :func:`decode_diagram`), each
-part's kernel outputs its ``(o, lse)`` (:func:`rewrites.with_lse`, lowered by
-:func:`lowering.lower`), and the parts merge in JAX by the log-sum-exp merge (:func:`rewrites.merge_parts`: one
-reduction over ``[B, n, Nq, H, D]`` numbers, cheap). The per-part diagram's schedule is derived and verified
-(``derive``); the split itself is the rule ``split_kv`` verified and proved in :mod:`rewrites._split_kv`.
+part's kernel outputs its ``(o, lse)`` (:func:`rewrites.with_lse`, lowered by :func:`lowering.lower`), and the
+parts merge by the log-sum-exp merge (:func:`rewrites.merge_parts`), one pass over ``[B, n, Nq, H, D]`` numbers in
+one kernel writing the caller's layout and dtype (:func:`lowering._merge.merge`). A step is two launches, the kernel
+and the merge (for ``Nq > 1`` new tokens of grouped heads a third, the queries' rows transposed): the kernel reads
+its last row tile's rows masked (no padding copy) and makes its keys' positions itself. The per-part diagram's
+schedule is derived and verified (``derive``); the split itself is the rule ``split_kv`` verified and proved in
+:mod:`rewrites._split_kv`.
 
 **Layout and masks.** ``q`` ``[B, Nq, H, D]`` are the tokens at positions ``lengths − Nq … lengths − 1`` of each
 sequence (bottom-right causal alignment: query ``i`` sees keys ``< lengths − Nq + i + 1``); caches ``[B, S, H_kv,
@@ -53,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowering._api import lower
+from lowering._merge import merge
 from lowering._paged import PageMap, check_paged, check_pages_used, paged_split
 from lowering._plan import NotLowerable
 from lowering._target import interpreted, no_gpu, target_hardware
@@ -185,12 +189,6 @@ class Plan:
         """The kernel's rows per KV head: the new tokens times the query heads sharing it."""
         return self.queries * self.group
 
-    @property
-    def padded_rows(self) -> int:
-        """:attr:`rows` padded to whole row tiles (the step pads them, and the length mask's offsets with them)."""
-        tile = self.blocks()[0]
-        return -(-self.rows // tile) * tile
-
     def blocks(self) -> tuple[int, int]:
         """Rows per tile (:func:`row_tile`, or the plan's ``tile``) and keys per streamed chunk: a power of two ≥ 16
         (every 16-bit dot's K), at most 64 (and at most :func:`chunk_keys`, so wide heads' chunks fit shared
@@ -212,25 +210,24 @@ class Plan:
 
     def page_map(self) -> PageMap | None:
         """Where a paged cache's chunks load from: the kernel's keys and values (inputs 1, 2) read as pools
-        through a table whose rows follow the kernel's batch axis (sequence, part)."""
+        through a table ``[B, parts, pages per part]`` whose rows follow the kernel's batch axes (sequence, part)."""
         inputs = (1, 2, 4) if self.rope else (1, 2)  # MLA: the rotary keys too
-        return None if self.pages is None else PageMap("kv_idx", self.pages[0], "b", inputs)
+        return None if self.pages is None else PageMap("kv_idx", self.pages[0], ("b", "p"), inputs)
 
     def kernel(self):
         """The per-part kernel: the diagram with its (o, lse) outputs, its schedule derived and verified, lowered."""
         b, p, h, q, x = axes("b p h q_idx kv_idx")
         d, dv = axes("d dv", d=self.dims[0], dv=self.dims[1])
-        part = p if self.pages is None else None  # a paged cache's parts stay in the batch axis its table rows follow
         mods = {}
         for key, fn, score in (("score_mod", self.score_mod, True), ("mask", self.mask_mod, False)):
             if fn is not None:
                 mods[key] = Decoded(fn, self.chunk, self.group, score)
         if self.rope:
             r = axes("r", r=self.rope)[0]
-            diagram = mla_attention(b, h, q, x, d, r, self.scale, DTYPES[self.dtype], part)
+            diagram = mla_attention(b, h, q, x, d, r, self.scale, DTYPES[self.dtype], p)
         else:
             e = dv if self.dims[1] != self.dims[0] else d
-            diagram = decode_diagram(b, part, h, q, x, d, e, self.scale, DTYPES[self.dtype], **mods)
+            diagram = decode_diagram(b, p, h, q, x, d, e, self.scale, DTYPES[self.dtype], **mods)
         rows, chunk = self.blocks()
         derivation = derive(diagram, tile(q, rows), stream(x, chunk))
         # MLA's 64 rows × 512 latent dims: an f32 accumulator two warpgroups hold (FlashMLA's split), two stages;
@@ -243,21 +240,23 @@ class Plan:
 
 
 def decode_diagram(b, p, h, q, x, d, e, scale, dtype, score_mod=None, mask=None) -> Diagram:
-    """A part's attention, laid out as the caller's arrays are (``[b, seq, h, dim]``): ``Q[b, q, h, d] ⊗ K[b, p, x,
-    h, d] ⊗ V[b, p, x, h, e] ⊗ pos ⊗ n ⊗ t → O[b, p, q, h, e]``: scores ``scale·Q·Kᵀ`` (``1/√d`` by default), then
-    ``score_mod``, ``mask`` and the valid keys (:class:`KeyLength` on :func:`length_wires`), softmax, contracted with
-    ``V``. The queries have no part axis ``p``: every part's program reads them where they lie, not a copy per part.
-    With ``p`` None (a paged cache, whose table rows follow one batch axis) ``b`` stands for (sequence, part).
+    """A part's attention, the caches laid out as the caller's are (``[b, seq, h, dim]``), the rows of a KV head
+    after it: ``Q[b, h, q, d] ⊗ K[b, p, x, h, d] ⊗ V[b, p, x, h, e] ⊗ pos ⊗ n ⊗ t → O[b, p, h, q, e]``: scores
+    ``scale·Q·Kᵀ`` (``1/√d`` by default), then ``score_mod``, ``mask`` and the valid keys (:class:`KeyLength` on
+    :func:`length_wires`), softmax, contracted with ``V``. The queries have no part axis ``p``: every part's program
+    reads them where they lie, not a copy per part; ``[b, h, q, d]`` is the caller's ``[B, 1, H, D]`` for one new
+    token (a reshape). A paged cache's keys and values are read through a table whose rows follow ``(b, p)``
+    (:meth:`Plan.page_map`). With ``p`` None the keys are one part.
 
     >>> b, p, h, q, x, d = axes("b p h q x d")
     >>> print(decode_diagram(b, p, h, q, x, d, d, None, f32).dom)
-    b×q×h×d ⊗ b×p×x×h×d ⊗ b×p×x×h×d ⊗ x ⊗ b ⊗ p×q
+    b×h×q×d ⊗ b×p×x×h×d ⊗ b×p×x×h×d ⊗ x ⊗ b ⊗ p×q
     """
     kv = (b,) if p is None else (b, p)
-    S, V, out_wire = Array(*kv, h, q, x), Array(*kv, x, h, e, dtype=dtype), Array(*kv, q, h, e, dtype=dtype)
+    S, V, out_wire = Array(*kv, h, q, x), Array(*kv, x, h, e, dtype=dtype), Array(*kv, h, q, e, dtype=dtype)
     n = lambda *axs: " ".join(a.name for a in axs)  # noqa: E731
     scale = d.size**-0.5 if scale is None else scale  # a symbolic size stays symbolic
-    scores = contract(f"{n(b, q, h, d)}, {n(*kv, x, h, d)} -> {n(*S.axes)}", *kv, h, q, x, d, scale=scale, dtype=dtype,
+    scores = contract(f"{n(b, h, q, d)}, {n(*kv, x, h, d)} -> {n(*S.axes)}", *kv, h, q, x, d, scale=scale, dtype=dtype,
                       out_dtype=f32)  # fmt: skip
     rest = Ty(*length_wires(b, q, x, p))
     out = (scores @ identity(Ty(V)) @ identity(rest)) >> (identity(Ty(S)) @ swap(Ty(V), rest))  # S rest V
@@ -278,16 +277,17 @@ def _attend(scored: Diagram, S: Array, V: Array, rest: Ty, out: Array, x, dtype)
 
 
 def mla_attention(b, h, q, x, c, r, scale, dtype, p=None) -> Diagram:
-    """Absorbed multi-head latent attention (DeepSeek-V2/V3's MLA at inference) as one diagram, laid out ``[b, seq,
-    h, dim]``: ``Q_c[c] ⊗ K_c[c] ⊗ V[c] ⊗ Q_r[r] ⊗ K_r[r] ⊗ pos ⊗ n ⊗ t → O[c]``, scores ``scale·(Q_c·K_cᵀ +
-    Q_r·K_rᵀ)`` (the latent and rotary parts, ``c + r`` dims; ``scale`` defaults to ``1/√(c + r)``), masked by the
-    valid keys (:class:`KeyLength` on :func:`length_wires`), softmax, then contracted with ``V`` over the keys.
+    """Absorbed multi-head latent attention (DeepSeek-V2/V3's MLA at inference) as one diagram, laid out as
+    :func:`decode_diagram`'s: ``Q_c[c] ⊗ K_c[c] ⊗ V[c] ⊗ Q_r[r] ⊗ K_r[r] ⊗ pos ⊗ n ⊗ t → O[c]``, scores
+    ``scale·(Q_c·K_cᵀ + Q_r·K_rᵀ)`` (the latent and rotary parts, ``c + r`` dims; ``scale`` defaults to ``1/√(c +
+    r)``), masked by the valid keys (:class:`KeyLength` on :func:`length_wires`), softmax, then contracted with ``V``
+    over the keys.
     ``V`` is the latent keys themselves (the caller passes one array twice: the streamed loop loads its chunk for
     both). With a part axis ``p`` the keys, values and output have it and the queries not (:func:`decode_diagram`).
 
     >>> b, h, q, x, c, r = axes("b h q x c r", c=32, r=16)
     >>> print(mla_attention(b, h, q, x, c, r, None, f32).dom)
-    b×q×h×c ⊗ b×x×h×c ⊗ b×x×h×c ⊗ b×q×h×r ⊗ b×x×h×r ⊗ x ⊗ b ⊗ q
+    b×h×q×c ⊗ b×x×h×c ⊗ b×x×h×c ⊗ b×h×q×r ⊗ b×x×h×r ⊗ x ⊗ b ⊗ q
     """
     scale = 1 / math.sqrt(c.size + r.size) if scale is None else scale
     kv = (b,) if p is None else (b, p)
@@ -295,14 +295,14 @@ def mla_attention(b, h, q, x, c, r, scale, dtype, p=None) -> Diagram:
     n = lambda *axs: " ".join(a.name for a in axs)  # noqa: E731
 
     def scores(e):
-        return contract(f"{n(b, q, h, e)}, {n(*kv, x, h, e)} -> {n(*S.axes)}", *kv, h, q, x, e, scale=scale,
+        return contract(f"{n(b, h, q, e)}, {n(*kv, x, h, e)} -> {n(*S.axes)}", *kv, h, q, x, e, scale=scale,
                         dtype=dtype, out_dtype=f32)  # fmt: skip
 
     rest = Ty(*length_wires(b, q, x, p))
     out = scores(c) @ identity(Ty(V)) @ scores(r) @ identity(rest)  # S V S_r rest
     out = out >> (identity(Ty(S)) @ swap(Ty(V), Ty(S)) @ identity(rest)) >> (add(S, S) @ identity(Ty(V) @ rest))
     out = out >> (identity(Ty(S)) @ swap(Ty(V), rest))  # S rest V
-    return _attend(out, S, V, rest, Array(*kv, q, h, c, dtype=dtype), x, dtype)
+    return _attend(out, S, V, rest, Array(*kv, h, q, c, dtype=dtype), x, dtype)
 
 
 def chunk_keys(dims: tuple[int, int]) -> int:
@@ -435,18 +435,14 @@ def _parts(batch: int, programs: int, keys: int, hardware: Hardware, *, exact: b
     return max(fits or range(1, top + 1), key=lambda m: (Fraction(batch * programs * m, waves(m)), m))
 
 
-def _lengths(lengths, plan: Plan, batch: int) -> tuple:
-    """:class:`KeyLength`'s inputs: the part's key positions (a constant), the lengths, and each row's offset: row
-    ``i·group + g`` (token ``i``) of part ``p`` sees keys ``< lengths − Nq + i + 1 − p·chunk`` of its part (a
-    constant ``[parts, rows]``), so the kernel reads ``lengths`` as given. A paged cache's kernel (one batch axis,
-    sequence × part) takes each part's count ``lengths − p·chunk`` instead (one small program) and ``[rows]``."""
+def _lengths(lengths, plan: Plan) -> tuple:
+    """:class:`KeyLength`'s inputs: the part's key positions (a constant the Triton kernel makes itself), the
+    lengths, and each row's offset: row ``i·group + g`` (token ``i``) of part ``p`` sees keys ``< lengths − Nq + i +
+    1 − p·chunk`` of its part (a constant ``[parts, rows]``), so the kernel reads ``lengths`` as given, contiguous
+    or paged."""
     n, c = plan.parts, plan.chunk
     tail = np.arange(plan.rows, dtype=np.int32) // plan.group - (plan.queries - 1)
-    if plan.pages is None:  # rows padded to whole tiles here, as their first row: they widen no tile's chunk range
-        tail = np.pad(tail, (0, plan.padded_rows - plan.rows), constant_values=tail[0])
-        return np.arange(c, dtype=np.int32), lengths.astype(jnp.int32), tail - c * np.arange(n, dtype=np.int32)[:, None]
-    counts = lengths.astype(jnp.int32)[:, None] - c * jnp.arange(n, dtype=jnp.int32)
-    return np.arange(c, dtype=np.int32), counts.reshape(batch * n), tail
+    return np.arange(c, dtype=np.int32), lengths.astype(jnp.int32), tail - c * np.arange(n, dtype=np.int32)[:, None]
 
 
 def _inference(kernel) -> Callable:
@@ -649,43 +645,40 @@ def _mla_plan(q, latent_cache, rope_cache, lengths, scale, page_table, parts, ch
 @functools.partial(jax.jit, static_argnums=0, static_argnames="residual")
 def _step(plan: Plan, q, k_cache, v_cache, lengths, page_table=None, rope=None, *, residual: bool = False):
     """One decode step for ``plan`` (compiled once per plan and shapes; ``lengths`` and ``page_table`` are values):
-    the queries packed into rows (repeated per part for a paged cache), the caches read as parts (a paged cache's
-    table as each part's pages), the kernel, the parts merged. ``rope``: MLA's rotary queries and keys ``(q_r,
-    k_r)``. The output, and with ``residual`` its log-sum-exp (else not computed: an eager call would launch its slice
-    too)."""
+    the queries' rows per KV head (a reshape for one new token), the caches read as parts (a contiguous cache by a
+    reshape, a paged one through its table read as ``[B, parts, pages per part]``), the kernel, the parts merged
+    into the caller's layout and dtype. ``rope``: MLA's rotary queries and keys ``(q_r, k_r)``. The output, and with
+    ``residual`` its log-sum-exp (else not computed: an eager call would launch its pass too)."""
     (batch, nq, heads, _), (kv_heads, dv) = q.shape, v_cache.shape[2:]
     n, chunk, group, kernel = plan.parts, plan.chunk, plan.group, _kernel(plan)
 
-    def rows(a):  # rows (token, head in group) per KV head, padded to whole tiles; a paged kernel's repeated per part
-        a = a.reshape(batch, nq, kv_heads, group, -1).transpose(0, 1, 3, 2, 4).reshape(batch, plan.rows, kv_heads, -1)
-        if page_table is None:
-            return jnp.pad(a, [(0, 0), (0, plan.padded_rows - plan.rows), (0, 0), (0, 0)])
-        return jnp.broadcast_to(a[:, None], (batch, n, *a.shape[1:])).reshape(batch * n, *a.shape[1:])
+    def rows(a):  # [B, H_kv, rows, D], rows (token, head in group) per KV head: a reshape where Nq = 1
+        a = a.reshape(batch, nq, kv_heads, group, -1).transpose(0, 2, 1, 3, 4)
+        return a.reshape(batch, kv_heads, plan.rows, -1)
 
     def parts(c):  # a contiguous cache read as parts: a reshape, padded only where n does not divide S
         c = jnp.pad(c, [(0, 0), (0, n * chunk - c.shape[1]), (0, 0), (0, 0)])
         return c.reshape(batch, n, chunk, *c.shape[2:])
 
     ins = [rows(q), k_cache, v_cache, *([] if rope is None else [rows(rope[0]), rope[1]])]
-    masks = _lengths(lengths, plan, batch)
+    masks = _lengths(lengths, plan)
     if page_table is None:
         ins = [a if i in (0, 3) else parts(a) for i, a in enumerate(ins)]
         o, lse = _inference(kernel)(*ins, *masks)
     else:  # part p of sequence b reads its pages table[b, p·w : (p+1)·w], through the page map
         width = chunk // plan.pages[0]
-        table = jnp.pad(page_table, [(0, 0), (0, n * width - page_table.shape[1])]).reshape(batch * n, width)
+        table = jnp.pad(page_table, [(0, 0), (0, n * width - page_table.shape[1])]).reshape(batch, n, width)
         paged = lambda *xs: kernel.forward(*xs[:-1], pages=(plan.page_map(), xs[-1]))  # noqa: E731
         o, lse = _inference(paged)(*ins, *masks, table)
     o_names, l_names = (tuple(w.names) for w in kernel.diagram.cod.inside)
-    lead = "b p" if "p" in o_names else "b"  # (sequence, part): two axes, or one of B·n (paged)
-    at = len(lead.split())  # the rows' axis, their padding cut
-    o = jax.lax.slice_in_dim(_arrange(o, o_names, f"{lead} q_idx h {o_names[-1]}"), 0, plan.rows, axis=at)
-    lse = jax.lax.slice_in_dim(_arrange(lse, l_names, f"{lead} q_idx h"), 0, plan.rows, axis=at)
-    # rows (token, head in group) back to (token, query head) before the merge, which reads them in that order
-    o = o.reshape(batch, n, nq, group, kv_heads, dv).transpose(0, 1, 2, 4, 3, 5)
-    lse = lse.reshape(batch, n, nq, group, kv_heads).transpose(0, 1, 2, 4, 3)
-    out, lse = merge_parts(o.astype(jnp.float32), lse, 1)
-    out = out.reshape(batch, nq, heads, dv).astype(q.dtype)
+    o = _arrange(o, o_names, f"b p h q_idx {o_names[-1]}").reshape(batch, n, kv_heads, nq, group, dv)
+    lse = _arrange(lse, l_names, "b p h q_idx").reshape(batch, n, kv_heads, nq, group)
+    if kernel.backend == "xla":  # plain JAX: XLA's reduction, then the layout and the cast
+        out, lse = (v.swapaxes(1, 2) for v in merge_parts(o.astype(jnp.float32), lse, 1))
+        out = out.astype(q.dtype)
+    else:  # one kernel writing the caller's layout and dtype
+        out, lse = _inference(functools.partial(merge, dtype=q.dtype, interpret=interpreted(plan.interpret)))(o, lse)
+    out = out.reshape(batch, nq, heads, dv)
     return (out, lse.reshape(batch, nq, heads)) if residual else out
 
 

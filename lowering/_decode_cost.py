@@ -12,7 +12,7 @@ the two products outweigh it (the roofline's other side). The kernel moves:
   latent chunk is read from DRAM once for both products (its second load is served by the L2);
 * the queries, once per part, the page table (int32, paged caches), and each part's ``(o, lse)`` in f32;
 
-and the merge (:func:`rewrites.merge_parts`, an XLA fusion) reads the parts' ``(o, lse)`` and writes the output.
+and the merge (:func:`lowering._merge.merge`, one kernel) reads the parts' ``(o, lse)`` and writes the output.
 The bandwidth is the GPU's measured device-copy rate where one was measured (``Hardware.ceiling("dram")``), else
 its datasheet HBM rate; the compute rate its measured dense matmul ceiling, else the datasheet's.
 

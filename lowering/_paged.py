@@ -11,7 +11,7 @@ pool is never copied), so the table and the lengths are runtime values and one c
 table and length. The Triton and XLA backends read it (``kernel.forward(*arrays, pages=(page_map, table))``).
 
 >>> import jax, jax.numpy as jnp
->>> pm = PageMap("kv_idx", page_size=16, batch="b", inputs=(1, 2))
+>>> pm = PageMap("kv_idx", page_size=16, batch=("b",), inputs=(1, 2))
 >>> pool = jax.ShapeDtypeStruct((6, 16, 2, 8), jnp.float32)
 >>> import napkin_cat as nc
 >>> b, x, h, d = nc.axes("b kv_idx h d")
@@ -33,33 +33,34 @@ from napkin_cat.errors import EvaluationError
 @dataclass(frozen=True)
 class PageMap:
     """The streamed axis ``axis`` of the kernel inputs ``inputs`` (their positions) read through a page table
-    ``[n_batch, pages]`` (int32) whose rows follow the batch axis ``batch``: such an input is a pool whose axes are
-    its wire's with ``batch`` dropped and ``axis`` split into ``(P, page_size)``; the chunk of ``s`` keys from key
-    ``j`` of batch element ``i`` is the pool's pages ``table[i, j/page_size … (j+s)/page_size)`` (``s`` whole pages),
-    or the keys ``j mod page_size …`` of page ``table[i, j/page_size]`` (``s`` dividing the page size); page ids are
-    clamped into ``[0, P)`` (entries past a sequence's pages are read by no visible key).
+    ``[*batch sizes, pages]`` (int32) whose rows follow the batch axes ``batch`` (a decode step's sequence and part):
+    such an input is a pool whose axes are its wire's with ``batch`` dropped and ``axis`` split into ``(P,
+    page_size)``; the chunk of ``s`` keys from key ``j`` of batch element ``i`` is the pool's pages ``table[i,
+    j/page_size … (j+s)/page_size)`` (``s`` whole pages), or the keys ``j mod page_size …`` of page ``table[i,
+    j/page_size]`` (``s`` dividing the page size); page ids are clamped into ``[0, P)`` (entries past a sequence's
+    pages are read by no visible key).
 
     >>> import napkin_cat as nc
-    >>> PageMap("x", 16, "b", (1, 2)).pool_axes(nc.Array(*nc.axes("b x h d")))   # a cache [b, x, h, d] as a pool
+    >>> PageMap("x", 16, ("b", "p"), (1, 2)).pool_axes(nc.Array(*nc.axes("b p x h d")))   # [b, p, x, h, d] as a pool
     ['pool', 'page', 'h', 'd']
     """
 
     axis: str
     page_size: int
-    batch: str
+    batch: tuple[str, ...]
     inputs: tuple[int, ...]
 
     def pool_axes(self, wire) -> list[str]:
         """The pool's axes for an input's wire: ``batch`` dropped, ``axis`` split into ``pool`` and ``page``."""
         out = []
         for a in wire.names:
-            out += ["pool", "page"] if a == self.axis else [] if a == self.batch else [a]
+            out += ["pool", "page"] if a == self.axis else [] if a in self.batch else [a]
         return out
 
     def virtual(self, wire, pool, table) -> jax.ShapeDtypeStruct:
         """The contiguous array a pool stands for (its shape and dtype), for binding the diagram's sizes."""
         given = dict(zip(self.pool_axes(wire), pool.shape, strict=True))
-        given |= {self.batch: table.shape[0], self.axis: table.shape[1] * self.page_size}
+        given |= dict(zip(self.batch, table.shape, strict=False)) | {self.axis: table.shape[-1] * self.page_size}
         return jax.ShapeDtypeStruct(tuple(given[a] for a in wire.names), pool.dtype)
 
     def check(self, p, wires, arrays, table) -> None:
@@ -72,7 +73,7 @@ class PageMap:
         >>> from rewrites import derive, tile, stream
         >>> q, x, d = nc.axes("q x d")
         >>> pl_ = plan(derive(nc.library.attention(q, x, d), tile(q, 16), stream(x, 16), verify=False).diagram)
-        >>> PageMap("x", 24, "b", (1,)).check(pl_, [], [], None)
+        >>> PageMap("x", 24, ("b",), (1,)).check(pl_, [], [], None)
         Traceback (most recent call last):
         ...
         lowering._plan.NotLowerable: PageMap: chunks of 16 keys along 'x' are neither whole pages of 24 nor a \
@@ -86,20 +87,21 @@ divisor of one: stream x in chunks of a multiple or a divisor of the page size
                 f"{self.page_size} nor a divisor of one: stream {self.axis} in chunks of a multiple or a divisor of "
                 "the page size"
             )
-        if self.batch not in p.batch:
-            raise NotLowerable(f"PageMap: the table's rows follow {self.batch!r}, which is no batch axis of the plan")
-        if jnp.dtype(table.dtype) != jnp.int32 or table.ndim != 2:
+        if not set(self.batch) <= set(p.batch):
+            raise NotLowerable(f"PageMap: the table's rows follow {self.batch!r}, not all batch axes of the plan")
+        if jnp.dtype(table.dtype) != jnp.int32 or table.ndim != len(self.batch) + 1:
             raise EvaluationError(
-                f"PageMap: the page table must be int32 [batch, pages], got {table.dtype} {table.shape}"
+                f"PageMap: the page table must be int32 [{', '.join(self.batch)}, pages], got {table.dtype} "
+                f"{table.shape}"
             )
         for i in self.inputs:
             block = [a for a in wires[i].names if a not in p.batch]
-            if not {self.axis, self.batch} <= set(wires[i].names) or block[0] != self.axis:
+            if not {self.axis, *self.batch} <= set(wires[i].names) or block[0] != self.axis:
                 raise NotLowerable(
                     f"PageMap: input {i} ({wires[i].describe()}) must hold {self.batch!r} and {self.axis!r}, the "
                     "latter first among its block's axes, to be read as pages"
                 )
-            if arrays[i].ndim != len(wires[i].names) or arrays[i].shape[1] != self.page_size:
+            if arrays[i].ndim != len(self.pool_axes(wires[i])) or arrays[i].shape[1] != self.page_size:
                 raise EvaluationError(
                     f"PageMap: input {i} must be a pool with axes {self.pool_axes(wires[i])} and {self.page_size} "
                     f"keys per page, got shape {tuple(arrays[i].shape)}"
@@ -114,7 +116,7 @@ divisor of one: stream x in chunks of a multiple or a divisor of the page size
         >>> pool = jnp.arange(12).reshape(3, 2, 2)
         >>> row = jnp.array([2, 0])
         >>> entries = lambda i, m=None: row[i] if m is None else row[i : i + m]
-        >>> PageMap("x", 2, "b", (0,)).load(pool, entries, None, 0, 4).tolist()
+        >>> PageMap("x", 2, ("b",), (0,)).load(pool, entries, None, 0, 4).tolist()
         [[8, 9], [10, 11], [0, 1], [2, 3]]
         """
         p, last = self.page_size, pool.shape[0] - 1

@@ -1,7 +1,9 @@
-"""Decoding lowered for a named GPU on this machine (``hardware=``, ``interpret=False``): the step's Triton kernel for
+"""Decoding lowered for a named GPU on this machine (``hardware=``, ``interpret=False``): the step's Triton kernels for
 an abstract sm_90 device, every module through the MLIR verifier (the pattern of tests/test_cuda_lowering.py), with
-no GPU here; and a KV head's 256 rows (``Nq`` = 64 at GQA 4) in one program of 16 warps."""
+no GPU here; a KV head's 256 rows (``Nq`` = 64 at GQA 4) in one program of 16 warps; and what a step launches, read
+from the program lowered for CUDA: the split kernel and the merge, nothing else."""
 
+import re
 import types
 
 import jax
@@ -44,7 +46,57 @@ def test_decode_lowers_for_a_named_gpu_here(abstract_hopper, nq, tile, warps):
         return nc.decode_attention(q, k, v, n, interpret=False, hardware="H100", tile=tile)
 
     text = jax.jit(step).trace(q, kv, kv, lengths).lower(lowering_platforms=("cuda",)).as_text()
-    assert len(abstract_hopper) == 1 and f"num_warps = {warps} : i32" in text
+    assert len(abstract_hopper) == 2 and f"num_warps = {warps} : i32" in text  # the split kernel, the merge
+
+
+def launches(text: str) -> list[str]:
+    """The ops of a program lowered for CUDA (StableHLO) that launch a kernel or move data: the Pallas kernels (custom
+    calls) and any other op on arrays but a reshape, a constant, a pad of nothing or a transpose moving only axes of
+    size 1 (views XLA folds). An over-count of XLA's launches (it fuses several ops into one), never an under-count.
+
+    >>> launches("%1 = stablehlo.transpose %0, dims = [0, 2, 1] : (tensor<4x1x8xf32>) -> tensor<4x8x1xf32>")
+    []
+    >>> launches("%1 = stablehlo.transpose %0, dims = [1, 0] : (tensor<4x8xf32>) -> tensor<8x4xf32>")
+    ['transpose']
+    """
+    out = []
+    for line in text.splitlines():
+        m = re.search(r"= (?:stablehlo|chlo)\.(\w+)", line)
+        if m is None:
+            continue
+        op, result = m.group(1), line.rsplit("->", 1)[-1] if "->" in line else line.rsplit(":", 1)[-1]
+        if op in ("constant", "reshape") or not re.search(r"tensor<\d", result):
+            continue  # a view, a constant or a scalar (folded)
+        if op == "pad" and not re.search(r"(low|high|interior) = \[[^\]]*[1-9]", line):
+            continue
+        if op == "transpose":
+            perm = [int(v) for v in re.search(r"dims = \[([^\]]*)\]", line).group(1).split(",")]
+            shape = [int(v) for v in re.search(r"tensor<([\dx]+)x[a-z]", line).group(1).split("x")]
+            moved = [a for a in perm if shape[a] > 1]
+            if moved == sorted(moved):
+                continue
+        out.append(op)
+    return out
+
+
+@pytest.mark.parametrize(("nq", "paged", "want"), [(1, False, []), (1, True, []), (5, False, ["transpose"])])
+def test_a_step_launches_the_kernel_and_the_merge_only(abstract_hopper, nq, paged, want):
+    """No padding of the queries (the kernel reads its last row tile masked), no positions (the kernel makes them),
+    no cast (the merge writes the caller's dtype), no per-part copy of the queries or lengths for a paged cache; for
+    ``Nq > 1`` new tokens of grouped heads the queries' rows are a transpose. With the residual, nothing more. (A
+    cache whose parts are not whole chunks of 64 keys is padded: a copy, left out here.)"""
+    kv_heads, keys, page = 2, 4096, 64
+    q = jax.ShapeDtypeStruct((2, nq, 8, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2 * keys // page, page, kv_heads, 128) if paged else (2, keys, kv_heads, 128), q.dtype)
+    table = jax.ShapeDtypeStruct((2, keys // page), jnp.int32) if paged else None
+    lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+
+    def step(q, k, v, n, t):
+        return nc.decode_attention(q, k, v, n, page_table=t, interpret=False, hardware="H100", return_residual=True)
+
+    text = jax.jit(step).trace(q, kv, kv, lengths, table).lower(lowering_platforms=("cuda",)).as_text()
+    ops = launches(text)
+    assert ops.count("custom_call") == 2 and [o for o in ops if o != "custom_call"] == want, ops
 
 
 def test_the_named_hardware_plans_and_lowers_the_kernel():

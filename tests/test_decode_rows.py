@@ -52,6 +52,26 @@ def test_nq64_rows_in_any_tile_match_the_reference_contiguous_and_paged():
     assert float(jnp.max(jnp.abs(paged.astype(jnp.float32) - want))) <= ATOL, seed
 
 
+def test_a_last_row_tile_past_the_rows_is_read_and_written_masked(seed):
+    """Nq = 5 at GQA 4: 20 rows per KV head in tiles of 16, the second holding 4 (the kernel reads and writes its
+    rows masked past them: no padding of the queries), contiguous and through a random page table; lengths drawn,
+    the shortest Nq."""
+    r = np.random.default_rng(seed)
+    b, nq, h, h_kv, d, page, width = 3, 5, 8, 2, 16, 16, 5
+    s, pool = page * width, 3 * width + 2
+    q = jnp.asarray(r.standard_normal((b, nq, h, d), np.float32)).astype(jnp.bfloat16)
+    k, v = (jnp.asarray(r.standard_normal((pool, page, h_kv, d), np.float32)).astype(jnp.bfloat16) for _ in "kv")
+    table = jnp.asarray(np.stack([r.permutation(pool)[:width] for _ in range(b)]).astype(np.int32))
+    lengths = jnp.asarray([nq, *r.integers(nq, s + 1, b - 1)])
+    kc, vc = (p[table].reshape(b, s, h_kv, d) for p in (k, v))
+    want = reference(q, kc, vc, lengths)
+    assert decode_plan(q, kc, vc, lengths, tile=16, parts=2).summary()["row_tiles"] == 2
+    for got in (nc.decode_attention(q, kc, vc, lengths, tile=16, parts=2),
+                nc.decode_attention(q, k, v, lengths, page_table=table, chunk=16, parts=2, tile=16)):  # fmt: skip
+        err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)))
+        assert got.shape == q.shape and err <= ATOL, (seed, lengths, err)
+
+
 def test_a_tile_of_no_power_of_two_is_refused_before_anything_is_built():
     q, kv = jnp.zeros((1, 4, 8, 16)), jnp.zeros((1, 32, 2, 16))
     with pytest.raises(EvaluationError, match=r"tile=48 rows per program must be a power of two from 16 to 256"):

@@ -18,12 +18,14 @@ from papers.flash_attention.generate import TinyLM, generate, greedy_reference
 #: max abs error by dtype: measured on these cases at most 4.2e-7 (f32) and 3.9e-3 (bf16, its output rounding)
 ATOL = {"float32": 5e-6, "bfloat16": 1e-2}
 
-#: (dtype, B, Nq, H, H_kv, page_size, pages per sequence, pool, chunk): GQA 4, 2, 2; 2 pages, half a page and 1 page
-#: per streamed chunk; Nq = 1, 4, 64 (128 rows: one row tile; more in test_decode_rows.py)
+#: (dtype, B, Nq, H, H_kv, page_size, pages per sequence, pool, chunk): GQA 4, 2, 2, 3; 2 pages, half a page and 1
+#: page per streamed chunk; Nq = 1, 4, 64 (128 rows: one row tile; more in test_decode_rows.py) and 5 (15 rows: a
+#: row tile the kernel reads and writes masked past them)
 CASES = [
     ("float32", 2, 1, 8, 2, 8, 5, 12, 16),
     ("float32", 2, 4, 4, 2, 32, 2, 6, 16),
     ("bfloat16", 1, 64, 2, 1, 16, 5, 7, 16),
+    ("bfloat16", 3, 5, 6, 2, 16, 7, 23, 16),
 ]
 
 

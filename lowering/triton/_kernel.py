@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 import rewrites
 from lowering._blocks import (
@@ -26,6 +27,7 @@ from lowering._blocks import (
 from lowering._loop import ChunkList, ChunkLoop
 from lowering._plan import Plan, neutral_padding, unweave
 from lowering.triton._namespace import Blocks
+from napkin_cat.diagram import Array
 from rewrites import Rule, walk
 
 
@@ -51,51 +53,100 @@ def kernel_rules(p: Plan, extent: dict | None = None, padded: dict | None = None
     return tuple(rules)
 
 
+def short_tiles(p: Plan, wire: Array, extent: dict, padded: dict) -> tuple[str, ...]:
+    """The tiled axes along which ``wire``'s array is read (an input) or written (an output) masked in the program,
+    at its own extent, rather than padded to whole tiles by the wrapper (a copy) and sliced: every axis it falls
+    short along is tiled and it holds no streamed axis (a streamed block, loaded per chunk, is padded). ``()``
+    where it is padded, or whole.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> from lowering import plan
+    >>> q, x, d = nc.axes("q x d")
+    >>> p = plan(derive(nc.library.attention(q, x, d), tile(q, 16), stream(x, 16), verify=False).diagram)
+    >>> sizes = ({"q": 4, "x": 40, "d": 16}, {"q": 16, "x": 48, "d": 16})
+    >>> [short_tiles(p, w, *sizes) for w in (*p.diagram.dom.inside, *p.diagram.cod.inside)]
+    [('q',), (), (), ('q',)]
+    """
+    short = tuple(a for a in wire.names if padded[a] != extent[a])
+    streamed = p.stream is not None and wire.has(p.stream[0])
+    return short if short and not streamed and all(a in p.tiles for a in short) else ()
+
+
+def _in_bounds(shape: tuple, names: tuple, short: tuple, offsets: dict, extent: dict):
+    """Where a block (axes ``names``, ``shape``) lies inside its array along the axes ``short``: a bool mask."""
+    ok = None
+    for a in short:
+        inside = lax.broadcasted_iota(jnp.int32, shape, names.index(a)) + offsets[a] < extent[a]
+        ok = inside if ok is None else ok & inside
+    return ok
+
+
 def _tile_id(pid, a: str, p: Plan, padded: dict, flip):
     """The tile of axis ``a`` that grid position ``pid`` runs: last-first along the axes in ``flip``."""
     return padded[a] // p.tiles[a] - 1 - pid if a in flip else pid
 
 
-def _kernel(p: Plan, sizes, extent, padded, xp: Blocks, n_bounds, flip, pages, *refs):
+def _kernel(p: Plan, sizes, extent, padded, xp: Blocks, n_bounds, flip, pages, reads, *refs):
     """The kernel body of one program: the block diagram after :func:`kernel_rules`, walked once on its blocks, or
     (where it streams) folded over the visited chunks (:class:`_Chunks`), then walked to its outputs. ``n_bounds``:
     the refs of the call-time masks' bounds (four scalars a mask read as ranges, then one ``[2, width]`` block of
     chunk lists where a block map has holes: :class:`lowering._blocks.CallBlocks`). With a page map (``pages``,
-    :class:`lowering._paged.PageMap`) the table's row follows them."""
+    :class:`lowering._paged.PageMap`) the table's row follows them. ``reads``: the inputs the program makes itself
+    (a length mask's positions: no ref) and, per input and per output, the tiled axes read or written masked
+    (:func:`short_tiles`)."""
     block = unweave(p.diagram, p.batch)
     laid = block.dom.inside  # the inputs' blocks as the caller lays them out
     d = functools.reduce(lambda d, rule: rule(d), kernel_rules(p, extent, padded), block)
-    n_in, n_table = len(d.dom), int(pages is not None)
-    in_refs, bound_refs = refs[:n_in], refs[n_in : n_in + n_bounds]
+    made, short_in, short_out = reads
+    n_in, n_table = len(d.dom) - len(made), int(pages is not None)
+    given = iter(refs[:n_in])
+    in_refs = [None if i in made else next(given) for i in range(len(d.dom))]
+    bound_refs = refs[n_in : n_in + n_bounds]
     table_ref, out_refs = refs[n_in + n_bounds] if pages else None, refs[n_in + n_bounds + n_table :]
     offsets = {a: _tile_id(pl.program_id(i), a, p, padded, flip) * g for i, (a, g) in enumerate(p.tiles.items())}
     program = pl.program_id(len(p.tiles))
     strides = _strides(p, padded)
     grid = {a: _batch_index(program, a, strides, padded) for a in p.batch}
     ctx = BlockContext(sizes=sizes, offsets=offsets, xp=xp, grid=grid)
+
+    def read(i):  # input i's block; rows past its array's end (short_in) are not read, but zeros
+        r, short = in_refs[i], short_in[i]
+        if not short:
+            return r[...]
+        ok = _in_bounds(r.shape, laid[i].names, short, offsets, extent)
+        return pltriton.load(r, mask=ok, other=jnp.zeros((), r.dtype))
+
     if p.stream is None:
-        outs = walk(d, [r[...] for r in in_refs], ctx, "", "final", {})
+        outs = walk(d, [read(i) for i in range(len(d.dom))], ctx, "", "final", {})
     else:
-        outs = _Chunks(p, d, laid, ctx, extent, padded, in_refs, bound_refs, (pages, table_ref)).run()
-    for r, v in zip(out_refs, outs, strict=True):
-        r[...] = v.astype(r.dtype)
+        inputs = (in_refs, read, made, short_in)
+        outs = _Chunks(p, d, laid, ctx, extent, padded, inputs, bound_refs, (pages, table_ref)).run()
+    for r, v, w, short in zip(out_refs, outs, block.cod.inside, short_out, strict=True):
+        if short:  # only the rows the output array has
+            pltriton.store(r, v.astype(r.dtype), mask=_in_bounds(r.shape, w.names, short, offsets, extent))
+        else:
+            r[...] = v.astype(r.dtype)
 
 
 class _Chunks(ChunkLoop):
     """A Triton program's streamed loop (FAN §3): each chunk a slice of its block refs, or for a paged input the
     pages its table row names, gathered (:class:`lowering._paged.PageMap`), transposed into the kernel's
     tiled-first layout where the caller lays it out otherwise; the ragged last chunk's padding set neutral, the
-    chunks the affine and segment masks hide skipped (their bounds: :func:`_bounds`)."""
+    chunks the affine and segment masks hide skipped (their bounds: :func:`_bounds`). ``inputs``: the input refs,
+    how the program reads their blocks, the inputs it makes itself (a length mask's positions, an iota per chunk)
+    and the tiled axes each is short along."""
 
-    def __init__(self, p: Plan, d, laid, ctx: BlockContext, extent, padded, in_refs, bound_refs, pages=(None, None)):
+    def __init__(self, p: Plan, d, laid, ctx: BlockContext, extent, padded, inputs, bound_refs, pages=(None, None)):
         x, s = p.stream
+        self.in_refs, read, self.made, self.short = inputs
         carried = [w.has(x) for w in d.dom.inside]
         # an input laid out otherwise than the kernel's wire (tiled_first): its block transposed as it loads
         self.perms = [
             None if a.names == w.names else [a.names.index(n) for n in w.names]
             for a, w in zip(laid, d.dom.inside, strict=True)
         ]
-        resident = [None if c else r[...] for r, c in zip(in_refs, carried, strict=True)]
+        resident = [None if c else read(i) for i, c in enumerate(carried)]
         # the ragged last chunk's padding set, in each input of an accumulator, to the value its side condition
         # checked neutral (rewrites.neutral_padding)
         self.pads = {id(d.inside[i][1]): v for i, v in neutral_padding(d, x).items()} if extent[x] != padded[x] else {}
@@ -113,7 +164,7 @@ class _Chunks(ChunkLoop):
         zero = zeroing_mask(d, x)  # a mask on the tiles that zeroes every accumulator's input: hidden tiles run none
         self.zero = zero if zero is not None and set(zero.axes) <= set(p.tiles) else None
         self.p, self.laid, self.extent, self.padded = p, laid, extent, padded
-        self.in_refs, self.bound_refs = in_refs, bound_refs
+        self.bound_refs = bound_refs
         self.pages, self.table_ref = pages
 
     def blocks(self) -> list:
@@ -126,8 +177,11 @@ class _Chunks(ChunkLoop):
 
     def chunk(self, c, walk_chunk) -> None:
         x, s, vals, pm = self.x, self.s, [], self.pages
-        for i, (r, w, v, perm) in enumerate(zip(self.in_refs, self.laid, self.kept, self.perms, strict=True)):
-            if pm is not None and i in pm.inputs:  # the chunk's pages, named by the table: x first in the block
+        for i, (w, v, perm) in enumerate(zip(self.laid, self.kept, self.perms, strict=True)):
+            r = self.in_refs[i]
+            if i in self.made:  # a length mask's positions: the chunk's key indices
+                v = c * s + lax.broadcasted_iota(jnp.int32, (s,), 0)
+            elif pm is not None and i in pm.inputs:  # the chunk's pages, named by the table: x first in the block
                 entries = lambda j, m=None: self.table_ref[j] if m is None else self.table_ref[pl.ds(j, m)]  # noqa: E731
                 v = pm.load(r, entries, lambda pool, j, off, n: pool[j, pl.ds(off, n)], c * s, s)
                 v = v if perm is None else jnp.transpose(v, perm)
@@ -157,7 +211,9 @@ class _Chunks(ChunkLoop):
         n_chunks = self.padded[self.x] // self.s
         bounds = _bounds(self.p, self.masks.values(), self.zero, self.ctx, self.extent, n_chunks, self.bound_refs)
         for m in self.lengths:
-            bounds = combine(bounds, length_bounds(self.kept[m.n], self.kept[m.t], self.s, n_chunks))
+            t, short = self.kept[m.t], self.short[m.t]  # rows past the array's end (short) widen no range
+            valid = _in_bounds(t.shape, self.laid[m.t].names, short, self.ctx.offsets, self.extent) if short else None
+            bounds = combine(bounds, length_bounds(self.kept[m.n], t, self.s, n_chunks, valid))
         return bounds
 
     def lists(self) -> tuple | None:

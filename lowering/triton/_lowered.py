@@ -13,6 +13,10 @@ wrapper computes each block's chunk ranges (:func:`segment_blocks`) and passes t
 Ragged sizes are padded to whole blocks in the wrapper and masked: padded chunk elements take the
 accumulator's neutral value (``-inf`` scores, zero values), so fully masked rows give 0, not NaN; an
 axis kept whole pads to a power of two, its padding set to the neutral value of each box reducing it.
+An array short only along tiled axes and not streamed (a decode step's few query rows) is not padded: its
+last tile is loaded masked (zeros past its end, as the padding held) and an output is stored masked, so no
+copy runs before or after the kernel. A length mask's positions (an ``arange`` along the stream) are made in
+the program, not read.
 Both are the rule :class:`rewrites.pad_neutral`, whose side condition evaluates each box on its padding
 and refuses (naming the box, its functions' values and the fix) where no value is neutral. The rewrites
 of the block diagram are rules too, applied in order (:func:`kernel_rules`, ``TritonLowered.steps``).
@@ -28,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 import rewrites
-from lowering._blocks import CallBlocks, call_blocks, heavy_last, segments
+from lowering._blocks import CallBlocks, call_blocks, heavy_last, length_masks, segments
 from lowering._fp8 import no_fp8_dot
 from lowering._plan import NotLowerable, Plan, next_pow2, smem_bytes
 from lowering._source import describe
@@ -36,7 +40,7 @@ from lowering._sparsity import Sparsity, sparsity
 from lowering._spmd import out_structs
 from lowering._target import interpreted, target_hardware
 from lowering.triton._config import TritonConfig
-from lowering.triton._kernel import _batch_index, _kernel, _strides, _tile_id
+from lowering.triton._kernel import _batch_index, _kernel, _strides, _tile_id, short_tiles
 from lowering.triton._kernel import kernel_rules as kernel_rules
 from lowering.triton._namespace import Blocks, native_tanh, native_trig, operand_dtype
 from napkin_cat.diagram import Diagram
@@ -163,13 +167,17 @@ class TritonLowered:
             x, s = p.stream
             paddable(d, x, extent[x], f"is not a multiple of the stream size {s}, so its last chunk is padded")
         bounds = call_blocks(p, segments(d, p), arrays, extent)  # from ids or block maps, unpadded
+        made = frozenset(m.pos for m in length_masks(d, p))  # positions the program makes: not passed
+        short = tuple(short_tiles(p, w, extent, padded) for w in (*wires, *d.cod.inside))
         arrays = [
-            v if pm and i in pm.inputs else _pad(v, w, padded)
+            v if (pm and i in pm.inputs) or short[i] or i in made else _pad(v, w, padded)
             for i, (v, w) in enumerate(zip(arrays, wires, strict=True))
         ]
         if pm is not None:  # the table padded to the streamed axis' padded pages (entries past them never visible)
-            table = jnp.pad(table, [(0, 0), (0, padded[pm.axis] // pm.page_size - table.shape[1])])
-        outs = self._call(arrays, sizes, extent, padded, config, bounds, (pm, table))
+            need = padded[pm.axis] // pm.page_size - table.shape[-1]
+            table = jnp.pad(table, [(0, 0)] * (table.ndim - 1) + [(0, need)])
+        reads = (made, short[: len(wires)], short[len(wires) :])
+        outs = self._call(arrays, sizes, extent, padded, config, bounds, (pm, table), reads)
         outs = [o[tuple(slice(0, extent[a.name]) for a in w.axes)] for o, w in zip(outs, d.cod.inside, strict=True)]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
@@ -237,7 +245,7 @@ class TritonLowered:
 
     def _page_specs(self, pm, arrays, table, padded, flip=()) -> tuple[dict, list]:
         """With a page map: each pool input's block (its pages whole, ``pm.batch`` dropped: the table picks the
-        pages) and the table's block (this program's row along ``pm.batch``)."""
+        pages) and the table's block (this program's row along ``pm.batch``'s axes)."""
         if pm is None:
             return {}, []
         nb, strides = len(self.plan.tiles), _strides(self.plan, padded)
@@ -245,7 +253,7 @@ class TritonLowered:
         for i in pm.inputs:
             wire = self.plan.diagram.dom.inside[i]
             spec = self._spec(wire, padded, flip)
-            keep = [j for j, a in enumerate(wire.names) if a != pm.batch]
+            keep = [j for j, a in enumerate(wire.names) if a not in pm.batch]
             at = wire.names.index(pm.axis)
             shape = [s if j != at else None for j, s in enumerate(spec.block_shape) if j in keep]
             pool_at = keep.index(at)
@@ -257,20 +265,24 @@ class TritonLowered:
                 return tuple(idx)
 
             pools[i] = pl.BlockSpec(tuple(shape), index_map)
-        row = lambda *ids: (_batch_index(ids[nb], pm.batch, strides, padded), 0)  # noqa: E731
-        return pools, [pl.BlockSpec((None, table.shape[1]), row)]
+        row = lambda *ids: (*(_batch_index(ids[nb], a, strides, padded) for a in pm.batch), 0)  # noqa: E731
+        return pools, [pl.BlockSpec((None,) * len(pm.batch) + (table.shape[-1],), row)]
 
-    def _call(self, arrays, sizes, extent, padded, config, bounds: CallBlocks, pages=(None, None)):
+    def _call(self, arrays, sizes, extent, padded, config, bounds: CallBlocks, pages, reads):
         p, d = self.plan, self.plan.diagram
         pm, table = pages
+        made, _, short_out = reads
         native = not self.interpret and operand_dtype(d) is not None  # the GPU's approximate instructions
         xp = Blocks(operand_dtype(d), tanh=native_tanh if native else None, trig=native_trig if native else None)
         flip = heavy_last(p, extent, padded)
         pools, table_spec = self._page_specs(pm, arrays, table, padded, flip)
         n_bounds = 4 * len(bounds.bounds) + bounds.listed
-        kernel = functools.partial(_kernel, p, sizes, extent, padded, xp, n_bounds, flip, pm)
-        out_shape = out_structs(d.cod.inside, padded, arrays)
-        specs = [pools.get(i) or self._spec(w, padded, flip) for i, w in enumerate(d.dom.inside)]
+        kernel = functools.partial(_kernel, p, sizes, extent, padded, xp, n_bounds, flip, pm, reads)
+        out_shape = [
+            out_structs([w], extent if short else padded, arrays)[0]
+            for w, short in zip(d.cod.inside, short_out, strict=True)
+        ]
+        specs = [pools.get(i) or self._spec(w, padded, flip) for i, w in enumerate(d.dom.inside) if i not in made]
         call = pl.pallas_call(
             kernel,
             grid=self._grid(padded),
@@ -282,7 +294,8 @@ class TritonLowered:
             name="napkin_kernel",
         )
         values = [b for _, b in bounds.bounds for _ in range(4)] + ([bounds.lists] if bounds.listed else [])
-        return call(*arrays, *values, *([table] if pm is not None else []))
+        given = [v for i, v in enumerate(arrays) if i not in made]
+        return call(*given, *values, *([table] if pm is not None else []))
 
     @property
     def source(self) -> str:

@@ -197,7 +197,7 @@ class XlaLowered:
         count = {a: -(-extent[a] // g) for a, g in p.tiles.items()} | {b: extent[b] for b in p.batch}
         body = functools.partial(_block, p, unweave(d, p.batch), sizes, extent, self.config, pm)
         names = [pm.pool_axes(w) if i in pools else w.names for i, w in enumerate(wires)]
-        names += [(pm.batch, "pages")] if pm is not None else []  # the table, last
+        names += [(*pm.batch, "pages")] if pm is not None else []  # the table, last
         fn = lambda ids, *blocks: body(ids, blocks)  # noqa: E731
         for k in reversed(range(len(grid))):  # the outermost vmap maps the first grid axis
             ids = tuple(0 if j == k else None for j in range(len(grid)))

@@ -1,0 +1,101 @@
+"""The split-KV merge as one kernel: the parts' ``(o, lse)`` merged by the log-sum-exp merge, written in the caller's
+layout and dtype (FlashDecoding's second kernel, Dao et al. 2023).
+
+:func:`rewrites.merge_parts` is the merge in JAX (the reference, and the XLA backend's); XLA runs it as a
+reduction and the cast to the caller's dtype as a second launch. Here one Pallas program per (sequence, KV head,
+new token, tile of the ``group`` query heads' rows) folds its parts one at a time (``[rows, Dv]`` each, powers of
+two for Triton, the rows and dims past the arrays' ends masked) by the online log-sum-exp, and stores its rows of
+the output ``[B, Nq, H_kv, group, Dv]`` (the caller's ``[B, Nq, H, Dv]``, a reshape) and their log-sum-exp.
+
+>>> import jax, jax.numpy as jnp
+>>> from rewrites import merge_parts
+>>> o = jax.random.normal(jax.random.key(0), (1, 3, 2, 1, 4, 16))   # B, parts, H_kv, Nq, group, Dv
+>>> lse = jax.random.normal(jax.random.key(1), (1, 3, 2, 1, 4))
+>>> out, total = merge(o, lse, jnp.bfloat16, interpret=True)
+>>> want, want_lse = merge_parts(o, lse, 1)
+>>> out.shape, out.dtype, bool(jnp.allclose(out, want.transpose(0, 2, 1, 3, 4), atol=1e-2))
+((1, 1, 2, 4, 16), dtype(bfloat16), True)
+>>> bool(jnp.allclose(total, want_lse.transpose(0, 2, 1, 3), atol=1e-6))
+True
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from lowering._plan import next_pow2
+
+
+def merge(o, lse, dtype, *, interpret: bool):
+    """The parts ``o`` ``[B, n, H_kv, Nq, group, Dv]`` and their ``lse`` ``[B, n, H_kv, Nq, group]`` (f32; ``±∞``
+    where a part saw no key) merged: ``[B, Nq, H_kv, group, Dv]`` in ``dtype`` and the total log-sum-exp ``[B, Nq,
+    H_kv, group]`` (f32; ``−∞`` for a row no part saw, whose output is 0), as :func:`rewrites.merge_parts`
+    merges them, in one launch (the module's docstring).
+
+    >>> o, lse = jnp.ones((1, 2, 1, 1, 1, 4)), jnp.array([0.0, jnp.inf]).reshape(1, 2, 1, 1, 1)
+    >>> [v.ravel().tolist() for v in merge(o, lse, jnp.float32, interpret=True)]   # part 1 saw no key
+    [[1.0, 1.0, 1.0, 1.0], [0.0]]
+    """
+    batch, n, kv_heads, nq, group, dv = o.shape
+    width = next_pow2(dv)
+    rows = min(next_pow2(group), max(1, BLOCK // width))  # a program's rows: its accumulator within BLOCK numbers
+    grid = (batch, kv_heads, nq, -(-group // rows))
+    kernel = functools.partial(_merged, n=n, sizes=(group, dv))
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[
+            pl.BlockSpec((None, n, None, None, rows, width), lambda b, h, i, g: (b, 0, h, i, g, 0)),
+            pl.BlockSpec((None, n, None, None, rows), lambda b, h, i, g: (b, 0, h, i, g)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, rows, width), lambda b, h, i, g: (b, i, h, g, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda b, h, i, g: (b, i, h, g)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, nq, kv_heads, group, dv), dtype),
+            jax.ShapeDtypeStruct((batch, nq, kv_heads, group), jnp.float32),
+        ],
+        interpret=interpret,
+        name="napkin_merge",
+    )(o, lse)
+
+
+#: the most f32 numbers a program's accumulator holds (rows × Dv): 32 KB, 64 a thread of 4 warps
+BLOCK = 8192
+
+
+def _merged(o_ref, l_ref, out_ref, lse_ref, *, n: int, sizes: tuple[int, int]):
+    """One program: its rows' parts folded one at a time by the online log-sum-exp (a running largest ``lse``, the
+    sum and the output rescaled as it grows), its block's rows and dims past the arrays' ends masked."""
+    rows, width = out_ref.shape
+    first = pl.program_id(3) * rows
+    row_in = lax.broadcasted_iota(jnp.int32, (rows,), 0) + first < sizes[0]
+    dims_in = (lax.broadcasted_iota(jnp.int32, (rows, width), 0) + first < sizes[0]) & (
+        lax.broadcasted_iota(jnp.int32, (rows, width), 1) < sizes[1]
+    )
+    f32 = jnp.float32
+
+    def fold(p, carry):
+        top, total, acc = carry
+        lse = pltriton.load(l_ref.at[p], mask=row_in, other=jnp.asarray(-jnp.inf, f32)).astype(f32)
+        lse = jnp.where(jnp.isfinite(lse), lse, -jnp.inf)  # an empty part's lse may be +∞ (its sum 0 inverted)
+        new = jnp.maximum(top, lse)
+        shift = jnp.where(jnp.isfinite(new), new, 0.0)
+        scale, weight = jnp.exp(top - shift), jnp.exp(lse - shift)
+        o = pltriton.load(o_ref.at[p], mask=dims_in, other=jnp.zeros((), o_ref.dtype)).astype(f32)
+        return new, total * scale + weight, acc * scale[:, None] + weight[:, None] * o
+
+    init = (jnp.full((rows,), -jnp.inf, f32), jnp.zeros((rows,), f32), jnp.zeros((rows, width), f32))
+    top, total, acc = lax.fori_loop(0, n, fold, init)
+    seen = total > 0
+    out = jnp.where(seen[:, None], acc / jnp.where(seen, total, 1.0)[:, None], 0.0)
+    pltriton.store(out_ref, out.astype(out_ref.dtype), mask=dims_in)
+    shift = jnp.where(jnp.isfinite(top), top, 0.0)
+    pltriton.store(lse_ref, jnp.where(seen, shift + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf), mask=row_in)
