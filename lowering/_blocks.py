@@ -585,10 +585,12 @@ def call_blocks(p: Plan, masks: tuple, arrays: list, extent: dict, *, every: boo
             f"masks {', '.join(repr(m.box.name) for m, _ in maps)} have block maps with holes over different tiled "
             f"axes {sorted(axes)}; a kernel reads chunk lists along one: give them one tiled axis"
         )
-    kept, whole = maps[0][1]
-    for _, (k, w) in maps[1:]:
-        kept, whole = kept & k, whole & w
-    return CallBlocks(tuple(bounds), chunk_lists(kept, whole), axes.pop())
+    with jax.ensure_compile_time_eval():  # maps of the sizes alone: their lists are constants too, not work per call
+        kept, whole = maps[0][1]
+        for _, (k, w) in maps[1:]:
+            kept, whole = kept & k, whole & w
+        lists = chunk_lists(kept, whole)
+    return CallBlocks(tuple(bounds), lists, axes.pop())
 
 
 def segment_blocks(tiled, streamed, tile: int, chunk: int):

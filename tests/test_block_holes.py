@@ -170,3 +170,24 @@ def test_a_band_keeps_four_bounds():
     ).forward
     extent = {"q": 96, "x": 96, "d": 16}
     assert not call_blocks(window.plan, segments(window.plan.diagram, window.plan), [], extent).listed
+
+
+def test_a_mask_of_the_indices_alone_costs_nothing_per_call():
+    """A block map that depends on the sizes alone, and the chunk lists made from it, are constants of the compiled
+    program (evaluated once, when traced, as FlexAttention's ``create_block_mask`` ahead of the calls): the jitted
+    call holds the kernel and nothing else; before, every call sorted the lists again."""
+
+    def primitives(jaxpr, seen):
+        for e in jaxpr.eqns:
+            seen.add(e.primitive.name)
+            inner = e.params.get("call_jaxpr") or e.params.get("jaxpr")
+            if inner is not None and e.primitive.name != "pallas_call":
+                primitives(getattr(inner, "jaxpr", inner), seen)
+        return seen
+
+    def holes(b, h, q_idx, kv_idx):
+        return wide(q_idx, kv_idx)
+
+    a = jax.ShapeDtypeStruct((1, 512, 2, 16), jnp.float32)
+    jaxpr = jax.make_jaxpr(lambda q, k, v: nc.attention(q, k, v, mask_mod=holes))(a, a, a).jaxpr
+    assert primitives(jaxpr, set()) == {"custom_vjp_call", "pallas_call"}
