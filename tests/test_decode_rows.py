@@ -30,18 +30,25 @@ def reference(q, k, v, lengths):
     return jnp.einsum("bhij,bjhd->bihd", jax.nn.softmax(jnp.where(keep, s, -jnp.inf), axis=-1), v)
 
 
+def paged_and_contiguous(r, b, nq, h, h_kv, d, page, width, pool):
+    """bf16 queries ``[b, nq, h, d]``, a pool of ``pool`` pages of K and V, a random page table of ``width`` pages per
+    sequence, and the same keys laid out contiguous: ``(q, k_pages, v_pages, table, k, v)``."""
+    q = jnp.asarray(r.standard_normal((b, nq, h, d), np.float32)).astype(jnp.bfloat16)
+    k, v = (jnp.asarray(r.standard_normal((pool, page, h_kv, d), np.float32)).astype(jnp.bfloat16) for _ in "kv")
+    table = jnp.asarray(np.stack([r.permutation(pool)[:width] for _ in range(b)]).astype(np.int32))
+    kc, vc = (p[table].reshape(b, page * width, h_kv, d) for p in (k, v))  # the same keys, contiguous
+    return q, k, v, table, kc, vc
+
+
 def test_nq64_rows_in_any_tile_match_the_reference_contiguous_and_paged():
     """Nq = 64 at GQA 4: 256 rows per KV head, by default 2 tiles of 128, and 1 of 256; through a random page table
     of 16-key pages in 4 tiles of 64; lengths Nq and S_max."""
     seed = int(np.random.default_rng().integers(2**31))
     r = np.random.default_rng(seed)
     b, nq, h, h_kv, d, page, width = 2, 64, 4, 1, 16, 16, 6
-    s, pool = page * width, 2 * width + 1
-    q = jnp.asarray(r.standard_normal((b, nq, h, d), np.float32)).astype(jnp.bfloat16)
-    k, v = (jnp.asarray(r.standard_normal((pool, page, h_kv, d), np.float32)).astype(jnp.bfloat16) for _ in "kv")
-    table = jnp.asarray(np.stack([r.permutation(pool)[:width] for _ in range(b)]).astype(np.int32))
+    s = page * width
+    q, k, v, table, kc, vc = paged_and_contiguous(r, b, nq, h, h_kv, d, page, width, pool=2 * width + 1)
     lengths = jnp.array([nq, s])
-    kc, vc = (p[table].reshape(b, s, h_kv, d) for p in (k, v))  # the same keys, contiguous
     want = reference(q, kc, vc, lengths)
     assert decode_plan(q, kc, vc, lengths, parts=2).summary()["row_tiles"] == 2
     for tile, tiles in ((None, 2), (256, 1)):
@@ -58,12 +65,9 @@ def test_a_last_row_tile_past_the_rows_is_read_and_written_masked(seed):
     the shortest Nq."""
     r = np.random.default_rng(seed)
     b, nq, h, h_kv, d, page, width = 3, 5, 8, 2, 16, 16, 5
-    s, pool = page * width, 3 * width + 2
-    q = jnp.asarray(r.standard_normal((b, nq, h, d), np.float32)).astype(jnp.bfloat16)
-    k, v = (jnp.asarray(r.standard_normal((pool, page, h_kv, d), np.float32)).astype(jnp.bfloat16) for _ in "kv")
-    table = jnp.asarray(np.stack([r.permutation(pool)[:width] for _ in range(b)]).astype(np.int32))
+    s = page * width
+    q, k, v, table, kc, vc = paged_and_contiguous(r, b, nq, h, h_kv, d, page, width, pool=3 * width + 2)
     lengths = jnp.asarray([nq, *r.integers(nq, s + 1, b - 1)])
-    kc, vc = (p[table].reshape(b, s, h_kv, d) for p in (k, v))
     want = reference(q, kc, vc, lengths)
     assert decode_plan(q, kc, vc, lengths, tile=16, parts=2).summary()["row_tiles"] == 2
     for got in (nc.decode_attention(q, kc, vc, lengths, tile=16, parts=2),
