@@ -77,11 +77,32 @@ class Backend(Protocol):
     def prefer(self, kernel, *, backward: bool) -> str | None: ...
 
 
-def streamed_output(p: Plan, title: str, *, adds: bool = False) -> str | None:
+def summed_across_programs(p: Plan, title: str) -> str | None:
+    """Why a Pallas backend (``title``) that writes each output once per program refuses ``p``: an output summed over
+    a tiled axis (:attr:`Plan.summed`), each program's partial sums added into it; else None.
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, stream, tile
+    >>> from lowering import plan
+    >>> q, x, d = nc.axes("q x d")
+    >>> flash = derive(nc.library.attention(q, x, d), tile(q, 16), stream(x, 16), verify=False).diagram
+    >>> summed_across_programs(plan(flash), "Triton") is None
+    True
+    """
+    if not p.summed:
+        return None
+    k, axes = next(iter(p.summed.items()))
+    return (
+        f"output {k} ({p.diagram.cod.inside[k].describe()}) is summed over the tiled axis {axes[0]!r}, each "
+        f"program's partial sums added into it (backward='fused': dQ in the dK·dV kernel): {title} does not add "
+        "outputs across the programs of its grid (the XLA backend does: backend='xla'; else backward='lowered')"
+    )
+
+
+def written_per_chunk(p: Plan, title: str, *, added: tuple = ()) -> str | None:
     """Why a Pallas backend (``title``) refuses ``p``: an output carrying the streamed axis (:attr:`Plan.written`),
-    which its kernels, writing each output once per program of the grid, cannot write chunk by chunk, or one summed
-    over a tiled axis (:attr:`Plan.summed`), which they do not add across programs (unless it ``adds`` them chunk by
-    chunk: Mosaic's TMA reduce-add, which checks the rest itself); else None.
+    which its kernels, writing each output once per program of the grid, cannot write chunk by chunk; the outputs
+    ``added`` excepted (Mosaic adds a summed output chunk by chunk by TMA reduce-add); else None.
 
     >>> import napkin_cat as nc
     >>> from rewrites import derive, stream
@@ -89,18 +110,11 @@ def streamed_output(p: Plan, title: str, *, adds: bool = False) -> str | None:
     >>> n, v = nc.axes("n v")
     >>> x = nc.Array(n, v)
     >>> exp_and_sum = nc.copy(x) >> (nc.exp(x) @ nc.reduce_sum(x, v))  # exp(x) written per chunk of v
-    >>> print(streamed_output(plan(derive(exp_and_sum, stream(v, 16), verify=False).diagram), "Triton"))
+    >>> print(written_per_chunk(plan(derive(exp_and_sum, stream(v, 16), verify=False).diagram), "Triton"))
     output 0 (n×v~16:f32@HBM) carries the streamed axis 'v': Triton writes each output once per program of its \
 grid, not chunk by chunk (the XLA backend does: backend='xla')
     """
-    if p.summed and not adds:  # checked first: such an output is written chunk by chunk too
-        k, axes = next(iter(p.summed.items()))
-        return (
-            f"output {k} ({p.diagram.cod.inside[k].describe()}) is summed over the tiled axis {axes[0]!r}, each "
-            f"program's partial sums added into it (backward='fused': dQ in the dK·dV kernel): {title} does not add "
-            "outputs across the programs of its grid (the XLA backend does: backend='xla'; else backward='lowered')"
-        )
-    written = [k for k in p.written if not (adds and k in p.summed)]
+    written = [k for k in p.written if k not in added]
     if not written:
         return None
     wire = p.diagram.cod.inside[written[0]]
@@ -158,7 +172,8 @@ class Triton:
         ...              interpret=None, config=None) is None  # a sum pads with zeros
         True
         """
-        if why := streamed_output(p, self.title):
+        # a summed output is written chunk by chunk too: its own refusal first
+        if why := summed_across_programs(p, self.title) or written_per_chunk(p, self.title):
             return why
         d = p.diagram
         size = {a.name: a.size for w in d.dom.inside for a in w.axes}
@@ -256,7 +271,7 @@ class Mosaic:
         ...              interpret=True, config=None)  # f32 inputs
         'input q/128×d:f32@HBM: wgmma takes 16-bit operands (or FP8: e4m3, e5m2), got f32'
         """
-        return streamed_output(p, self.title, adds=True) or self._built(p, interpret, config)[1]
+        return written_per_chunk(p, self.title, added=tuple(p.summed)) or self._built(p, interpret, config)[1]
 
     def heuristic(self, p: Plan) -> MosaicConfig:
         """MosaicConfig's defaults: two consumer warpgroups (or the diagram's ``split``), two stages, ping-pong
