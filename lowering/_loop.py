@@ -91,7 +91,8 @@ class ChunkLoop(ABC):
 
     @abstractmethod
     def chunk(self, c, walk_chunk) -> None:
-        """Load chunk ``c``'s values, ``walk_chunk(values)``, and release what the load holds."""
+        """Load chunk ``c``'s values, ``walk_chunk(values)`` (which returns the chunk walk's outputs), and release what
+        the load holds."""
 
     @abstractmethod
     def count(self):
@@ -201,7 +202,7 @@ class ChunkLoop(ABC):
 
             def walk_chunk(values):
                 ctx = self.chunk_ctx.at(**{x: c * s})
-                self.walk(d, values, ctx, x, "chunk", states, fold=self.fold, skip=skip)
+                return self.walk(d, values, ctx, x, "chunk", states, fold=self.fold, skip=skip)
 
             self.chunk(c, walk_chunk)
             return tuple(self.carried(states[i]) for i in keys)

@@ -277,9 +277,8 @@ class _Consumer(ChunkLoop):
     def __init__(
         self, kernel: MosaicKernel, scratch: _Scratch, started: tuple, wg, start, block, visited, walk=None, outs=None
     ):
-        #: the output refs and the program's batch position, where summed outputs are added into chunk by chunk,
-        #: and the last chunk walk's outputs (a summed output's partial)
-        self.outs, self.walked = outs, []
+        #: the output refs and the program's batch position, where summed outputs are added into chunk by chunk
+        self.outs = outs
         self.turn, self.pingpong, grid, ctx, self.resident, self.scalars = started
         low, self.kernel, self.scratch, self.wg, self.visit = kernel.low, kernel, scratch, wg, visited
         #: the tile's walk of its lists (a block map with holes), and the ring slot of the listed chunk being walked
@@ -337,11 +336,11 @@ class _Consumer(ChunkLoop):
         streamed = self.kernel.streamed
         ring = {i: Smem(rows_of(i, rings[k].at[slot]), loaded[k].at[slot]).along(1) for k, i in enumerate(streamed)}
         self.pingpong.issued = 0
-        walk_chunk([ring.get(i, self.resident.get(i, self.scalars.get(i))) for i in range(len(wires))])
-        for k in low.summed:  # its product issued here: counted among the chunk's wgmma
+        walked = walk_chunk([ring.get(i, self.resident.get(i, self.scalars.get(i))) for i in range(len(wires))])
+        for k in low.summed:  # its product issued here: counted among the chunk's wgmma; the chunk's partial added
             out_refs, bid = self.outs
             buf = self.scratch.outs[low.shared[k]].at[wg]
-            self.kernel.add(k, self.walked[k], out_refs[k], buf, wg, bid, c)
+            self.kernel.add(k, walked[k], out_refs[k], buf, wg, bid, c)
         if self.pingpong.issued != self.counting.wgmma:  # the turns an observed chunk takes would not match
             raise NotLowerable(
                 f"a chunk issued {self.pingpong.issued} wgmma, the shape probe counted {self.counting.wgmma}"
@@ -359,8 +358,7 @@ class _Consumer(ChunkLoop):
             return skip(box)
 
         try:
-            self.walked = walk(*args, skip=watched, **kw)
-            return self.walked
+            return walk(*args, skip=watched, **kw)
         except (NotLowerable, NotImplementedError, ValueError, TypeError) as e:
             raise NotLowerable(f"box {getattr(self.box, 'name', self.box)!r}: {e}") from e
 
