@@ -77,9 +77,7 @@ def _merged(o_ref, l_ref, out_ref, lse_ref, *, n: int, sizes: tuple[int, int]):
     rows, width = out_ref.shape
     first = pl.program_id(3) * rows
     row_in = lax.broadcasted_iota(jnp.int32, (rows,), 0) + first < sizes[0]
-    dims_in = (lax.broadcasted_iota(jnp.int32, (rows, width), 0) + first < sizes[0]) & (
-        lax.broadcasted_iota(jnp.int32, (rows, width), 1) < sizes[1]
-    )
+    dims_in = row_in[:, None] & (lax.broadcasted_iota(jnp.int32, (rows, width), 1) < sizes[1])
     f32 = jnp.float32
 
     def fold(p, carry):
