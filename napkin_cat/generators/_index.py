@@ -39,6 +39,7 @@ from napkin_cat.diagram import Array, Ty
 from napkin_cat.dtypes import f32
 from napkin_cat.errors import AxisError, EvaluationError
 from napkin_cat.generators._base import Generator, fname
+from napkin_cat.generators._vectors import pruned_trace
 
 
 def index_names(fn: Callable, *, score: bool) -> tuple[str, ...] | None:
@@ -329,15 +330,10 @@ def _depends_on(keep: Callable, names: tuple[str, ...]) -> frozenset:
     taken = tuple(a for a in names if taken is None or a in taken)
     i32 = jax.ShapeDtypeStruct((), jnp.int32)
     try:
-        closed = jax.make_jaxpr(lambda *idx: keep(**dict(zip(taken, idx, strict=True))))(*[i32] * len(taken))
+        _, read = pruned_trace(lambda *idx: keep(**dict(zip(taken, idx, strict=True))), [i32] * len(taken))
     except Exception:  # noqa: BLE001 - a mask the trace cannot follow (Python control flow): every index taken
         return frozenset(taken)
-    jaxpr = closed.jaxpr
-    want = {v for v in jaxpr.outvars if not isinstance(v, Literal)}
-    for e in reversed(jaxpr.eqns):  # an equation whose result is wanted wants all its operands
-        if want & set(e.outvars):
-            want |= {v for v in e.invars if not isinstance(v, Literal)}
-    return frozenset(a for a, v in zip(taken, jaxpr.invars, strict=True) if v in want)
+    return frozenset(a for a, r in zip(taken, read, strict=True) if r)
 
 
 #: the last fine maps evaluated, per (mask function, sizes, indices passed as 0): a few, each at most FINE_BLOCKS

@@ -131,7 +131,7 @@ def on_vectors(fn: Callable, args: list, spread: Callable, shape: tuple | None =
     [[1, 0, 1], [0, 1, 0], [1, 0, 1], [0, 1, 0]]
     """
     args = [a if isinstance(a, Vector) else scalar(a) for a in args]
-    closed, read = _traced(fn, [jax.ShapeDtypeStruct(a.shape, _dtype(a.value)) for a in args])
+    closed, read = pruned_trace(fn, [jax.ShapeDtypeStruct(a.shape, _dtype(a.value)) for a in args])
     _check(closed)  # before any operation is emitted: a kernel falling back keeps no half of this one
     used = [Vector(made(a.value), a.dims, a.shape) for a, r in zip(args, read, strict=True) if r]
     (out,) = _run(closed.jaxpr, [scalar(c) for c in closed.consts], used, spread)
@@ -157,7 +157,7 @@ def on_blocks(fn: Callable, args: list, spread: Callable, shape: tuple):
         jax.ShapeDtypeStruct(sizes if isinstance(a, Vector) else jnp.shape(a), _dtype(getattr(a, "value", a)))
         for a in args
     ]
-    closed, read = _traced(fn, avals)
+    closed, read = pruned_trace(fn, avals)
     grids = [
         Vector(made(a.value), a.dims, a.shape).over(whole, shape, spread) if isinstance(a, Vector) else a
         for a, r in zip(args, read, strict=True)
@@ -166,7 +166,7 @@ def on_blocks(fn: Callable, args: list, spread: Callable, shape: tuple):
     return jaxpr_as_fun(closed)(*grids)[0]
 
 
-def _traced(fn: Callable, avals: list) -> tuple[ClosedJaxpr, list]:
+def pruned_trace(fn: Callable, avals: list) -> tuple[ClosedJaxpr, list]:
     """``fn`` traced at ``avals``, pruned to the operations its result depends on, and which arguments it reads."""
     closed = jax.make_jaxpr(fn)(*avals)
     jaxpr, read = dce_jaxpr(closed.jaxpr, True)
