@@ -126,10 +126,10 @@ def test_paged_decode_lowers_for_cuda(abstract_hopper, monkeypatch, nq, chunk):
     jax.jit(paged).trace(*args).lower(lowering_platforms=("cuda",))
 
 
-def test_f32_attention_at_a_padded_head_dim_lowers_under_auto_on_a_hopper(abstract_hopper, monkeypatch):
-    """f32 at head dim 192 (padded to 256 for Triton) on an sm_90 GPU under ``auto``: Mosaic's wide blocks (64 × 64)
-    were fitted for a kernel wgmma cannot multiply, and Triton, which runs f32, was handed them: 458,752 B of
-    shared memory, refused on an H200. Now f32 takes Triton's rule, forward and backward."""
+@pytest.fixture
+def entry_on_an_h200(abstract_hopper, monkeypatch):
+    """``nc.attention``'s entry as on an H200: an sm_90 GPU available to ``auto`` and the lowering's target; its cache
+    of kernels cleared before and after (they were built for this stand-in)."""
     import lowering._attention as entry
     import lowering._registry as registry
     from napkin_cat.hardware import H200
@@ -139,6 +139,14 @@ def test_f32_attention_at_a_padded_head_dim_lowers_under_auto_on_a_hopper(abstra
     for module in ("lowering._attention", "lowering._api", "lowering.triton._lowered"):
         monkeypatch.setattr(f"{module}.target_hardware", lambda interpret=False: H200)
     entry.attention.cache_clear()
+    yield
+    entry.attention.cache_clear()
+
+
+def test_f32_attention_at_a_padded_head_dim_lowers_under_auto_on_a_hopper(entry_on_an_h200):
+    """f32 at head dim 192 (padded to 256 for Triton) on an sm_90 GPU under ``auto``: Mosaic's wide blocks (64 × 64)
+    were fitted for a kernel wgmma cannot multiply, and Triton, which runs f32, was handed them: 458,752 B of
+    shared memory, refused on an H200. Now f32 takes Triton's rule, forward and backward."""
     q = jax.ShapeDtypeStruct((2, 100, 2, 192), jnp.float32)
     k = jax.ShapeDtypeStruct((2, 131, 2, 192), jnp.float32)
 
@@ -152,27 +160,16 @@ def test_f32_attention_at_a_padded_head_dim_lowers_under_auto_on_a_hopper(abstra
             interpret=False,
         ).sum()
 
-    try:
-        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k).lower(lowering_platforms=("cuda",))
-    finally:
-        entry.attention.cache_clear()
+    jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.parametrize(("heads", "dim", "fused"), [((4, 4), 64, True), ((4, 2), 64, True), ((4, 4), 128, False)])
-def test_the_entry_fuses_dq_where_measured_faster(abstract_hopper, monkeypatch, heads, dim, fused):
+def test_the_entry_fuses_dq_where_measured_faster(entry_on_an_h200, heads, dim, fused):
     """On an sm_90 GPU ``nc.attention``'s backward at D = 64 fuses dQ into the dK·dV kernel (measured faster there:
     ``MOSAIC_BLOCKS.fused_dq_dims``), grouped-query heads too; at D = 128 it keeps two kernels; a score_mod keeps
     two kernels (the variants are not measured fused). Its jitted gradient lowers for CUDA."""
-    import lowering._attention as entry
-    import lowering._registry as registry
     from lowering._attention import Signature
-    from napkin_cat.hardware import H200
 
-    for module in (entry, registry):
-        monkeypatch.setattr(module, "unavailable", lambda interpret=None, config=None: None)  # an sm_90 GPU here
-    for module in ("lowering._attention", "lowering._api", "lowering.triton._lowered"):
-        monkeypatch.setattr(f"{module}.target_hardware", lambda interpret=False: H200)
-    entry.attention.cache_clear()
     q = jax.ShapeDtypeStruct((2, 512, heads[0], dim), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((2, 512, heads[1], dim), jnp.bfloat16)
     assert Signature.of(q, k, k, is_causal=True).backward == ("fused" if fused else "lowered")
@@ -181,8 +178,5 @@ def test_the_entry_fuses_dq_where_measured_faster(abstract_hopper, monkeypatch, 
     def loss(q, k, v):
         return nc.attention(q, k, v, is_causal=True, interpret=False).astype(jnp.float32).sum()
 
-    try:
-        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
-        assert ("output_operand_alias" in text) == fused  # dQ's zeroed f32 buffer, added into by TMA reduce-add
-    finally:
-        entry.attention.cache_clear()
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
+    assert ("output_operand_alias" in text) == fused  # dQ's zeroed f32 buffer, added into by TMA reduce-add
