@@ -20,6 +20,7 @@ from napkin_cat.errors import EvaluationError
 
 B, N, H, D = 2, 24, 2, 16
 TOL = 2e-5  # f32: measured max abs error of outputs and gradients ~5e-6
+EPS = float(jnp.finfo(jnp.float32).eps)
 nn = functools.partial(jax.nn.dot_product_attention, implementation="xla")
 
 
@@ -84,7 +85,12 @@ def test_lengths_window_residual_and_traced_scale(key):
         grads = jax.jit(jax.grad(functools.partial(loss, attention), argnums=(0, 1, 2, 3, 4)))(0.3, q, k, v, bias)
         want = jax.grad(functools.partial(loss, nn), argnums=(0, 1, 2, 3, 4))(0.3, q, k, v, bias)
         errs = [float(jnp.abs(a - b).max()) for a, b in zip(grads, want, strict=True)]
-        assert max(errs) <= 5 * TOL, f"(dscale, dq, dk, dv, dbias) {errs}"
+        assert max(errs[1:]) <= 5 * TOL, f"(dq, dk, dv, dbias) {errs[1:]}"
+        # dscale sums dlogits·(q·k) over every score, with cancellation: its rounding error scales with the sum
+        # of the terms' magnitudes, not with dscale (measured <= 3.0 eps of it over 120 seeds, mostly <= 1)
+        dlogits = jax.grad(functools.partial(loss, nn), argnums=4)(0.3, q, k, v, jnp.broadcast_to(bias, (B, H, N, N)))
+        terms = float(jnp.abs(dlogits * jnp.einsum("bqhd,bkhd->bhqk", q, k)).sum())
+        assert errs[0] <= 16 * EPS * terms, f"dscale {float(grads[0])} vs {float(want[0])}: {errs[0]} > 16 eps·{terms}"
 
 
 def test_leading_batch_axes_and_implementation(key):
