@@ -87,8 +87,9 @@ class DeviceKernel:
     (None, 1, 'lowered', 'triton')
     """
 
-    def __init__(self, s: Sharded, mesh: Mesh, fn, *, exchange: str | None, differentiation: str, backends, refused):
-        self.sharded, self.mesh, self._fn = s, mesh, fn
+    def __init__(self, s: Sharded, mesh: Mesh, fn, *, exchange: str | None, differentiation: str, backends, refused,
+                 ordered=None):  # fmt: skip
+        self.sharded, self.mesh, self._fn, self._ordered = s, mesh, fn, ordered or fn
         self.exchange, self.differentiation = exchange, differentiation
         self._backends, self._refused = backends, refused
         self.__name__ = "napkin_device_kernel"
@@ -109,6 +110,57 @@ class DeviceKernel:
 
     def __call__(self, *arrays):
         return self._fn(*arrays)
+
+    def _order(self, axis_length: int) -> list[int] | None:
+        seq = self.sharded.sequence
+        if seq is None or seq.exchange == "all_to_all":
+            return None  # no chunk order: a group partition, or Ulysses (whole sequences per head group)
+        n = seq.units * seq.devices
+        if axis_length % n:
+            raise NotLowerable(
+                f"device order: a sequence of {axis_length} does not split into {n} equal chunks ({seq}); pad it "
+                f"to a multiple of {n} first"
+            )
+        return [c for dev in range(seq.devices) for c in seq.owned(dev)]
+
+    def device_order(self, x, axis: int):
+        """``x``'s sequence ``axis`` with its chunks in the order the devices hold them (zig-zag: device ``i``
+        chunks ``i`` and ``2P − 1 − i``), for :meth:`in_device_order`: a model permutes its tokens once, not every
+        call. The identity without zig-zag. Undone by :meth:`sequence_order`.
+
+        >>> import jax.numpy as jnp, napkin_cat as nc
+        >>> from rewrites import derive, tile, stream, ring, zigzag, derive_devices
+        >>> q, x, d = nc.axes("q x d")
+        >>> flash = derive(nc.library.attention(q, x, d, causal=True), tile(q, 16), stream(x, 16), verify=False)
+        >>> k = lower_devices(derive_devices(flash, ring("q", "x", "sp", 1), zigzag(), verify=False))
+        >>> k.device_order(jnp.arange(4), 0), k.sequence_order(k.device_order(jnp.arange(4), 0), 0)
+        (Array([0, 1, 2, 3], dtype=int32), Array([0, 1, 2, 3], dtype=int32))
+        """
+        order = self._order(x.shape[axis])
+        return x if order is None else _reorder(x, axis, order)
+
+    def sequence_order(self, x, axis: int):
+        """:meth:`device_order` undone: ``x``'s chunks along ``axis`` back in sequence order."""
+        order = self._order(x.shape[axis])
+        return x if order is None else _reorder(x, axis, [int(c) for c in np.argsort(order)])
+
+    def in_device_order(self, *arrays):
+        """The kernel on arrays whose sequence axes are already in :meth:`device_order` (and split into whole
+        chunks): no reorder of the inputs or the output, which stays in device order. This is how a model calls
+        the ring under zig-zag, permuting its tokens once at the input (the loss of a token does not depend on
+        where it sits): every call of ``kernel(...)`` moves half of Q, K, V and O between devices.
+
+        >>> import jax, jax.numpy as jnp, napkin_cat as nc
+        >>> from rewrites import derive, tile, stream, ring, zigzag, derive_devices
+        >>> q, x, d = nc.axes("q x d")
+        >>> flash = derive(nc.library.attention(q, x, d, causal=True), tile(q, 16), stream(x, 16), verify=False)
+        >>> k = lower_devices(derive_devices(flash, ring("q", "x", "sp", 1), zigzag(), verify=False))
+        >>> Q, K, V = (jax.random.normal(jax.random.key(i), (32, 16)) for i in range(3))
+        >>> out = k.in_device_order(*(k.device_order(a, 0) for a in (Q, K, V)))
+        >>> bool(jnp.allclose(k.sequence_order(out, 0), k(Q, K, V), atol=1e-6))
+        True
+        """
+        return self._ordered(*arrays)
 
 
 def lower_devices(
@@ -175,17 +227,20 @@ def lower_devices(
         )
 
     fn = jax.jit(functools.partial(_call, s, mapped, late))  # called eagerly, shard_map would dispatch op by op
+    ordered = jax.jit(functools.partial(_call, s, mapped, late, ordered=True))
     exchange = seq.exchange if seq else None
     return DeviceKernel(
-        s, m, fn, exchange=exchange, differentiation=differentiation, backends=backends, refused=refused
+        s, m, fn, exchange=exchange, differentiation=differentiation, backends=backends, refused=refused,
+        ordered=ordered,
     )
 
 
-def _call(s: Sharded, mapped, late: tuple[str, ...], *xs):
+def _call(s: Sharded, mapped, late: tuple[str, ...], *xs, ordered: bool = False):
     """Pad every partitioned axis to whole chunks (zig-zag: reorder the chunks to their devices), run, undo.
     Under a causal mask keys past the last query are dropped first (no query sees them) and the rest chunked as
     the queries; ``mapped`` is keyed by the query and key lengths the devices see, then the sizes of the axes
-    kept whole that the ring's pair kernels bind (``late``)."""
+    kept whole that the ring's pair kernels bind (``late``). ``ordered``: the sequence axes arrive in device order
+    and whole chunks (:meth:`DeviceKernel.in_device_order`), and the output leaves so."""
     d, seq = s.diagram, s.sequence
     if len(xs) != len(d.dom):
         raise NotLowerable(f"device kernel {d.dom} → {d.cod}: expected {len(d.dom)} arrays, got {len(xs)}")
@@ -213,6 +268,15 @@ def _call(s: Sharded, mapped, late: tuple[str, ...], *xs):
         whole |= {seq.queries: n * cq, seq.keys: n * ck}
         order, lengths = [c for dev in range(seq.devices) for c in seq.owned(dev)], (nq, nk)
         lengths += tuple((a, extent[a]) for a in late)
+        if ordered:
+            for a in (seq.queries, seq.keys):
+                if cut.get(a, whole[a]) != extent[a] or whole[a] != extent[a]:
+                    raise NotLowerable(
+                        f"in_device_order: {a} has {extent[a]} positions; arrays in device order must split into "
+                        f"{n} whole chunks, with as many keys as queries under a causal mask ({seq.queries}: "
+                        f"{extent[seq.queries]}, {seq.keys}: {extent[seq.keys]}); pad them, or call the kernel itself"
+                    )
+            order = None
 
     def prepare(w, x):
         for i, name in enumerate(w.names):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -187,6 +188,12 @@ def test_docs_cost_example_runs(capsys):
     assert capsys.readouterr().out.splitlines()[-1] == "ppermute"
 
 
+def test_device_order_refuses_a_sequence_of_unequal_chunks():
+    kernel = lower_devices(derive_devices(flash(True), ring("q", "x", "sp", 1), zigzag(), verify=False))
+    with pytest.raises(NotLowerable, match="a sequence of 33 does not split into 2 equal chunks"):
+        kernel.device_order(jnp.ones((33, 16)), 0)
+
+
 def test_mesh_cost_bad_inputs():
     q, x, d = nc.axes("q x d")
     with pytest.raises(CostError, match=r"^mesh_cost: exchange must be one of ppermute, all_gather, all_to_all, got"):
@@ -238,6 +245,33 @@ def test_four_ring_forward_and_gradients(seed, causal, rules, n):
     Q, K, V = jax.random.normal(jax.random.key(seed), (3, n, 16))
     reference = lambda Q, K, V: R.attention(Q, K, V, causal=causal)  # noqa: E731
     outputs_and_grads_close(kernel, reference, (Q, K, V), seed)
+
+
+@on_four
+def test_four_zigzag_ring_in_device_order(seed):
+    """Arrays already in the devices' zig-zag order (a model permutes its tokens once): forward and gradients
+    equal the reference's, and the compiled call moves no more data than the ring's own steps (the plain call
+    also reorders Q, K, V and O between devices)."""
+    kernel = lower_devices(derive_devices(flash(True), ring("q", "x", "sp", 4), zigzag(), verify=False))
+    Q, K, V = jax.random.normal(jax.random.key(seed), (3, 80, 16))  # 8 chunks of 10
+
+    def ordered(Q, K, V):
+        return kernel.sequence_order(kernel.in_device_order(*(kernel.device_order(a, 0) for a in (Q, K, V))), 0)
+
+    reference = lambda Q, K, V: R.attention(Q, K, V, causal=True)  # noqa: E731
+    outputs_and_grads_close(ordered, reference, (Q, K, V), seed)
+    placed = jax.NamedSharding(kernel.mesh, jax.P("sp"))
+    sharded = [jax.device_put(kernel.device_order(a, 0), placed) for a in (Q, K, V)]
+
+    def moves(f):  # cross-device transfers in the compiled forward
+        text = jax.jit(f).lower(*sharded).compile().as_text()
+        return len(re.findall(r" (collective-permute|all-to-all|all-gather)(-start)?\(", text))
+
+    # at most the ring's own P − 1 = 3 steps of K and V (XLA may combine the two); the plain call's reorders
+    # of Q, K, V and O partition into 136 more on CPU
+    assert moves(kernel.in_device_order) <= 6 < moves(kernel)
+    with pytest.raises(NotLowerable, match="must split into 8 whole chunks"):
+        kernel.in_device_order(Q[:75], K[:75], V[:75])
 
 
 @on_four

@@ -309,8 +309,9 @@ def test_ring_binds_an_open_head_dim_at_the_call_on_hopper(hopper, seed):
 
 @on_four
 def test_four_docs_strategy_examples(capsys):
-    """docs/multi_device.md's ring, all-gather and Ulysses examples, each against jax.nn."""
+    """docs/multi_device.md's ring, all-gather and Ulysses examples, each against jax.nn, and the ring called on
+    arrays in device order against its plain call."""
     blocks, scope = docs_blocks(), {}
-    for name in ("ringed = ", "gathered = ", "u = "):
+    for name in ("ringed = ", "in_device_order(", "gathered = ", "u = "):
         exec(next(b for b in blocks if name in b), scope)  # noqa: S102
-    assert capsys.readouterr().out.split() == ["True"] * 3
+    assert capsys.readouterr().out.split() == ["True"] * 4

@@ -6,7 +6,10 @@ with ``exchange="all_gather"``) and Ulysses (``rewrites.ulysses``: all-to-alls o
 ``lowering.lower_devices`` with the per-device kernels the backend registry picks (Mosaic on Hopper); the one-GPU
 baseline is ``nc.attention`` (``[b, seq, h, d]``) on one of the same GPUs, up to the longest N it holds. Each is
 checked against the baseline at a small N (relative error ≤ 1e-2) before timing; each time is the median over
-batches of back-to-back calls, forward and forward+backward. The transfers alone (each strategy's collectives
+batches of back-to-back calls, forward and forward+backward. Every strategy gets its inputs in its own layout
+before timing: sharded over the mesh (not scattered from one GPU inside each call) and, under zig-zag, in the
+devices' chunk order (``DeviceKernel.in_device_order``: a model permutes its tokens once; the plain call would
+also move half of Q, K, V and O between devices every call). The transfers alone (each strategy's collectives
 with no compute) are timed beside ``nc.mesh_cost``'s prediction, with NVLink's datasheet link and with the link
 fitted (``nc.fit_link``) to single ``ppermute`` transfers of other sizes; ``nc.choose_strategy`` (fitted) names
 the strategy it picks at each N, next to the fastest measured. Each strategy's per-device kernels, forward and
@@ -39,7 +42,7 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as Spec  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
@@ -54,6 +57,12 @@ from rewrites._verify import FAST_COMPILE  # noqa: E402
 HERE = Path(__file__).parent
 HEADS, D, CHECK_N, TOLERANCE = 8, 128, 4096, 1e-2
 SETS = 4  # independent sets of arrays per call in per_exchange
+
+
+def back_to_back(reps: int) -> int:
+    """Calls per timed batch: ``reps``, but one on CPU host devices, where several sharded calls in flight at
+    once can deadlock in a collective (XLA's CPU devices share one thread pool: --smoke on two cores)."""
+    return 1 if jax.devices()[0].platform == "cpu" else reps
 SMOKE_SIZES = {"heads": 4, "d": 16, "ns": [64], "check_n": 64, "tile": (16, 16), "dtype": "f32", "devices": 4}
 STRATEGIES = ("ring", "all_gather", "ulysses")
 
@@ -98,6 +107,13 @@ def inputs(n: int, heads: int, d: int, dtype, seed: int):
     return [jax.random.normal(k, (1, heads, n, d), dtype) for k in keys]
 
 
+def placed(kernel, mesh: Mesh, *xs) -> list:
+    """``[b, h, n, d]`` arrays in ``kernel``'s own layout: the sequence in its devices' chunk order
+    (``device_order``; the identity but under zig-zag) and sharded over ``sp``, ready before any timing."""
+    sharding = NamedSharding(mesh, Spec(None, None, "sp"))
+    return [jax.block_until_ready(jax.device_put(kernel.device_order(x, 2), sharding)) for x in xs]
+
+
 def seq_major(*xs):
     """``[b, h, n, d]`` → ``[b, n, h, d]``: ``nc.attention``'s layout (done before timing)."""
     return [jnp.swapaxes(x, 1, 2) for x in xs]
@@ -124,7 +140,8 @@ def timed(fns: dict, args, backward: bool) -> float:
     _, first, _ = once(f, *args)
     if first > 0.5:
         return float(np.median([first, *time_calls(f, *args, reps=1, batches=2, warmup=0, method="wall").samples]))
-    return time_calls(f, *args, reps=max(1, int(0.2 / first)), batches=3, warmup=0, method="wall").seconds
+    return time_calls(f, *args, reps=back_to_back(max(1, int(0.2 / first))), batches=3, warmup=0,
+                      method="wall").seconds
 
 
 def transfers(strategy: str, mesh: Mesh, devices: int, sets: int = 1):
@@ -160,11 +177,17 @@ def per_exchange(make, *arrays) -> tuple[float, float]:
     """Seconds one exchange takes, and the fixed cost of a call: ``make(sets)`` (the exchange on ``sets``
     independent sets of ``arrays``, one call) timed at 1 and ``SETS`` sets (wall clock, back-to-back calls); the
     difference over ``SETS − 1`` is one set's transfer time without the call's dispatch and synchronisation."""
-    one = time_calls(make(1), *arrays, reps=5, batches=3, warmup=1, method="wall").seconds
+    one = time_calls(make(1), *arrays, reps=back_to_back(5), batches=3, warmup=1, method="wall").seconds
     extra = [a + i for i in range(1, SETS) for a in arrays]
-    many = time_calls(make(SETS), *arrays, *extra, reps=5, batches=3, warmup=1, method="wall").seconds
+    many = time_calls(make(SETS), *arrays, *extra, reps=back_to_back(5), batches=3, warmup=1, method="wall").seconds
     each = max((many - one) / (SETS - 1), 0.0)
     return each, one - each
+
+
+def sharded(mesh: Mesh, x):
+    """``x`` (``[b, h, n, d]``) sharded over ``sp`` before timing: an array on one GPU would be scattered to the
+    mesh inside every timed call, its transfers counted as the exchange's."""
+    return jax.block_until_ready(jax.device_put(x, NamedSharding(mesh, Spec(None, None, "sp"))))
 
 
 def fitted_link(mesh: Mesh, heads: int, d: int, dtype, devices: int, n: int):
@@ -179,18 +202,20 @@ def fitted_link(mesh: Mesh, heads: int, d: int, dtype, devices: int, n: int):
 
     measured = []
     for m in (max(devices, n // 2), max(devices, n), max(devices, 2 * n)):
-        k = jnp.ones((1, heads, m, d), dtype)
+        k = sharded(mesh, jnp.ones((1, heads, m, d), dtype))
         measured.append((k.size // devices * k.dtype.itemsize, per_exchange(make, k)[0]))
     return nc.fit_link(measured, "fitted ppermute"), measured
 
 
-def check(fns: dict, baseline: dict, n: int, heads: int, d: int, dtype) -> dict:
-    """Each strategy's output against the one-GPU kernel's at ``n``: the max relative error."""
+def check(fns: dict, kernels: dict, mesh: Mesh, baseline: dict, n: int, heads: int, d: int, dtype) -> dict:
+    """Each strategy's output (in its own layout, put back in sequence order) against the one-GPU kernel's at
+    ``n``: the max relative error."""
     q, k, v, _ = inputs(n, heads, d, dtype, 1)
     want = np.asarray(jnp.swapaxes(baseline[False](*seq_major(q, k, v)), 1, 2), np.float32)
     errors = {}
     for name, f in fns.items():
-        got = np.asarray(f[False](q, k, v), np.float32)
+        kernel = kernels[name]
+        got = np.asarray(kernel.sequence_order(f[False](*placed(kernel, mesh, q, k, v)), 2), np.float32)
         errors[name] = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
         log(f"check at N = {n}: {name} vs one GPU, relative error {errors[name]:.1e}")
         if errors[name] > TOLERANCE:
@@ -198,8 +223,9 @@ def check(fns: dict, baseline: dict, n: int, heads: int, d: int, dtype) -> dict:
     return errors
 
 
-def sweep(n: int, fns: dict, alive: dict, heads: int, d: int, dtype) -> list:
-    """Forward and forward+backward times of every configuration at ``n``; out of memory ends a sweep."""
+def sweep(n: int, fns: dict, layouts: dict, alive: dict, heads: int, d: int, dtype) -> list:
+    """Forward and forward+backward times of every configuration at ``n``, each given its inputs by
+    ``layouts[label]`` before timing; out of memory ends a sweep."""
     args_n = inputs(n, heads, d, dtype, n)
     rows = []
     for label, f in fns.items():
@@ -208,7 +234,7 @@ def sweep(n: int, fns: dict, alive: dict, heads: int, d: int, dtype) -> list:
                 continue
             row = {"n": n, "strategy": label, "backward": backward}
             try:
-                t = timed(f, seq_major(*args_n) if label == "one GPU" else args_n, backward)
+                t = timed(f, layouts[label](*args_n), backward)
                 row |= {"seconds": t, "tflops": flops(n, heads, d, backward) / t / 1e12}
                 log(f"N={n:>8} {label:11} {'fwd+bwd' if backward else 'fwd':7} {t * 1e3:9.2f} ms "
                     f"{row['tflops']:7.1f} TFLOP/s")
@@ -223,11 +249,12 @@ def sweep(n: int, fns: dict, alive: dict, heads: int, d: int, dtype) -> list:
 
 
 def communication(n, strategies, mesh, systems, heads, d, dtype_name, dtype, devices) -> list:
-    """Each strategy's transfers alone, measured, beside ``mesh_cost``'s forward transfer time per system."""
+    """Each strategy's transfers alone, measured on arrays sharded over the mesh, beside ``mesh_cost``'s forward
+    transfer time per system."""
     b, h, qq, x, dd = nc.axes("b h q x d", d=d)
     attn = nc.library.multi_head_attention(h, qq, x, dd, batch=(b,), causal=True, dtype=dtype_name)
     exchange = {"ring": "ppermute", "all_gather": "all_gather", "ulysses": "all_to_all"}
-    q = jnp.ones((1, heads, n, d), dtype)
+    q = sharded(mesh, jnp.ones((1, heads, n, d), dtype))
     rows = []
     for name in strategies:
         seconds, fixed = per_exchange(functools.partial(transfers, name, mesh, devices), q, q, q)
@@ -268,10 +295,11 @@ def run(args) -> Path:
         derivation = derive_devices(flash, *rules(name, devices), seed=0, sizes={"b": 1, "h": devices})
         log(f"{name}: device-level steps verified:", *(str(st) for st in derivation.steps[1:]))
         kernels[name] = lower_devices(derivation, mesh)
-        fns[name] = compiled(kernels[name])
+        fns[name] = compiled(kernels[name].in_device_order)
         logged[name] = report(name, kernels[name])
     baseline = compiled(functools.partial(nc.attention, is_causal=True))
-    errors = check(fns, baseline, cfg.get("check_n", CHECK_N), heads, d, dtype)
+    errors = check(fns, kernels, mesh, baseline, cfg.get("check_n", CHECK_N), heads, d, dtype)
+    layouts = {"one GPU": seq_major} | {name: functools.partial(placed, kernels[name], mesh) for name in strategies}
     hw = for_device(kind)
     systems = {"nvlink_datasheet": System(hw, devices, NVLINK4)} if hw is not None else {}
     try:
@@ -284,7 +312,7 @@ def run(args) -> Path:
         systems["fitted"] = replace(systems["nvlink_datasheet"], link=link)
     rows, alive = [], {"one GPU": True} | dict.fromkeys(strategies, True)
     for n in ns:
-        timed_n = sweep(n, {"one GPU": baseline} | fns, alive, heads, d, dtype)
+        timed_n = sweep(n, {"one GPU": baseline} | fns, layouts, alive, heads, d, dtype)
         one = {r["backward"]: r["seconds"] for r in timed_n if r["strategy"] == "one GPU" and "seconds" in r}
         for r in timed_n:
             if r["strategy"] != "one GPU" and "seconds" in r and r["backward"] in one:
@@ -313,7 +341,7 @@ def run(args) -> Path:
     meta = {
         "gpu": kind, "devices": devices, "heads": heads, "d": d, "dtype": dtype_name, "causal": True, "tile": [g, s],
         "jax": jax.__version__, "check_errors": errors, "backends": backends, "refused": refused,
-        "baseline": "nc.attention, one GPU",
+        "baseline": "nc.attention, one GPU", "inputs": "each strategy's own layout, sharded (in_device_order)",
         "fitted_link": {"bandwidth": link and link.bandwidth, "latency": link and link.latency, "from": calibration},
     }
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
