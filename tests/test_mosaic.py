@@ -623,6 +623,14 @@ def sinks_reference(Q, K, V, sink):
     return jnp.einsum("bhqk,bhkd->bhqd", p, V)
 
 
+def sink_rows_reference(Q, K, V, sink_rows):
+    """:func:`sinks_reference` with a sink logit per row ``[b, h, q]``: its gradient is each row's term of the
+    shared logit's."""
+    s = causal_scores(Q, K)
+    p = jax.nn.softmax(jnp.concatenate([s, sink_rows[..., None]], axis=-1), axis=-1)[..., :-1]
+    return jnp.einsum("bhqk,bhkd->bhqd", p, V)
+
+
 def gqa_reference(Q, K, V):
     s = causal_scores(Q, K, spec="hgqd,hxd->hgqx")
     return jnp.einsum("hgqx,hxd->hgqd", jax.nn.softmax(s, axis=-1), V)
@@ -651,13 +659,25 @@ def variant_case(name: str, n: int, dim: int, key):
 
 
 def check_variant(kernel, args, dO, ref, tol_out, tol_grad):
-    """Output and gradients against ``ref``; ``tol_grad`` one tolerance, or one per input."""
+    """Output and gradients against ``ref``; ``tol_grad`` one tolerance, or one per input (a sink's logit's
+    gradient: its own bound, below)."""
     out, pull = jax.vjp(kernel, *args)
     want, pull_ref = jax.vjp(jax.jit(ref), *(a.astype(jnp.float32) for a in args))  # compiled, not op by op
     assert relative_error(out, want) <= tol_out, "O"
     tols = tol_grad if isinstance(tol_grad, tuple) else (tol_grad,) * len(args)
-    for i, (g, w, tol) in enumerate(zip(pull(dO), pull_ref(dO.astype(jnp.float32)), tols, strict=True)):
-        assert relative_error(g, w) <= tol, f"d(input {i})"
+    grads, wants = pull(dO), pull_ref(dO.astype(jnp.float32))
+    for i, (g, w, tol) in enumerate(zip(grads, wants, tols, strict=True)):
+        if ref is sinks_reference and i == 3:
+            # a sink's logit's gradient sums one term per row (bf16 products), with cancellation: relative to itself
+            # its error is heavy-tailed (1.2e-2 at seed 1259107066, interpreted), so it is bounded by the terms'
+            # summed magnitudes, from the reference with one logit per row: measured ≤ 1.6e-3 of them over 20
+            # seeds (interpreted, N = 256); a bf16 rounding is 2^-8, so 2^-7
+            f32 = [a.astype(jnp.float32) for a in args]
+            rows = jnp.broadcast_to(f32[3][..., None], f32[0].shape[:3])
+            per_row = jax.vjp(jax.jit(sink_rows_reference), *f32[:3], rows)[1](dO.astype(jnp.float32))[3]
+            assert float(jnp.max(jnp.abs(g - w) / jnp.abs(per_row).sum(-1))) <= 2**-7, "d(sink)"
+        else:
+            assert relative_error(g, w) <= tol, f"d(input {i})"
 
 
 @pytest.mark.parametrize("name", ["alibi", "sinks", "gqa"])
@@ -677,10 +697,7 @@ def test_variants_run_on_mosaic(key, name):
     assert set(kernel.backends.values()) == {"mosaic"}
     if name == "gqa":
         assert [str(w) for w in kernel.kernels[-1].plan.diagram.cod.inside] == ["g×hk×x/128×d"] * 2
-    # a sink's logit's gradient is two numbers, each summing 256 rows of bf16 products: measured up to 6.7e-3 over 17
-    # seeds, and 1.16e-2 at seed 1259107066 (the other gradients up to 5.9e-3)
-    grad = (BF16_GRAD,) * 3 + (2e-2,) if name == "sinks" else BF16_GRAD
-    check_variant(kernel, args, dO, ref, BF16, grad)
+    check_variant(kernel, args, dO, ref, BF16, BF16_GRAD)
     compiled = lower(sched, backend="mosaic", interpret=False)
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (*args, dO)]
     backward = lambda *a: jax.vjp(compiled, *a[:-1])[1](a[-1])  # noqa: E731
