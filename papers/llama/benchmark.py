@@ -10,6 +10,9 @@ Two measurements, written to ``results/llama_<GPU>.json`` and ``.png`` (``--smok
 - **loss curves** (``--part curves``): both attentions train the ``small`` config from the same initialisation on
   the same batches for ``--steps`` steps (bf16); their losses should agree within bf16's rounding.
 
+``--attention all`` adds the napkin model with each block's norms fused into its projections (``nc.rms_norm_linear``,
+off in the model by default: measured slower than XLA's norm and cuBLAS's matmul).
+
 Each part and attention can run in a call of its own (``--part``, ``--attention``); the JSON keeps what earlier
 calls wrote. The processes this one starts are the only ones to touch the GPU (so none holds memory another
 needs). ``python -m papers.llama.benchmark --smoke`` runs both parts at the ``tiny`` config on CPU.
@@ -28,6 +31,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
+#: the models measured, by name: napkin-cat's attention (XLA's norms and cuBLAS's matmuls), the same with each
+#: block's norms fused into the projections after them (``nc.rms_norm_linear``), and jax.nn's attention
+MODELS = {
+    "napkin": {"attention": "napkin"},
+    "napkin-fused-norms": {"attention": "napkin", "fuse_norms": True},
+    "reference": {"attention": "reference"},
+}
 
 
 def worker(opts: argparse.Namespace) -> dict:
@@ -44,11 +54,11 @@ def worker(opts: argparse.Namespace) -> dict:
     out = {"device": device.device_kind, "attention": opts.attention, "batch": opts.batch, "config": opts.config}
     if opts.worker == "curves":
         run = train.Run(steps=opts.steps, batch=opts.batch, lr=opts.lr, warmup=max(1, opts.steps // 10))
-        _, losses = train.train(cfg, run, attention=opts.attention, backend=opts.backend, log=None)
+        _, losses = train.train(cfg, run, **MODELS[opts.attention], backend=opts.backend, log=None)
         return {**out, "status": "ok", "losses": losses}
     run = train.Run(steps=opts.steps + 1, batch=opts.batch)
     try:
-        model = Llama(cfg, attention=opts.attention, backend=opts.backend, rngs=nnx.Rngs(0))
+        model = Llama(cfg, **MODELS[opts.attention], backend=opts.backend, rngs=nnx.Rngs(0))
         out["parameters"] = parameter_count(model)
         state = train.init_state(model, train.optimizer(run))
         step = train.make_step(nnx.graphdef(model), run, opts.loss)
@@ -188,7 +198,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny config, few steps, on CPU")
     p.add_argument("--part", choices=("both", "throughput", "curves"), default="both")
-    p.add_argument("--attention", choices=("both", "napkin", "reference"), default="both")
+    p.add_argument("--attention", choices=("both", "all", *MODELS), default="both",
+                   help="both: napkin and reference; all: napkin-fused-norms too")
     p.add_argument("--config", default="1b", help="throughput's config")
     p.add_argument("--curves-config", default="small")
     p.add_argument("--start", type=int, default=1, help="throughput's first batch")
@@ -219,7 +230,7 @@ def main(argv=None) -> dict:
     if opts.worker:
         print(json.dumps(worker(opts)), flush=True)
         return {}
-    names = ("napkin", "reference") if opts.attention == "both" else (opts.attention,)
+    names = {"both": ("napkin", "reference"), "all": tuple(MODELS)}.get(opts.attention, (opts.attention,))
     res = {"config": opts.config, "curves_config": opts.curves_config, "device": None, "argv": sys.argv[1:]}
     path = None
 

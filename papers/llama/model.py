@@ -1,15 +1,17 @@
-"""A Llama-style decoder in Flax NNX whose every attention, and every norm with the projections after it, is
-napkin-cat's derived kernel, or, by one switch, ``jax.nn.dot_product_attention`` and XLA's norm then matmul (the
+"""A Llama-style decoder in Flax NNX whose every attention (and, asked, every norm with the projections after it)
+is napkin-cat's derived kernel, or, by one switch, ``jax.nn.dot_product_attention`` and XLA's norm then matmul (the
 baseline: the same model, the same parameters).
 
 The architecture is Llama's (Touvron et al. 2023; Llama 3's grouped-query heads): pre-norm blocks of RMSNorm,
 grouped-query causal self-attention on rotary positions (RoPE, Su et al. 2021), and a SwiGLU MLP (Shazeer 2020);
 a final RMSNorm and a classifier tied to the embedding or not. ``attention="napkin"`` calls ``nc.attention``
 (derived, verified and lowered once per shape, differentiated by its lowered backward kernels);
-``attention="reference"`` calls ``jax.nn.dot_product_attention``. The same switch fuses each block's two RMSNorms
-into the projections after them: ``attention="napkin"`` calls ``nc.rms_norm_linear`` once for the norm and the
-q, k, v projections (their weights side by side) and once for the norm and the gate and up projections, so the
-normalised activations are never written (:func:`norm_project`). RoPE is applied with jax.numpy to q and k
+``attention="reference"`` calls ``jax.nn.dot_product_attention``. ``fuse_norms=True`` fuses each block's two
+RMSNorms into the projections after them: ``nc.rms_norm_linear`` once for the norm and the q, k, v projections
+(their weights side by side) and once for the norm and the gate and up projections, so the normalised activations
+are never written (:func:`norm_project`). It is off by default: on an H200 ``nc.rms_norm_linear`` ran 0.26× / 0.79×
+XLA's norm then cuBLAS matmul (forward / forward + backward, ``papers/flash_attention/rms_norm_linear.py``), and the
+model with it 0.65× the reference's tokens/s. RoPE is applied with jax.numpy to q and k
 before either attention (one function, :func:`rope`).
 
 >>> cfg = CONFIGS["tiny"]
@@ -19,6 +21,9 @@ before either attention (one function, :func:`rope`).
 (2, 24, 256)
 >>> napkin = Llama(cfg, attention="napkin", backend="xla", rngs=nnx.Rngs(0))     # the same parameters
 >>> bool(jnp.allclose(napkin(tokens), model(tokens), atol=1e-4))
+True
+>>> fused = Llama(cfg, attention="napkin", backend="xla", fuse_norms=True, rngs=nnx.Rngs(0))
+>>> bool(jnp.allclose(fused(tokens), model(tokens), atol=1e-4))
 True
 """
 
@@ -170,16 +175,16 @@ def _norm(cfg: Config, rngs: nnx.Rngs) -> nnx.RMSNorm:
 
 class Attention(nnx.Module):
     """Grouped-query causal self-attention on RoPE'd queries and keys of ``norm(x)``: ``[batch, seq, d_model]`` → the
-    same (the norm fused into the q, k, v projections where ``attention="napkin"``)."""
+    same (the norm fused into the q, k, v projections with ``fuse_norms``)."""
 
-    def __init__(self, cfg: Config, *, attention: str, backend: str, rngs: nnx.Rngs):
+    def __init__(self, cfg: Config, *, attention: str, backend: str, fuse_norms: bool = False, rngs: nnx.Rngs):
         self.cfg, self.attention, self.backend = cfg, attention, backend
         residual = (2 * cfg.layers) ** -0.5
         self.query = _linear(cfg.d_model, cfg.heads * cfg.dim, cfg, rngs)
         self.key = _linear(cfg.d_model, cfg.kv_heads * cfg.dim, cfg, rngs)
         self.value = _linear(cfg.d_model, cfg.kv_heads * cfg.dim, cfg, rngs)
         self.out = _linear(cfg.heads * cfg.dim, cfg.d_model, cfg, rngs, residual)
-        self.fused = attention == "napkin"
+        self.fused = fuse_norms
 
     def __call__(self, x, positions, norm: nnx.RMSNorm):
         cfg = self.cfg
@@ -210,10 +215,10 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
     """A pre-norm decoder block: ``x + attention(norm(x))``, then ``x + mlp(norm(x))``."""
 
-    def __init__(self, cfg: Config, *, attention: str, backend: str, rngs: nnx.Rngs):
+    def __init__(self, cfg: Config, *, attention: str, backend: str, fuse_norms: bool = False, rngs: nnx.Rngs):
         self.attention_norm, self.mlp_norm = _norm(cfg, rngs), _norm(cfg, rngs)
-        self.attention = Attention(cfg, attention=attention, backend=backend, rngs=rngs)
-        self.mlp = MLP(cfg, fused=attention == "napkin", backend=backend, rngs=rngs)
+        self.attention = Attention(cfg, attention=attention, backend=backend, fuse_norms=fuse_norms, rngs=rngs)
+        self.mlp = MLP(cfg, fused=fuse_norms, backend=backend, rngs=rngs)
 
     def __call__(self, x, positions):
         x = x + self.attention(x, positions, self.attention_norm)
@@ -223,8 +228,9 @@ class Block(nnx.Module):
 class Llama(nnx.Module):
     """The decoder: token ids ``[batch, seq]`` → logits ``[batch, seq, vocab]`` (:meth:`__call__`), or the final
     hidden states and the classifier's weight ``[d_model, vocab]`` apart (:meth:`hidden`, :meth:`classifier`), for a
-    loss that never forms the logits. ``attention`` is one of :data:`ATTENTIONS` (``"napkin"`` also fuses each
-    block's norms into the projections after them); ``backend`` napkin-cat's.
+    loss that never forms the logits. ``attention`` is one of :data:`ATTENTIONS`; ``backend`` napkin-cat's;
+    ``fuse_norms`` fuses each block's norms into the projections after them (``nc.rms_norm_linear``; off by
+    default, measured slower than XLA's norm and cuBLAS's matmul: see the module).
 
     >>> model = Llama(CONFIGS["tiny"], rngs=nnx.Rngs(0))
     >>> model.classifier().shape, model.attention
@@ -235,14 +241,20 @@ class Llama(nnx.Module):
     napkin_cat.errors.EvaluationError: Llama: attention='cudnn': choose one of ('napkin', 'reference')
     """
 
-    def __init__(self, cfg: Config, *, attention: str = "napkin", backend: str = "auto", rngs: nnx.Rngs):
+    def __init__(self, cfg: Config, *, attention: str = "napkin", backend: str = "auto", fuse_norms: bool = False,
+                 rngs: nnx.Rngs):  # fmt: skip
         if attention not in ATTENTIONS:
             raise EvaluationError(f"Llama: attention={attention!r}: choose one of {ATTENTIONS}")
+        if fuse_norms and attention != "napkin":
+            raise EvaluationError(
+                "Llama: fuse_norms=True fuses the norms on napkin-cat's kernel; pass attention='napkin'"
+            )
         self.cfg, self.attention = cfg, attention
         self.embed = nnx.Embed(
             cfg.vocab, cfg.d_model, dtype=cfg.dtype, embedding_init=nnx.initializers.normal(0.02), rngs=rngs
         )
-        self.blocks = nnx.List([Block(cfg, attention=attention, backend=backend, rngs=rngs) for _ in range(cfg.layers)])
+        block = dict(attention=attention, backend=backend, fuse_norms=fuse_norms)
+        self.blocks = nnx.List([Block(cfg, **block, rngs=rngs) for _ in range(cfg.layers)])
         self.norm = _norm(cfg, rngs)
         self.head = None if cfg.tied else _linear(cfg.d_model, cfg.vocab, cfg, rngs)
 

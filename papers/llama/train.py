@@ -119,6 +119,7 @@ def train(
     attention: str = "napkin",
     backend: str = "auto",
     loss: str = "logits",
+    fuse_norms: bool = False,
     log: Callable | None = print,
     log_every: int = 10,
     state: dict | None = None,
@@ -128,7 +129,7 @@ def train(
     batches of the corpus's first 90%, to step ``until`` (default: ``run.steps``); the state and the loss at each
     step taken. ``log`` gets a line per ``log_every`` steps: step, loss, tokens/s since the last line (the first
     includes compilation)."""
-    model = Llama(cfg, attention=attention, backend=backend, rngs=nnx.Rngs(run.seed))
+    model = Llama(cfg, attention=attention, backend=backend, fuse_norms=fuse_norms, rngs=nnx.Rngs(run.seed))
     graphdef = nnx.graphdef(model)
     state = init_state(model, optimizer(run)) if state is None else state
     step = make_step(graphdef, run, loss)
