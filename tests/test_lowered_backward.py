@@ -28,9 +28,7 @@ from rewrites import derive, stream, tile
 from rewrites._io_aware import prove_lemmas
 
 TOL = 1e-5  # f32: measured ≤ 8e-7
-#: a parameter whose cotangent sums every score (one slope per head, Σ_q,x dS·|q − x|) loses digits to cancellation
-#: (each row's dS sums to 0): measured ≤ 1.5e-5 over 14 seeds
-SUMMED_TOL = 1e-4
+EPS = float(np.finfo(np.float32).eps)
 
 
 def sizes(seed, n=2, lo=17, hi=48):
@@ -44,7 +42,12 @@ def normal(key, *shapes):
     ]
 
 
-def check_gradients(kernel, reference, args, key, summed=()):
+def check_gradients(kernel, reference, args, key, summed=None):
+    """Output and every gradient against ``reference``'s. ``summed``: ``(i, spread)`` for an input whose
+    cotangent sums a term per score (one slope per head: Σ_q,x dS·|q − x|, each row's dS summing to 0), whose
+    error relative to itself is heavy-tailed (cancellation); it is bounded by the terms' summed magnitudes, each
+    term the gradient of ``spread(args[i])``, the input given per score to the same reference: measured ≤ 1.7 eps
+    of them over 25 seeds, so 16 eps."""
     assert (kernel.differentiation, kernel.why_not) == ("lowered", None)
     out = kernel(*args)
     (ct,) = normal(jax.random.fold_in(key, 7), out.shape)
@@ -53,7 +56,13 @@ def check_gradients(kernel, reference, args, key, summed=()):
     want = jax.jit(lambda *a: pullback(reference, *a, ct=ct))(*args)
     assert R.rel_err(out, jax.jit(reference)(*args)) <= TOL
     for i, (a, w) in enumerate(zip(ours, want, strict=True)):
-        assert R.rel_err(a, w) <= (SUMMED_TOL if i in summed else TOL), f"gradient of input {i}"
+        if summed is not None and i == summed[0]:
+            spread = [summed[1](x) if j == i else x for j, x in enumerate(args)]
+            per_score = jax.jit(lambda *a: pullback(reference, *a, ct=ct))(*spread)[i]
+            terms = jnp.abs(per_score).reshape(*a.shape, -1).sum(-1)
+            assert float(jnp.max(jnp.abs(a - w) / terms)) <= 16 * EPS, f"gradient of input {i}"
+        else:
+            assert R.rel_err(a, w) <= TOL, f"gradient of input {i}"
 
 
 def pullback(f, *args, ct):
@@ -130,13 +139,14 @@ def test_index_bias_with_learnable_slopes_and_key_bias(seed, key):
     pieces = {p.outputs: p.sums for p in backward_of(kernel.diagram).pieces if not p.feeds}
     assert pieces == {(0, 3): ((), (1,)), (1, 2, 4): ((), (), (0,))}  # slope's [h, q] and b's [h, x]: block axes inner
 
-    def reference(Q, K, V, slope, b):
+    def reference(Q, K, V, slope, b):  # slope [h], or [h, q, x]: one per score
         dist = jnp.abs(jnp.arange(nq)[:, None] - jnp.arange(nx)[None, :])
-        s = jnp.einsum("hqd,hxd->hqx", Q, K) * 0.25 - slope[:, None, None] * dist + b
+        slope = slope[:, None, None] if slope.ndim == 1 else slope
+        s = jnp.einsum("hqd,hxd->hqx", Q, K) * 0.25 - slope * dist + b
         return jnp.einsum("hqx,hxd->hqd", jax.nn.softmax(s, axis=-1), V)
 
     args = normal(key, (2, nq, 16), (2, nx, 16), (2, nx, 16), (2,), (nx,))
-    check_gradients(kernel, reference, args, key, summed=(3,))
+    check_gradients(kernel, reference, args, key, summed=(3, lambda s: jnp.broadcast_to(s[:, None, None], (2, nq, nx))))
 
 
 @pytest.mark.parametrize("causal", [False, True])
