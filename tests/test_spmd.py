@@ -30,8 +30,9 @@ from lowering import NotLowerable
 
 TOL = 1e-5
 #: the fused norm then attention, loss and gradients in f32 (sums over 96 tokens split over devices, the loss up to
-#: ~50): measured 4.8e-6 to 2.8e-5 of 1 + max |reference| over 6 seeds (3893602696, 1–5)
-CHAIN_TOL = 1e-4
+#: ~50): measured 4.8e-6 to 2.8e-5 of 1 + max |reference| over 30 seeds (3893602696, 1–5, 100–123), its top decile
+#: 1.8e-5 to 2.8e-5: about 7 times that
+CHAIN_TOL = 2e-4
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 on_four = pytest.mark.skipif(jax.device_count() < 4, reason="runs in test_spmd_on_four_cpu_devices' subprocess")
 BHD = Spec("data", None, "model", None)  # [batch, seq, heads, dim]: data parallel over batch, tensor over heads
