@@ -40,6 +40,7 @@ import optax
 from flax import nnx
 
 import napkin_cat as nc
+from lowering import KVCache
 from napkin_cat.errors import AxisError, EvaluationError
 
 #: the attentions the model switches between: napkin-cat's entry, and jax.nn's (XLA) as the baseline
@@ -187,14 +188,35 @@ class Attention(nnx.Module):
         self.fused = fuse_norms
 
     def __call__(self, x, positions, norm: nnx.RMSNorm):
+        q, k, v = self._project(x, positions, norm)
+        return self._out(attention_fn(self.attention, self.backend)(q, k, v))
+
+    def step(self, x, positions, norm: nnx.RMSNorm, cache: KVCache, *, prefill: bool) -> tuple:
+        """``x`` at ``positions`` with a KV cache: the prompt (``prefill``: attended causally among itself, as
+        :meth:`__call__`) or the next token (attended over the cache), its keys and values appended either way.
+        Napkin-cat decodes with ``nc.decode_attention``; the reference with ``jax.nn.dot_product_attention`` over
+        the cache, masked by its lengths (one token at a time). Returns ``(y, cache)``."""
+        q, k, v = self._project(x, positions, norm)
+        cache = cache.append(k, v)
+        if prefill:
+            o = attention_fn(self.attention, self.backend)(q, k, v)
+        elif self.attention == "napkin":
+            o = cache.attend(q, backend=self.backend)
+        else:
+            o = jax.nn.dot_product_attention(q, cache.k, cache.v, key_value_seq_lengths=cache.lengths)
+        return self._out(o), cache
+
+    def _project(self, x, positions, norm: nnx.RMSNorm) -> tuple:
         cfg = self.cfg
         *lead, seq, _ = x.shape
         q, k, v = norm_project(norm, [self.query, self.key, self.value], x, fused=self.fused, backend=self.backend)
         q = q.reshape(*lead, seq, cfg.heads, cfg.dim)
         k, v = (a.reshape(*lead, seq, cfg.kv_heads, cfg.dim) for a in (k, v))
         q, k = (rope(a, positions, cfg.rope_base, cfg.rotary) for a in (q, k))
-        o = attention_fn(self.attention, self.backend)(q, k, v)
-        return self.out(o.reshape(*lead, seq, cfg.heads * cfg.dim))
+        return q, k, v
+
+    def _out(self, o):
+        return self.out(o.reshape(*o.shape[:-2], self.cfg.heads * self.cfg.dim))
 
 
 class MLP(nnx.Module):
@@ -223,6 +245,12 @@ class Block(nnx.Module):
     def __call__(self, x, positions):
         x = x + self.attention(x, positions, self.attention_norm)
         return x + self.mlp(x, self.mlp_norm)
+
+    def step(self, x, positions, cache: KVCache, *, prefill: bool) -> tuple:
+        """The block with its attention's KV cache (:meth:`Attention.step`): ``(y, cache)``."""
+        y, cache = self.attention.step(x, positions, self.attention_norm, cache, prefill=prefill)
+        x = x + y
+        return x + self.mlp(x, self.mlp_norm), cache
 
 
 class Llama(nnx.Module):
@@ -265,6 +293,40 @@ class Llama(nnx.Module):
         for block in self.blocks:
             x = block(x, positions)
         return self.norm(x)
+
+    def init_caches(self, batch: int, max_len: int) -> list[KVCache]:
+        """An empty KV cache per block (contiguous, ``[batch, max_len, kv_heads, dim]`` in the model's dtype)."""
+        cfg = self.cfg
+        return [KVCache.empty(batch=batch, max_len=max_len, kv_heads=cfg.kv_heads, dim=cfg.dim, dtype=cfg.dtype)
+                for _ in self.blocks]  # fmt: skip
+
+    def prefill(self, tokens, caches: list[KVCache]) -> tuple:
+        """The prompts ``[batch, n]`` (one length) into empty ``caches``: the last position's logits
+        ``[batch, vocab]`` (f32) and the caches."""
+        return self._step(tokens, jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape), caches, True)
+
+    def decode(self, tokens, caches: list[KVCache]) -> tuple:
+        """The next token ``[batch, 1]`` of each sequence, at position ``caches[0].lengths``: its logits
+        ``[batch, vocab]`` (f32) and the caches.
+
+        >>> cfg = CONFIGS["tiny"]
+        >>> model = Llama(cfg, attention="reference", rngs=nnx.Rngs(0))
+        >>> tokens = jax.random.randint(jax.random.key(1), (2, 6), 0, cfg.vocab)
+        >>> last, caches = model.prefill(tokens[:, :5], model.init_caches(2, 8))
+        >>> logits, caches = model.decode(tokens[:, 5:], caches)
+        >>> bool(jnp.allclose(logits, model(tokens)[:, -1], atol=1e-4)), caches[0].lengths.tolist()
+        (True, [6, 6])
+        """
+        if tokens.ndim != 2 or tokens.shape[1] != 1:
+            raise EvaluationError(f"Llama.decode: tokens of shape {tokens.shape}: pass one token per sequence, [B, 1]")
+        return self._step(tokens, caches[0].lengths[:, None], caches, False)
+
+    def _step(self, tokens, positions, caches, prefill: bool) -> tuple:
+        x, out = self.embed(tokens), []
+        for block, cache in zip(self.blocks, caches, strict=True):
+            x, cache = block.step(x, positions, cache, prefill=prefill)
+            out.append(cache)
+        return (self.norm(x[:, -1]) @ self.classifier()).astype(jnp.float32), out
 
     def classifier(self):
         """The classifier's weight ``[d_model, vocab]``: the embedding's transpose when tied."""
