@@ -9,6 +9,10 @@ Two measurements, written to ``results/llama_<GPU>.json`` and ``.png`` (``--smok
   keeps what it measured; ``--budget-s`` stops starting trials in time.
 - **loss curves** (``--part curves``): both attentions train the ``small`` config from the same initialisation on
   the same batches for ``--steps`` steps (bf16); their losses should agree within bf16's rounding.
+- **decoding** (``--part decode``): greedy generation (``papers.llama.sample.generate``) of ``--new-tokens`` after
+  a ``--prompt-len`` prompt at ``--decode-batch`` sequences, the ``1b`` config at random initialisation: tokens/s of
+  the new tokens through the KV cache for each model, and for the reference also by rerunning the whole buffer
+  per token (``cache=False``); the time of a third call (the first two compile).
 
 ``--attention all`` adds the napkin model with each block's norms fused into its projections (``nc.rms_norm_linear``,
 off in the model by default: measured slower than XLA's norm and cuBLAS's matmul).
@@ -52,6 +56,26 @@ def worker(opts: argparse.Namespace) -> dict:
     cfg = CONFIGS[opts.config]
     device = jax.devices()[0]
     out = {"device": device.device_kind, "attention": opts.attention, "batch": opts.batch, "config": opts.config}
+    if opts.worker == "decode":
+        import jax.numpy as jnp
+
+        from papers.llama import sample
+
+        model = Llama(cfg, **MODELS[opts.attention], backend=opts.backend, rngs=nnx.Rngs(0))
+        prompt = jax.random.randint(jax.random.key(1), (opts.batch, opts.prompt_len), 0, cfg.vocab, jnp.int32)
+        for cache in (True, False) if opts.attention == "reference" else (True,):
+            run = lambda c=cache: sample.generate(model, prompt, opts.new_tokens, cache=c).block_until_ready()  # noqa: E731
+            start = time.perf_counter()
+            run()
+            first = time.perf_counter() - start
+            run()  # napkin's second call still traces anew (2.6 s of 14 s on CPU, tiny config): not timed
+            start = time.perf_counter()
+            run()
+            seconds = time.perf_counter() - start
+            label = "cached" if cache else "rerun"
+            out |= {f"{label}_first_call_s": first, f"{label}_s": seconds,
+                    f"{label}_tokens_per_s": opts.batch * opts.new_tokens / seconds}  # fmt: skip
+        return {**out, "status": "ok", "prompt_len": opts.prompt_len, "new_tokens": opts.new_tokens}
     if opts.worker == "curves":
         run = train.Run(steps=opts.steps, batch=opts.batch, lr=opts.lr, warmup=max(1, opts.steps // 10))
         _, losses = train.train(cfg, run, **MODELS[opts.attention], backend=opts.backend, log=None)
@@ -92,6 +116,7 @@ def spawn(opts: argparse.Namespace, part: str, attention: str, batch: int) -> di
     argv += [f"--batch={batch}", f"--backend={opts.backend}", f"--loss={opts.loss}", f"--lr={opts.lr}"]
     argv += [f"--config={opts.curves_config if part == 'curves' else opts.config}"]
     argv += [f"--steps={opts.steps if part == 'curves' else opts.timed_steps}"]
+    argv += [f"--prompt-len={opts.prompt_len}", f"--new-tokens={opts.new_tokens}"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # JAX's default 0.75 would hide a quarter of the GPU
     start = time.perf_counter()
@@ -114,6 +139,9 @@ def _line(r: dict) -> str:
         return f"{r['status']} ({r.get('error', '')[:160]})"
     if "losses" in r:
         return f"final loss {r['losses'][-1]:.4f}"
+    if "cached_tokens_per_s" in r:
+        rerun = f", {r['rerun_tokens_per_s']:,.0f} rerunning the buffer" if "rerun_tokens_per_s" in r else ""
+        return f"{r['cached_tokens_per_s']:,.0f} new tokens/s through the KV cache{rerun}"
     peak = r.get("peak_bytes")
     rate = f"{r['tokens_per_s']:,.0f} tokens/s"
     return f"{rate}, peak {peak / 2**30:.1f} GiB" if peak else rate
@@ -197,7 +225,7 @@ def plot(res: dict, path: Path) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny config, few steps, on CPU")
-    p.add_argument("--part", choices=("both", "throughput", "curves"), default="both")
+    p.add_argument("--part", choices=("both", "throughput", "curves", "decode"), default="both")
     p.add_argument("--attention", choices=("both", "all", *MODELS), default="both",
                    help="both: napkin and reference; all: napkin-fused-norms too")
     p.add_argument("--config", default="1b", help="throughput's config")
@@ -213,13 +241,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=480.0, help="start no throughput trial past this")
     p.add_argument("--trial-timeout-s", type=float, default=900.0)
     p.add_argument("--out-dir", type=Path, default=HERE / "results")
-    p.add_argument("--worker", choices=("throughput", "curves"), help=argparse.SUPPRESS)
+    p.add_argument("--prompt-len", type=int, default=512, help="decode's prompt")
+    p.add_argument("--new-tokens", type=int, default=128, help="decode's generated tokens")
+    p.add_argument("--decode-batch", type=int, default=8, help="decode's sequences")
+    p.add_argument("--worker", choices=("throughput", "curves", "decode"), help=argparse.SUPPRESS)
     opts = p.parse_args(argv)
     if opts.smoke:
         # the derived kernels on the plain-JAX backend: interpreted Pallas would take minutes per step here
         opts.backend = opts.backend or "xla"
         opts.config, opts.curves_config, opts.max_batch, opts.timed_steps = "tiny", "tiny", 2, 1
         opts.steps, opts.batch, opts.lr = min(opts.steps, 6), min(opts.batch, 4), 1e-2
+        opts.prompt_len, opts.new_tokens, opts.decode_batch = 8, 4, 2
     opts.backend = opts.backend or "auto"
     return opts
 
@@ -238,7 +270,7 @@ def main(argv=None) -> dict:
         nonlocal path
         found = [
             r["device"]
-            for part in ("throughput", "curves")
+            for part in ("throughput", "curves", "decode")
             for rs in res.get(part, {}).values()
             for r in (rs if isinstance(rs, list) else [rs])
             if r.get("device")
@@ -249,7 +281,7 @@ def main(argv=None) -> dict:
         stem = "llama_smoke_" if opts.smoke else "llama_"
         path = opts.out_dir / (stem + res["device"].replace(" ", "_") + ".json")
         earlier = json.loads(path.read_text()) if path.exists() else {}
-        for part in ("throughput", "curves"):  # what earlier calls measured, unless measured again now
+        for part in ("throughput", "curves", "decode"):  # what earlier calls measured, unless measured again now
             res[part] = {**earlier.get(part, {}), **res.get(part, {})}
         res["best"] = {n: best(ts) for n, ts in res["throughput"].items()}
         res["curves_diff"] = compare(res["curves"])
@@ -267,6 +299,12 @@ def main(argv=None) -> dict:
         for name in names:
             print(f"== loss curve, {opts.curves_config}, attention = {name}", flush=True)
             res["curves"][name] = spawn(opts, "curves", name, opts.batch)
+            save()
+    if opts.part == "decode":
+        res["decode"] = {}
+        for name in names:
+            print(f"== decode, {opts.config}, {name}", flush=True)
+            res["decode"][name] = spawn(opts, "decode", name, opts.decode_batch)
             save()
     if path is None:
         print("nothing ran: no result to write", flush=True)
