@@ -15,6 +15,11 @@ after it (:mod:`lowering._rms_norm_linear`), loaded on first use so that importi
 lowering.
 """
 
+# Pallas' fuser defines a jax config that is part of every trace's context, and Pallas imports it lazily, inside a
+# kernel's first trace: a function the user jitted before would then trace once more on its next call (a whole
+# model's generate loop: 2.6 s of 14 s, tiny config on CPU). Imported with napkin_cat (0.3 s), it is defined first.
+import jax.experimental.pallas.fuser  # noqa: F401
+
 from napkin_cat import architectures, hardware, library, optimize
 from napkin_cat._cost import Cost, cost
 from napkin_cat._mesh import MeshCost, StrategyChoice, choose_exchange, choose_strategy, fit_link, mesh_cost

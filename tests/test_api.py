@@ -1,7 +1,10 @@
 """``lower``'s contract: typed fields on the kernel, backend choice, hardware, config everywhere,
 shape guards at ``lower()`` or at the first call, and a backward that never stops the forward."""
 
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -296,3 +299,22 @@ def test_the_chosen_sizes_are_the_largest_tile_that_fits_then_the_fastest_predic
     same_tile = [c for c in choice.ranked if c["g_q"] == choice.sizes["g_q"]]
     predicted = {c["s_x"]: predicted_time(resolve(open_flash.diagram, c), hw, extent) for c in same_tile}
     assert float(f"{predicted[choice.sizes['s_x']]:.3g}") == min(float(f"{t:.3g}") for t in predicted.values())
+
+
+def test_a_function_jitted_before_the_first_kernel_is_not_traced_again():
+    """A kernel's first trace defines no new jax config (Pallas' fuser defines one that every trace's context
+    carries; napkin_cat imports it first): a function jitted before it keeps its compiled trace. In a fresh
+    interpreter, as a user's program meets the first kernel."""
+    program = (
+        "import jax, napkin_cat as nc\n"
+        "traces = []\n"
+        "f = jax.jit(lambda x: traces.append(1) or x + 1)\n"
+        "f(1.0)\n"
+        "q = jax.random.normal(jax.random.key(0), (1, 24, 2, 16))\n"
+        "jax.block_until_ready(nc.attention(q, q, q, is_causal=True))\n"
+        "f(1.0)\n"
+        "print('traces', len(traces))\n"
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0 and done.stdout.split()[-2:] == ["traces", "1"], done.stdout + done.stderr[-2000:]

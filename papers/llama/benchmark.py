@@ -12,7 +12,7 @@ Two measurements, written to ``results/llama_<GPU>.json`` and ``.png`` (``--smok
 - **decoding** (``--part decode``): greedy generation (``papers.llama.sample.generate``) of ``--new-tokens`` after
   a ``--prompt-len`` prompt at ``--decode-batch`` sequences, the ``1b`` config at random initialisation: tokens/s of
   the new tokens through the KV cache for each model, and for the reference also by rerunning the whole buffer
-  per token (``cache=False``); the time of a third call (the first two compile).
+  per token (``cache=False``); the time of a second call (the first compiles).
 
 ``--attention all`` adds the napkin model with each block's norms fused into its projections (``nc.rms_norm_linear``,
 off in the model by default: measured slower than XLA's norm and cuBLAS's matmul).
@@ -68,7 +68,6 @@ def worker(opts: argparse.Namespace) -> dict:
             start = time.perf_counter()
             run()
             first = time.perf_counter() - start
-            run()  # napkin's second call still traces anew (2.6 s of 14 s on CPU, tiny config): not timed
             start = time.perf_counter()
             run()
             seconds = time.perf_counter() - start
