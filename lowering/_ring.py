@@ -121,7 +121,7 @@ class DeviceKernel:
                 f"device order: a sequence of {axis_length} does not split into {n} equal chunks ({seq}); pad it "
                 f"to a multiple of {n} first"
             )
-        return [c for dev in range(seq.devices) for c in seq.owned(dev)]
+        return seq.chunk_order()
 
     def device_order(self, x, axis: int):
         """``x``'s sequence ``axis`` with its chunks in the order the devices hold them (zig-zag: device ``i``
@@ -266,7 +266,7 @@ def _call(s: Sharded, mapped, late: tuple[str, ...], *xs, ordered: bool = False)
             cq, ck = chunking(seq, nq, nk)
         n = seq.units * seq.devices
         whole |= {seq.queries: n * cq, seq.keys: n * ck}
-        order, lengths = [c for dev in range(seq.devices) for c in seq.owned(dev)], (nq, nk)
+        order, lengths = seq.chunk_order(), (nq, nk)
         lengths += tuple((a, extent[a]) for a in late)
         if ordered:
             for a in (seq.queries, seq.keys):

@@ -93,6 +93,14 @@ class Sequence:
         """
         return (device, 2 * self.devices - 1 - device) if self.balanced else (device,)
 
+    def chunk_order(self) -> list[int]:
+        """Every chunk index, in the order the devices hold them (device 0's first).
+
+        >>> Sequence("q", "x", "sp", 2, balanced=True).chunk_order()
+        [0, 3, 1, 2]
+        """
+        return [c for device in range(self.devices) for c in self.owned(device)]
+
     def __str__(self):
         if self.exchange == "all_to_all":
             return f"ulysses({self.queries}, {self.keys} over {self.mesh_axis}:{self.devices}, heads {self.heads})"
