@@ -616,15 +616,12 @@ def alibi_reference(Q, K, V):
 
 
 def sinks_reference(Q, K, V, sink):
-    """The sink an extra logit column of every row."""
-    s = causal_scores(Q, K)
-    column = jnp.broadcast_to(sink[..., None, None], (*s.shape[:-1], 1))
-    p = jax.nn.softmax(jnp.concatenate([s, column], axis=-1), axis=-1)[..., :-1]
-    return jnp.einsum("bhqk,bhkd->bhqd", p, V)
+    """The sink an extra logit column of every row: :func:`sink_rows_reference` with one logit per (batch, head)."""
+    return sink_rows_reference(Q, K, V, jnp.broadcast_to(sink[..., None], Q.shape[:-1]))
 
 
 def sink_rows_reference(Q, K, V, sink_rows):
-    """:func:`sinks_reference` with a sink logit per row ``[b, h, q]``: its gradient is each row's term of the
+    """A sink logit per row ``[b, h, q]``, an extra logit column of its row: its gradient is each row's term of a
     shared logit's."""
     s = causal_scores(Q, K)
     p = jax.nn.softmax(jnp.concatenate([s, sink_rows[..., None]], axis=-1), axis=-1)[..., :-1]

@@ -57,12 +57,6 @@ from rewrites._verify import FAST_COMPILE  # noqa: E402
 HERE = Path(__file__).parent
 HEADS, D, CHECK_N, TOLERANCE = 8, 128, 4096, 1e-2
 SETS = 4  # independent sets of arrays per call in per_exchange
-
-
-def back_to_back(reps: int) -> int:
-    """Calls per timed batch: ``reps``, but one on CPU host devices, where several sharded calls in flight at
-    once can deadlock in a collective (XLA's CPU devices share one thread pool: --smoke on two cores)."""
-    return 1 if jax.devices()[0].platform == "cpu" else reps
 SMOKE_SIZES = {"heads": 4, "d": 16, "ns": [64], "check_n": 64, "tile": (16, 16), "dtype": "f32", "devices": 4}
 STRATEGIES = ("ring", "all_gather", "ulysses")
 
@@ -110,8 +104,7 @@ def inputs(n: int, heads: int, d: int, dtype, seed: int):
 def placed(kernel, mesh: Mesh, *xs) -> list:
     """``[b, h, n, d]`` arrays in ``kernel``'s own layout: the sequence in its devices' chunk order
     (``device_order``; the identity but under zig-zag) and sharded over ``sp``, ready before any timing."""
-    sharding = NamedSharding(mesh, Spec(None, None, "sp"))
-    return [jax.block_until_ready(jax.device_put(kernel.device_order(x, 2), sharding)) for x in xs]
+    return [sharded(mesh, kernel.device_order(x, 2)) for x in xs]
 
 
 def seq_major(*xs):
@@ -129,6 +122,12 @@ def compiled(fn) -> dict:
     options = FAST_COMPILE if jax.devices()[0].platform == "cpu" else None
     jit = functools.partial(jax.jit, compiler_options=options)
     return {False: jit(fn), True: jit(jax.grad(loss, argnums=(0, 1, 2)))}
+
+
+def back_to_back(reps: int) -> int:
+    """Calls per timed batch: ``reps``, but one on CPU host devices, where several sharded calls in flight at
+    once can deadlock in a collective (XLA's CPU devices share one thread pool: --smoke on two cores)."""
+    return 1 if jax.devices()[0].platform == "cpu" else reps
 
 
 def timed(fns: dict, args, backward: bool) -> float:
