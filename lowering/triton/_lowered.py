@@ -173,8 +173,9 @@ class TritonLowered:
             v if (pm and i in pm.inputs) or short[i] or i in made else _pad(v, w, padded)
             for i, (v, w) in enumerate(zip(arrays, wires, strict=True))
         ]
-        if pm is not None:  # the table padded to the streamed axis' padded pages (entries past them never visible)
-            need = padded[pm.axis] // pm.page_size - table.shape[-1]
+        if pm is not None:  # the table padded to the streamed axis' padded pages (entries past them never visible),
+            # then to a power of two: the program loads its row whole, and Triton's blocks are powers of two
+            need = next_pow2(padded[pm.axis] // pm.page_size) - table.shape[-1]
             table = jnp.pad(table, [(0, 0)] * (table.ndim - 1) + [(0, need)])
         reads = (made, short[: len(wires)], short[len(wires) :])
         outs = self._call(arrays, sizes, extent, padded, config, bounds, (pm, table), reads)
