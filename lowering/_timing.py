@@ -52,6 +52,8 @@ class Timing:
     method: Literal["cupti", "wall"]
     note: str = ""
     host_bound: bool = False
+    #: CUPTI only: each kernel a call launches, in launch order, with its median seconds per call
+    kernels: tuple[tuple[str, float], ...] = ()
 
     @property
     def ms(self) -> float:
@@ -79,32 +81,36 @@ def time_calls(
         jax.block_until_ready(f(*args))
     note = ""
     if method == "auto":
-        samples, note = _cupti(f, args, reps, batches)
+        samples, note, kernels = _cupti(f, args, reps, batches)
         if samples is not None:
-            return Timing(statistics.median(samples), tuple(samples), "cupti")
+            return Timing(statistics.median(samples), tuple(samples), "cupti", kernels=kernels)
     samples, host_bound = _wall(f, args, reps, batches)
     return Timing(statistics.median(samples), tuple(samples), "wall", note, host_bound)
 
 
-def _cupti(f: Callable, args, reps: int, batches: int) -> tuple[list[float] | None, str]:
-    """Per-batch kernel seconds per call by CUPTI, or None and why it cannot be used here."""
+def _cupti(f: Callable, args, reps: int, batches: int) -> tuple[list[float] | None, str, tuple]:
+    """Per-batch kernel seconds per call by CUPTI, or None and why it cannot be used here; and each kernel a call
+    launches with its median seconds (:attr:`Timing.kernels`)."""
     if jax.devices()[0].platform != "gpu":
-        return None, f"no CUPTI on {jax.devices()[0].platform}"
+        return None, f"no CUPTI on {jax.devices()[0].platform}", ()
     if not isinstance(f, jax.stages.Wrapped | jax.stages.Compiled):  # measure would jit it: another function
-        return None, f"{getattr(f, '__name__', f)!r} is not jitted, and CUPTI times jitted functions"
+        return None, f"{getattr(f, '__name__', f)!r} is not jitted, and CUPTI times jitted functions", ()
     try:
         from jax.experimental.mosaic.gpu import profiler
 
-        timed = profiler.measure(f, iterations=reps)
-        samples = []
+        timed = profiler.measure(f, iterations=reps, aggregate=False)
+        samples, calls = [], []
         for _ in range(batches):
-            _, per_call_ms = timed(*args)
-            if per_call_ms is None:
-                return None, "CUPTI saw no kernel launched"
-            samples.append(sum(per_call_ms) / reps / 1e3)
+            _, per_call = timed(*args)  # per call, its kernels as (name, ms)
+            if not per_call:
+                return None, "CUPTI saw no kernel launched", ()
+            per_call = per_call if reps > 1 else [per_call]
+            samples.append(sum(ms for call in per_call for _, ms in call) / reps / 1e3)
+            calls += per_call
     except (ImportError, RuntimeError) as e:  # another CUPTI subscriber (ncu, nsys), or no Mosaic GPU extension
-        return None, f"CUPTI unavailable: {type(e).__name__}: {str(e)[:200]}"
-    return samples, ""
+        return None, f"CUPTI unavailable: {type(e).__name__}: {str(e)[:200]}", ()
+    kernels = tuple((name, statistics.median(c[i][1] for c in calls) / 1e3) for i, (name, _) in enumerate(calls[0]))
+    return samples, "", kernels
 
 
 def _wall(f: Callable, args, reps: int, batches: int) -> tuple[list[float], bool]:

@@ -226,6 +226,8 @@ def measure(name, fn, args, want, cache_bytes: int) -> dict:
         return row
     moved = 2 * cache_bytes if name == "copy" else cache_bytes
     row.update(ms=t.ms, gbs=moved / t.seconds / 1e9, clock=t.method)
+    if t.kernels and name != "copy":  # what each kernel of a step takes (CUPTI): the split kernel against the merge
+        row["kernels_ms"] = [[kernel, 1e3 * seconds] for kernel, seconds in t.kernels]
     return row
 
 
@@ -268,6 +270,8 @@ def described(r: dict) -> str:
     ...            "row_tiles": 1, "tile": 16, "chunk": 64, "backend": "triton", "max_rel_error": 0.003,
     ...            "clock": "cupti"})
     '  0.90× cuDNN  1.25× XLA  [16 parts × 2048 keys, 1 × 16 rows, chunk 64, triton]  err 3.0e-03 (cupti)'
+    >>> described({"impl": "cudnn", "max_rel_error": 0.003, "clock": "cupti", "kernels_ms": [["a", 0.03], ["b", 4e-3]]})
+    '  err 3.0e-03 (cupti)  kernels: a 30.0 us, b 4.0 us'
     """
     out = f"  {r['vs_cudnn']:.2f}× cuDNN" if "vs_cudnn" in r else ""
     out += f"  {r['vs_xla']:.2f}× XLA" if "vs_xla" in r else ""
@@ -277,7 +281,10 @@ def described(r: dict) -> str:
         out += f"  [{r['parts']} parts × {r['keys_per_part']} keys, {r['row_tiles']} × {r['tile']} rows, "
         out += f"chunk {r['chunk']}, {r['backend']}]"
     out += f"  err {r['max_rel_error']:.1e}" if "max_rel_error" in r else "  (read + write)"
-    return out + f" ({r['clock']})"
+    out += f" ({r['clock']})"
+    if len(r.get("kernels_ms", ())) > 1:
+        out += "  kernels: " + ", ".join(f"{name[:24]} {ms * 1e3:.1f} us" for name, ms in r["kernels_ms"])
+    return out
 
 
 def ratios(entries: list) -> list:
