@@ -3,8 +3,9 @@ layout and dtype (FlashDecoding's second kernel, Dao et al. 2023).
 
 :func:`rewrites.merge_parts` is the merge in JAX (the reference, and the XLA backend's); XLA runs it as a
 reduction and the cast to the caller's dtype as a second launch. Here one Pallas program per (sequence, KV head,
-new token, tile of the ``group`` query heads' rows) folds its parts one at a time (``[rows, Dv]`` each, powers of
-two for Triton, the rows and dims past the arrays' ends masked) by the online log-sum-exp, and stores its rows of
+new token, tile of the ``group`` query heads' rows) folds its parts, several loaded at once
+(:func:`parts_per_load`; ``[rows, Dv]`` each, powers of two for Triton, the rows and dims past the arrays' ends
+masked), by the online log-sum-exp, and stores its rows of
 the output ``[B, Nq, H_kv, group, Dv]`` (the caller's ``[B, Nq, H, Dv]``, a reshape) and their log-sum-exp.
 
 >>> import jax, jax.numpy as jnp
@@ -46,7 +47,7 @@ def merge(o, lse, dtype, *, interpret: bool):
     width = next_pow2(dv)
     rows = min(next_pow2(group), max(1, BLOCK // width))  # a program's rows: its accumulator within BLOCK numbers
     grid = (batch, kv_heads, nq, -(-group // rows))
-    kernel = functools.partial(_merged, n=n, sizes=(group, dv))
+    kernel = functools.partial(_merged, n=n, k=parts_per_load(n, rows * width), sizes=(group, dv))
     return pl.pallas_call(
         kernel,
         grid=grid,
@@ -67,31 +68,51 @@ def merge(o, lse, dtype, *, interpret: bool):
     )(o, lse)
 
 
-#: the most f32 numbers a program's accumulator holds (rows × Dv): 32 KB, 64 a thread of 4 warps
+#: the most f32 numbers a program's accumulator holds (rows × Dv): 32 KB, 64 a thread of 4 warps; also the most a
+#: program loads at once (parts × rows × Dv, :func:`parts_per_load`)
 BLOCK = 8192
 
 
-def _merged(o_ref, l_ref, out_ref, lse_ref, *, n: int, sizes: tuple[int, int]):
-    """One program: its rows' parts folded one at a time by the online log-sum-exp (a running largest ``lse``, the
-    sum and the output rescaled as it grows), its block's rows and dims past the arrays' ends masked."""
+def parts_per_load(n: int, per_part: int) -> int:
+    """How many of the ``n`` parts a merge program loads at once (each ``per_part`` f32 numbers): the largest power of
+    two dividing ``n`` whose parts hold at most :data:`BLOCK` numbers. Loading them together lets their loads run at
+    once; folded one at a time, each waited on the last, and at B = 1 (8 programs, 16 parts) the merge took 8.6 µs of
+    a 43 µs step on an H200, against cuDNN's 2.7 µs.
+
+    >>> parts_per_load(16, 4 * 128), parts_per_load(12, 4 * 128), parts_per_load(17, 4 * 128), parts_per_load(8, 8192)
+    (16, 4, 1, 1)
+    """
+    k = 1
+    while n % (2 * k) == 0 and 2 * k * per_part <= BLOCK:
+        k *= 2
+    return k
+
+
+def _merged(o_ref, l_ref, out_ref, lse_ref, *, n: int, k: int, sizes: tuple[int, int]):
+    """One program: its rows' parts folded ``k`` at a time by the online log-sum-exp (a running largest ``lse``, the
+    sum and the output rescaled as it grows; within a load, its parts reduced together), its block's rows and dims
+    past the arrays' ends masked."""
     rows, width = out_ref.shape
     first = pl.program_id(3) * rows
     row_in = lax.broadcasted_iota(jnp.int32, (rows,), 0) + first < sizes[0]
     dims_in = row_in[:, None] & (lax.broadcasted_iota(jnp.int32, (rows, width), 1) < sizes[1])
+    rows_k, dims_k = (jnp.broadcast_to(m, (k, *m.shape)) for m in (row_in, dims_in))  # the same, for k parts
     f32 = jnp.float32
 
-    def fold(p, carry):
+    def fold(step, carry):
         top, total, acc = carry
-        lse = pltriton.load(l_ref.at[p], mask=row_in, other=jnp.asarray(-jnp.inf, f32)).astype(f32)
+        at = pl.ds(pl.multiple_of(step * k, k), k)
+        lse = pltriton.load(l_ref.at[at], mask=rows_k, other=jnp.asarray(-jnp.inf, f32)).astype(f32)
         lse = jnp.where(jnp.isfinite(lse), lse, -jnp.inf)  # an empty part's lse may be +∞ (its sum 0 inverted)
-        new = jnp.maximum(top, lse)
+        new = jnp.maximum(top, jnp.max(lse, axis=0))
         shift = jnp.where(jnp.isfinite(new), new, 0.0)
-        scale, weight = jnp.exp(top - shift), jnp.exp(lse - shift)
-        o = pltriton.load(o_ref.at[p], mask=dims_in, other=jnp.zeros((), o_ref.dtype)).astype(f32)
-        return new, total * scale + weight, acc * scale[:, None] + weight[:, None] * o
+        scale, weight = jnp.exp(top - shift), jnp.exp(lse - shift[None, :])
+        o = pltriton.load(o_ref.at[at], mask=dims_k, other=jnp.zeros((), o_ref.dtype)).astype(f32)
+        summed = jnp.sum(weight[:, :, None] * o, axis=0)
+        return new, total * scale + jnp.sum(weight, axis=0), acc * scale[:, None] + summed
 
     init = (jnp.full((rows,), -jnp.inf, f32), jnp.zeros((rows,), f32), jnp.zeros((rows, width), f32))
-    top, total, acc = lax.fori_loop(0, n, fold, init)
+    top, total, acc = lax.fori_loop(0, n // k, fold, init)
     seen = total > 0
     out = jnp.where(seen[:, None], acc / jnp.where(seen, total, 1.0)[:, None], 0.0)
     pltriton.store(out_ref, out.astype(out_ref.dtype), mask=dims_in)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import napkin_cat as nc
 from lowering import NotLowerable, decode_cost
 from lowering._decode import _step
-from lowering._merge import merge
+from lowering._merge import merge, parts_per_load
 from napkin_cat.errors import EvaluationError
 from napkin_cat.generators._softmax import OnlineSoftmax
 from rewrites import RewriteError, derive, merge_parts, prove_merge, prove_monoid, split_kv, stream, tile
@@ -225,12 +225,15 @@ def test_chunks_past_a_length_are_not_read():
     assert float(jnp.max(jnp.abs(out - reference(q, k, v, lengths)))) <= ATOL["float32"]
 
 
-def test_the_merge_kernel_matches_a_logsumexp_written_here(seed):
-    """The merge kernel (:func:`lowering._merge.merge`) on sizes no power of two (5 parts, 3 rows, 24 dims: its
-    blocks masked), with parts that saw no key (``lse`` ±∞, ``o`` 0) and a row no part saw, in bf16 and f32 out."""
+@pytest.mark.parametrize(("parts", "per_load"), [(5, 1), (12, 4), (16, 16)])
+def test_the_merge_kernel_matches_a_logsumexp_written_here(seed, parts, per_load):
+    """The merge kernel (:func:`lowering._merge.merge`) on sizes no power of two (3 rows, 24 dims: its blocks
+    masked), its parts loaded one, four or sixteen at a time, with parts that saw no key (``lse`` ±∞, ``o`` 0) and a
+    row no part saw, in bf16 and f32 out."""
+    assert parts_per_load(parts, 4 * 32) == per_load  # the rows and dims padded to powers of two
     r = np.random.default_rng(seed)
-    o = jnp.asarray(r.standard_normal((2, 5, 2, 2, 3, 24), np.float32))
-    lse = jnp.asarray(r.standard_normal((2, 5, 2, 2, 3), np.float32) * 4)
+    o = jnp.asarray(r.standard_normal((2, parts, 2, 2, 3, 24), np.float32))
+    lse = jnp.asarray(r.standard_normal((2, parts, 2, 2, 3), np.float32) * 4)
     lse = lse.at[0, 1, 1, 0, 2].set(jnp.inf).at[1, :, 0, 1, 1].set(-jnp.inf)
     o = o.at[0, 1, 1, 0, 2].set(0.0).at[1, :, 0, 1, 1].set(0.0)
     seen = jnp.where(jnp.isfinite(lse), lse, -jnp.inf)
