@@ -91,6 +91,10 @@ class Kernel:
         self.diagram, self.forward, self._fn, self.backend = diagram, forward, fn, backend
         self._emitted, self.choice = emitted if emitted is not None else {"forward": (backend, None)}, choice
         self.differentiation, self.why_not, self._backward = differentiation, why_not, backward
+        # jitted once per kernel: calls on arrays of equal shapes and dtypes (a model's layers) share one trace and
+        # one lowering (jit's caches, and its derivatives' under grad), where each call traced the pallas_calls anew
+        # and every layer's copy was lowered, and compiled on a GPU, on its own
+        self._jitted = jax.jit(fn)
         self.__name__ = "napkin_kernel"
 
     @property
@@ -131,7 +135,8 @@ class Kernel:
                 "(jax.jit(kernel).trace(...).lower(lowering_platforms=('cuda',))) but not run here; lower it with "
                 "interpret=None or interpret=True to run it here"
             )
-        return spmd.call(self._fn, self.diagram, arrays, bool(self.forward.interpret))  # per shard (lowering._spmd)
+        interpret = bool(self.forward.interpret)
+        return spmd.call(self._fn, self.diagram, arrays, interpret, local=self._jitted)  # per shard (lowering._spmd)
 
     @property
     def source(self) -> str:

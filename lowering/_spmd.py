@@ -195,16 +195,18 @@ def _entry(mesh_axes: tuple[str, ...]):
     return None if not mesh_axes else mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes
 
 
-def call(fn: Callable, d: Diagram, arrays: Sequence, interpret: bool = False):
+def call(fn: Callable, d: Diagram, arrays: Sequence, interpret: bool = False, local: Callable | None = None):
     """``fn`` (the kernel of ``d``, on arrays in its axis order) run per shard of the inputs' sharding: a
     ``shard_map`` under Explicit mesh axes, a ``custom_partitioning`` op under Auto ones, the kernel itself
     elsewhere (one device, or inside a ``shard_map``, its inputs made varying alike); ``interpret``: the kernel
-    is interpreted (see :func:`_local`). See the module's docstring.
+    is interpreted (see :func:`_local`); ``local``: ``fn`` as run on one device or shard (default ``fn``; the
+    kernel's jitted ``fn``, :class:`lowering.Kernel`). See the module's docstring.
     """
+    local = fn if local is None else local
     types = [jax.typeof(a) for a in arrays]
     mesh = next((t.sharding.mesh for t in types if not t.sharding.mesh.empty), None)
     if mesh is None or mesh.size == 1:
-        return _local(fn, arrays, interpret)
+        return _local(local, arrays, interpret)
     kinds = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
     specs = [t.sharding.spec for t in types]
     sharded = assign(d, specs, dict(mesh.shape), [t.shape for t in types])
@@ -212,7 +214,7 @@ def call(fn: Callable, d: Diagram, arrays: Sequence, interpret: bool = False):
         used = frozenset(m for ms in sharded.values() for m in ms)
         over = summed_over(d, sharded)
         body = jax.shard_map(
-            lambda *xs: _add_partials(_local(fn, xs, interpret), over),
+            lambda *xs: _add_partials(_local(local, xs, interpret), over),
             mesh=mesh,
             in_specs=specs_of(d.dom.inside, sharded),
             out_specs=_outs(d, specs_of(d.cod.inside, sharded)),
@@ -221,7 +223,7 @@ def call(fn: Callable, d: Diagram, arrays: Sequence, interpret: bool = False):
         return body(*arrays)
     if any(kinds[m] == AxisType.Auto and n > 1 for m, n in mesh.shape.items()):
         return _partitioned(fn, d)(*arrays)
-    return _local(fn, arrays, interpret)
+    return _local(local, arrays, interpret)
 
 
 def _on_mesh(outs, xs):
