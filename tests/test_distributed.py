@@ -69,7 +69,7 @@ def launch(seed: int) -> list[dict]:
         "PYTHONPATH": str(ROOT),
         "JAX_PLATFORMS": "cpu",
         # conftest's XLA flags too (LLVM's optimisation passes off on CPU: they cost more than they save here)
-        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={LOCAL_DEVICES}".strip(),
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={LOCAL_DEVICES}",
     }
     with tempfile.TemporaryDirectory() as tmp:
         logs = [(pathlib.Path(tmp, f"{i}.out"), pathlib.Path(tmp, f"{i}.err")) for i in range(PROCESSES)]
