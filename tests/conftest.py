@@ -30,7 +30,12 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="napkin-jax-cache-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+# Every program, however small: the eager ops of the references compile in ~40 ms each, and each xdist worker and
+# each fresh interpreter (test_mutations' runs, the 4-device run, test_distributed's workers) compiled the same ones
+# again; a read is a few ms (tests/test_mutations.py -n 2: 47 s at a 0.2 s threshold, 35 s at 0). Through the
+# environment, so the processes the tests start, which read it when JAX starts, keep every program too.
+min_compile_s = float(os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_s)
 
 GPU = any(d.platform == "gpu" for d in jax.devices())
 

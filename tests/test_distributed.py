@@ -68,7 +68,8 @@ def launch(seed: int) -> list[dict]:
         **os.environ,
         "PYTHONPATH": str(ROOT),
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={LOCAL_DEVICES}",
+        # conftest's XLA flags too (LLVM's optimisation passes off on CPU: they cost more than they save here)
+        "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={LOCAL_DEVICES}",
     }
     with tempfile.TemporaryDirectory() as tmp:
         logs = [(pathlib.Path(tmp, f"{i}.out"), pathlib.Path(tmp, f"{i}.err")) for i in range(PROCESSES)]

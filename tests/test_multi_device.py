@@ -12,10 +12,8 @@ forward and every gradient measured ≤ 2e-6 over these cases; TOL = 1e-5.
 from __future__ import annotations
 
 import functools
-import os
 import pathlib
 import re
-import subprocess
 import sys
 
 import jax
@@ -34,6 +32,7 @@ from napkin_cat.errors import CostError
 from napkin_cat.hardware import H200_X2, NVLINK4, System
 from rewrites import RewriteError, derive, derive_devices, ring, shard, stream, tile, zigzag
 from rewrites._verify import FAST_COMPILE
+from tests.four_devices import run_own_file_unless_in_session
 
 TOL = 1e-5
 FOUR = jax.device_count() >= 4
@@ -205,14 +204,10 @@ def test_mesh_cost_bad_inputs():
 # --- 4 CPU devices (in a subprocess) ---------------------------------------------------------------------
 
 
-def test_on_four_cpu_devices():
+def test_on_four_cpu_devices(request):
     if FOUR:
         pytest.skip("already on 4 devices: the test_four_* tests run here")
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
-    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:randomly", "-k", "four_", __file__]
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
-    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
+    run_own_file_unless_in_session(request, __file__)  # tests/test_four_devices.py runs them in a full run
 
 
 def outputs_and_grads_close(kernel, reference, args, seed):

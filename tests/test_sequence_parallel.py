@@ -13,11 +13,8 @@ forward and gradients measured ≤ 3.3e-3 (BF16 = 1e-2).
 from __future__ import annotations
 
 import functools
-import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +27,7 @@ from napkin_cat.errors import CostError
 from napkin_cat.hardware import H200, NVLINK4, Interconnect, System
 from rewrites import RewriteError, derive, derive_devices, execute_devices, ring, shard, stream, tile, ulysses, zigzag
 from rewrites._verify import FAST_COMPILE
+from tests.four_devices import run_own_file_unless_in_session
 
 TOL, BF16 = 1e-5, 1e-2
 FOUR = jax.device_count() >= 4
@@ -205,14 +203,10 @@ def test_docs_strategy_cost_example_runs(capsys):
 # --- several CPU devices (in a subprocess) ------------------------------------------------------------------
 
 
-def test_on_four_cpu_devices():
+def test_on_four_cpu_devices(request):
     if FOUR:
         pytest.skip("already on 4 devices: the test_four_* tests run here")
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
-    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:randomly", "-k", "four_", __file__]
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
-    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
+    run_own_file_unless_in_session(request, __file__)  # tests/test_four_devices.py runs them in a full run
 
 
 def forward_and_gradients_close(kernel, causal, args, seed, tol=TOL):

@@ -13,11 +13,8 @@ gradients measured ≤ 1e-6 absolute at these sizes; TOL = 1e-5.
 
 from __future__ import annotations
 
-import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +24,7 @@ from jax.sharding import PartitionSpec as Spec
 
 import napkin_cat as nc
 from lowering import NotLowerable
+from tests.four_devices import run_own_file_unless_in_session
 
 TOL = 1e-5
 #: the fused norm then attention, loss and gradients in f32 (sums over 96 tokens split over devices, the loss up to
@@ -38,14 +36,10 @@ on_four = pytest.mark.skipif(jax.device_count() < 4, reason="runs in test_spmd_o
 BHD = Spec("data", None, "model", None)  # [batch, seq, heads, dim]: data parallel over batch, tensor over heads
 
 
-def test_spmd_on_four_cpu_devices():
+def test_spmd_on_four_cpu_devices(request):
     if jax.device_count() >= 4:
         pytest.skip("already on 4 devices: the test_four_* tests run here")
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
-    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:randomly", "-k", "four_", __file__]
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-6000:] + r.stderr[-3000:]
+    run_own_file_unless_in_session(request, __file__)  # tests/test_four_devices.py runs them in a full run
 
 
 def mesh(kind):
@@ -144,7 +138,7 @@ def test_four_docs_example_runs(capsys):
     """docs/multi_device.md's sharded-attention and summed-axis examples (its Python blocks that make a
     NamedSharding)."""
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "multi_device.md").read_text(), re.S)
-    sharded, summed = [b for b in blocks if "NamedSharding(" in b and "distributed" not in b]
+    sharded, summed = (b for b in blocks if "NamedSharding(" in b and "distributed" not in b)
     scope = {"jax": jax, "jnp": jnp, "nc": nc}
     exec(sharded, scope)  # noqa: S102 - the documentation's own example
     assert jax.typeof(scope["out"]).sharding.spec == BHD
