@@ -35,6 +35,16 @@ from rewrites import derive, stream, tile
 TOL = {"softcap": 2e-6, "exp": 1e-5, "clamp": 2e-6}
 
 
+def exp_tolerance(s, keep) -> float:
+    """The bound for ``exp`` as the score modifier, from the scaled scores ``s`` ``[B, H, Nq, Nk]`` and ``keep``. The
+    softmax reads ``x = exp(s)``, and a rounding of ``s`` (relative eps) moves ``x`` by ``exp(s)·|s|·eps``; the kernel
+    and the reference round ``s`` differently, so their error scales with ``κ``, the largest such factor over the
+    kept scores. Measured ≤ 0.89 κ·eps32 over 41 seeds at 37 positions (5.9e-5 at κ = 1,485, where the fixed 1e-5
+    failed CI's seed 2293547893); bound 4 κ·eps32, never below ``TOL["exp"]``."""
+    kappa = jnp.max(jnp.where(jnp.broadcast_to(keep, s.shape), jnp.exp(s) * jnp.maximum(jnp.abs(s), 1.0), 0.0))
+    return max(TOL["exp"], 4 * float(kappa) * float(jnp.finfo(jnp.float32).eps))
+
+
 def rel(got, want) -> float:
     return float(jnp.max(jnp.abs(got - want)) / jnp.maximum(jnp.max(jnp.abs(want)), 1e-30))
 
@@ -137,8 +147,9 @@ def diagram_for(args: dict, score_mod, biased: bool):
     )
 
 
-def diagram_errors(seed: int, path: str, mod: str) -> list[float]:
-    """The relative errors (out, dq, dk, dv[, dbias]) of the diagram of one mask path and score modifier."""
+def diagram_errors(seed: int, path: str, mod: str) -> tuple[list[float], float]:
+    """The relative errors (out, dq, dk, dv[, dbias]) of the diagram of one mask path and score modifier, and their
+    tolerance."""
     B, H, n = 2, 2, 13
     kq, kk, kv, kb, kc, km = jax.random.split(jax.random.key(seed), 6)
     Q, K, V, dO = (jax.random.normal(key, (B, H, n, 16)) for key in (kq, kk, kv, kc))
@@ -152,7 +163,10 @@ def diagram_errors(seed: int, path: str, mod: str) -> list[float]:
     ours = lambda Q, K, V, *bias: run(Q, K, V, *bias, *extra)  # noqa: E731
     ref = lambda *a: reference(*a, score_mod=SCORE_MODS[mod], keep=keep)  # noqa: E731
     (out, grads), (want, grads_ref) = value_and_pullbacks(ours, ref)(dO, *inputs)
-    return [rel(out, want)] + [rel(g, w) for g, w in zip(grads, grads_ref, strict=True)]
+    scores = jnp.einsum("bhqd,bhxd->bhqx", Q, K, precision="highest") / np.sqrt(Q.shape[-1])
+    scores = scores + (bias if biased else 0.0)
+    tol = exp_tolerance(scores, keep) if mod == "exp" else TOL[mod]
+    return [rel(out, want)] + [rel(g, w) for g, w in zip(grads, grads_ref, strict=True)], tol
 
 
 @pytest.mark.parametrize("path", ["array", "segments", "mask_mod", "causal", "all"])
@@ -160,8 +174,8 @@ def diagram_errors(seed: int, path: str, mod: str) -> list[float]:
 def test_masks_apply_after_the_score_modifier_in_the_diagram(seed, path, mod):
     """Every mask path with every −∞-to-finite score modifier (and a bias with all masks): the diagram's
     semantics and its gradients (q, k, v, bias) against the reference."""
-    errors = diagram_errors(seed, path, mod)
-    assert max(errors) <= TOL[mod], f"{mod} × {path}: (out, dq, dk, dv[, dbias]) {errors} (NAPKIN_SEED={seed})"
+    errors, tol = diagram_errors(seed, path, mod)
+    assert max(errors) <= tol, f"{mod} × {path}: (out, dq, dk, dv[, dbias]) {errors} (NAPKIN_SEED={seed})"
 
 
 def test_every_mask_box_follows_the_score_modifier():
@@ -218,7 +232,9 @@ def test_segment_ids_and_a_mask_array_with_exp_through_the_entry(seed):
     args, keep = masks("array", km, 2, n)
     more, same = masks("segments", jax.random.fold_in(km, 1), 2, n)
     errors = entry_errors(lambda *a, **k: attention(*a, score_mod=exp, **k), Q, K, V, dO, args | more, keep & same, exp)
-    assert max(errors) <= TOL["exp"], f"(out, dq, dk, dv) {errors} (NAPKIN_SEED={seed})"
+    scores = jnp.einsum("bqhd,bxhd->bhqx", Q, K, precision="highest") / np.sqrt(Q.shape[-1])
+    tol = exp_tolerance(scores, keep & same)
+    assert max(errors) <= tol, f"(out, dq, dk, dv) {errors} ≤ {tol:.2e} (NAPKIN_SEED={seed})"
 
 
 def test_every_mask_with_a_bias_and_an_indexed_score_modifier_under_grouped_query(seed):
