@@ -21,6 +21,9 @@ diagram at chunk sizes, then counts, as sympy in the axis sizes:
 
 * whether it hides: a ring step's transfer (latency + bytes/bandwidth) against its compute bound
   (FLOPs ÷ the device's peak); the collectives of the other two never hide;
+* the link's speed: the ring's steps send to one peer at a time, at ``link.bandwidth``; the all-gather's and
+  Ulysses' collectives take from every peer at once, at ``link.collective_bandwidth`` (``fanout``: on a switch,
+  measured 1.5–1.6× one peer's transfer on 4 H200s, ``papers/flash_attention/ring_attention.py``);
 * per-device memory: the query-side chunks, plus two key-side chunks for the ring (the one in use and the
   one in flight), all ``P`` for the all-gather, the whole sequence of ``H/P`` heads for Ulysses.
 
@@ -168,7 +171,8 @@ def mesh_cost(
         hidden, memory = sympy.Le(step_time, compute_time / p), own + 2 * chunk
     else:  # one gather (forward; again in the backward, with the reduce-scatter of dK, dV)
         link_bytes = (p - 1) * (chunk * (2 if backward else 1) + dkv)
-        gathers = system.transfer_time(link_bytes) + (system.link.latency if backward else 0)
+        # every peer's chunk at once: the link's collective bandwidth (a switch lets the peers share a device's ports)
+        gathers = system.collective_time(link_bytes, count=3 if backward else 1)  # + the backward's gather, scatter
         step_time = transfer = gathers if p > 1 else sympy.Integer(0)
         comm_time, hidden, memory = transfer, sympy.false, own + p * chunk
     return MeshCost(
@@ -203,7 +207,7 @@ def _ulysses(d: Diagram, system: System, sizes: dict, queries: str, keys: str, h
     grads = sympy.Add(*mine) * sympy.Rational(p - 1, p) if backward else 0  # dO in; dQ, dK, dV out
     link_bytes = one_way + grads
     count = 8 if backward else 4
-    transfer = count * system.link.latency + link_bytes / system.link.bandwidth if p > 1 else sympy.Integer(0)
+    transfer = system.collective_time(link_bytes, count) if p > 1 else sympy.Integer(0)
     memory = sympy.Add(*(w.size * w.dtype.bytes for w in (*group.dom.inside, *group.cod.inside)))
     return MeshCost(
         system, "all_to_all", flops, c.gmem_bytes * half * work, memory, link_bytes, transfer / count, compute_time,
@@ -211,22 +215,33 @@ def _ulysses(d: Diagram, system: System, sizes: dict, queries: str, keys: str, h
     )
 
 
-def fit_link(measurements, name: str = "fitted") -> Interconnect:
+def fit_link(measurements, name: str = "fitted", *, fanout=None) -> Interconnect:
     """The link (latency, bandwidth) that best fits measured transfers ``[(bytes, seconds), ...]`` one way over one
-    link: least squares of ``seconds = latency + bytes / bandwidth`` (latency ≥ 0). Put it in a system with
-    ``dataclasses.replace(system, link=fit_link(...))`` so :func:`mesh_cost` predicts with it.
+    link: least squares of ``seconds = latency + bytes / bandwidth`` (latency ≥ 0). ``fanout``, measured collectives
+    ``[(bytes into one device from all its peers, seconds), ...]`` (all-gathers), fits the link's
+    ``collective_bandwidth`` the same way. Put it in a system with ``dataclasses.replace(system, link=fit_link(...))``
+    so :func:`mesh_cost` predicts with it.
 
     >>> link = fit_link([(1e6, 12e-6), (1e8, 1.002e-3), (4e8, 4.002e-3)])
-    >>> round(link.bandwidth / 1e9), round(link.latency * 1e6)
-    (100, 2)
+    >>> round(link.bandwidth / 1e9), round(link.latency * 1e6), link.fanout
+    (100, 2, None)
+    >>> round(fit_link([(1e8, 1e-3), (2e8, 2e-3)], fanout=[(3e8, 2e-3), (6e8, 4e-3)]).fanout / 1e9)
+    150
     >>> fit_link([(1e6, 1e-5)])
     Traceback (most recent call last):
     ...
     napkin_cat.errors.CostError: fit_link: need transfers of at least two sizes, got 1 (bytes, seconds) pairs
     """
+    latency, slope = _line(measurements, "transfers")
+    gathered = None if fanout is None else 1 / _line(fanout, "fanout collectives")[1]
+    return Interconnect(name, 1 / slope, latency, fanout=gathered)
+
+
+def _line(measurements, what: str) -> tuple[float, float]:
+    """Least squares ``seconds = latency + slope · bytes`` over ``measurements`` (latency ≥ 0, slope > 0)."""
     pairs = [(float(b), float(t)) for b, t in measurements]
     if len({b for b, _ in pairs}) < 2:
-        raise CostError(f"fit_link: need transfers of at least two sizes, got {len(pairs)} (bytes, seconds) pairs")
+        raise CostError(f"fit_link: need {what} of at least two sizes, got {len(pairs)} (bytes, seconds) pairs")
     if any(b <= 0 or t <= 0 for b, t in pairs):
         raise CostError(f"fit_link: bytes and seconds must be positive, got {pairs}")
     n = len(pairs)
@@ -236,8 +251,8 @@ def fit_link(measurements, name: str = "fitted") -> Interconnect:
     if latency < 0:  # no negative latency: the line through the origin
         latency, slope = 0.0, sum(b * t for b, t in pairs) / sum(b * b for b, _ in pairs)
     if slope <= 0:
-        raise CostError(f"fit_link: transfer time does not grow with bytes in {pairs}; measure larger transfers")
-    return Interconnect(name, 1 / slope, latency)
+        raise CostError(f"fit_link: {what}' time does not grow with bytes in {pairs}; measure larger transfers")
+    return latency, slope
 
 
 def fit_link_bandwidth(measurements) -> float:

@@ -337,15 +337,26 @@ HARDWARE = (A100, A100_40GB, H100, H200)
 
 @dataclass(frozen=True)
 class Interconnect:
-    """A device-to-device link: ``bandwidth`` in bytes/s each way per GPU, ``latency`` in seconds per transfer.
+    """A device-to-device link: ``bandwidth`` in bytes/s each way per GPU to one peer, ``latency`` in seconds per
+    transfer; ``fanout`` the bytes/s a GPU takes in when all its peers send at once (a collective: all-gather,
+    all-to-all), which through a switch can exceed what one peer's transfer reaches. None: the same as ``bandwidth``.
 
     >>> NVLINK4.bandwidth * 2 / 1e9                   # datasheet figure: bidirectional per GPU
     900.0
+    >>> measured = Interconnect("measured", 160e9, 2e-5, fanout=250e9)
+    >>> measured.collective_bandwidth / 1e9, NVLINK4.collective_bandwidth / 1e9
+    (250.0, 450.0)
     """
 
     name: str
     bandwidth: float
     latency: float
+    fanout: float | None = None
+
+    @property
+    def collective_bandwidth(self) -> float:
+        """Bytes/s into one GPU when every peer sends at once: ``fanout``, else ``bandwidth``."""
+        return self.bandwidth if self.fanout is None else self.fanout
 
 
 # NVLink 4 (H100/H200 SXM datasheets): 18 links × 50 GB/s = 900 GB/s bidirectional per GPU, so 450 GB/s each
@@ -389,6 +400,15 @@ class System:
     def transfer_time(self, nbytes):
         """Seconds to move ``nbytes`` one way over one link: latency + bytes/bandwidth."""
         return self.link.latency + nbytes / self.link.bandwidth
+
+    def collective_time(self, nbytes, count: int = 1):
+        """Seconds for ``count`` collectives bringing ``nbytes`` in all into each device from all its peers at once:
+        ``count`` latencies + bytes / the link's :attr:`~Interconnect.collective_bandwidth`.
+
+        >>> round(H200_X2.collective_time(450e6, count=2) * 1e6)     # 2 × 5 µs + 1 ms
+        1010
+        """
+        return count * self.link.latency + nbytes / self.link.collective_bandwidth
 
 
 # HGX H100 / H200 boards: 8 GPUs on NVSwitch (NVIDIA HGX datasheets); the lent machines hand out 2 of them.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import pathlib
 import re
+from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
@@ -172,6 +173,28 @@ def test_fit_link_recovers_bandwidth_and_latency(seed):
     assert link.bandwidth == pytest.approx(bandwidth, rel=0.05), f"seed {seed}"
     with pytest.raises(CostError, match="need transfers of at least two sizes"):
         nc.fit_link(measured[:1])
+
+
+def test_fanout_speeds_the_collectives_and_not_the_ring(seed):
+    """A link whose collectives take from every peer at once (``fanout``, fitted to all-gathers) moves the
+    all-gather's and Ulysses' bytes at that rate; the ring's one-peer steps keep the link's own bandwidth."""
+    import random
+
+    rng = random.Random(seed)
+    one, fan, latency = rng.uniform(100e9, 200e9), rng.uniform(250e9, 400e9), rng.uniform(1e-6, 4e-5)
+    sizes = [2**k for k in range(24, 29)]
+    link = nc.fit_link([(b, latency + b / one) for b in sizes], fanout=[(3 * b, latency + 3 * b / fan) for b in sizes])
+    assert (link.bandwidth, link.fanout) == (pytest.approx(one, rel=1e-6), pytest.approx(fan, rel=1e-6)), f"seed {seed}"
+    plain, fanned = System(H200, 4, replace(link, fanout=None)), System(H200, 4, link)
+    kw = {"queries": "q", "keys": "x", "heads": "h", "balanced": True, "backward": True}
+    at = {"q": 131072, "x": 131072}
+    for exchange in ("all_gather", "all_to_all"):
+        slow, fast = (nc.mesh_cost(mha_cost(), s, exchange=exchange, **kw).subs(**at) for s in (plain, fanned))
+        count = 3 if exchange == "all_gather" else 8  # gather, gather again, reduce-scatter; 8 all-to-alls
+        assert float(fast.transfer_time) == pytest.approx(count * latency + float(fast.link_bytes) / fan, rel=1e-9)
+        assert float(slow.transfer_time) == pytest.approx(count * latency + float(slow.link_bytes) / one, rel=1e-9)
+    ring_plain, ring_fanned = (nc.mesh_cost(mha_cost(), s, **kw).subs(**at) for s in (plain, fanned))
+    assert ring_plain.transfer_time == ring_fanned.transfer_time
 
 
 def test_choose_strategy_follows_the_link():

@@ -11,13 +11,15 @@ before timing: sharded over the mesh (not scattered from one GPU inside each cal
 devices' chunk order (``DeviceKernel.in_device_order``: a model permutes its tokens once; the plain call would
 also move half of Q, K, V and O between devices every call). The transfers alone (each strategy's collectives
 with no compute) are timed beside ``nc.mesh_cost``'s prediction, with NVLink's datasheet link and with the link
-fitted (``nc.fit_link``) to single ``ppermute`` transfers of other sizes; ``nc.choose_strategy`` (fitted) names
-the strategy it picks at each N, next to the fastest measured. Each strategy's per-device kernels, forward and
-backward (the ring's pair kernels by kind), are logged with their backend and why ``backend="auto"`` kept any off
-Mosaic (``DeviceKernel.refused``), and recorded in the JSON. Writes ``results/ring_attention_<GPU>.json``
-and ``.png``.
+fitted (``nc.fit_link``) to single ``ppermute`` transfers and all-gathers (its ``fanout``) of other sizes;
+``nc.choose_strategy`` (fitted) names the strategy it picks at each N, next to the fastest measured. XLA's
+latency-hiding scheduler is on (:data:`HIDING`), so the ring's transfers can overlap its kernels. Each strategy's
+per-device kernels, forward and backward (the ring's pair kernels by kind), are logged with their backend and why
+``backend="auto"`` kept any off Mosaic (``DeviceKernel.refused``), and recorded in the JSON. Writes
+``results/ring_attention_<GPU>.json`` and ``.png``.
 
     python papers/flash_attention/ring_attention.py [--devices 4] [--strategy all] [--max-n 1048576] [--out DIR]
+    python papers/flash_attention/ring_attention.py --ns 131072,524288   # these lengths only
     python papers/flash_attention/ring_attention.py --smoke   # CPU: tiny sizes on 4 forced host devices
 """
 
@@ -33,6 +35,13 @@ SMOKE = "--smoke" in sys.argv or "--quick" in sys.argv
 if SMOKE and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     # before jax starts: the smoke run uses 4 host devices (CPU)
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4".strip()
+#: XLA's latency-hiding scheduler, which moves a collective's start before the kernels that do not read it: without
+#: it XLA:GPU issues each ppermute next to its use and the ring's transfers do not overlap its kernels (JAX's GPU
+#: performance tips and NVIDIA's JAX images set it); ``--no-latency-hiding`` measures without it
+HIDING = "--xla_gpu_enable_latency_hiding_scheduler=true"
+HIDDEN = "--no-latency-hiding" not in sys.argv and "latency_hiding_scheduler" not in os.environ.get("XLA_FLAGS", "")
+if not SMOKE and HIDDEN:
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {HIDING}".strip()
 
 import argparse  # noqa: E402 - after the device flag
 import functools  # noqa: E402
@@ -190,20 +199,31 @@ def sharded(mesh: Mesh, x):
 
 
 def fitted_link(mesh: Mesh, heads: int, d: int, dtype, devices: int, n: int):
-    """The link fitted (``nc.fit_link``) to one ``ppermute`` of a K chunk at N/2, N and 2N (not the sizes the
-    predictions are checked at), each timed as :func:`per_exchange` (the call's fixed cost taken out)."""
+    """The link fitted (``nc.fit_link``) to one ``ppermute`` of a K chunk at N/2, N and 2N (not the messages the
+    predictions are checked at: the ring sends K and V, the all-gather gathers both), and its ``fanout`` to one
+    all-gather of the same chunks (the bytes each device takes in from all its peers at once), each timed as
+    :func:`per_exchange` (the call's fixed cost taken out)."""
     pairs = [(j, (j + 1) % devices) for j in range(devices)]
     spec = Spec(None, None, "sp")
+    steps = {
+        "ppermute": (lambda k: jax.lax.ppermute(k, "sp", pairs), spec),
+        "all_gather": (lambda k: jax.lax.all_gather(k, "sp", axis=2, tiled=True), Spec()),
+    }
 
-    def make(sets):
-        body = lambda *ks: tuple(jax.lax.ppermute(k, "sp", pairs) for k in ks)  # noqa: E731
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * sets, out_specs=(spec,) * sets))
+    def make(exchange, sets):
+        step, out = steps[exchange]
+        body = lambda *ks: tuple(step(k) for k in ks)  # noqa: E731
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * sets, out_specs=(out,) * sets,
+                                     check_vma=False))  # the gathered chunks are alike on every device
 
-    measured = []
+    measured = {"ppermute": [], "all_gather": []}
     for m in (max(devices, n // 2), max(devices, n), max(devices, 2 * n)):
         k = sharded(mesh, jnp.ones((1, heads, m, d), dtype))
-        measured.append((k.size // devices * k.dtype.itemsize, per_exchange(make, k)[0]))
-    return nc.fit_link(measured, "fitted ppermute"), measured
+        chunk = k.size // devices * k.dtype.itemsize
+        for exchange, into in (("ppermute", chunk), ("all_gather", (devices - 1) * chunk)):
+            measured[exchange].append((into, per_exchange(functools.partial(make, exchange), k)[0]))
+    link = nc.fit_link(measured["ppermute"], "fitted ppermute + all-gather", fanout=measured["all_gather"])
+    return link, measured
 
 
 def check(fns: dict, kernels: dict, mesh: Mesh, baseline: dict, n: int, heads: int, d: int, dtype) -> dict:
@@ -275,7 +295,7 @@ def run(args) -> Path:
     dtype_name = cfg.get("dtype", "bf16")
     dtype = jnp.float32 if dtype_name == "f32" else jnp.bfloat16
     devices = cfg.get("devices", args.devices)
-    ns = cfg.get("ns") or [131072 * 2**i for i in range(8) if 131072 * 2**i <= args.max_n]
+    ns = cfg.get("ns") or args.ns or [131072 * 2**i for i in range(8) if 131072 * 2**i <= args.max_n]
     # the blocks nc.attention takes on one GPU (on Hopper Mosaic's own), at the shortest chunk a device holds:
     # 'auto' lowers the per-device kernels on Mosaic only at blocks it was measured faster at
     chunk = ns[0] // (2 * devices)
@@ -284,7 +304,7 @@ def run(args) -> Path:
     kind = jax.devices()[0].device_kind
     gpu = "cpu" if jax.devices()[0].platform == "cpu" else kind.replace(" ", "_")
     log(f"{kind}: {jax.device_count()} devices, {', '.join(strategies)} over {devices}; N = {ns}; H = {heads}, "
-        f"D = {d}, {dtype_name}")
+        f"D = {d}, {dtype_name}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     if jax.device_count() < devices:
         raise SystemExit(f"needs {devices} devices, jax sees {jax.device_count()}")
     flash = scheduled(d, dtype_name, g, s)
@@ -300,15 +320,8 @@ def run(args) -> Path:
     errors = check(fns, kernels, mesh, baseline, cfg.get("check_n", CHECK_N), heads, d, dtype)
     layouts = {"one GPU": seq_major} | {name: functools.partial(placed, kernels[name], mesh) for name in strategies}
     hw = for_device(kind)
-    systems = {"nvlink_datasheet": System(hw, devices, NVLINK4)} if hw is not None else {}
-    try:
-        link, calibration = fitted_link(mesh, heads, d, dtype, devices, ns[0])
-        log(f"fitted link: {link.bandwidth / 1e9:.1f} GB/s, {link.latency * 1e6:.1f} µs from {calibration}")
-    except CostError as e:  # timings too noisy to fit (tiny transfers on CPU): predictions with the datasheet only
-        link, calibration = None, str(e)
-        log(f"no fitted link: {e}")
-    if hw is not None and link is not None:
-        systems["fitted"] = replace(systems["nvlink_datasheet"], link=link)
+    datasheet = {"nvlink_datasheet": System(hw, devices, NVLINK4)} if hw is not None else {}
+    links = {}  # per N: the link fitted to transfers of other sizes near that N (NCCL's rate grows with the message)
     rows, alive = [], {"one GPU": True} | dict.fromkeys(strategies, True)
     for n in ns:
         timed_n = sweep(n, {"one GPU": baseline} | fns, layouts, alive, heads, d, dtype)
@@ -319,6 +332,19 @@ def run(args) -> Path:
                 what = "fwd+bwd" if r["backward"] else "fwd"
                 log(f"N={n:>8} {r['strategy']:11} {what:7} {r['speedup']:.2f}× one GPU")
         rows += timed_n
+        try:
+            link, calibration = fitted_link(mesh, heads, d, dtype, devices, n)
+            log(f"N={n:>8} fitted link: {link.bandwidth / 1e9:.1f} GB/s to one peer, "
+                f"{link.collective_bandwidth / 1e9:.1f} GB/s from all peers at once, {link.latency * 1e6:.1f} µs, "
+                f"from {calibration}")
+        except CostError as e:  # timings too noisy to fit (tiny transfers on CPU): predictions with the datasheet only
+            link, calibration = None, str(e)
+            log(f"N={n:>8} no fitted link: {e}")
+        links[n] = {"bandwidth": link and link.bandwidth, "fanout": link and link.fanout,
+                    "latency": link and link.latency, "from": calibration}
+        systems = dict(datasheet)
+        if datasheet and link is not None:
+            systems["fitted"] = replace(datasheet["nvlink_datasheet"], link=link)
         rows += communication(n, strategies, mesh, systems, heads, d, dtype_name, dtype, devices)
         if "fitted" in systems:
             b, h, qq, x, dd = nc.axes("b h q x d", d=d)
@@ -339,9 +365,10 @@ def run(args) -> Path:
     path = out / f"ring_attention_{gpu}{'_smoke' if smoke else ''}.json"
     meta = {
         "gpu": kind, "devices": devices, "heads": heads, "d": d, "dtype": dtype_name, "causal": True, "tile": [g, s],
-        "jax": jax.__version__, "check_errors": errors, "backends": backends, "refused": refused,
+        "jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""), "check_errors": errors,
+        "backends": backends, "refused": refused,
         "baseline": "nc.attention, one GPU", "inputs": "each strategy's own layout, sharded (in_device_order)",
-        "fitted_link": {"bandwidth": link and link.bandwidth, "latency": link and link.latency, "from": calibration},
+        "fitted_link": links,
     }
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     plot(rows, meta, path.with_suffix(".png"))
@@ -386,9 +413,13 @@ def main(argv=None) -> Path:
     p.add_argument("--devices", type=int, default=4)
     p.add_argument("--strategy", choices=[*STRATEGIES, "all"], default="all")
     p.add_argument("--max-n", type=int, default=2**20)
+    p.add_argument("--ns", type=lambda v: [int(n) for n in v.split(",")], default=None,
+                   help="the sequence lengths, comma-separated (instead of 128k doubling up to --max-n)")
     p.add_argument("--heads", type=int, default=HEADS, help="more heads reach one GPU's memory at a shorter N")
     p.add_argument("--out", default=str(HERE / "results"))
     p.add_argument("--smoke", "--quick", action="store_true", help="tiny sizes on 4 host devices (CPU)")
+    p.add_argument("--no-latency-hiding", action="store_true",
+                   help=f"leave out {HIDING} (read before jax starts; see HIDING)")
     return run(p.parse_args(argv))
 
 
