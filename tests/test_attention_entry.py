@@ -509,7 +509,8 @@ def test_the_entry_runs_on_mosaic_on_hopper(seed, d):
     q, k, v, ct = (jax.random.normal(key, (2, 1024, 4, d), jnp.bfloat16) for key in (kq, kk, kv, kc))
     backends = attention.kernel_for(q, k, v, is_causal=True).kernel.backends
     backward = [b for r, b in backends.items() if r.startswith("backward kernel")]
-    assert backward == ["mosaic"] * 3 and backends["forward"] == "mosaic", backends
+    fused = d == 64  # dQ accumulated in the dK·dV kernel (tests/test_fused_dq.py): Δ and one kernel, else three
+    assert backward == ["mosaic"] * (2 if fused else 3) and backends["forward"] == "mosaic", backends
     out, pull = jax.vjp(jax.jit(lambda *a: attention(*a, is_causal=True)), q, k, v)
     f32 = [a.astype(jnp.float32) for a in (q, k, v)]
     want, pull_ref = jax.vjp(lambda *a: jax.nn.dot_product_attention(*a, is_causal=True), *f32)

@@ -15,7 +15,7 @@ import pytest
 from jax._src.pallas.triton import pallas_call_registration as registration
 
 import napkin_cat as nc
-from lowering import lower
+from lowering import attention, lower
 from napkin_cat.axes import Axis
 from napkin_cat.hardware import H100
 from rewrites import derive, stream, tile
@@ -141,6 +141,17 @@ def entry_on_an_h200(abstract_hopper, monkeypatch):
     entry.attention.cache_clear()
     yield
     entry.attention.cache_clear()
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_the_entry_on_a_hopper_takes_mosaic_for_every_kernel(entry_on_an_h200, d):
+    """What tests/test_attention_entry.py's GPU test asserts of the entry's backends, checked here on a stand-in
+    H200: every kernel on Mosaic; the backward is Δ and one kernel at D = 64 (dQ fused into dK·dV), else Δ, dQ and
+    dK·dV. The GPU test had kept the three kernels after D = 64's fusion landed, and only a GPU run showed it."""
+    q = jax.ShapeDtypeStruct((2, 1024, 4, d), jnp.bfloat16)
+    backends = attention.kernel_for(q, q, q, is_causal=True).kernel.backends
+    backward = [r for r in backends if r.startswith("backward kernel")]
+    assert set(backends.values()) == {"mosaic"} and len(backward) == (2 if d == 64 else 3), backends
 
 
 def test_f32_attention_at_a_padded_head_dim_lowers_under_auto_on_a_hopper(entry_on_an_h200):
