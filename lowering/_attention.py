@@ -227,6 +227,14 @@ class Signature:
     out_dtype: str | None = None
     dropout: float = 0.0
     broadcast_dropout: bool = False
+    #: v's dtype where it differs from q's and k's: FP8 q and k with 16-bit v, FAN's mixed algorithm (Q·Kᵀ in FP8,
+    #: P·V in 16 bits; :func:`lowering._fp8.check_fp8`)
+    value_dtype: str | None = None
+
+    @property
+    def mixed(self) -> bool:
+        """Whether Q·Kᵀ runs in FP8 and P·V in 16 bits (q, k e4m3; v 16-bit)."""
+        return self.value_dtype is not None
 
     @property
     def value_dim(self) -> bool:
@@ -307,6 +315,7 @@ class Signature:
             out_dtype,
             rate,
             bool(broadcast_dropout) and rate > 0,
+            jnp.dtype(value.dtype).name if fp8 is not None and value.dtype != query.dtype else None,
         )
         return _fitted(made, mosaic and MOSAIC_BLOCKS.entry(dim, value_dim) is not None)
 
@@ -314,7 +323,7 @@ class Signature:
         """The diagram, derived by the schedule and verified (each step and the lowered kernel, on a trial); FP8's
         probabilities then scaled by ``scale_s`` (:class:`lowering._fp8.scale_probabilities`)."""
         steps = [tile(QUERIES, self.tile), stream(KEYS, self.stream)]
-        if self.fp8 is not None:
+        if self.fp8 is not None and not self.mixed:  # mixed: P stays 16-bit, never rounded to e4m3
             steps.append(scale_probabilities(KEYS, self.fp8.scale_s))
         return derive(self.diagram(), *steps, verify="kernel")
 
@@ -327,9 +336,10 @@ class Signature:
         f, dim = self.fp8, (self.head_dims or (None,))[0]
         scale = self.scale if self.scale is not None else dim**-0.5
         value = f.descale_v * (f.scale_o if self.out_dtype == fp8_e4m3.jax_name else 1.0)
-        return dict(
-            scale=f.score(scale), out_dtype=FP8_DTYPES[self.out_dtype], values_keys_last=True, value_scale=value
-        )
+        labels = dict(scale=f.score(scale), out_dtype=FP8_DTYPES[self.out_dtype], value_scale=value)
+        if self.mixed:  # V in 16 bits, laid out as the caller gives it
+            return labels | dict(value_dtype=DTYPES[self.value_dtype])
+        return labels | dict(values_keys_last=True)
 
     def diagram(self) -> Diagram:
         """The variant's diagram (``nc.library.dot_product_attention``), its sizes symbolic."""
@@ -666,6 +676,8 @@ def _check(query, key, value, dtypes=DTYPES) -> tuple[int, int, int]:
     if query.shape[-1] == 0:
         raise EvaluationError(f"attention: q's and k's head dim is 0 (the scores and 1/√d are undefined); {shapes}")
     names = {jnp.dtype(a.dtype).name for a in (query, key, value)}
+    if FP8_DTYPES is dtypes and names == {fp8_e4m3.jax_name, jnp.dtype(value.dtype).name} != {fp8_e4m3.jax_name}:
+        names = {jnp.dtype(a.dtype).name for a in (query, key)}  # FAN's mixed: v's 16 bits checked by check_fp8
     if len(names) != 1 or not names <= dtypes.keys():
         fp8 = "" if fp8_e4m3.jax_name in dtypes else f" ({fp8_e4m3.jax_name} with fp8_scales)"
         raise EvaluationError(
@@ -962,7 +974,8 @@ class AttentionKernel:
         extra[int(bias is not None) : int(bias is not None)] = list(captured)
         if segment_ids is not None:
             extra += [a.astype(jnp.int32) for a in segment_ids]
-        if self.signature.fp8 is not None:  # V keys innermost, [b, h_kv, dv, kv]: FP8 wgmma reads it K-major
+        if self.signature.fp8 is not None and not self.signature.mixed:  # V keys innermost, [b, h_kv, dv, kv]:
+            # FP8 wgmma reads it K-major
             value = jnp.transpose(value, (0, 2, 3, 1))
         if self.signature.dropout > 0:
             if seed is None:

@@ -122,17 +122,23 @@ def _number(name: str, v) -> float:
 
 def check_fp8(query, key, value, fp8_scales, out_dtype) -> tuple[Fp8Scales | None, str | None]:
     """The scales and the output dtype of a call: (None, None) where no array is FP8; an FP8 call with every input
-    e4m3, its scales, and its output dtype (default bf16; e4m3 too, multiplied by ``scale_o``). Refused, naming the
-    arguments: FP8 mixed with 16-bit inputs, scales without FP8 inputs or FP8 without scales.
+    e4m3, its scales, and its output dtype (default bf16; e4m3 too, multiplied by ``scale_o``). With q and k in e4m3
+    and v in bf16 or f16, FAN's mixed algorithm: Q·Kᵀ in FP8, P·V in v's 16 bits (the probabilities never rounded to
+    e4m3, so ``scale_s`` must be 1 and may be left out, as may ``descale_v``); its output defaults to v's dtype.
+    Refused, naming the arguments: other mixes of FP8 and 16-bit inputs, scales without FP8 inputs or FP8 without
+    scales.
 
     >>> x, y = jnp.zeros((1, 4, 1, 16), jnp.float8_e4m3fn), jnp.zeros((1, 4, 1, 16), jnp.bfloat16)
     >>> check_fp8(x, x, x, dict(descale_q=1, descale_k=1, descale_v=1, scale_s=1), None)[1]
     'bfloat16'
-    >>> check_fp8(x, x, y, dict(descale_q=1, descale_k=1, descale_v=1, scale_s=1), None)
+    >>> check_fp8(x, x, y, dict(descale_q=0.5, descale_k=2), None)
+    (Fp8Scales(descale_q=0.5, descale_k=2.0, descale_v=1.0, scale_s=1.0, scale_o=1.0), 'bfloat16')
+    >>> check_fp8(x, y, y, dict(descale_q=1, descale_k=1, descale_v=1, scale_s=1), None)
     Traceback (most recent call last):
     ...
-    napkin_cat.errors.EvaluationError: attention: FP8 attention takes q, k and v all in float8_e4m3fn; got q \
-float8_e4m3fn, k float8_e4m3fn, v bfloat16 (quantise every input with its scale, or pass none in FP8)
+    napkin_cat.errors.EvaluationError: attention: FP8 attention takes q, k and v all in float8_e4m3fn, or q and k in \
+float8_e4m3fn with v in bfloat16 or float16 (FAN's mixed algorithm); got q float8_e4m3fn, k bfloat16, v bfloat16 \
+(quantise the inputs with their scales, or pass none in FP8)
     """
     names = [jnp.dtype(a.dtype).name for a in (query, key, value)]
     if not any(n in {t.jax_name for t in FP8} for n in names):
@@ -144,23 +150,36 @@ float8_e4m3fn, k float8_e4m3fn, v bfloat16 (quantise every input with its scale,
                 )
         return None, None
     want = fp8_e4m3.jax_name
-    if names != [want] * 3:
+    mixed = names[:2] == [want] * 2 and names[2] in (bf16.jax_name, "float16")
+    if names != [want] * 3 and not mixed:
         got = ", ".join(f"{a} {n}" for a, n in zip("qkv", names, strict=True))
         raise EvaluationError(
-            f"attention: FP8 attention takes q, k and v all in {want}; got {got} (quantise every input with its "
-            "scale, or pass none in FP8)"
+            f"attention: FP8 attention takes q, k and v all in {want}, or q and k in {want} with v in bfloat16 or "
+            f"float16 (FAN's mixed algorithm); got {got} (quantise the inputs with their scales, or pass none in FP8)"
         )
     if fp8_scales is None:
+        needed = "descale_q=..., descale_k=..." if mixed else "descale_q=..., descale_k=..., descale_v=..., scale_s=..."
         raise EvaluationError(
-            "attention: q, k, v are float8_e4m3fn but fp8_scales is missing; pass fp8_scales=dict(descale_q=..., "
-            "descale_k=..., descale_v=..., scale_s=...) (1.0 each for unscaled inputs)"
+            f"attention: q, k are float8_e4m3fn but fp8_scales is missing; pass fp8_scales=dict({needed}) "
+            "(1.0 each for unscaled inputs)"
         )
-    out = bf16.jax_name if out_dtype is None else jnp.dtype(out_dtype).name
-    if out not in (bf16.jax_name, "float16", "float32", want):
+    out = (names[2] if mixed else bf16.jax_name) if out_dtype is None else jnp.dtype(out_dtype).name
+    if out not in (bf16.jax_name, "float16", "float32", *(() if mixed else (want,))):
         raise EvaluationError(
-            f"attention: FP8 attention's out_dtype is bfloat16, float16, float32 or {want}; got {out}"
+            f"attention: FP8 attention's out_dtype is bfloat16, float16, float32{'' if mixed else ' or ' + want}; "
+            f"got {out}"
         )
-    return Fp8Scales.of(fp8_scales), out
+    if not mixed:
+        return Fp8Scales.of(fp8_scales), out
+    given = dict(fp8_scales) if isinstance(fp8_scales, dict) else {f.name: getattr(fp8_scales, f.name) for f in
+                                                                   fields(Fp8Scales)}
+    scales = Fp8Scales.of({"descale_v": 1.0, "scale_s": 1.0} | given)
+    if scales.scale_s != 1.0:
+        raise EvaluationError(
+            f"attention: scale_s = {scales.scale_s:g} scales probabilities rounded to e4m3; with v in {names[2]} "
+            "(FAN's mixed algorithm) they stay 16-bit: drop scale_s"
+        )
+    return scales, out
 
 
 def no_fp8_dot(d: Diagram, interpret: bool) -> str | None:

@@ -259,6 +259,9 @@ class _Attention:
     out_dtype: Dtype | str | None = None
     values_keys_last: bool = False
     value_scale: float | None = None
+    #: V's dtype, and so the P·V contraction's, where it differs from Q's and K's: FAN's mixed algorithm (Q·Kᵀ in
+    #: FP8, P·V in 16 bits); None: ``dtype``
+    value_dtype: Dtype | str | None = None
 
     def __post_init__(self):
         dims = (self.d,) if self.value_dim is None else (self.d, self.value_dim)
@@ -285,10 +288,15 @@ class _Attention:
         return (*lead[:at], seq, *lead[at:], last)
 
     @property
+    def vdtype(self) -> Dtype | str:
+        """V's dtype: ``value_dtype``, else the inputs' ``dtype``."""
+        return self.dtype if self.value_dtype is None else self.value_dtype
+
+    @property
     def V(self) -> Array:
         if self.values_keys_last:
-            return Array(*self.kv, self.e, self.x, dtype=self.dtype)
-        return Array(*self.lay(self.kv, self.x, self.e), dtype=self.dtype)
+            return Array(*self.kv, self.e, self.x, dtype=self.vdtype)
+        return Array(*self.lay(self.kv, self.x, self.e), dtype=self.vdtype)
 
     @property
     def S(self) -> Array:
@@ -296,7 +304,7 @@ class _Attention:
 
     @property
     def O(self) -> Array:  # noqa: E743 - the output, as in the papers
-        return Array(*self.lay(self.batch, self.q, self.e), dtype=self.out_dtype or self.dtype)
+        return Array(*self.lay(self.batch, self.q, self.e), dtype=self.out_dtype or self.vdtype)
 
     @property
     def rows(self) -> Array:
@@ -369,8 +377,8 @@ class _Attention:
         b, q, x, e = self.batch, self.q, self.x, self.e
         spec = f"{self._spec(*b, q, x)}, {self._spec(*self.V.axes)} -> {self._spec(*self.lay(b, q, e))}"
         w = weights or self.S
-        out = self.out_dtype or self.dtype
-        return g.contract(spec, *b, q, x, e, dtype=(w.dtype, self.dtype), out_dtype=out, scale=self.value_scale)
+        out = self.out_dtype or self.vdtype
+        return g.contract(spec, *b, q, x, e, dtype=(w.dtype, self.vdtype), out_dtype=out, scale=self.value_scale)
 
 
 def multi_head_attention(h: Axis, q: Axis, x: Axis, d: Axis, *, batch: tuple[Axis, ...] = (), **kw) -> Diagram:
@@ -750,7 +758,7 @@ def _attention(q: Axis, x: Axis, d: Axis, kw: dict) -> _Attention:
 
 
 #: the keywords of FP8 attention's labels (``_Attention``'s fields of that name)
-FP8_LABELS = ("out_dtype", "values_keys_last", "value_scale")
+FP8_LABELS = ("out_dtype", "values_keys_last", "value_scale", "value_dtype")
 
 
 def _mods(kw: dict) -> dict:

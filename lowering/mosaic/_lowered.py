@@ -128,9 +128,12 @@ class MosaicLowered:
         self._check_wires()
         #: whether a register A operand (P) goes through shared memory: in interpret mode, and where it meets an FP8
         #: operand (jax 0.11.2's Mosaic GPU layout inference has no relayout from wgmma's f32 accumulator layout to
-        #: its 8-bit A operand layout, so P in e4m3 is stored, swizzled, and read as an A operand from there)
+        #: its 8-bit A operand layout, so P in e4m3 is stored, swizzled, and read as an A operand from there). P
+        #: meets the streamed input contracted over the streamed axis, laid out with it innermost (FP8's V,
+        #: ``[e, x]``); an FP8 K (``[x, d]``) with a 16-bit V (FAN's mixed algorithm) keeps P in registers
         self.staged = self.config.interpretable or any(
-            self._role(w) == "stream" and len(w.axes) == 2 and w.dtype in FP8 for w in self.d.dom.inside
+            self._role(w) == "stream" and len(w.axes) == 2 and w.dtype in FP8 and w.names[-1] == self.x
+            for w in self.d.dom.inside
         )
         #: whether the kernel holds a staging buffer: where P is staged, and where a summed output's product reads a
         #: register operand transposed (dQ = dSᵀ·K, dS held as [keys, queries]: written to shared memory, read back
@@ -525,9 +528,14 @@ class MosaicLowered:
         return total + _aligned(8 * barriers)
 
     def _staged_dtype(self):
-        """The dtype a staged A operand takes: the first streamed block's (V's), which it meets in a wgmma."""
+        """The dtype a staged A operand takes: V's, which it meets in a wgmma: the streamed blocks' (one dtype), or with
+        an FP8 K and a 16-bit V (FAN's mixed algorithm: only an FP8 V is laid out keys innermost) the 16-bit one."""
         wires = self.d.dom.inside
-        return next((w.dtype for w in wires if self._role(w) == "stream" and len(w.axes) == 2), wires[0].dtype)
+        streamed = [w for w in wires if self._role(w) == "stream" and len(w.axes) == 2]
+        fp8_v = any(w.dtype in FP8 and w.names[-1] == self.x for w in streamed)
+        if any(w.dtype in FP8 for w in streamed) and not fp8_v:
+            return next(w.dtype for w in streamed if w.dtype not in FP8)
+        return streamed[0].dtype if streamed else wires[0].dtype
 
     def _call(self, arrays, sizes, extent, every: bool = False):
         p, full, c = self.plan, self.plan.diagram, self.config

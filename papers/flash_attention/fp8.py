@@ -9,6 +9,8 @@ in its own layout:
 * ``napkin fp8 kernel``: the same kernel called on V already laid out ``[B, H, D, N]`` (its own layout);
 * ``napkin fp8 g<tile> s<chunk>``: the Mosaic kernel at other blocks (``--blocks``), V ``[B, H, D, N]``;
 * ``napkin fp8 triton``: ``backend="triton"`` (``tl.dot`` on e4m3);
+* ``napkin fp8·bf16 mixed``: FAN's mixed algorithm (its table's row 16), ``nc.attention(q8, k8, v16, fp8_scales=...)``:
+  Q·Kᵀ in FP8, P·V in bf16 with P kept in registers, V bf16 as the caller lays it out;
 * ``cudnn fp8``: ``jax._src.cudnn.fused_attention_stablehlo.dot_product_attention(..., use_fp8=True)``, [B, N, H, D],
   e4m3 out (divided by ``scale_o`` for its error);
 * ``napkin bf16`` (``nc.attention``) and ``cudnn bf16`` (``jax.nn.dot_product_attention(implementation="cudnn")``)
@@ -99,6 +101,8 @@ def implementations(causal: bool, gpu: bool, scale_s: float, blocks: list, inter
     for g, s in blocks:
         impls[f"napkin fp8 g{g} s{s}"] = ("vt", (g, s))
     impls["napkin fp8 triton"] = ("bnhd", lambda q, k, v: nc.attention(q, k, v, backend="triton", **fp8))
+    mixed = dict(fp8, fp8_scales=dict(descale_q=1.0, descale_k=1.0))  # P never rounded to e4m3: no scale_s
+    impls["napkin fp8·bf16 mixed"] = ("mixed", lambda q, k, v: nc.attention(q, k, v, **mixed))
     if gpu:
         impls["cudnn fp8"] = ("bnhd", cudnn_fp8(causal, scale_s))
     impls["napkin bf16"] = ("bf16", lambda q, k, v: nc.attention(q, k, v, is_causal=causal, interpret=fp8["interpret"]))
@@ -122,14 +126,14 @@ def measure(name, layout, f, arrays, causal, flops, sig, interpret) -> dict:
         f = blocked(sig, *f, interpret)
     elif name == "napkin fp8 kernel":
         f = f(q8, k8, v8).kernel  # the lowered kernel: q, k, V keys innermost
-    args = {"bnhd": (q8, k8, v8), "vt": (q8, k8, vt8), "bf16": bf}[layout]
+    args = {"bnhd": (q8, k8, v8), "vt": (q8, k8, vt8), "bf16": bf, "mixed": (q8, k8, bf[2])}[layout]
     fwd = jax.jit(f)
     out = fwd(*args)
     one = lambda a: a[:1, :, :2]  # noqa: E731
     deq = [one(a).astype(jnp.float32) for a in (q8, k8, v8)]
     got = one(out).astype(jnp.float32)
     row = {"err": rel(got, reference(*deq, causal))}
-    if layout != "bf16":
+    if layout not in ("bf16", "mixed"):
         row["err_p8"] = rel(got, reference(*deq, causal, sig.fp8.scale_s))
     t = time_calls(fwd, *args, reps=10, batches=5, warmup=2)
     row["fwd"] = {"ms": t.ms, "tflops": flops / t.seconds / 1e12, "method": t.method}
