@@ -279,3 +279,14 @@ def test_cudnns_fp8_params_dict_is_taken():
         Fp8Scales.of(cudnn | {"scale_s": 4.0 * one, "descale_s": one})
     with pytest.raises(EvaluationError, match=r"fp8_scales has unknown descale_x"):
         Fp8Scales.of(cudnn | {"scale_s": one, "descale_x": one})
+
+
+def test_docs_mixed_algorithm_example_runs(capsys):
+    """docs/mosaic.md's example of FAN's mixed algorithm runs and prints what it says."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "mosaic.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "fp8_scales=dict(descale_q=1.0" in b)
+    exec(block, {})  # noqa: S102 - the documentation's own example
+    assert capsys.readouterr().out.split() == ["bfloat16", "True"]
