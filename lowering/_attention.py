@@ -1184,7 +1184,8 @@ class Attention:
         ``(q·dq)(k·dk)ᵀ·scale`` in f32, the probabilities times ``scale_s`` rounded to e4m3 for an FP8 P·V, the
         output times ``dv`` and divided by ``scale_s``: bf16 by default (``out_dtype``: bf16, f16, f32, or e4m3,
         then times ``scale_o``). Unlike cuDNN's, no amax is returned. Differentiating an FP8 call raises
-        :class:`~lowering.NotLowerable`.
+        :class:`~lowering.NotLowerable`. q and k in e4m3 with v in bf16 or f16 is FAN's mixed algorithm: Q·Kᵀ in FP8,
+        P·V in v's 16 bits (only ``descale_q`` and ``descale_k`` needed; docs/mosaic.md).
 
         >>> q8, k8, v8 = (jax.random.normal(jax.random.key(i), (1, 32, 2, 16)).astype(jnp.float8_e4m3fn)
         ...               for i in range(3))

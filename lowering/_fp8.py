@@ -159,9 +159,10 @@ float8_e4m3fn with v in bfloat16 or float16 (FAN's mixed algorithm); got q float
         )
     if fp8_scales is None:
         needed = "descale_q=..., descale_k=..." if mixed else "descale_q=..., descale_k=..., descale_v=..., scale_s=..."
+        which = "q, k are float8_e4m3fn (v 16-bit: FAN's mixed algorithm)" if mixed else "q, k, v are float8_e4m3fn"
         raise EvaluationError(
-            f"attention: q, k are float8_e4m3fn but fp8_scales is missing; pass fp8_scales=dict({needed}) "
-            "(1.0 each for unscaled inputs)"
+            f"attention: {which} but fp8_scales is missing; pass fp8_scales=dict({needed}) (1.0 each for unscaled "
+            "inputs)"
         )
     out = (names[2] if mixed else bf16.jax_name) if out_dtype is None else jnp.dtype(out_dtype).name
     if out not in (bf16.jax_name, "float16", "float32", *(() if mixed else (want,))):

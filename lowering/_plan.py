@@ -80,16 +80,36 @@ class Plan:
     summed: dict = field(default_factory=dict)
 
 
+def pow2_blocks(p: Plan) -> str | None:
+    """Why Triton's blocks cannot take ``p``'s tiles and chunks (each a power of two ≥ 16, or a chunk of 1 along an
+    axis only summed), else None: Triton's guard, not the plan's (Mosaic splits a tile of 384 over three warpgroups).
+
+    >>> import napkin_cat as nc
+    >>> from rewrites import derive, tile, stream
+    >>> q, x, d = nc.axes("q x d")
+    >>> pow2_blocks(plan(derive(nc.library.attention(q, x, d), tile(q, 24), stream(x, 16), verify=False).diagram))
+    "axis 'q': Triton blocks need a power-of-two tile ≥ 16, got g = 24"
+    """
+    for a, g in p.tiles.items():
+        if not _pow2(g) or g < 16:
+            return f"axis {a!r}: Triton blocks need a power-of-two tile ≥ 16, got g = {g}"
+    if p.stream is not None and p.stream[1] != 1 and (not _pow2(p.stream[1]) or p.stream[1] < 16):
+        return (
+            f"axis {p.stream[0]!r}: Triton blocks need a power-of-two stream size ≥ 16 (or 1 along an axis only "
+            f"summed), got s = {p.stream[1]}"
+        )
+    return None
+
+
 def plan(d: Diagram) -> Plan:
     """Classify the axes of a scheduled diagram and check the guards that need no sizes.
 
     >>> import napkin_cat as nc
     >>> from rewrites import derive, tile, stream
     >>> q, x, d = nc.axes("q x d")
-    >>> plan(derive(nc.library.attention(q, x, d), tile(q, 24), stream(x, 16), verify=False).diagram)
-    Traceback (most recent call last):
-    ...
-    lowering._plan.NotLowerable: axis 'q': Triton blocks need a power-of-two tile ≥ 16, got g = 24
+    >>> p = plan(derive(nc.library.attention(q, x, d), tile(q, 384), stream(x, 64), verify=False).diagram)
+    >>> p.tiles, p.stream, p.whole   # any block sizes: each backend's guards say which it takes (Triton: powers of 2)
+    ({'q': 384}, ('x', 64), ('d',))
     """
     if opens := open_sizes(d):
         raise NotLowerable(
@@ -116,18 +136,11 @@ def plan(d: Diagram) -> Plan:
         mixed |= {a for a in box.mixes if not (a in summed and a in box.reduced)}  # a sum into an output: added
     for w in (*d.dom.inside, *d.cod.inside):
         names += [n for n in w.names if n not in names]
-    for a, g in tiles.items():
+    for a in tiles:
         if a in mixed:
             raise NotLowerable(f"axis {a!r} is tiled but a box combines elements along it")
-        if not _pow2(g) or g < 16:
-            raise NotLowerable(f"axis {a!r}: Triton blocks need a power-of-two tile ≥ 16, got g = {g}")
     if stream is not None and stream[1] == 1:
         _check_unit_stream(d, stream[0])
-    elif stream is not None and (not _pow2(stream[1]) or stream[1] < 16):
-        raise NotLowerable(
-            f"axis {stream[0]!r}: Triton blocks need a power-of-two stream size ≥ 16 (or 1 along an axis only "
-            f"summed), got s = {stream[1]}"
-        )
     streamed = {stream[0]} if stream else set()
     whole = kept_whole(d)
     batch = tuple(n for n in names if n not in whole and n not in tiles and n not in streamed)

@@ -30,7 +30,7 @@ from typing import Protocol
 
 import jax.numpy as jnp
 
-from lowering._plan import NotLowerable, Plan, neutral_padding, next_pow2, plan
+from lowering._plan import NotLowerable, Plan, neutral_padding, next_pow2, plan, pow2_blocks
 from lowering._tiles import Chunks
 from lowering.mosaic import (
     MOSAIC_BLOCKS,
@@ -173,7 +173,7 @@ class Triton:
         True
         """
         # a summed output is written chunk by chunk too: its own refusal first
-        if why := summed_across_programs(p, self.title) or written_per_chunk(p, self.title):
+        if why := pow2_blocks(p) or summed_across_programs(p, self.title) or written_per_chunk(p, self.title):
             return why
         d = p.diagram
         size = {a.name: a.size for w in d.dom.inside for a in w.axes}

@@ -90,9 +90,11 @@ def test_guards_raise_not_lowerable():
     q, x, d = nc.axes("q x d")
     attn = nc.library.attention(q, x, d)
     with pytest.raises(NotLowerable, match=r"axis 'q': Triton blocks need a power-of-two tile ≥ 16, got g = 24"):
-        lower(derive(attn, tile(q, 24), stream(x, 16), verify=False))
+        lower(derive(attn, tile(q, 24), stream(x, 16), verify=False), backend="triton")
     with pytest.raises(NotLowerable, match=r"axis 'x': Triton blocks need a power-of-two stream size ≥ 16 \(or 1 "):
-        lower(derive(attn, tile(q, 16), stream(x, 8), verify=False))
+        lower(derive(attn, tile(q, 16), stream(x, 8), verify=False), backend="triton")
+    odd = lower(derive(attn, tile(q, 24), stream(x, 16), verify=False))  # Triton's guard, not the plan's: auto goes on
+    assert odd.backend == "xla" and "Triton blocks need a power-of-two tile" in odd.refused["forward"], odd.refused
     with pytest.raises(NotLowerable, match=r"box 'softmax·contract .*' contracts 'x' over 2 operands: a stream of 1"):
         lower(derive(attn, tile(q, 16), stream(x, 1), verify=False))
     with pytest.raises(NotLowerable, match="backend 'cuda': choose 'auto'"):
