@@ -248,10 +248,20 @@ def _first_neutral(box, axis: str, candidates: tuple) -> tuple | None:
     tol = tolerance(box)
     for pads in candidates:
         with jax.ensure_compile_time_eval():  # concrete numbers where the thread itself traces
-            want, got = evaluate(xs, [np.asarray(p, w.dtype.jnp) for p, w in zip(pads, box.dom.inside, strict=True)])
+            want, got = evaluate(xs, [_filler(p, w.dtype.jnp) for p, w in zip(pads, box.dom.inside, strict=True)])
         if all(_unchanged(w, g, wire, axis, tol) for w, g, wire in zip(want, got, box.cod.inside, strict=True)):
             return pads
     return None
+
+
+def _filler(pad: float, dtype):
+    """``pad`` as the probe's argument, converted as ``jnp.full`` converts a Python number: to a float type on the
+    host, to any other inside the program (XLA's saturating conversion: +∞ is an integer type's largest value).
+
+    >>> _filler(-math.inf, jnp.bfloat16).dtype, _filler(math.inf, jnp.int32)
+    (dtype(bfloat16), inf)
+    """
+    return np.asarray(pad, dtype) if jnp.issubdtype(dtype, jnp.inexact) else pad
 
 
 def _unchanged(want, got, wire, axis: str, tol: float) -> bool:
