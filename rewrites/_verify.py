@@ -248,10 +248,18 @@ def random_inputs(d: Diagram, sizes: dict, seed: int) -> list:
     """
     rng = np.random.default_rng(seed)
     shapes = [tuple(int(a.size.subs(sizes)) for a in w.axes) for w in d.dom.inside]
-    return [
-        jnp.asarray(rng.standard_normal(s, np.float32)).astype(w.dtype.jnp)
-        for s, w in zip(shapes, d.dom.inside, strict=True)
-    ]
+    return [_cast(rng.standard_normal(s, np.float32), w.dtype.jnp) for s, w in zip(shapes, d.dom.inside, strict=True)]
+
+
+def _cast(x: np.ndarray, dtype) -> jax.Array:
+    """``x`` (f32) in ``dtype``: to a float type on the host, bit for bit XLA's rounding (nothing to compile), to
+    any other by XLA, whose conversions (saturating, a negative number to an unsigned 0) NumPy's do not all match.
+
+    >>> x = np.random.default_rng(0).standard_normal(1000, np.float32) * 100
+    >>> all(np.array_equal(_cast(x, t), jnp.asarray(x).astype(t)) for t in (jnp.bfloat16, jnp.float8_e4m3fn, jnp.uint8))
+    True
+    """
+    return jnp.asarray(x.astype(dtype)) if jnp.issubdtype(dtype, jnp.inexact) else jnp.asarray(x).astype(dtype)
 
 
 def relative_error(a, b) -> float:
