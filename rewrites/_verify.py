@@ -379,6 +379,24 @@ class Trial:
         """``d`` with its concretely sized axes at the trial's sizes (where ``sizes`` changed them)."""
         return _resized(d, self.resized)
 
+    def program(self, candidate: Diagram):
+        """``candidate``'s check (its jitted scheduled semantics at :data:`PRECISION`) traced and lowered for the
+        trial's inputs: ``.compile()`` it (in a thread of its own: an XLA compile releases the GIL) and
+        :meth:`check` then finds it compiled.
+
+        >>> import napkin_cat as nc
+        >>> from rewrites import tile
+        >>> q, x, d = nc.axes("q x d")
+        >>> attn = nc.library.attention(q, x, d)
+        >>> trial = Trial.draw(attn, attn, seed=1, sizes={"q": 5, "x": 3, "d": 2})
+        >>> tiled = tile(q, 2)(attn)
+        >>> _ = trial.program(tiled).compile()
+        >>> trial.check(tiled).passed
+        True
+        """
+        with jax.default_matmul_precision(PRECISION):
+            return jitted(execute, self.resize(candidate)).trace(*self.inputs).lower()
+
     def check(self, candidate: Diagram, rule: str = "verify") -> Verification:
         """Run ``candidate``'s scheduled semantics (jitted) on the trial's inputs and compare, both sides'
         matmuls at :data:`PRECISION` (so the tolerance is that of the wires' dtypes on every platform)."""
