@@ -124,7 +124,7 @@ class Derivation:
         last = resolve(last, chosen)
         trial = Trial.draw(self.original, last, seed=seed, sizes=sizes, rule="derive")
         trial = replace(trial, sizes={**trial.sizes, **chosen})
-        checked = [resolve(new, chosen) for new in diagrams]
+        checked = [trial.resize(resolve(new, chosen)) for new in diagrams]  # resized once: compiled once
         program, failure = None, None
         if verify == "kernel":
             # the steps' checks compile while the kernel is lowered and traced (XLA compiles release the GIL); the

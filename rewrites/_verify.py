@@ -204,8 +204,9 @@ def _bind(d: Diagram, sizes: dict | None, rule: str) -> tuple[dict, dict]:
 
 
 def _resized(d: Diagram, resized: dict) -> Diagram:
-    """``d`` with the concretely sized axes named in ``resized`` given those sizes (labels kept)."""
-    if not resized:
+    """``d`` with the concretely sized axes named in ``resized`` given those sizes (labels kept); ``d`` itself where
+    they have them already, so that a check finds the program compiled for it (:func:`jitted`, by identity)."""
+    if all(a.size == resized[a.name] for w in _wires(d) for a in w.axes if a.name in resized):
         return d
     return d.map_arrays(lambda w: w.with_(axes=[a.resized(resized.get(a.name, a.size)) for a in w.axes]))
 
@@ -376,7 +377,16 @@ class Trial:
         return rec
 
     def resize(self, d: Diagram) -> Diagram:
-        """``d`` with its concretely sized axes at the trial's sizes (where ``sizes`` changed them)."""
+        """``d`` with its concretely sized axes at the trial's sizes (where ``sizes`` changed them); ``d`` itself
+        where it has them.
+
+        >>> import napkin_cat as nc
+        >>> attn = nc.library.attention(*nc.axes("q x d", d=64))
+        >>> trial = Trial.draw(attn, attn, seed=0, sizes={"d": 8})
+        >>> resized = trial.resize(attn)
+        >>> [w.axes[-1].size for w in resized.dom.inside], trial.resize(resized) is resized
+        ([8, 8, 8], True)
+        """
         return _resized(d, self.resized)
 
     def program(self, candidate: Diagram):

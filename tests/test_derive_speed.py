@@ -148,3 +148,14 @@ def test_the_kernel_check_still_catches_a_wrong_kernel(monkeypatch):
     q, x, d = nc.axes("q x d")
     with pytest.raises(RewriteError, match=r"^derive\(verify='kernel'\): the lowered kernel differs"):
         derive(nc.library.attention(q, x, d), tile(q, 16), stream(x, 16), seed=2, verify="kernel")
+
+
+def test_each_steps_check_compiles_once_also_where_sizes_resize_a_concrete_axis():
+    q, x, d = nc.axes("q x d", d=64)
+    attn = nc.library.attention(q, x, d, causal=True)
+    for seed in (5, 6):  # the second at other sizes: what a derivation compiles, once the process is warm
+        with COMPILES:
+            derive(attn, tile(q, 16), stream(x, 16), sizes={"d": 8}, seed=seed, verify="kernel")
+    # the reference, two steps, the kernel, and the inputs' two shapes put on the device (8 were each step's program
+    # compiled twice: ahead, and again for a copy of its diagram resized)
+    assert COMPILES.count <= 6, COMPILES.count
