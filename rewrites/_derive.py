@@ -136,7 +136,7 @@ class Derivation:
                 except Exception as e:  # noqa: BLE001 - raised below, after the steps' checks
                     failure = e
                 for f in filter(None, ahead):
-                    f.result()
+                    f.exception()  # done (a program that does not compile fails again in its check, in order)
         steps = [
             Step(rule, new, trial.check(c, repr(rule))) for rule, new, c in zip(rules, diagrams, checked, strict=True)
         ]
