@@ -26,13 +26,14 @@ from __future__ import annotations
 import os
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import jax
 
 from napkin_cat.diagram import Diagram
 from rewrites._rule import RewriteError, Rule, open_sizes, positive_size, resolve
-from rewrites._verify import Trial, Verification, bound, matmul_format
+from rewrites._verify import FAST_COMPILE, Trial, Verification, bound, matmul_format
 
 VERIFY = (True, False, "kernel")
 
@@ -123,11 +124,25 @@ class Derivation:
         last = resolve(last, chosen)
         trial = Trial.draw(self.original, last, seed=seed, sizes=sizes, rule="derive")
         trial = replace(trial, sizes={**trial.sizes, **chosen})
+        checked = [trial.resize(resolve(new, chosen)) for new in diagrams]  # resized once: compiled once
+        program, failure = None, None
+        if verify == "kernel":
+            # the steps' checks compile while the kernel is lowered and traced (XLA compiles release the GIL); the
+            # steps are then checked first, as in order, so a failing step is reported before the kernel's error
+            with ThreadPoolExecutor(1) as compiler:
+                ahead = [_compiling(compiler, trial, c) for c in checked]
+                try:
+                    program = _kernel_program(trial, last)
+                except Exception as e:  # noqa: BLE001 - raised below, after the steps' checks
+                    failure = e
+                for f in filter(None, ahead):
+                    f.exception()  # done (a program that does not compile fails again in its check, in order)
         steps = [
-            Step(rule, new, trial.check(resolve(new, chosen), repr(rule)))
-            for rule, new in zip(rules, diagrams, strict=True)
+            Step(rule, new, trial.check(c, repr(rule))) for rule, new, c in zip(rules, diagrams, checked, strict=True)
         ]
-        kernel = _check_kernel(trial, last) if verify == "kernel" else None
+        if failure is not None:
+            raise failure
+        kernel = _check_kernel(trial, last, program) if verify == "kernel" else None
         return Derivation((*self.steps, *steps), seed, kernel)
 
     def cost(self, hardware=None):
@@ -241,15 +256,33 @@ def _open_for_check(d: Diagram, seed: int, sizes: dict | None, kernel: bool) -> 
     return chosen, rest
 
 
-def _check_kernel(trial: Trial, scheduled: Diagram) -> Verification:
-    """Lower ``scheduled`` and compare the kernel with the reference on ``trial``'s inputs. The kernel runs at
-    the matmul precision its user gets (on a GPU by default, f32 operands rounded to TF32), so the tolerance is
-    that of the format its matmuls round to, where coarser than its wires'."""
+def _compiling(compiler: ThreadPoolExecutor, trial: Trial, candidate: Diagram):
+    """``candidate``'s check program compiling in ``compiler``, or None where tracing it fails: its check, in order,
+    raises that again."""
+    try:
+        program = trial.program(candidate)
+    except Exception:  # noqa: BLE001 - raised again by its check
+        return None
+    return compiler.submit(program.compile)
+
+
+def _kernel_program(trial: Trial, scheduled: Diagram):
+    """``scheduled`` lowered (:func:`lowering.lower`), its kernel traced and lowered for ``trial``'s inputs, to be
+    compiled: as fast as the other checks compile (run once); the kernel inside is the same program."""
     from lowering import lower  # the lowering depends on rewrites, not the other way round
 
     kernel = lower(trial.resize(scheduled))
+    return jax.jit(kernel, compiler_options=FAST_COMPILE).trace(*trial.inputs).lower()
+
+
+def _check_kernel(trial: Trial, scheduled: Diagram, program=None) -> Verification:
+    """Lower ``scheduled`` and compare the kernel with the reference on ``trial``'s inputs (``program``:
+    :func:`_kernel_program`'s, if already made). The kernel runs at the matmul precision its user gets (on a GPU by
+    default, f32 operands rounded to TF32), so the tolerance is that of the format its matmuls round to, where
+    coarser than its wires'."""
+    program = _kernel_program(trial, scheduled) if program is None else program
     start = time.perf_counter()
-    got = jax.block_until_ready(kernel(*trial.inputs))
+    got = jax.block_until_ready(program.compile()(*trial.inputs))
     seconds = time.perf_counter() - start
     tol, basis = bound(scheduled, matmul_format())
     return trial.compare(got, tol, seconds, "derive(verify='kernel')", "the lowered kernel", basis=basis)

@@ -15,7 +15,7 @@ verifies the fusion as its own step. Each is checked per generator by the commut
 ``to_jax ∘ rule = to_jax`` on random inputs
 (``tests/test_lowering_rules.py``; for ``pad_neutral`` on inputs padded with random values beyond ``n``):
 verification strength (a) of ``docs/user_rewrites.md``. At lowering time only the side conditions run;
-``pad_neutral``'s evaluates each box on a one-element padding (a few scalars, no compilation).
+``pad_neutral``'s evaluates each box on a one-element padding (a few scalars, one small program per box).
 
 >>> import napkin_cat as nc
 >>> from rewrites import fuse_softmax
@@ -44,7 +44,7 @@ from napkin_cat.diagram import Diagram, Ty, is_structural
 from napkin_cat.generators import Context, IndexMap, Softmax, fname
 from napkin_cat.semantics import bind, run
 from rewrites._rule import RewriteError, Rule, axis_names
-from rewrites._verify import relative_error, tolerance
+from rewrites._verify import FAST_COMPILE, relative_error, tolerance
 
 LOG2E = math.log2(math.e)
 #: the padding values tried, after the box's own, when that one is not neutral for it
@@ -220,34 +220,56 @@ def _unlabelled(box) -> Diagram:
     return box.map_arrays(lambda w: w.with_(axes=[Axis(a.name) for a in w.axes]))
 
 
-def _probe(box, axis: str, pads: tuple) -> bool:
-    """Whether padding ``box``'s inputs along ``axis`` with ``pads`` leaves its outputs (restricted to the true
-    extent) unchanged: the box evaluated on random inputs of 2 elements along each axis, and again with a third
-    along ``axis``, the padding, appended, its sizes bound to the true extent as a kernel binds them."""
-    return _off_trace(_probe_here, box, axis, pads)
+def _probe(box, axis: str, candidates: tuple) -> tuple | None:
+    """The first of ``candidates`` (paddings, one value per input) that leaves ``box``'s outputs (restricted to the
+    true extent) unchanged when its inputs are padded along ``axis`` with it, or None: the box evaluated on random
+    inputs of 2 elements along each axis, and again with a third along ``axis``, the padding, appended, its sizes
+    bound to the true extent as a kernel binds them."""
+    return _off_trace(_first_neutral, box, axis, candidates)
 
 
-def _probe_here(box, axis: str, pads: tuple) -> bool:
+def _first_neutral(box, axis: str, candidates: tuple) -> tuple | None:
     plain = _unlabelled(box)  # symbolic, unlabelled
     rng = np.random.default_rng(0)
-    with jax.ensure_compile_time_eval():  # concrete numbers where the thread itself traces
-        xs = [jnp.asarray(rng.standard_normal([2] * len(w.axes), np.float32), w.dtype.jnp) for w in box.dom.inside]
+    xs = [rng.standard_normal([2] * len(w.axes), np.float32).astype(w.dtype.jnp) for w in box.dom.inside]
+    ctx = Context(sizes=bind(plain.dom, xs))
+
+    def both(xs, pads):
         padded = []
         for v, w, pad in zip(xs, box.dom.inside, pads, strict=True):
             if w.has(axis):
                 i = w.names.index(axis)
                 v = jnp.concatenate([v, jnp.full([1 if k == i else 2 for k in range(v.ndim)], pad, v.dtype)], axis=i)
             padded.append(v)
-        ctx = Context(sizes=bind(plain.dom, xs))
-        want, got = run(plain, xs, ctx), run(plain, padded, ctx)
+        return run(plain, list(xs), ctx), run(plain, padded, ctx)
+
+    # one program, the paddings its arguments: compiled once per box, not once per operation and padding
+    evaluate = jax.jit(both, compiler_options=FAST_COMPILE)
     tol = tolerance(box)
-    for w, g, wire in zip(want, got, box.cod.inside, strict=True):
-        g = np.asarray(g, np.float64)
-        if wire.has(axis):
-            g = np.take(g, [0, 1], axis=wire.names.index(axis))
-        if not relative_error(g, w) <= tol:  # NaN compares False
-            return False
-    return True
+    for pads in candidates:
+        with jax.ensure_compile_time_eval():  # concrete numbers where the thread itself traces
+            want, got = evaluate(xs, [_filler(p, w.dtype.jnp) for p, w in zip(pads, box.dom.inside, strict=True)])
+        if all(_unchanged(w, g, wire, axis, tol) for w, g, wire in zip(want, got, box.cod.inside, strict=True)):
+            return pads
+    return None
+
+
+def _filler(pad: float, dtype):
+    """``pad`` as the probe's argument, converted as ``jnp.full`` converts a Python number: to a float type on the
+    host, to any other inside the program (XLA's saturating conversion: +∞ is an integer type's largest value).
+
+    >>> _filler(-math.inf, jnp.bfloat16).dtype, _filler(math.inf, jnp.int32)
+    (dtype(bfloat16), inf)
+    """
+    return np.asarray(pad, dtype) if jnp.issubdtype(dtype, jnp.inexact) else pad
+
+
+def _unchanged(want, got, wire, axis: str, tol: float) -> bool:
+    """Whether the padded evaluation's output ``got``, restricted to the true extent, is ``want``'s within ``tol``."""
+    got = np.asarray(got, np.float64)
+    if wire.has(axis):
+        got = np.take(got, [0, 1], axis=wire.names.index(axis))
+    return relative_error(got, want) <= tol  # NaN compares False
 
 
 def _report(box, pads: tuple) -> str:
@@ -267,10 +289,7 @@ def _neutral(box, axis: str) -> tuple[tuple | None, tuple | None]:
     declared = _declared(box, axis)
     first = [declared] if declared is not None else []
     per_input = [tuple(dict.fromkeys(((declared[k],) if declared else ()) + CANDIDATES)) for k in range(len(box.dom))]
-    for pads in dict.fromkeys((*first, *itertools.product(*per_input))):
-        if _probe(box, axis, pads):
-            return pads, declared
-    return None, declared
+    return _probe(box, axis, tuple(dict.fromkeys((*first, *itertools.product(*per_input))))), declared
 
 
 def neutral_padding(d: Diagram, axis: str, rule: str = "pad_neutral") -> dict:

@@ -204,8 +204,9 @@ def _bind(d: Diagram, sizes: dict | None, rule: str) -> tuple[dict, dict]:
 
 
 def _resized(d: Diagram, resized: dict) -> Diagram:
-    """``d`` with the concretely sized axes named in ``resized`` given those sizes (labels kept)."""
-    if not resized:
+    """``d`` with the concretely sized axes named in ``resized`` given those sizes (labels kept); ``d`` itself where
+    they have them already, so that a check finds the program compiled for it (:func:`jitted`, by identity)."""
+    if all(a.size == resized[a.name] for w in _wires(d) for a in w.axes if a.name in resized):
         return d
     return d.map_arrays(lambda w: w.with_(axes=[a.resized(resized.get(a.name, a.size)) for a in w.axes]))
 
@@ -248,10 +249,18 @@ def random_inputs(d: Diagram, sizes: dict, seed: int) -> list:
     """
     rng = np.random.default_rng(seed)
     shapes = [tuple(int(a.size.subs(sizes)) for a in w.axes) for w in d.dom.inside]
-    return [
-        jnp.asarray(rng.standard_normal(s, np.float32)).astype(w.dtype.jnp)
-        for s, w in zip(shapes, d.dom.inside, strict=True)
-    ]
+    return [_cast(rng.standard_normal(s, np.float32), w.dtype.jnp) for s, w in zip(shapes, d.dom.inside, strict=True)]
+
+
+def _cast(x: np.ndarray, dtype) -> jax.Array:
+    """``x`` (f32) in ``dtype``: to a float type on the host, bit for bit XLA's rounding (nothing to compile), to
+    any other by XLA, whose conversions (saturating, a negative number to an unsigned 0) NumPy's do not all match.
+
+    >>> x = np.random.default_rng(0).standard_normal(1000, np.float32) * 100
+    >>> all(np.array_equal(_cast(x, t), jnp.asarray(x).astype(t)) for t in (jnp.bfloat16, jnp.float8_e4m3fn, jnp.uint8))
+    True
+    """
+    return jnp.asarray(x.astype(dtype)) if jnp.issubdtype(dtype, jnp.inexact) else jnp.asarray(x).astype(dtype)
 
 
 def relative_error(a, b) -> float:
@@ -368,8 +377,35 @@ class Trial:
         return rec
 
     def resize(self, d: Diagram) -> Diagram:
-        """``d`` with its concretely sized axes at the trial's sizes (where ``sizes`` changed them)."""
+        """``d`` with its concretely sized axes at the trial's sizes (where ``sizes`` changed them); ``d`` itself
+        where it has them.
+
+        >>> import napkin_cat as nc
+        >>> attn = nc.library.attention(*nc.axes("q x d", d=64))
+        >>> trial = Trial.draw(attn, attn, seed=0, sizes={"d": 8})
+        >>> resized = trial.resize(attn)
+        >>> [w.axes[-1].size for w in resized.dom.inside], trial.resize(resized) is resized
+        ([8, 8, 8], True)
+        """
         return _resized(d, self.resized)
+
+    def program(self, candidate: Diagram):
+        """``candidate``'s check (its jitted scheduled semantics at :data:`PRECISION`) traced and lowered for the
+        trial's inputs: ``.compile()`` it (in a thread of its own: an XLA compile releases the GIL) and
+        :meth:`check` then finds it compiled.
+
+        >>> import napkin_cat as nc
+        >>> from rewrites import tile
+        >>> q, x, d = nc.axes("q x d")
+        >>> attn = nc.library.attention(q, x, d)
+        >>> trial = Trial.draw(attn, attn, seed=1, sizes={"q": 5, "x": 3, "d": 2})
+        >>> tiled = tile(q, 2)(attn)
+        >>> _ = trial.program(tiled).compile()
+        >>> trial.check(tiled).passed
+        True
+        """
+        with jax.default_matmul_precision(PRECISION):
+            return jitted(execute, self.resize(candidate)).trace(*self.inputs).lower()
 
     def check(self, candidate: Diagram, rule: str = "verify") -> Verification:
         """Run ``candidate``'s scheduled semantics (jitted) on the trial's inputs and compare, both sides'
