@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 
+import jax
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -46,7 +47,10 @@ def failures(run: subprocess.CompletedProcess, file: str) -> str | None:
 
 
 def run_own_file_unless_in_session(request: pytest.FixtureRequest, file: str) -> None:
-    """A file's runner: skip where tests/test_four_devices.py runs its tests in this session, else run them."""
+    """A file's runner: skip where jax already sees 4 devices (the file's ``test_four_*`` tests run in-process, as in
+    the subprocess this starts) or where tests/test_four_devices.py runs its tests in this session, else run them."""
+    if jax.device_count() >= 4:
+        pytest.skip("already on 4 devices: the test_four_* tests run here")
     file = pathlib.Path(file).resolve().relative_to(ROOT).as_posix()
     assert file in FILES, f"{file} is not in tests/four_devices.py's FILES"
     if ALL in {item.nodeid for item in request.session.items}:

@@ -205,8 +205,6 @@ def test_mesh_cost_bad_inputs():
 
 
 def test_on_four_cpu_devices(request):
-    if FOUR:
-        pytest.skip("already on 4 devices: the test_four_* tests run here")
     run_own_file_unless_in_session(request, __file__)  # tests/test_four_devices.py runs them in a full run
 
 

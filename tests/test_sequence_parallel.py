@@ -227,8 +227,6 @@ def test_docs_strategy_cost_example_runs(capsys):
 
 
 def test_on_four_cpu_devices(request):
-    if FOUR:
-        pytest.skip("already on 4 devices: the test_four_* tests run here")
     run_own_file_unless_in_session(request, __file__)  # tests/test_four_devices.py runs them in a full run
 
 

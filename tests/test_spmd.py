@@ -37,8 +37,6 @@ BHD = Spec("data", None, "model", None)  # [batch, seq, heads, dim]: data parall
 
 
 def test_spmd_on_four_cpu_devices(request):
-    if jax.device_count() >= 4:
-        pytest.skip("already on 4 devices: the test_four_* tests run here")
     run_own_file_unless_in_session(request, __file__)  # tests/test_four_devices.py runs them in a full run
 
 
