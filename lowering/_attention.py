@@ -270,7 +270,11 @@ class Signature:
         the rest as :func:`batched` gives them), checked before anything is built."""
         fp8, out_dtype = check_fp8(query, key, value, fp8_scales, out_dtype)
         rate = check_rate(dropout_rate)
-        group, dim, value_dim, biased, masked = _checked(query, key, value, bias, mask, segment_ids, backend, fp8)
+        # FAN's mixed algorithm: e4m3 q and k, a 16-bit v (its dtype checked by check_fp8)
+        value_dtype = jnp.dtype(value.dtype).name if fp8 is not None and value.dtype != query.dtype else None
+        group, dim, value_dim, biased, masked = _checked(
+            query, key, value, bias, mask, segment_ids, backend, fp8, mixed=value_dtype is not None
+        )
         window = _window(local_window_size)
         backend = _roped(rope, dim, backend)
         if empty(query, key, value):
@@ -315,7 +319,7 @@ class Signature:
             out_dtype,
             rate,
             bool(broadcast_dropout) and rate > 0,
-            jnp.dtype(value.dtype).name if fp8 is not None and value.dtype != query.dtype else None,
+            value_dtype,
         )
         return _fitted(made, mosaic and MOSAIC_BLOCKS.entry(dim, value_dim) is not None)
 
@@ -634,13 +638,13 @@ def _rotated(rope: Rope, x, positions):
     return rope.rotate(flat, positions).reshape(x.shape)
 
 
-def _checked(query, key, value, bias, mask, segment_ids, backend: str, fp8=None) -> tuple:
+def _checked(query, key, value, bias, mask, segment_ids, backend: str, fp8=None, mixed: bool = False) -> tuple:
     """Every argument of a call (as :func:`batched` gives them) checked, before anything is built: the group
     size, q's and k's head dim, v's, and the batch axes the bias and the mask are read over (``fp8``: the call's
-    :class:`~lowering._fp8.Fp8Scales`, where q, k and v are e4m3)."""
+    :class:`~lowering._fp8.Fp8Scales`, where q, k and v are e4m3; ``mixed``: v is 16-bit beside e4m3 q and k)."""
     if backend != "auto" and backend not in BACKENDS:
         raise NotLowerable(f"attention: backend {backend!r}: choose 'auto', {', '.join(map(repr, BACKENDS))}")
-    group, dim, value_dim = _check(query, key, value, FP8_DTYPES if fp8 is not None else DTYPES)
+    group, dim, value_dim = _check(query, key, value, FP8_DTYPES if fp8 is not None else DTYPES, mixed)
     shape = (query.shape[0], query.shape[2], query.shape[1], key.shape[1])
     biased = None if bias is None else _broadcast("bias", bias, shape, DTYPES)
     masked = None if mask is None else _broadcast("mask", mask, shape, ("bool",))
@@ -660,9 +664,9 @@ def empty(query, key, value) -> bool:
     return 0 in (*query.shape[:-1], *key.shape[:-1], *value.shape[-1:])
 
 
-def _check(query, key, value, dtypes=DTYPES) -> tuple[int, int, int]:
+def _check(query, key, value, dtypes=DTYPES, mixed: bool = False) -> tuple[int, int, int]:
     """Refuse arrays the entry cannot take, naming the condition; the group size, q's and k's head dim and
-    v's otherwise."""
+    v's otherwise (``mixed``: v's dtype is not q's and k's, FAN's mixed algorithm, checked by ``check_fp8``)."""
     shapes = f"q {tuple(query.shape)}, k {tuple(key.shape)}, v {tuple(value.shape)}"
     if not query.ndim == key.ndim == value.ndim or query.ndim not in (3, 4):
         raise EvaluationError(f"attention: q, k, v must all be [batch, seq, heads, dim] or [seq, heads, dim]; {shapes}")
@@ -675,9 +679,7 @@ def _check(query, key, value, dtypes=DTYPES) -> tuple[int, int, int]:
         raise EvaluationError(f"attention: q's {heads} heads are not a multiple of k's and v's {kv_heads}; {shapes}")
     if query.shape[-1] == 0:
         raise EvaluationError(f"attention: q's and k's head dim is 0 (the scores and 1/√d are undefined); {shapes}")
-    names = {jnp.dtype(a.dtype).name for a in (query, key, value)}
-    if FP8_DTYPES is dtypes and names == {fp8_e4m3.jax_name, jnp.dtype(value.dtype).name} != {fp8_e4m3.jax_name}:
-        names = {jnp.dtype(a.dtype).name for a in (query, key)}  # FAN's mixed: v's 16 bits checked by check_fp8
+    names = {jnp.dtype(a.dtype).name for a in ((query, key) if mixed else (query, key, value))}
     if len(names) != 1 or not names <= dtypes.keys():
         fp8 = "" if fp8_e4m3.jax_name in dtypes else f" ({fp8_e4m3.jax_name} with fp8_scales)"
         raise EvaluationError(

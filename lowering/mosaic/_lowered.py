@@ -131,10 +131,7 @@ class MosaicLowered:
         #: its 8-bit A operand layout, so P in e4m3 is stored, swizzled, and read as an A operand from there). P
         #: meets the streamed input contracted over the streamed axis, laid out with it innermost (FP8's V,
         #: ``[e, x]``); an FP8 K (``[x, d]``) with a 16-bit V (FAN's mixed algorithm) keeps P in registers
-        self.staged = self.config.interpretable or any(
-            self._role(w) == "stream" and len(w.axes) == 2 and w.dtype in FP8 and w.names[-1] == self.x
-            for w in self.d.dom.inside
-        )
+        self.staged = self.config.interpretable or self._fp8_values()
         #: whether the kernel holds a staging buffer: where P is staged, and where a summed output's product reads a
         #: register operand transposed (dQ = dSᵀ·K, dS held as [keys, queries]: written to shared memory, read back
         #: transposed, FlashAttention-3's dS in shared memory)
@@ -527,15 +524,22 @@ class MosaicLowered:
             total += _aligned(self.rows * self.s * self._staged_dtype().bytes * c.consumers)
         return total + _aligned(8 * barriers)
 
+    def _streamed_blocks(self) -> list:
+        """The streamed 2-D input blocks (K and V, one chunk of each)."""
+        return [w for w in self.d.dom.inside if self._role(w) == "stream" and len(w.axes) == 2]
+
+    def _fp8_values(self) -> bool:
+        """Whether P meets an FP8 V: a streamed FP8 block laid out with the streamed axis innermost (``[e, x]``,
+        contracted over it); an FP8 K (``[x, d]``) with a 16-bit V is FAN's mixed algorithm."""
+        return any(w.dtype in FP8 and w.names[-1] == self.x for w in self._streamed_blocks())
+
     def _staged_dtype(self):
         """The dtype a staged A operand takes: V's, which it meets in a wgmma: the streamed blocks' (one dtype), or with
-        an FP8 K and a 16-bit V (FAN's mixed algorithm: only an FP8 V is laid out keys innermost) the 16-bit one."""
-        wires = self.d.dom.inside
-        streamed = [w for w in wires if self._role(w) == "stream" and len(w.axes) == 2]
-        fp8_v = any(w.dtype in FP8 and w.names[-1] == self.x for w in streamed)
-        if any(w.dtype in FP8 for w in streamed) and not fp8_v:
+        an FP8 K and a 16-bit V (FAN's mixed algorithm) the 16-bit one."""
+        streamed = self._streamed_blocks()
+        if any(w.dtype in FP8 for w in streamed) and not self._fp8_values():
             return next(w.dtype for w in streamed if w.dtype not in FP8)
-        return streamed[0].dtype if streamed else wires[0].dtype
+        return streamed[0].dtype if streamed else self.d.dom.inside[0].dtype
 
     def _call(self, arrays, sizes, extent, every: bool = False):
         p, full, c = self.plan, self.plan.diagram, self.config
