@@ -3,6 +3,10 @@ backend (below them all, as :mod:`lowering._blocks` is)."""
 
 from __future__ import annotations
 
+import functools
+import os
+import warnings
+
 import jax
 
 from lowering._plan import NotLowerable
@@ -59,3 +63,52 @@ def target_hardware(interpret: bool) -> Hardware:
             "a napkin_cat.hardware.Hardware describing it"
         )
     return found
+
+
+def cpu_pool_threads(environ=os.environ) -> int:
+    """The threads of XLA's CPU thread pool, as its client sizes it when JAX starts: ``PJRT_NPROC``, else ``NPROC``,
+    else the CPUs this process may run on.
+
+    >>> cpu_pool_threads({"PJRT_NPROC": "16"}), cpu_pool_threads({"NPROC": "3"})
+    (16, 3)
+    """
+    for name in ("PJRT_NPROC", "NPROC"):
+        if environ.get(name, "").strip().isdigit():
+            return int(environ[name])
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def interpreter_threads_needed(threads: int) -> int:
+    """The CPU pool's threads an interpreted Mosaic GPU kernel of ``threads`` warpgroups may hold at once, plus one
+    to make progress. Mosaic GPU's interpreter runs the warpgroups as Python threads and waits for them inside a
+    host callback, and each warpgroup's barrier waits are host callbacks too: the callback that waits and every
+    warpgroup's waiting callback can each occupy a pool thread, twice where a program holds two independent kernels
+    (the backward's), so a smaller pool can deadlock (seen on two CPUs: ``PJRT_NPROC=1`` hangs every time).
+
+    >>> interpreter_threads_needed(3)  # two consumers and the producer
+    9
+    """
+    return 2 * (threads + 1) + 1
+
+
+def check_interpreter_pool(threads: int, environ=os.environ) -> None:
+    """Warn once per process where XLA's CPU pool (:func:`cpu_pool_threads`) is smaller than an interpreted Mosaic
+    GPU kernel of ``threads`` warpgroups may need (:func:`interpreter_threads_needed`): it can hang, not fail.
+
+    >>> check_interpreter_pool(3, {"PJRT_NPROC": "16"})  # large enough: silent
+    """
+    have, need = cpu_pool_threads(environ), interpreter_threads_needed(threads)
+    if have < need:
+        _warn_pool(have, need, threads)
+
+
+@functools.cache
+def _warn_pool(have: int, need: int, threads: int) -> None:
+    warnings.warn(
+        f"Mosaic interpret mode: XLA's CPU thread pool has {have} threads (PJRT_NPROC, else this machine's CPUs) and "
+        f"an interpreted kernel of {threads} warpgroups may hold {need - 1} of them waiting at once, so it can "
+        f"deadlock; set PJRT_NPROC={max(need, 16)} in the environment before JAX starts (docs/mosaic.md, "
+        "'Interpret mode')",
+        RuntimeWarning,
+        stacklevel=2,
+    )

@@ -13,7 +13,12 @@ cpu_only = importlib.util.find_spec("jax_plugins") is None
 if cpu_only and "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 
-import jax  # noqa: E402 - after XLA_FLAGS
+# Mosaic GPU's interpreter waits for its warpgroup threads inside XLA's CPU thread pool, which JAX sizes to the CPUs
+# (two on CI): a pool that small deadlocked the suite now and then (every time at PJRT_NPROC=1). Sixteen threads
+# cost nothing measurable; lowering._target.check_interpreter_pool warns a user whose pool is too small.
+os.environ.setdefault("PJRT_NPROC", "16")
+
+import jax  # noqa: E402 - after XLA_FLAGS and PJRT_NPROC
 import pytest  # noqa: E402
 from hypothesis import Phase, settings  # noqa: E402
 

@@ -16,12 +16,13 @@ import jax.numpy as jnp
 import pytest
 
 import napkin_cat as nc
-from lowering import MosaicConfig, NotLowerable, lower, plan
+from lowering import NotLowerable, lower, plan
 from lowering._attention import Signature, attention
 from lowering._fp8 import NO_BACKWARD, Fp8Scales, scale_probabilities
 from lowering.mosaic import MosaicLowered
 from napkin_cat.errors import EvaluationError
-from rewrites import RewriteError, derive, split, stream, tile
+from papers.flash_attention.fp8 import ROW_16, row_16
+from rewrites import RewriteError, derive, stream, tile
 
 E4M3 = jnp.float8_e4m3fn
 #: max |out − ref| / max |ref|, from the errors measured (module docstring)
@@ -247,28 +248,13 @@ def test_fans_mixed_algorithm_lowers_for_cuda_with_p_in_registers():
     assert "f8E4M3FN" in text and "bf16" in text and "wgmma" in text
 
 
-def fan_row_16(d: int, causal: bool = False, scale=None):
-    """FAN's row 16 by relabellings: Q·Kᵀ in FP8, P·V in bf16 (the dtype of each contraction), tiles of 384 queries
-    split over three consumer warpgroups (``split``), 64-key chunks."""
-    b, h, q, x, dim = nc.axes("b h q x d", d=d)
-    att = nc.library.dot_product_attention(
-        q, x, dim, batch=(b, h), seq_at=1, causal=causal, dtype=nc.fp8_e4m3, out_dtype=nc.bf16, value_dtype=nc.bf16,
-        scale=scale,
-    )
-    return derive(att, tile(q, 384), split(q, 3), stream(x, 64), verify=False)
-
-
-#: three consumers and a producer share the SM's 65,536 registers: (3 · 160 + 24) · 128 threads
-ROW_16 = MosaicConfig(consumer_registers=160, producer_registers=24)
-
-
 def test_fans_row_16_runs_at_head_dim_64_and_lowers_for_cuda(key):
     """FAN's row 16 at D = 64, interpreted against the f32 reference (one tile of three consumers, six chunks), and
     lowered for CUDA: 3 consumer warpgroups of 128 rows, P in registers, FP8 and bf16 wgmma."""
     (q8, k8, v), s = draw_mixed(key, n=384, h=1)
-    kernel = lower(fan_row_16(64, scale=s.descale_q * s.descale_k / 8), "mosaic", interpret=True, config=ROW_16)
+    kernel = lower(row_16(64, scale=s.descale_q * s.descale_k / 8), "mosaic", interpret=True, config=ROW_16)
     assert error(kernel(q8, k8, v), mixed_reference(q8, k8, v, s, 1 / 8, False)) < TOL_MIXED
-    k = MosaicLowered(plan(fan_row_16(64).diagram), interpret=False, config=ROW_16)
+    k = MosaicLowered(plan(row_16(64).diagram), interpret=False, config=ROW_16)
     assert (k.config.consumers, k.rows, k.staged) == (3, 128, False)
     args = [jax.ShapeDtypeStruct((1, 768, 1, 64), E4M3)] * 2 + [jax.ShapeDtypeStruct((1, 768, 1, 64), jnp.bfloat16)]
     text = jax.jit(k).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -278,7 +264,7 @@ def test_fans_row_16_runs_at_head_dim_64_and_lowers_for_cuda(key):
 def test_fans_row_16_does_not_fit_the_registers_at_head_dim_128():
     """At D = 128 a consumer of 128 rows keeps its 128 × 128 f32 output and a 128 × 64 chunk of scores live: 192
     registers a thread, over the 160 three consumers and a producer can each have. Refused, naming the count."""
-    k = MosaicLowered(plan(fan_row_16(128).diagram), interpret=False, config=ROW_16)
+    k = MosaicLowered(plan(row_16(128).diagram), interpret=False, config=ROW_16)
     args = [jax.ShapeDtypeStruct((1, 768, 1, 128), E4M3)] * 2 + [jax.ShapeDtypeStruct((1, 768, 1, 128), jnp.bfloat16)]
     with pytest.raises(NotLowerable, match=r"would keep 192 f32 registers live .* over its 160"):
         jax.jit(k).trace(*args).lower(lowering_platforms=("cuda",))

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import napkin_cat as nc
 from lowering import MosaicConfig, MosaicLowered, NotLowerable, OpenKernel, TritonLowered, lower, mosaic, plan
 from lowering._registry import MOSAIC
+from lowering._target import _warn_pool, cpu_pool_threads, interpreter_threads_needed
 from lowering.mosaic._config import SMEM_LIMIT
 from lowering.mosaic._kernel import TURN_BARRIER, MosaicKernel
 from napkin_cat.drawing import draw
@@ -366,6 +367,21 @@ def test_matmul_interpret_matches_reference(m, n, k):
     kernel = lower(matmul(128, 64, 64), backend="mosaic", interpret=True, config=MosaicConfig(interpretable=True))
     want = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32))
     assert relative_error(kernel(a, b), want) <= BF16, f"seed {m + n + k}"
+
+
+def test_a_small_cpu_pool_warns_that_the_interpreter_can_deadlock(monkeypatch):
+    """Mosaic GPU's interpreter waits for its warpgroup threads inside XLA's CPU pool: at PJRT_NPROC=1 the segment-ids
+    test hung every time, and at two CPUs the suite now and then. A kernel interpreted where the pool is smaller than
+    it may need warns once, naming the fix; the suite's own pool (tests/conftest.py) is large enough."""
+    assert cpu_pool_threads() >= interpreter_threads_needed(4)  # row 16's three consumers and the producer
+    _warn_pool.cache_clear()
+    monkeypatch.setenv("PJRT_NPROC", "2")
+    kernel = lower(matmul(128, 64, 64), backend="mosaic", interpret=True, config=MosaicConfig(interpretable=True))
+    arg = jax.ShapeDtypeStruct((128, 128), jnp.bfloat16)
+    with pytest.warns(RuntimeWarning, match=r"pool has 2 threads .* an interpreted kernel of 3 warpgroups may hold "
+                      r"8 of them .* set PJRT_NPROC=16"):
+        jax.jit(kernel).trace(arg, arg)
+    _warn_pool.cache_clear()
 
 
 def test_matmul_lowers_for_cuda():

@@ -43,7 +43,7 @@ from lowering._blocks import BlockContext, Mapped, affine_mask, call_blocks, seg
 from lowering._plan import NotLowerable, Plan, base2, unweave
 from lowering._sparsity import Sparsity, described, sparsity
 from lowering._spmd import out_structs, varying_like
-from lowering._target import interpreted
+from lowering._target import check_interpreter_pool, interpreted
 from lowering.mosaic._arrays import Counting
 from lowering.mosaic._config import REGISTERS, SMEM_ALIGNMENT, SMEM_LIMIT, WGMMA_M, MosaicConfig, wgmma_takes
 from lowering.mosaic._kernel import MosaicKernel
@@ -573,6 +573,8 @@ class MosaicLowered:
         out_type = out_structs(full.cod.inside, extent, arrays)
         summed = [jax.new_ref(varying_like(self._zeros(out_type[k]), arrays)) for k in self.summed]
         stored = [t for k, t in enumerate(out_type) if k not in self.summed]
+        if self.interpret:  # the interpreter's warpgroup threads wait inside XLA's CPU pool: too small a pool hangs
+            check_interpreter_pool(c.consumers + 1)
         call = plgpu.kernel(
             kernel,
             out_type=stored,

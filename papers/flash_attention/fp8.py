@@ -1,8 +1,8 @@
 """FP8 attention forward against cuDNN's, beside both bf16 kernels, in one process (the FP8/parity issue's
 deliverable 1: napkin-cat's FP8 forward ≥ 1.0× cuDNN FP8, its error no larger).
 
-D = 128, B·N = 16k tokens, H = 16, N ∈ {2048, 8192}, causal and not. Implementations, each timed on inputs already
-in its own layout:
+D = 128 (``--d``), B·N = 16k tokens, H = 16, N ∈ {2048, 8192}, causal and not. Implementations, each timed on inputs
+already in its own layout:
 
 * ``napkin fp8``: ``nc.attention(q8, k8, v8, fp8_scales=...)`` as a user calls it (``backend="auto"``; it transposes
   V to keys innermost in XLA, timed with it);
@@ -11,6 +11,10 @@ in its own layout:
 * ``napkin fp8 triton``: ``backend="triton"`` (``tl.dot`` on e4m3);
 * ``napkin fp8·bf16 mixed``: FAN's mixed algorithm (its table's row 16), ``nc.attention(q8, k8, v16, fp8_scales=...)``:
   Q·Kᵀ in FP8, P·V in bf16 with P kept in registers, V bf16 as the caller lays it out;
+* ``napkin row 16``: the same dtypes at FAN's row-16 blocks, by relabellings (:func:`row_16`: tiles of 384 queries
+  split over three consumer warpgroups, 64-key chunks). It fits the registers at D = 64 only; at D = 128 its row
+  is the refusal. Its row also carries FAN's model's figure (``kv_chunk_timing`` at the GPU's rates, the softmax
+  hidden: 1.32 PF/s on an H100 at D = 128);
 * ``cudnn fp8``: ``jax._src.cudnn.fused_attention_stablehlo.dot_product_attention(..., use_fp8=True)``, [B, N, H, D],
   e4m3 out (divided by ``scale_o`` for its error);
 * ``napkin bf16`` (``nc.attention``) and ``cudnn bf16`` (``jax.nn.dot_product_attention(implementation="cudnn")``)
@@ -19,10 +23,12 @@ in its own layout:
 Every implementation gets the same e4m3 inputs (a normal draw, descales 1) and the same scales (``--scale-s``, the
 probabilities' scale). Errors, max |out − ref| / max |ref| on batch 0, two heads: ``err`` against f32 attention of
 the dequantised inputs, ``err_p8`` against the same with the probabilities rounded to e4m3 at their row max times
-``scale_s`` (napkin-cat's rounding). TFLOP/s: 4·B·H·N²·D, halved when causal. Writes ``fp8_<GPU>.json`` and ``.png``
+``scale_s`` (napkin-cat's rounding). TFLOP/s: 4·B·H·N²·D, halved when causal. napkin-cat's rows carry the cost
+functor's prediction for their kernel (``lowering.predicted_time``: tensor-core, CUDA-core and SFU time in series,
+in waves) and the measured / predicted ratio. Writes ``fp8_<GPU>.json`` and ``.png``
 under ``--out`` (after every configuration) and prints each row with its ratios.
 
-    python papers/flash_attention/fp8.py [--out DIR] [--n 2048,8192] [--causal 0,1] [--blocks 128x256,256x64]
+    python papers/flash_attention/fp8.py [--out DIR] [--n 2048,8192] [--causal 0,1] [--blocks 128x256,256x64] [--d 128]
     python papers/flash_attention/fp8.py --smoke   # CPU, tiny sizes, interpret mode, cuDNN skipped
 """
 
@@ -39,12 +45,14 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file: find papers/ and the package
 
 import napkin_cat as nc  # noqa: E402
-from lowering import lower  # noqa: E402
+from lowering import MosaicConfig, lower, predicted_time  # noqa: E402
 from lowering._attention import KEYS, QUERIES, Signature  # noqa: E402
 from lowering._fp8 import scale_probabilities  # noqa: E402
+from napkin_cat.hardware import Hardware, for_device  # noqa: E402
+from napkin_cat.optimize import kv_chunk_timing  # noqa: E402
 from papers.flash_attention.benchmark import device_info, device_stem  # noqa: E402
 from papers.flash_attention.timing import run_rows, save_figure, time_calls, timed  # noqa: E402
-from rewrites import derive, stream, tile  # noqa: E402
+from rewrites import derive, split, stream, tile  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 E4M3 = jnp.float8_e4m3fn
@@ -53,6 +61,35 @@ CUDNN_KEYS = (
     "amax_dQ", "amax_dK", "amax_dV", "amax_dP", "descale_q", "descale_k", "descale_v", "descale_s", "scale_s",
     "scale_o", "descale_o", "descale_dO", "descale_dP", "scale_dQ", "scale_dK", "scale_dV", "scale_dP",
 )
+
+
+#: row 16's three consumers and a producer share the SM's 65,536 registers: (3 · 160 + 24) · 128 threads
+ROW_16 = MosaicConfig(consumer_registers=160, producer_registers=24)
+
+
+def row_16(d: int, causal: bool = False, scale=None):
+    """FAN's row 16 by relabellings: Q·Kᵀ in FP8, P·V in bf16 (the dtype of each contraction), tiles of 384 queries
+    split over three consumer warpgroups (``split``), 64-key chunks; lowered on Mosaic with :data:`ROW_16`.
+
+    >>> [str(s.rule) for s in row_16(64).steps[1:]]
+    ['tile(q, 384)', 'split(q, 3)', 'stream(x, 64)']
+    """
+    b, h, q, x, dim = nc.axes("b h q x d", d=d)
+    att = nc.library.dot_product_attention(
+        q, x, dim, batch=(b, h), seq_at=1, causal=causal, dtype=nc.fp8_e4m3, out_dtype=nc.bf16, value_dtype=nc.bf16,
+        scale=scale,
+    )
+    return derive(att, tile(q, 384), split(q, 3), stream(x, 64), verify=False)
+
+
+def row_16_model(hw: Hardware, d: int) -> float:
+    """FAN's row-16 FLOP/s on ``hw`` (:func:`~napkin_cat.optimize.kv_chunk_timing`: Q·Kᵀ in e4m3 and P·V in bf16
+    at 384 queries, 64-key chunks, the softmax hidden).
+
+    >>> round(row_16_model(for_device("NVIDIA H100 80GB HBM3"), 128) / 1e15, 2)
+    1.32
+    """
+    return kv_chunk_timing(hw, g_q=384, s_x=64, d=d, qk=nc.fp8_e4m3, pv=nc.bf16).flops
 
 
 def reference(q, k, v, causal: bool, scale_s: float | None = None):
@@ -103,6 +140,7 @@ def implementations(causal: bool, gpu: bool, scale_s: float, blocks: list, inter
     impls["napkin fp8 triton"] = ("bnhd", lambda q, k, v: nc.attention(q, k, v, backend="triton", **fp8))
     mixed = dict(fp8, fp8_scales=dict(descale_q=1.0, descale_k=1.0))  # P never rounded to e4m3: no scale_s
     impls["napkin fp8·bf16 mixed"] = ("mixed", lambda q, k, v: nc.attention(q, k, v, **mixed))
+    impls["napkin row 16"] = ("mixed", "row 16")
     if gpu:
         impls["cudnn fp8"] = ("bnhd", cudnn_fp8(causal, scale_s))
     impls["napkin bf16"] = ("bf16", lambda q, k, v: nc.attention(q, k, v, is_causal=causal, interpret=fp8["interpret"]))
@@ -124,6 +162,9 @@ def measure(name, layout, f, arrays, causal, flops, sig, interpret) -> dict:
     q8, k8, v8, vt8, bf = arrays
     if layout == "vt" and isinstance(f, tuple):
         f = blocked(sig, *f, interpret)
+    elif f == "row 16":
+        d = q8.shape[-1]
+        f = lower(row_16(d, causal, scale=d**-0.5), "mosaic", interpret=interpret, config=ROW_16)
     elif name == "napkin fp8 kernel":
         f = f(q8, k8, v8).kernel  # the lowered kernel: q, k, V keys innermost
     args = {"bnhd": (q8, k8, v8), "vt": (q8, k8, vt8), "bf16": bf, "mixed": (q8, k8, bf[2])}[layout]
@@ -140,8 +181,11 @@ def measure(name, layout, f, arrays, causal, flops, sig, interpret) -> dict:
     return row
 
 
-def run(n: int, causal: bool, sizes: tuple, o, gpu: bool) -> list[dict]:
+def run(n: int, causal: bool, sizes: tuple, o, gpu: bool, hw: Hardware | None) -> list[dict]:
+    """One row per implementation at ``n`` keys; napkin-cat's rows with the cost functor's prediction on ``hw``
+    (:func:`lowering.predicted_time`), row 16's with FAN's model's too (:func:`row_16_model`)."""
     b, h, d = sizes[0] // n if sizes[0] >= n else 1, sizes[1], sizes[2]
+    model = hw and row_16_model(hw, d)
     keys = jax.random.split(jax.random.key(n * 2 + causal), 3)
     q8, k8, v8 = ((jax.random.normal(kk, (b, n, h, d))).astype(E4M3) for kk in keys)
     vt8 = jnp.transpose(v8, (0, 2, 3, 1))
@@ -150,17 +194,38 @@ def run(n: int, causal: bool, sizes: tuple, o, gpu: bool) -> list[dict]:
     sig = Signature.of(q8, k8, v8, fp8_scales=scales, is_causal=causal, interpret=o.smoke or None)
     flops = 4 * b * h * n * n * d / (2 if causal else 1)
 
+    mixed = dict(descale_q=1.0, descale_k=1.0)
+    entries = {  # the entry's rows: the arguments its kernel is made for
+        "napkin fp8": ((q8, k8, v8), dict(fp8_scales=scales)),
+        "napkin fp8·bf16 mixed": ((q8, k8, bf[2]), dict(fp8_scales=mixed)),
+        "napkin bf16": (bf, {}),
+    }
+
     def work(name, impl, row):
         row |= timed(measure, name, *impl, (q8, k8, v8, vt8, bf), causal, flops, sig, o.smoke)
-        if name == "napkin fp8":
-            made = nc.attention.kernel_for(q8, k8, v8, fp8_scales=scales, is_causal=causal, interpret=sig.interpret)
-            inner = made.kernel
+        scheduled = row_16(d, causal).diagram if name == "napkin row 16" else None
+        if name in entries:
+            args, kw = entries[name]
+            made = nc.attention.kernel_for(*args, **kw, is_causal=causal, interpret=sig.interpret)
+            inner, scheduled = made.kernel, made.kernel.diagram
             row["kernel"] = {"backends": dict(inner.backends or {}), "refused": dict(inner.refused or {})}
             row["kernel"]["blocks"] = [made.signature.tile, made.signature.stream]
+        if scheduled is not None and hw is not None:  # the cost functor's time (Cost.time_serial, in waves)
+            t = predicted_time(scheduled, hw, {"b": b, "h": h, QUERIES: n, KEYS: n, "q": n, "x": n})
+            row["predicted_tflops"] = flops / t / 1e12
+            row["measured_over_predicted"] = row["fwd"]["tflops"] / row["predicted_tflops"]
+        if name == "napkin row 16" and model:
+            row["model_tflops"] = model / 1e12
+            row["measured_over_model"] = row["fwd"]["tflops"] / row["model_tflops"]
 
     def show(row):
         shown = f"fwd {row['fwd']['tflops']:7.1f} TFLOP/s  err {row['err']:.1e}"
-        return shown + (f"  err_p8 {row['err_p8']:.1e}" if "err_p8" in row else "")
+        shown += f"  err_p8 {row['err_p8']:.1e}" if "err_p8" in row else ""
+        if "predicted_tflops" in row:
+            shown += f"  predicted {row['predicted_tflops']:.0f} ({row['measured_over_predicted']:.2f}×)"
+        if "model_tflops" in row:
+            shown += f"  FAN's model {row['model_tflops']:.0f} ({row['measured_over_model']:.2f}×)"
+        return shown
 
     impls = implementations(causal, gpu, o.scale_s, o.blocks, o.smoke)
     return run_rows(impls, {"N": n, "B": b, "causal": causal}, work, show, f"N={n:5d} causal={int(causal)}", 22)
@@ -204,6 +269,21 @@ def plot(res: dict, path: Path) -> None:
     save_figure(fig, path)
 
 
+def profile(o) -> dict:
+    """``o.profile``'s forward compiled and run twice (the second is the one to profile: ``ncu --launch-skip``)."""
+    n, d = int(o.n.split(",")[0]), o.d
+    b, h = max(16384 // n, 1), 16
+    keys = jax.random.split(jax.random.key(n), 3)
+    q8, k8, v8 = ((jax.random.normal(kk, (b, n, h, d))).astype(E4M3) for kk in keys)
+    arrays = (q8, k8, v8, jnp.transpose(v8, (0, 2, 3, 1)), tuple(a.astype(jnp.bfloat16) for a in (q8, k8, v8)))
+    scales = dict(descale_q=1.0, descale_k=1.0, descale_v=1.0, scale_s=o.scale_s)
+    sig = Signature.of(q8, k8, v8, fp8_scales=scales)
+    layout, f = implementations(False, True, o.scale_s, o.blocks, False)[o.profile]
+    row = measure(o.profile, layout, f, arrays, False, 4 * b * h * n * n * d, sig, False)
+    print(f"{o.profile} N={n} D={d}: {row['fwd']['tflops']:.1f} TFLOP/s, err {row['err']:.1e}", flush=True)
+    return row
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=HERE / "results")
@@ -211,21 +291,26 @@ def main(argv=None) -> dict:
     p.add_argument("--causal", default="0,1")
     p.add_argument("--blocks", default="128x256,256x64", help="Mosaic FP8 (tile x chunk) beside the entry's")
     p.add_argument("--scale-s", type=float, default=256.0, help="the probabilities' scale (cuDNN's scale_s)")
+    p.add_argument("--d", type=int, default=128, help="head dim (row 16 fits the registers at 64)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, interpret mode, cuDNN skipped")
+    p.add_argument("--profile", metavar="IMPL", help="run IMPL's forward twice at the first --n, not causal (for ncu)")
     o = p.parse_args(argv)
     o.blocks = [tuple(int(x) for x in b.split("x")) for b in o.blocks.split(",") if b]
     gpu = jax.default_backend() == "gpu"
+    if o.profile:
+        return profile(o)
     if o.smoke:
-        o.n, o.blocks = "128", [(128, 64)]
-    sizes = (256, 2, 64) if o.smoke else (16384, 16, 128)  # B·N, H, D
+        o.n, o.blocks = "384", [(128, 64)]
+    sizes = (384, 2, 64) if o.smoke else (16384, 16, o.d)  # B·N, H, D
     dev = device_info()
     res = {"device": dev, "sizes": dict(zip(("BN", "H", "D"), sizes, strict=True)), "scale_s": o.scale_s, "rows": []}
     print(f"{dev['kind']}: FP8 e4m3 and bf16 forward, B·N={sizes[0]} H={sizes[1]} D={sizes[2]}", flush=True)
-    stem = f"fp8_{device_stem(dev['kind'])}{'_smoke' if o.smoke else ''}"
+    d_tag = "" if sizes[2] == 128 or o.smoke else f"_d{sizes[2]}"
+    stem = f"fp8_{device_stem(dev['kind'])}{d_tag}{'_smoke' if o.smoke else ''}"
     o.out.mkdir(parents=True, exist_ok=True)
     for n in (int(x) for x in o.n.split(",")):
         for causal in (bool(int(c)) for c in o.causal.split(",")):
-            res["rows"] += run(n, causal, sizes, o, gpu)
+            res["rows"] += run(n, causal, sizes, o, gpu, for_device(dev["kind"]))
             ratios(res["rows"])
             (o.out / f"{stem}.json").write_text(json.dumps(res, indent=1))
     for r in res["rows"]:
