@@ -586,6 +586,7 @@ def mla_decode_attention(
     backend: str = "auto",
     interpret: bool | None = None,
     hardware: Hardware | str | None = None,
+    tile: int | None = None,
 ):
     """Absorbed multi-head latent attention (MLA, DeepSeek-V2/V3) decoding: ``q`` ``[B, Nq, H, C + R]`` (each
     head's absorbed query, its latent ``C`` dims then its rotary ``R``) over one shared KV head kept as DeepSeek's
@@ -595,7 +596,8 @@ def mla_decode_attention(
     keys. The diagram is :func:`mla_attention`, decoded as ``decode_attention`` decodes (split-KV, the ``H``
     heads packed into the rows, ``lengths`` at call time, causal among the ``Nq`` new tokens); the latent cache
     is read once per chunk for both products. With ``page_table`` both caches are page pools ``[P, page_size,
-    C]`` and ``[P, page_size, R]`` sharing the table.
+    C]`` and ``[P, page_size, R]`` sharing the table. ``tile`` overrides the rows per program (64 by default:
+    :func:`row_tile`'s for latent heads this wide), as in ``decode_attention``.
 
     >>> import jax, jax.numpy as jnp
     >>> q = jax.random.normal(jax.random.key(0), (1, 1, 16, 48))                    # 16 heads of 32 + 16 dims
@@ -608,11 +610,12 @@ def mla_decode_attention(
     ((1, 1, 16, 32), True)
     """
     plan, q_c, k, rope = _mla_plan(q, latent_cache, rope_cache, lengths, scale, page_table, parts, chunk, backend,
-                                   interpret, hardware)  # fmt: skip
+                                   interpret, hardware, tile)  # fmt: skip
     return _step(plan, q_c, k, k, lengths, page_table, rope, residual=return_residual)
 
 
-def _mla_plan(q, latent_cache, rope_cache, lengths, scale, page_table, parts, chunk, backend, interpret, hardware):
+def _mla_plan(q, latent_cache, rope_cache, lengths, scale, page_table, parts, chunk, backend, interpret, hardware,
+              tile=None):  # fmt: skip
     """``mla_decode_attention``'s arguments checked and planned: the plan, the latent queries, the latent cache as
     one KV head, and the rotary queries and keys."""
     c = latent_cache.shape[-1]
@@ -631,14 +634,15 @@ def _mla_plan(q, latent_cache, rope_cache, lengths, scale, page_table, parts, ch
     q_c, rope = q[..., :c], (q[..., c:], k_r)
     if page_table is not None:
         plan = _paged(q_c, k, k, lengths, page_table, scale, (None, None), parts, chunk, backend, interpret,
-                      hardware, rope)  # fmt: skip
+                      hardware, rope, tile=tile)  # fmt: skip
     else:
         if chunk is not None:
             raise EvaluationError(
                 f"mla_decode_attention: chunk={chunk!r} is the paged kernel's; pass it with page_table="
             )
         _checked(q_c, k, k, lengths)
-        plan = _contiguous(q_c, k, k, scale, (None, None), parts, backend, interpret, hardware, rope)
+        plan = _contiguous(q_c, k, k, scale, (None, None), parts, backend, interpret, hardware, rope,
+                           tile=_checked_tile(tile))
     return plan, q_c, k, rope
 
 

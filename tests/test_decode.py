@@ -184,9 +184,10 @@ def test_mla_matches_reference(seed, nq, data):
     q = jnp.asarray(r.standard_normal((b, nq, h, c + rot), np.float32))
     latent, rope = (jnp.asarray(r.standard_normal((b, s, n), np.float32)) for n in (c, rot))
     lengths = jnp.array(data.draw(st.lists(st.sampled_from([nq, s]) | st.integers(nq, s), min_size=b, max_size=b)))
-    out, lse = nc.mla_decode_attention(q, latent, rope, lengths, scale=0.1, parts=2, return_residual=True)
+    tile = data.draw(st.sampled_from([None, 16]))  # 16 rows a program: two row tiles at Nq = 4
+    out, lse = nc.mla_decode_attention(q, latent, rope, lengths, scale=0.1, parts=2, return_residual=True, tile=tile)
     err = float(jnp.max(jnp.abs(out - mla_reference(q, latent, rope, lengths, 0.1))))
-    assert out.shape == (b, nq, h, c) and lse.shape == (b, nq, h) and err <= ATOL["float32"], (seed, lengths, err)
+    assert out.shape == (b, nq, h, c) and lse.shape == (b, nq, h) and err <= ATOL["float32"], (seed, lengths, tile, err)
 
 
 def test_mla_refusals():
@@ -195,6 +196,8 @@ def test_mla_refusals():
         nc.mla_decode_attention(q[..., :40], latent, rope, jnp.array([4, 4]))
     with pytest.raises(EvaluationError, match="the caches' dtypes differ"):
         nc.mla_decode_attention(q, latent, rope.astype(jnp.bfloat16), jnp.array([4, 4]))
+    with pytest.raises(EvaluationError, match=r"tile=24 rows per program must be a power of two from 16 to 256"):
+        nc.mla_decode_attention(q, latent, rope, jnp.array([4, 4]), tile=24)
 
 
 def test_decode_cost_counts_pages_and_mla():

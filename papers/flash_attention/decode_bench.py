@@ -12,7 +12,8 @@ head, contiguous and paged by 64) in GB/s of cache read against the device copy'
 bf16, 32 query heads over 8 KV heads (grouped-query), D = 128, every key valid. The rows (:data:`ROWS`, named
 ``<what>-b<B>-s<S>``) run in order of importance, so a budget that runs out leaves the least important: issue 32's
 table first (B = 1 at 32k and 128k with ``Nq`` = 64 beside ``Nq`` = 1, then B = 16 and 64), MLA, the variants that
-explain a row (``sweep-…``: twice the parts, paged chunks of two pages, rows per program 64 and 256 at ``Nq`` = 64),
+explain a row (``sweep-…``: twice the parts, paged chunks of two pages, rows per program 64 and 256 at ``Nq`` = 64,
+MLA at 16 and 32 rows per program),
 then the rest of B ∈ {1, 16, 64} × cache ∈ {4k, 32k, 128k} and ``Nq`` = 4. ``--rows`` selects rows by name
 patterns (``--rows 'nq1-*,mla-*'``; ``--list`` prints them). Caches over 12 GB (B = 64 at 128k) run without the
 paged copy and the device copy (they would not fit beside it). Each implementation gets its inputs in its own
@@ -47,6 +48,7 @@ import argparse
 import contextlib
 import ctypes
 import fnmatch
+import functools
 import json
 import re
 import sys
@@ -72,6 +74,8 @@ PAGE = 64  # keys per page of the paged cache
 MLA = {"full": (128, 512, 64), "quick": (16, 32, 16)}  # query heads, latent dims, rotary dims (one KV head)
 BIG = 12e9  # cache bytes past which the paged pool and the device copy are left out (they would not fit beside it)
 BASE = ("napkin", "paged", "cudnn", "xla", "copy")
+MLA_TILES = (16, 32)  # MLA's rows per program beside its default 64 (``sweep-mla-…``)
+MLA_VARIANTS = tuple(f"mla_tile{t}" for t in MLA_TILES)
 #: variants of a napkin-cat row: (keyword arguments to decode_attention, paged): what explains a row's time
 VARIANTS = {
     "napkin_parts2x": ({"parts": "2x"}, False),
@@ -87,7 +91,7 @@ def rows(quick: bool) -> list[dict]:
     >>> [r["name"] for r in rows(quick=False)][:4]
     ['nq1-b1-s32k', 'nq64-b1-s32k', 'nq1-b1-s128k', 'nq64-b1-s128k']
     >>> len(rows(quick=False)), len(rows(quick=True))
-    (21, 21)
+    (23, 23)
     """
     k = 1 if quick else 1024
     s4, s32, s128 = (64, 128, 256) if quick else (4 * k, 32 * k, 128 * k)
@@ -105,6 +109,8 @@ def rows(quick: bool) -> list[dict]:
         row("nq1", b16, s32), row("nq1", b64, s4), row("nq1", b64, s32),
         {**row("mla", 1, s32, impls=("mla", "mla_paged", "copy")), "mla": True},
         {**row("mla", b64, s4, impls=("mla", "mla_paged", "copy")), "mla": True},
+        {**row("sweep-mla", 1, s32, impls=("mla", *MLA_VARIANTS, "copy")), "mla": True},
+        {**row("sweep-mla", b64, s4, impls=("mla", *MLA_VARIANTS, "copy")), "mla": True},
         row("sweep-nq1", 1, s32, 1, sweep), row("sweep-nq64", 1, s32, 64, tiles),
         row("sweep-nq1", b16, s32, 1, sweep),
         row("nq1", 1, s4), row("nq1", b16, s4), row("nq1", b16, s128), row("nq1", b64, s128, impls=BASE[:4]),
@@ -332,14 +338,20 @@ def mla_configuration(row: dict, dims: tuple, seed: int) -> dict:
     lengths = jnp.full((b,), s, jnp.int32)
     pool_c, pool_r, table = pages(latent[:, :, None], rope[:, :, None], seed)
     pools = (pool_c[:, :, 0], pool_r[:, :, 0])
+    tiled = {f"mla_tile{t}": t for t in MLA_TILES}  # variants: rows per program
     impls = {
         "mla": (jax.jit(lambda q, c, r, n: nc.mla_decode_attention(q, c, r, n)), (q, latent, rope, lengths)),
+        **{
+            name: (jax.jit(functools.partial(nc.mla_decode_attention, tile=t)), (q, latent, rope, lengths))
+            for name, t in tiled.items()
+        },
         "mla_paged": (
             jax.jit(lambda q, c, r, t, n: nc.mla_decode_attention(q, c, r, n, page_table=t)),
             (q, *pools, table, lengths),
         ),  # fmt: skip
         "copy": (jax.jit(lambda c, r: (jnp.copy(c), jnp.copy(r))), (latent, rope)),
     }
+    impls = {name: impls[name] for name in row["impls"]}
     want = mla_reference(q[:1], latent[:1], rope[:1])
     hw = for_device(device_info()["kind"]) or lookup("H100")
     entry = {"name": row["name"], "B": b, "S": s, "Nq": 1, "mla": dict(zip(("H", "C", "R"), dims, strict=True))}
@@ -350,7 +362,8 @@ def mla_configuration(row: dict, dims: tuple, seed: int) -> dict:
         if name != "copy":
             paged = name == "mla_paged"
             caches = (*pools, table) if paged else (latent, rope, None)
-            summary = _mla_plan(q, *caches[:2], lengths, None, caches[2], None, None, "auto", None, None)[0].summary()
+            summary = _mla_plan(q, *caches[:2], lengths, None, caches[2], None, None, "auto", None, None,
+                                tiled.get(name))[0].summary()
             cost = decode_cost(batch=b, queries=1, heads=h, kv_heads=1, dim=c, rope=r, lengths=[s] * b,
                                parts=summary["parts"], chunk=summary["chunk"], row_tiles=summary["row_tiles"],
                                hardware=hw, table_width=s // PAGE if paged else 0)  # fmt: skip
