@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import napkin_cat as nc
 from lowering import NotLowerable, decode_cost
 from lowering._decode import _step
-from lowering._merge import merge, parts_per_load
+from lowering._merge import merge, merge_block, parts_per_load
 from napkin_cat.errors import EvaluationError
 from napkin_cat.generators._softmax import OnlineSoftmax
 from rewrites import RewriteError, derive, merge_parts, prove_merge, prove_monoid, split_kv, stream, tile
@@ -248,6 +248,19 @@ def test_the_merge_kernel_matches_a_logsumexp_written_here(seed, parts, per_load
         assert out.dtype == dtype and float(jnp.max(jnp.abs(out.astype(jnp.float32) - want))) <= tol, seed
         assert bool(jnp.all((total == want_lse) | (jnp.abs(total - want_lse) <= 1e-5))), seed  # −∞ where none saw
     assert float(total[1, 1, 0, 1]) == -jnp.inf and bool(jnp.all(out[1, 1, 0, 1] == 0))
+
+
+def test_the_merge_splits_few_wide_rows_into_column_blocks(seed):
+    """One sequence's 8 rows of 200 dims (MLA's shape, smaller): too few programs, so the merge splits the columns
+    into blocks of 64, the last ragged (200 = 3·64 + 8); each block folds its 6 parts two at a time."""
+    assert merge_block(1, 8, 200) == (8, 64) and parts_per_load(6, 8 * 64) == 2
+    r = np.random.default_rng(seed)
+    o = jnp.asarray(r.standard_normal((1, 6, 1, 1, 8, 200), np.float32))
+    lse = jnp.asarray(r.standard_normal((1, 6, 1, 1, 8), np.float32) * 4).at[0, 2, 0, 0, 5].set(-jnp.inf)
+    weights = jax.nn.softmax(lse, axis=1)
+    out, total = merge(o, lse, jnp.float32, interpret=True)
+    assert float(jnp.max(jnp.abs(out - jnp.einsum("bphir,bphird->bihrd", weights, o)))) <= 1e-6, seed
+    assert float(jnp.max(jnp.abs(total - jax.nn.logsumexp(lse, axis=1).transpose(0, 2, 1, 3)))) <= 1e-5, seed
 
 
 def test_the_merge_along_the_decode_s_parts_axis_matches_a_logsumexp():
