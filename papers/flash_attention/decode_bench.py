@@ -74,8 +74,13 @@ PAGE = 64  # keys per page of the paged cache
 MLA = {"full": (128, 512, 64), "quick": (16, 32, 16)}  # query heads, latent dims, rotary dims (one KV head)
 BIG = 12e9  # cache bytes past which the paged pool and the device copy are left out (they would not fit beside it)
 BASE = ("napkin", "paged", "cudnn", "xla", "copy")
-MLA_TILES = (16, 32)  # MLA's rows per program beside its default 64 (``sweep-mla-…``)
-MLA_VARIANTS = tuple(f"mla_tile{t}" for t in MLA_TILES)
+#: MLA's variants (``sweep-mla-…``): keyword arguments to mla_decode_attention, and whether paged: rows per program
+#: beside the default 64 (a chunk of 64 keys beside the default 32 is refused: 353,028 B of shared memory at 64 rows,
+#: over an H200's 232,448)
+MLA_VARIANTS = {
+    "mla_tile16": ({"tile": 16}, False),
+    "mla_tile32": ({"tile": 32}, False),
+}
 #: variants of a napkin-cat row: (keyword arguments to decode_attention, paged): what explains a row's time
 VARIANTS = {
     "napkin_parts2x": ({"parts": "2x"}, False),
@@ -338,12 +343,14 @@ def mla_configuration(row: dict, dims: tuple, seed: int) -> dict:
     lengths = jnp.full((b,), s, jnp.int32)
     pool_c, pool_r, table = pages(latent[:, :, None], rope[:, :, None], seed)
     pools = (pool_c[:, :, 0], pool_r[:, :, 0])
-    tiled = {f"mla_tile{t}": t for t in MLA_TILES}  # variants: rows per program
     impls = {
         "mla": (jax.jit(lambda q, c, r, n: nc.mla_decode_attention(q, c, r, n)), (q, latent, rope, lengths)),
         **{
-            name: (jax.jit(functools.partial(nc.mla_decode_attention, tile=t)), (q, latent, rope, lengths))
-            for name, t in tiled.items()
+            name: (jax.jit(functools.partial(nc.mla_decode_attention, **kw)), (q, latent, rope, lengths))
+            if not paged
+            else (jax.jit(lambda q, c, r, t, n, kw=kw: nc.mla_decode_attention(q, c, r, n, page_table=t, **kw)),
+                  (q, *pools, table, lengths))  # fmt: skip
+            for name, (kw, paged) in MLA_VARIANTS.items()
         },
         "mla_paged": (
             jax.jit(lambda q, c, r, t, n: nc.mla_decode_attention(q, c, r, n, page_table=t)),
@@ -360,10 +367,10 @@ def mla_configuration(row: dict, dims: tuple, seed: int) -> dict:
     for name, (fn, args) in impls.items():
         got = measure(name, fn, args, want, cache_bytes)
         if name != "copy":
-            paged = name == "mla_paged"
+            kw, paged = MLA_VARIANTS.get(name, ({}, name == "mla_paged"))
             caches = (*pools, table) if paged else (latent, rope, None)
-            summary = _mla_plan(q, *caches[:2], lengths, None, caches[2], None, None, "auto", None, None,
-                                tiled.get(name))[0].summary()
+            summary = _mla_plan(q, *caches[:2], lengths, None, caches[2], None, kw.get("chunk"), "auto", None, None,
+                                kw.get("tile"))[0].summary()
             cost = decode_cost(batch=b, queries=1, heads=h, kv_heads=1, dim=c, rope=r, lengths=[s] * b,
                                parts=summary["parts"], chunk=summary["chunk"], row_tiles=summary["row_tiles"],
                                hardware=hw, table_width=s // PAGE if paged else 0)  # fmt: skip
