@@ -84,7 +84,8 @@ def worker(opts: argparse.Namespace) -> dict:
         model = Llama(cfg, **MODELS[opts.attention], backend=opts.backend, rngs=nnx.Rngs(0))
         out["parameters"] = parameter_count(model)
         state = train.init_state(model, train.optimizer(run))
-        step = train.make_step(nnx.graphdef(model), run, opts.loss)
+        budget = opts.loss_budget_mib and opts.loss_budget_mib << 20
+        step = train.make_step(nnx.graphdef(model), run, opts.loss, budget)
         data, keys = train.encode(train.CORPUS), jax.random.split(jax.random.key(1), run.steps)
         start = time.perf_counter()
         state, loss = step(state, data, keys[0], opts.batch, cfg.seq)
@@ -113,6 +114,7 @@ def spawn(opts: argparse.Namespace, part: str, attention: str, batch: int) -> di
     """:func:`worker` in a process of its own; its dict, or why it gave none."""
     argv = [sys.executable, "-m", "papers.llama.benchmark", f"--worker={part}", f"--attention={attention}"]
     argv += [f"--batch={batch}", f"--backend={opts.backend}", f"--loss={opts.loss}", f"--lr={opts.lr}"]
+    argv += [f"--loss-budget-mib={opts.loss_budget_mib}"] if opts.loss_budget_mib else []
     argv += [f"--config={opts.curves_config if part == 'curves' else opts.config}"]
     argv += [f"--steps={opts.steps if part == 'curves' else opts.timed_steps}"]
     argv += [f"--prompt-len={opts.prompt_len}", f"--new-tokens={opts.new_tokens}"]
@@ -237,6 +239,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--backend", default=None, help="napkin-cat's backend (default auto; --smoke: xla)")
     p.add_argument("--loss", choices=("logits", "fused"), default="logits")
+    p.add_argument("--loss-budget-mib", type=int, default=None, help="--loss fused: MiB per logit block (XLA backend)")
     p.add_argument("--budget-s", type=float, default=480.0, help="start no throughput trial past this")
     p.add_argument("--trial-timeout-s", type=float, default=900.0)
     p.add_argument("--out-dir", type=Path, default=HERE / "results")

@@ -341,12 +341,13 @@ class Llama(nnx.Module):
         return self.hidden(tokens) @ self.classifier()
 
 
-def loss_fn(model: Llama, batch, loss: str = "logits"):
+def loss_fn(model: Llama, batch, loss: str = "logits", budget: int | None = None):
     """Mean next-token cross-entropy of ``batch`` ``[batch, seq + 1]`` (predicting ``batch[:, 1:]``), in f32.
 
     ``loss="logits"`` forms the logits and takes optax's ``softmax_cross_entropy_with_integer_labels``;
     ``loss="fused"`` gives the hidden states and the classifier's weight to napkin-cat's
-    ``nc.linear_cross_entropy``, which never forms the ``[tokens, vocab]`` logits.
+    ``nc.linear_cross_entropy``, which never forms the ``[tokens, vocab]`` logits (``budget``: its XLA backend's
+    bytes per logit block, by default the library's).
 
     >>> model = Llama(CONFIGS["tiny"], attention="reference", rngs=nnx.Rngs(0))
     >>> batch = jax.random.randint(jax.random.key(1), (2, 17), 0, 256)
@@ -364,7 +365,7 @@ def loss_fn(model: Llama, batch, loss: str = "logits"):
         logits = (h @ w).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
     h = h.reshape(-1, h.shape[-1])  # the classifier [d, vocab] as the fused loss takes it: [vocab, d]
-    return nc.linear_cross_entropy(h, w.T, labels.reshape(-1), reduction="mean").astype(jnp.float32)
+    return nc.linear_cross_entropy(h, w.T, labels.reshape(-1), reduction="mean", budget=budget).astype(jnp.float32)
 
 
 def parameter_count(model: nnx.Module) -> int:

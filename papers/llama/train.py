@@ -96,7 +96,7 @@ def init_state(model: Llama, tx: optax.GradientTransformation) -> dict:
 
 
 @functools.lru_cache(maxsize=8)
-def make_step(graphdef, run: Run, loss: str = "logits") -> Callable:
+def make_step(graphdef, run: Run, loss: str = "logits", budget: int | None = None) -> Callable:
     """One jitted training step ``(state, data, key, batch_size, seq) → (state, loss)`` under :func:`optimizer`
     ``(run)``, on a batch drawn from ``data`` by ``key``; the old state's buffers are donated to the new one. Cached:
     a run resumed from a checkpoint takes the step compiled before."""
@@ -104,7 +104,9 @@ def make_step(graphdef, run: Run, loss: str = "logits") -> Callable:
 
     def step(state, data, key, batch: int, seq: int):
         tokens = batches(key, data, batch, seq)
-        value, grads = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), tokens, loss))(state["params"])
+        value, grads = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), tokens, loss, budget))(
+            state["params"]
+        )
         updates, opt = tx.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         return {"params": params, "opt": opt, "step": state["step"] + 1}, value
