@@ -276,3 +276,28 @@ def test_the_merge_along_the_decode_s_parts_axis_matches_a_logsumexp():
     assert jnp.allclose(total[0], jax.nn.logsumexp(seen[0], axis=0), atol=1e-6)
     assert jnp.allclose(total[1, 1:], jax.nn.logsumexp(seen[1, :, 1:], axis=0), atol=1e-6)
     assert float(total[1, 0]) == -jnp.inf and bool(jnp.all(got[1, 0] == 0))
+
+
+#: compiled on a GPU, bf16, max |out − ref| / max |ref|: two bf16 ulps relative to the largest output
+GPU_RTOL = 2**-7
+
+
+@pytest.mark.gpu
+def test_compiled_decode_and_mla_match_the_reference_on_a_gpu(seed):
+    """The split kernel and the merge compiled, at the shapes the benchmark times (smaller caches): grouped-query
+    heads (32 over 8, D = 128, 16 parts' merge) and absorbed MLA (128 heads of 512 latent + 64 rotary dims, one KV
+    head: the merge in column blocks), bf16, against the references written here in f32."""
+    r = np.random.default_rng(seed)
+    lengths = jnp.array([4096, 1500])
+    q, k, v = (jnp.asarray(r.standard_normal(s, np.float32)).astype(jnp.bfloat16)
+               for s in ((2, 1, 32, 128), (2, 4096, 8, 128), (2, 4096, 8, 128)))  # fmt: skip
+    want = reference(q, k, v, lengths)
+    err = float(jnp.max(jnp.abs(nc.decode_attention(q, k, v, lengths).astype(jnp.float32) - want)))
+    assert err <= GPU_RTOL * float(jnp.max(jnp.abs(want))), (seed, err)
+    q = jnp.asarray(r.standard_normal((2, 1, 128, 576), np.float32)).astype(jnp.bfloat16)
+    latent, rope = (jnp.asarray(r.standard_normal((2, 2048, n), np.float32)).astype(jnp.bfloat16) for n in (512, 64))
+    lengths = jnp.array([2048, 700])
+    want = mla_reference(*(a.astype(jnp.float32) for a in (q, latent, rope)), lengths, 576**-0.5)
+    out = nc.mla_decode_attention(q, latent, rope, lengths)
+    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want)))
+    assert err <= GPU_RTOL * float(jnp.max(jnp.abs(want))), (seed, err)
