@@ -366,7 +366,7 @@ def mla_configuration(row: dict, dims: tuple, seed: int) -> dict:
     print(f"{row['name']}: B={b} S={s}: H={h}, latent {c} + rotary {r}, cache {cache_bytes / 1e9:.2f} GB", flush=True)
     for name, (fn, args) in impls.items():
         got = measure(name, fn, args, want, cache_bytes)
-        if name != "copy":
+        if name != "copy" and "error" not in got:  # a refused variant's plan is its error, already recorded
             kw, paged = MLA_VARIANTS.get(name, ({}, name == "mla_paged"))
             caches = (*pools, table) if paged else (latent, rope, None)
             summary = _mla_plan(q, *caches[:2], lengths, None, caches[2], None, kw.get("chunk"), "auto", None, None,
