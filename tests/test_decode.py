@@ -20,6 +20,9 @@ from rewrites import RewriteError, derive, merge_parts, prove_merge, prove_monoi
 
 #: max abs error by dtype: measured on these cases at most 4.8e-7 (f32) and 4.4e-3 (bf16, its output rounding)
 ATOL = {"float32": 5e-6, "bfloat16": 1e-2}
+#: the same relative to the largest output, for the drawn cases: bf16's two ulps (an absolute 1e-2 failed in
+#: test_paged_decode on one bf16 ulp at 2.0), f32's as test_paged_decode measured
+RTOL = {"float32": 2e-6, "bfloat16": 2**-7}
 
 #: (dtype, B, Nq, H, H_kv, S, parts): GQA groups 4, 2, 4, 2, 3; Nq = 1, 4, 4, 64 (128 rows: one row tile; more in
 #: test_decode_rows.py), 5 (15 rows: a row tile the kernel reads and writes masked past them); parts 2, 3 (S = 38:
@@ -66,8 +69,8 @@ def test_decode_matches_reference(case, seed, data):
                                            max_size=case[1])))  # fmt: skip
     out, lse = nc.decode_attention(q, k, v, lengths, parts=parts, return_residual=True)
     want = reference(q, k, v, lengths)
-    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want)))
-    assert out.dtype == q.dtype and err <= ATOL[case[0]], (case, seed, lengths, err)
+    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
+    assert out.dtype == q.dtype and err <= RTOL[case[0]], (case, seed, lengths, err)
     assert lse.shape == q.shape[:3] and bool(jnp.all(jnp.isfinite(lse)))
 
 
@@ -228,6 +231,12 @@ def test_chunks_past_a_length_are_not_read():
     assert float(jnp.max(jnp.abs(out - reference(q, k, v, lengths)))) <= ATOL["float32"]
 
 
+#: the merge's max |out − ref| / max |ref| bound by output dtype. Measured over 60 draws of each case below: f32 at
+#: most 9.5e-7 absolute on outputs up to about 3.5 (an absolute 1e-6 failed once, at 1.4e-6), bf16 7.8e-3 (its
+#: rounding); the bounds are about 16 f32 ulps and two bf16 ulps of the largest output
+MERGE_RTOL = {jnp.float32: 2e-6, jnp.bfloat16: 2**-7}
+
+
 @pytest.mark.parametrize(("parts", "per_load"), [(5, 1), (12, 4), (16, 16)])
 def test_the_merge_kernel_matches_a_logsumexp_written_here(seed, parts, per_load):
     """The merge kernel (:func:`lowering._merge.merge`) on sizes no power of two (3 rows, 24 dims: its blocks
@@ -243,9 +252,10 @@ def test_the_merge_kernel_matches_a_logsumexp_written_here(seed, parts, per_load
     weights = jnp.nan_to_num(jax.nn.softmax(seen, axis=1))
     want = jnp.einsum("bphir,bphird->bihrd", weights, o)
     want_lse = jax.nn.logsumexp(seen, axis=1).transpose(0, 2, 1, 3)
-    for dtype, tol in ((jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)):  # bf16: its rounding of |o| < 4
+    for dtype, tol in MERGE_RTOL.items():
         out, total = merge(o, lse, dtype, interpret=True)
-        assert out.dtype == dtype and float(jnp.max(jnp.abs(out.astype(jnp.float32) - want))) <= tol, seed
+        err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
+        assert out.dtype == dtype and err <= tol, (seed, err)
         assert bool(jnp.all((total == want_lse) | (jnp.abs(total - want_lse) <= 1e-5))), seed  # −∞ where none saw
     assert float(total[1, 1, 0, 1]) == -jnp.inf and bool(jnp.all(out[1, 1, 0, 1] == 0))
 
@@ -259,7 +269,8 @@ def test_the_merge_splits_few_wide_rows_into_column_blocks(seed):
     lse = jnp.asarray(r.standard_normal((1, 6, 1, 1, 8), np.float32) * 4).at[0, 2, 0, 0, 5].set(-jnp.inf)
     weights = jax.nn.softmax(lse, axis=1)
     out, total = merge(o, lse, jnp.float32, interpret=True)
-    assert float(jnp.max(jnp.abs(out - jnp.einsum("bphir,bphird->bihrd", weights, o)))) <= 1e-6, seed
+    want = jnp.einsum("bphir,bphird->bihrd", weights, o)
+    assert float(jnp.max(jnp.abs(out - want)) / jnp.max(jnp.abs(want))) <= MERGE_RTOL[jnp.float32], seed
     assert float(jnp.max(jnp.abs(total - jax.nn.logsumexp(lse, axis=1).transpose(0, 2, 1, 3)))) <= 1e-5, seed
 
 
