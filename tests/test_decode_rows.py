@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from references import rel_err
 
 import napkin_cat as nc
 from lowering import decode_cost
@@ -19,11 +20,6 @@ from rewrites import choose_parts
 #: max |out − ref| / max |ref|, bf16: two of its ulps relative to the largest output, as test_paged_decode's (an
 #: absolute 1e-2 there failed on one bf16 ulp at 2.0; measured here at most 3.9e-3 absolute, the output's rounding)
 RTOL = 2**-7
-
-
-def rel_err(got, want) -> float:
-    """max |got − want| / max |want|, in f32."""
-    return float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
 
 
 def reference(q, k, v, lengths):

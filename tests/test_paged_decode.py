@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from references import rel_err
 
 import napkin_cat as nc
 from lowering import KVCache, NotLowerable, decode_cost
@@ -19,11 +20,6 @@ from papers.flash_attention.generate import TinyLM, generate, greedy_reference
 #: (bf16: its output's rounding; an absolute 1e-2 failed on an output of 2.0055 written as bf16 2.0156, where the
 #: bf16 ulp is 0.0156). The bound for bf16 is two of its ulps relative to the largest output, 2⁻⁷.
 RTOL = {"float32": 2e-6, "bfloat16": 2**-7}
-
-
-def rel_err(got, want) -> float:
-    """max |got − want| / max |want|, in f32."""
-    return float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
 
 #: (dtype, B, Nq, H, H_kv, page_size, pages per sequence, pool, chunk): GQA 4, 2, 2, 3; 2 pages, half a page and 1
 #: page per streamed chunk; Nq = 1, 4, 64 (128 rows: one row tile; more in test_decode_rows.py) and 5 (15 rows: a
