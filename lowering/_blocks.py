@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 import rewrites
@@ -73,11 +74,14 @@ def visited(masks, x: str, s: int, n_chunks: int, ranges: dict, extent: int) -> 
     return first, full_lo, full_hi, last
 
 
-def heavy_last(p: Plan, extent: dict, padded: dict) -> tuple[str, ...]:
+def heavy_last(p: Plan, extent: dict, padded: dict, blocks: CallBlocks | None = None) -> tuple[str, ...]:
     """The tiled axes whose last tile visits more chunks of the stream than its first (causal attention's
     queries: the last query tile reads every key block). Their tiles are launched last-first, so the heaviest
     programs start in the first wave and the light ones fill the tail, rather than the heaviest arriving last
-    and running alone (longest first, as FlashAttention-3's scheduler orders causal tiles).
+    and running alone (longest first, as FlashAttention-3's scheduler orders causal tiles). The chunks counted are
+    those the affine masks leave, within the call-time masks' ranges (``blocks``' bounds) where those are known
+    when traced (a block map of the indices alone: causal written as no linear reading takes it; not ids or
+    captured arrays, whose values only the call says); over a batch or head a map reads, the heaviest.
 
     >>> import napkin_cat as nc
     >>> from rewrites import derive, tile, stream
@@ -91,7 +95,8 @@ def heavy_last(p: Plan, extent: dict, padded: dict) -> tuple[str, ...]:
         return ()
     x, s = p.stream
     masks = [m for b in p.diagram.boxes if (m := affine_mask(b)) is not None and x in m.axes]
-    if not masks:
+    known = _known_bounds(blocks) if len(p.tiles) == 1 else []
+    if not masks and not known:
         return ()
     n_chunks = padded[x] // s
     ranges = {a: (0, extent[a]) for a in (*p.tiles, *p.batch, *p.whole)}
@@ -103,15 +108,27 @@ def heavy_last(p: Plan, extent: dict, padded: dict) -> tuple[str, ...]:
                 continue
             work = []
             for t in (0, n - 1):
-                first, *_, last = visited(
-                    masks, x, s, n_chunks, ranges | {a: (t * g, min(t * g + g, extent[a]))}, extent[x]
-                )
-                if isinstance(first, jax.core.Tracer) or isinstance(last, jax.core.Tracer):
+                span = visited(masks, x, s, n_chunks, ranges | {a: (t * g, min(t * g + g, extent[a]))}, extent[x])
+                if any(isinstance(v, jax.core.Tracer) for v in span):
                     break  # a mask whose offset is known only in the kernel (a ring step's): the order is kept
-                work.append(int(last) - int(first))
+                if known and t < known[0].shape[-2]:  # each batch element's range, its heaviest counted
+                    span = np.broadcast_arrays(*(np.asarray(v) for v in span))
+                    for b in known:
+                        span = combine(span, tuple(b[..., t, k] for k in range(4)))
+                work.append(int(np.max(np.asarray(span[3]) - np.asarray(span[0]))))
             if len(work) == 2 and work[1] > work[0]:
                 flipped.append(a)
     return tuple(flipped)
+
+
+def _known_bounds(blocks: CallBlocks | None) -> list:
+    """The bounds (``[..., tiles, 4]``) of the call-time masks that are block maps of the indices alone, known when
+    traced, as numpy arrays; none where a map has holes (its chunk lists, not its range, say the work). Ids' bounds
+    are left out: their values are the call's, and an order taken from them would differ from call to call."""
+    if blocks is None or blocks.listed:
+        return []
+    known = [b for m, b in blocks.bounds if isinstance(m, Mapped) and not m.inputs]
+    return [] if any(isinstance(b, jax.core.Tracer) for b in known) else [np.asarray(b) for b in known]
 
 
 def zeroing_mask(d: Diagram, x: str):

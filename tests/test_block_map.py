@@ -26,6 +26,7 @@ import napkin_cat as nc
 import napkin_cat.block_masks as block_masks
 from lowering import lower
 from lowering._blocks import map_bounds
+from lowering.mosaic import _kernel
 from napkin_cat.errors import EvaluationError
 from rewrites import derive, stream, tile
 
@@ -208,3 +209,27 @@ def test_mosaic_forward_reads_the_block_map():
     want = reference(*(a[0, 0].astype(jnp.float32) for a in (Q, K, V)), dense(keep, 256, 256))
     assert kernel.backend == "mosaic" and float(jnp.linalg.norm(out[0, 0] - want) / jnp.linalg.norm(want)) <= BF16
     assert kernel.forward.sparsity(Q, K, V).found == ("call time",)
+
+
+def test_mosaic_launches_a_known_block_map_heaviest_first(key, seed):
+    """A causal mask no linear reading takes (``min(q, n − 1) ≥ x``): Mosaic's forward learns from its block map,
+    a constant of the trace, that the last query tile is the heaviest, launches last-first, and stays correct."""
+    b, h, qm, xm, dm = nc.axes("b h q x d", d=64)
+    n = 384
+    keep = lambda q, x: jnp.minimum(q, n - 1) >= x  # noqa: E731
+    attn = nc.library.multi_head_attention(h, qm, xm, dm, batch=(b,), dtype="bf16", mask=keep)
+    kernel = lower(derive(attn, tile(qm, 128), stream(xm, 64), verify=False), backend="mosaic", interpret=True)
+    made = []
+    original = _kernel.MosaicKernel.__init__
+
+    def spy(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(self.flip)
+
+    Q, K, V = (jax.random.normal(k, (1, 1, n, 64), jnp.bfloat16) for k in jax.random.split(key, 3))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_kernel.MosaicKernel, "__init__", spy)
+        out = kernel(Q, K, V).astype(jnp.float32)
+    want = reference(*(a[0, 0].astype(jnp.float32) for a in (Q, K, V)), dense(keep, n, n))
+    assert made == [True], made
+    assert float(jnp.linalg.norm(out[0, 0] - want) / jnp.linalg.norm(want)) <= BF16, f"NAPKIN_SEED={seed}"

@@ -289,3 +289,36 @@ def test_the_heaviest_tiles_launch_first():
     assert order(L.sliding_window_attention(q, x, d, window=64, batch=(b, h)))[0] == ("q",)
     assert set(order(L.attention(q, x, d, batch=(b, h)))) == {()}
 
+
+def test_a_block_map_known_when_traced_orders_the_tiles_too(key, seed):
+    """Causal written as no linear reading takes it (``min(q, n − 1) ≥ x``) reaches the kernels as a block map of
+    the indices alone, whose bounds are constants of the trace: its forward and dQ launch last-first as the affine
+    causal mask's do, and the entry's output and gradients still match a dense reference."""
+    from lowering._blocks import call_blocks, segments
+
+    n = 128
+    causal = lambda q, x: jnp.minimum(q, n - 1) >= x  # noqa: E731
+    sizes = {"q": n, "x": n, "d": 16}
+    diagram = nc.library.attention(q, x, d, mask=causal)
+    kernels = lower(derive(diagram, tile(q, 32), stream(x, 32), verify=False), interpret=True).kernels
+    orders = [heavy_last(k.plan, sizes, sizes, call_blocks(k.plan, segments(k.plan.diagram, k.plan), [], sizes))
+              for k in kernels]
+    assert orders == [("q",), (), ("q",), ()], orders  # forward, Δ, dQ, dK·dV
+    assert [heavy_last(k.plan, sizes, sizes) for k in kernels] == [()] * 4  # the affine masks alone say nothing
+    ids = jnp.zeros((n,), jnp.int32).at[n // 2 :].set(1)  # ids' bounds are the call's: they keep the order
+    docs = lower(derive(nc.library.document_attention(q, x, d), tile(q, 32), stream(x, 32), verify=False),
+                 interpret=True).kernels[0]
+    arrays = [jnp.zeros((n, 16)), jnp.zeros((n, 16)), jnp.zeros((n, 16)), ids, ids]
+    blocks = call_blocks(docs.plan, segments(docs.plan.diagram, docs.plan), arrays, sizes)
+    assert blocks.bounds and heavy_last(docs.plan, sizes, sizes, blocks) == ()
+
+    Q, K, V, dO = normal(key, *[(1, n, 2, 16)] * 4)
+    f = lambda Q, K, V: nc.attention(Q, K, V, mask_mod=lambda b, h, q_idx, kv_idx: causal(q_idx, kv_idx))  # noqa: E731
+    t = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731
+    ids = jnp.zeros((n,), jnp.int32)
+    ref = lambda Q, K, V: t(reference(t(Q), t(K), t(V), ids, ids, causal=True))  # noqa: E731
+    (out, pull), (want, pull_ref) = jax.vjp(f, Q, K, V), jax.vjp(ref, Q, K, V)
+    assert rel(out, want) <= FWD, f"NAPKIN_SEED={seed}"
+    for name, a, b in zip("QKV", pull(dO), pull_ref(dO), strict=True):
+        assert rel(a, b) <= GRAD, f"d{name}: NAPKIN_SEED={seed}"
+

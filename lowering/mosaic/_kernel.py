@@ -42,15 +42,18 @@ class _Scratch(NamedTuple):
 class MosaicKernel:
     """The kernel body: a producer warpgroup filling the rings, consumer warpgroups walking the diagram."""
 
-    def __init__(self, low: MosaicLowered, sizes, extent, streamed, resident, n_tiles, n_chunks, batch, blocks=(0, 0)):
+    def __init__(
+        self, low: MosaicLowered, sizes, extent, streamed, resident, n_tiles, n_chunks, batch, blocks=(0, 0), call=None
+    ):
         self.low, self.sizes, self.extent = low, sizes, extent
         self.streamed, self.resident, self.n_tiles, self.n_chunks = streamed, resident, n_tiles, n_chunks
         #: the refs the wrapper passes after the inputs: four bounds per call-time mask read as ranges, then (1) or
         #: not (0) the chunk lists of the block maps with holes (:class:`lowering._blocks.CallBlocks`)
         self.n_bounds, self.listed = blocks
         self.batch = batch
-        #: whether the tiles launch last-first: the last tile is the heaviest (causal queries)
-        self.flip = low.q in heavy_last(low.plan, extent, extent)
+        #: whether the tiles launch last-first: the last tile is the heaviest (causal queries; ``call``, the
+        #: :class:`lowering._blocks.CallBlocks` passed, may say so where the affine masks do not)
+        self.flip = low.q in heavy_last(low.plan, extent, extent, call)
         given = low.config.members
         if given is not None and math.prod(batch) % given:
             raise NotLowerable(

@@ -275,7 +275,7 @@ class TritonLowered:
         made, _, short_out = reads
         native = not self.interpret and operand_dtype(d) is not None  # the GPU's approximate instructions
         xp = Blocks(operand_dtype(d), tanh=native_tanh if native else None, trig=native_trig if native else None)
-        flip = heavy_last(p, extent, padded)
+        flip = heavy_last(p, extent, padded, bounds)
         pools, table_spec = self._page_specs(pm, arrays, table, padded, flip)
         n_bounds = 4 * len(bounds.bounds) + bounds.listed
         kernel = functools.partial(_kernel, p, sizes, extent, padded, xp, n_bounds, flip, pm, reads)

@@ -34,7 +34,7 @@ against a reference that uses the kernel's hash (:func:`napkin_cat.generators.ke
 it calls) and jnp for the rest.
 
     python papers/flash_attention/front_door.py [--out DIR] [--window 1024] [--seq 8192] [--quick | --smoke]
-        [--only window|sparse|dropout]
+        [--only window|sparse|partial|dropout]
 
 ``--quick`` (or ``--smoke``) runs tiny sizes in interpret mode on a CPU (a smoke test; cuDNN is skipped there).
 """
@@ -212,6 +212,69 @@ def sparse_rows(q, k, v, ct, w: int, width: int, r: int) -> list:
     return rows
 
 
+def partial_masks(n: int, w: int, width: int, r: int) -> dict:
+    """Masks that cut every block they visit, each written two or three ways that keep the same pairs: the same
+    blocks visited, a different count of operations per score on the masked blocks. ``causal, every block masked``
+    is causal (``min(q_idx, n - 1) ≥ kv_idx``, which no linear reading takes) with its whole blocks demoted to cut
+    ones in its :class:`~napkin_cat.block_masks.BlockMask`: the cost of one comparison and select on every visited
+    block. ``parity on vectors`` says ``(q − kv) mod 2 = 0`` as ``q mod 2 = kv mod 2``, whose two sides the kernel
+    computes once per row and once per column.
+
+    >>> m = partial_masks(64, 4, 8, 1)
+    >>> [bool(m["dilated, parity on vectors"](0, 0, 9, j)) == bool(m["dilated window"](0, 0, 9, j)) for j in range(12)]
+    [True, True, True, True, True, True, True, True, True, True, True, True]
+    >>> image, bounds = m["2-D neighbourhood"], m["2-D, bounds on vectors"]
+    >>> all(bool(image(0, 0, i, j)) == bool(bounds(0, 0, i, j)) for i in range(64) for j in range(64))
+    True
+    """
+    base = non_affine(n, w, width, r)
+    band = lambda q_idx, kv_idx: (kv_idx <= q_idx) & (q_idx - kv_idx < 2 * w)  # noqa: E731
+    return {
+        "causal, min form": lambda b, h, q_idx, kv_idx: jnp.minimum(q_idx, n - 1) >= kv_idx,
+        "dilated window": base["dilated window"],
+        "dilated, & 1": lambda b, h, q_idx, kv_idx: band(q_idx, kv_idx) & (((q_idx - kv_idx) & 1) == 0),
+        "dilated, parity on vectors": lambda b, h, q_idx, kv_idx: band(q_idx, kv_idx) & ((q_idx & 1) == (kv_idx & 1)),
+        "2-D neighbourhood": base["2-D neighbourhood"],
+        "2-D, bounds on vectors": lambda b, h, q_idx, kv_idx: (kv_idx // width >= q_idx // width - r)
+        & (kv_idx // width <= q_idx // width + r) & (kv_idx % width >= q_idx % width - r)
+        & (kv_idx % width <= q_idx % width + r),
+    }
+
+
+def partial_rows(q, k, v, ct, w: int, width: int, r: int) -> list:
+    """What a masked block costs: the causal kernel (its whole blocks unmasked); the causal band of the dilated
+    window's extent, ``2w`` keys, read symbolically (its inner blocks whole: what rows of that length cost); then
+    :func:`partial_masks`. TFLOP/s on the blocks each visits and its ratio to the causal kernel's."""
+    import dataclasses
+
+    import numpy as np
+
+    b, n, h, d = q.shape
+    masks = partial_masks(n, w, width, r)
+    demoted = nc.block_mask(masks["causal, min form"], None, None, n, n)
+    demoted = dataclasses.replace(demoted, whole=np.zeros_like(demoted.whole))
+    cases = {"causal": ({"is_causal": True}, lambda b, h, q_idx, kv_idx: kv_idx <= q_idx)}
+    band = lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & (q_idx - kv_idx < 2 * w)  # noqa: E731
+    cases["causal band 2w (affine)"] = ({"mask_mod": band}, band)
+    cases["causal, every block masked"] = ({"block_mask": demoted}, masks["causal, min form"])
+    cases |= {name: ({"mask_mod": f}, f) for name, f in masks.items()}
+    rows = []
+    for name, (kw, keep) in cases.items():
+        made = nc.attention.kernel_for(q, k, v, **kw)
+        sp = made.sparsity(q, k, v)
+        g, s = made.signature.tile, made.signature.stream
+        f = lambda q, k, v, kw=kw: nc.attention(q, k, v, **kw)  # noqa: E731
+        row = measure(name, f, q, k, v, ct, dense_reference(keep), 4 * d * (1 - sp.skipped) * sp.blocks * g * s)
+        row["sparsity"] = {"skipped": sp.skipped, "full": sp.full, "partial": sp.partial, "found": sp.found}
+        row["backends"] = made.kernel.backends
+        row["of_causal"] = {t: row[t]["tflops"] / rows[0][t]["tflops"] for t in ("fwd", "fwdbwd")} if rows else None
+        print(f"   {sp}; on {'/'.join(sorted(set(row['backends'].values())))}"
+              + (f"; ÷ causal fwd {row['of_causal']['fwd']:.2f}× fwd+bwd {row['of_causal']['fwdbwd']:.2f}×"
+                 if rows else ""), flush=True)
+        rows.append(row)
+    return rows
+
+
 def cudnn_rows(q, k, v, ct, causal) -> list:
     """cuDNN's dense and causal kernels (``jax.nn.dot_product_attention``), TFLOP/s on all pairs and on the causal
     pairs: the rates the sparse kernels' visited blocks compare with (GPU only)."""
@@ -308,7 +371,7 @@ def main(argv=None) -> dict:
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--quick", "--smoke", action="store_true")
-    p.add_argument("--only", choices=("window", "sparse", "dropout"), help="run one section (default: all)")
+    p.add_argument("--only", choices=("window", "sparse", "partial", "dropout"), help="run one section (default: all)")
     o = p.parse_args(argv)
     b, h, n, d, w = (1, 2, 256, 64, 64) if o.quick else (2, 16, o.seq, 128, o.window)
     width, r = (16, 2) if o.quick else (128, 8)
@@ -323,6 +386,9 @@ def main(argv=None) -> dict:
     if o.only in (None, "sparse"):
         print("any mask is sparse: TFLOP/s on the blocks each kernel visits", flush=True)
         res["sparse"] = sparse_rows(q, k, v, ct, w, width, r)
+    if o.only in (None, "partial"):
+        print("what a masked block costs: TFLOP/s on the blocks each kernel visits", flush=True)
+        res["partial"] = partial_rows(q, k, v, ct, w, width, r)
     if o.only in (None, "dropout"):
         print("dropout inside the kernel: causal, with and without", flush=True)
         res["dropout"] = dropout_rows(q, k, v, ct, o.quick)
@@ -331,6 +397,8 @@ def main(argv=None) -> dict:
     (o.out / f"{stem}.json").write_text(json.dumps(res, indent=1))
     if res["rows"]:
         plot(res, o.out / f"{stem}.png")
+    if res.get("partial"):
+        plot_partial(res, o.out / f"{stem}_partial.png" if o.only != "partial" else o.out / f"{stem}.png")
     return res
 
 
@@ -370,6 +438,30 @@ def plot(res: dict, path: Path) -> None:
     ax.set_title(f"{res['device']['kind']}: causal window W={z['W']}, N={z['N']}, D={z['D']}", fontsize=9)
     ax.set_ylabel("TFLOP/s (visible pairs)")
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_partial(res: dict, path: Path) -> None:
+    """Bars: each mask's TFLOP/s on the blocks it visits over the causal kernel's, forward and forward + backward,
+    with the target (0.9×) drawn, and the GPU's name."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in res["partial"] if r.get("of_causal")]
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    for i, s in enumerate(("fwd", "fwdbwd")):
+        label = {"fwd": "forward", "fwdbwd": "forward + backward"}[s]
+        ax.bar([x + 0.4 * i for x in range(len(rows))], [r["of_causal"][s] for r in rows], 0.4, label=label)
+    ax.axhline(0.9, color="k", lw=0.8, ls="--", label="target 0.9×")
+    ax.set_xticks([x + 0.2 for x in range(len(rows))], [r["impl"] for r in rows], rotation=25, ha="right", fontsize=7)
+    z = res["sizes"]
+    ax.set_title(f"{res['device']['kind']}: TFLOP/s on visited blocks ÷ causal's, N={z['N']}, D={z['D']}", fontsize=9)
+    ax.set_ylim(0, 1.1)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
