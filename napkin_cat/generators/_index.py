@@ -686,8 +686,26 @@ class Captured:
         gives them) → the modified score, or the score where the mask keeps it, else −∞."""
         s, rest = args[0], args[1:]
         shape = jnp.broadcast_shapes(*(jnp.shape(a) for a in args))
+        y = self._traced(shape, [*rest, s] if self.score else list(rest))
+        return y.astype(jnp.float32) if self.score else jnp.where(y, s, -jnp.inf)
+
+    def holds(self, *args):
+        """A mask's Boolean on ``*reads, *indices`` (broadcastable blocks), with no score: what its block map
+        counts (:func:`lowering._blocks._evaluated_map`).
+
+        >>> ids = jnp.array([0, 0, 1])
+        >>> same = Captured.of(lambda q, x: ids[q] == ids[x], ("q", "x"), score=False)
+        >>> same.holds(*(jnp.asarray(r)[:, None] for r in same.inputs({"q": 3, "x": 3})[:1]),
+        ...            same.inputs({"q": 3, "x": 3})[1][None, :]).tolist()
+        [[True, True, False], [True, True, False], [False, False, True]]
+        """
+        if self.score:
+            raise AxisError(f"{self.__name__}: a score modifier holds no Boolean; holds() is a mask's")
+        return self._traced(jnp.broadcast_shapes(*(jnp.shape(a) for a in args)), list(args))
+
+    def _traced(self, shape: tuple, values: list):
+        """The function's trace run on ``values`` broadcast to ``shape`` (each cast to its seed's dtype)."""
         jaxpr, split, seeds = self.jaxpr, self._split, self._seeds
-        values = [*rest, s] if self.score else list(rest)
         values = [jnp.broadcast_to(x, shape).astype(v.aval.dtype) for x, v in zip(values, seeds, strict=True)]
 
         def one(*xs):
@@ -695,8 +713,7 @@ class Captured:
 
         for _ in shape:
             one = jax.vmap(one)
-        y = one(*values)
-        return y.astype(jnp.float32) if self.score else jnp.where(y, s, -jnp.inf)
+        return one(*values)
 
 
 @dataclass(frozen=True)
