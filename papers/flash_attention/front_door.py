@@ -34,7 +34,7 @@ against a reference that uses the kernel's hash (:func:`napkin_cat.generators.ke
 it calls) and jnp for the rest.
 
     python papers/flash_attention/front_door.py [--out DIR] [--window 1024] [--seq 8192] [--quick | --smoke]
-        [--only window|sparse|partial|dropout]
+        [--only window|sparse|partial|dropout|relbias]
 
 ``--quick`` (or ``--smoke``) runs tiny sizes in interpret mode on a CPU (a smoke test; cuDNN is skipped there).
 """
@@ -275,6 +275,53 @@ def partial_rows(q, k, v, ct, w: int, width: int, r: int) -> list:
     return rows
 
 
+def relative_bias_rows(q, k, v, ct, timing=(10, 7, 2)) -> dict:
+    """A learnable relative-position table, ``s + rel_bias[q_idx − kv_idx + N − 1]`` (one table of ``2N − 1``,
+    causal), forward + backward with the table's gradient against the same kernel with the table held constant
+    (issue 29's target: ≥ 0.7×), each checked first against jnp on one batch element (the table's gradient too),
+    and the temporaries XLA's memory analysis gives each compiled step beside one ``N × N`` f32 buffer (the
+    target: none so large)."""
+    b, n, h, d = q.shape
+    table = 0.1 * jax.random.normal(jax.random.key(11), (2 * n - 1,), jnp.float32)
+    i = jnp.arange(n)
+
+    def run(q, k, v, rel_bias):
+        mod = lambda s, b, h, q_idx, kv_idx: s + rel_bias[q_idx - kv_idx + n - 1]  # noqa: E731
+        return nc.attention(q, k, v, is_causal=True, score_mod=mod)
+
+    def ref(q, k, v, rel_bias):  # jnp only: the bias materialised, causal, f32
+        q, k, v = (a.astype(jnp.float32) for a in (q, k, v))
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(d) + rel_bias[i[:, None] - i[None, :] + n - 1]
+        s = jnp.where(i[:, None] >= i[None, :], s, -jnp.inf)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+    loss = lambda f: lambda q, k, v, t, ct: jnp.sum(f(q, k, v, t).astype(jnp.float32) * ct)  # noqa: E731
+    steps = {
+        "table held constant": jax.jit(jax.grad(loss(run), (0, 1, 2))),
+        "learnable table": jax.jit(jax.grad(loss(run), (0, 1, 2, 3))),
+    }
+    one = (q[:1], k[:1], v[:1], table, ct[:1].astype(jnp.float32))
+    want = jax.jit(jax.grad(loss(ref), (0, 1, 2, 3)))(*one)
+    got = steps["learnable table"](*one)
+    errors = {name: rel(g, w) for name, g, w in zip(("dq", "dk", "dv", "dtable"), got, want, strict=True)}
+    flops = FWD_BWD_FACTOR * 4 * b * h * d * n * (n + 1) // 2
+    res = {"errors": errors, "ok": max(errors.values()) <= TOLERANCE, "rows": [], "n_by_n_bytes": 4 * n * n}
+    print("learnable table, max relative error: " + ", ".join(f"{a} {e:.1e}" for a, e in errors.items()), flush=True)
+    for name, step in steps.items():
+        t = time_calls(step, q, k, v, table, ct, reps=timing[0], batches=timing[1], warmup=timing[2])
+        mem = step.lower(q, k, v, table, ct).compile().memory_analysis()
+        temp = getattr(mem, "temp_size_in_bytes", None)
+        row = {"impl": name, "ms": t.ms, "tflops": flops / t.seconds / 1e12, "temp_bytes": temp}
+        res["rows"].append(row)
+        print(f"{name:20s} fwd+bwd {row['ms']:.3f} ms {row['tflops']:6.1f} TFLOP/s  temporaries "
+              f"{temp / 2**20 if temp is not None else float('nan'):.1f} MiB (one N×N f32: {4 * n * n / 2**20:.0f} MiB)",
+              flush=True)
+    res["ratio"] = res["rows"][0]["ms"] / res["rows"][1]["ms"]
+    res["o_of_n"] = all(r["temp_bytes"] is not None and r["temp_bytes"] < 4 * n * n for r in res["rows"])
+    print(f"learnable ÷ constant (speed): {res['ratio']:.2f}× (target 0.7×); no N×N temporary: {res['o_of_n']}")
+    return res
+
+
 def cudnn_rows(q, k, v, ct, causal) -> list:
     """cuDNN's dense and causal kernels (``jax.nn.dot_product_attention``), TFLOP/s on all pairs and on the causal
     pairs: the rates the sparse kernels' visited blocks compare with (GPU only)."""
@@ -371,7 +418,7 @@ def main(argv=None) -> dict:
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--quick", "--smoke", action="store_true")
-    p.add_argument("--only", choices=("window", "sparse", "partial", "dropout"), help="run one section (default: all)")
+    p.add_argument("--only", choices=("window", "sparse", "partial", "dropout", "relbias"), help="run one section (default: all)")
     o = p.parse_args(argv)
     b, h, n, d, w = (1, 2, 256, 64, 64) if o.quick else (2, 16, o.seq, 128, o.window)
     width, r = (16, 2) if o.quick else (128, 8)
@@ -389,6 +436,9 @@ def main(argv=None) -> dict:
     if o.only in (None, "partial"):
         print("what a masked block costs: TFLOP/s on the blocks each kernel visits", flush=True)
         res["partial"] = partial_rows(q, k, v, ct, w, width, r)
+    if o.only in (None, "relbias"):
+        print("a learnable relative-position table: its gradient's cost and memory", flush=True)
+        res["relbias"] = relative_bias_rows(q, k, v, ct, (1, 1, 0) if o.quick else (10, 7, 2))
     if o.only in (None, "dropout"):
         print("dropout inside the kernel: causal, with and without", flush=True)
         res["dropout"] = dropout_rows(q, k, v, ct, o.quick)
