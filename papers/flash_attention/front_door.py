@@ -313,9 +313,9 @@ def relative_bias_rows(q, k, v, ct, timing=(10, 7, 2)) -> dict:
         temp = getattr(mem, "temp_size_in_bytes", None)
         row = {"impl": name, "ms": t.ms, "tflops": flops / t.seconds / 1e12, "temp_bytes": temp}
         res["rows"].append(row)
-        print(f"{name:20s} fwd+bwd {row['ms']:.3f} ms {row['tflops']:6.1f} TFLOP/s  temporaries "
-              f"{temp / 2**20 if temp is not None else float('nan'):.1f} MiB (one N×N f32: {4 * n * n / 2**20:.0f} MiB)",
-              flush=True)
+        mib = temp / 2**20 if temp is not None else float("nan")
+        print(f"{name:20s} fwd+bwd {row['ms']:.3f} ms {row['tflops']:6.1f} TFLOP/s  temporaries {mib:.1f} MiB "
+              f"(one N×N f32: {4 * n * n / 2**20:.0f} MiB)", flush=True)
     res["ratio"] = res["rows"][0]["ms"] / res["rows"][1]["ms"]
     res["o_of_n"] = all(r["temp_bytes"] is not None and r["temp_bytes"] < 4 * n * n for r in res["rows"])
     print(f"learnable ÷ constant (speed): {res['ratio']:.2f}× (target 0.7×); no N×N temporary: {res['o_of_n']}")
@@ -418,7 +418,8 @@ def main(argv=None) -> dict:
     p.add_argument("--window", type=int, default=1024)
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--quick", "--smoke", action="store_true")
-    p.add_argument("--only", choices=("window", "sparse", "partial", "dropout", "relbias"), help="run one section (default: all)")
+    p.add_argument("--only", choices=("window", "sparse", "partial", "dropout", "relbias"),
+                   help="run one section (default: all)")
     o = p.parse_args(argv)
     b, h, n, d, w = (1, 2, 256, 64, 64) if o.quick else (2, 16, o.seq, 128, o.window)
     width, r = (16, 2) if o.quick else (128, 8)
