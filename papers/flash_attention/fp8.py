@@ -128,17 +128,32 @@ def cudnn_fp8(causal: bool, scale_s: float):
     return f
 
 
+def scales(scale_s: float) -> dict:
+    """The all-FP8 rows' scales (unit descales, ``scale_s`` on P before it is rounded to e4m3)."""
+    return dict(descale_q=1.0, descale_k=1.0, descale_v=1.0, scale_s=scale_s)
+
+
+#: the mixed algorithm's scales: P is never rounded to e4m3, so it has no ``scale_s``
+MIXED_SCALES = dict(descale_q=1.0, descale_k=1.0)
+
+
+def inputs(key, b: int, n: int, h: int, d: int) -> tuple:
+    """q, k, v drawn in e4m3 [B, N, H, D], V transposed [B, H, D, N] (FP8 wgmma's layout) and the three in bf16:
+    every implementation's inputs in its own layout, made before any is timed."""
+    q8, k8, v8 = ((jax.random.normal(kk, (b, n, h, d))).astype(E4M3) for kk in jax.random.split(key, 3))
+    return q8, k8, v8, jnp.transpose(v8, (0, 2, 3, 1)), tuple(a.astype(jnp.bfloat16) for a in (q8, k8, v8))
+
+
 def implementations(causal: bool, gpu: bool, scale_s: float, blocks: list, interpret: bool) -> dict:
     """Each implementation as ``(layout, f)``: ``"bnhd"`` takes e4m3 [B, N, H, D]; ``"vt"`` the same with V
     [B, H, D, N]; ``"bf16"`` the dequantised inputs in bf16."""
-    scales = dict(descale_q=1.0, descale_k=1.0, descale_v=1.0, scale_s=scale_s)
-    fp8 = dict(fp8_scales=scales, is_causal=causal, interpret=interpret or None)
+    fp8 = dict(fp8_scales=scales(scale_s), is_causal=causal, interpret=interpret or None)
     impls = {"napkin fp8": ("bnhd", lambda q, k, v: nc.attention(q, k, v, **fp8))}
     impls["napkin fp8 kernel"] = ("vt", lambda q, k, v: nc.attention.kernel_for(q, k, v, **fp8))  # built per shape
     for g, s in blocks:
         impls[f"napkin fp8 g{g} s{s}"] = ("vt", (g, s))
     impls["napkin fp8 triton"] = ("bnhd", lambda q, k, v: nc.attention(q, k, v, backend="triton", **fp8))
-    mixed = dict(fp8, fp8_scales=dict(descale_q=1.0, descale_k=1.0))  # P never rounded to e4m3: no scale_s
+    mixed = dict(fp8, fp8_scales=MIXED_SCALES)
     impls["napkin fp8·bf16 mixed"] = ("mixed", lambda q, k, v: nc.attention(q, k, v, **mixed))
     impls["napkin row 16"] = ("mixed", "row 16")
     if gpu:
@@ -186,23 +201,17 @@ def run(n: int, causal: bool, sizes: tuple, o, gpu: bool, hw: Hardware | None) -
     (:func:`lowering.predicted_time`), row 16's with FAN's model's too (:func:`row_16_model`)."""
     b, h, d = sizes[0] // n if sizes[0] >= n else 1, sizes[1], sizes[2]
     model = hw and row_16_model(hw, d)
-    keys = jax.random.split(jax.random.key(n * 2 + causal), 3)
-    q8, k8, v8 = ((jax.random.normal(kk, (b, n, h, d))).astype(E4M3) for kk in keys)
-    vt8 = jnp.transpose(v8, (0, 2, 3, 1))
-    bf = tuple(a.astype(jnp.bfloat16) for a in (q8, k8, v8))
-    scales = dict(descale_q=1.0, descale_k=1.0, descale_v=1.0, scale_s=o.scale_s)
-    sig = Signature.of(q8, k8, v8, fp8_scales=scales, is_causal=causal, interpret=o.smoke or None)
+    arrays = q8, k8, v8, vt8, bf = inputs(jax.random.key(n * 2 + causal), b, n, h, d)
+    sig = Signature.of(q8, k8, v8, fp8_scales=scales(o.scale_s), is_causal=causal, interpret=o.smoke or None)
     flops = 4 * b * h * n * n * d / (2 if causal else 1)
-
-    mixed = dict(descale_q=1.0, descale_k=1.0)
     entries = {  # the entry's rows: the arguments its kernel is made for
-        "napkin fp8": ((q8, k8, v8), dict(fp8_scales=scales)),
-        "napkin fp8·bf16 mixed": ((q8, k8, bf[2]), dict(fp8_scales=mixed)),
+        "napkin fp8": ((q8, k8, v8), dict(fp8_scales=scales(o.scale_s))),
+        "napkin fp8·bf16 mixed": ((q8, k8, bf[2]), dict(fp8_scales=MIXED_SCALES)),
         "napkin bf16": (bf, {}),
     }
 
     def work(name, impl, row):
-        row |= timed(measure, name, *impl, (q8, k8, v8, vt8, bf), causal, flops, sig, o.smoke)
+        row |= timed(measure, name, *impl, arrays, causal, flops, sig, o.smoke)
         scheduled = row_16(d, causal).diagram if name == "napkin row 16" else None
         if name in entries:
             args, kw = entries[name]
@@ -273,11 +282,8 @@ def profile(o) -> dict:
     """``o.profile``'s forward compiled and run twice (the second is the one to profile: ``ncu --launch-skip``)."""
     n, d = int(o.n.split(",")[0]), o.d
     b, h = max(16384 // n, 1), 16
-    keys = jax.random.split(jax.random.key(n), 3)
-    q8, k8, v8 = ((jax.random.normal(kk, (b, n, h, d))).astype(E4M3) for kk in keys)
-    arrays = (q8, k8, v8, jnp.transpose(v8, (0, 2, 3, 1)), tuple(a.astype(jnp.bfloat16) for a in (q8, k8, v8)))
-    scales = dict(descale_q=1.0, descale_k=1.0, descale_v=1.0, scale_s=o.scale_s)
-    sig = Signature.of(q8, k8, v8, fp8_scales=scales)
+    arrays = inputs(jax.random.key(n), b, n, h, d)
+    sig = Signature.of(*arrays[:3], fp8_scales=scales(o.scale_s))
     layout, f = implementations(False, True, o.scale_s, o.blocks, False)[o.profile]
     row = measure(o.profile, layout, f, arrays, False, 4 * b * h * n * n * d, sig, False)
     print(f"{o.profile} N={n} D={d}: {row['fwd']['tflops']:.1f} TFLOP/s, err {row['err']:.1e}", flush=True)
