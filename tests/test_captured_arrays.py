@@ -55,11 +55,12 @@ def qkv(key, b, n, h, d, dtype, m=None, h_kv=None):
 
 def check(run, ref, arrays, tables, dtype, seed, key):
     """Forward and gradients (of every array and table) of ``run(*arrays, *tables)`` against ``ref``."""
-    out, want = run(*arrays, *tables), jax.jit(ref)(*arrays, *tables)  # the reference compiled once, not op by op
+    out, pull = jax.vjp(run, *arrays, *tables)  # one forward for the output and the gradients
+    want = jax.jit(ref)(*arrays, *tables)  # the reference compiled once, not op by op
     assert rel(out, want) <= TOL[dtype], f"forward, NAPKIN_SEED={seed}"
     w = jax.random.normal(key, out.shape)
     argnums = tuple(range(len(arrays) + len(tables)))
-    grads = jax.grad(lambda *a: jnp.sum(run(*a).astype(jnp.float32) * w), argnums)(*arrays, *tables)
+    grads = pull(w.astype(out.dtype))  # the cotangent of Σ out·w, out in f32 as the reference's
     wants = jax.jit(jax.grad(lambda *a: jnp.sum(ref(*a) * w), argnums))(*arrays, *tables)
     # a table read per query, head or batch has a zero gradient (the softmax ignores a row's constant): its
     # error is measured against the queries' gradient, the scale of the cotangents
