@@ -69,7 +69,10 @@ def summed_outputs(d: Diagram, a: str) -> tuple[tuple[int, ...], str | None]:
     >>> summed_outputs(nc.library.attention(n, k, c), "c")
     ((), "box 'n c, k c → n k': the sum over c is read by the box 'softmax k', not an output")
     """
-    partial: dict = {}  # the values (by id of a token) that are a partial sum over a, by the box making them
+    # the values (by id of a token) that are a partial sum over a, with the box making them; each token is kept
+    # here, as an id is unique only while its object lives (a freed token's id, reused by a later one, had marked an
+    # output of attention summed, in some test orders)
+    partial: dict = {}
     why: list[str] = []
 
     def step(i, box, ins):
@@ -77,11 +80,12 @@ def summed_outputs(d: Diagram, a: str) -> tuple[tuple[int, ...], str | None]:
             if not isinstance(box.accumulator(a), ContractionSum):
                 why.append(f"box {box.name!r} removes {a} but is no sum of products")
             outs = [object() for _ in box.cod]
-            partial.update((id(o), box.name) for o in outs)
+            partial.update((id(o), (o, box.name)) for o in outs)
             return outs
         for v in ins:
             if id(v) in partial:
-                why.append(f"box {partial[id(v)]!r}: the sum over {a} is read by the box {box.name!r}, not an output")
+                made = partial[id(v)][1]
+                why.append(f"box {made!r}: the sum over {a} is read by the box {box.name!r}, not an output")
         if isinstance(box, Generator) and a in box.mixes:
             why.append(f"box {box.name!r} combines elements along {a}")
         return [object() for _ in box.cod]

@@ -84,6 +84,35 @@ def test_summed_tile_verified_and_refused():
     assert summed_outputs(nc.library.matmul(n, k, c), "n") == ((), None)
 
 
+def test_summed_outputs_do_not_depend_on_what_was_freed_before(monkeypatch):
+    """Its tokens were told apart by ``id`` without being kept alive: a freed partial sum's id, reused by a later
+    token, marked attention's output summed over ``d`` in some test orders. Here ids are handed out as CPython
+    would at worst: a token's number goes back to the pool the moment the token is freed, and the next token asked
+    for takes it."""
+    import itertools
+    import weakref
+
+    import rewrites._schedule as schedule
+
+    class Token:
+        __slots__ = ("__weakref__",)
+
+    numbers, free, fresh = weakref.WeakKeyDictionary(), [], itertools.count()
+
+    def reusing_id(o):
+        if o not in numbers:
+            numbers[o] = free.pop() if free else next(fresh)
+            weakref.finalize(o, free.append, numbers[o])
+        return numbers[o]
+
+    monkeypatch.setattr(schedule, "object", Token, raising=False)
+    monkeypatch.setattr(schedule, "id", reusing_id, raising=False)
+    q, x, d = nc.axes("q x d")
+    assert summed_outputs(nc.library.attention(q, x, d), "d")[0] == ()
+    n, k, c = nc.axes("n k c")
+    assert summed_outputs(nc.library.matmul(n, k, c), "k") == ((0,), None)
+
+
 def test_fused_needs_one_tiled_and_one_streamed_axis():
     n, k, c = nc.axes("n k c")
     mm = derive(nc.library.matmul(n, k, c), tile(n, 16), tile(c, 16), verify=False).diagram
