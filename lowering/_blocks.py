@@ -95,7 +95,7 @@ def heavy_last(p: Plan, extent: dict, padded: dict, blocks: CallBlocks | None = 
         return ()
     x, s = p.stream
     masks = [m for b in p.diagram.boxes if (m := affine_mask(b)) is not None and x in m.axes]
-    known = _known_bounds(blocks) if len(p.tiles) == 1 else []
+    known = _known_bounds(blocks) if len(p.tiles) == 1 else []  # bounds lie along a kernel's one tiled axis
     if not masks and not known:
         return ()
     n_chunks = padded[x] // s
@@ -544,12 +544,11 @@ def _evaluated_map(fn, ins: tuple, g: int, s: int, nt: int, nx: int):
     keep = fn.holds(*map(blocked, ins))
     keep = jnp.broadcast_to(keep, (*keep.shape[:-4], tiles, g, chunks, s))  # an unread axis counts its size
     if tiles * g != nt or chunks * s != nx:  # padded rows and columns count nothing
-        rows = (jnp.arange(tiles)[:, None] * g + jnp.arange(g))[:, :, None, None] < nt
-        keep = keep & rows & ((jnp.arange(chunks)[:, None] * s + jnp.arange(s)) < nx)
+        real_rows = (jnp.arange(tiles)[:, None] * g + jnp.arange(g))[:, :, None, None] < nt
+        keep = keep & real_rows & ((jnp.arange(chunks)[:, None] * s + jnp.arange(s)) < nx)
     total = jnp.sum(keep.astype(jnp.int32), axis=(-3, -1))
-    rows = jnp.minimum(nt - jnp.arange(tiles) * g, g)[:, None]  # the valid scores of each block
-    valid = rows * jnp.minimum(nx - jnp.arange(chunks) * s, s)
-    return total > 0, total == valid
+    valid = jnp.minimum(nt - jnp.arange(tiles) * g, g)[:, None] * jnp.minimum(nx - jnp.arange(chunks) * s, s)
+    return total > 0, total == valid  # valid: each block's scores inside the sizes
 
 
 def call_bounds(p: Plan, m: Segments | Mapped, arrays: list, extent: dict):

@@ -13,7 +13,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from lowering._blocks import BlockContext, combine, heavy_last, visited
+from lowering._blocks import BlockContext, CallBlocks, combine, heavy_last, visited
 from lowering._loop import ChunkList, ChunkLoop
 from lowering._plan import NotLowerable
 from lowering.mosaic._arrays import Counting, MosaicArrays, Smem, value_of
@@ -39,21 +39,25 @@ class _Scratch(NamedTuple):
     staging: Any
 
 
+#: no call-time masks: no bounds, no chunk lists
+NO_BLOCKS = CallBlocks(())
+
+
 class MosaicKernel:
     """The kernel body: a producer warpgroup filling the rings, consumer warpgroups walking the diagram."""
 
     def __init__(
-        self, low: MosaicLowered, sizes, extent, streamed, resident, n_tiles, n_chunks, batch, blocks=(0, 0), call=None
+        self, low: MosaicLowered, sizes, extent, streamed, resident, n_tiles, n_chunks, batch, blocks=NO_BLOCKS
     ):
         self.low, self.sizes, self.extent = low, sizes, extent
         self.streamed, self.resident, self.n_tiles, self.n_chunks = streamed, resident, n_tiles, n_chunks
-        #: the refs the wrapper passes after the inputs: four bounds per call-time mask read as ranges, then (1) or
-        #: not (0) the chunk lists of the block maps with holes (:class:`lowering._blocks.CallBlocks`)
-        self.n_bounds, self.listed = blocks
+        #: the refs the wrapper passes after the inputs (``blocks``, :class:`lowering._blocks.CallBlocks`): four
+        #: bounds per call-time mask read as ranges, then (1) or not (0) the chunk lists of the block maps with holes
+        self.n_bounds, self.listed = len(blocks.bounds), int(blocks.listed)
         self.batch = batch
-        #: whether the tiles launch last-first: the last tile is the heaviest (causal queries; ``call``, the
-        #: :class:`lowering._blocks.CallBlocks` passed, may say so where the affine masks do not)
-        self.flip = low.q in heavy_last(low.plan, extent, extent, call)
+        #: whether the tiles launch last-first: the last tile is the heaviest (causal queries; a block map known
+        #: when traced may say so where the affine masks do not)
+        self.flip = low.q in heavy_last(low.plan, extent, extent, blocks)
         given = low.config.members
         if given is not None and math.prod(batch) % given:
             raise NotLowerable(

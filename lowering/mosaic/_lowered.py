@@ -567,8 +567,7 @@ class MosaicLowered:
         scratch.append([plgpu.Barrier(num_arrivals=c.consumers)] if self.pingpong and self.interpret else [])
         if self.staging and streamed:
             scratch.append([smem((c.consumers, self.rows, self.s), self._staged_dtype().jnp)])
-        listed = (len(blocks.bounds), int(blocks.listed))
-        kernel = MosaicKernel(self, sizes, extent, streamed, resident, n_tiles, n_chunks, batch, listed, blocks)
+        kernel = MosaicKernel(self, sizes, extent, streamed, resident, n_tiles, n_chunks, batch, blocks)
         others = [extent[a] // n for a, n in self.others.items()]
         out_type = out_structs(full.cod.inside, extent, arrays)
         summed = [jax.new_ref(varying_like(self._zeros(out_type[k]), arrays)) for k in self.summed]

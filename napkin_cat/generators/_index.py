@@ -695,8 +695,8 @@ class Captured:
 
         >>> ids = jnp.array([0, 0, 1])
         >>> same = Captured.of(lambda q, x: ids[q] == ids[x], ("q", "x"), score=False)
-        >>> same.holds(*(jnp.asarray(r)[:, None] for r in same.inputs({"q": 3, "x": 3})[:1]),
-        ...            same.inputs({"q": 3, "x": 3})[1][None, :]).tolist()
+        >>> at_q, at_x = same.inputs({"q": 3, "x": 3})  # ids[q] and ids[x], read once per index
+        >>> same.holds(at_q[:, None], at_x[None, :]).tolist()
         [[True, True, False], [True, True, False], [False, False, True]]
         """
         if self.score:

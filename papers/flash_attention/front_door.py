@@ -185,15 +185,9 @@ def sparse_rows(q, k, v, ct, w: int, width: int, r: int) -> list:
     }
     rows = cudnn_rows(q, k, v, ct, causal) if jax.default_backend() == "gpu" else []
     for name, (kw, keep) in cases.items():
-        made = nc.attention.kernel_for(q, k, v, **kw)
-        sp = made.sparsity(q, k, v, **{a: f for a, f in kw.items() if a != "is_causal"})
-        g, s = made.signature.tile, made.signature.stream
-        flops = 4 * d * (1 - sp.skipped) * sp.blocks * g * s
-        f = lambda q, k, v, kw=kw: nc.attention(q, k, v, **kw)  # noqa: E731
-        row = measure(name, f, q, k, v, ct, dense_reference(keep), flops)
-        row["sparsity"] = {"skipped": sp.skipped, "full": sp.full, "partial": sp.partial, "found": sp.found}
-        row["visited"], row["flex_visited"] = 1 - sp.skipped, flex_visited(keep, n, g, s)
-        row["backends"] = made.kernel.backends  # per kernel: "auto" takes Mosaic on sm_90 where it lowers
+        row, made, sp = visited_row(name, kw, keep, q, k, v, ct)
+        row["visited"] = 1 - sp.skipped
+        row["flex_visited"] = flex_visited(keep, n, made.signature.tile, made.signature.stream)
         if sp.found == ("call time",):
             row["block_map_ms"] = build_ms(made, sizes)
             row["block_map_share"] = row["block_map_ms"] / row["fwdbwd"]["ms"]
@@ -212,6 +206,21 @@ def sparse_rows(q, k, v, ct, w: int, width: int, r: int) -> list:
     return rows
 
 
+def visited_row(name: str, kw: dict, keep, q, k, v, ct) -> tuple:
+    """``nc.attention(q, k, v, **kw)`` checked against the dense reference of the mask ``keep`` and timed, TFLOP/s
+    counted on the blocks its forward kernel visits (4·D FLOPs per pair of a visited block), with its sparsity and
+    backends; with the kernel it made and its sparsity."""
+    d = q.shape[-1]
+    made = nc.attention.kernel_for(q, k, v, **kw)
+    sp = made.sparsity(q, k, v, **{a: f for a, f in kw.items() if a not in ("is_causal", "block_mask")})
+    g, s = made.signature.tile, made.signature.stream
+    f = lambda q, k, v: nc.attention(q, k, v, **kw)  # noqa: E731
+    row = measure(name, f, q, k, v, ct, dense_reference(keep), 4 * d * (1 - sp.skipped) * sp.blocks * g * s)
+    row["sparsity"] = {"skipped": sp.skipped, "full": sp.full, "partial": sp.partial, "found": sp.found}
+    row["backends"] = made.kernel.backends  # per kernel: "auto" takes Mosaic on sm_90 where it lowers
+    return row, made, sp
+
+
 def partial_masks(n: int, w: int, width: int, r: int) -> dict:
     """Masks that cut every block they visit, each written two or three ways that keep the same pairs: the same
     blocks visited, a different count of operations per score on the masked blocks. ``causal, every block masked``
@@ -228,12 +237,14 @@ def partial_masks(n: int, w: int, width: int, r: int) -> dict:
     True
     """
     base = non_affine(n, w, width, r)
-    band = lambda q_idx, kv_idx: (kv_idx <= q_idx) & (q_idx - kv_idx < 2 * w)  # noqa: E731
+    band = lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & (q_idx - kv_idx < 2 * w)  # noqa: E731
     return {
+        "causal band 2w (affine)": band,
         "causal, min form": lambda b, h, q_idx, kv_idx: jnp.minimum(q_idx, n - 1) >= kv_idx,
         "dilated window": base["dilated window"],
-        "dilated, & 1": lambda b, h, q_idx, kv_idx: band(q_idx, kv_idx) & (((q_idx - kv_idx) & 1) == 0),
-        "dilated, parity on vectors": lambda b, h, q_idx, kv_idx: band(q_idx, kv_idx) & ((q_idx & 1) == (kv_idx & 1)),
+        "dilated, & 1": lambda b, h, q_idx, kv_idx: band(b, h, q_idx, kv_idx) & (((q_idx - kv_idx) & 1) == 0),
+        "dilated, parity on vectors": lambda b, h, q_idx, kv_idx: band(b, h, q_idx, kv_idx)
+        & ((q_idx & 1) == (kv_idx & 1)),
         "2-D neighbourhood": base["2-D neighbourhood"],
         "2-D, bounds on vectors": lambda b, h, q_idx, kv_idx: (kv_idx // width >= q_idx // width - r)
         & (kv_idx // width <= q_idx // width + r) & (kv_idx % width >= q_idx % width - r)
@@ -249,24 +260,16 @@ def partial_rows(q, k, v, ct, w: int, width: int, r: int) -> list:
 
     import numpy as np
 
-    b, n, h, d = q.shape
+    n = q.shape[1]
     masks = partial_masks(n, w, width, r)
     demoted = nc.block_mask(masks["causal, min form"], None, None, n, n)
     demoted = dataclasses.replace(demoted, whole=np.zeros_like(demoted.whole))
     cases = {"causal": ({"is_causal": True}, lambda b, h, q_idx, kv_idx: kv_idx <= q_idx)}
-    band = lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) & (q_idx - kv_idx < 2 * w)  # noqa: E731
-    cases["causal band 2w (affine)"] = ({"mask_mod": band}, band)
     cases["causal, every block masked"] = ({"block_mask": demoted}, masks["causal, min form"])
     cases |= {name: ({"mask_mod": f}, f) for name, f in masks.items()}
     rows = []
     for name, (kw, keep) in cases.items():
-        made = nc.attention.kernel_for(q, k, v, **kw)
-        sp = made.sparsity(q, k, v)
-        g, s = made.signature.tile, made.signature.stream
-        f = lambda q, k, v, kw=kw: nc.attention(q, k, v, **kw)  # noqa: E731
-        row = measure(name, f, q, k, v, ct, dense_reference(keep), 4 * d * (1 - sp.skipped) * sp.blocks * g * s)
-        row["sparsity"] = {"skipped": sp.skipped, "full": sp.full, "partial": sp.partial, "found": sp.found}
-        row["backends"] = made.kernel.backends
+        row, _, sp = visited_row(name, kw, keep, q, k, v, ct)
         row["of_causal"] = {t: row[t]["tflops"] / rows[0][t]["tflops"] for t in ("fwd", "fwdbwd")} if rows else None
         print(f"   {sp}; on {'/'.join(sorted(set(row['backends'].values())))}"
               + (f"; ÷ causal fwd {row['of_causal']['fwd']:.2f}× fwd+bwd {row['of_causal']['fwdbwd']:.2f}×"
@@ -305,7 +308,8 @@ def relative_bias_rows(q, k, v, ct, timing=(10, 7, 2)) -> dict:
     got = steps["learnable table"](*one)
     errors = {name: rel(g, w) for name, g, w in zip(("dq", "dk", "dv", "dtable"), got, want, strict=True)}
     flops = FWD_BWD_FACTOR * 4 * b * h * d * n * (n + 1) // 2
-    res = {"errors": errors, "ok": max(errors.values()) <= TOLERANCE, "rows": [], "n_by_n_bytes": 4 * n * n}
+    square = 4 * n * n  # the bytes of one N × N f32 buffer
+    res = {"errors": errors, "ok": max(errors.values()) <= TOLERANCE, "rows": [], "n_by_n_bytes": square}
     print("learnable table, max relative error: " + ", ".join(f"{a} {e:.1e}" for a, e in errors.items()), flush=True)
     for name, step in steps.items():
         t = time_calls(step, q, k, v, table, ct, reps=timing[0], batches=timing[1], warmup=timing[2])
@@ -315,9 +319,9 @@ def relative_bias_rows(q, k, v, ct, timing=(10, 7, 2)) -> dict:
         res["rows"].append(row)
         mib = temp / 2**20 if temp is not None else float("nan")
         print(f"{name:20s} fwd+bwd {row['ms']:.3f} ms {row['tflops']:6.1f} TFLOP/s  temporaries {mib:.1f} MiB "
-              f"(one N×N f32: {4 * n * n / 2**20:.0f} MiB)", flush=True)
+              f"(one N×N f32: {square / 2**20:.0f} MiB)", flush=True)
     res["ratio"] = res["rows"][0]["ms"] / res["rows"][1]["ms"]
-    res["o_of_n"] = all(r["temp_bytes"] is not None and r["temp_bytes"] < 4 * n * n for r in res["rows"])
+    res["o_of_n"] = all(r["temp_bytes"] is not None and r["temp_bytes"] < square for r in res["rows"])
     print(f"learnable ÷ constant (speed): {res['ratio']:.2f}× (target 0.7×); no N×N temporary: {res['o_of_n']}")
     return res
 
@@ -472,50 +476,43 @@ def window_rows(q, k, v, ct, w: int, gpu: bool, flops: int) -> dict:
     return res
 
 
-def plot(res: dict, path: Path) -> None:
-    """Bars: forward and forward + backward TFLOP/s (visible pairs) per implementation, with the GPU's name."""
+def pair_bars(rows: list, value, title: str, ylabel: str, path: Path, target: float | None = None) -> None:
+    """Bars: ``value(row, section)`` forward and forward + backward per row (``impl`` under each pair), a dashed
+    line at ``target`` where given."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for i, s in enumerate(("fwd", "fwdbwd")):
-        ys = [r[s]["tflops"] for r in res["rows"]]
-        label = {"fwd": "forward", "fwdbwd": "forward + backward"}[s]
-        ax.bar([x + 0.4 * i for x in range(len(ys))], ys, 0.4, label=label)
-    ax.set_xticks([x + 0.2 for x in range(len(res["rows"]))], [r["impl"] for r in res["rows"]])
-    z = res["sizes"]
-    ax.set_title(f"{res['device']['kind']}: causal window W={z['W']}, N={z['N']}, D={z['D']}", fontsize=9)
-    ax.set_ylabel("TFLOP/s (visible pairs)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_partial(res: dict, path: Path) -> None:
-    """Bars: each mask's TFLOP/s on the blocks it visits over the causal kernel's, forward and forward + backward,
-    with the target (0.9×) drawn, and the GPU's name."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in res["partial"] if r.get("of_causal")]
-    fig, ax = plt.subplots(figsize=(8, 3.8))
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(rows)), 3.8))
     for i, s in enumerate(("fwd", "fwdbwd")):
         label = {"fwd": "forward", "fwdbwd": "forward + backward"}[s]
-        ax.bar([x + 0.4 * i for x in range(len(rows))], [r["of_causal"][s] for r in rows], 0.4, label=label)
-    ax.axhline(0.9, color="k", lw=0.8, ls="--", label="target 0.9×")
+        ax.bar([x + 0.4 * i for x in range(len(rows))], [value(r, s) for r in rows], 0.4, label=label)
+    if target is not None:
+        ax.axhline(target, color="k", lw=0.8, ls="--", label=f"target {target:g}×")
     ax.set_xticks([x + 0.2 for x in range(len(rows))], [r["impl"] for r in rows], rotation=25, ha="right", fontsize=7)
-    z = res["sizes"]
-    ax.set_title(f"{res['device']['kind']}: TFLOP/s on visited blocks ÷ causal's, N={z['N']}, D={z['D']}", fontsize=9)
-    ax.set_ylim(0, 1.1)
+    ax.set_title(title, fontsize=9)
+    ax.set_ylabel(ylabel)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot(res: dict, path: Path) -> None:
+    """Forward and forward + backward TFLOP/s (visible pairs) per implementation, with the GPU's name."""
+    z = res["sizes"]
+    title = f"{res['device']['kind']}: causal window W={z['W']}, N={z['N']}, D={z['D']}"
+    pair_bars(res["rows"], lambda r, s: r[s]["tflops"], title, "TFLOP/s (visible pairs)", path)
+
+
+def plot_partial(res: dict, path: Path) -> None:
+    """Each mask's TFLOP/s on the blocks it visits over the causal kernel's, forward and forward + backward, with
+    the target (0.9×) drawn, and the GPU's name."""
+    z = res["sizes"]
+    title = f"{res['device']['kind']}: TFLOP/s on visited blocks ÷ causal's, N={z['N']}, D={z['D']}"
+    rows = [r for r in res["partial"] if r.get("of_causal")]
+    pair_bars(rows, lambda r, s: r["of_causal"][s], title, "÷ the causal kernel", path, target=0.9)
 
 
 if __name__ == "__main__":
