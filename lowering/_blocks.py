@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import functools
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -443,26 +444,59 @@ def chunk_lists(kept, whole):
 
 
 @jax.jit
-def holed(kept, whole):
-    """Whether the four bounds of a block map (:func:`map_bounds`) lose some of its sparsity: a chunk between a
-    tile's ``first`` and ``last`` kept nothing of (a dilated window's hole), or a chunk kept whole outside the one
-    run the bounds run unmasked. A band (a sliding window, documents in order) has none.
+def holed(kept, whole, bounds=None):
+    """Whether the four bounds of a block map (:func:`map_bounds`, given or computed) lose some of its sparsity: a
+    chunk between a tile's ``first`` and ``last`` kept nothing of (a dilated window's hole), or a chunk kept whole
+    outside the one run the bounds run unmasked. A band (a sliding window, documents in order) has none.
 
     >>> kept = jnp.array([[1, 0, 1]], bool)
     >>> bool(holed(kept, jnp.zeros_like(kept))), bool(holed(kept.at[0, 1].set(True), jnp.zeros_like(kept)))
     (True, False)
     """
-    b = map_bounds(kept, whole)
+    b = map_bounds(kept, whole) if bounds is None else bounds
     return (jnp.sum(b[..., 3] - b[..., 0]) > jnp.sum(kept)) | (jnp.sum(b[..., 2] - b[..., 1]) < jnp.sum(kept & whole))
 
 
-def mapped_map(p: Plan, m: Mapped, extent: dict) -> tuple:
-    """The block map of a kernel's mask, ``(kept, whole)``, at sizes ``extent``: bool arrays laid out as
-    :func:`segment_bounds`'s, the grid's batch axes (size 1 where the mask does not read one), then the tiles of
-    its tiled axis, then the chunks. It depends on sizes only, so it is evaluated when traced (a constant of a
-    ``jit``-compiled program) unless the mask function reads a traced value; the map itself is evaluated once
-    per mask function and sizes for every kernel (:func:`napkin_cat.generators._index.block_map`), and each
-    kernel's blocks from it by one compiled program."""
+class MapBlocks(NamedTuple):
+    """A kernel's block map on its grid and all it reads of it: the map (``kept``, ``whole``), whether its four
+    bounds lose sparsity (``holes``, :func:`holed`), the bounds (:func:`map_bounds`) and the chunk lists
+    (:func:`chunk_lists`)."""
+
+    kept: object
+    whole: object
+    holes: object
+    bounds: object
+    lists: object
+
+
+@dataclass(frozen=True)
+class OnGrid:
+    """What a kernel reads of its block map, as a function of the map: the map broadcast to the kernel's ``grid``
+    (tiles, chunks; where the mask reads neither axis) and its :class:`MapBlocks`. Hashable, so the mask's
+    :meth:`~napkin_cat.generators.Mask.block_map` runs it in the program that coarsens the map: a traced map's
+    build is bound by dispatches, not by its arithmetic, and this makes the coarsening, the broadcast, the bounds,
+    the holes and the lists one where they were one each.
+
+    >>> m = jax.jit(OnGrid((2, 3)))(jnp.array([[True, False, True]]), jnp.array([[True, False, False]]))
+    >>> bool(m.holes), m.bounds.tolist(), m.lists.shape
+    (True, [[0, 0, 1, 3], [0, 0, 1, 3]], (2, 2, 16))
+    """
+
+    grid: tuple
+
+    def __call__(self, kept, whole) -> MapBlocks:
+        kept, whole = (jnp.broadcast_to(v, (*v.shape[:-2], *self.grid)) for v in (kept, whole))
+        bounds = map_bounds(kept, whole)
+        return MapBlocks(kept, whole, holed(kept, whole, bounds), bounds, chunk_lists(kept, whole))
+
+
+def mapped_blocks(p: Plan, m: Mapped, extent: dict) -> MapBlocks:
+    """The block map of a kernel's mask at sizes ``extent`` and what the kernel reads of it (:class:`OnGrid`):
+    bool arrays laid out as :func:`segment_bounds`'s, the grid's batch axes (size 1 where the mask does not read
+    one), then the tiles of its tiled axis, then the chunks. It depends on sizes only, so it is evaluated when
+    traced (a constant of a ``jit``-compiled program) unless the mask function reads a traced value; the map itself
+    is evaluated once per mask function and sizes for every kernel (:func:`napkin_cat.generators._index.block_map`),
+    and each kernel's blocks from it by one compiled program."""
     x, s = p.stream
     names = (*p.batch, m.axis, x)
     blocks = {**dict.fromkeys(p.batch, 1), m.axis: p.tiles[m.axis], x: s}
@@ -477,8 +511,7 @@ def mapped_map(p: Plan, m: Mapped, extent: dict) -> tuple:
         _MAPS.move_to_end(key)
         return _MAPS[key]
     with jax.ensure_compile_time_eval():
-        kept, whole = m.box.block_map(names, sizes, blocks)
-        out = _on_grid(kept, whole, grid)
+        out = MapBlocks(*m.box.block_map(names, sizes, blocks, OnGrid(grid)))
     if key is not None and not any(isinstance(v, jax.core.Tracer) for v in out):
         _MAPS[key] = out
         while len(_MAPS) > 16:
@@ -486,26 +519,19 @@ def mapped_map(p: Plan, m: Mapped, extent: dict) -> tuple:
     return out
 
 
-#: the last maps :func:`mapped_map` gave, per (mask function, axes, sizes, blocks)
+#: the last maps :func:`mapped_blocks` gave, per (mask function, axes, sizes, blocks)
 _MAPS: collections.OrderedDict = collections.OrderedDict()
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def _on_grid(kept, whole, grid: tuple):
-    """A block map broadcast to ``grid`` (tiles, chunks) where the mask reads neither."""
-    return tuple(jnp.broadcast_to(v, (*v.shape[:-2], *grid)) for v in (kept, whole))
-
-
 def mapped_bounds(p: Plan, m: Mapped, extent: dict):
-    """:func:`map_bounds` of a kernel's mask from its block map (:func:`mapped_map`), at sizes ``extent``: an int32
-    array laid out as :func:`segment_bounds`'s."""
-    with jax.ensure_compile_time_eval():
-        return map_bounds(*mapped_map(p, m, extent))
+    """:func:`map_bounds` of a kernel's mask from its block map (:func:`mapped_blocks`), at sizes ``extent``: an
+    int32 array laid out as :func:`segment_bounds`'s."""
+    return mapped_blocks(p, m, extent).bounds
 
 
 def captured_map(p: Plan, m: Mapped, arrays: list, extent: dict) -> tuple:
     """The block map ``(kept, whole)`` of a mask over captured arrays, evaluated on the kernel's inputs ``arrays``
-    (unpadded) at this call, laid out as :func:`mapped_map`'s. Plain JAX, part of the caller's program, so new
+    (unpadded) at this call, laid out as :func:`mapped_blocks`'s. Plain JAX, part of the caller's program, so new
     values of the arrays (document ids, lengths) reuse the compiled kernel."""
     d, (x, s) = p.diagram, p.stream
     names = (*p.batch, m.axis, x)
@@ -592,15 +618,15 @@ def call_blocks(p: Plan, masks: tuple, arrays: list, extent: dict, *, every: boo
         if m.inputs:
             maps.append((m, captured_map(p, m, arrays, extent)))
             continue
-        kept, whole = mapped_map(p, m, extent)
-        with jax.ensure_compile_time_eval():
-            holes = holed(kept, whole)
-        if every or isinstance(holes, jax.core.Tracer) or bool(holes):  # a traced value's map: its holes unknown
-            maps.append((m, (kept, whole)))
+        read = mapped_blocks(p, m, extent)
+        if every or isinstance(read.holes, jax.core.Tracer) or bool(read.holes):  # a traced map's holes unknown
+            maps.append((m, read))
         else:
-            bounds.append((m, mapped_bounds(p, m, extent)))
+            bounds.append((m, read.bounds))
     if not maps:
         return CallBlocks(tuple(bounds))
+    if len(maps) == 1 and isinstance(maps[0][1], MapBlocks):  # its lists read with it
+        return CallBlocks(tuple(bounds), maps[0][1].lists, maps[0][0].axis)
     axes = {m.axis for m, _ in maps}
     if len(axes) > 1:
         raise NotLowerable(
@@ -608,8 +634,8 @@ def call_blocks(p: Plan, masks: tuple, arrays: list, extent: dict, *, every: boo
             f"axes {sorted(axes)}; a kernel reads chunk lists along one: give them one tiled axis"
         )
     with jax.ensure_compile_time_eval():  # maps of the sizes alone: their lists are constants too, not work per call
-        kept, whole = maps[0][1]
-        for _, (k, w) in maps[1:]:
+        kept, whole = maps[0][1][:2]
+        for _, (k, w, *_) in maps[1:]:
             kept, whole = kept & k, whole & w
         lists = chunk_lists(kept, whole)
     return CallBlocks(tuple(bounds), lists, axes.pop())

@@ -175,9 +175,9 @@ class IndexMap(Generator):
         fn = self.params["fn"]
         return fn.keep if isinstance(fn, Kept) else None
 
-    def block_map(self, names: tuple[str, ...], extent: dict, blocks: dict) -> tuple:
+    def block_map(self, names: tuple[str, ...], extent: dict, blocks: dict, then=None) -> tuple:
         """:meth:`Mask.block_map` of a mask's backward: the blocks its mask hides, cuts or keeps whole."""
-        return block_map(self.mask_function(), names, extent, blocks)
+        return block_map(self.mask_function(), names, extent, blocks, then)
 
     def backward(self, t, ins, outs, cts):
         (s,), fn = ins, self.params["fn"]
@@ -231,9 +231,10 @@ class Mask(Generator):
         """The mask function, ``keep(**indices)``."""
         return self.params["mask"]
 
-    def block_map(self, names: tuple[str, ...], extent: dict, blocks: dict) -> tuple:
+    def block_map(self, names: tuple[str, ...], extent: dict, blocks: dict, then=None) -> tuple:
         """Which blocks this mask hides, cuts or keeps whole, found by evaluating its mask function on every
         index of each block (:func:`block_map`): for any mask function, where :meth:`affine` knows only affine ones.
+        ``then``: what a kernel reads of the map, run with it (:func:`block_map`).
 
         >>> from napkin_cat import axes
         >>> dilated = mask(Array(*axes("q x")), lambda q, x: (q - x) % 4 == 0)
@@ -241,7 +242,7 @@ class Mask(Generator):
         >>> kept.astype(int).tolist(), whole.astype(int).tolist()
         ([[1, 1, 1, 1], [1, 1, 1, 1]], [[0, 0, 0, 0], [0, 0, 0, 0]])
         """
-        return block_map(self.mask_function(), names, extent, blocks)
+        return block_map(self.mask_function(), names, extent, blocks, then)
 
     def lines(self, prog, ins, outs):
         name = getattr(self.params["mask"], "__name__", repr(self.params["mask"]))
@@ -264,7 +265,7 @@ FINE_BLOCK = 16
 FINE_BLOCKS = 1 << 24
 
 
-def block_map(keep: Callable, names: tuple[str, ...], extent: dict, blocks: dict) -> tuple:
+def block_map(keep: Callable, names: tuple[str, ...], extent: dict, blocks: dict, then=None) -> tuple:
     """Which blocks the mask ``keep(**indices)`` keeps something of, and which it keeps whole: two bool arrays
     with one axis per name in ``names``, ``cdiv(extent[a], blocks[a])`` blocks of ``blocks[a]`` indices along
     ``a`` (size 1 along an axis ``keep``'s value does not depend on, :func:`depends_on`, though it may name it).
@@ -274,6 +275,8 @@ def block_map(keep: Callable, names: tuple[str, ...], extent: dict, blocks: dict
     of it, kept (the last few, per mask function and sizes) and coarsened for each kernel, so the forward's and the
     backward's kernels and a second call share one evaluation. A mask function that knows its blocks
     (``keep.block_map``, as a precomputed :class:`~napkin_cat.block_masks.BlockMask`) says them instead.
+    ``then``, a hashable function of the map (``kept``, ``whole``), is applied to it in the program that coarsens
+    it: what a kernel reads of its map (:class:`lowering._blocks.OnGrid`) costs no dispatch of its own.
 
     >>> kept, whole = block_map(lambda q, x: abs(q - x) <= 2, ("q", "x"), {"q": 12, "x": 12}, {"q": 4, "x": 4})
     >>> kept.astype(int).tolist(), whole.astype(int).tolist()
@@ -281,7 +284,8 @@ def block_map(keep: Callable, names: tuple[str, ...], extent: dict, blocks: dict
     """
     form = getattr(keep, "block_map", None)
     if callable(form):
-        return form(names, extent, blocks)
+        out = form(names, extent, blocks)
+        return out if then is None else _applied(*out, then)
     try:
         hash(keep)  # the compiled evaluation is cached per mask function
     except TypeError:
@@ -300,17 +304,24 @@ def block_map(keep: Callable, names: tuple[str, ...], extent: dict, blocks: dict
     factors = tuple(blocks[a] // fine[a] for a in read)
     order = tuple(sorted(range(len(read)), key=lambda i: names.index(read[i])))
     shape = tuple(-(-extent[a] // blocks[a]) if a in read else 1 for a in names)
-    return _coarse(kept, whole, factors, order, shape)
+    return _coarse(kept, whole, factors, order, shape, then)
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4))
-def _coarse(kept, whole, factors: tuple, order: tuple, shape: tuple) -> tuple:
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
+def _coarse(kept, whole, factors: tuple, order: tuple, shape: tuple, then=None) -> tuple:
     """A fine map coarsened by ``factors`` (padded blocks keep nothing and keep it whole), its axes put in the
-    caller's ``order`` and unit axes inserted (``shape``): one dispatch."""
+    caller's ``order`` and unit axes inserted (``shape``), then ``then`` applied to it where given: one dispatch."""
     for i, factor in enumerate(factors):
         if factor > 1:
             kept, whole = _coarsened(kept, i, factor, False), _coarsened(whole, i, factor, True)
-    return tuple(jnp.transpose(v, order).reshape(shape) for v in (kept, whole))
+    out = tuple(jnp.transpose(v, order).reshape(shape) for v in (kept, whole))
+    return out if then is None else then(*out)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _applied(kept, whole, then):
+    """``then`` of a map a mask function said itself: one dispatch."""
+    return then(kept, whole)
 
 
 def depends_on(keep: Callable, names: tuple[str, ...]) -> frozenset:

@@ -29,8 +29,8 @@ def timed(mod, name):
         return out
     setattr(mod, name, g)
 
-STAGES = ((I, "_evaluated"), (I, "_coarse"), (B, "_on_grid"), (B, "map_bounds"), (B, "holed"), (B, "chunk_lists"),
-          (B, "mapped_map"), (B, "call_blocks"))
+STAGES = ((I, "_evaluated"), (I, "_coarse"), (B, "mapped_blocks"),
+          (B, "call_blocks"))
 for mod, name in STAGES:
     timed(mod, name)
 sizes = {"b": b, "h": h, "q_idx": n, "kv_idx": n, "d": d, "dv": d}
