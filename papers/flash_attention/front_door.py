@@ -31,7 +31,8 @@ causal kernels are timed beside (GPU only), TFLOP/s on all and on the causal pai
 Dropout inside the kernel: causal attention with ``dropout_rate=0.1`` timed beside the same kernel without
 dropout, on Mosaic GPU and on Triton (issue 29's target: forward + backward ≥ 0.85× without), checked first
 against a reference that uses the kernel's hash (:func:`napkin_cat.generators.keep_bits`, the only napkin-cat code
-it calls) and jnp for the rest.
+it calls) and jnp for the rest; on a GPU, cuDNN's causal kernel with and without its own dropout beside (what
+dropout costs a hand-written kernel).
 
     python papers/flash_attention/front_door.py [--out DIR] [--window 1024] [--seq 8192] [--quick | --smoke]
         [--only window|sparse|partial|dropout|relbias]
@@ -383,7 +384,40 @@ def dropout_rows(q, k, v, ct, quick: bool = False) -> dict:
               flush=True)
         res["rows"] += [plain, dropped]
         res["ratios"][backend] = ratios
+    if jax.default_backend() == "gpu":
+        res["rows"] += cudnn_dropout_rows(q, k, v, ct, flops, timing)
+        res["ratios"]["cudnn"] = {s: res["rows"][-1][s]["tflops"] / res["rows"][-2][s]["tflops"] for s in ("fwd",
+                                                                                                       "fwdbwd")}
+        print("cudnn: dropout ÷ without: " + ", ".join(f"{s} {r:.2f}×" for s, r in res["ratios"]["cudnn"].items()),
+              flush=True)
     return res
+
+
+def cudnn_dropout_rows(q, k, v, ct, flops: int, timing) -> list:
+    """cuDNN's causal kernel without and with its own dropout (JAX's cuDNN fused attention, ``dropout_rate``): what
+    dropout costs the hand-written kernel, beside what it costs napkin-cat's. Its mask is cuDNN's own Philox stream,
+    so each row records only how far its output moves from the dense one: by bf16 rounding without dropout, by far
+    more with it (a mask was applied)."""
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType
+    from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attention
+
+    scale = 1 / q.shape[-1] ** 0.5
+    rows = []
+    for rate in (0.0, DROPOUT):
+        def f(q, k, v, rate=rate):
+            return cudnn_attention(q, k, v, scale=scale, mask_type=MaskType.CAUSAL, dropout_rate=rate,
+                                   seed=DROPOUT_KEY)
+
+        fwd, grad = jax.jit(f), jax.jit(lambda q, k, v, ct, f=f: jax.vjp(f, q, k, v)[1](ct))
+        moved = rel(fwd(q, k, v)[:1], dropout_reference(0.0, 0)(q[:1], k[:1], v[:1]))
+        row = {"impl": f"cudnn {'dropout ' + format(rate, 'g') if rate else 'causal'}", "moved_from_dense": moved}
+        for section, fn, args, factor in (("fwd", fwd, (q, k, v), 1), ("fwdbwd", grad, (q, k, v, ct), FWD_BWD_FACTOR)):
+            t = time_calls(fn, *args, reps=timing[0], batches=timing[1], warmup=timing[2])
+            row[section] = {"ms": t.ms, "tflops": factor * flops / t.seconds / 1e12, "clock": t.method}
+        print(f"{row['impl']:14s} fwd {row['fwd']['tflops']:6.1f}  fwd+bwd {row['fwdbwd']['tflops']:6.1f} TFLOP/s  "
+              f"moved from dense {moved:.1e}", flush=True)
+        rows.append(row)
+    return rows
 
 
 def implementations(window, w: int, gpu: bool) -> dict:
