@@ -87,6 +87,8 @@ VARIANTS = {
     "paged_chunk128": ({"chunk": 2 * PAGE}, True),
     "napkin_tile64": ({"tile": 64}, False),
     "napkin_tile256": ({"tile": 256}, False),
+    "napkin_mosaic": ({"backend": "mosaic"}, False),
+    "napkin_mosaic_tile64": ({"backend": "mosaic", "tile": 64}, False),
 }
 
 
@@ -107,7 +109,7 @@ def rows(quick: bool) -> list[dict]:
         return {"name": f"{what}-b{b}-s{size}", "B": b, "S": s, "Nq": nq, "impls": impls}
 
     sweep = ("napkin", "napkin_parts2x", "paged", "paged_chunk128")
-    tiles = ("napkin", "napkin_tile64", "napkin_tile256")
+    tiles = ("napkin", "napkin_tile64", "napkin_tile256", "napkin_mosaic", "napkin_mosaic_tile64")
     return [
         row("nq1", 1, s32), row("nq64", 1, s32, 64, ("napkin", "paged", "cudnn")),
         row("nq1", 1, s128), row("nq64", 1, s128, 64, ("napkin", "paged")),
@@ -181,7 +183,12 @@ def plans(q, k, v, lengths, table, impls, hw) -> dict:
             continue
         kw, paged = options(impl, default)
         pools = table is not None and paged
-        plan = decode_plan(q, *(table[:2] if pools else (k, v)), lengths, page_table=table[2] if pools else None, **kw)
+        try:  # a variant the backend refuses (NotLowerable) is its row's error; the run goes on
+            plan = decode_plan(q, *(table[:2] if pools else (k, v)), lengths, page_table=table[2] if pools else None,
+                               **kw)  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - recorded and reported as measure() records a baseline's
+            out[impl] = (kw, paged, {"refused": f"{type(e).__name__}: {str(e)[:300]}"})
+            continue
         summary = plan.summary()
         cost = decode_cost(batch=b, queries=nq, heads=h, kv_heads=h_kv, dim=d, lengths=[s] * b, parts=plan.parts,
                            chunk=summary["chunk"], row_tiles=summary["row_tiles"], hardware=hw,
@@ -201,8 +208,10 @@ def implementations(q, k, v, impls, gpu: bool, seed: int = 0) -> tuple[dict, dic
     hw = for_device(device_info()["kind"]) or lookup("H100")  # the GPU's model; H100 where there is none
     planned = plans(q, k, v, lengths, table, impls, hw)
     out = {}
-    for impl, (kw, paged, _) in planned.items():
-        if paged:
+    for impl, (kw, paged, summary) in planned.items():
+        if "refused" in summary:
+            out[impl] = (functools.partial(_refused, summary["refused"]), ())
+        elif paged:
             fn = jax.jit(lambda q, k, v, t, n, kw=kw: nc.decode_attention(q, k, v, n, page_table=t, **kw))
             out[impl] = (fn, (q, *table, lengths))
         else:
@@ -217,6 +226,11 @@ def implementations(q, k, v, impls, gpu: bool, seed: int = 0) -> tuple[dict, dic
     if "copy" in impls:
         out["copy"] = (jax.jit(lambda k, v: (jnp.copy(k), jnp.copy(v))), (k, v))
     return out, {impl: summary for impl, (_, _, summary) in planned.items()}
+
+
+def _refused(why: str):
+    """A variant whose plan was refused: measured, it records the refusal as its row's error."""
+    raise RuntimeError(why)
 
 
 def rel(a, b) -> float:
