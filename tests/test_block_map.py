@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 import napkin_cat as nc
 import napkin_cat.block_masks as block_masks
 from lowering import lower
-from lowering._blocks import map_bounds
+from lowering._blocks import OnGrid, map_bounds
 from lowering.mosaic import _kernel
 from napkin_cat.errors import EvaluationError
 from rewrites import derive, stream, tile
@@ -125,6 +125,33 @@ def test_block_map_matches_a_count(name, nq, nk, g, c):
     bounds = np.asarray(map_bounds(jnp.asarray(want[0]), jnp.asarray(want[1])))
     assert (bounds[:, 3] - bounds[:, 0]).sum() == runs(*want)[0]
     assert (bounds[:, 2] - bounds[:, 1]).sum() == runs(*want)[1]
+
+
+@settings(max_examples=6, deadline=None)
+@given(
+    name=st.sampled_from(sorted(MASKS)),
+    nq=st.integers(1, 90),
+    nk=st.integers(1, 90),
+    g=st.sampled_from([16, 32]),
+    c=st.sampled_from([16, 32]),
+)
+def test_what_a_kernel_reads_of_its_map_comes_with_it(name, nq, nk, g, c):
+    """The map's broadcast, bounds, holes and chunk lists, computed in the program that coarsens it
+    (``OnGrid`` passed as ``then``), against the map counted by a loop and lists and holes read off it here."""
+    box = next(b for b in nc.library.attention(q, x, d, mask=MASKS[name]).boxes if isinstance(b, nc.generators.Mask))
+    grid = (-(-nq // g), -(-nk // c))
+    got = box.block_map(("q", "x"), {"q": nq, "x": nk}, {"q": g, "x": c}, OnGrid(grid))
+    kept, whole = brute(MASKS[name], nq, nk, g, c)
+    assert (np.asarray(got.kept) == kept).all() and (np.asarray(got.whole) == whole).all()
+    bounds = np.asarray(got.bounds)
+    visited, unmasked = runs(kept, whole)
+    assert (bounds[:, 3] - bounds[:, 0]).sum() == visited and (bounds[:, 2] - bounds[:, 1]).sum() == unmasked
+    # holes: the four bounds visit a chunk that keeps nothing, or run masked a chunk kept whole
+    assert bool(got.holes) == (visited > kept.sum() or unmasked < (kept & whole).sum())
+    lists = np.asarray(got.lists)
+    for t in range(grid[0]):
+        cut, full = (sorted(lists[t, i][lists[t, i] < grid[1]].tolist()) for i in (0, 1))
+        assert cut == np.flatnonzero(kept[t] & ~whole[t]).tolist() and full == np.flatnonzero(whole[t]).tolist()
 
 
 @settings(max_examples=2, deadline=None, phases=[Phase.explicit, Phase.generate])  # kernels compiled per example
