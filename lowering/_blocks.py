@@ -513,6 +513,7 @@ def mapped_blocks(p: Plan, m: Mapped, extent: dict) -> MapBlocks:
     with jax.ensure_compile_time_eval():
         out = MapBlocks(*m.box.block_map(names, sizes, blocks, OnGrid(grid)))
     if key is not None and not any(isinstance(v, jax.core.Tracer) for v in out):
+        out = out._replace(holes=bool(out.holes))  # read once: a kernel of the same map asks without a transfer
         _MAPS[key] = out
         while len(_MAPS) > 16:
             _MAPS.popitem(last=False)
