@@ -146,6 +146,33 @@ class KeyLength:
 KEY_LENGTH = KeyLength()
 
 
+@dataclass(frozen=True)
+class KeyLimit:
+    """:class:`KeyLength` with ``n + t`` added before the kernel: score ``s`` where the key's position ``pos`` is
+    below its row's ``limit`` (a part's rows, one int32 per row), else −∞. What the Mosaic backend runs: its
+    layout inference finds no layout for the per-program length ``n`` or for arithmetic on the rows' int32
+    offsets ``t`` beside the scores (docs/decode.md), and a comparison of the two vectors needs neither. It says no
+    length labels, so a kernel visits every chunk of its part.
+
+    >>> KEY_LIMIT(jnp.zeros(4), jnp.arange(4), jnp.int32(2)).tolist()
+    [0.0, 0.0, -inf, -inf]
+    """
+
+    name: str = "key_limit"
+    passes_base: ClassVar[bool] = True
+    score: ClassVar[bool] = False
+
+    def __call__(self, s, pos, limit):
+        return jnp.where(pos < limit, s, -jnp.inf)
+
+    @property
+    def __name__(self):
+        return self.name
+
+
+KEY_LIMIT = KeyLimit()
+
+
 def length_wires(b, q, x, p=None) -> tuple[Array, Array, Array]:
     """The inputs :class:`KeyLength` reads: the keys' positions ``[x]`` (a part's), the lengths ``[b]`` and the rows'
     offsets ``[q]``, or ``[p, q]`` with a part axis ``p`` (the part's first key taken off: the lengths are then the
@@ -189,6 +216,12 @@ class Plan:
         """The kernel's rows per KV head: the new tokens times the query heads sharing it."""
         return self.queries * self.group
 
+    @property
+    def limits(self) -> bool:
+        """Whether the kernel reads each row's key limit (:class:`KeyLimit`) instead of the lengths and offsets
+        (:class:`KeyLength`): on Mosaic, for a contiguous cache (MLA and paged caches run on Triton or XLA)."""
+        return self.backend == "mosaic" and not self.rope and self.pages is None
+
     def blocks(self) -> tuple[int, int]:
         """Rows per tile (:func:`row_tile`, or the plan's ``tile``) and keys per streamed chunk: a power of two ≥ 16
         (every 16-bit dot's K), at most 64 (and at most :func:`chunk_keys`, so wide heads' chunks fit shared
@@ -229,6 +262,8 @@ class Plan:
             e = dv if self.dims[1] != self.dims[0] else d
             diagram = decode_diagram(b, p, h, q, x, d, e, self.scale, DTYPES[self.dtype], **mods)
         rows, chunk = self.blocks()
+        if self.limits:
+            diagram = decode_diagram(b, p, h, q, x, d, e, self.scale, DTYPES[self.dtype], **mods, limits=True)
         derivation = derive(diagram, tile(q, rows), stream(x, chunk))
         # MLA's 64 rows × 512 latent dims: an f32 accumulator two warpgroups hold (FlashMLA's split), two stages;
         # a tile past Triton's 128 rows: 16 rows a warp, as its 64- and 128-row tiles have
@@ -239,14 +274,15 @@ class Plan:
         return lower(with_lse(derivation.diagram, x.name), self.backend, self.interpret, config, hardware=self.hardware)
 
 
-def decode_diagram(b, p, h, q, x, d, e, scale, dtype, score_mod=None, mask=None) -> Diagram:
+def decode_diagram(b, p, h, q, x, d, e, scale, dtype, score_mod=None, mask=None, limits: bool = False) -> Diagram:
     """A part's attention, the caches laid out as the caller's are (``[b, seq, h, dim]``), the rows of a KV head
     after it: ``Q[b, h, q, d] ⊗ K[b, p, x, h, d] ⊗ V[b, p, x, h, e] ⊗ pos ⊗ n ⊗ t → O[b, p, h, q, e]``: scores
     ``scale·Q·Kᵀ`` (``1/√d`` by default), then ``score_mod``, ``mask`` and the valid keys (:class:`KeyLength` on
     :func:`length_wires`), softmax, contracted with ``V``. The queries have no part axis ``p``: every part's program
     reads them where they lie, not a copy per part; ``[b, h, q, d]`` is the caller's ``[B, 1, H, D]`` for one new
     token (a reshape). A paged cache's keys and values are read through a table whose rows follow ``(b, p)``
-    (:meth:`Plan.page_map`). With ``p`` None the keys are one part.
+    (:meth:`Plan.page_map`). With ``p`` None the keys are one part. With ``limits`` the valid keys are read from
+    the positions and each row's limit ``[b, p, q]`` (:class:`KeyLimit`, Mosaic's form) instead of ``pos ⊗ n ⊗ t``.
 
     >>> b, p, h, q, x, d = axes("b p h q x d")
     >>> print(decode_diagram(b, p, h, q, x, d, d, None, f32).dom)
@@ -258,19 +294,21 @@ def decode_diagram(b, p, h, q, x, d, e, scale, dtype, score_mod=None, mask=None)
     scale = d.size**-0.5 if scale is None else scale  # a symbolic size stays symbolic
     scores = contract(f"{n(b, h, q, d)}, {n(*kv, x, h, d)} -> {n(*S.axes)}", *kv, h, q, x, d, scale=scale, dtype=dtype,
                       out_dtype=f32)  # fmt: skip
-    rest = Ty(*length_wires(b, q, x, p))
+    wires = length_wires(b, q, x, p)
+    rest = Ty(wires[0], Array(*kv, q, dtype="i32")) if limits else Ty(*wires)
     out = (scores @ identity(Ty(V)) @ identity(rest)) >> (identity(Ty(S)) @ swap(Ty(V), rest))  # S rest V
     later = identity(rest @ Ty(V))
     out = out if score_mod is None else out >> (index_score_mod(S, score_mod) @ later)
     out = out if mask is None else out >> (index_mask(S, mask) @ later)
-    return _attend(out, S, V, rest, out_wire, x, dtype)
+    return _attend(out, S, V, rest, out_wire, x, dtype, KEY_LIMIT if limits else KEY_LENGTH)
 
 
-def _attend(scored: Diagram, S: Array, V: Array, rest: Ty, out: Array, x, dtype) -> Diagram:
-    """``scored`` (giving the scores ``S``, the length wires ``rest`` and ``V``) then the valid keys
-    (:class:`KEY_LENGTH`), softmax over ``x`` and the contraction with ``V`` into ``out``: the tail
-    :func:`decode_diagram` and :func:`mla_attention` share."""
-    masked = scored >> (elementwise(KEY_LENGTH, S, *rest.inside, out=S) @ identity(Ty(V)))
+def _attend(scored: Diagram, S: Array, V: Array, rest: Ty, out: Array, x, dtype, valid=None) -> Diagram:
+    """``scored`` (giving the scores ``S``, the length wires ``rest`` and ``V``) then the valid keys (``valid``:
+    :class:`KEY_LENGTH` by default, or :class:`KEY_LIMIT`), softmax over ``x`` and the contraction with ``V`` into
+    ``out``: the tail :func:`decode_diagram` and :func:`mla_attention` share."""
+    valid = KEY_LENGTH if valid is None else valid
+    masked = scored >> (elementwise(valid, S, *rest.inside, out=S) @ identity(Ty(V)))
     spec = f"{' '.join(S.names)}, {' '.join(V.names)} -> {' '.join(out.names)}"
     axes_ = dict.fromkeys(a for w in (S, V, out) for a in w.axes)
     return masked >> (softmax(S, x) @ identity(Ty(V))) >> contract(spec, *axes_, dtype=(f32, dtype), out_dtype=dtype)
@@ -442,7 +480,10 @@ def _lengths(lengths, plan: Plan) -> tuple:
     or paged."""
     n, c = plan.parts, plan.chunk
     tail = np.arange(plan.rows, dtype=np.int32) // plan.group - (plan.queries - 1)
-    return np.arange(c, dtype=np.int32), lengths.astype(jnp.int32), tail - c * np.arange(n, dtype=np.int32)[:, None]
+    pos, offsets = np.arange(c, dtype=np.int32), tail - c * np.arange(n, dtype=np.int32)[:, None]
+    if plan.limits:  # KeyLimit: n + t per (sequence, part, row), added here
+        return pos, lengths.astype(jnp.int32)[:, None, None] + offsets
+    return pos, lengths.astype(jnp.int32), offsets
 
 
 def _inference(kernel) -> Callable:
@@ -566,8 +607,13 @@ def _contiguous(q, k_cache, v_cache, scale, fns, parts, backend, interpret, hard
     if not isinstance(n, int) or not 1 <= n <= keys:
         raise EvaluationError(f"decode_attention: parts must be an integer in [1, S] = [1, {keys}], got {n!r}")
     r = 0 if rope is None else rope[1].shape[-1]
-    plan = Plan(jnp.dtype(q.dtype).name, nq, heads // kv_heads, (dim, dv), n, math.ceil(keys / n), scale, *fns,
-                backend, interpret, rope=r, tile=tile, hardware=hw)  # fmt: skip
+    per = math.ceil(keys / n)
+    if backend == "mosaic" and rope is None:  # Mosaic streams whole chunks: parts of whole chunks (the last padded)
+        c = chunk_keys((dim, dv))
+        per = -(-per // c) * c
+        n = math.ceil(keys / per)
+    plan = Plan(jnp.dtype(q.dtype).name, nq, heads // kv_heads, (dim, dv), n, per, scale, *fns, backend, interpret,
+                rope=r, tile=tile, hardware=hw)  # fmt: skip
     _kernel(plan)  # built (derived, verified, lowered) here, outside any trace of the caller's
     return plan
 

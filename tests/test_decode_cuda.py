@@ -49,6 +49,21 @@ def test_decode_lowers_for_a_named_gpu_here(abstract_hopper, nq, tile, warps):
     assert len(abstract_hopper) == 2 and f"num_warps = {warps} : i32" in text  # the split kernel, the merge
 
 
+def test_decode_lowers_on_mosaic_for_a_named_gpu_here(abstract_hopper):
+    """``backend="mosaic"`` at ``Nq`` = 64 (256 rows of a KV head, tiles of 128 over two consumer warpgroups) lowers
+    for CUDA: its valid keys read as one limit per row (``KeyLimit``), which Mosaic GPU's layout inference takes,
+    where ``KeyLength``'s per-program length and row offsets it refused (docs/decode.md)."""
+    q = jax.ShapeDtypeStruct((1, 64, 32, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.bfloat16)
+    lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
+
+    def step(q, k, v, n):
+        return nc.decode_attention(q, k, v, n, interpret=False, hardware="H100", backend="mosaic")
+
+    text = jax.jit(step).trace(q, kv, kv, lengths).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and len(abstract_hopper) == 1  # the split kernel on Mosaic, the merge on Triton
+
+
 def launches(text: str) -> list[str]:
     """The ops of a program lowered for CUDA (StableHLO) that launch a kernel or move data: the Pallas kernels (custom
     calls) and any other op on arrays but a reshape, a constant, a pad of nothing or a transpose moving only axes of
