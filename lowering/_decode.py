@@ -536,6 +536,12 @@ def decode_attention(
     as it streams (:mod:`lowering._paged`), ``chunk`` keys (whole pages) at a time. ``score_mod`` and ``mask_mod``
     are for contiguous caches.
 
+    ``backend`` is ``"auto"`` (Triton on a GPU), ``"triton"``, ``"xla"`` or ``"mosaic"``. ``"mosaic"`` takes a
+    contiguous cache and a KV head's rows in tiles of wgmma's 64 rows or more, so ``Nq · H / H_kv`` ≥ 64. It reads
+    the valid keys as one limit per row (:class:`KeyLimit`), visits every chunk of a part, and splits the keys
+    into parts of whole chunks, so it may run fewer parts than ``parts`` asks (``decode_plan(...).summary()``
+    says how many).
+
     >>> import jax, jax.numpy as jnp
     >>> q, k, v = (jax.random.normal(jax.random.key(i), (1, n, 4, 16)) for i, n in ((0, 2), (1, 24), (2, 24)))
     >>> out, lse = decode_attention(q, k, v, jnp.array([10]), parts=3, return_residual=True)

@@ -311,14 +311,19 @@ GPU_RTOL = 2**-7
 @pytest.mark.gpu
 def test_compiled_decode_and_mla_match_the_reference_on_a_gpu(seed):
     """The split kernel and the merge compiled, at the shapes the benchmark times (smaller caches): grouped-query
-    heads (32 over 8, D = 128, 16 parts' merge) and absorbed MLA (128 heads of 512 latent + 64 rotary dims, one KV
-    head: the merge in column blocks), bf16, against the references written here in f32."""
+    heads (32 over 8, D = 128, 16 parts' merge; 64 new tokens on Mosaic) and absorbed MLA (128 heads of 512
+    latent + 64 rotary dims, one KV head: the merge in column blocks), bf16, against the references written here
+    in f32."""
     r = np.random.default_rng(seed)
     lengths = jnp.array([4096, 1500])
     q, k, v = (jnp.asarray(r.standard_normal(s, np.float32)).astype(jnp.bfloat16)
                for s in ((2, 1, 32, 128), (2, 4096, 8, 128), (2, 4096, 8, 128)))  # fmt: skip
     want = reference(q, k, v, lengths)
     err = rel_err(nc.decode_attention(q, k, v, lengths), want)
+    assert err <= GPU_RTOL, (seed, err)
+    q = jnp.asarray(r.standard_normal((2, 64, 32, 128), np.float32)).astype(jnp.bfloat16)  # Nq = 64 on Mosaic
+    want = reference(q, k, v, lengths)
+    err = rel_err(nc.decode_attention(q, k, v, lengths, backend="mosaic"), want)
     assert err <= GPU_RTOL, (seed, err)
     q = jnp.asarray(r.standard_normal((2, 1, 128, 576), np.float32)).astype(jnp.bfloat16)
     latent, rope = (jnp.asarray(r.standard_normal((2, 2048, n), np.float32)).astype(jnp.bfloat16) for n in (512, 64))

@@ -111,7 +111,7 @@ def rows(quick: bool) -> list[dict]:
     sweep = ("napkin", "napkin_parts2x", "paged", "paged_chunk128")
     tiles = ("napkin", "napkin_tile64", "napkin_tile256", "napkin_mosaic", "napkin_mosaic_tile64")
     return [
-        row("nq1", 1, s32), row("nq64", 1, s32, 64, ("napkin", "paged", "cudnn")),
+        row("nq1", 1, s32), row("nq64", 1, s32, 64, ("napkin", "napkin_mosaic", "paged", "cudnn")),
         row("nq1", 1, s128), row("nq64", 1, s128, 64, ("napkin", "paged")),
         row("nq1", b16, s32), row("nq1", b64, s4), row("nq1", b64, s32),
         {**row("mla", 1, s32, impls=("mla", "mla_paged", "copy")), "mla": True},
