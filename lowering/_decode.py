@@ -260,10 +260,8 @@ class Plan:
             diagram = mla_attention(b, h, q, x, d, r, self.scale, DTYPES[self.dtype], p)
         else:
             e = dv if self.dims[1] != self.dims[0] else d
-            diagram = decode_diagram(b, p, h, q, x, d, e, self.scale, DTYPES[self.dtype], **mods)
+            diagram = decode_diagram(b, p, h, q, x, d, e, self.scale, DTYPES[self.dtype], **mods, limits=self.limits)
         rows, chunk = self.blocks()
-        if self.limits:
-            diagram = decode_diagram(b, p, h, q, x, d, e, self.scale, DTYPES[self.dtype], **mods, limits=True)
         derivation = derive(diagram, tile(q, rows), stream(x, chunk))
         # MLA's 64 rows × 512 latent dims: an f32 accumulator two warpgroups hold (FlashMLA's split), two stages;
         # a tile past Triton's 128 rows: 16 rows a warp, as its 64- and 128-row tiles have
