@@ -301,11 +301,10 @@ def decode_diagram(b, p, h, q, x, d, e, scale, dtype, score_mod=None, mask=None,
     return _attend(out, S, V, rest, out_wire, x, dtype, KEY_LIMIT if limits else KEY_LENGTH)
 
 
-def _attend(scored: Diagram, S: Array, V: Array, rest: Ty, out: Array, x, dtype, valid=None) -> Diagram:
+def _attend(scored: Diagram, S: Array, V: Array, rest: Ty, out: Array, x, dtype, valid=KEY_LENGTH) -> Diagram:
     """``scored`` (giving the scores ``S``, the length wires ``rest`` and ``V``) then the valid keys (``valid``:
-    :class:`KEY_LENGTH` by default, or :class:`KEY_LIMIT`), softmax over ``x`` and the contraction with ``V`` into
-    ``out``: the tail :func:`decode_diagram` and :func:`mla_attention` share."""
-    valid = KEY_LENGTH if valid is None else valid
+    :class:`KEY_LENGTH`, or :class:`KEY_LIMIT`), softmax over ``x`` and the contraction with ``V`` into ``out``: the
+    tail :func:`decode_diagram` and :func:`mla_attention` share."""
     masked = scored >> (elementwise(valid, S, *rest.inside, out=S) @ identity(Ty(V)))
     spec = f"{' '.join(S.names)}, {' '.join(V.names)} -> {' '.join(out.names)}"
     axes_ = dict.fromkeys(a for w in (S, V, out) for a in w.axes)

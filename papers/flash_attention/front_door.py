@@ -408,12 +408,10 @@ def cudnn_dropout_rows(q, k, v, ct, flops: int, timing) -> list:
             return cudnn_attention(q, k, v, scale=scale, mask_type=MaskType.CAUSAL, dropout_rate=rate,
                                    seed=DROPOUT_KEY)
 
-        fwd, grad = jax.jit(f), jax.jit(lambda q, k, v, ct, f=f: jax.vjp(f, q, k, v)[1](ct))
+        fwd, grad = jitted(f)
         moved = rel(fwd(q, k, v)[:1], dropout_reference(0.0, 0)(q[:1], k[:1], v[:1]))
         row = {"impl": f"cudnn {'dropout ' + format(rate, 'g') if rate else 'causal'}", "moved_from_dense": moved}
-        for section, fn, args, factor in (("fwd", fwd, (q, k, v), 1), ("fwdbwd", grad, (q, k, v, ct), FWD_BWD_FACTOR)):
-            t = time_calls(fn, *args, reps=timing[0], batches=timing[1], warmup=timing[2])
-            row[section] = {"ms": t.ms, "tflops": factor * flops / t.seconds / 1e12, "clock": t.method}
+        row |= timed(fwd, grad, q, k, v, ct, flops, timing)
         print(f"{row['impl']:14s} fwd {row['fwd']['tflops']:6.1f}  fwd+bwd {row['fwdbwd']['tflops']:6.1f} TFLOP/s  "
               f"moved from dense {moved:.1e}", flush=True)
         rows.append(row)
@@ -433,18 +431,30 @@ def rel(a, b) -> float:
     return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)) / jnp.max(jnp.abs(b)))
 
 
+def jitted(f) -> tuple:
+    """``f(q, k, v)`` and its forward + backward ``(q, k, v, ct) → (dq, dk, dv)``, each compiled."""
+    return jax.jit(f), jax.jit(lambda q, k, v, ct: jax.vjp(f, q, k, v)[1](ct))
+
+
+def timed(fwd, grad, q, k, v, ct, flops, timing) -> dict:
+    """Forward and forward + backward timed (``timing``: calls per batch, batches, warm-up calls): ms and TFLOP/s
+    of ``flops`` (the forward's; the backward's counted as ``FWD_BWD_FACTOR`` times it)."""
+    out = {}
+    for section, fn, args, factor in (("fwd", fwd, (q, k, v), 1), ("fwdbwd", grad, (q, k, v, ct), FWD_BWD_FACTOR)):
+        t = time_calls(fn, *args, reps=timing[0], batches=timing[1], warmup=timing[2])
+        out[section] = {"ms": t.ms, "tflops": factor * flops / t.seconds / 1e12, "clock": t.method}
+    return out
+
+
 def measure(name, f, q, k, v, ct, ref, flops, timing=(10, 7, 2)) -> dict:
     """Check ``f`` and its gradients against ``ref`` (f32, on one batch element), then time forward and forward +
     backward (``timing``: calls per batch, batches, warm-up calls), TFLOP/s of ``flops`` (the forward's)."""
-    fwd = jax.jit(f)
-    grad = jax.jit(lambda q, k, v, ct: jax.vjp(f, q, k, v)[1](ct))
+    fwd, grad = jitted(f)
     want, pull = jax.vjp(ref, *(a[:1] for a in (q, k, v)))
     errors = [rel(fwd(q, k, v)[:1], want)]
     errors += [rel(g[:1], r) for g, r in zip(grad(q, k, v, ct), pull(ct[:1].astype(jnp.float32)), strict=True)]
     row = {"impl": name, "max_rel_error": max(errors), "ok": max(errors) <= TOLERANCE}
-    for section, fn, args, factor in (("fwd", fwd, (q, k, v), 1), ("fwdbwd", grad, (q, k, v, ct), FWD_BWD_FACTOR)):
-        t = time_calls(fn, *args, reps=timing[0], batches=timing[1], warmup=timing[2])
-        row[section] = {"ms": t.ms, "tflops": factor * flops / t.seconds / 1e12, "clock": t.method}
+    row |= timed(fwd, grad, q, k, v, ct, flops, timing)
     print(f"{name:14s} fwd {row['fwd']['tflops']:6.1f}  fwd+bwd {row['fwdbwd']['tflops']:6.1f} TFLOP/s  "
           f"err {row['max_rel_error']:.1e} ({row['fwd']['clock']})", flush=True)
     return row
