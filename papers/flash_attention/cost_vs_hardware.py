@@ -31,13 +31,9 @@ adds the predictions and writes the ``.md`` and ``.png`` beside it.
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import json
 import math
 import os
-import signal
-import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -148,37 +144,21 @@ def worker(names: str):
 def _profile(names: list[str], metrics: tuple, timeout: float) -> tuple[dict, str]:
     """One ncu process profiling every launch of ``names`` (in one worker): the second launch's metrics per
     kernel, and ncu's output tail where something went wrong."""
-    cmd = ["ncu", "--clock-control", "none", "--metrics", ",".join(metrics), "--print-units", "base", "--csv"]
-    cmd += ["-k", "regex:napkin_kernel"]
+    from papers.flash_attention.timing import ncu_launches
+
+    argv = [sys.executable, "-m", "papers.flash_attention.cost_vs_hardware", "--worker", ",".join(names)]
     if len(names) == 1:  # one kernel: profile its second launch only (replaying every launch is slower)
-        cmd += ["--launch-skip", "1", "--launch-count", "1"]
-    cmd += [sys.executable, "-m", "papers.flash_attention.cost_vs_hardware", "--worker", ",".join(names)]
-    # its own session, so a timeout ends the profiled python too: left running, it keeps the GPU's memory and
-    # the next kernel's process finds no device
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        return {}, f"ncu did not finish within {timeout:.0f} s"
-    out = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-    launches = [line[len(LAUNCHED) :] for line in out.stdout.splitlines() if line.startswith(LAUNCHED)]
-    rows = [line for line in out.stdout.splitlines() if line.startswith('"')]
-    by_id: dict = {}
-    for row in csv.DictReader(io.StringIO("\n".join(rows))):
-        try:  # base units: bytes, ns, registers, blocks
-            by_id.setdefault(int(row["ID"]), {})[row["Metric Name"]] = float(row["Metric Value"].replace(",", ""))
-        except (KeyError, ValueError):
-            continue
-    tail = out.stdout[-1500:] + out.stderr[-1500:]
-    if len(names) == 1 and len(by_id) == 1:
+        argv = ["--launch-skip", "1", "--launch-count", "1", *argv]
+    rows, out = ncu_launches(argv, metrics, "napkin_kernel", timeout)
+    launches = [line[len(LAUNCHED) :] for line in out.splitlines() if line.startswith(LAUNCHED)]
+    tail = out[-3000:]
+    if len(names) == 1 and len(rows) == 1:
         launches = names
-    elif len(by_id) != len(launches):  # a launch without its profile (or one more): the order cannot be trusted
-        return {}, f"{len(by_id)} profiles for {len(launches)} launches\n{tail}"
+    elif len(rows) != len(launches):  # a launch without its profile (or one more): the order cannot be trusted
+        return {}, f"{len(rows)} profiles for {len(launches)} launches\n{tail}"
     results: dict = {}
-    for name, values in zip(launches, (by_id[i] for i in sorted(by_id)), strict=True):
-        results[name] = values  # the second launch overwrites the first
+    for name, row in zip(launches, rows, strict=True):
+        results[name] = {k: v for k, v in row.items() if k not in ("id", "kernel")}  # the second launch overwrites
     missing = {n: sorted(set(METRICS) - set(v)) for n, v in results.items() if not set(METRICS) <= set(v)}
     return {n: v for n, v in results.items() if n not in missing}, tail if missing or not results else ""
 

@@ -3,7 +3,7 @@ tile search use it too), under the name every script under ``papers/`` imports; 
 benchmarks (``rms_norm_linear.py``, ``linear_cross_entropy.py``, ``fp8.py``, ``head_dims.py``) share: timing each
 pass of an implementation (:func:`measure_passes`), the rows loop that records a failure as a result
 (:func:`run_rows`), the results file rewritten after every row (:func:`write_rows`) and its bar chart
-(:func:`bar_plot`, :func:`save_figure`).
+(:func:`bar_plot`, :func:`save_figure`); and ncu's counters per kernel launch (:func:`ncu_launches`).
 
 >>> import jax.numpy as jnp
 >>> time_calls(jnp.sin, jnp.ones(4), reps=2, batches=2, method="wall").method
@@ -12,7 +12,12 @@ pass of an implementation (:func:`measure_passes`), the rows loop that records a
 
 from __future__ import annotations
 
+import csv
+import io
 import json
+import os
+import signal
+import subprocess
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -196,3 +201,41 @@ def save_figure(fig, path: Path, dpi: int = 110) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
+
+
+def ncu_rows(stdout: str) -> list[dict]:
+    r"""ncu's ``--csv --print-units base`` output as one dict per profiled launch, in launch order: ``id``,
+    ``kernel`` and each metric's value (bytes, ns).
+
+    >>> out = '==PROF== Connected\n"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
+    >>> out += '"0","napkin_kernel","dram__bytes_read.sum","byte","1,024"\n'
+    >>> out += '"0","napkin_kernel","gpu__time_duration.sum","ns","35"'
+    >>> ncu_rows(out)
+    [{'id': 0, 'kernel': 'napkin_kernel', 'dram__bytes_read.sum': 1024.0, 'gpu__time_duration.sum': 35.0}]
+    """
+    lines = [line for line in stdout.splitlines() if line.startswith('"')]
+    by_id: dict = {}
+    for row in csv.DictReader(io.StringIO("\n".join(lines))):
+        try:
+            at = by_id.setdefault(int(row["ID"]), {"id": int(row["ID"]), "kernel": row.get("Kernel Name", "")})
+            at[row["Metric Name"]] = float(row["Metric Value"].replace(",", ""))
+        except (KeyError, ValueError):
+            continue
+    return [by_id[i] for i in sorted(by_id)]
+
+
+def ncu_launches(argv: list[str], metrics: Iterable[str], kernels: str, timeout: float) -> tuple[list[dict], str]:
+    """Run ``argv`` (ncu's own options, if any, then a command) under ncu (clocks not locked), profiling every
+    launch of the kernels whose names match the regex ``kernels``: :func:`ncu_rows` of them, and the whole output
+    (stdout, then stderr). The command runs in its own session, so a timeout ends the profiled process too (left
+    running, it would keep the GPU's memory)."""
+    cmd = ["ncu", "--clock-control", "none", "--metrics", ",".join(metrics), "--print-units", "base", "--csv"]
+    cmd += ["--target-processes", "application-only", "-k", f"regex:{kernels}", *argv]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()  # what it had printed: where it stopped
+        return [], f"{stdout}{stderr}\nncu did not finish within {timeout:.0f} s"
+    return ncu_rows(stdout), stdout + stderr
