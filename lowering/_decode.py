@@ -23,8 +23,8 @@ and row), so one kernel serves every length, under ``jax.jit`` too, and nothing 
 past a sequence's length are skipped, not read: each program finds them from its length.
 
 **Index functions** (FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx)``, ``mask_mod(b, h, q_idx,
-kv_idx)``, or by name) read the batch ``b``, the query head ``h`` and the key's position ``kv_idx`` in the cache;
-the query's position is ``lengths[b] − Nq + i``, a runtime value, so one that reads ``q_idx`` is refused.
+kv_idx)``, or by name) read the batch ``b``, the query head ``h`` and the key's position ``kv_idx`` in the cache
+(in its sequence, for a paged cache: the page table only moves where a chunk is loaded from); the query's position is ``lengths[b] − Nq + i``, a runtime value, so one that reads ``q_idx`` is refused.
 
 Gradients are not defined: decoding is inference, and differentiating raises :class:`~lowering.NotLowerable`
 (the kernels are lowered with no backward).
@@ -531,7 +531,7 @@ def decode_attention(
     With ``page_table`` (int32 ``[B, pages_per_seq]``) the caches are page pools ``[P, page_size, H_kv, D]``:
     sequence ``b``'s key ``j`` is ``k_cache[page_table[b, j // page_size], j % page_size]``, gathered by the kernel
     as it streams (:mod:`lowering._paged`), ``chunk`` keys (whole pages) at a time. ``score_mod`` and ``mask_mod``
-    are for contiguous caches.
+    read ``kv_idx`` as the key's position in its sequence (``j``), whichever page of the pool holds it.
 
     ``backend`` is ``"auto"`` (Triton on a GPU), ``"triton"``, ``"xla"`` or ``"mosaic"``. ``"mosaic"`` takes a
     contiguous cache and a KV head's rows in tiles of wgmma's 64 rows or more, so ``Nq · H / H_kv`` ≥ 64. It reads
@@ -583,12 +583,6 @@ def decode_plan(
     >>> decode_plan(q, kv, kv, jnp.array([4096])).summary()   # Nq = 64 at GQA 4: 256 rows in 2 tiles of 128
     {'parts': 8, 'keys_per_part': 512, 'row_tiles': 2, 'tile': 128, 'chunk': 64, 'backend': 'triton'}
     """
-    if page_table is not None:
-        return _paged(q, k_cache, v_cache, lengths, page_table, scale, (score_mod, mask_mod), parts, chunk,
-                      backend, interpret, hardware, tile=tile)  # fmt: skip
-    if chunk is not None:
-        raise EvaluationError(f"decode_attention: chunk={chunk!r} is the paged kernel's; pass it with page_table=")
-    _checked(q, k_cache, v_cache, lengths)
     for name, fn, score in (("score_mod", score_mod, True), ("mask_mod", mask_mod, False)):
         if fn is not None and "q_idx" in (index_names(positional(fn, FLEX, score=score), score=score) or ()):
             raise NotLowerable(
@@ -597,6 +591,12 @@ def decode_plan(
                 "position in the cache), e.g. lambda score, kv_idx: ..."
             )
     fns = tuple(None if f is None else positional(f, FLEX, score=s) for f, s in ((score_mod, True), (mask_mod, False)))
+    if page_table is not None:
+        return _paged(q, k_cache, v_cache, lengths, page_table, scale, fns, parts, chunk, backend, interpret,
+                      hardware, tile=tile)  # fmt: skip
+    if chunk is not None:
+        raise EvaluationError(f"decode_attention: chunk={chunk!r} is the paged kernel's; pass it with page_table=")
+    _checked(q, k_cache, v_cache, lengths)
     return _contiguous(q, k_cache, v_cache, scale, fns, parts, backend, interpret, hardware, tile=tile)
 
 
@@ -744,11 +744,6 @@ def _paged(q, k_pages, v_pages, lengths, page_table, scale, mods, parts, chunk, 
     width = page_table.shape[1]
     _checked_common(q, k_pages, v_pages, lengths, width * page_size)
     check_pages_used(page_table, lengths, pool, page_size)
-    if any(f is not None for f in mods):
-        raise NotLowerable(
-            "decode_attention: score_mod and mask_mod are read on contiguous caches only; with page_table= pass "
-            "neither (or gather the pages into a [B, S, H_kv, D] cache)"
-        )
     if backend not in ("auto", "triton", "xla"):
         raise NotLowerable(
             f"decode_attention: a page table is read by the Triton and XLA backends' streamed loops; backend="
@@ -762,7 +757,7 @@ def _paged(q, k_pages, v_pages, lengths, page_table, scale, mods, parts, chunk, 
     n, per_part, keys = paged_split(width, page_size, parts=parts, chunk=default if chunk is None else chunk,
                                     n_default=n_default)  # fmt: skip
     backend = "triton" if backend == "auto" else backend
-    plan = Plan(jnp.dtype(q.dtype).name, nq, heads // kv_heads, (dim, dv), n, per_part * page_size, scale,
+    plan = Plan(jnp.dtype(q.dtype).name, nq, heads // kv_heads, (dim, dv), n, per_part * page_size, scale, *mods,
                 backend=backend, interpret=interpret, pages=(page_size, keys),
                 rope=0 if rope is None else rope[1].shape[-1], tile=tile, hardware=hw)  # fmt: skip
     _kernel(plan)

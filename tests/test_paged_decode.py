@@ -1,6 +1,8 @@
 """Paged decoding (``nc.decode_attention(page_table=)``), the KV cache and greedy generation, against references
 written here with jax.numpy: gather each sequence's pages, mask by length and the new tokens' causal tail, attend."""
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,14 +34,21 @@ CASES = [
 ]
 
 
-def reference(q, k_pages, v_pages, table, lengths):
-    """Each sequence's pages gathered in table order; query i sees keys j < lengths − Nq + i + 1; f32."""
+def reference(q, k_pages, v_pages, table, lengths, score_mod=None, mask_mod=None):
+    """Each sequence's pages gathered in table order; query i sees keys j < lengths − Nq + i + 1; f32. The index
+    functions, where given, see ``b``, ``h`` and ``kv_idx`` (the key's position in its sequence) by name."""
     (batch, nq, heads, dim), kv_heads = q.shape, k_pages.shape[2]
     k, v = (p[table].reshape(batch, -1, kv_heads, p.shape[-1]).astype(jnp.float32) for p in (k_pages, v_pages))
     k, v = (jnp.repeat(a, heads // kv_heads, axis=2) for a in (k, v))
     s = jnp.einsum("bihd,bjhd->bhij", q.astype(jnp.float32), k) / np.sqrt(dim)
+    b, h, j = jnp.arange(batch)[:, None, None, None], jnp.arange(heads)[:, None, None], jnp.arange(k.shape[1])
+    at = {"b": b, "h": h, "kv_idx": j}
+    if score_mod is not None:
+        s = score_mod(s, **{n: at[n] for n in list(inspect.signature(score_mod).parameters)[1:]})
     last = lengths[:, None] - nq + jnp.arange(nq)[None, :]
     keep = (jnp.arange(k.shape[1])[None, None, :] <= last[:, :, None])[:, None]
+    if mask_mod is not None:
+        keep = keep & mask_mod(**{n: at[n] for n in inspect.signature(mask_mod).parameters})
     return jnp.einsum("bhij,bjhd->bihd", jax.nn.softmax(jnp.where(keep, s, -jnp.inf), axis=-1), v)
 
 
@@ -64,6 +73,21 @@ def test_paged_decode_matches_reference(case, seed, data):
     err = rel_err(out, reference(q, k, v, table, lengths))
     assert out.dtype == q.dtype and err <= RTOL[case[0]], (case, seed, lengths, err)
     assert lse.shape == q.shape[:3] and bool(jnp.all(jnp.isfinite(lse)))
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=st.sampled_from(CASES[:2]), seed=st.integers(0, 2**31 - 1), backend=st.sampled_from(["triton", "xla"]))
+def test_index_functions_read_each_key_at_its_position_through_the_page_table(case, seed, backend):
+    """FlexDecoding's convention over a paged cache: ``kv_idx`` is the key's position in its sequence (page
+    ``kv_idx // page_size`` of its table row), ``b`` the sequence, whatever pool page holds it."""
+    q, k, v, table = draw(case, seed)
+    lengths = jnp.asarray(np.random.default_rng(seed).integers(case[2], case[5] * case[6] + 1, case[1]), jnp.int32)
+    score_mod = lambda s, h, kv_idx: s - 0.25 * h * (kv_idx % 3)  # noqa: E731
+    mask_mod = lambda b, kv_idx: kv_idx != 2 + b  # noqa: E731
+    out = nc.decode_attention(q, k, v, lengths, page_table=table, chunk=case[8], score_mod=score_mod,
+                              mask_mod=mask_mod, backend=backend)  # fmt: skip
+    want = reference(q, k, v, table, lengths, score_mod, mask_mod)
+    assert rel_err(out, want) <= RTOL[case[0]], (case, seed, backend, lengths)
 
 
 def test_shortest_and_longest_lengths_in_one_part_and_on_the_xla_backend():
@@ -126,8 +150,8 @@ def test_paged_refusals_are_typed():
         nc.decode_attention(q, k, v, lengths, page_table=table, parts=4, chunk=16)
     with pytest.raises(NotLowerable, match="backend='mosaic' has no page map"):
         nc.decode_attention(q, k, v, lengths, page_table=table, backend="mosaic")
-    with pytest.raises(NotLowerable, match="score_mod and mask_mod are read on contiguous caches only"):
-        nc.decode_attention(q, k, v, lengths, page_table=table, score_mod=lambda s, kv_idx: s)
+    with pytest.raises(NotLowerable, match="score_mod .* reads q_idx"):
+        nc.decode_attention(q, k, v, lengths, page_table=table, score_mod=lambda s, q_idx, kv_idx: s)
     with pytest.raises(EvaluationError, match="chunk=16 is the paged kernel's"):
         nc.decode_attention(q, k[:2], v[:2], lengths, chunk=16)
     with pytest.raises(CostError, match="1 lengths for a batch of 2"):
