@@ -1154,6 +1154,7 @@ class Attention:
         dropout_rate: float = 0.0,
         dropout_key=None,
         broadcast_dropout: bool = False,
+        split_keys: bool | None = None,
     ):
         """``softmax(score_mod(scale · q kᵀ + bias) masked) v`` on ``[..., seq, heads, dim]`` arrays, by a cached
         kernel; every mask applies after ``score_mod`` (the module's docstring).
@@ -1179,6 +1180,13 @@ class Attention:
         whose every key is masked give 0 (jax.nn gives the mean of ``V``, except past ``query_seq_lengths``, where
         it gives 0 too); an empty axis gives an empty output, or zeros where there are no keys. See the module's
         docstring.
+
+        **Decode steps**: a call of one query token per sequence against at least 512 keys (``[B, 1, H, D]``
+        against ``[B, Nk, H_kv, D]``, with at most ``scale``, ``key_value_seq_lengths`` and ``interpret``: what
+        ``jax.nn`` users write to decode) runs :func:`lowering.decode_attention`'s split-KV kernel and merge, where
+        the attention kernels would run one program per (batch, head) over the whole cache (:meth:`splits_keys`
+        says which a call takes). Its gradient is the attention kernels'. ``split_keys=False`` keeps the attention
+        kernels; ``split_keys=True`` refuses a call that is not a decode step.
 
         **FP8** (forward only; :mod:`lowering._fp8`): q, k and v in ``jnp.float8_e4m3fn`` with ``fp8_scales``, a
         dict of cuDNN's per-tensor factors ``descale_q``, ``descale_k``, ``descale_v``, ``scale_s`` (and
@@ -1221,6 +1229,17 @@ fp8_scales=dict(descale_q=..., descale_k=..., descale_v=..., scale_s=...) (1.0 e
         is refused with :class:`~lowering.NotLowerable` (reshard, or ring attention: docs/multi_device.md).
         ``return_residual`` calls the forward with residuals unsharded.
         """
+        options = {k: v for k, v in locals().items() if k not in ("self", "query", "key", "value")}  # first: args only
+        decode = self.splits_keys(query, key, value, **{**options, "split_keys": None})
+        if split_keys and not decode:
+            raise EvaluationError(
+                "attention: split_keys=True asks for a decode step (nc.decode_attention's split-KV), and this call is "
+                "not one: it takes one query token per sequence, keys of at least "
+                f"{SPLIT_KEYS}, a static scale, one device and none of the other options (q {tuple(query.shape)}, "
+                f"k {tuple(key.shape)}); pass split_keys=None to let the entry choose"
+            )
+        if decode and split_keys is not False:
+            return _split_kv(self, query, key, value, key_value_seq_lengths, scale, interpret)
         backend = _implementation(implementation, backend)
         rate = check_rate(dropout_rate)
         value_dim = value.shape[-1]
@@ -1282,6 +1301,27 @@ fp8_scales=dict(descale_q=..., descale_k=..., descale_v=..., scale_s=...) (1.0 e
         rows = jnp.arange(query.shape[-3]) < lengths[..., None]
         return out[0], jnp.where(rows[..., None], out[1], jnp.asarray(-0.7 * jnp.finfo(jnp.float32).max, key.dtype))
 
+    def splits_keys(self, query, key, value, **options) -> bool:
+        """Whether :meth:`__call__` runs this call (its arrays' shapes and dtypes, its options) as a decode step:
+        :func:`lowering.decode_attention`'s split-KV kernel and merge, where one query token per sequence meets a
+        long cache (:func:`splits_keys`) and nothing but ``scale``, ``key_value_seq_lengths`` and ``interpret`` is
+        asked of it. Its gradient is the attention kernels' (they recompute the forward).
+
+        >>> import jax.numpy as jnp
+        >>> q, kv = jnp.zeros((2, 1, 8, 64), jnp.bfloat16), jnp.zeros((2, 4096, 2, 64), jnp.bfloat16)
+        >>> attention.splits_keys(q, kv, kv, key_value_seq_lengths=jnp.array([4096, 100]))
+        True
+        >>> attention.splits_keys(q, kv, kv, is_causal=True), attention.splits_keys(kv, kv, kv)
+        (False, False)
+        """
+        if options.get("split_keys") is False:
+            return False
+        unset = lambda k, v: v is None or v is False or (k == "dropout_rate" and v == 0)  # noqa: E731
+        asked = {k for k, v in options.items() if not unset(k, v)}
+        asked -= {"scale", "key_value_seq_lengths", "interpret", "split_keys"}
+        asked -= {k for k, v in options.items() if (k, v) in (("backend", "auto"), ("backward", "lowered"))}
+        return not asked and splits_keys(query, key, value, options.get("scale"))
+
     def kernel_for(
         self,
         query,
@@ -1301,6 +1341,7 @@ fp8_scales=dict(descale_q=..., descale_k=..., descale_v=..., scale_s=...) (1.0 e
         :meth:`__call__` takes them); derived, verified and lowered on first use, outside any
         ``jit``/``vmap``/``grad`` trace. Every array is checked (shapes, dtypes) before anything is built."""
         backend = _implementation(implementation, options.pop("backend", "auto"))
+        options.pop("split_keys", None)  # the attention kernel is asked for: a decode step's has its own entry
         if _before_kernel(options.get("rope"), query.shape[-1]):  # q and k come to it rotated
             options["rope"] = None
         query, scale = _scaled(query, scale, options.get("fp8_scales") is not None)
@@ -1356,6 +1397,71 @@ fp8_scales=dict(descale_q=..., descale_k=..., descale_v=..., scale_s=...) (1.0 e
     def cache_clear(self) -> None:
         """Forget every kernel (the derivation count stays)."""
         self._kernels.clear()
+
+
+#: the fewest keys a call of one query token needs for the entry to run it as a decode step (split-KV): below, one
+#: program per (batch, head) already streams few enough chunks
+SPLIT_KEYS = 512
+
+
+def splits_keys(query, key, value, scale=None) -> bool:
+    """Whether a call of these arrays is a decode step the entry runs by split-KV: ``[B, 1, H, D]`` queries (one
+    token per sequence, no causal tail to align) against ``[B, Nk ≥ 512, H_kv, D]`` keys and values of the same
+    16- or 32-bit dtype, query heads a multiple of the KV heads, a static ``scale``, and every array on one device
+    (a sharded call keeps the attention kernels and their sharding rule). The options are
+    :meth:`Attention.splits_keys`'s to check.
+
+    >>> import jax.numpy as jnp
+    >>> q, kv = jnp.zeros((2, 1, 8, 64)), jnp.zeros((2, 4096, 2, 64))
+    >>> splits_keys(q, kv, kv), splits_keys(q, kv[:, :256], kv[:, :256]), splits_keys(q, kv, kv, jnp.float32(0.1))
+    (True, False, False)
+    """
+    if query.ndim != 4 or key.ndim != 4 or value.ndim != 4 or query.shape[1] != 1 or key.shape[1] < SPLIT_KEYS:
+        return False
+    if not (scale is None or isinstance(scale, int | float)) or isinstance(scale, bool):
+        return False
+    dtypes = {jnp.dtype(x.dtype) for x in (query, key, value)}
+    if len(dtypes) != 1 or dtypes.pop() not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.float32):
+        return False
+    (b, _, h, d), (bk, nk, hk, dk) = query.shape, key.shape
+    if value.shape[:3] != (bk, nk, hk) or b != bk or d != dk or h % hk:
+        return False
+    return all(_on_one_device(x) for x in (query, key, value))
+
+
+def _on_one_device(x) -> bool:
+    """An array (or a tracer) no mesh shards: a concrete array on one device, or a traced one of no mesh axes."""
+    if len(getattr(getattr(x, "sharding", None), "device_set", ())) > 1:
+        return False
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    return mesh is None or mesh.empty
+
+
+def _split_kv(entry, query, key, value, lengths, scale, interpret):
+    """One query token per sequence against a long cache (:func:`splits_keys`) by
+    :func:`lowering.decode_attention`; differentiated by the attention kernels' forward and backward (``entry``
+    called with the same arguments), which a custom VJP attaches: a decode step is seldom differentiated, and
+    the gradient is the same function's."""
+    from lowering._decode import decode_attention
+
+    b, nk = key.shape[:2]
+    lengths = jnp.full((b,), nk, jnp.int32) if lengths is None else jnp.asarray(lengths).astype(jnp.int32)
+    dense = functools.partial(entry, scale=scale, interpret=interpret, split_keys=False)
+
+    @jax.custom_vjp
+    def step(q, k, v, n):
+        return decode_attention(q, k, v, n, scale=scale, interpret=interpret)
+
+    def forward(q, k, v, n):
+        return step(q, k, v, n), (q, k, v, n)
+
+    def backward(res, ct):
+        q, k, v, n = res
+        _, vjp = jax.vjp(lambda q, k, v: dense(q, k, v, key_value_seq_lengths=n), q, k, v)
+        return (*vjp(ct), None)
+
+    step.defvjp(forward, backward)
+    return step(query, key, value, lengths)
 
 
 #: the drop-in entry (``nc.attention``, ``lowering._attention``)
