@@ -7,7 +7,9 @@ prints the plan it ran (``lowering._decode.decode_plan``): parts and keys per pa
 rows per tile, keys per streamed chunk, backend. The run ends with two ratios per (B, S): paged over contiguous
 time at ``Nq`` = 1 (target ≤ 1.1) and ``Nq`` = 64 over ``Nq`` = 1 time (target ≤ 1.5). MLA decoding
 (``nc.mla_decode_attention``, DeepSeek-V3's absorbed shape: 128 heads, latent 512 + rotary 64, one shared KV
-head, contiguous and paged by 64) in GB/s of cache read against the device copy's (target ≥ 70%).
+head, contiguous and paged by 64) in GB/s of cache read against the device copy's (target ≥ 70%). The first row
+also times ``nc.attention(q, k, v, key_value_seq_lengths=n)``, the call a jax.nn user decodes with: ``entry`` (the
+entry runs it as a decode step) and ``entry_dense`` (``split_keys=False``: the attention kernels, as before).
 
 bf16, 32 query heads over 8 KV heads (grouped-query), D = 128, every key valid. The rows (:data:`ROWS`, named
 ``<what>-b<B>-s<S>``) run in order of importance, so a budget that runs out leaves the least important: issue 32's
@@ -110,7 +112,8 @@ def rows(quick: bool) -> list[dict]:
     sweep = ("napkin", "napkin_parts2x", "paged", "paged_chunk128")
     tiles = ("napkin", "napkin_tile64", "napkin_tile256", "napkin_mosaic", "napkin_mosaic_tile64")
     return [
-        row("nq1", 1, s32), row("nq64", 1, s32, 64, ("napkin", "napkin_mosaic", "paged", "cudnn")),
+        row("nq1", 1, s32, impls=(*BASE, "entry", "entry_dense")),
+        row("nq64", 1, s32, 64, ("napkin", "napkin_mosaic", "paged", "cudnn")),
         row("nq1", 1, s128), row("nq64", 1, s128, 64, ("napkin", "paged")),
         row("nq1", b16, s32), row("nq1", b64, s4), row("nq1", b64, s32),
         {**row("mla", 1, s32, impls=("mla", "mla_paged", "copy")), "mla": True},
@@ -222,6 +225,11 @@ def implementations(q, k, v, impls, gpu: bool, seed: int = 0) -> tuple[dict, dic
         fn = jax.jit(lambda q, k, v, m, n: jax.nn.dot_product_attention(q, k, v, mask=m, key_value_seq_lengths=n,
                                                                          implementation="xla"))  # fmt: skip
         out["xla"] = (fn, (q, k, v, mask, lengths))
+    for name, split in (("entry", None), ("entry_dense", False)):  # nc.attention as jax.nn users call it to decode
+        if name in impls and nq == 1:
+            fn = jax.jit(lambda q, k, v, n, split=split: nc.attention(q, k, v, key_value_seq_lengths=n,
+                                                                       split_keys=split))  # fmt: skip
+            out[name] = (fn, (q, k, v, lengths))
     if "copy" in impls:
         out["copy"] = (jax.jit(lambda k, v: (jnp.copy(k), jnp.copy(v))), (k, v))
     return out, {impl: summary for impl, (_, _, summary) in planned.items()}
