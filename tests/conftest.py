@@ -55,11 +55,17 @@ def pytest_configure(config):
     config.addinivalue_line("filterwarnings", "ignore:Error reading persistent compilation cache entry")
 
 
+#: tests that each run a subprocess of minutes (tests of three files on 4 devices, two JAX processes): run first, so
+#: that xdist's other worker takes the rest meanwhile instead of one worker finishing them alone at the end
+FIRST = ("tests/test_four_devices.py", "tests/test_distributed.py")
+
+
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a GPU (runs on the device machine)")
     for item in items:
         if "gpu" in item.keywords and not GPU:
             item.add_marker(skip)
+    items.sort(key=lambda item: not item.nodeid.startswith(FIRST))  # stable: the rest keep their order
 
 
 def draw_seed() -> int:
