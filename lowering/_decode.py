@@ -24,7 +24,8 @@ past a sequence's length are skipped, not read: each program finds them from its
 
 **Index functions** (FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx)``, ``mask_mod(b, h, q_idx,
 kv_idx)``, or by name) read the batch ``b``, the query head ``h`` and the key's position ``kv_idx`` in the cache
-(in its sequence, for a paged cache: the page table only moves where a chunk is loaded from); the query's position is ``lengths[b] − Nq + i``, a runtime value, so one that reads ``q_idx`` is refused.
+(in its sequence, for a paged cache: the page table only moves where a chunk is loaded from); the query's
+position is ``lengths[b] − Nq + i``, a runtime value, so one that reads ``q_idx`` is refused.
 
 Gradients are not defined: decoding is inference, and differentiating raises :class:`~lowering.NotLowerable`
 (the kernels are lowered with no backward).
@@ -208,6 +209,9 @@ class Plan:
     rope: int = 0
     #: rows per program (the row tile); None: :func:`row_tile`'s
     tile: int | None = None
+    #: MLA: the latent output dims per program (the output split across programs, each computing the scores); None:
+    #: all of them in one
+    values: int | None = None
     #: the GPU the kernel is lowered for (its shared-memory limit, its target); None: the machine's
     hardware: Hardware | None = None
 
@@ -238,8 +242,9 @@ class Plan:
         {'parts': 3, 'keys_per_part': 40, 'row_tiles': 1, 'tile': 16, 'chunk': 64, 'backend': 'triton'}
         """
         tile, chunk = self.blocks()
-        return {"parts": self.parts, "keys_per_part": self.chunk, "row_tiles": -(-self.rows // tile), "tile": tile,
-                "chunk": chunk, "backend": _kernel(self).backend}  # fmt: skip
+        out = {"parts": self.parts, "keys_per_part": self.chunk, "row_tiles": -(-self.rows // tile), "tile": tile,
+               "chunk": chunk, "backend": _kernel(self).backend}  # fmt: skip
+        return out | ({"values": self.values} if self.values else {})
 
     def page_map(self) -> PageMap | None:
         """Where a paged cache's chunks load from: the kernel's keys and values (inputs 1, 2) read as pools
@@ -255,14 +260,17 @@ class Plan:
         for key, fn, score in (("score_mod", self.score_mod, True), ("mask", self.mask_mod, False)):
             if fn is not None:
                 mods[key] = Decoded(fn, self.chunk, self.group, score)
+        split = ()
         if self.rope:
             r = axes("r", r=self.rope)[0]
-            diagram = mla_attention(b, h, q, x, d, r, self.scale, DTYPES[self.dtype], p)
+            values = dv if self.values else None  # the output's own latent axis, tiled
+            diagram = mla_attention(b, h, q, x, d, r, self.scale, DTYPES[self.dtype], p, values=values)
+            split = (tile(dv, self.values),) if self.values else ()
         else:
             e = dv if self.dims[1] != self.dims[0] else d
             diagram = decode_diagram(b, p, h, q, x, d, e, self.scale, DTYPES[self.dtype], **mods, limits=self.limits)
         rows, chunk = self.blocks()
-        derivation = derive(diagram, tile(q, rows), stream(x, chunk))
+        derivation = derive(diagram, tile(q, rows), *split, stream(x, chunk))
         # MLA's 64 rows × 512 latent dims: an f32 accumulator two warpgroups hold (FlashMLA's split), two stages;
         # a tile past Triton's 128 rows: 16 rows a warp, as its 64- and 128-row tiles have
         wide = self.rope and max(self.dims) >= 256 and self.backend in ("auto", "triton")
@@ -311,7 +319,7 @@ def _attend(scored: Diagram, S: Array, V: Array, rest: Ty, out: Array, x, dtype,
     return masked >> (softmax(S, x) @ identity(Ty(V))) >> contract(spec, *axes_, dtype=(f32, dtype), out_dtype=dtype)
 
 
-def mla_attention(b, h, q, x, c, r, scale, dtype, p=None) -> Diagram:
+def mla_attention(b, h, q, x, c, r, scale, dtype, p=None, values=None) -> Diagram:
     """Absorbed multi-head latent attention (DeepSeek-V2/V3's MLA at inference) as one diagram, laid out as
     :func:`decode_diagram`'s: ``Q_c[c] ⊗ K_c[c] ⊗ V[c] ⊗ Q_r[r] ⊗ K_r[r] ⊗ pos ⊗ n ⊗ t → O[c]``, scores
     ``scale·(Q_c·K_cᵀ + Q_r·K_rᵀ)`` (the latent and rotary parts, ``c + r`` dims; ``scale`` defaults to ``1/√(c +
@@ -319,14 +327,19 @@ def mla_attention(b, h, q, x, c, r, scale, dtype, p=None) -> Diagram:
     over the keys.
     ``V`` is the latent keys themselves (the caller passes one array twice: the streamed loop loads its chunk for
     both). With a part axis ``p`` the keys, values and output have it and the queries not (:func:`decode_diagram`).
+    ``values``: an axis of ``c``'s size that ``V`` and the output run over instead of ``c``, so a schedule may tile
+    the output's latent dims (each program computing every score) while the scores contract over all of ``c``.
 
-    >>> b, h, q, x, c, r = axes("b h q x c r", c=32, r=16)
+    >>> b, h, q, x, c, r, e = axes("b h q x c r e", c=32, r=16, e=32)
     >>> print(mla_attention(b, h, q, x, c, r, None, f32).dom)
     b×h×q×c ⊗ b×x×h×c ⊗ b×x×h×c ⊗ b×h×q×r ⊗ b×x×h×r ⊗ x ⊗ b ⊗ q
+    >>> print(mla_attention(b, h, q, x, c, r, None, f32, values=e).cod)
+    b×h×q×e
     """
     scale = 1 / math.sqrt(c.size + r.size) if scale is None else scale
     kv = (b,) if p is None else (b, p)
-    S, V = Array(*kv, h, q, x), Array(*kv, x, h, c, dtype=dtype)
+    v = c if values is None else values
+    S, V = Array(*kv, h, q, x), Array(*kv, x, h, v, dtype=dtype)
     n = lambda *axs: " ".join(a.name for a in axs)  # noqa: E731
 
     def scores(e):
@@ -337,7 +350,7 @@ def mla_attention(b, h, q, x, c, r, scale, dtype, p=None) -> Diagram:
     out = scores(c) @ identity(Ty(V)) @ scores(r) @ identity(rest)  # S V S_r rest
     out = out >> (identity(Ty(S)) @ swap(Ty(V), Ty(S)) @ identity(rest)) >> (add(S, S) @ identity(Ty(V) @ rest))
     out = out >> (identity(Ty(S)) @ swap(Ty(V), rest))  # S rest V
-    return _attend(out, S, V, rest, Array(*kv, h, q, c, dtype=dtype), x, dtype)
+    return _attend(out, S, V, rest, Array(*kv, h, q, v, dtype=dtype), x, dtype)
 
 
 def chunk_keys(dims: tuple[int, int]) -> int:
@@ -600,7 +613,8 @@ def decode_plan(
     return _contiguous(q, k_cache, v_cache, scale, fns, parts, backend, interpret, hardware, tile=tile)
 
 
-def _contiguous(q, k_cache, v_cache, scale, fns, parts, backend, interpret, hardware, rope=None, tile=None) -> Plan:
+def _contiguous(q, k_cache, v_cache, scale, fns, parts, backend, interpret, hardware, rope=None, tile=None,
+                values=None) -> Plan:
     """A checked contiguous call planned (``parts`` from the hardware's SMs unless given), its kernel built;
     ``rope``: MLA's rotary queries and keys."""
     (batch, nq, heads, dim), (_, keys, kv_heads, dv) = q.shape, v_cache.shape
@@ -616,7 +630,7 @@ def _contiguous(q, k_cache, v_cache, scale, fns, parts, backend, interpret, hard
         per = -(-per // c) * c
         n = math.ceil(keys / per)
     plan = Plan(jnp.dtype(q.dtype).name, nq, heads // kv_heads, (dim, dv), n, per, scale, *fns, backend, interpret,
-                rope=r, tile=tile, hardware=hw)  # fmt: skip
+                rope=r, tile=tile, hardware=hw, values=values)  # fmt: skip
     _kernel(plan)  # built (derived, verified, lowered) here, outside any trace of the caller's
     return plan
 
@@ -636,6 +650,7 @@ def mla_decode_attention(
     interpret: bool | None = None,
     hardware: Hardware | str | None = None,
     tile: int | None = None,
+    values: int | None = None,
 ):
     """Absorbed multi-head latent attention (MLA, DeepSeek-V2/V3) decoding: ``q`` ``[B, Nq, H, C + R]`` (each
     head's absorbed query, its latent ``C`` dims then its rotary ``R``) over one shared KV head kept as DeepSeek's
@@ -646,7 +661,10 @@ def mla_decode_attention(
     heads packed into the rows, ``lengths`` at call time, causal among the ``Nq`` new tokens); the latent cache
     is read once per chunk for both products. With ``page_table`` both caches are page pools ``[P, page_size,
     C]`` and ``[P, page_size, R]`` sharing the table. ``tile`` overrides the rows per program (64 by default:
-    :func:`row_tile`'s for latent heads this wide), as in ``decode_attention``.
+    :func:`row_tile`'s for latent heads this wide), as in ``decode_attention``. ``values`` splits the output's
+    ``C`` latent dims across programs, ``values`` each (a power of two ≥ 16 dividing ``C``): each program computes
+    every score and holds a ``rows × values`` accumulator instead of ``rows × C`` (FlashMLA splits it across two
+    warpgroups; here across programs, whose reads of the same chunks the L2 serves). None: one program holds all.
 
     >>> import jax, jax.numpy as jnp
     >>> q = jax.random.normal(jax.random.key(0), (1, 1, 16, 48))                    # 16 heads of 32 + 16 dims
@@ -659,12 +677,12 @@ def mla_decode_attention(
     ((1, 1, 16, 32), True)
     """
     plan, q_c, k, rope = _mla_plan(q, latent_cache, rope_cache, lengths, scale, page_table, parts, chunk, backend,
-                                   interpret, hardware, tile)  # fmt: skip
+                                   interpret, hardware, tile, values)  # fmt: skip
     return _step(plan, q_c, k, k, lengths, page_table, rope, residual=return_residual)
 
 
 def _mla_plan(q, latent_cache, rope_cache, lengths, scale, page_table, parts, chunk, backend, interpret, hardware,
-              tile=None):  # fmt: skip
+              tile=None, values=None):  # fmt: skip
     """``mla_decode_attention``'s arguments checked and planned: the plan, the latent queries, the latent cache as
     one KV head, and the rotary queries and keys."""
     c = latent_cache.shape[-1]
@@ -679,11 +697,18 @@ def _mla_plan(q, latent_cache, rope_cache, lengths, scale, page_table, parts, ch
         raise EvaluationError(
             f"mla_decode_attention: the caches' dtypes differ: {latent_cache.dtype}, {rope_cache.dtype}"
         )
+    if values is not None and (isinstance(values, bool) or not isinstance(values, int) or values < 16
+                               or values & (values - 1) or c % values):  # fmt: skip
+        raise EvaluationError(
+            f"mla_decode_attention: values={values!r} latent dims per program must be a power of two ≥ 16 dividing "
+            f"the latent cache's C = {c}; pass None to keep them in one program"
+        )
+    values = None if values == c else values
     k, k_r = latent_cache[:, :, None], rope_cache[:, :, None]  # the one KV head
     q_c, rope = q[..., :c], (q[..., c:], k_r)
     if page_table is not None:
         plan = _paged(q_c, k, k, lengths, page_table, scale, (None, None), parts, chunk, backend, interpret,
-                      hardware, rope, tile=tile)  # fmt: skip
+                      hardware, rope, tile=tile, values=values)  # fmt: skip
     else:
         if chunk is not None:
             raise EvaluationError(
@@ -691,7 +716,7 @@ def _mla_plan(q, latent_cache, rope_cache, lengths, scale, page_table, parts, ch
             )
         _checked(q_c, k, k, lengths)
         plan = _contiguous(q_c, k, k, scale, (None, None), parts, backend, interpret, hardware, rope,
-                           tile=_checked_tile(tile))
+                           tile=_checked_tile(tile), values=values)
     return plan, q_c, k, rope
 
 
@@ -736,7 +761,7 @@ def _step(plan: Plan, q, k_cache, v_cache, lengths, page_table=None, rope=None, 
 
 
 def _paged(q, k_pages, v_pages, lengths, page_table, scale, mods, parts, chunk, backend, interpret, hardware, rope=None,
-           tile=None):  # fmt: skip
+           tile=None, values=None):  # fmt: skip
     """``decode_attention``'s plan over page pools: checked (before anything is built), planned, the same derived
     kernel as a contiguous cache's built, its keys and values to be read through the page map."""
     check_paged(q, k_pages, v_pages, page_table, chunk, MAX_QUERIES)
@@ -759,6 +784,6 @@ def _paged(q, k_pages, v_pages, lengths, page_table, scale, mods, parts, chunk, 
     backend = "triton" if backend == "auto" else backend
     plan = Plan(jnp.dtype(q.dtype).name, nq, heads // kv_heads, (dim, dv), n, per_part * page_size, scale, *mods,
                 backend=backend, interpret=interpret, pages=(page_size, keys),
-                rope=0 if rope is None else rope[1].shape[-1], tile=tile, hardware=hw)  # fmt: skip
+                rope=0 if rope is None else rope[1].shape[-1], tile=tile, hardware=hw, values=values)  # fmt: skip
     _kernel(plan)
     return plan

@@ -203,9 +203,12 @@ def test_mla_matches_reference(seed, nq, data):
     latent, rope = (jnp.asarray(r.standard_normal((b, s, n), np.float32)) for n in (c, rot))
     lengths = jnp.array(data.draw(st.lists(st.sampled_from([nq, s]) | st.integers(nq, s), min_size=b, max_size=b)))
     tile = data.draw(st.sampled_from([None, 16]))  # 16 rows a program: two row tiles at Nq = 4
-    out, lse = nc.mla_decode_attention(q, latent, rope, lengths, scale=0.1, parts=2, return_residual=True, tile=tile)
+    values = data.draw(st.sampled_from([None, 16]))  # the 32 latent output dims in two programs of 16
+    out, lse = nc.mla_decode_attention(q, latent, rope, lengths, scale=0.1, parts=2, return_residual=True, tile=tile,
+                                       values=values)  # fmt: skip
     err = float(jnp.max(jnp.abs(out - mla_reference(q, latent, rope, lengths, 0.1))))
-    assert out.shape == (b, nq, h, c) and lse.shape == (b, nq, h) and err <= ATOL["float32"], (seed, lengths, tile, err)
+    assert out.shape == (b, nq, h, c) and lse.shape == (b, nq, h), (seed, lengths, tile, values)
+    assert err <= ATOL["float32"], (seed, lengths, tile, values, err)
 
 
 def test_mla_refusals():
@@ -216,6 +219,8 @@ def test_mla_refusals():
         nc.mla_decode_attention(q, latent, rope.astype(jnp.bfloat16), jnp.array([4, 4]))
     with pytest.raises(EvaluationError, match=r"tile=24 rows per program must be a power of two from 16 to 256"):
         nc.mla_decode_attention(q, latent, rope, jnp.array([4, 4]), tile=24)
+    with pytest.raises(EvaluationError, match=r"values=24 latent dims per program must be a power of two ≥ 16"):
+        nc.mla_decode_attention(q, latent, rope, jnp.array([4, 4]), values=24)
 
 
 def test_decode_cost_counts_pages_and_mla():

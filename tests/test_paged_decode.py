@@ -125,8 +125,9 @@ def test_mla_through_a_page_table():
     s = jnp.einsum("bqhd,bkd->bhqk", q, jnp.concatenate([latent, rope], -1)) / np.sqrt(c + rot)
     keep = jnp.arange(width * page)[None, None, None, :] < lengths[:, None, None, None]
     want = jnp.einsum("bhqk,bkc->bqhc", jax.nn.softmax(jnp.where(keep, s, -jnp.inf), axis=-1), latent)
-    out = nc.mla_decode_attention(q, *pools, lengths, page_table=table, chunk=16)
-    assert out.shape == (b, 1, h, c) and rel_err(out, want) <= RTOL["float32"], seed
+    for values in (None, 16):  # the latent output dims in one program, or in two of 16
+        out = nc.mla_decode_attention(q, *pools, lengths, page_table=table, chunk=16, values=values)
+        assert out.shape == (b, 1, h, c) and rel_err(out, want) <= RTOL["float32"], (seed, values)
 
 
 def test_paged_refusals_are_typed():

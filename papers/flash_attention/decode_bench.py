@@ -81,6 +81,9 @@ BASE = ("napkin", "paged", "cudnn", "xla", "copy")
 MLA_VARIANTS = {
     "mla_tile16": ({"tile": 16}, False),
     "mla_tile32": ({"tile": 32}, False),
+    "mla_values256": ({"values": 256}, False),  # the 512 latent output dims split over two programs
+    "mla_values128": ({"values": 128}, False),
+    "mla_values128_tile128": ({"values": 128, "tile": 128}, False),  # 128 heads in one row tile, 4 programs
 }
 #: variants of a napkin-cat row: (keyword arguments to decode_attention, paged): what explains a row's time
 VARIANTS = {
@@ -409,7 +412,7 @@ def mla_configuration(row: dict, dims: tuple, seed: int) -> dict:
             kw, paged = MLA_VARIANTS.get(name, ({}, name == "mla_paged"))
             caches = (*pools, table) if paged else (latent, rope, None)
             summary = _mla_plan(q, *caches[:2], lengths, None, caches[2], None, kw.get("chunk"), "auto", None, None,
-                                kw.get("tile"))[0].summary()
+                                kw.get("tile"), kw.get("values"))[0].summary()  # fmt: skip
             cost = decode_cost(batch=b, queries=1, heads=h, kv_heads=1, dim=c, rope=r, lengths=[s] * b,
                                parts=summary["parts"], chunk=summary["chunk"], row_tiles=summary["row_tiles"],
                                hardware=hw, table_width=s // PAGE if paged else 0)  # fmt: skip
