@@ -1181,8 +1181,8 @@ class Attention:
         it gives 0 too); an empty axis gives an empty output, or zeros where there are no keys. See the module's
         docstring.
 
-        **Decode steps**: a call of one query token per sequence against at least 512 keys (``[B, 1, H, D]``
-        against ``[B, Nk, H_kv, D]``, with at most ``scale``, ``key_value_seq_lengths`` and ``interpret``: what
+        **Decode steps**: a call of one query token per sequence against at least 512 keys (``[..., 1, H, D]``
+        against ``[..., Nk, H_kv, D]``, with at most ``scale``, ``key_value_seq_lengths`` and ``interpret``: what
         ``jax.nn`` users write to decode) runs :func:`lowering.decode_attention`'s split-KV kernel and merge, where
         the attention kernels would run one program per (batch, head) over the whole cache (:meth:`splits_keys`
         says which a call takes). Its gradient is the attention kernels'. ``split_keys=False`` keeps the attention
@@ -1406,7 +1406,8 @@ SPLIT_KEYS = 512
 
 def splits_keys(query, key, value, scale=None) -> bool:
     """Whether a call of these arrays is a decode step the entry runs by split-KV: ``[B, 1, H, D]`` queries (one
-    token per sequence, no causal tail to align) against ``[B, Nk ≥ 512, H_kv, D]`` keys and values of the same
+    token per sequence, no causal tail to align; jax.nn's leading batch axes flattened into ``B``) against
+    ``[B, Nk ≥ 512, H_kv, D]`` keys and values of the same
     16- or 32-bit dtype, query heads a multiple of the KV heads, a static ``scale``, and every array on one device
     (a sharded call keeps the attention kernels and their sharding rule). The options are
     :meth:`Attention.splits_keys`'s to check.
@@ -1416,8 +1417,12 @@ def splits_keys(query, key, value, scale=None) -> bool:
     >>> splits_keys(q, kv, kv), splits_keys(q, kv[:, :256], kv[:, :256]), splits_keys(q, kv, kv, jnp.float32(0.1))
     (True, False, False)
     """
-    if query.ndim != 4 or key.ndim != 4 or value.ndim != 4 or query.shape[1] != 1 or key.shape[1] < SPLIT_KEYS:
+    if not query.ndim == key.ndim == value.ndim >= 4 or query.shape[-3] != 1 or key.shape[-3] < SPLIT_KEYS:
         return False
+    lead = query.shape[:-3]  # jax.nn's leading batch axes, flattened into one
+    if key.shape[:-3] != lead or value.shape[:-3] != lead:
+        return False
+    query, key, value = (x.reshape(math.prod(lead), *x.shape[-3:]) for x in (query, key, value))
     if not (scale is None or isinstance(scale, int | float)) or isinstance(scale, bool):
         return False
     dtypes = {jnp.dtype(x.dtype) for x in (query, key, value)}
@@ -1444,8 +1449,10 @@ def _split_kv(entry, query, key, value, lengths, scale, interpret):
     the gradient is the same function's."""
     from lowering._decode import decode_attention
 
-    b, nk = key.shape[:2]
-    lengths = jnp.full((b,), nk, jnp.int32) if lengths is None else jnp.asarray(lengths).astype(jnp.int32)
+    lead, nk = query.shape[:-3], key.shape[-3]
+    query, key, value = (x.reshape(math.prod(lead), *x.shape[-3:]) for x in (query, key, value))  # jax.nn's batch axes
+    b = query.shape[0]
+    lengths = jnp.full((b,), nk, jnp.int32) if lengths is None else jnp.asarray(lengths).astype(jnp.int32).reshape(b)
     dense = functools.partial(entry, scale=scale, interpret=interpret, split_keys=False)
 
     @jax.custom_vjp
@@ -1461,7 +1468,8 @@ def _split_kv(entry, query, key, value, lengths, scale, interpret):
         return (*vjp(ct), None)
 
     step.defvjp(forward, backward)
-    return step(query, key, value, lengths)
+    out = step(query, key, value, lengths)
+    return out.reshape(*lead, *out.shape[1:])
 
 
 #: the drop-in entry (``nc.attention``, ``lowering._attention``)

@@ -7,6 +7,7 @@ baselines are recorded as unavailable rather than crashing, and the README rende
 import doctest
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -228,3 +229,37 @@ def jnp_count_kept(variant, z, q, k, v, extra):
 def test_variants_doctests():
     result = doctest.testmod(variants, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+FAKE_NCU = """#!/usr/bin/env bash
+# ncu's stand-in: runs the profiled command (after ncu's own options), then prints two launches of each kernel as
+# ncu's --csv does; the second launch's counters are the ones --counters must read
+while [[ "$1" != *python* ]]; do shift; done
+"$@"
+echo '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"'
+i=0
+for bytes in 1000 2000; do
+  for kernel in napkin_kernel napkin_merge; do
+    echo "\\"$i\\",\\"$kernel\\",\\"dram__bytes_read.sum\\",\\"byte\\",\\"$bytes\\""
+    echo "\\"$i\\",\\"$kernel\\",\\"gpu__time_duration.sum\\",\\"ns\\",\\"$bytes\\""
+    i=$((i + 1))
+  done
+done
+"""
+
+
+def test_decode_counters_read_the_last_step_against_the_prediction(tmp_path, monkeypatch):
+    """decode_bench --counters with ncu replaced by a script that prints its CSV: the last launch of each kernel is
+    summed and set against the plan the profiled process printed (its prediction, its device)."""
+    ncu = tmp_path / "bin" / "ncu"
+    ncu.parent.mkdir()
+    ncu.write_text(FAKE_NCU)
+    ncu.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{ncu.parent}:{os.environ['PATH']}")
+    from papers.flash_attention import decode_bench
+
+    kind, steps = decode_bench.counters(["nq1-b1-s128"], quick=True, timeout=300)
+    (step,) = steps
+    assert kind == "cpu" and "error" not in step, step
+    assert step["dram_read_bytes"] == 4000 and step["time_us"] == 4.0  # both kernels' second launch
+    assert step["bytes_ratio"] == 4000 / step["predicted_read_bytes"] and step["plan"]["parts"] >= 1

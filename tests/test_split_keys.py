@@ -70,6 +70,16 @@ def test_the_step_serves_every_length_under_jit_and_split_keys_chooses():
     assert not nc.attention.splits_keys(q, k, v, split_keys=False)
 
 
+def test_leading_batch_axes_are_one_batch_of_decode_steps():
+    """jax.nn's ``[..., N, H, D]``: two leading axes, their lengths ``[2, 3]``, flattened for the step and restored."""
+    q, k, v, r = draw(7, 6, 4, 2, SPLIT_KEYS)
+    lengths = jnp.asarray(r.integers(1, SPLIT_KEYS + 1, 6), jnp.int32)
+    split = lambda a: a.reshape(2, 3, *a.shape[1:])  # noqa: E731
+    assert nc.attention.splits_keys(split(q), split(k), split(v), key_value_seq_lengths=split(lengths))
+    out = nc.attention(split(q), split(k), split(v), key_value_seq_lengths=split(lengths))
+    assert out.shape == (2, 3, 1, 4, 16) and rel_err(out.reshape(q.shape), reference(q, k, v, lengths)) <= RTOL
+
+
 @pytest.mark.parametrize(
     "why, shapes, options",
     [
