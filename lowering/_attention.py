@@ -1419,17 +1419,15 @@ def splits_keys(query, key, value, scale=None) -> bool:
     """
     if not query.ndim == key.ndim == value.ndim >= 4 or query.shape[-3] != 1 or key.shape[-3] < SPLIT_KEYS:
         return False
-    lead = query.shape[:-3]  # jax.nn's leading batch axes, flattened into one
-    if key.shape[:-3] != lead or value.shape[:-3] != lead:
+    if key.shape[:-3] != query.shape[:-3] or value.shape[:-3] != query.shape[:-3]:  # jax.nn's batch axes, flattened
         return False
-    query, key, value = (x.reshape(math.prod(lead), *x.shape[-3:]) for x in (query, key, value))
     if not (scale is None or isinstance(scale, int | float)) or isinstance(scale, bool):
         return False
     dtypes = {jnp.dtype(x.dtype) for x in (query, key, value)}
     if len(dtypes) != 1 or dtypes.pop() not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.float32):
         return False
-    (b, _, h, d), (bk, nk, hk, dk) = query.shape, key.shape
-    if value.shape[:3] != (bk, nk, hk) or b != bk or d != dk or h % hk:
+    (h, d), (nk, hk, dk) = query.shape[-2:], key.shape[-3:]
+    if value.shape[-3:-1] != (nk, hk) or d != dk or h % hk:
         return False
     return all(_on_one_device(x) for x in (query, key, value))
 
