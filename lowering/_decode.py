@@ -214,6 +214,8 @@ class Plan:
     values: int | None = None
     #: the GPU the kernel is lowered for (its shared-memory limit, its target); None: the machine's
     hardware: Hardware | None = None
+    #: a contiguous cache's keys per streamed chunk; None: :func:`chunk_keys`'s (a paged cache's are its ``pages``)
+    stream: int | None = None
 
     @property
     def rows(self) -> int:
@@ -227,12 +229,26 @@ class Plan:
         return self.backend == "mosaic" and not self.rope and self.pages is None
 
     def blocks(self) -> tuple[int, int]:
-        """Rows per tile (:func:`row_tile`, or the plan's ``tile``) and keys per streamed chunk: a power of two ≥ 16
-        (every 16-bit dot's K), at most 64 (and at most :func:`chunk_keys`, so wide heads' chunks fit shared
-        memory); a paged cache's chunk is its pages."""
+        """Rows per tile (:func:`row_tile`, or the plan's ``tile``) and keys per streamed chunk: the plan's ``stream``
+        where given, else a power of two ≥ 16 (every 16-bit dot's K), at most :func:`chunk_keys`'s (so wide heads'
+        chunks fit shared memory), no more than a part's keys; a paged cache's chunk is its pages. On Triton a
+        tile of 128 rows or more (the compute-bound side: ``Nq`` = 64 at GQA 4) streams the chunk Triton's
+        attention does at its head dims (128 keys at D = 128: on an H200, B = 1 and 16 over 32k keys, the kernel
+        ran 10% and 13% faster than at 64; at 16 rows, ``Nq`` = 1, no faster: ``decode_bench.py``'s sweeps).
+
+        >>> Plan("bfloat16", 64, 4, (128, 128), parts=16, chunk=2048, backend="mosaic", tile=256, stream=128).blocks()
+        (256, 128)
+        >>> [Plan("bfloat16", nq, 4, (128, 128), parts=8, chunk=4096).blocks() for nq in (1, 64)]
+        [(16, 64), (128, 128)]
+        """
         pow2 = lambda n: max(16, 1 << (n - 1).bit_length())  # noqa: E731
-        keys = min(chunk_keys(self.dims), pow2(self.chunk))
-        return self.tile or row_tile(self.rows, self.dims), keys if self.pages is None else self.pages[1]
+        rows = self.tile or row_tile(self.rows, self.dims)
+        if self.pages is not None:
+            return rows, self.pages[1]
+        keys = chunk_keys(self.dims)
+        if self.backend in ("auto", "triton") and not self.rope and rows >= TRITON_BLOCKS.wide_warps_at:
+            keys = TRITON_BLOCKS.entry(rows, self.chunk, *self.dims)[1]
+        return rows, self.stream or min(keys, pow2(self.chunk))
 
     def summary(self) -> dict:
         """What a run of this plan does: its parts and keys per part, a KV head's row tiles and rows per tile, the
@@ -444,6 +460,26 @@ def _checked_tile(tile):
     return tile
 
 
+def _checked_chunk(chunk, keys: int):
+    """A contiguous cache's ``chunk`` (keys per streamed chunk) where it is None or a power of two from 16 to 256 and
+    at most the cache's ``keys``, else an error naming it.
+
+    >>> _checked_chunk(128, 4096), _checked_chunk(None, 4096)
+    (128, None)
+    >>> _checked_chunk(96, 4096)
+    Traceback (most recent call last):
+    ...
+    napkin_cat.errors.EvaluationError: decode_attention: chunk=96 keys per streamed chunk must be a power of two from \
+16 to 256 (every 16-bit dot's K ≥ 16) and at most the cache's 4096 keys; pass None for the default
+    """
+    if chunk is not None and (chunk not in (16, 32, 64, 128, 256) or chunk > keys):
+        raise EvaluationError(
+            f"decode_attention: chunk={chunk!r} keys per streamed chunk must be a power of two from 16 to 256 (every "
+            f"16-bit dot's K ≥ 16) and at most the cache's {keys} keys; pass None for the default"
+        )
+    return chunk
+
+
 def _hardware(hardware: Hardware | str | None, interpret: bool | None, backend: str = "auto") -> Hardware:
     """The GPU a decode step is planned (its parts: the SMs) and lowered for: ``hardware`` where named, so a step
     lowers for that GPU on any machine (``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))``), else the
@@ -538,7 +574,8 @@ def decode_attention(
     :class:`~napkin_cat.hardware.Hardware` or its name; by default the machine's GPU, H100 when interpreting) is
     the GPU the step is planned for (the parts fill its SMs) and its kernel lowered for (so with
     ``interpret=False`` it lowers for that GPU on any machine); ``parts`` overrides the number of parts, ``tile``
-    the rows per program (:func:`row_tile`'s: a power of two from 16 to 256). Returns ``[B, Nq, H, Dv]`` in q's
+    the rows per program (:func:`row_tile`'s: a power of two from 16 to 256), ``chunk`` the keys per streamed chunk
+    (:func:`chunk_keys`'s: a power of two from 16 to 256; with ``page_table``, whole pages). Returns ``[B, Nq, H, Dv]`` in q's
     dtype, and with ``return_residual`` also the log-sum-exp ``[B, Nq, H]`` (f32; −∞ where no key is seen).
 
     With ``page_table`` (int32 ``[B, pages_per_seq]``) the caches are page pools ``[P, page_size, H_kv, D]``:
@@ -607,16 +644,15 @@ def decode_plan(
     if page_table is not None:
         return _paged(q, k_cache, v_cache, lengths, page_table, scale, fns, parts, chunk, backend, interpret,
                       hardware, tile=tile)  # fmt: skip
-    if chunk is not None:
-        raise EvaluationError(f"decode_attention: chunk={chunk!r} is the paged kernel's; pass it with page_table=")
     _checked(q, k_cache, v_cache, lengths)
-    return _contiguous(q, k_cache, v_cache, scale, fns, parts, backend, interpret, hardware, tile=tile)
+    return _contiguous(q, k_cache, v_cache, scale, fns, parts, backend, interpret, hardware, tile=tile,
+                       stream=_checked_chunk(chunk, k_cache.shape[1]))  # fmt: skip
 
 
 def _contiguous(q, k_cache, v_cache, scale, fns, parts, backend, interpret, hardware, rope=None, tile=None,
-                values=None) -> Plan:
+                values=None, stream=None) -> Plan:
     """A checked contiguous call planned (``parts`` from the hardware's SMs unless given), its kernel built;
-    ``rope``: MLA's rotary queries and keys."""
+    ``rope``: MLA's rotary queries and keys; ``stream``: keys per streamed chunk (None: :func:`chunk_keys`'s)."""
     (batch, nq, heads, dim), (_, keys, kv_heads, dv) = q.shape, v_cache.shape
     hw = _hardware(hardware, interpret, backend)
     tiles = row_tiles(nq * heads // kv_heads, (dim, dv), _checked_tile(tile))
@@ -626,11 +662,11 @@ def _contiguous(q, k_cache, v_cache, scale, fns, parts, backend, interpret, hard
     r = 0 if rope is None else rope[1].shape[-1]
     per = math.ceil(keys / n)
     if backend == "mosaic" and rope is None:  # Mosaic streams whole chunks: parts of whole chunks (the last padded)
-        c = chunk_keys((dim, dv))
+        c = stream or chunk_keys((dim, dv))
         per = -(-per // c) * c
         n = math.ceil(keys / per)
     plan = Plan(jnp.dtype(q.dtype).name, nq, heads // kv_heads, (dim, dv), n, per, scale, *fns, backend, interpret,
-                rope=r, tile=tile, hardware=hw, values=values)  # fmt: skip
+                rope=r, tile=tile, hardware=hw, values=values, stream=stream)  # fmt: skip
     _kernel(plan)  # built (derived, verified, lowered) here, outside any trace of the caller's
     return plan
 

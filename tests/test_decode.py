@@ -13,7 +13,7 @@ from references import rel_err
 
 import napkin_cat as nc
 from lowering import NotLowerable, decode_cost
-from lowering._decode import _step
+from lowering._decode import _step, decode_plan
 from lowering._merge import merge, merge_block, parts_per_load
 from napkin_cat.errors import EvaluationError
 from napkin_cat.generators._softmax import OnlineSoftmax
@@ -95,6 +95,21 @@ def test_lengths_one_and_full_in_one_part():
     lengths = jnp.array([1, 40])
     out = nc.decode_attention(q, k, v, lengths, parts=1)
     assert float(jnp.max(jnp.abs(out - reference(q, k, v, lengths)))) <= ATOL["float32"]
+
+
+@pytest.mark.parametrize("chunk", [16, 128])
+def test_a_contiguous_cache_streams_the_chunk_asked(seed, chunk):
+    """``chunk=`` on a contiguous cache: the kernel streams that many keys at a time (a part of 150 keys: ragged
+    chunks of 128, whole ones of 16), with the same result as the reference written here."""
+    case = ("float32", 2, 4, 4, 2, 300, 2)
+    q, k, v = draw(case, seed)
+    lengths = jnp.array([4 + seed % 296, 300])
+    plan = decode_plan(q, k, v, lengths, parts=2, chunk=chunk)
+    assert plan.summary()["chunk"] == chunk and plan.summary()["keys_per_part"] == 150
+    out = nc.decode_attention(q, k, v, lengths, parts=2, chunk=chunk)
+    assert rel_err(out, reference(q, k, v, lengths)) <= RTOL["float32"], (seed, lengths)
+    with pytest.raises(EvaluationError, match="chunk=96 keys per streamed chunk must be a power of two"):
+        nc.decode_attention(q, k, v, lengths, chunk=96)
 
 
 def test_index_functions_read_the_cache_position_and_query_head():
@@ -329,6 +344,8 @@ def test_compiled_decode_and_mla_match_the_reference_on_a_gpu(seed):
     q = jnp.asarray(r.standard_normal((2, 64, 32, 128), np.float32)).astype(jnp.bfloat16)  # Nq = 64 on Mosaic
     want = reference(q, k, v, lengths)
     err = rel_err(nc.decode_attention(q, k, v, lengths, backend="mosaic"), want)
+    assert err <= GPU_RTOL, (seed, err)
+    err = rel_err(nc.decode_attention(q, k, v, lengths, chunk=128), want)  # Triton, chunks of 128 keys
     assert err <= GPU_RTOL, (seed, err)
     q = jnp.asarray(r.standard_normal((2, 1, 128, 576), np.float32)).astype(jnp.bfloat16)
     latent, rope = (jnp.asarray(r.standard_normal((2, 2048, n), np.float32)).astype(jnp.bfloat16) for n in (512, 64))

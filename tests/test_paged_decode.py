@@ -153,8 +153,8 @@ def test_paged_refusals_are_typed():
         nc.decode_attention(q, k, v, lengths, page_table=table, backend="mosaic")
     with pytest.raises(NotLowerable, match="score_mod .* reads q_idx"):
         nc.decode_attention(q, k, v, lengths, page_table=table, score_mod=lambda s, q_idx, kv_idx: s)
-    with pytest.raises(EvaluationError, match="chunk=16 is the paged kernel's"):
-        nc.decode_attention(q, k[:2], v[:2], lengths, chunk=16)
+    with pytest.raises(EvaluationError, match="chunk=24 keys per streamed chunk must be a power of two"):
+        nc.decode_attention(q, k[:2], v[:2], lengths, chunk=24)  # a contiguous cache's chunk
     with pytest.raises(CostError, match="1 lengths for a batch of 2"):
         decode_cost(batch=2, queries=1, heads=4, kv_heads=2, dim=16, lengths=[8], parts=1)
 
