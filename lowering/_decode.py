@@ -575,8 +575,8 @@ def decode_attention(
     the GPU the step is planned for (the parts fill its SMs) and its kernel lowered for (so with
     ``interpret=False`` it lowers for that GPU on any machine); ``parts`` overrides the number of parts, ``tile``
     the rows per program (:func:`row_tile`'s: a power of two from 16 to 256), ``chunk`` the keys per streamed chunk
-    (:func:`chunk_keys`'s: a power of two from 16 to 256; with ``page_table``, whole pages). Returns ``[B, Nq, H, Dv]`` in q's
-    dtype, and with ``return_residual`` also the log-sum-exp ``[B, Nq, H]`` (f32; −∞ where no key is seen).
+    (:meth:`Plan.blocks`'s: a power of two from 16 to 256; with ``page_table``, whole pages). Returns ``[B, Nq, H,
+    Dv]`` in q's dtype, and with ``return_residual`` also the log-sum-exp ``[B, Nq, H]`` (f32; −∞ where no key is seen).
 
     With ``page_table`` (int32 ``[B, pages_per_seq]``) the caches are page pools ``[P, page_size, H_kv, D]``:
     sequence ``b``'s key ``j`` is ``k_cache[page_table[b, j // page_size], j % page_size]``, gathered by the kernel

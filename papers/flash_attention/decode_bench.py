@@ -14,9 +14,9 @@ entry runs it as a decode step) and ``entry_dense`` (``split_keys=False``: the a
 bf16, 32 query heads over 8 KV heads (grouped-query), D = 128, every key valid. The rows (:data:`ROWS`, named
 ``<what>-b<B>-s<S>``) run in order of importance, so a budget that runs out leaves the least important: issue 32's
 table first (B = 1 at 32k and 128k with ``Nq`` = 64 beside ``Nq`` = 1, then B = 16 and 64), MLA, the variants that
-explain a row (``sweep-…``: twice the parts, paged chunks of two pages, rows per program 64 and 256 and chunks of 128 keys at
-``Nq`` = 64 on Triton and Mosaic, with FlashAttention-3's forward blocks on Mosaic (256 rows, 128 keys), MLA at 16 and
-32 rows per program),
+explain a row (``sweep-…``: twice the parts, paged chunks of two pages, rows per program 64 and 256 and chunks of
+128 keys at ``Nq`` = 64 on Triton and Mosaic, with FlashAttention-3's forward blocks on Mosaic (256 rows, 128 keys),
+MLA at 16 and 32 rows per program),
 then the rest of B ∈ {1, 16, 64} × cache ∈ {4k, 32k, 128k} and ``Nq`` = 4. ``--rows`` selects rows by name
 patterns (``--rows 'nq1-*,mla-*'``; ``--list`` prints them). Caches over 12 GB (B = 64 at 128k) run without the
 paged copy and the device copy (they would not fit beside it). Each implementation gets its inputs in its own
