@@ -230,6 +230,37 @@ class Lengths:
     pos: int = -1
 
 
+def made_positions(d: Diagram, p: Plan) -> frozenset[int]:
+    """The inputs of ``d`` (a kernel body) a kernel makes itself instead of reading: the key positions a valid-keys
+    mask reads (its function's ``position_label``: :class:`lowering._decode.KeyLength`, ``KeyLimit``), an input
+    along the streamed axis alone holding the streamed index (an ``arange``). Triton makes them per chunk as an
+    iota; Mosaic too, so they take no ring of shared memory and no TMA copy.
+
+    >>> import napkin_cat as nc
+    >>> from lowering._decode import KEY_LENGTH, length_wires
+    >>> from rewrites import derive, tile, stream
+    >>> from lowering import plan
+    >>> b, q, x, d = nc.axes("b q x d")
+    >>> att = nc.library.dot_product_attention(q, x, d, batch=(b,), captured=((KEY_LENGTH, length_wires(b, q, x)),))
+    >>> p = plan(derive(att, tile(q, 16), stream(x, 16), verify=False).diagram)
+    >>> made_positions(p.diagram, p)
+    frozenset({3})
+    """
+    if p.stream is None:
+        return frozenset()
+    x, found = p.stream[0], set()
+
+    def step(i, box, ins):
+        fn = box.params["fn"] if isinstance(box, Elementwise) else None
+        at = getattr(fn, "position_label", None)
+        if at is not None and ins[at] is not None and tuple(d.dom.inside[ins[at]].names) == (x,):
+            found.add(ins[at])
+        return [None] * len(box.cod)
+
+    d.dataflow(list(range(len(d.dom))), step)
+    return frozenset(found)
+
+
 def length_masks(d: Diagram, p: Plan) -> tuple[Lengths, ...]:
     """The length masks of ``d`` (a kernel body) whose ``n`` and ``t`` are inputs of the kernel and whose positions
     are an input along the streamed axis alone, in the order of their boxes.

@@ -61,6 +61,7 @@ from lowering._merge import merge
 from lowering._paged import PageMap, check_paged, check_pages_used, paged_split
 from lowering._plan import NotLowerable
 from lowering._target import interpreted, no_gpu, target_hardware
+from lowering.mosaic import MOSAIC_BLOCKS, unavailable
 from lowering.triton import TRITON_BLOCKS, TritonConfig
 from napkin_cat.axes import axes
 from napkin_cat.diagram import Array, Diagram, Ty, swap
@@ -135,6 +136,9 @@ class KeyLength:
     score: ClassVar[bool] = False
     #: the positions, among its arguments ``(s, pos, n, t)``, of the key's position, the length and the offset
     length_labels: ClassVar[tuple[int, int, int]] = (1, 2, 3)
+    #: the argument holding the key's position: the streamed index, which a kernel makes itself
+    #: (:func:`lowering._blocks.made_positions`)
+    position_label: ClassVar[int] = 1
 
     def __call__(self, s, pos, n, t):
         return jnp.where(pos < n + t, s, -jnp.inf)
@@ -162,6 +166,7 @@ class KeyLimit:
     name: str = "key_limit"
     passes_base: ClassVar[bool] = True
     score: ClassVar[bool] = False
+    position_label: ClassVar[int] = 1
 
     def __call__(self, s, pos, limit):
         return jnp.where(pos < limit, s, -jnp.inf)
@@ -230,14 +235,11 @@ class Plan:
 
     def blocks(self) -> tuple[int, int]:
         """Rows per tile (:func:`row_tile`, or the plan's ``tile``) and keys per streamed chunk: the plan's ``stream``
-        where given, else a power of two ≥ 16 (every 16-bit dot's K), at most :func:`chunk_keys`'s (so wide heads'
-        chunks fit shared memory), no more than a part's keys; a paged cache's chunk is its pages. On Triton a
-        tile of 128 rows or more (the compute-bound side: ``Nq`` = 64 at GQA 4) streams the chunk Triton's
-        attention does at its head dims (128 keys at D = 128: on an H200, B = 1 and 16 over 32k keys, the kernel
-        ran 10% and 13% faster than at 64; at 16 rows, ``Nq`` = 1, no faster: ``decode_bench.py``'s sweeps).
+        where given, else :func:`default_chunk`'s, no more than a part's keys (a power of two ≥ 16, every 16-bit
+        dot's K); a paged cache's chunk is its pages.
 
-        >>> Plan("bfloat16", 64, 4, (128, 128), parts=16, chunk=2048, backend="mosaic", tile=256, stream=128).blocks()
-        (256, 128)
+        >>> Plan("bfloat16", 64, 4, (128, 128), parts=16, chunk=2048, backend="mosaic", tile=256, stream=32).blocks()
+        (256, 32)
         >>> [Plan("bfloat16", nq, 4, (128, 128), parts=8, chunk=4096).blocks() for nq in (1, 64)]
         [(16, 64), (128, 128)]
         """
@@ -245,10 +247,7 @@ class Plan:
         rows = self.tile or row_tile(self.rows, self.dims)
         if self.pages is not None:
             return rows, self.pages[1]
-        keys = chunk_keys(self.dims)
-        if self.backend in ("auto", "triton") and not self.rope and rows >= TRITON_BLOCKS.wide_warps_at:
-            keys = TRITON_BLOCKS.entry(rows, self.chunk, *self.dims)[1]
-        return rows, self.stream or min(keys, pow2(self.chunk))
+        return rows, self.stream or min(default_chunk(self.backend, rows, self.dims, self.rope), pow2(self.chunk))
 
     def summary(self) -> dict:
         """What a run of this plan does: its parts and keys per part, a KV head's row tiles and rows per tile, the
@@ -317,7 +316,7 @@ def decode_diagram(b, p, h, q, x, d, e, scale, dtype, score_mod=None, mask=None,
     scores = contract(f"{n(b, h, q, d)}, {n(*kv, x, h, d)} -> {n(*S.axes)}", *kv, h, q, x, d, scale=scale, dtype=dtype,
                       out_dtype=f32)  # fmt: skip
     wires = length_wires(b, q, x, p)
-    rest = Ty(wires[0], Array(*kv, q, dtype="i32")) if limits else Ty(*wires)
+    rest = Ty(wires[0], Array(*kv, q, dtype=f32)) if limits else Ty(*wires)
     out = (scores @ identity(Ty(V)) @ identity(rest)) >> (identity(Ty(S)) @ swap(Ty(V), rest))  # S rest V
     later = identity(rest @ Ty(V))
     out = out if score_mod is None else out >> (index_score_mod(S, score_mod) @ later)
@@ -377,6 +376,46 @@ def chunk_keys(dims: tuple[int, int]) -> int:
     (64, 32)
     """
     return max(16, min(64, 16384 // max(dims)))
+
+
+def default_chunk(backend: str, rows: int, dims: tuple[int, int], rope: int = 0) -> int:
+    """Keys per streamed chunk of a contiguous cache by default: :func:`chunk_keys`'s, except where a program holds
+    128 rows or more (the compute-bound side: ``Nq`` = 64 at GQA 4), which streams the chunk the backend's attention
+    forward does at its head dims: Triton's (128 keys at D = 128) and Mosaic's (128 keys at head dims up to 128).
+    Measured on an H200 at ``Nq`` = 64 over 32k keys (``decode_bench.py``'s sweeps,
+    ``probes/decode_mosaic_chunks.py``): Triton's kernel ran 10% (B = 1) and 13% (B = 16) faster than at 64
+    keys, Mosaic's 23% (B = 1; 63.4 against 82.0 µs); at 16 rows (``Nq`` = 1) 128 keys were no faster.
+
+    >>> default_chunk("triton", 16, (128, 128)), default_chunk("triton", 128, (128, 128))
+    (64, 128)
+    >>> default_chunk("mosaic", 128, (64, 64)), default_chunk("triton", 128, (64, 64))
+    (128, 64)
+    >>> default_chunk("mosaic", 64, (128, 128))   # one consumer of 64 rows
+    64
+    """
+    if rope or rows < TRITON_BLOCKS.wide_warps_at:
+        return chunk_keys(dims)
+    if backend == "mosaic":
+        return MOSAIC_BLOCKS.faster_chunk if max(dims) <= 128 else chunk_keys(dims)
+    return TRITON_BLOCKS.entry(rows, MOSAIC_BLOCKS.faster_chunk, *dims)[1] if backend != "xla" else chunk_keys(dims)
+
+
+def routed(backend: str, interpret: bool | None, dtype, rows: int, dims: tuple[int, int], tile: int | None,
+           mods: tuple) -> str:  # fmt: skip
+    """The backend a contiguous decode step runs: ``backend``, except that ``"auto"`` takes Mosaic on a Hopper GPU
+    where it was measured faster than Triton: a KV head's tile of 128 rows or more (``Nq · H / H_kv`` ≥ 128:
+    speculative decoding, chunked prefill) at D = 128 in 16 bits, no index functions; on an H200, ``Nq`` = 64,
+    B = 1, 32k keys, 32 heads over 8, the step took 0.0708 ms against Triton's 0.0842 (both in 128-key chunks;
+    ``papers/flash_attention/probes/decode_mosaic_chunks.py``). Elsewhere ``"auto"`` stays Triton's (fewer rows
+    leave Mosaic's wgmma tiles of 64 rows per consumer half empty).
+
+    >>> routed("auto", None, "bfloat16", 256, (128, 128), None, (None, None))   # on a CPU: no Hopper GPU
+    'auto'
+    """
+    tall = (tile or row_tile(rows, dims)) >= TRITON_BLOCKS.wide_warps_at
+    if backend != "auto" or unavailable(interpret) is not None or not tall or dims != (128, 128):
+        return backend
+    return "mosaic" if jnp.dtype(dtype).itemsize == 2 and mods == (None, None) else backend
 
 
 @functools.lru_cache(maxsize=64)
@@ -528,7 +567,7 @@ def _lengths(lengths, plan: Plan) -> tuple:
     tail = np.arange(plan.rows, dtype=np.int32) // plan.group - (plan.queries - 1)
     pos, offsets = np.arange(c, dtype=np.int32), tail - c * np.arange(n, dtype=np.int32)[:, None]
     if plan.limits:  # KeyLimit: n + t per (sequence, part, row), added here
-        return pos, lengths.astype(jnp.int32)[:, None, None] + offsets
+        return pos, (lengths.astype(jnp.int32)[:, None, None] + offsets).astype(jnp.float32)
     return pos, lengths.astype(jnp.int32), offsets
 
 
@@ -583,11 +622,12 @@ def decode_attention(
     as it streams (:mod:`lowering._paged`), ``chunk`` keys (whole pages) at a time. ``score_mod`` and ``mask_mod``
     read ``kv_idx`` as the key's position in its sequence (``j``), whichever page of the pool holds it.
 
-    ``backend`` is ``"auto"`` (Triton on a GPU), ``"triton"``, ``"xla"`` or ``"mosaic"``. ``"mosaic"`` takes a
+    ``backend`` is ``"auto"`` (Triton on a GPU; Mosaic on a Hopper GPU where :func:`routed` says it was measured
+    faster: ``Nq · H / H_kv`` ≥ 128 at D = 128), ``"triton"``, ``"xla"`` or ``"mosaic"``. ``"mosaic"`` takes a
     contiguous cache and a KV head's rows in tiles of wgmma's 64 rows or more, so ``Nq · H / H_kv`` ≥ 64. It reads
-    the valid keys as one limit per row (:class:`KeyLimit`), visits every chunk of a part, and splits the keys
-    into parts of whole chunks, so it may run fewer parts than ``parts`` asks (``decode_plan(...).summary()``
-    says how many).
+    the valid keys as one limit per row (:class:`KeyLimit`; the keys' positions made in the kernel), visits every
+    chunk of a part, and splits the keys into parts of whole chunks, so it may run fewer parts than ``parts`` asks
+    (``decode_plan(...).summary()`` says how many, and which backend runs).
 
     >>> import jax, jax.numpy as jnp
     >>> q, k, v = (jax.random.normal(jax.random.key(i), (1, n, 4, 16)) for i, n in ((0, 2), (1, 24), (2, 24)))
@@ -661,8 +701,10 @@ def _contiguous(q, k_cache, v_cache, scale, fns, parts, backend, interpret, hard
         raise EvaluationError(f"decode_attention: parts must be an integer in [1, S] = [1, {keys}], got {n!r}")
     r = 0 if rope is None else rope[1].shape[-1]
     per = math.ceil(keys / n)
+    if rope is None:
+        backend = routed(backend, interpret, q.dtype, nq * heads // kv_heads, (dim, dv), tile, fns)
     if backend == "mosaic" and rope is None:  # Mosaic streams whole chunks: parts of whole chunks (the last padded)
-        c = stream or chunk_keys((dim, dv))
+        c = stream or default_chunk(backend, tile or row_tile(nq * heads // kv_heads, (dim, dv)), (dim, dv))
         per = -(-per // c) * c
         n = math.ceil(keys / per)
     plan = Plan(jnp.dtype(q.dtype).name, nq, heads // kv_heads, (dim, dv), n, per, scale, *fns, backend, interpret,

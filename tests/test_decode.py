@@ -347,6 +347,8 @@ def test_compiled_decode_and_mla_match_the_reference_on_a_gpu(seed):
     assert err <= GPU_RTOL, (seed, err)
     err = rel_err(nc.decode_attention(q, k, v, lengths, chunk=128), want)  # Triton, chunks of 128 keys
     assert err <= GPU_RTOL, (seed, err)
+    err = rel_err(nc.decode_attention(q, k, v, lengths, backend="mosaic", chunk=128), want)  # positions made in-kernel
+    assert err <= GPU_RTOL, (seed, err)
     q = jnp.asarray(r.standard_normal((2, 1, 128, 576), np.float32)).astype(jnp.bfloat16)
     latent, rope = (jnp.asarray(r.standard_normal((2, 2048, n), np.float32)).astype(jnp.bfloat16) for n in (512, 64))
     lengths = jnp.array([2048, 700])
@@ -354,3 +356,27 @@ def test_compiled_decode_and_mla_match_the_reference_on_a_gpu(seed):
     out = nc.mla_decode_attention(q, latent, rope, lengths)
     err = rel_err(out, want)
     assert err <= GPU_RTOL, (seed, err)
+
+
+def test_auto_takes_mosaic_where_it_was_measured_faster(monkeypatch):
+    """On a Hopper GPU (stood in for here) ``backend="auto"`` runs a contiguous step whose KV head holds 128 rows or
+    more (``Nq`` = 64 at GQA 4) at D = 128 in 16 bits on Mosaic, in 128-key chunks; fewer rows, other head dims,
+    f32, index functions or a named backend keep what they had."""
+    import lowering._decode as decode
+    from lowering._decode import routed
+
+    assert routed("auto", None, "bfloat16", 256, (128, 128), None, (None, None)) == "auto"  # a CPU: no Hopper GPU
+    monkeypatch.setattr(decode, "unavailable", lambda interpret: None)
+    none = (None, None)
+    assert routed("auto", None, "bfloat16", 256, (128, 128), None, none) == "mosaic"
+    assert routed("auto", None, "float16", 128, (128, 128), None, none) == "mosaic"
+    kept = [routed("auto", None, "bfloat16", 16, (128, 128), None, none),  # Nq = 1: a tile of 16 rows
+            routed("auto", None, "bfloat16", 256, (128, 128), 64, none),  # one consumer's 64 rows asked for
+            routed("auto", None, "bfloat16", 256, (64, 64), None, none),
+            routed("auto", None, "float32", 256, (128, 128), None, none),
+            routed("auto", None, "bfloat16", 256, (128, 128), None, (lambda s, kv_idx: s, None)),
+            routed("triton", None, "bfloat16", 256, (128, 128), None, none)]  # fmt: skip
+    assert kept == ["auto"] * 5 + ["triton"]
+    z, kv = jnp.zeros((1, 64, 32, 128), jnp.bfloat16), jnp.zeros((1, 4096, 8, 128), jnp.bfloat16)
+    summary = decode_plan(z, kv, kv, jnp.array([4096]), interpret=False, hardware="H200").summary()
+    assert (summary["backend"], summary["chunk"], summary["tile"]) == ("mosaic", 128, 128), summary

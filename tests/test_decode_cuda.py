@@ -120,3 +120,24 @@ def test_the_named_hardware_plans_and_lowers_the_kernel():
     assert plan.hardware.name == "A100" and _kernel(plan).forward.hardware.name == "A100"
     with pytest.raises(NotLowerable, match="hardware='B300': unknown hardware 'B300'"):
         decode_plan(q, kv, kv, jnp.array([256]), hardware="B300")
+
+
+def test_mosaic_makes_its_positions_and_streams_128_keys(abstract_hopper):
+    """On Mosaic at ``Nq`` = 64 (256 rows of a KV head) a step streams 128-key chunks (its shared memory holds them: the
+    keys' positions are made in the kernel, never copied in, and Mosaic GPU's reduction scratch takes what is left)
+    and passes no positions array: the Mosaic call takes q, k, v and the rows' limits."""
+    q = jax.ShapeDtypeStruct((1, 64, 32, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.bfloat16)
+    lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
+    args = (jnp.zeros(q.shape, q.dtype), jnp.zeros(kv.shape, kv.dtype), jnp.zeros(kv.shape, kv.dtype), jnp.array([99]))
+    plan = decode_plan(*args, interpret=False, hardware="H200", backend="mosaic")
+    forward = _kernel(plan).forward
+    assert plan.summary()["chunk"] == 128 and forward.made == {3}  # the positions: made, never copied in
+    assert forward.reduction_scratch({"d": 128}) < 2048  # what the 128-key chunks leave of the 232,448 B
+
+    def step(q, k, v, n):
+        return nc.decode_attention(q, k, v, n, interpret=False, hardware="H200", backend="mosaic")
+
+    text = jax.jit(step).trace(q, kv, kv, lengths).lower(lowering_platforms=("cuda",)).as_text()
+    (operands,) = re.findall(r"custom_call @mosaic_gpu\w*\(([^)]*)\)", text)
+    assert len(operands.split(",")) == 4, operands  # q, k, v and the rows' limits: no positions

@@ -132,14 +132,17 @@ class MosaicKernel:
     def __call__(self, *refs):
         low, c = self.low, self.low.config
         full = low.plan.diagram
-        n_in, n_out = len(full.dom) + self.n_bounds + self.listed + len(low.summed), len(full.cod) - len(low.summed)
+        n_dom = len(full.dom) - len(low.made)  # the inputs passed: the made ones are not
+        n_in, n_out = n_dom + self.n_bounds + self.listed + len(low.summed), len(full.cod) - len(low.summed)
         in_refs, out_refs, scratch = refs[:n_in], refs[n_in : n_in + n_out], refs[n_in + n_out :]
         # the summed outputs (dQ) come in as zeroed refs after the inputs: in the outputs' order again
         in_refs, summed = in_refs[: n_in - len(low.summed)], iter(in_refs[n_in - len(low.summed) :])
         stored = iter(out_refs)
         out_refs = [next(summed) if k in low.summed else next(stored) for k in range(len(full.cod))]
         lists = in_refs[-1] if self.listed else None
-        in_refs, bounds = in_refs[: len(full.dom)], in_refs[len(full.dom) : len(full.dom) + self.n_bounds]
+        in_refs, bounds = in_refs[:n_dom], in_refs[n_dom : n_dom + self.n_bounds]
+        passed = iter(in_refs)
+        in_refs = [None if i in low.made else next(passed) for i in range(len(full.dom))]  # by the diagram's inputs
         turn, staging = (scratch[6] or [None])[0], (scratch[7] if len(scratch) > 7 else [None])[0]
         scratch = _Scratch(*scratch[:6], turn, staging)
         wg, tile = lax.axis_index("wg"), lax.axis_index("tile")
@@ -342,6 +345,7 @@ class _Consumer(ChunkLoop):
         slot = lax.rem(c, _i32(low.config.stages)) if self.tour is None else self.slot
         streamed = self.kernel.streamed
         ring = {i: Smem(rows_of(i, rings[k].at[slot]), loaded[k].at[slot]).along(1) for k, i in enumerate(streamed)}
+        ring |= {i: _positions(c, low.s) for i in low.made}
         self.pingpong.issued = 0
         walked = walk_chunk([ring.get(i, self.resident.get(i, self.scalars.get(i))) for i in range(len(wires))])
         for k in low.summed:  # its product issued here: counted among the chunk's wgmma; the chunk's partial added
@@ -453,6 +457,14 @@ class _Walk(NamedTuple):
         in_cut = self.cut.at(jnp.minimum(t - self.origin(self.cut), last))
         in_whole = self.whole.at(jnp.clip(t - self.origin(self.whole), 0, last))
         return jnp.where(t < self.n_cut, in_cut, in_whole)
+
+
+def _positions(c, s: int):
+    """Chunk ``c``'s key positions ``c·s … c·s + s − 1`` along the stream, made in registers in the layout of a
+    block's columns, in f32 (as :class:`~lowering.mosaic._arrays.Smem` reads integers: Mosaic GPU lays out f32
+    arithmetic on a vector where its int32 arithmetic found no layout, docs/decode.md)."""
+    iota = plgpu.broadcasted_iota(jnp.int32, (s,), 0, layout=plgpu.Layout.WGMMA.reduce(0))
+    return iota.astype(jnp.float32) + (c * s).astype(jnp.float32)
 
 
 #: the hardware named barrier the consumer warpgroups pass their ping-pong turns through (Mosaic GPU uses the

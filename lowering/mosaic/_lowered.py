@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from lowering._blocks import BlockContext, Mapped, affine_mask, call_blocks, segments, tiled_first
+from lowering._blocks import BlockContext, Mapped, affine_mask, call_blocks, made_positions, segments, tiled_first
 from lowering._plan import NotLowerable, Plan, base2, unweave
 from lowering._sparsity import Sparsity, described, sparsity
 from lowering._spmd import out_structs, varying_like
@@ -114,6 +114,9 @@ class MosaicLowered:
             )
         # blocks holding both loop axes laid out tiled axis first: the kept block is wgmma's A operand (Sᵀ = K·Qᵀ)
         self.d = tiled_first(base2(unweave(p.diagram, p.batch)), p)
+        #: the key positions a valid-keys mask reads (an ``arange`` along the stream): made by each consumer per
+        #: chunk, never copied in (no ring, no TMA; a decode step's 128-key chunks fit shared memory for it)
+        self.made = made_positions(self.d, p)
         #: the affine masks reading the streamed axis (causal, sliding window, prefix; a mask's backward ``Kept``),
         #: by box: the chunks they hide are never loaded, those they keep whole run without them (block sparsity)
         self.masks = {id(b): m for b in self.d.boxes if (m := affine_mask(b)) is not None and self.x in m.axes}
@@ -511,9 +514,9 @@ class MosaicLowered:
         214016
         """
         c, total, barriers = self.config, 0, int(self.pingpong and self.interpret)  # compiled: a named barrier
-        for w in self.d.dom.inside:
+        for i, w in enumerate(self.d.dom.inside):
             role = self._role(w)
-            if role == "scalar":  # read from HBM into registers
+            if role == "scalar" or i in self.made:  # read from HBM into registers; made in registers
                 continue
             n = math.prod(self.block(w, extent, ring=role == "stream")) * w.dtype.bytes
             total += _aligned(n * (c.stages if role == "stream" else c.consumers))
@@ -523,6 +526,25 @@ class MosaicLowered:
         if self.staging and self.x:
             total += _aligned(self.rows * self.s * self._staged_dtype().bytes * c.consumers)
         return total + _aligned(8 * barriers)
+
+    def reduction_scratch(self, extent: dict) -> int:
+        """The shared memory Mosaic GPU keeps for reductions across a warpgroup's warps: its default (2,048 B), or
+        what the kernel's own buffers leave of a block's shared memory where that is less. The row statistics of
+        wgmma's layout (softmax's max and sum over the keys) reduce within each warp and need none; a reduction
+        that needs more than is left is refused when the kernel lowers, not run. A decode step's 128-key chunks at
+        D = 128 fit so: their buffers leave 1,024 B.
+
+        >>> import napkin_cat as nc
+        >>> from rewrites import derive, tile, stream
+        >>> from lowering import plan
+        >>> q, x, d = nc.axes("q x d", d=128)
+        >>> k = MosaicLowered(plan(derive(nc.library.attention(q, x, d, dtype="bf16"), tile(q, 128), stream(x, 128),
+        ...                                verify=False).diagram), interpret=False)
+        >>> k.reduction_scratch({"q": 4096, "x": 4096, "d": 128})
+        2048
+        """
+        default = plgpu.CompilerParams().reduction_scratch_bytes
+        return max(0, min(default, SMEM_LIMIT - self.smem_bytes(extent)))
 
     def _streamed_blocks(self) -> list:
         """The streamed 2-D input blocks (K and V, one chunk of each)."""
@@ -546,7 +568,7 @@ class MosaicLowered:
         # the call-time masks' blocks: four bounds per tile, or chunk lists where a block map has holes
         blocks = call_blocks(p, self.segments, arrays, extent, every=every)
         wires = self.d.dom.inside
-        streamed = [i for i, w in enumerate(wires) if self._role(w) == "stream"]
+        streamed = [i for i, w in enumerate(wires) if self._role(w) == "stream" and i not in self.made]
         resident = [i for i, w in enumerate(wires) if self._role(w) == "tile"]
         g = p.tiles[self.q]
         n_tiles, n_chunks = extent[self.q] // g, (extent[self.x] // self.s if self.x else 0)
@@ -584,12 +606,15 @@ class MosaicLowered:
             grid_names=("section", *(f"tile_{a}" for a in reversed(self.others)), "tile", "member"),
             num_threads=c.consumers + 1,
             thread_name="wg",
-            compiler_params=plgpu.CompilerParams(approx_math=True),
+            compiler_params=plgpu.CompilerParams(
+                approx_math=True, reduction_scratch_bytes=self.reduction_scratch(extent)
+            ),
             kernel_name="napkin_mosaic",
             interpret=plgpu.InterpretGPUParams() if self.interpret else None,
         )
         lists = [blocks.lists] if blocks.listed else []
-        outs = iter(call(*arrays, *(b for _, b in blocks.bounds), *lists, *summed))
+        passed = [a for i, a in enumerate(arrays) if i not in self.made]  # made in the kernel: never passed
+        outs = iter(call(*passed, *(b for _, b in blocks.bounds), *lists, *summed))
         added = iter(r[...].sum(0) if self.interpret else r[...] for r in summed)
         return [next(added) if k in self.summed else next(outs) for k in range(len(out_type))]
 

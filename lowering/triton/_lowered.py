@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 import rewrites
-from lowering._blocks import CallBlocks, call_blocks, heavy_last, length_masks, segments
+from lowering._blocks import CallBlocks, call_blocks, heavy_last, made_positions, segments
 from lowering._fp8 import no_fp8_dot
 from lowering._plan import NotLowerable, Plan, next_pow2, smem_bytes
 from lowering._source import describe
@@ -167,7 +167,7 @@ class TritonLowered:
             x, s = p.stream
             paddable(d, x, extent[x], f"is not a multiple of the stream size {s}, so its last chunk is padded")
         bounds = call_blocks(p, segments(d, p), arrays, extent)  # from ids or block maps, unpadded
-        made = frozenset(m.pos for m in length_masks(d, p))  # positions the program makes: not passed
+        made = made_positions(d, p)  # positions the program makes: not passed
         short = tuple(short_tiles(p, w, extent, padded) for w in (*wires, *d.cod.inside))
         arrays = [
             v if (pm and i in pm.inputs) or short[i] or i in made else _pad(v, w, padded)

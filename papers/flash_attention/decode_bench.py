@@ -119,8 +119,8 @@ def rows(quick: bool) -> list[dict]:
         return {"name": f"{what}-b{b}-s{size}", "B": b, "S": s, "Nq": nq, "impls": impls}
 
     sweep = ("napkin", "napkin_parts2x", "napkin_chunk128", "paged", "paged_chunk128")
-    tiles = ("napkin", "napkin_tile64", "napkin_tile256", "napkin_chunk128", "napkin_mosaic", "napkin_mosaic_tile64",
-             "napkin_mosaic_tile256", "napkin_mosaic_chunk128", "napkin_mosaic_fa3")
+    tiles = ("napkin", "napkin_mosaic_chunk128", "napkin_mosaic", "napkin_tile64", "napkin_tile256", "napkin_chunk128",
+             "napkin_mosaic_tile64", "napkin_mosaic_tile256", "napkin_mosaic_fa3")
     return [
         row("nq1", 1, s32, impls=(*BASE, "entry", "entry_dense")),
         row("nq64", 1, s32, 64, ("napkin", "napkin_mosaic", "paged", "cudnn")),
