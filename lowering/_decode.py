@@ -401,10 +401,12 @@ def default_chunk(backend: str, rows: int, dims: tuple[int, int], rope: int = 0)
 
 
 def routed(backend: str, interpret: bool | None, dtype, rows: int, dims: tuple[int, int], tile: int | None,
-           mods: tuple) -> str:  # fmt: skip
+           mods: tuple, split: tuple[int, int, int] | None = None) -> str:  # fmt: skip
     """The backend a contiguous decode step runs: ``backend``, except that ``"auto"`` takes Mosaic on a Hopper GPU
     where it was measured faster than Triton: a KV head's tile of 128 rows or more (``Nq · H / H_kv`` ≥ 128:
-    speculative decoding, chunked prefill) at D = 128 in 16 bits, no index functions; on an H200, ``Nq`` = 64,
+    speculative decoding, chunked prefill) at D = 128 in 16 bits, no index functions, and (``split``: the parts,
+    keys per part and the cache's keys) parts of whole 128-key chunks that cover the cache exactly, since Mosaic
+    pads a cache cut otherwise (a copy per step) where Triton reads ragged parts in place. On an H200, ``Nq`` = 64,
     B = 1, 32k keys, 32 heads over 8, the step took 0.0708 ms against Triton's 0.0842 (both in 128-key chunks;
     ``papers/flash_attention/probes/decode_mosaic_chunks.py``). Elsewhere ``"auto"`` stays Triton's (fewer rows
     leave Mosaic's wgmma tiles of 64 rows per consumer half empty).
@@ -412,8 +414,9 @@ def routed(backend: str, interpret: bool | None, dtype, rows: int, dims: tuple[i
     >>> routed("auto", None, "bfloat16", 256, (128, 128), None, (None, None))   # on a CPU: no Hopper GPU
     'auto'
     """
+    whole = split is None or (split[1] % MOSAIC_BLOCKS.faster_chunk == 0 and split[0] * split[1] == split[2])
     tall = (tile or row_tile(rows, dims)) >= TRITON_BLOCKS.wide_warps_at
-    if backend != "auto" or unavailable(interpret) is not None or not tall or dims != (128, 128):
+    if backend != "auto" or unavailable(interpret) is not None or not (tall and whole) or dims != (128, 128):
         return backend
     return "mosaic" if jnp.dtype(dtype).itemsize == 2 and mods == (None, None) else backend
 
@@ -702,7 +705,7 @@ def _contiguous(q, k_cache, v_cache, scale, fns, parts, backend, interpret, hard
     r = 0 if rope is None else rope[1].shape[-1]
     per = math.ceil(keys / n)
     if rope is None:
-        backend = routed(backend, interpret, q.dtype, nq * heads // kv_heads, (dim, dv), tile, fns)
+        backend = routed(backend, interpret, q.dtype, nq * heads // kv_heads, (dim, dv), tile, fns, (n, per, keys))
     if backend == "mosaic" and rope is None:  # Mosaic streams whole chunks: parts of whole chunks (the last padded)
         c = stream or default_chunk(backend, tile or row_tile(nq * heads // kv_heads, (dim, dv)), (dim, dv))
         per = -(-per // c) * c

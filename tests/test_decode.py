@@ -361,7 +361,8 @@ def test_compiled_decode_and_mla_match_the_reference_on_a_gpu(seed):
 def test_auto_takes_mosaic_where_it_was_measured_faster(monkeypatch):
     """On a Hopper GPU (stood in for here) ``backend="auto"`` runs a contiguous step whose KV head holds 128 rows or
     more (``Nq`` = 64 at GQA 4) at D = 128 in 16 bits on Mosaic, in 128-key chunks; fewer rows, other head dims,
-    f32, index functions or a named backend keep what they had."""
+    f32, index functions, parts that are not whole chunks (Mosaic would pad the cache) or a named backend keep what
+    they had."""
     import lowering._decode as decode
     from lowering._decode import routed
 
@@ -375,8 +376,10 @@ def test_auto_takes_mosaic_where_it_was_measured_faster(monkeypatch):
             routed("auto", None, "bfloat16", 256, (64, 64), None, none),
             routed("auto", None, "float32", 256, (128, 128), None, none),
             routed("auto", None, "bfloat16", 256, (128, 128), None, (lambda s, kv_idx: s, None)),
+            routed("auto", None, "bfloat16", 256, (128, 128), None, none, (8, 4000, 32000)),  # parts of ragged chunks
             routed("triton", None, "bfloat16", 256, (128, 128), None, none)]  # fmt: skip
-    assert kept == ["auto"] * 5 + ["triton"]
+    assert kept == ["auto"] * 6 + ["triton"]
+    assert routed("auto", None, "bfloat16", 256, (128, 128), None, none, (8, 4096, 32768)) == "mosaic"
     z, kv = jnp.zeros((1, 64, 32, 128), jnp.bfloat16), jnp.zeros((1, 4096, 8, 128), jnp.bfloat16)
     summary = decode_plan(z, kv, kv, jnp.array([4096]), interpret=False, hardware="H200").summary()
     assert (summary["backend"], summary["chunk"], summary["tile"]) == ("mosaic", 128, 128), summary
