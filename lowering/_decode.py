@@ -706,6 +706,11 @@ def _contiguous(q, k_cache, v_cache, scale, fns, parts, backend, interpret, hard
     per = math.ceil(keys / n)
     if rope is None:
         backend = routed(backend, interpret, q.dtype, nq * heads // kv_heads, (dim, dv), tile, fns, (n, per, keys))
+    if backend == "mosaic" and keys > 2**24:
+        raise NotLowerable(
+            f"decode_attention: backend='mosaic' reads each row's key limit in f32, exact below 2**24 keys; the cache "
+            f"holds {keys}: pass backend='triton'"
+        )
     if backend == "mosaic" and rope is None:  # Mosaic streams whole chunks: parts of whole chunks (the last padded)
         c = stream or default_chunk(backend, tile or row_tile(nq * heads // kv_heads, (dim, dv)), (dim, dv))
         per = -(-per // c) * c

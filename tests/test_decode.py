@@ -383,3 +383,14 @@ def test_auto_takes_mosaic_where_it_was_measured_faster(monkeypatch):
     z, kv = jnp.zeros((1, 64, 32, 128), jnp.bfloat16), jnp.zeros((1, 4096, 8, 128), jnp.bfloat16)
     summary = decode_plan(z, kv, kv, jnp.array([4096]), interpret=False, hardware="H200").summary()
     assert (summary["backend"], summary["chunk"], summary["tile"]) == ("mosaic", 128, 128), summary
+
+
+def test_mosaic_refuses_caches_past_its_f32_limits():
+    """Mosaic reads each row's key limit in f32 (so the partial log-sum-exp writes through their tile): exact below
+    2²⁴ keys; a longer cache is refused before anything is built, naming the backend that takes it."""
+    from lowering._decode import _contiguous
+
+    cache = jax.ShapeDtypeStruct((1, 2**24 + 128, 8, 128), jnp.bfloat16)  # never allocated
+    with pytest.raises(NotLowerable, match=r"exact below 2\*\*24 keys; the cache holds 16777344: pass backend='triton'"):
+        _contiguous(jnp.zeros((1, 64, 32, 128), jnp.bfloat16), cache, cache, None, (None, None), None, "mosaic", None,
+                    "H200")  # fmt: skip
