@@ -391,6 +391,6 @@ def test_mosaic_refuses_caches_past_its_f32_limits():
     from lowering._decode import _contiguous
 
     cache = jax.ShapeDtypeStruct((1, 2**24 + 128, 8, 128), jnp.bfloat16)  # never allocated
-    with pytest.raises(NotLowerable, match=r"exact below 2\*\*24 keys; the cache holds 16777344: pass backend='triton'"):
+    with pytest.raises(NotLowerable, match=r"exact below 2\*\*24 keys; the cache holds 16777344: pass backend"):
         _contiguous(jnp.zeros((1, 64, 32, 128), jnp.bfloat16), cache, cache, None, (None, None), None, "mosaic", None,
                     "H200")  # fmt: skip
