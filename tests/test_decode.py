@@ -349,6 +349,9 @@ def test_compiled_decode_and_mla_match_the_reference_on_a_gpu(seed):
     assert err <= GPU_RTOL, (seed, err)
     err = rel_err(nc.decode_attention(q, k, v, lengths, backend="mosaic", chunk=128), want)  # positions made in-kernel
     assert err <= GPU_RTOL, (seed, err)
+    assert decode_plan(q, k, v, lengths).summary()["backend"] == "mosaic"  # auto's route at 256 rows, D = 128
+    err = rel_err(nc.decode_attention(q, k, v, lengths), want)
+    assert err <= GPU_RTOL, (seed, err)
     q = jnp.asarray(r.standard_normal((2, 1, 128, 576), np.float32)).astype(jnp.bfloat16)
     latent, rope = (jnp.asarray(r.standard_normal((2, 2048, n), np.float32)).astype(jnp.bfloat16) for n in (512, 64))
     lengths = jnp.array([2048, 700])
