@@ -219,7 +219,7 @@ class Plan:
     values: int | None = None
     #: the GPU the kernel is lowered for (its shared-memory limit, its target); None: the machine's
     hardware: Hardware | None = None
-    #: a contiguous cache's keys per streamed chunk; None: :func:`chunk_keys`'s (a paged cache's are its ``pages``)
+    #: a contiguous cache's keys per streamed chunk; None: :func:`default_chunk`'s (a paged cache's are its ``pages``)
     stream: int | None = None
 
     @property
@@ -695,7 +695,8 @@ def decode_plan(
 def _contiguous(q, k_cache, v_cache, scale, fns, parts, backend, interpret, hardware, rope=None, tile=None,
                 values=None, stream=None) -> Plan:
     """A checked contiguous call planned (``parts`` from the hardware's SMs unless given), its kernel built;
-    ``rope``: MLA's rotary queries and keys; ``stream``: keys per streamed chunk (None: :func:`chunk_keys`'s)."""
+    ``rope``: MLA's rotary queries and keys; ``stream``: keys per streamed chunk (None: :func:`default_chunk`'s);
+    ``backend``: as given, or where ``"auto"`` :func:`routed`'s."""
     (batch, nq, heads, dim), (_, keys, kv_heads, dv) = q.shape, v_cache.shape
     hw = _hardware(hardware, interpret, backend)
     tiles = row_tiles(nq * heads // kv_heads, (dim, dv), _checked_tile(tile))
