@@ -236,15 +236,15 @@ def made_positions(d: Diagram, p: Plan) -> frozenset[int]:
     along the streamed axis alone holding the streamed index (an ``arange``). Triton makes them per chunk as an
     iota; Mosaic too, so they take no ring of shared memory and no TMA copy.
 
-    >>> import napkin_cat as nc
-    >>> from lowering._decode import KEY_LENGTH, length_wires
-    >>> from rewrites import derive, tile, stream
+    >>> from napkin_cat import axes, f32
+    >>> from lowering._decode import decode_diagram
     >>> from lowering import plan
-    >>> b, q, x, d = nc.axes("b q x d")
-    >>> att = nc.library.dot_product_attention(q, x, d, batch=(b,), captured=((KEY_LENGTH, length_wires(b, q, x)),))
-    >>> p = plan(derive(att, tile(q, 16), stream(x, 16), verify=False).diagram)
-    >>> made_positions(p.diagram, p)
-    frozenset({3})
+    >>> from rewrites import derive, stream as streamed, tile as tiled
+    >>> b, p, h, q, x, d = axes("b p h q x d")
+    >>> step = decode_diagram(b, p, h, q, x, d, d, None, f32, limits=True)   # Mosaic's form: (s, pos, limit)
+    >>> kernel = plan(derive(step, tiled(q, 64), streamed(x, 64), verify=False).diagram)
+    >>> made_positions(kernel.diagram, kernel), kernel.diagram.dom.inside[3].describe()
+    (frozenset({3}), 'x~64:i32@HBM')
     """
     if p.stream is None:
         return frozenset()
