@@ -216,6 +216,18 @@ class Segments:
 
 
 @dataclass(frozen=True)
+class Limits:
+    """A valid-keys mask read as one key limit per row (:class:`lowering._decode.KeyLimit`: key ``pos`` kept where
+    ``pos < limit``; it says where it reads them, ``limit_labels``), its limits the kernel input ``limit`` over grid
+    axes and the tiled ``axis``: a tile visits the chunks below its rows' largest limit and runs unmasked those
+    below their smallest (:func:`limit_bounds`), found at call time from the limits, as segment ids' ranges are."""
+
+    box: object
+    limit: int
+    axis: str
+
+
+@dataclass(frozen=True)
 class Lengths:
     """A length mask of a kernel streaming ``x``: its ``box``, whose function keeps key ``pos[x]`` where ``pos[x] <
     n + t`` and says where it reads ``(pos, n, t)`` (``length_labels``), and the kernel inputs holding ``n`` (over
@@ -365,10 +377,11 @@ def captured_mask(box) -> tuple:
     return fn, tuple(range(first, len(box.dom)))
 
 
-def segments(d: Diagram, p: Plan) -> tuple[Segments | Mapped, ...]:
+def segments(d: Diagram, p: Plan) -> tuple[Segments | Limits | Mapped, ...]:
     """The masks of ``d`` (the plan's diagram or a kernel body) whose blocks are found at call time, in the
     order the kernel reads their bounds: segment masks, whose blocks the ids say (each reads labels along a
-    tiled axis and along the streamed one, both inputs of the kernel, through copies and swaps), then masks of
+    tiled axis and along the streamed one, both inputs of the kernel, through copies and swaps), and key limits
+    (:class:`Limits`, whose blocks the rows' limits say), then masks of
     any other function the symbolic path cannot read (:func:`mapped_mask`), whose blocks their block map says,
     the maps of masks over captured arrays (:func:`captured_mask`, read from inputs of the kernel) among them.
     Others run masked on every chunk, as any elementwise box.
@@ -400,6 +413,11 @@ def segments(d: Diagram, p: Plan) -> tuple[Segments | Mapped, ...]:
         fn, at = captured_mask(box)
         if fn is not None and (m := _captured_map(box, [ins[k] for k in at], d, p)) is not None:
             captured.append(m)
+        limit = getattr(box.params["fn"] if isinstance(box, Elementwise) else None, "limit_labels", None)
+        if limit is not None and None not in (ins[limit[0]], ins[limit[1]]):
+            pos, t = d.dom.inside[ins[limit[0]]], axis(ins[limit[1]])
+            if tuple(pos.names) == (x,) and t in p.tiles:
+                found.append(Limits(box, ins[limit[1]], t))
         return [None] * len(box.cod)
 
     captured: list = []
@@ -615,6 +633,8 @@ def call_bounds(p: Plan, m: Segments | Mapped, arrays: list, extent: dict):
     (:func:`captured_bounds`)."""
     if isinstance(m, Segments):
         return segment_bounds(p, m, arrays, extent)
+    if isinstance(m, Limits):
+        return limit_bounds(p, m, arrays, extent)
     return captured_bounds(p, m, arrays, extent) if m.inputs else mapped_bounds(p, m, extent)
 
 
@@ -644,8 +664,8 @@ def call_blocks(p: Plan, masks: tuple, arrays: list, extent: dict, *, every: boo
     are always (sorted ids leave no holes; unsorted ones, a superset, still correct)."""
     bounds, maps = [], []
     for m in masks:
-        if isinstance(m, Segments):
-            bounds.append((m, segment_bounds(p, m, arrays, extent)))
+        if isinstance(m, Segments | Limits):
+            bounds.append((m, call_bounds(p, m, arrays, extent)))
             continue
         if m.inputs:
             maps.append((m, captured_map(p, m, arrays, extent)))
@@ -735,6 +755,41 @@ def segment_bounds(p: Plan, m: Segments, arrays: list, extent: dict):
         return jnp.expand_dims(v, [i for i, b in enumerate(p.batch) if not w.has(b)])
 
     return segment_blocks(laid_out(m.tiled, m.axis), laid_out(m.streamed, x), p.tiles[m.axis], p.stream[1])
+
+
+def limit_bounds(p: Plan, m: Limits, arrays: list, extent: dict):
+    """Each tile's chunks under a :class:`Limits` mask, ``(first, full_lo, full_hi, last)`` as int32 ``[grid axes
+    (1 where the limits lack one)..., tiles, 4]``: from chunk 0 to the first chunk no row of the tile sees (its
+    largest limit over the chunk size, rounded up), whole below the first chunk a row does not see whole (its
+    smallest limit, rounded down). A tile whose rows see no key visits no chunk.
+
+    >>> import napkin_cat as nc
+    >>> from napkin_cat.dtypes import f32
+    >>> from lowering._decode import decode_diagram
+    >>> from lowering import plan
+    >>> from rewrites import derive, stream as streamed, tile as tiled
+    >>> b, parts, h, q, x, d = nc.axes("b p h q x d")
+    >>> step = plan(derive(decode_diagram(b, parts, h, q, x, d, d, None, f32, limits=True), tiled(q, 2),
+    ...                    streamed(x, 4), verify=False).diagram)
+    >>> (limits,) = segments(step.diagram, step)
+    >>> rows = jnp.array([[[9.0, 10.0, 0.0, -3.0]]])                      # [b, p, q]: 2 tiles of 2 rows
+    >>> arrays = [None] * limits.limit + [rows]
+    >>> step.batch, limit_bounds(step, limits, arrays, {"b": 1, "p": 1, "h": 1, "q": 4, "x": 16, "d": 8}).tolist()
+    (('b', 'h', 'p'), [[[[[0, 0, 2, 3], [0, 0, 0, 0]]]]])
+    """
+    d, (x, s), g = p.diagram, p.stream, p.tiles[m.axis]
+    w, v = d.dom.inside[m.limit], arrays[m.limit]
+    v = jnp.transpose(v, [w.names.index(a) for a in p.batch if w.has(a)] + [w.names.index(m.axis)])
+    v = jnp.expand_dims(v[..., : extent[m.axis]], [i for i, a in enumerate(p.batch) if not w.has(a)])
+    rows, chunks = v.shape[-1], -(-extent[x] // s)
+    tiles = -(-rows // g)
+    pad = [(0, 0)] * (v.ndim - 1) + [(0, tiles * g - rows)]
+    hi = jnp.max(jnp.pad(v, pad, constant_values=-jnp.inf).reshape(*v.shape[:-1], tiles, g), axis=-1)
+    lo = jnp.min(jnp.pad(v, pad, constant_values=jnp.inf).reshape(*v.shape[:-1], tiles, g), axis=-1)
+    last = jnp.clip(jnp.ceil(hi / s), 0, chunks).astype(jnp.int32)
+    whole = jnp.clip(jnp.floor(lo / s), 0, extent[x] // s).astype(jnp.int32)
+    zero = jnp.zeros_like(last)
+    return jnp.stack([zero, zero, jnp.minimum(whole, last), last], axis=-1)
 
 
 def tiled_first(d: Diagram, p: Plan, *, inputs: bool = False) -> Diagram:

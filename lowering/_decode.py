@@ -167,6 +167,9 @@ class KeyLimit:
     passes_base: ClassVar[bool] = True
     score: ClassVar[bool] = False
     position_label: ClassVar[int] = 1
+    #: where it reads the key's position and the row's limit among ``(s, pos, limit)``: a kernel finds from the
+    #: limits which chunks each tile visits and which it runs unmasked (:class:`lowering._blocks.Limits`)
+    limit_labels: ClassVar[tuple[int, int]] = (1, 2)
 
     def __call__(self, s, pos, limit):
         return jnp.where(pos < limit, s, -jnp.inf)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from lowering._blocks import (
     CallBlocks,
+    Limits,
     Mapped,
     Segments,
     affine_mask,
@@ -89,6 +90,7 @@ def sparsity(p: Plan, arrays: list, extent: dict, masks: tuple | None = None, *,
         for how, present in (
             ("symbolic", bool(affine) or zero is not None),
             ("segment ids", any(isinstance(m, Segments) for m in later)),
+            ("key limits", any(isinstance(m, Limits) for m in later)),
             ("call time", any(isinstance(m, Mapped) and not m.inputs for m in later)),
             ("call time (captured arrays)", any(isinstance(m, Mapped) and m.inputs for m in later)),
         )

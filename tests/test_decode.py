@@ -13,7 +13,8 @@ from references import rel_err
 
 import napkin_cat as nc
 from lowering import NotLowerable, decode_cost
-from lowering._decode import _step, decode_plan
+from lowering._blocks import Limits
+from lowering._decode import _kernel, _step, decode_plan
 from lowering._merge import merge, merge_block, parts_per_load
 from napkin_cat.errors import EvaluationError
 from napkin_cat.generators._softmax import OnlineSoftmax
@@ -397,3 +398,19 @@ def test_mosaic_refuses_caches_past_its_f32_limits():
     with pytest.raises(NotLowerable, match=r"exact below 2\*\*24 keys; the cache holds 16777344: pass backend"):
         _contiguous(jnp.zeros((1, 64, 32, 128), jnp.bfloat16), cache, cache, None, (None, None), None, "mosaic", None,
                     "H200")  # fmt: skip
+
+
+def test_mosaic_visits_only_the_chunks_below_each_tiles_limits(seed):
+    """``backend="mosaic"`` finds from the rows' key limits which chunks each tile visits and which it runs unmasked
+    (``lowering._blocks.Limits``), as Triton does from the lengths: a short sequence in a long cache reads only its
+    own chunks, a part past every length none, and the output matches the reference written here."""
+    case = ("bfloat16", 2, 64, 2, 1, 512, 2)  # 128 rows of a KV head: one tile over two consumers, 128-key chunks
+    q, k, v = draw(case, seed)
+    lengths = jnp.array([64 + seed % 100, 512])  # sequence 0 ends inside part 0's first chunk or its second
+    plan = decode_plan(q, k, v, lengths, parts=2, backend="mosaic")
+    assert plan.summary()["chunk"] == 128
+    kernel = _kernel(plan).forward
+    (limits,) = (m for m in kernel.segments if isinstance(m, Limits))
+    assert id(limits.box) in kernel.hidden  # chunks every row of a tile sees run without the mask
+    out = nc.decode_attention(q, k, v, lengths, parts=2, backend="mosaic")
+    assert rel_err(out, reference(q, k, v, lengths)) <= RTOL["bfloat16"], (seed, lengths)

@@ -125,7 +125,8 @@ def test_the_named_hardware_plans_and_lowers_the_kernel():
 def test_mosaic_makes_its_positions_and_streams_128_keys(abstract_hopper):
     """On Mosaic at ``Nq`` = 64 (256 rows of a KV head) a step streams 128-key chunks (its shared memory holds them: the
     keys' positions are made in the kernel, never copied in, and Mosaic GPU's reduction scratch takes what is left)
-    and passes no positions array: the Mosaic call takes q, k, v and the rows' limits."""
+    and passes no positions array: the Mosaic call takes q, k, v, the rows' limits and the chunks each tile visits
+    (found from the limits)."""
     q = jax.ShapeDtypeStruct((1, 64, 32, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.bfloat16)
     lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
@@ -140,4 +141,4 @@ def test_mosaic_makes_its_positions_and_streams_128_keys(abstract_hopper):
 
     text = jax.jit(step).trace(q, kv, kv, lengths).lower(lowering_platforms=("cuda",)).as_text()
     (operands,) = re.findall(r"custom_call @mosaic_gpu\w*\(([^)]*)\)", text)
-    assert len(operands.split(",")) == 4, operands  # q, k, v and the rows' limits: no positions
+    assert len(operands.split(",")) == 5, operands  # q, k, v, the rows' limits and each tile's chunks: no positions
