@@ -154,10 +154,12 @@ KEY_LENGTH = KeyLength()
 @dataclass(frozen=True)
 class KeyLimit:
     """:class:`KeyLength` with ``n + t`` added before the kernel: score ``s`` where the key's position ``pos`` is
-    below its row's ``limit`` (a part's rows, one int32 per row), else −∞. What the Mosaic backend runs: its
+    below its row's ``limit`` (a part's rows, one per row, in f32), else −∞. What the Mosaic backend runs: its
     layout inference finds no layout for the per-program length ``n`` or for arithmetic on the rows' int32
-    offsets ``t`` beside the scores (docs/decode.md), and a comparison of the two vectors needs neither. It says no
-    length labels, so a kernel visits every chunk of its part.
+    offsets ``t`` beside the scores (docs/decode.md), and a comparison of the two vectors needs neither. It says
+    where it reads the limits (``limit_labels``), so the kernel's wrapper finds from them the chunks each tile
+    visits and runs unmasked (:class:`lowering._blocks.Limits`), and where the positions are, which the kernel
+    makes itself.
 
     >>> KEY_LIMIT(jnp.zeros(4), jnp.arange(4), jnp.int32(2)).tolist()
     [0.0, 0.0, -inf, -inf]
@@ -631,9 +633,9 @@ def decode_attention(
     ``backend`` is ``"auto"`` (Triton on a GPU; Mosaic on a Hopper GPU where :func:`routed` says it was measured
     faster: ``Nq · H / H_kv`` ≥ 128 at D = 128), ``"triton"``, ``"xla"`` or ``"mosaic"``. ``"mosaic"`` takes a
     contiguous cache and a KV head's rows in tiles of wgmma's 64 rows or more, so ``Nq · H / H_kv`` ≥ 64. It reads
-    the valid keys as one limit per row (:class:`KeyLimit`; the keys' positions made in the kernel), visits every
-    chunk of a part, and splits the keys into parts of whole chunks, so it may run fewer parts than ``parts`` asks
-    (``decode_plan(...).summary()`` says how many, and which backend runs).
+    the valid keys as one limit per row (:class:`KeyLimit`; the keys' positions made in the kernel), visits the
+    chunks below its rows' limits, and splits the keys into parts of whole chunks, so it may run fewer parts than
+    ``parts`` asks (``decode_plan(...).summary()`` says how many, and which backend runs).
 
     >>> import jax, jax.numpy as jnp
     >>> q, k, v = (jax.random.normal(jax.random.key(i), (1, n, 4, 16)) for i, n in ((0, 2), (1, 24), (2, 24)))
