@@ -303,6 +303,8 @@ def configuration(row: dict, heads: tuple, gpu: bool, seed: int) -> dict:
     fns, planned = implementations(q, k, v, impls, gpu, seed)
     for name, (fn, args) in fns.items():
         entry["rows"].append({**measure(name, fn, args, want, cache_bytes), **planned.get(name, {})})
+        if "ms" in entry["rows"][-1]:  # as each is timed: a run cut short still says what it measured
+            print(f"    timed {name}: {entry['rows'][-1]['ms']:.4f} ms", flush=True)
     for name in ("cudnn", "xla"):
         base = next((r for r in entry["rows"] if r["impl"] == name and "ms" in r), None)
         for r in entry["rows"]:
