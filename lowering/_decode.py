@@ -408,8 +408,9 @@ def default_chunk(backend: str, rows: int, dims: tuple[int, int], rope: int = 0)
 def routed(backend: str, interpret: bool | None, dtype, rows: int, dims: tuple[int, int], tile: int | None,
            mods: tuple, split: tuple[int, int, int] | None = None) -> str:  # fmt: skip
     """The backend a contiguous decode step runs: ``backend``, except that ``"auto"`` takes Mosaic on a Hopper GPU
-    where it was measured faster than Triton: a KV head's tile of 128 rows or more (``Nq · H / H_kv`` ≥ 128:
-    speculative decoding, chunked prefill) at D = 128 in 16 bits, no index functions, and (``split``: the parts,
+    where it was measured faster than Triton: a KV head's rows in tiles of 128 (two consumers of 64 rows; ``Nq ·
+    H / H_kv`` ≥ 128: speculative decoding, chunked prefill; a tile of 256 does not fit Mosaic's shared memory at
+    D = 128) at D = 128 in 16 bits, no index functions, and (``split``: the parts,
     keys per part and the cache's keys) parts of whole 128-key chunks that cover the cache exactly, since Mosaic
     pads a cache cut otherwise (a copy per step) where Triton reads ragged parts in place. On an H200, ``Nq`` = 64,
     B = 1, 32k keys, 32 heads over 8, the step took 0.0708 ms against Triton's 0.0842 (both in 128-key chunks;
@@ -420,7 +421,7 @@ def routed(backend: str, interpret: bool | None, dtype, rows: int, dims: tuple[i
     'auto'
     """
     whole = split is None or (split[1] % MOSAIC_BLOCKS.faster_chunk == 0 and split[0] * split[1] == split[2])
-    tall = (tile or row_tile(rows, dims)) >= TRITON_BLOCKS.wide_warps_at
+    tall = (tile or row_tile(rows, dims)) == TRITON_BLOCKS.wide_warps_at
     if backend != "auto" or unavailable(interpret) is not None or not (tall and whole) or dims != (128, 128):
         return backend
     return "mosaic" if jnp.dtype(dtype).itemsize == 2 and mods == (None, None) else backend

@@ -15,7 +15,8 @@ bf16, 32 query heads over 8 KV heads (grouped-query), D = 128, every key valid. 
 ``<what>-b<B>-s<S>``) run in order of importance, so a budget that runs out leaves the least important: issue 32's
 table first (B = 1 at 32k and 128k with ``Nq`` = 64 beside ``Nq`` = 1, then B = 16 and 64), MLA, the variants that
 explain a row (``sweep-…``: twice the parts, paged chunks of two pages, rows per program 64 and 256 and chunks of
-128 keys at ``Nq`` = 64 on Triton and Mosaic, with FlashAttention-3's forward blocks on Mosaic (256 rows, 128 keys),
+64 keys at ``Nq`` = 64 on Triton and Mosaic beside ``auto`` (Mosaic there on a Hopper GPU) and Triton, with
+FlashAttention-3's forward blocks on Mosaic (256 rows, 128 keys),
 MLA at 16 and 32 rows per program),
 then the rest of B ∈ {1, 16, 64} × cache ∈ {4k, 32k, 128k} and ``Nq`` = 4. ``--rows`` selects rows by name
 patterns (``--rows 'nq1-*,mla-*'``; ``--list`` prints them). Caches over 12 GB (B = 64 at 128k) run without the
@@ -95,8 +96,10 @@ VARIANTS = {
     "napkin_mosaic": ({"backend": "mosaic"}, False),
     "napkin_mosaic_tile64": ({"backend": "mosaic", "tile": 64}, False),
     "napkin_chunk128": ({"chunk": 128}, False),
+    "napkin_triton": ({"backend": "triton"}, False),  # beside auto where auto runs Mosaic (Nq = 64 on a Hopper GPU)
     "napkin_mosaic_tile256": ({"backend": "mosaic", "tile": 256}, False),
-    "napkin_mosaic_chunk128": ({"backend": "mosaic", "chunk": 128}, False),
+    "napkin_mosaic_chunk64": ({"backend": "mosaic", "chunk": 64}, False),
+    "napkin_triton_chunk64": ({"backend": "triton", "chunk": 64}, False),
     # FlashAttention-3's forward blocks: two consumer warpgroups of 128 rows, chunks of 128 keys
     "napkin_mosaic_fa3": ({"backend": "mosaic", "tile": 256, "chunk": 128}, False),
 }
@@ -119,11 +122,11 @@ def rows(quick: bool) -> list[dict]:
         return {"name": f"{what}-b{b}-s{size}", "B": b, "S": s, "Nq": nq, "impls": impls}
 
     sweep = ("napkin", "napkin_parts2x", "napkin_chunk128", "paged", "paged_chunk128")
-    tiles = ("napkin", "napkin_mosaic_chunk128", "napkin_mosaic", "napkin_tile64", "napkin_tile256", "napkin_chunk128",
-             "napkin_mosaic_tile64", "napkin_mosaic_tile256", "napkin_mosaic_fa3")
+    tiles = ("napkin", "napkin_triton", "napkin_mosaic_chunk64", "napkin_triton_chunk64", "napkin_tile64",
+             "napkin_tile256", "napkin_mosaic_tile64", "napkin_mosaic_tile256", "napkin_mosaic_fa3")
     return [
         row("nq1", 1, s32, impls=(*BASE, "entry", "entry_dense")),
-        row("nq64", 1, s32, 64, ("napkin", "napkin_mosaic", "paged", "cudnn")),
+        row("nq64", 1, s32, 64, ("napkin", "napkin_triton", "paged", "cudnn")),
         row("nq1", 1, s128), row("nq64", 1, s128, 64, ("napkin", "paged")),
         row("nq1", b16, s32), row("nq1", b64, s4), row("nq1", b64, s32),
         {**row("mla", 1, s32, impls=("mla", "mla_paged", "copy")), "mla": True},
@@ -133,8 +136,8 @@ def rows(quick: bool) -> list[dict]:
         row("sweep-nq1", 1, s32, 1, sweep), row("sweep-nq64", 1, s32, 64, tiles),
         row("sweep-nq1", b16, s32, 1, sweep),
         row("nq1", 1, s4), row("nq1", b16, s4), row("nq1", b16, s128), row("nq1", b64, s128, impls=BASE[:4]),
-        row("nq4", 1, s32, 4), row("nq64", b16, s32, 64, ("napkin", "napkin_chunk128", "paged", "xla")),
-        row("nq64", b64, s4, 64, ("napkin", "napkin_chunk128", "paged", "xla")), row("nq4", b64, s32, 4),
+        row("nq4", 1, s32, 4), row("nq64", b16, s32, 64, ("napkin", "napkin_triton", "paged", "xla")),
+        row("nq64", b64, s4, 64, ("napkin", "napkin_triton", "paged", "xla")), row("nq4", b64, s32, 4),
         {**row("mla", b16, max(s32 // 4, s4), impls=("mla", "mla_paged", "copy")), "mla": True},  # whole pages
     ]  # fmt: skip
 
