@@ -231,15 +231,13 @@ class Limits:
 class Lengths:
     """A length mask of a kernel streaming ``x``: its ``box``, whose function keeps key ``pos[x]`` where ``pos[x] <
     n + t`` and says where it reads ``(pos, n, t)`` (``length_labels``), and the kernel inputs holding ``n`` (over
-    grid axes: a sequence's length) and ``t`` (over grid and tiled axes: a row's offset from it). ``pos`` (input
-    ``pos``) is the streamed index itself (an ``arange``), so the kernel finds its chunks from ``n`` and ``t`` alone
-    (:func:`length_bounds`), in the program: no call-time pass over ids; a Triton kernel makes ``pos`` itself (an
-    iota), never reading that input."""
+    grid axes: a sequence's length) and ``t`` (over grid and tiled axes: a row's offset from it). ``pos`` is the
+    streamed index itself (an ``arange``, which the kernel makes: :func:`made_positions`), so the kernel finds its
+    chunks from ``n`` and ``t`` alone (:func:`length_bounds`), in the program: no call-time pass over ids."""
 
     box: object
     n: int
     t: int
-    pos: int = -1
 
 
 def made_positions(d: Diagram, p: Plan) -> frozenset[int]:
@@ -297,7 +295,7 @@ def length_masks(d: Diagram, p: Plan) -> tuple[Lengths, ...]:
         if at is not None:
             pos, n, t = (ins[k] for k in at)
             if None not in (pos, n, t) and tuple(d.dom.inside[pos].names) == (x,):
-                found.append(Lengths(box, n, t, pos))
+                found.append(Lengths(box, n, t))
         return [None] * len(box.cod)
 
     d.dataflow(list(range(len(d.dom))), step)
@@ -746,15 +744,17 @@ def segment_blocks(tiled, streamed, tile: int, chunk: int):
 def segment_bounds(p: Plan, m: Segments, arrays: list, extent: dict):
     """:func:`segment_blocks` of a kernel's segment mask, on its unpadded label inputs laid out as the grid's
     batch axes (size 1 where the labels lack one) then the tiled or streamed axis."""
-    d, x = p.diagram, p.stream[0]
+    x = p.stream[0]
+    tiled, streamed = (grid_laid_out(p, arrays, j, a, extent) for j, a in ((m.tiled, m.axis), (m.streamed, x)))
+    return segment_blocks(tiled, streamed, p.tiles[m.axis], p.stream[1])
 
-    def laid_out(j, a):
-        w, v = d.dom.inside[j], arrays[j]
-        order = [w.names.index(b) for b in p.batch if w.has(b)] + [w.names.index(a)]
-        v = jnp.transpose(v, order)[..., : extent[a]]
-        return jnp.expand_dims(v, [i for i, b in enumerate(p.batch) if not w.has(b)])
 
-    return segment_blocks(laid_out(m.tiled, m.axis), laid_out(m.streamed, x), p.tiles[m.axis], p.stream[1])
+def grid_laid_out(p: Plan, arrays: list, j: int, a: str, extent: dict):
+    """Kernel input ``j`` (unpadded: ``a`` cut to its extent) laid out as the grid's batch axes, size 1 where it
+    lacks one, then its axis ``a``: what a call-time mask's bounds are computed over, tile by tile."""
+    w, v = p.diagram.dom.inside[j], arrays[j]
+    v = jnp.transpose(v, [w.names.index(b) for b in p.batch if w.has(b)] + [w.names.index(a)])[..., : extent[a]]
+    return jnp.expand_dims(v, [i for i, b in enumerate(p.batch) if not w.has(b)])
 
 
 def limit_bounds(p: Plan, m: Limits, arrays: list, extent: dict):
@@ -777,10 +777,8 @@ def limit_bounds(p: Plan, m: Limits, arrays: list, extent: dict):
     >>> step.batch, limit_bounds(step, limits, arrays, {"b": 1, "p": 1, "h": 1, "q": 4, "x": 16, "d": 8}).tolist()
     (('b', 'h', 'p'), [[[[[0, 0, 2, 3], [0, 0, 0, 0]]]]])
     """
-    d, (x, s), g = p.diagram, p.stream, p.tiles[m.axis]
-    w, v = d.dom.inside[m.limit], arrays[m.limit]
-    v = jnp.transpose(v, [w.names.index(a) for a in p.batch if w.has(a)] + [w.names.index(m.axis)])
-    v = jnp.expand_dims(v[..., : extent[m.axis]], [i for i, a in enumerate(p.batch) if not w.has(a)])
+    (x, s), g = p.stream, p.tiles[m.axis]
+    v = grid_laid_out(p, arrays, m.limit, m.axis, extent)
     rows, chunks = v.shape[-1], -(-extent[x] // s)
     tiles = -(-rows // g)
     pad = [(0, 0)] * (v.ndim - 1) + [(0, tiles * g - rows)]

@@ -252,7 +252,8 @@ class Plan:
         rows = self.tile or row_tile(self.rows, self.dims)
         if self.pages is not None:
             return rows, self.pages[1]
-        return rows, self.stream or min(default_chunk(self.backend, rows, self.dims, self.rope), pow2(self.chunk))
+        chunk = default_chunk(self.backend, rows, self.dims, self.chunk, self.rope)
+        return rows, self.stream or min(chunk, pow2(self.chunk))
 
     def summary(self) -> dict:
         """What a run of this plan does: its parts and keys per part, a KV head's row tiles and rows per tile, the
@@ -383,45 +384,47 @@ def chunk_keys(dims: tuple[int, int]) -> int:
     return max(16, min(64, 16384 // max(dims)))
 
 
-def default_chunk(backend: str, rows: int, dims: tuple[int, int], rope: int = 0) -> int:
+def default_chunk(backend: str, rows: int, dims: tuple[int, int], keys: int, rope: int = 0) -> int:
     """Keys per streamed chunk of a contiguous cache by default: :func:`chunk_keys`'s, except where a program holds
     128 rows or more (the compute-bound side: ``Nq`` = 64 at GQA 4), which streams the chunk the backend's attention
-    forward does at its head dims: Triton's (128 keys at D = 128) and Mosaic's (128 keys at head dims up to 128).
+    forward does at its head dims for a part of ``keys`` keys: Triton's (128 keys at D = 128) and Mosaic's (128
+    keys at head dims up to 128).
     Measured on an H200 at ``Nq`` = 64 over 32k keys (``decode_bench.py``'s sweeps,
     ``probes/decode_mosaic_chunks.py``): Triton's kernel ran 10% (B = 1) and 13% (B = 16) faster than at 64
     keys, Mosaic's 23% (B = 1; 63.4 against 82.0 µs); at 16 rows (``Nq`` = 1) 128 keys were no faster.
 
-    >>> default_chunk("triton", 16, (128, 128)), default_chunk("triton", 128, (128, 128))
+    >>> default_chunk("triton", 16, (128, 128), 4096), default_chunk("triton", 128, (128, 128), 4096)
     (64, 128)
-    >>> default_chunk("mosaic", 128, (64, 64)), default_chunk("triton", 128, (64, 64))
+    >>> default_chunk("mosaic", 128, (64, 64), 4096), default_chunk("triton", 128, (64, 64), 4096)
     (128, 64)
-    >>> default_chunk("mosaic", 64, (128, 128))   # one consumer of 64 rows
+    >>> default_chunk("mosaic", 64, (128, 128), 4096)   # one consumer of 64 rows
     64
     """
     if rope or rows < TRITON_BLOCKS.wide_warps_at:
         return chunk_keys(dims)
     if backend == "mosaic":
         return MOSAIC_BLOCKS.faster_chunk if max(dims) <= 128 else chunk_keys(dims)
-    return TRITON_BLOCKS.entry(rows, MOSAIC_BLOCKS.faster_chunk, *dims)[1] if backend != "xla" else chunk_keys(dims)
+    return TRITON_BLOCKS.entry(rows, keys, *dims)[1] if backend != "xla" else chunk_keys(dims)
 
 
-def routed(backend: str, interpret: bool | None, dtype, rows: int, dims: tuple[int, int], tile: int | None,
-           mods: tuple, split: tuple[int, int, int] | None = None) -> str:  # fmt: skip
+def routed(backend: str, interpret: bool | None, dtype, tile: int, dims: tuple[int, int], mods: tuple,
+           split: tuple[int, int, int] | None = None) -> str:  # fmt: skip
     """The backend a contiguous decode step runs: ``backend``, except that ``"auto"`` takes Mosaic on a Hopper GPU
-    where it was measured faster than Triton: a KV head's rows in tiles of 128 (two consumers of 64 rows; ``Nq ·
-    H / H_kv`` ≥ 128: speculative decoding, chunked prefill; a tile of 256 does not fit Mosaic's shared memory at
-    D = 128) at D = 128 in 16 bits, no index functions, and (``split``: the parts,
+    where it was measured faster than Triton: a KV head's rows in tiles (``tile``, the rows per program) of 128,
+    Triton's attention tile, two consumers of 64 rows (``Nq · H / H_kv`` ≥ 128: speculative decoding, chunked
+    prefill; a tile of 256 does not fit Mosaic's shared memory at D = 128) at D = 128 in 16 bits, no index
+    functions, and (``split``: the parts,
     keys per part and the cache's keys) parts of whole 128-key chunks that cover the cache exactly, since Mosaic
     pads a cache cut otherwise (a copy per step) where Triton reads ragged parts in place. On an H200, ``Nq`` = 64,
     B = 1, 32k keys, 32 heads over 8, the step took 0.0708 ms against Triton's 0.0842 (both in 128-key chunks;
     ``papers/flash_attention/probes/decode_mosaic_chunks.py``). Elsewhere ``"auto"`` stays Triton's (fewer rows
     leave Mosaic's wgmma tiles of 64 rows per consumer half empty).
 
-    >>> routed("auto", None, "bfloat16", 256, (128, 128), None, (None, None))   # on a CPU: no Hopper GPU
+    >>> routed("auto", None, "bfloat16", 128, (128, 128), (None, None))   # on a CPU: no Hopper GPU
     'auto'
     """
     whole = split is None or (split[1] % MOSAIC_BLOCKS.faster_chunk == 0 and split[0] * split[1] == split[2])
-    tall = (tile or row_tile(rows, dims)) == TRITON_BLOCKS.wide_warps_at
+    tall = tile == TRITON_BLOCKS.tile
     if backend != "auto" or unavailable(interpret) is not None or not (tall and whole) or dims != (128, 128):
         return backend
     return "mosaic" if jnp.dtype(dtype).itemsize == 2 and mods == (None, None) else backend
@@ -711,15 +714,16 @@ def _contiguous(q, k_cache, v_cache, scale, fns, parts, backend, interpret, hard
         raise EvaluationError(f"decode_attention: parts must be an integer in [1, S] = [1, {keys}], got {n!r}")
     r = 0 if rope is None else rope[1].shape[-1]
     per = math.ceil(keys / n)
+    rows = tile or row_tile(nq * heads // kv_heads, (dim, dv))  # per program
     if rope is None:
-        backend = routed(backend, interpret, q.dtype, nq * heads // kv_heads, (dim, dv), tile, fns, (n, per, keys))
+        backend = routed(backend, interpret, q.dtype, rows, (dim, dv), fns, (n, per, keys))
     if backend == "mosaic" and keys > 2**24:
         raise NotLowerable(
             f"decode_attention: backend='mosaic' reads each row's key limit in f32, exact below 2**24 keys; the cache "
             f"holds {keys}: pass backend='triton'"
         )
     if backend == "mosaic" and rope is None:  # Mosaic streams whole chunks: parts of whole chunks (the last padded)
-        c = stream or default_chunk(backend, tile or row_tile(nq * heads // kv_heads, (dim, dv)), (dim, dv))
+        c = stream or default_chunk(backend, rows, (dim, dv), per)
         per = -(-per // c) * c
         n = math.ceil(keys / per)
     plan = Plan(jnp.dtype(q.dtype).name, nq, heads // kv_heads, (dim, dv), n, per, scale, *fns, backend, interpret,

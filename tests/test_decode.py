@@ -370,21 +370,22 @@ def test_auto_takes_mosaic_where_it_was_measured_faster(monkeypatch):
     import lowering._decode as decode
     from lowering._decode import routed
 
-    assert routed("auto", None, "bfloat16", 256, (128, 128), None, (None, None)) == "auto"  # a CPU: no Hopper GPU
+    # the rows per program: 128 where a KV head holds 128 or more (Triton's tile), 16 for Nq = 1 at GQA 4
+    assert routed("auto", None, "bfloat16", 128, (128, 128), (None, None)) == "auto"  # a CPU: no Hopper GPU
     monkeypatch.setattr(decode, "unavailable", lambda interpret: None)
     none = (None, None)
-    assert routed("auto", None, "bfloat16", 256, (128, 128), None, none) == "mosaic"
-    assert routed("auto", None, "float16", 128, (128, 128), None, none) == "mosaic"
-    kept = [routed("auto", None, "bfloat16", 16, (128, 128), None, none),  # Nq = 1: a tile of 16 rows
-            routed("auto", None, "bfloat16", 256, (128, 128), 64, none),  # one consumer's 64 rows asked for
-            routed("auto", None, "bfloat16", 256, (128, 128), 256, none),  # 256 rows: over Mosaic's shared memory
-            routed("auto", None, "bfloat16", 256, (64, 64), None, none),
-            routed("auto", None, "float32", 256, (128, 128), None, none),
-            routed("auto", None, "bfloat16", 256, (128, 128), None, (lambda s, kv_idx: s, None)),
-            routed("auto", None, "bfloat16", 256, (128, 128), None, none, (8, 4000, 32000)),  # parts of ragged chunks
-            routed("triton", None, "bfloat16", 256, (128, 128), None, none)]  # fmt: skip
+    assert routed("auto", None, "bfloat16", 128, (128, 128), none) == "mosaic"
+    assert routed("auto", None, "float16", 128, (128, 128), none) == "mosaic"
+    kept = [routed("auto", None, "bfloat16", 16, (128, 128), none),  # Nq = 1: a tile of 16 rows
+            routed("auto", None, "bfloat16", 64, (128, 128), none),  # one consumer's 64 rows asked for
+            routed("auto", None, "bfloat16", 256, (128, 128), none),  # 256 rows: over Mosaic's shared memory
+            routed("auto", None, "bfloat16", 128, (64, 64), none),
+            routed("auto", None, "float32", 128, (128, 128), none),
+            routed("auto", None, "bfloat16", 128, (128, 128), (lambda s, kv_idx: s, None)),
+            routed("auto", None, "bfloat16", 128, (128, 128), none, (8, 4000, 32000)),  # parts of ragged chunks
+            routed("triton", None, "bfloat16", 128, (128, 128), none)]  # fmt: skip
     assert kept == ["auto"] * 7 + ["triton"]
-    assert routed("auto", None, "bfloat16", 256, (128, 128), None, none, (8, 4096, 32768)) == "mosaic"
+    assert routed("auto", None, "bfloat16", 128, (128, 128), none, (8, 4096, 32768)) == "mosaic"
     z, kv = jnp.zeros((1, 64, 32, 128), jnp.bfloat16), jnp.zeros((1, 4096, 8, 128), jnp.bfloat16)
     summary = decode_plan(z, kv, kv, jnp.array([4096]), interpret=False, hardware="H200").summary()
     assert (summary["backend"], summary["chunk"], summary["tile"]) == ("mosaic", 128, 128), summary
