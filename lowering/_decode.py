@@ -384,14 +384,20 @@ def chunk_keys(dims: tuple[int, int]) -> int:
     return max(16, min(64, 16384 // max(dims)))
 
 
-def default_chunk(backend: str, rows: int, dims: tuple[int, int], keys: int, rope: int = 0) -> int:
+def default_chunk(backend: str, rows: int, dims: tuple[int, int], keys: int, rope: int = 0,
+                  crowded: bool = False) -> int:  # fmt: skip
     """Keys per streamed chunk of a contiguous cache by default: :func:`chunk_keys`'s, except where a program holds
     128 rows or more (the compute-bound side: ``Nq`` = 64 at GQA 4), which streams the chunk the backend's attention
     forward does at its head dims for a part of ``keys`` keys: Triton's (128 keys at D = 128) and Mosaic's (128
-    keys at head dims up to 128).
+    keys at head dims up to 128), and except on Triton at D = 128 where the grid is ``crowded`` (:func:`crowded`:
+    more than two programs per SM with the cache in one part; the caller checks its dtype is 16-bit, so three stages
+    of 128 keys fit), which streams 128 keys too.
     Measured on an H200 at ``Nq`` = 64 over 32k keys (``decode_bench.py``'s sweeps,
     ``probes/decode_mosaic_chunks.py``): Triton's kernel ran 10% (B = 1) and 13% (B = 16) faster than at 64
-    keys, Mosaic's 23% (B = 1; 63.4 against 82.0 µs); at 16 rows (``Nq`` = 1) 128 keys were no faster.
+    keys, Mosaic's 23% (B = 1; 63.4 against 82.0 µs). At 16 rows (``Nq`` = 1), 128 keys were 7% (B = 64, 4k keys:
+    248.9 against 266.3 µs) and 14% (B = 64, 32k: 1,895 against 2,214 µs) faster with 512 programs of one part
+    each, and no faster or slower (B = 1 and 16 at 32k: 37.6 / 482.8 against 37.4 / 481.6 µs; B = 16 at 4k, 69.3
+    against 66.3 µs) with 128 to 256 programs of split caches.
 
     >>> default_chunk("triton", 16, (128, 128), 4096), default_chunk("triton", 128, (128, 128), 4096)
     (64, 128)
@@ -399,12 +405,28 @@ def default_chunk(backend: str, rows: int, dims: tuple[int, int], keys: int, rop
     (128, 64)
     >>> default_chunk("mosaic", 64, (128, 128), 4096)   # one consumer of 64 rows
     64
+    >>> default_chunk("triton", 16, (128, 128), 4096, crowded=True)   # B = 64: 512 programs
+    128
     """
+    if crowded and not rope and backend in ("auto", "triton") and dims == (128, 128):
+        return TRITON_BLOCKS.entry(TRITON_BLOCKS.tile, keys, *dims)[1]
     if rope or rows < TRITON_BLOCKS.wide_warps_at:
         return chunk_keys(dims)
     if backend == "mosaic":
         return MOSAIC_BLOCKS.faster_chunk if max(dims) <= 128 else chunk_keys(dims)
     return TRITON_BLOCKS.entry(rows, keys, *dims)[1] if backend != "xla" else chunk_keys(dims)
+
+
+def crowded(programs: int, parts: int, hardware: Hardware) -> bool:
+    """Whether a decode grid of ``programs`` programs, its cache in ``parts`` parts, is crowded: the batch's KV heads
+    and row tiles alone more than twice the SMs (the cache not split), so several programs share each SM and each
+    streams a whole cache (:func:`default_chunk` streams 128 keys there).
+
+    >>> from napkin_cat.hardware import H100
+    >>> crowded(64 * 8, 1, H100), crowded(16 * 8 * 2, 2, H100)
+    (True, False)
+    """
+    return parts == 1 and programs > 2 * hardware.sms
 
 
 def routed(backend: str, interpret: bool | None, dtype, tile: int, dims: tuple[int, int], mods: tuple,
@@ -726,6 +748,10 @@ def _contiguous(q, k_cache, v_cache, scale, fns, parts, backend, interpret, hard
         c = stream or default_chunk(backend, rows, (dim, dv), per)
         per = -(-per // c) * c
         n = math.ceil(keys / per)
+    sixteen = jnp.dtype(q.dtype).itemsize == 2  # 128 keys of D = 128 in three stages fit shared memory in 16 bits
+    triton = backend in ("auto", "triton") and not rope
+    if stream is None and triton and sixteen and crowded(batch * kv_heads * tiles, n, hw):
+        stream = min(default_chunk(backend, rows, (dim, dv), per, crowded=True), 1 << (per - 1).bit_length())
     plan = Plan(jnp.dtype(q.dtype).name, nq, heads // kv_heads, (dim, dv), n, per, scale, *fns, backend, interpret,
                 rope=r, tile=tile, hardware=hw, values=values, stream=stream)  # fmt: skip
     _kernel(plan)  # built (derived, verified, lowered) here, outside any trace of the caller's

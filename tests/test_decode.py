@@ -113,6 +113,28 @@ def test_a_contiguous_cache_streams_the_chunk_asked(seed, chunk):
         nc.decode_attention(q, k, v, lengths, chunk=96)
 
 
+def test_a_crowded_grid_streams_128_keys(seed):
+    """A grid of more than two programs per SM with the cache in one part (B = 64 at 4k keys on an H200; here 3
+    sequences × 2 KV heads on a GPU of 2 SMs) streams chunks of 128 keys at D = 128 (``lowering._decode.crowded``:
+    measured faster there), with the result of the reference written here; a split cache, or f32, keeps 64."""
+    from dataclasses import replace
+
+    from napkin_cat.hardware import H100
+
+    r = np.random.default_rng(seed)
+    shapes = ((3, 1, 4, 128), *[(3, 256, 2, 128)] * 2)
+    q, k, v = (jnp.asarray(r.standard_normal(s, np.float32)).astype(jnp.bfloat16) for s in shapes)
+    lengths = jnp.array([256, 1 + seed % 256, 130])
+    small = replace(H100, sms=2)
+    plan = decode_plan(q, k, v, lengths, hardware=small)
+    assert (plan.summary()["parts"], plan.summary()["chunk"]) == (1, 128), plan.summary()
+    assert decode_plan(q, k, v, lengths, hardware=small, parts=2).summary()["chunk"] == 64
+    out = nc.decode_attention(q, k, v, lengths, hardware=small)
+    assert rel_err(out, reference(q, k, v, lengths)) <= RTOL["bfloat16"], (seed, lengths)
+    f32 = decode_plan(*(a.astype(jnp.float32) for a in (q, k, v)), lengths, hardware=small)
+    assert f32.summary()["chunk"] == 64  # 128 keys of f32 in three stages: over shared memory
+
+
 def test_index_functions_read_the_cache_position_and_query_head():
     case = ("float32", 2, 1, 4, 2, 24, 3)
     q, k, v = draw(case, 3)

@@ -96,6 +96,7 @@ VARIANTS = {
     "napkin_mosaic": ({"backend": "mosaic"}, False),
     "napkin_mosaic_tile64": ({"backend": "mosaic", "tile": 64}, False),
     "napkin_chunk128": ({"chunk": 128}, False),
+    "napkin_chunk128_parts2x": ({"chunk": 128, "parts": "2x"}, False),
     "napkin_triton": ({"backend": "triton"}, False),  # beside auto where auto runs Mosaic (Nq = 64 on a Hopper GPU)
     "napkin_mosaic_tile256": ({"backend": "mosaic", "tile": 256}, False),
     "napkin_mosaic_chunk64": ({"backend": "mosaic", "chunk": 64}, False),
@@ -111,7 +112,7 @@ def rows(quick: bool) -> list[dict]:
     >>> [r["name"] for r in rows(quick=False)][:4]
     ['nq1-b1-s32k', 'nq64-b1-s32k', 'nq1-b1-s128k', 'nq64-b1-s128k']
     >>> len(rows(quick=False)), len(rows(quick=True))
-    (23, 23)
+    (26, 26)
     """
     k = 1 if quick else 1024
     s4, s32, s128 = (64, 128, 256) if quick else (4 * k, 32 * k, 128 * k)
@@ -121,7 +122,7 @@ def rows(quick: bool) -> list[dict]:
         size = f"{s // k}k" if not quick else str(s)
         return {"name": f"{what}-b{b}-s{size}", "B": b, "S": s, "Nq": nq, "impls": impls}
 
-    sweep = ("napkin", "napkin_parts2x", "napkin_chunk128", "paged", "paged_chunk128")
+    sweep = ("napkin", "napkin_parts2x", "napkin_chunk128", "napkin_chunk128_parts2x", "paged", "paged_chunk128")
     tiles = ("napkin", "napkin_triton", "napkin_mosaic_chunk64", "napkin_triton_chunk64", "napkin_tile64",
              "napkin_tile256", "napkin_mosaic_tile64", "napkin_mosaic_tile256", "napkin_mosaic_fa3")
     return [
@@ -134,7 +135,8 @@ def rows(quick: bool) -> list[dict]:
         {**row("sweep-mla", 1, s32, impls=("mla", *MLA_VARIANTS, "copy")), "mla": True},
         {**row("sweep-mla", b64, s4, impls=("mla", *MLA_VARIANTS, "copy")), "mla": True},
         row("sweep-nq1", 1, s32, 1, sweep), row("sweep-nq64", 1, s32, 64, tiles),
-        row("sweep-nq1", b16, s32, 1, sweep),
+        row("sweep-nq1", b16, s32, 1, sweep), row("sweep-nq1", b64, s4, 1, sweep),
+        row("sweep-nq1", b64, s32, 1, sweep), row("sweep-nq1", b16, s4, 1, sweep),
         row("nq1", 1, s4), row("nq1", b16, s4), row("nq1", b16, s128), row("nq1", b64, s128, impls=BASE[:4]),
         row("nq4", 1, s32, 4), row("nq64", b16, s32, 64, ("napkin", "napkin_triton", "paged", "xla")),
         row("nq64", b64, s4, 64, ("napkin", "napkin_triton", "paged", "xla")), row("nq4", b64, s32, 4),
