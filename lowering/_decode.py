@@ -391,13 +391,15 @@ def default_chunk(backend: str, rows: int, dims: tuple[int, int], keys: int, rop
     forward does at its head dims for a part of ``keys`` keys: Triton's (128 keys at D = 128) and Mosaic's (128
     keys at head dims up to 128), and except on Triton at D = 128 where the grid is ``crowded`` (:func:`crowded`:
     more than two programs per SM with the cache in one part; the caller checks its dtype is 16-bit, so three stages
-    of 128 keys fit), which streams 128 keys too.
+    of 128 keys fit), which streams 128 keys too, a paged cache's as two pages of 64 (each key's page gathered,
+    :meth:`lowering._paged.PageMap.load`).
     Measured on an H200 at ``Nq`` = 64 over 32k keys (``decode_bench.py``'s sweeps,
     ``probes/decode_mosaic_chunks.py``): Triton's kernel ran 10% (B = 1) and 13% (B = 16) faster than at 64
     keys, Mosaic's 23% (B = 1; 63.4 against 82.0 µs). At 16 rows (``Nq`` = 1), 128 keys were 7% (B = 64, 4k keys:
     248.9 against 266.3 µs) and 14% (B = 64, 32k: 1,895 against 2,214 µs) faster with 512 programs of one part
     each, and no faster or slower (B = 1 and 16 at 32k: 37.6 / 482.8 against 37.4 / 481.6 µs; B = 16 at 4k, 69.3
-    against 66.3 µs) with 128 to 256 programs of split caches.
+    against 66.3 µs) with 128 to 256 programs of split caches. Paged (pages of 64 keys) at B = 64, 4k: 255.5 µs in
+    chunks of two pages against 281.4 in one (``probes/decode_stages.py``; ``num_stages`` 3 or 6 made no difference).
 
     >>> default_chunk("triton", 16, (128, 128), 4096), default_chunk("triton", 128, (128, 128), 4096)
     (64, 128)
@@ -903,6 +905,9 @@ def _paged(q, k_pages, v_pages, lengths, page_table, scale, mods, parts, chunk, 
     n_default = _parts(batch, kv_heads * tiles, width * page_size, hw, exact=False)
     covered = max(16, 1 << (width * page_size - 1).bit_length())  # a short table's keys, to a power of two
     default = min(chunk_keys((dim, dv)), covered)
+    if jnp.dtype(q.dtype).itemsize == 2 and not rope and crowded(batch * kv_heads * tiles, n_default, hw):
+        rows = tile or row_tile(nq * heads // kv_heads, (dim, dv))  # 128 keys (two pages of 64) where measured faster
+        default = min(default_chunk("triton", rows, (dim, dv), width * page_size, crowded=True), covered)
     n, per_part, keys = paged_split(width, page_size, parts=parts, chunk=default if chunk is None else chunk,
                                     n_default=n_default)  # fmt: skip
     backend = "triton" if backend == "auto" else backend

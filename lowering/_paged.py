@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from lowering._plan import NotLowerable
 from napkin_cat.errors import EvaluationError
@@ -120,9 +121,11 @@ divisor of one: stream x in chunks of a multiple or a divisor of the page size
         [[8, 9], [10, 11], [0, 1], [2, 3]]
         """
         p, last = self.page_size, pool.shape[0] - 1
-        if size > p:
-            got = pool[jnp.clip(entries(start // p, size // p), 0, last)]
-            return got.reshape(size, *pool.shape[2:])
+        if size > p:  # each key's page and offset (a gather of rows): no reshape of a [pages, page_size, …] block
+            m = size // p
+            mine = lax.broadcasted_iota(jnp.int32, (size, m), 0) // p == lax.broadcasted_iota(jnp.int32, (size, m), 1)
+            page = jnp.sum(jnp.where(mine, jnp.clip(entries(start // p, m), 0, last)[None, :], 0), axis=1)
+            return pool[page, lax.broadcasted_iota(jnp.int32, (size,), 0) % p]
         # start ≥ 0: lax's truncating division (jnp's floor division lowers to a select Triton's lowering mistypes)
         page, offset = jax.lax.div(start, jnp.int32(p)), jax.lax.rem(start, jnp.int32(p))
         return window(pool, jnp.clip(entries(page), 0, last), offset, size)

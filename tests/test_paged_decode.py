@@ -14,7 +14,7 @@ from references import rel_err
 
 import napkin_cat as nc
 from lowering import KVCache, NotLowerable, decode_cost
-from lowering._decode import _step
+from lowering._decode import _step, decode_plan
 from napkin_cat.errors import CostError, EvaluationError
 from papers.flash_attention.generate import TinyLM, generate, greedy_reference
 
@@ -88,6 +88,28 @@ def test_index_functions_read_each_key_at_its_position_through_the_page_table(ca
                               mask_mod=mask_mod, backend=backend)  # fmt: skip
     want = reference(q, k, v, table, lengths, score_mod, mask_mod)
     assert rel_err(out, want) <= RTOL[case[0]], (case, seed, backend, lengths)
+
+
+def test_a_crowded_grid_reads_two_pages_per_chunk(seed):
+    """A grid of more than two programs per SM with each cache in one part (B = 64 at 4k keys on an H200; here 3
+    sequences × 2 KV heads on a GPU of 2 SMs) streams 128 keys at D = 128 in 16 bits: two pages of 64, each key's
+    page gathered (``PageMap.load``), against the reference written here, on Triton (interpreted) and XLA."""
+    from dataclasses import replace
+
+    from napkin_cat.hardware import H100
+
+    r = np.random.default_rng(seed)
+    q = jnp.asarray(r.standard_normal((3, 1, 4, 128), np.float32)).astype(jnp.bfloat16)
+    k, v = (jnp.asarray(r.standard_normal((9, 64, 2, 128), np.float32)).astype(jnp.bfloat16) for _ in range(2))
+    table = jnp.asarray(r.permutation(9)[:6].reshape(3, 2), jnp.int32)  # 2 pages each, shuffled
+    lengths = jnp.array([128, 1 + seed % 128, 65])
+    small = replace(H100, sms=2)
+    plan = decode_plan(q, k, v, lengths, page_table=table, hardware=small)
+    assert (plan.summary()["parts"], plan.summary()["chunk"]) == (1, 128), plan.summary()
+    want = reference(q, k, v, table, lengths)
+    for backend in ("triton", "xla"):
+        out = nc.decode_attention(q, k, v, lengths, page_table=table, hardware=small, backend=backend)
+        assert rel_err(out, want) <= RTOL["bfloat16"], (backend, seed, lengths)
 
 
 def test_shortest_and_longest_lengths_in_one_part_and_on_the_xla_backend():
