@@ -114,6 +114,33 @@ def test_a_step_launches_the_kernel_and_the_merge_only(abstract_hopper, nq, page
     assert ops.count("custom_call") == 2 and [o for o in ops if o != "custom_call"] == want, ops
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_crowded_step_lowers_in_128_key_chunks(abstract_hopper, paged):
+    """A crowded grid (3 sequences × 2 KV heads on a GPU of 2 SMs, each cache in one part) streams 128 keys at
+    D = 128 in 16 bits: for a paged cache two pages of 64, each key's page gathered (``PageMap.load``); the Triton
+    module passes the MLIR verifier, and the step launches the kernel and the merge only."""
+    from dataclasses import replace
+
+    from napkin_cat.hardware import H100
+
+    small = replace(H100, sms=2)
+    q = jax.ShapeDtypeStruct((3, 1, 8, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((9, 64, 2, 128) if paged else (3, 256, 2, 128), q.dtype)
+    table = jax.ShapeDtypeStruct((3, 4), jnp.int32) if paged else None
+    lengths = jax.ShapeDtypeStruct((3,), jnp.int32)
+
+    def step(q, k, v, n, t):
+        return nc.decode_attention(q, k, v, n, page_table=t, interpret=False, hardware=small)
+
+    text = jax.jit(step).trace(q, kv, kv, lengths, table).lower(lowering_platforms=("cuda",)).as_text()
+    ops = launches(text)
+    assert ops.count("custom_call") == 2 and len(abstract_hopper) == 2, ops
+    z, pool = jnp.zeros(q.shape, q.dtype), jnp.zeros(kv.shape, kv.dtype)
+    pages = jnp.arange(12, dtype=jnp.int32).reshape(3, 4) % 9 if paged else None
+    plan = decode_plan(z, pool, pool, jnp.full((3,), 256), page_table=pages, interpret=False, hardware=small)
+    assert (plan.summary()["parts"], plan.summary()["chunk"]) == (1, 128), plan.summary()
+
+
 def test_the_named_hardware_plans_and_lowers_the_kernel():
     q, kv = jnp.zeros((1, 1, 8, 16)), jnp.zeros((1, 256, 2, 16))
     plan = decode_plan(q, kv, kv, jnp.array([256]), hardware="A100")
