@@ -71,6 +71,7 @@ from napkin_cat.errors import CostError, EvaluationError
 from napkin_cat.generators import add, contract, elementwise, fname, index_names, positional, softmax
 from napkin_cat.generators import mask as index_mask
 from napkin_cat.generators import score_mod as index_score_mod
+from napkin_cat.generators._vectors import pruned_trace
 from napkin_cat.hardware import Hardware, lookup
 from rewrites import choose_parts, derive, merge_parts, stream, tile, with_lse
 
@@ -102,7 +103,8 @@ class Decoded:
         return ("b", "h", "kv_idx") if names is None else names
 
     def __call__(self, *value, b, p, h, q_idx, kv_idx):
-        mine = {"b": b, "h": h * self.group + q_idx % self.group, "kv_idx": p * self.chunk + kv_idx}
+        # q_idx: only a function whose value does not depend on it takes it (``reads_query``), so any value does
+        mine = {"b": b, "h": h * self.group + q_idx % self.group, "kv_idx": p * self.chunk + kv_idx, "q_idx": 0}
         return self.fn(*value, **{n: mine[n] for n in self._names()})
 
     @property
@@ -114,6 +116,33 @@ class Decoded:
     @property
     def __name__(self):
         return fname(self.fn)
+
+
+def reads_query(fn: Callable, score: bool) -> bool:
+    """Whether the index function ``fn`` (a score modifier with ``score``, else a mask) reads ``q_idx``: it takes it
+    (by name, or read by position: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx)``, :func:`positional`) and
+    its value depends on it (its trace on abstract indices, as :func:`napkin_cat.generators.depends_on` reads a
+    mask's). A function the trace cannot follow (Python control flow on an index) counts as reading it.
+
+    >>> reads_query(positional(lambda score, b, h, m, n: score * 2, FLEX, score=True), True)
+    False
+    >>> reads_query(positional(lambda b, h, m, n: m >= n, FLEX, score=False), False)
+    True
+    """
+    taken = index_names(fn, score=score)
+    taken = FLEX if taken is None else taken
+    if "q_idx" not in taken:
+        return False
+    i32, value = jax.ShapeDtypeStruct((), jnp.int32), [jax.ShapeDtypeStruct((), jnp.float32)] if score else []
+
+    def traced(*args):
+        return fn(*args[: len(value)], **dict(zip(taken, args[len(value) :], strict=True)))
+
+    try:
+        _, read = pruned_trace(traced, [*value, *[i32] * len(taken)])
+    except Exception:  # noqa: BLE001 - a trace that fails (Python control flow on an index): read, to be safe
+        return True
+    return bool(read[len(value) + taken.index("q_idx")])
 
 
 @dataclass(frozen=True)
@@ -710,11 +739,11 @@ def decode_plan(
     {'parts': 8, 'keys_per_part': 512, 'row_tiles': 2, 'tile': 128, 'chunk': 64, 'backend': 'triton'}
     """
     for name, fn, score in (("score_mod", score_mod, True), ("mask_mod", mask_mod, False)):
-        if fn is not None and "q_idx" in (index_names(positional(fn, FLEX, score=score), score=score) or ()):
+        if fn is not None and reads_query(positional(fn, FLEX, score=score), score):
             raise NotLowerable(
                 f"decode_attention: {name} {fname(fn)} reads q_idx; a new token's position is lengths[b] − Nq + i, "
-                "known only when the kernel runs: name only the indices it reads among b, h and kv_idx (the key's "
-                "position in the cache), e.g. lambda score, kv_idx: ..."
+                "known only when the kernel runs: read only b, h and kv_idx (the key's position in the cache), by "
+                "name (lambda score, kv_idx: ...) or in FlexAttention's positional form leaving q_idx unused"
             )
     fns = tuple(None if f is None else positional(f, FLEX, score=s) for f, s in ((score_mod, True), (mask_mod, False)))
     if page_table is not None:

@@ -151,6 +151,53 @@ def test_index_functions_read_the_cache_position_and_query_head():
     assert float(jnp.max(jnp.abs(out - want))) <= ATOL["float32"]
 
 
+# PyTorch's FlexAttention test score mods (test/inductor/test_flex_attention.py), five positional parameters whatever
+# their names: those that leave the query index unused run verbatim in a decode step
+def _identity(score, batch, head, token_q, token_kv):
+    return score
+
+
+def _times_two(score, b, h, m, n):
+    return score * 2
+
+
+def _squared(score, b, h, m, n):
+    return score * score
+
+
+def _trig(score, b, h, m, n):
+    return jnp.sin(jnp.cos(score)) + jnp.tan(b)
+
+
+def _trig2(score, b, h, m, n):
+    return jnp.cos(score) * jnp.sin(score) + jnp.tan(b)
+
+
+def _causal(score, b, h, token_q, token_kv):
+    return jnp.where(token_q >= token_kv, score, -jnp.inf)
+
+
+def _rel_bias(score, b, h, m, n):
+    return score + (m - n)
+
+
+@pytest.mark.parametrize("mod", [_identity, _times_two, _squared, _trig, _trig2])
+def test_flexattentions_score_mods_run_verbatim_where_they_leave_q_idx_unused(seed, mod):
+    """FlexAttention's convention (``score_mod(score, b, h, q_idx, kv_idx)`` read by position) in a decode step: a
+    function whose value does not depend on the query index (``lowering._decode.reads_query``: its trace) runs, against
+    the reference written here with the same function on the sequence, query head and key position; one that reads
+    it is refused by name (a new token's position is known only when the kernel runs)."""
+    case = ("float32", 2, 1, 4, 2, 40, 3)
+    q, k, v = draw(case, seed)
+    lengths = jnp.array([40, 1 + seed % 40])
+    out = nc.decode_attention(q, k, v, lengths, score_mod=mod)
+    want = reference(q, k, v, lengths, score_mod=lambda s, b, h, kv_idx: mod(s, b, h, 0, kv_idx))
+    assert float(jnp.max(jnp.abs(out - want))) <= ATOL["float32"], (mod.__name__, seed, lengths)
+    for reader in (_causal, _rel_bias):
+        with pytest.raises(NotLowerable, match=f"score_mod {reader.__name__} reads q_idx"):
+            nc.decode_attention(q, k, v, lengths, score_mod=reader)
+
+
 def test_one_kernel_serves_every_length_under_jit():
     q, k, v = draw(CASES[0], 11)
     step = jax.jit(lambda q, k, v, n: nc.decode_attention(q, k, v, n, parts=2))
@@ -172,7 +219,7 @@ def test_refusals_are_typed():
     with pytest.raises(EvaluationError, match="lengths must be integers of shape"):
         nc.decode_attention(q, k, v, jnp.array([3.0, 4.0]))
     with pytest.raises(NotLowerable, match="reads q_idx"):
-        nc.decode_attention(q, k, v, jnp.array([3, 4]), score_mod=lambda s, b, h, q_idx, kv_idx: s)
+        nc.decode_attention(q, k, v, jnp.array([3, 4]), score_mod=lambda s, b, h, q_idx, kv_idx: s + q_idx)
     with pytest.raises(NotLowerable, match="no gradient"):
         jax.grad(lambda q: nc.decode_attention(q, k, v, jnp.array([3, 4]), parts=2).sum())(q)
 

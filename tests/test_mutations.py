@@ -4,14 +4,22 @@ Each run is a fresh interpreter (``python -m pytest -p tests.mutations``) with `
 the tests that should catch that bug; the run must end in a failed assertion (exit status 1), not an error
 or a missing target. The same tests pass unmutated: in this session when it runs them too (the plugin is inert
 without ``NAPKIN_MUTATION``, so that is the same check, and a fresh interpreter running them again would only
-repeat it), else in a run of their own. Each test starts its own run (no shared fixture): under ``pytest -n 2``
-a module-scoped fixture would start every run once per worker.
+repeat it), else in a run of their own. Each test starts its own run (no shared run): under ``pytest -n 2``
+a module-scoped fixture running them all would start every run once per worker.
+
+Each run is forked from a server that imported JAX, pytest and the library once (``multiprocessing``'s forkserver,
+one per worker, started on first use): a run pays for its own pytest session and its test, not for ~2.5 s of
+imports. The server starts no JAX backend (importing the library starts none), so each run still starts its own
+CPU client, reads conftest's XLA flags and plants its mutation in a process of its own; a planted mutation rebinds
+its target in every loaded module, and no module in the server holds a compiled kernel.
 """
 
+import multiprocessing
 import os
-import subprocess
 import sys
+import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -38,12 +46,44 @@ CATCHERS = {
 }
 
 
-def run(mutation: str | None, tests: list[str]) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "NAPKIN_MUTATION"}
+#: what the server imports once for every run it forks (none of it starts a JAX backend; no pytest plugin, which
+#: pytest would find imported before it could rewrite its asserts)
+PRELOAD = ["jax", "jax.numpy", "pytest", "napkin_cat", "lowering", "rewrites"]
+FORKS = multiprocessing.get_context("forkserver")
+FORKS.set_forkserver_preload(PRELOAD)
+
+
+def pytest_run(mutation: str | None, tests: list[str], log: str) -> None:
+    """In the forked run: ``python -m pytest -x -q -rf -p tests.mutations ... tests``, output to ``log``."""
+    os.environ.pop("NAPKIN_MUTATION", None)
     if mutation:
-        env["NAPKIN_MUTATION"] = mutation
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-rf", "-p", "tests.mutations", "-p", "no:cacheprovider"]
-    return subprocess.run([*cmd, *tests], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        os.environ["NAPKIN_MUTATION"] = mutation
+    os.chdir(ROOT)
+    with open(log, "w") as out:
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+    sys.stdout = sys.__stdout__ = open(1, "w", closefd=False)  # the run's own stdout, to its exit
+    sys.stderr = sys.__stderr__ = open(2, "w", closefd=False)
+    import pytest
+
+    code = pytest.main(["-x", "-q", "-rf", "-p", "tests.mutations", "-p", "no:cacheprovider", *tests])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(code))
+
+
+def run(mutation: str | None, tests: list[str]) -> SimpleNamespace:
+    """The run's exit status and its output (stdout and stderr together, as both)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        log = os.path.join(tmp, "log")
+        process = FORKS.Process(target=pytest_run, args=(mutation, tests, log))
+        process.start()
+        process.join(600)
+        if process.is_alive():
+            process.kill()
+            process.join()
+        text = Path(log).read_text() if os.path.exists(log) else ""
+    return SimpleNamespace(returncode=process.exitcode, stdout=text, stderr="")
 
 
 def test_unmutated_tests_pass(request):

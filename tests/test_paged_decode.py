@@ -174,7 +174,7 @@ def test_paged_refusals_are_typed():
     with pytest.raises(NotLowerable, match="backend='mosaic' has no page map"):
         nc.decode_attention(q, k, v, lengths, page_table=table, backend="mosaic")
     with pytest.raises(NotLowerable, match="score_mod .* reads q_idx"):
-        nc.decode_attention(q, k, v, lengths, page_table=table, score_mod=lambda s, q_idx, kv_idx: s)
+        nc.decode_attention(q, k, v, lengths, page_table=table, score_mod=lambda s, q_idx, kv_idx: s * q_idx)
     with pytest.raises(EvaluationError, match="chunk=24 keys per streamed chunk must be a power of two"):
         nc.decode_attention(q, k[:2], v[:2], lengths, chunk=24)  # a contiguous cache's chunk
     with pytest.raises(CostError, match="1 lengths for a batch of 2"):

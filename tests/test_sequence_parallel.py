@@ -77,20 +77,24 @@ def qkv(seed, heads, nq, nk, d=8, lead=(), dtype=jnp.float32):
 # --- in-process: the partitioned semantics, refusals, the cost model --------------------------------------
 
 
-@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "causal, strategy",
+    # not the full ring: without a mask its rules are the contiguous ring's (zig-zag balances causal work only)
+    [(c, s) for c in (False, True) for s in sorted(STRATEGIES) if c or s != "ring"],
+    ids=lambda v: v if isinstance(v, str) else ("causal" if v else "full"),
+)
 def test_partitioned_semantics_unequal_lengths(seed, strategy, causal):
     """Each strategy, verified by derive_devices, then its partitioned semantics against the reference at equal,
     fewer-query and fewer-key lengths (ragged: none a multiple of the chunks)."""
     rules = STRATEGIES[strategy](3, causal)
-    if strategy == "ring" and not causal:
-        rules = rules[:1]
     done = derive_devices(heads_flash(causal), *rules, seed=seed)
     assert all(s.verification.passed for s in done.steps[1:])
-    run = execute_devices(done.sharded)
+    # both sides compiled whole, one program per size (op by op, each of ~200 small ops compiled at each size)
+    run = jax.jit(execute_devices(done.sharded), compiler_options=FAST_COMPILE)
+    want = jax.jit(functools.partial(reference, causal=causal))
     for nq, nk in ((37, 37), (20, 45), (45, 20)):
         Q, K, V = qkv(seed + nq, 6, nq, nk)
-        assert rel_err(run(Q, K, V), reference(Q, K, V, causal)) <= TOL, f"seed {seed}, {nq} × {nk}"
+        assert rel_err(run(Q, K, V), want(Q, K, V)) <= TOL, f"seed {seed}, {nq} × {nk}"
 
 
 def test_ulysses_side_conditions_exact_errors():
