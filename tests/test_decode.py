@@ -198,6 +198,20 @@ def test_flexattentions_score_mods_run_verbatim_where_they_leave_q_idx_unused(se
             nc.decode_attention(q, k, v, lengths, score_mod=reader)
 
 
+def test_a_positional_mask_mod_leaving_q_idx_unused_runs(seed):
+    """FlexAttention's ``mask_mod(b, h, q_idx, kv_idx)`` under other names, its value free of the query index: a
+    decode step runs it, against the reference written here with the same mask on the sequence and key position."""
+
+    def every_third_dropped(batch, head, token_q, token_kv):
+        return (token_kv + batch) % 3 != 0
+
+    q, k, v = draw(("float32", 2, 1, 4, 2, 40, 3), seed)
+    lengths = jnp.array([40, 2 + seed % 39])
+    out = nc.decode_attention(q, k, v, lengths, mask_mod=every_third_dropped)
+    want = reference(q, k, v, lengths, mask_mod=lambda b, kv_idx: every_third_dropped(b, 0, 0, kv_idx))
+    assert float(jnp.max(jnp.abs(out - want))) <= ATOL["float32"], (seed, lengths)
+
+
 def test_one_kernel_serves_every_length_under_jit():
     q, k, v = draw(CASES[0], 11)
     step = jax.jit(lambda q, k, v, n: nc.decode_attention(q, k, v, n, parts=2))
