@@ -14,7 +14,8 @@ entry runs it as a decode step) and ``entry_dense`` (``split_keys=False``: the a
 bf16, 32 query heads over 8 KV heads (grouped-query), D = 128, every key valid. The rows (:data:`ROWS`, named
 ``<what>-b<B>-s<S>``) run in order of importance, so a budget that runs out leaves the least important: issue 32's
 table first (B = 1 at 32k and 128k with ``Nq`` = 64 beside ``Nq`` = 1, then B = 16 and 64), MLA, the variants that
-explain a row (``sweep-…``: twice the parts, paged chunks of two pages, rows per program 64 and 256 and chunks of
+explain a row (``sweep-…``: twice the parts, chunks of 128 keys with and without them, paged chunks of two pages,
+at B = 1, 16 and 64 (4k and 32k) for ``Nq`` = 1; rows per program 64 and 256 and chunks of
 64 keys at ``Nq`` = 64 on Triton and Mosaic beside ``auto`` (Mosaic there on a Hopper GPU) and Triton, with
 FlashAttention-3's forward blocks on Mosaic (256 rows, 128 keys),
 MLA at 16 and 32 rows per program),
