@@ -68,10 +68,9 @@ from napkin_cat.diagram import Array, Diagram, Ty, swap
 from napkin_cat.diagram import id as identity
 from napkin_cat.dtypes import bf16, f16, f32
 from napkin_cat.errors import CostError, EvaluationError
-from napkin_cat.generators import add, contract, elementwise, fname, index_names, positional, softmax
+from napkin_cat.generators import add, contract, depends_on, elementwise, fname, index_names, positional, softmax
 from napkin_cat.generators import mask as index_mask
 from napkin_cat.generators import score_mod as index_score_mod
-from napkin_cat.generators._vectors import pruned_trace
 from napkin_cat.hardware import Hardware, lookup
 from rewrites import choose_parts, derive, merge_parts, stream, tile, with_lse
 
@@ -119,30 +118,16 @@ class Decoded:
 
 
 def reads_query(fn: Callable, score: bool) -> bool:
-    """Whether the index function ``fn`` (a score modifier with ``score``, else a mask) reads ``q_idx``: it takes it
-    (by name, or read by position: FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx)``, :func:`positional`) and
-    its value depends on it (its trace on abstract indices, as :func:`napkin_cat.generators.depends_on` reads a
-    mask's). A function the trace cannot follow (Python control flow on an index) counts as reading it.
+    """Whether the index function ``fn`` (a score modifier with ``score``, else a mask) reads ``q_idx``: its value
+    depends on it (:func:`~napkin_cat.generators.depends_on`: its trace on abstract indices, by name or read by
+    position as FlexAttention's ``score_mod(score, b, h, q_idx, kv_idx)``, :func:`positional`).
 
     >>> reads_query(positional(lambda score, b, h, m, n: score * 2, FLEX, score=True), True)
     False
     >>> reads_query(positional(lambda b, h, m, n: m >= n, FLEX, score=False), False)
     True
     """
-    taken = index_names(fn, score=score)
-    taken = FLEX if taken is None else taken
-    if "q_idx" not in taken:
-        return False
-    i32, value = jax.ShapeDtypeStruct((), jnp.int32), [jax.ShapeDtypeStruct((), jnp.float32)] if score else []
-
-    def traced(*args):
-        return fn(*args[: len(value)], **dict(zip(taken, args[len(value) :], strict=True)))
-
-    try:
-        _, read = pruned_trace(traced, [*value, *[i32] * len(taken)])
-    except Exception:  # noqa: BLE001 - a trace that fails (Python control flow on an index): read, to be safe
-        return True
-    return bool(read[len(value) + taken.index("q_idx")])
+    return "q_idx" in depends_on(fn, FLEX, score=score)
 
 
 @dataclass(frozen=True)

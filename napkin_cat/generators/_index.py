@@ -324,27 +324,35 @@ def _applied(kept, whole, then):
     return then(kept, whole)
 
 
-def depends_on(keep: Callable, names: tuple[str, ...]) -> frozenset:
-    """The indices among ``names`` the value of the mask ``keep`` depends on: those it takes (all of ``names`` where
-    it takes ``**kwargs``), less those its trace never reads (FlexAttention's ``mask_mod(b, h, q_idx, kv_idx)``
-    names the batch and the head, and most masks read neither), so a block map is evaluated over those only.
+def depends_on(keep: Callable, names: tuple[str, ...], *, score: bool = False) -> frozenset:
+    """The indices among ``names`` the value of the mask ``keep`` (with ``score``, of the score modifier ``keep(score,
+    **indices)``) depends on: those it takes (all of ``names`` where it takes ``**kwargs``), less those its trace
+    never reads (FlexAttention's ``mask_mod(b, h, q_idx, kv_idx)`` names the batch and the head, and most masks read
+    neither), so a block map is evaluated over those only. A function the trace cannot follow (Python control flow
+    on an index) depends on every index it takes.
 
     >>> sorted(depends_on(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, ("b", "h", "kv_idx", "q_idx")))
     ['kv_idx', 'q_idx']
+    >>> sorted(depends_on(lambda s, b, h, q_idx, kv_idx: 2 * s + b, ("b", "h", "q_idx", "kv_idx"), score=True))
+    ['b']
     """
-    return _depends_on(keep, names)
+    return _depends_on(keep, names, score)
 
 
 @functools.lru_cache(maxsize=256)
-def _depends_on(keep: Callable, names: tuple[str, ...]) -> frozenset:
-    taken = index_names(keep, score=False)
+def _depends_on(keep: Callable, names: tuple[str, ...], score: bool = False) -> frozenset:
+    taken = index_names(keep, score=score)
     taken = tuple(a for a in names if taken is None or a in taken)
-    i32 = jax.ShapeDtypeStruct((), jnp.int32)
+    i32, value = jax.ShapeDtypeStruct((), jnp.int32), [jax.ShapeDtypeStruct((), jnp.float32)] if score else []
+
+    def traced(*args):
+        return keep(*args[: len(value)], **dict(zip(taken, args[len(value) :], strict=True)))
+
     try:
-        _, read = pruned_trace(lambda *idx: keep(**dict(zip(taken, idx, strict=True))), [i32] * len(taken))
-    except Exception:  # noqa: BLE001 - a mask the trace cannot follow (Python control flow): every index taken
+        _, read = pruned_trace(traced, [*value, *[i32] * len(taken)])
+    except Exception:  # noqa: BLE001 - a function the trace cannot follow (Python control flow): every index taken
         return frozenset(taken)
-    return frozenset(a for a, r in zip(taken, read, strict=True) if r)
+    return frozenset(a for a, r in zip(taken, read[len(value) :], strict=True) if r)
 
 
 #: the last fine maps evaluated, per (mask function, sizes, indices passed as 0): a few, each at most FINE_BLOCKS
