@@ -782,8 +782,11 @@ def limit_bounds(p: Plan, m: Limits, arrays: list, extent: dict):
     rows, chunks = v.shape[-1], -(-extent[x] // s)
     tiles = -(-rows // g)
     pad = [(0, 0)] * (v.ndim - 1) + [(0, tiles * g - rows)]
-    hi = jnp.max(jnp.pad(v, pad, constant_values=-jnp.inf).reshape(*v.shape[:-1], tiles, g), axis=-1)
-    lo = jnp.min(jnp.pad(v, pad, constant_values=jnp.inf).reshape(*v.shape[:-1], tiles, g), axis=-1)
+
+    def per_tile(reduce, fill):  # padding rows, past the array's end, count for neither
+        return reduce(jnp.pad(v, pad, constant_values=fill).reshape(*v.shape[:-1], tiles, g), axis=-1)
+
+    hi, lo = per_tile(jnp.max, -jnp.inf), per_tile(jnp.min, jnp.inf)
     last = jnp.clip(jnp.ceil(hi / s), 0, chunks).astype(jnp.int32)
     whole = jnp.clip(jnp.floor(lo / s), 0, extent[x] // s).astype(jnp.int32)
     zero = jnp.zeros_like(last)

@@ -240,6 +240,9 @@ class Plan:
     hardware: Hardware | None = None
     #: a contiguous cache's keys per streamed chunk; None: :func:`default_chunk`'s (a paged cache's are its ``pages``)
     stream: int | None = None
+    #: whether the grid is :func:`crowded` (the batch's programs alone fill each SM more than twice over): its
+    #: default chunk is :func:`default_chunk`'s for a crowded grid
+    crowded: bool = False
 
     @property
     def rows(self) -> int:
@@ -266,7 +269,7 @@ class Plan:
         rows = self.tile or row_tile(self.rows, self.dims)
         if self.pages is not None:
             return rows, self.pages[1]
-        chunk = default_chunk(self.backend, rows, self.dims, self.chunk, self.rope)
+        chunk = default_chunk(self.backend, rows, self.dims, self.chunk, self.rope, self.crowded)
         return rows, self.stream or min(chunk, pow2(self.chunk))
 
     def summary(self) -> dict:
@@ -403,10 +406,9 @@ def default_chunk(backend: str, rows: int, dims: tuple[int, int], keys: int, rop
     """Keys per streamed chunk of a contiguous cache by default: :func:`chunk_keys`'s, except where a program holds
     128 rows or more (the compute-bound side: ``Nq`` = 64 at GQA 4), which streams the chunk the backend's attention
     forward does at its head dims for a part of ``keys`` keys: Triton's (128 keys at D = 128) and Mosaic's (128
-    keys at head dims up to 128), and except on Triton at D = 128 where the grid is ``crowded`` (:func:`crowded`:
-    more than two programs per SM with the cache in one part; the caller checks its dtype is 16-bit, so three stages
-    of 128 keys fit), which streams 128 keys too, a paged cache's as two pages of 64 (each key's page gathered,
-    :meth:`lowering._paged.PageMap.load`).
+    keys at head dims up to 128), and except on Triton where the grid is ``crowded`` (:func:`crowded`: more than two
+    programs per SM with the cache in one part, 16-bit at D = 128), which streams 128 keys too, a paged cache's as
+    two pages of 64 (each key's page gathered, :meth:`lowering._paged.PageMap.load`).
     Measured on an H200 at ``Nq`` = 64 over 32k keys (``decode_bench.py``'s sweeps,
     ``probes/decode_mosaic_chunks.py``): Triton's kernel ran 10% (B = 1) and 13% (B = 16) faster than at 64
     keys, Mosaic's 23% (B = 1; 63.4 against 82.0 µs). At 16 rows (``Nq`` = 1), 128 keys were 7% (B = 64, 4k keys:
@@ -424,7 +426,7 @@ def default_chunk(backend: str, rows: int, dims: tuple[int, int], keys: int, rop
     >>> default_chunk("triton", 16, (128, 128), 4096, crowded=True)   # B = 64: 512 programs
     128
     """
-    if crowded and not rope and backend in ("auto", "triton") and dims == (128, 128):
+    if crowded and not rope and backend in ("auto", "triton"):
         return TRITON_BLOCKS.entry(TRITON_BLOCKS.tile, keys, *dims)[1]
     if rope or rows < TRITON_BLOCKS.wide_warps_at:
         return chunk_keys(dims)
@@ -433,16 +435,20 @@ def default_chunk(backend: str, rows: int, dims: tuple[int, int], keys: int, rop
     return TRITON_BLOCKS.entry(rows, keys, *dims)[1] if backend != "xla" else chunk_keys(dims)
 
 
-def crowded(programs: int, parts: int, hardware: Hardware) -> bool:
+def crowded(programs: int, parts: int, hardware: Hardware, dtype, dims: tuple[int, int]) -> bool:
     """Whether a decode grid of ``programs`` programs, its cache in ``parts`` parts, is crowded: the batch's KV heads
     and row tiles alone more than twice the SMs (the cache not split), so several programs share each SM and each
-    streams a whole cache (:func:`default_chunk` streams 128 keys there).
+    streams a whole cache (:func:`default_chunk` streams 128 keys there). Only where that was measured and fits:
+    16-bit caches at D = 128 (three stages of 128 keys of f32 would not fit a block's shared memory).
 
     >>> from napkin_cat.hardware import H100
-    >>> crowded(64 * 8, 1, H100), crowded(16 * 8 * 2, 2, H100)
-    (True, False)
+    >>> [crowded(n, parts, H100, "bfloat16", (128, 128)) for n, parts in ((64 * 8, 1), (16 * 8 * 2, 2))]
+    [True, False]
+    >>> crowded(64 * 8, 1, H100, "float32", (128, 128))
+    False
     """
-    return parts == 1 and programs > 2 * hardware.sms
+    sixteen = jnp.dtype(dtype).itemsize == 2
+    return parts == 1 and programs > 2 * hardware.sms and sixteen and dims == (128, 128)
 
 
 def routed(backend: str, interpret: bool | None, dtype, tile: int, dims: tuple[int, int], mods: tuple,
@@ -764,12 +770,9 @@ def _contiguous(q, k_cache, v_cache, scale, fns, parts, backend, interpret, hard
         c = stream or default_chunk(backend, rows, (dim, dv), per)
         per = -(-per // c) * c
         n = math.ceil(keys / per)
-    sixteen = jnp.dtype(q.dtype).itemsize == 2  # 128 keys of D = 128 in three stages fit shared memory in 16 bits
-    triton = backend in ("auto", "triton") and not rope
-    if stream is None and triton and sixteen and crowded(batch * kv_heads * tiles, n, hw):
-        stream = min(default_chunk(backend, rows, (dim, dv), per, crowded=True), 1 << (per - 1).bit_length())
+    crowd = backend in ("auto", "triton") and not rope and crowded(batch * kv_heads * tiles, n, hw, q.dtype, (dim, dv))
     plan = Plan(jnp.dtype(q.dtype).name, nq, heads // kv_heads, (dim, dv), n, per, scale, *fns, backend, interpret,
-                rope=r, tile=tile, hardware=hw, values=values, stream=stream)  # fmt: skip
+                rope=r, tile=tile, hardware=hw, values=values, stream=stream, crowded=crowd)  # fmt: skip
     _kernel(plan)  # built (derived, verified, lowered) here, outside any trace of the caller's
     return plan
 
@@ -919,8 +922,8 @@ def _paged(q, k_pages, v_pages, lengths, page_table, scale, mods, parts, chunk, 
     n_default = _parts(batch, kv_heads * tiles, width * page_size, hw, exact=False)
     covered = max(16, 1 << (width * page_size - 1).bit_length())  # a short table's keys, to a power of two
     default = min(chunk_keys((dim, dv)), covered)
-    if jnp.dtype(q.dtype).itemsize == 2 and not rope and crowded(batch * kv_heads * tiles, n_default, hw):
-        rows = tile or row_tile(nq * heads // kv_heads, (dim, dv))  # 128 keys (two pages of 64) where measured faster
+    if not rope and crowded(batch * kv_heads * tiles, n_default, hw, q.dtype, (dim, dv)):  # two pages of 64
+        rows = tile or row_tile(nq * heads // kv_heads, (dim, dv))
         default = min(default_chunk("triton", rows, (dim, dv), width * page_size, crowded=True), covered)
     n, per_part, keys = paged_split(width, page_size, parts=parts, chunk=default if chunk is None else chunk,
                                     n_default=n_default)  # fmt: skip
