@@ -253,7 +253,7 @@ class Plan:
     def limits(self) -> bool:
         """Whether the kernel reads each row's key limit (:class:`KeyLimit`) instead of the lengths and offsets
         (:class:`KeyLength`): on Mosaic, for a contiguous cache (MLA and paged caches run on Triton or XLA)."""
-        return self.backend == "mosaic" and not self.rope and self.pages is None
+        return self.backend == "mosaic" and not self.rope
 
     def blocks(self) -> tuple[int, int]:
         """Rows per tile (:func:`row_tile`, or the plan's ``tile``) and keys per streamed chunk: the plan's ``stream``
@@ -912,22 +912,27 @@ def _paged(q, k_pages, v_pages, lengths, page_table, scale, mods, parts, chunk, 
     width = page_table.shape[1]
     _checked_common(q, k_pages, v_pages, lengths, width * page_size)
     check_pages_used(page_table, lengths, pool, page_size)
-    if backend not in ("auto", "triton", "xla"):
+    if backend == "mosaic" and rope is not None:
         raise NotLowerable(
-            f"decode_attention: a page table is read by the Triton and XLA backends' streamed loops; backend="
-            f"{backend!r} has no page map: pass backend='triton' or 'xla'"
+            "mla_decode_attention: backend='mosaic' reads no MLA cache (its 64 × 512 f32 accumulator is Triton's); "
+            "pass backend='triton' or 'auto'"
         )
     hw = _hardware(hardware, interpret, backend)
     tiles = row_tiles(nq * heads // kv_heads, (dim, dv), _checked_tile(tile))
+    rows = tile or row_tile(nq * heads // kv_heads, (dim, dv))
     n_default = _parts(batch, kv_heads * tiles, width * page_size, hw, exact=False)
     covered = max(16, 1 << (width * page_size - 1).bit_length())  # a short table's keys, to a power of two
     default = min(chunk_keys((dim, dv)), covered)
-    if not rope and crowded(batch * kv_heads * tiles, n_default, hw, q.dtype, (dim, dv)):  # two pages of 64
-        rows = tile or row_tile(nq * heads // kv_heads, (dim, dv))
+    # Mosaic where auto takes it for a contiguous cache (the same kernel: only where its chunks load from differs),
+    # streaming its 128-key chunks: pages of 64 two TMA copies each
+    mosaic = rope is None and routed(backend, interpret, q.dtype, rows, (dim, dv), mods) == "mosaic"
+    if mosaic:
+        default = min(default_chunk("mosaic", rows, (dim, dv), width * page_size), covered)
+    elif not rope and crowded(batch * kv_heads * tiles, n_default, hw, q.dtype, (dim, dv)):  # two pages of 64
         default = min(default_chunk("triton", rows, (dim, dv), width * page_size, crowded=True), covered)
     n, per_part, keys = paged_split(width, page_size, parts=parts, chunk=default if chunk is None else chunk,
                                     n_default=n_default)  # fmt: skip
-    backend = "triton" if backend == "auto" else backend
+    backend = "mosaic" if mosaic else "triton" if backend == "auto" else backend
     plan = Plan(jnp.dtype(q.dtype).name, nq, heads // kv_heads, (dim, dv), n, per_part * page_size, scale, *mods,
                 backend=backend, interpret=interpret, pages=(page_size, keys),
                 rope=0 if rope is None else rope[1].shape[-1], tile=tile, hardware=hw, values=values)  # fmt: skip

@@ -169,3 +169,19 @@ def test_mosaic_makes_its_positions_and_streams_128_keys(abstract_hopper):
     text = jax.jit(step).trace(q, kv, kv, lengths).lower(lowering_platforms=("cuda",)).as_text()
     (operands,) = re.findall(r"custom_call @mosaic_gpu\w*\(([^)]*)\)", text)
     assert len(operands.split(",")) == 5, operands  # q, k, v, the rows' limits and each tile's chunks: no positions
+
+
+@pytest.mark.parametrize("page", [64, 128])
+def test_paged_decode_lowers_on_mosaic_for_a_named_gpu_here(abstract_hopper, page):
+    """A paged cache on Mosaic (``Nq`` = 64, 128-key chunks) lowers for CUDA: each chunk one TMA copy per page of 64
+    (two, arriving on one barrier) or a page of 128 whole, the page ids read from the table in the producer."""
+    q = jax.ShapeDtypeStruct((1, 64, 32, 128), jnp.bfloat16)
+    pool = jax.ShapeDtypeStruct((100, page, 8, 128), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((1, 4096 // page), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
+
+    def step(q, k, v, n, t):
+        return nc.decode_attention(q, k, v, n, page_table=t, interpret=False, hardware="H100", backend="mosaic")
+
+    text = jax.jit(step).trace(q, pool, pool, lengths, table).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and len(abstract_hopper) == 1  # the split kernel on Mosaic, the merge on Triton

@@ -112,6 +112,24 @@ def test_a_crowded_grid_reads_two_pages_per_chunk(seed):
         assert rel_err(out, want) <= RTOL["bfloat16"], (backend, seed, lengths)
 
 
+@pytest.mark.parametrize(("page", "chunk"), [(64, 128), (128, 64)])
+def test_mosaic_copies_each_chunk_from_its_pages(seed, page, chunk):
+    """``backend="mosaic"`` (interpreted): ``Nq`` = 64 over a GQA group of 2 (128 rows, one tile over two consumer
+    warpgroups) through a random page table, in two parts; a chunk of 128 keys two TMA copies of pages of 64 into one
+    ring slot, or 64 keys a window of a page of 128; lengths drawn, against the reference written here."""
+    r = np.random.default_rng(seed)
+    width = 256 // page
+    q = jnp.asarray(r.standard_normal((2, 64, 2, 16), np.float32)).astype(jnp.bfloat16)
+    k, v = (jnp.asarray(r.standard_normal((2 * width + 1, page, 1, 16), np.float32)).astype(jnp.bfloat16)
+            for _ in range(2))  # fmt: skip
+    table = jnp.asarray(np.stack([r.permutation(2 * width + 1)[:width] for _ in range(2)]).astype(np.int32))
+    lengths = jnp.array([64 + seed % 193, 256])
+    plan = decode_plan(q, k, v, lengths, page_table=table, parts=2, chunk=chunk, backend="mosaic")
+    assert (plan.summary()["backend"], plan.summary()["chunk"]) == ("mosaic", chunk), plan.summary()
+    out = nc.decode_attention(q, k, v, lengths, page_table=table, parts=2, chunk=chunk, backend="mosaic")
+    assert rel_err(out, reference(q, k, v, table, lengths)) <= RTOL["bfloat16"], (seed, lengths)
+
+
 def test_shortest_and_longest_lengths_in_one_part_and_on_the_xla_backend():
     """Lengths Nq and S_max; Triton in one part, chunks of two pages; XLA, chunks of half a page (its window)."""
     for case, backend, parts, lengths in ((CASES[0], "triton", 1, [1, 40]), (CASES[1], "xla", None, [4, 64])):
@@ -171,8 +189,11 @@ def test_paged_refusals_are_typed():
         nc.decode_attention(q, k, v[:3], lengths, page_table=table)
     with pytest.raises(EvaluationError, match=r"parts must be an integer in \[1, 3\]"):
         nc.decode_attention(q, k, v, lengths, page_table=table, parts=4, chunk=16)
-    with pytest.raises(NotLowerable, match="backend='mosaic' has no page map"):
-        nc.decode_attention(q, k, v, lengths, page_table=table, backend="mosaic")
+    with pytest.raises(NotLowerable, match="the tile g = 16 splits over 1 consumer warpgroups into rows that must be multiples of wgmma.s 64"):
+        nc.decode_attention(q, k, v, lengths, page_table=table, backend="mosaic")  # Nq = 1: 8 rows per KV head
+    mla = jnp.zeros((2, 1, 8, 48)), jnp.zeros((7, 16, 32)), jnp.zeros((7, 16, 16))
+    with pytest.raises(NotLowerable, match="backend='mosaic' reads no MLA cache"):
+        nc.mla_decode_attention(*mla, jnp.array([3, 4]), page_table=table[:, :3], backend="mosaic")
     with pytest.raises(NotLowerable, match="score_mod .* reads q_idx"):
         nc.decode_attention(q, k, v, lengths, page_table=table, score_mod=lambda s, q_idx, kv_idx: s * q_idx)
     with pytest.raises(EvaluationError, match="chunk=24 keys per streamed chunk must be a power of two"):

@@ -47,9 +47,12 @@ class MosaicKernel:
     """The kernel body: a producer warpgroup filling the rings, consumer warpgroups walking the diagram."""
 
     def __init__(
-        self, low: MosaicLowered, sizes, extent, streamed, resident, n_tiles, n_chunks, batch, blocks=NO_BLOCKS
-    ):
+        self, low: MosaicLowered, sizes, extent, streamed, resident, n_tiles, n_chunks, batch, blocks=NO_BLOCKS,
+        pages=None,
+    ):  # fmt: skip
         self.low, self.sizes, self.extent = low, sizes, extent
+        #: the page map of paged inputs (:class:`lowering._paged.PageMap`; its table the ref after the lists), or None
+        self.pages = pages
         self.streamed, self.resident, self.n_tiles, self.n_chunks = streamed, resident, n_tiles, n_chunks
         #: the refs the wrapper passes after the inputs (``blocks``, :class:`lowering._blocks.CallBlocks`): four
         #: bounds per call-time mask read as ranges, then (1) or not (0) the chunk lists of the block maps with holes
@@ -108,6 +111,28 @@ class MosaicKernel:
                 idx.append(slice(None))
         return tuple(idx)
 
+    def _paged(self, pool, wire, bid, chunk) -> list:
+        """The TMA copies of chunk ``chunk`` of a paged input (:class:`lowering._paged.PageMap`): ``(view of the
+        pool, rows of the ring slot)`` per page the chunk spans (whole pages), or the one page holding it (a window
+        of it), the page ids read from this program's row of the table and clamped into the pool (an entry past a
+        sequence's pages is read by no visible key)."""
+        pm, s, batch = self.pages, self.low.s, self._batch(bid)
+        row = tuple(batch[a] for a in pm.batch)
+        last = _i32(pool.shape[0] - 1)
+
+        def view(entry, offset, n):
+            page = jnp.clip(self.table[(*row, entry)], _i32(0), last)
+            idx = []
+            for a in pm.pool_axes(wire):
+                idx.append(page if a == "pool" else pl.ds(offset, n) if a == "page" else batch.get(a, slice(None)))
+            return pool.at[tuple(idx)]
+
+        p = pm.page_size
+        if s > p:  # whole pages: one copy each, into its rows of the slot
+            return [(view(chunk * (s // p) + j, 0, p), pl.ds(j * p, p)) for j in range(s // p)]
+        start = chunk * s
+        return [(view(lax.div(start, _i32(p)), lax.rem(start, _i32(p)), s), None)]
+
     def members(self) -> int:
         """The batch elements a section of the launch holds (the grid's fastest axis, after the tile): 1, so that
         the CTAs launched together share a batch element and stream the same K and V chunks from L2; where the
@@ -133,10 +158,14 @@ class MosaicKernel:
         low, c = self.low, self.low.config
         full = low.plan.diagram
         n_dom = len(full.dom) - len(low.made)  # the inputs passed: the made ones are not
-        n_in, n_out = n_dom + self.n_bounds + self.listed + len(low.summed), len(full.cod) - len(low.summed)
+        n_table = int(self.pages is not None)
+        n_in = n_dom + self.n_bounds + self.listed + n_table + len(low.summed)
+        n_out = len(full.cod) - len(low.summed)
         in_refs, out_refs, scratch = refs[:n_in], refs[n_in : n_in + n_out], refs[n_in + n_out :]
         # the summed outputs (dQ) come in as zeroed refs after the inputs: in the outputs' order again
         in_refs, summed = in_refs[: n_in - len(low.summed)], iter(in_refs[n_in - len(low.summed) :])
+        self.table = in_refs[-1] if n_table else None
+        in_refs = in_refs[: len(in_refs) - n_table]
         stored = iter(out_refs)
         out_refs = [next(summed) if k in low.summed else next(stored) for k in range(len(full.cod))]
         lists = in_refs[-1] if self.listed else None
@@ -187,6 +216,11 @@ class MosaicKernel:
         def load(step, slot):
             chunk = chunk_of(step)
             for k, i in enumerate(self.streamed):
+                if self.pages is not None and i in self.pages.inputs:
+                    for view, at in self._paged(in_refs[i], hbm[i], bid, chunk):
+                        dst = rings[k].at[slot] if at is None else rings[k].at[slot].at[at]
+                        plgpu.copy_gmem_to_smem(view, dst, loaded[k].at[slot])
+                    continue
                 blocks = {low.x: pl.ds(chunk * s, s), low.q: pl.ds(tile * g, g)}
                 view = in_refs[i].at[self._index(hbm[i], bid, **blocks)]
                 plgpu.copy_gmem_to_smem(view, rings[k].at[slot], loaded[k].at[slot])

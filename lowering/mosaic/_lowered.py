@@ -409,7 +409,7 @@ class MosaicLowered:
         "axis 'q' of size 200: the Mosaic backend needs whole blocks of 128"
         """
         full = self.plan.diagram
-        sizes = bind(full.dom, [jnp.asarray(a) for a in arrays])
+        sizes = bind(full.dom, [a if isinstance(a, jax.ShapeDtypeStruct) else jnp.asarray(a) for a in arrays])
         return self._ragged({a.name: a.size.subs(sizes) for w in full.dom.inside for a in w.axes})
 
     def _ragged(self, size: dict) -> str | None:
@@ -423,19 +423,29 @@ class MosaicLowered:
             None,
         )
 
-    def __call__(self, *arrays):
-        return self._run(*arrays)
+    def __call__(self, *arrays, pages=None):
+        """The kernel on ``arrays``; with ``pages`` = ``(page_map, table)`` (:class:`lowering._paged.PageMap`) the
+        inputs it names are page pools, each streamed chunk copied in by TMA from the pages ``table`` names (one copy
+        per page, or a window of one page), as Triton's loop gathers them."""
+        return self._run(*arrays, pages=pages)
 
-    def _run(self, *arrays, every: bool = False):
+    def _run(self, *arrays, every: bool = False, pages=None):
         """The kernel on ``arrays``; with ``every``, each block map read as chunk lists (:meth:`lowering_error`)."""
         full = self.plan.diagram
         arrays = [jnp.asarray(a) for a in arrays]
-        sizes = bind(full.dom, arrays)
+        pm, table = pages if pages is not None else (None, None)
+        if pm is not None:
+            pm.check(self.plan, full.dom.inside, arrays, table)
+        virtual = [
+            pm.virtual(w, v, table) if pm and i in pm.inputs else v
+            for i, (v, w) in enumerate(zip(arrays, full.dom.inside, strict=True))
+        ]
+        sizes = bind(full.dom, virtual)
         extent = {a.name: int(a.size.subs(sizes)) for w in full.dom.inside for a in w.axes}
-        if why := self.ragged(*arrays):
+        if why := self.ragged(*virtual):
             raise NotLowerable(why)
         self.check(extent)
-        outs = self._call(arrays, sizes, extent, every)
+        outs = self._call(arrays, sizes, extent, every, (pm, table))
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def check(self, extent: dict) -> None:
@@ -563,8 +573,9 @@ class MosaicLowered:
             return next(w.dtype for w in streamed if w.dtype not in FP8)
         return streamed[0].dtype if streamed else self.d.dom.inside[0].dtype
 
-    def _call(self, arrays, sizes, extent, every: bool = False):
+    def _call(self, arrays, sizes, extent, every: bool = False, pages=(None, None)):
         p, full, c = self.plan, self.plan.diagram, self.config
+        pm, table = pages
         # the call-time masks' blocks: four bounds per tile, or chunk lists where a block map has holes
         blocks = call_blocks(p, self.segments, arrays, extent, every=every)
         wires = self.d.dom.inside
@@ -582,14 +593,15 @@ class MosaicLowered:
             [smem((c.stages, *self.block(wires[i], extent, ring=True)), wires[i].dtype.jnp) for i in streamed],
             [smem((c.consumers, *self.block(wires[i], extent)), wires[i].dtype.jnp) for i in resident],
             [smem((c.consumers, *self.block(w, extent)), w.dtype.jnp) for w in self.own],
-            [plgpu.Barrier(num_barriers=c.stages) for _ in streamed],
+            # a paged chunk of several pages arrives by one TMA copy per page, each arriving on the slot's barrier
+            [plgpu.Barrier(num_arrivals=self._copies(pm, i), num_barriers=c.stages) for i in streamed],
             [plgpu.Barrier(num_arrivals=c.consumers, num_barriers=c.stages) for _ in streamed],
             [plgpu.Barrier(num_barriers=c.consumers) for _ in resident],
         ]
         scratch.append([plgpu.Barrier(num_arrivals=c.consumers)] if self.pingpong and self.interpret else [])
         if self.staging and streamed:
             scratch.append([smem((c.consumers, self.rows, self.s), self._staged_dtype().jnp)])
-        kernel = MosaicKernel(self, sizes, extent, streamed, resident, n_tiles, n_chunks, batch, blocks)
+        kernel = MosaicKernel(self, sizes, extent, streamed, resident, n_tiles, n_chunks, batch, blocks, pm)
         others = [extent[a] // n for a, n in self.others.items()]
         out_type = out_structs(full.cod.inside, extent, arrays)
         summed = [jax.new_ref(varying_like(self._zeros(out_type[k]), arrays)) for k in self.summed]
@@ -614,9 +626,15 @@ class MosaicLowered:
         )
         lists = [blocks.lists] if blocks.listed else []
         passed = [a for i, a in enumerate(arrays) if i not in self.made]  # made in the kernel: never passed
-        outs = iter(call(*passed, *(b for _, b in blocks.bounds), *lists, *summed))
+        tables = [] if pm is None else [table]
+        outs = iter(call(*passed, *(b for _, b in blocks.bounds), *lists, *tables, *summed))
         added = iter(r[...].sum(0) if self.interpret else r[...] for r in summed)
         return [next(added) if k in self.summed else next(outs) for k in range(len(out_type))]
+
+    def _copies(self, pm, i: int) -> int:
+        """The TMA copies that fill a ring slot of streamed input ``i``: one per page of a paged chunk of whole
+        pages (:class:`lowering._paged.PageMap`), else one."""
+        return max(1, self.s // pm.page_size) if pm is not None and i in pm.inputs else 1
 
     def _zeros(self, struct):
         """A summed output's start: zeros, as the kernel adds into them; interpreted, one copy per consumer (the
