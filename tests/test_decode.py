@@ -436,6 +436,13 @@ def test_compiled_decode_and_mla_match_the_reference_on_a_gpu(seed):
     assert decode_plan(q, k, v, lengths).summary()["backend"] == "mosaic"  # auto's route at 256 rows, D = 128
     err = rel_err(nc.decode_attention(q, k, v, lengths), want)
     assert err <= GPU_RTOL, (seed, err)
+    # the same keys through a shuffled page table (pages of 64, two TMA copies per 128-key chunk), auto on Mosaic
+    perm = r.permutation(128)
+    pools = [c.reshape(128, 64, 8, 128)[perm] for c in (k, v)]
+    table = jnp.asarray(np.argsort(perm).reshape(2, 64).astype(np.int32))
+    assert decode_plan(q, *pools, lengths, page_table=table).summary()["backend"] == "mosaic"
+    err = rel_err(nc.decode_attention(q, *pools, lengths, page_table=table), want)
+    assert err <= GPU_RTOL, (seed, err)
     q = jnp.asarray(r.standard_normal((2, 1, 128, 576), np.float32)).astype(jnp.bfloat16)
     latent, rope = (jnp.asarray(r.standard_normal((2, 2048, n), np.float32)).astype(jnp.bfloat16) for n in (512, 64))
     lengths = jnp.array([2048, 700])

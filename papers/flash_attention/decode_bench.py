@@ -99,6 +99,7 @@ VARIANTS = {
     "napkin_chunk128": ({"chunk": 128}, False),
     "napkin_chunk128_parts2x": ({"chunk": 128, "parts": "2x"}, False),
     "napkin_triton": ({"backend": "triton"}, False),  # beside auto where auto runs Mosaic (Nq = 64 on a Hopper GPU)
+    "paged_triton": ({"backend": "triton"}, True),  # beside auto's paged step where auto runs Mosaic
     "napkin_mosaic_tile256": ({"backend": "mosaic", "tile": 256}, False),
     "napkin_mosaic_chunk64": ({"backend": "mosaic", "chunk": 64}, False),
     "napkin_triton_chunk64": ({"backend": "triton", "chunk": 64}, False),
@@ -128,7 +129,7 @@ def rows(quick: bool) -> list[dict]:
              "napkin_tile256", "napkin_mosaic_tile64", "napkin_mosaic_tile256", "napkin_mosaic_fa3")
     return [
         row("nq1", 1, s32, impls=(*BASE, "entry", "entry_dense")),
-        row("nq64", 1, s32, 64, ("napkin", "napkin_triton", "paged", "cudnn")),
+        row("nq64", 1, s32, 64, ("napkin", "napkin_triton", "paged", "paged_triton", "cudnn")),
         row("nq1", 1, s128), row("nq64", 1, s128, 64, ("napkin", "paged")),
         row("nq1", b16, s32), row("nq1", b64, s4), row("nq1", b64, s32),
         {**row("mla", 1, s32, impls=("mla", "mla_paged", "copy")), "mla": True},
@@ -139,8 +140,8 @@ def rows(quick: bool) -> list[dict]:
         row("sweep-nq1", b16, s32, 1, sweep), row("sweep-nq1", b64, s4, 1, sweep),
         row("sweep-nq1", b64, s32, 1, sweep), row("sweep-nq1", b16, s4, 1, sweep),
         row("nq1", 1, s4), row("nq1", b16, s4), row("nq1", b16, s128), row("nq1", b64, s128, impls=BASE[:4]),
-        row("nq4", 1, s32, 4), row("nq64", b16, s32, 64, ("napkin", "napkin_triton", "paged", "xla")),
-        row("nq64", b64, s4, 64, ("napkin", "napkin_triton", "paged", "xla")), row("nq4", b64, s32, 4),
+        row("nq4", 1, s32, 4), row("nq64", b16, s32, 64, ("napkin", "napkin_triton", "paged", "paged_triton", "xla")),
+        row("nq64", b64, s4, 64, ("napkin", "napkin_triton", "paged", "paged_triton", "xla")), row("nq4", b64, s32, 4),
         {**row("mla", b16, max(s32 // 4, s4), impls=("mla", "mla_paged", "copy")), "mla": True},  # whole pages
     ]  # fmt: skip
 
