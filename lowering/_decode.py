@@ -64,7 +64,7 @@ from lowering._target import interpreted, no_gpu, target_hardware
 from lowering.mosaic import MOSAIC_BLOCKS, unavailable
 from lowering.triton import TRITON_BLOCKS, TritonConfig
 from napkin_cat.axes import axes
-from napkin_cat.diagram import Array, Diagram, Ty, swap
+from napkin_cat.diagram import Array, Diagram, Ty, copy, swap
 from napkin_cat.diagram import id as identity
 from napkin_cat.dtypes import bf16, f16, f32
 from napkin_cat.errors import CostError, EvaluationError
@@ -287,7 +287,8 @@ class Plan:
     def page_map(self) -> PageMap | None:
         """Where a paged cache's chunks load from: the kernel's keys and values (inputs 1, 2) read as pools
         through a table ``[B, parts, pages per part]`` whose rows follow the kernel's batch axes (sequence, part)."""
-        inputs = (1, 2, 4) if self.rope else (1, 2)  # MLA: the rotary keys too
+        # MLA: the latent keys (also the values: one input, or a second with ``values``) and the rotary keys
+        inputs = ((1, 2, 4) if self.values else (1, 3)) if self.rope else (1, 2)
         return None if self.pages is None else PageMap("kv_idx", self.pages[0], ("b", "p"), inputs)
 
     def kernel(self):
@@ -359,20 +360,22 @@ def _attend(scored: Diagram, S: Array, V: Array, rest: Ty, out: Array, x, dtype,
 
 def mla_attention(b, h, q, x, c, r, scale, dtype, p=None, values=None) -> Diagram:
     """Absorbed multi-head latent attention (DeepSeek-V2/V3's MLA at inference) as one diagram, laid out as
-    :func:`decode_diagram`'s: ``Q_c[c] ⊗ K_c[c] ⊗ V[c] ⊗ Q_r[r] ⊗ K_r[r] ⊗ pos ⊗ n ⊗ t → O[c]``, scores
+    :func:`decode_diagram`'s: ``Q_c[c] ⊗ K_c[c] ⊗ Q_r[r] ⊗ K_r[r] ⊗ pos ⊗ n ⊗ t → O[c]``, scores
     ``scale·(Q_c·K_cᵀ + Q_r·K_rᵀ)`` (the latent and rotary parts, ``c + r`` dims; ``scale`` defaults to ``1/√(c +
-    r)``), masked by the valid keys (:class:`KeyLength` on :func:`length_wires`), softmax, then contracted with ``V``
-    over the keys.
-    ``V`` is the latent keys themselves (the caller passes one array twice: the streamed loop loads its chunk for
-    both). With a part axis ``p`` the keys, values and output have it and the queries not (:func:`decode_diagram`).
-    ``values``: an axis of ``c``'s size that ``V`` and the output run over instead of ``c``, so a schedule may tile
-    the output's latent dims (each program computing every score) while the scores contract over all of ``c``.
+    r)``), masked by the valid keys (:class:`KeyLength` on :func:`length_wires`), softmax, then contracted with the
+    latent keys again, as values, over the keys: ``K_c`` is copied (one input, so a kernel streaming it loads each
+    chunk once for both products). With a part axis ``p`` the keys and output have it and the queries not
+    (:func:`decode_diagram`). ``values``: an axis of ``c``'s size that the values ``V`` and the output run over
+    instead of ``c``, so a schedule may tile the output's latent dims (each program computing every score) while the
+    scores contract over all of ``c``; ``V`` is then an input of its own after ``K_c`` (the caller passes the latent
+    twice).
 
     >>> b, h, q, x, c, r, e = axes("b h q x c r e", c=32, r=16, e=32)
     >>> print(mla_attention(b, h, q, x, c, r, None, f32).dom)
-    b×h×q×c ⊗ b×x×h×c ⊗ b×x×h×c ⊗ b×h×q×r ⊗ b×x×h×r ⊗ x ⊗ b ⊗ q
-    >>> print(mla_attention(b, h, q, x, c, r, None, f32, values=e).cod)
-    b×h×q×e
+    b×h×q×c ⊗ b×x×h×c ⊗ b×h×q×r ⊗ b×x×h×r ⊗ x ⊗ b ⊗ q
+    >>> split = mla_attention(b, h, q, x, c, r, None, f32, values=e)
+    >>> print(split.dom.inside[2], split.cod)
+    b×x×h×e b×h×q×e
     """
     scale = 1 / math.sqrt(c.size + r.size) if scale is None else scale
     kv = (b,) if p is None else (b, p)
@@ -388,6 +391,10 @@ def mla_attention(b, h, q, x, c, r, scale, dtype, p=None, values=None) -> Diagra
     out = scores(c) @ identity(Ty(V)) @ scores(r) @ identity(rest)  # S V S_r rest
     out = out >> (identity(Ty(S)) @ swap(Ty(V), Ty(S)) @ identity(rest)) >> (add(S, S) @ identity(Ty(V) @ rest))
     out = out >> (identity(Ty(S)) @ swap(Ty(V), rest))  # S rest V
+    if values is None:  # the latent keys are the values: one input, copied
+        K = Array(*kv, x, h, c, dtype=dtype)
+        Qc, Qr, Kr = Array(b, h, q, c, dtype=dtype), Array(b, h, q, r, dtype=dtype), Array(*kv, x, h, r, dtype=dtype)
+        out = (identity(Ty(Qc)) @ copy(Ty(K)) @ identity(Ty(Qr, Kr) @ rest)) >> out
     return _attend(out, S, V, rest, Array(*kv, h, q, v, dtype=dtype), x, dtype)
 
 
@@ -802,7 +809,9 @@ def mla_decode_attention(
     keys. The diagram is :func:`mla_attention`, decoded as ``decode_attention`` decodes (split-KV, the ``H``
     heads packed into the rows, ``lengths`` at call time, causal among the ``Nq`` new tokens); the latent cache
     is read once per chunk for both products. With ``page_table`` both caches are page pools ``[P, page_size,
-    C]`` and ``[P, page_size, R]`` sharing the table. ``tile`` overrides the rows per program (64 by default:
+    C]`` and ``[P, page_size, R]`` sharing the table. ``chunk`` sets the keys per streamed chunk (a power of two
+    from 16 to 256; with ``page_table`` whole pages or a divisor of one; by default :func:`chunk_keys`'s), ``tile``
+    the rows per program (64 by default:
     :func:`row_tile`'s for latent heads this wide), as in ``decode_attention``. ``values`` splits the output's
     ``C`` latent dims across programs, ``values`` each (a power of two ≥ 16 dividing ``C``): each program computes
     every score and holds a ``rows × values`` accumulator instead of ``rows × C`` (FlashMLA splits it across two
@@ -853,13 +862,9 @@ def _mla_plan(q, latent_cache, rope_cache, lengths, scale, page_table, parts, ch
         plan = _paged(q_c, k, k, lengths, page_table, scale, (None, None), parts, chunk, backend, interpret,
                       hardware, rope, tile=tile, values=values)  # fmt: skip
     else:
-        if chunk is not None:
-            raise EvaluationError(
-                f"mla_decode_attention: chunk={chunk!r} is the paged kernel's; pass it with page_table="
-            )
         _checked(q_c, k, k, lengths)
         plan = _contiguous(q_c, k, k, scale, (None, None), parts, backend, interpret, hardware, rope,
-                           tile=_checked_tile(tile), values=values)
+                           tile=_checked_tile(tile), values=values, stream=_checked_chunk(chunk, k.shape[1]))
     return plan, q_c, k, rope
 
 
@@ -881,10 +886,11 @@ def _step(plan: Plan, q, k_cache, v_cache, lengths, page_table=None, rope=None, 
         c = jnp.pad(c, [(0, 0), (0, n * chunk - c.shape[1]), (0, 0), (0, 0)])
         return c.reshape(batch, n, chunk, *c.shape[2:])
 
-    ins = [rows(q), k_cache, v_cache, *([] if rope is None else [rows(rope[0]), rope[1]])]
+    kv = [k_cache] if plan.rope and not plan.values else [k_cache, v_cache]  # MLA's latent: one input, copied
+    ins = [rows(q), *kv, *([] if rope is None else [rows(rope[0]), rope[1]])]
     masks = _lengths(lengths, plan)
     if page_table is None:
-        ins = [a if i in (0, 3) else parts(a) for i, a in enumerate(ins)]
+        ins = [a if i in (0, 1 + len(kv)) else parts(a) for i, a in enumerate(ins)]  # the queries: no parts
         o, lse = _inference(kernel)(*ins, *masks)
     else:  # part p of sequence b reads its pages table[b, p·w : (p+1)·w], through the page map
         width = chunk // plan.pages[0]

@@ -84,6 +84,8 @@ BASE = ("napkin", "paged", "cudnn", "xla", "copy")
 MLA_VARIANTS = {
     "mla_tile16": ({"tile": 16}, False),
     "mla_tile32": ({"tile": 32}, False),
+    "mla_chunk64": ({"chunk": 64}, False),  # 64 keys a chunk: fits shared memory since the latent is loaded once
+    "mla_paged_chunk64": ({"chunk": 64}, True),
     "mla_values256": ({"values": 256}, False),  # the 512 latent output dims split over two programs
     "mla_values128": ({"values": 128}, False),
     "mla_values128_tile128": ({"values": 128, "tile": 128}, False),  # 128 heads in one row tile, 4 programs
@@ -132,8 +134,8 @@ def rows(quick: bool) -> list[dict]:
         row("nq64", 1, s32, 64, ("napkin", "napkin_triton", "paged", "paged_triton", "cudnn")),
         row("nq1", 1, s128), row("nq64", 1, s128, 64, ("napkin", "paged")),
         row("nq1", b16, s32), row("nq1", b64, s4), row("nq1", b64, s32),
-        {**row("mla", 1, s32, impls=("mla", "mla_paged", "copy")), "mla": True},
-        {**row("mla", b64, s4, impls=("mla", "mla_paged", "copy")), "mla": True},
+        {**row("mla", 1, s32, impls=("mla", "mla_chunk64", "mla_paged", "mla_paged_chunk64", "copy")), "mla": True},
+        {**row("mla", b64, s4, impls=("mla", "mla_chunk64", "mla_paged", "mla_paged_chunk64", "copy")), "mla": True},
         {**row("sweep-mla", 1, s32, impls=("mla", *MLA_VARIANTS, "copy")), "mla": True},
         {**row("sweep-mla", b64, s4, impls=("mla", *MLA_VARIANTS, "copy")), "mla": True},
         row("sweep-nq1", 1, s32, 1, sweep), row("sweep-nq64", 1, s32, 64, tiles),
