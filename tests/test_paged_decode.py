@@ -189,7 +189,7 @@ def test_paged_refusals_are_typed():
         nc.decode_attention(q, k, v[:3], lengths, page_table=table)
     with pytest.raises(EvaluationError, match=r"parts must be an integer in \[1, 3\]"):
         nc.decode_attention(q, k, v, lengths, page_table=table, parts=4, chunk=16)
-    with pytest.raises(NotLowerable, match="tile g = 16 splits over 1 consumer warpgroups into rows that must be multiples of"):
+    with pytest.raises(NotLowerable, match="g = 16 splits over 1 consumer warpgroups into rows that must be multiples"):
         nc.decode_attention(q, k, v, lengths, page_table=table, backend="mosaic")  # Nq = 1: 8 rows per KV head
     mla = jnp.zeros((2, 1, 8, 48)), jnp.zeros((7, 16, 32)), jnp.zeros((7, 16, 16))
     with pytest.raises(NotLowerable, match="backend='mosaic' reads no MLA cache"):
