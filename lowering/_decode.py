@@ -269,7 +269,7 @@ class Plan:
         rows = self.tile or row_tile(self.rows, self.dims)
         if self.pages is not None:
             return rows, self.pages[1]
-        chunk = default_chunk(self.backend, rows, self.dims, self.chunk, self.rope, self.crowded)
+        chunk = default_chunk(self.backend, rows, self.dims, self.chunk, self.rope, self.crowded, self.latent_once)
         return rows, self.stream or min(chunk, pow2(self.chunk))
 
     def summary(self) -> dict:
@@ -284,11 +284,16 @@ class Plan:
                "chunk": chunk, "backend": _kernel(self).backend}  # fmt: skip
         return out | ({"values": self.values} if self.values else {})
 
+    @property
+    def latent_once(self) -> bool:
+        """MLA with its latent keys as the values, one input (:func:`mla_attention` without ``values``)."""
+        return bool(self.rope) and not self.values
+
     def page_map(self) -> PageMap | None:
         """Where a paged cache's chunks load from: the kernel's keys and values (inputs 1, 2) read as pools
         through a table ``[B, parts, pages per part]`` whose rows follow the kernel's batch axes (sequence, part)."""
         # MLA: the latent keys (also the values: one input, or a second with ``values``) and the rotary keys
-        inputs = ((1, 2, 4) if self.values else (1, 3)) if self.rope else (1, 2)
+        inputs = ((1, 3) if self.latent_once else (1, 2, 4)) if self.rope else (1, 2)
         return None if self.pages is None else PageMap("kv_idx", self.pages[0], ("b", "p"), inputs)
 
     def kernel(self):
@@ -398,24 +403,27 @@ def mla_attention(b, h, q, x, c, r, scale, dtype, p=None, values=None) -> Diagra
     return _attend(out, S, V, rest, Array(*kv, h, q, v, dtype=dtype), x, dtype)
 
 
-def chunk_keys(dims: tuple[int, int]) -> int:
-    """Keys per streamed chunk by default: 64, fewer for head dims over 256 (MLA's 512-dim latent keys: 32), so a
-    chunk of keys and values with 64 rows of queries fits a GPU block's shared memory in two stages.
+def chunk_keys(dims: tuple[int, int], once: bool = False) -> int:
+    """Keys per streamed chunk by default: 64, fewer for head dims over 256, so a chunk of keys and values with 64
+    rows of queries fits a GPU block's shared memory in two stages; with ``once`` the keys are the values, loaded
+    once (MLA's latent, :func:`mla_attention`), so 512-dim latent keys take 64 too. On an H200 MLA's step took 0.87×
+    (B = 1, 32k keys) and 0.82× (B = 64, 4k) the time of 32-key chunks (``decode_bench.py``, stop 51).
 
-    >>> chunk_keys((128, 128)), chunk_keys((512, 512))
-    (64, 32)
+    >>> chunk_keys((128, 128)), chunk_keys((512, 512)), chunk_keys((512, 512), once=True)
+    (64, 32, 64)
     """
-    return max(16, min(64, 16384 // max(dims)))
+    return max(16, min(64, (32768 if once else 16384) // max(dims)))
 
 
 def default_chunk(backend: str, rows: int, dims: tuple[int, int], keys: int, rope: int = 0,
-                  crowded: bool = False) -> int:  # fmt: skip
+                  crowded: bool = False, once: bool = False) -> int:  # fmt: skip
     """Keys per streamed chunk of a contiguous cache by default: :func:`chunk_keys`'s, except where a program holds
     128 rows or more (the compute-bound side: ``Nq`` = 64 at GQA 4), which streams the chunk the backend's attention
     forward does at its head dims for a part of ``keys`` keys: Triton's (128 keys at D = 128) and Mosaic's (128
     keys at head dims up to 128), and except on Triton where the grid is ``crowded`` (:func:`crowded`: more than two
     programs per SM with the cache in one part, 16-bit at D = 128), which streams 128 keys too, a paged cache's as
-    two pages of 64 (each key's page gathered, :meth:`lowering._paged.PageMap.load`).
+    two pages of 64 (each key's page gathered, :meth:`lowering._paged.PageMap.load`). ``once``: MLA's latent keys are
+    its values (:func:`chunk_keys`).
     Measured on an H200 at ``Nq`` = 64 over 32k keys (``decode_bench.py``'s sweeps,
     ``probes/decode_mosaic_chunks.py``): Triton's kernel ran 10% (B = 1) and 13% (B = 16) faster than at 64
     keys, Mosaic's 23% (B = 1; 63.4 against 82.0 µs). At 16 rows (``Nq`` = 1), 128 keys were 7% (B = 64, 4k keys:
@@ -436,7 +444,7 @@ def default_chunk(backend: str, rows: int, dims: tuple[int, int], keys: int, rop
     if crowded and not rope and backend in ("auto", "triton"):
         return TRITON_BLOCKS.entry(TRITON_BLOCKS.tile, keys, *dims)[1]
     if rope or rows < TRITON_BLOCKS.wide_warps_at:
-        return chunk_keys(dims)
+        return chunk_keys(dims, once)
     if backend == "mosaic":
         return MOSAIC_BLOCKS.faster_chunk if max(dims) <= 128 else chunk_keys(dims)
     return TRITON_BLOCKS.entry(rows, keys, *dims)[1] if backend != "xla" else chunk_keys(dims)
@@ -886,7 +894,7 @@ def _step(plan: Plan, q, k_cache, v_cache, lengths, page_table=None, rope=None, 
         c = jnp.pad(c, [(0, 0), (0, n * chunk - c.shape[1]), (0, 0), (0, 0)])
         return c.reshape(batch, n, chunk, *c.shape[2:])
 
-    kv = [k_cache] if plan.rope and not plan.values else [k_cache, v_cache]  # MLA's latent: one input, copied
+    kv = [k_cache] if plan.latent_once else [k_cache, v_cache]  # MLA's latent: one input, copied
     ins = [rows(q), *kv, *([] if rope is None else [rows(rope[0]), rope[1]])]
     masks = _lengths(lengths, plan)
     if page_table is None:
@@ -928,7 +936,7 @@ def _paged(q, k_pages, v_pages, lengths, page_table, scale, mods, parts, chunk, 
     rows = tile or row_tile(nq * heads // kv_heads, (dim, dv))
     n_default = _parts(batch, kv_heads * tiles, width * page_size, hw, exact=False)
     covered = max(16, 1 << (width * page_size - 1).bit_length())  # a short table's keys, to a power of two
-    default = min(chunk_keys((dim, dv)), covered)
+    default = min(chunk_keys((dim, dv), once=rope is not None and values is None), covered)
     # Mosaic where auto takes it for a contiguous cache (the same kernel: only where its chunks load from differs),
     # streaming its 128-key chunks: pages of 64 two TMA copies each
     mosaic = rope is None and routed(backend, interpret, q.dtype, rows, (dim, dv), mods) == "mosaic"

@@ -303,8 +303,9 @@ def test_mla_matches_reference(seed, nq, data):
     lengths = jnp.array(data.draw(st.lists(st.sampled_from([nq, s]) | st.integers(nq, s), min_size=b, max_size=b)))
     tile = data.draw(st.sampled_from([None, 16]))  # 16 rows a program: two row tiles at Nq = 4
     values = data.draw(st.sampled_from([None, 16]))  # the 32 latent output dims in two programs of 16
+    chunk = data.draw(st.sampled_from([None, 16]))  # a part's 20 keys in one chunk, or two (the last ragged)
     out, lse = nc.mla_decode_attention(q, latent, rope, lengths, scale=0.1, parts=2, return_residual=True, tile=tile,
-                                       values=values)  # fmt: skip
+                                       values=values, chunk=chunk)  # fmt: skip
     err = float(jnp.max(jnp.abs(out - mla_reference(q, latent, rope, lengths, 0.1))))
     assert out.shape == (b, nq, h, c) and lse.shape == (b, nq, h), (seed, lengths, tile, values)
     assert err <= ATOL["float32"], (seed, lengths, tile, values, err)
@@ -320,6 +321,24 @@ def test_mla_refusals():
         nc.mla_decode_attention(q, latent, rope, jnp.array([4, 4]), tile=24)
     with pytest.raises(EvaluationError, match=r"values=24 latent dims per program must be a power of two ≥ 16"):
         nc.mla_decode_attention(q, latent, rope, jnp.array([4, 4]), values=24)
+    with pytest.raises(EvaluationError, match=r"chunk=24 keys per streamed chunk must be a power of two from 16"):
+        nc.mla_decode_attention(q, latent, rope, jnp.array([4, 4]), chunk=24)
+
+
+def test_mla_reads_its_latent_once_in_chunks_of_64():
+    """The latent keys are one input of MLA's kernel (copied into both products), so DeepSeek-V3's 512 latent dims
+    stream 64 keys a chunk by default, contiguous and paged; split across programs (``values``) they are two
+    inputs and keep 32."""
+    from lowering._decode import _mla_plan
+
+    q, latent, rope = jnp.zeros((1, 1, 128, 576)), jnp.zeros((1, 4096, 512)), jnp.zeros((1, 4096, 64))
+    table = jnp.arange(64, dtype=jnp.int32)[None]
+    pools = latent.reshape(64, 64, 512), rope.reshape(64, 64, 64)
+    for caches, page_table, values, want in ((
+            (latent, rope), None, None, 64), ((latent, rope), None, 256, 32), (pools, table, None, 64)):  # fmt: skip
+        plan = _mla_plan(q, *caches, jnp.array([4096]), None, page_table, None, None, "xla", None, "H200",
+                         values=values)[0]  # fmt: skip
+        assert plan.blocks()[1] == want and len(plan.kernel().diagram.dom) == (5 if values else 4) + 3, values
 
 
 def test_decode_cost_counts_pages_and_mla():
