@@ -24,6 +24,7 @@ lower = dec.lower
 for paged in (False, True):
     for chunk, stages in ((64, 3), (64, 6), (128, 3)):
         dec._kernel.cache_clear()
+        dec._step.clear_cache()  # its compiled steps hold the kernel they traced: a new config needs a new trace
         dec.lower = lambda *a, stages=stages, **kw: lower(*a[:3], TritonConfig(4, stages), *a[4:], **kw)
         args = (q, pk, pv, lengths) if paged else (q, k, v, lengths)
         f = jax.jit(lambda q, k, v, n, chunk=chunk, paged=paged: nc.decode_attention(

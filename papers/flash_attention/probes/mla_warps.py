@@ -26,6 +26,7 @@ lower = dec.lower
 flops = 2 * b * h * s * (c + r + c)
 for warps, stages, chunk in ((8, 2, 64), (8, 2, 32), (16, 2, 64), (4, 2, 64), (8, 3, 32), (16, 2, 32)):
     dec._kernel.cache_clear()
+    dec._step.clear_cache()  # its compiled steps hold the kernel they traced: a new config needs a new trace
     dec.lower = lambda *a, w=warps, st=stages, **kw: lower(*a[:3], TritonConfig(w, st), *a[4:], **kw)
     f = jax.jit(lambda q, c, r, n, chunk=chunk: nc.mla_decode_attention(q, c, r, n, chunk=chunk, backend="triton"))
     try:
