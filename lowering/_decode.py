@@ -430,7 +430,8 @@ def default_chunk(backend: str, rows: int, dims: tuple[int, int], keys: int, rop
     248.9 against 266.3 µs) and 14% (B = 64, 32k: 1,895 against 2,214 µs) faster with 512 programs of one part
     each, and no faster or slower (B = 1 and 16 at 32k: 37.6 / 482.8 against 37.4 / 481.6 µs; B = 16 at 4k, 69.3
     against 66.3 µs) with 128 to 256 programs of split caches. Paged (pages of 64 keys) at B = 64, 4k: 255.5 µs in
-    chunks of two pages against 281.4 in one (``probes/decode_stages.py``; ``num_stages`` 3 or 6 made no difference).
+    chunks of two pages against 281.4 in one (``probes/decode_stages.py``; re-timed in stop 51 with each config's
+    step traced anew: 64-key chunks at 6 stages 251.3 / 256.5 µs, contiguous / paged, against 128 keys' 244.1 / 251.0).
 
     >>> default_chunk("triton", 16, (128, 128), 4096), default_chunk("triton", 128, (128, 128), 4096)
     (64, 128)
