@@ -252,7 +252,7 @@ class Plan:
     @property
     def limits(self) -> bool:
         """Whether the kernel reads each row's key limit (:class:`KeyLimit`) instead of the lengths and offsets
-        (:class:`KeyLength`): on Mosaic, for a contiguous cache (MLA and paged caches run on Triton or XLA)."""
+        (:class:`KeyLength`): on Mosaic, contiguous or paged (MLA runs on Triton or XLA)."""
         return self.backend == "mosaic" and not self.rope
 
     def blocks(self) -> tuple[int, int]:
@@ -865,6 +865,11 @@ def _mla_plan(q, latent_cache, rope_cache, lengths, scale, page_table, parts, ch
             f"the latent cache's C = {c}; pass None to keep them in one program"
         )
     values = None if values == c else values
+    if backend == "mosaic":
+        raise NotLowerable(
+            "mla_decode_attention: backend='mosaic' has no MLA kernel (a consumer warpgroup would hold a 64 × 512 f32 "
+            "accumulator: 256 registers a thread); pass backend='triton', 'xla' or 'auto'"
+        )
     k, k_r = latent_cache[:, :, None], rope_cache[:, :, None]  # the one KV head
     q_c, rope = q[..., :c], (q[..., c:], k_r)
     if page_table is not None:
@@ -927,11 +932,6 @@ def _paged(q, k_pages, v_pages, lengths, page_table, scale, mods, parts, chunk, 
     width = page_table.shape[1]
     _checked_common(q, k_pages, v_pages, lengths, width * page_size)
     check_pages_used(page_table, lengths, pool, page_size)
-    if backend == "mosaic" and rope is not None:
-        raise NotLowerable(
-            "mla_decode_attention: backend='mosaic' reads no MLA cache (its 64 × 512 f32 accumulator is Triton's); "
-            "pass backend='triton' or 'auto'"
-        )
     hw = _hardware(hardware, interpret, backend)
     tiles = row_tiles(nq * heads // kv_heads, (dim, dv), _checked_tile(tile))
     rows = tile or row_tile(nq * heads // kv_heads, (dim, dv))

@@ -192,7 +192,7 @@ def test_paged_refusals_are_typed():
     with pytest.raises(NotLowerable, match="g = 16 splits over 1 consumer warpgroups into rows that must be multiples"):
         nc.decode_attention(q, k, v, lengths, page_table=table, backend="mosaic")  # Nq = 1: 8 rows per KV head
     mla = jnp.zeros((2, 1, 8, 48)), jnp.zeros((7, 16, 32)), jnp.zeros((7, 16, 16))
-    with pytest.raises(NotLowerable, match="backend='mosaic' reads no MLA cache"):
+    with pytest.raises(NotLowerable, match="backend='mosaic' has no MLA kernel"):
         nc.mla_decode_attention(*mla, jnp.array([3, 4]), page_table=table[:, :3], backend="mosaic")
     with pytest.raises(NotLowerable, match="score_mod .* reads q_idx"):
         nc.decode_attention(q, k, v, lengths, page_table=table, score_mod=lambda s, q_idx, kv_idx: s * q_idx)
