@@ -184,11 +184,12 @@ class Drop:
         bits = keep_bits(seed, b, self.head(idx), idx[self.q], idx[self.x])
         return bits >= jnp.uint32(threshold(self.rate))
 
-    def apply(self, xp, p, seed, ctx, wire: Array, seed_wire: Array):
+    def apply(self, xp, p, seed, ctx, wire: Array, seed_wire: Array, scaled: bool = True):
         """``p ⊙ M / (1 − rate)`` on a block ``p`` laid out as ``wire``, at the block offsets of ``ctx``, the seed's
-        block laid out as ``seed_wire``. The rows' hashes are computed over the block's dimensions other than the
-        key's (a vector of the queries in a kernel's 2-D block), the keys' over those other than the query's, and
-        both spread over the block for the per-element :func:`combine`."""
+        block laid out as ``seed_wire``; ``p ⊙ M`` where not ``scaled`` (a caller dividing by ``1 − rate`` once per
+        row instead: the online softmax's output). The rows' hashes are computed over the block's dimensions other
+        than the key's (a vector of the queries in a kernel's 2-D block), the keys' over those other than the
+        query's, and both spread over the block for the per-element :func:`combine`."""
         shape, names = tuple(xp.shape(p)), wire.names
         rows = tuple(i for i, n in enumerate(names) if n != self.x)
         keys = tuple(i for i, n in enumerate(names) if n != self.q)
@@ -199,7 +200,7 @@ class Drop:
         row, mul, col = (xp.broadcast_in_dim(v, shape, dims) for v, dims in
                          ((row, rows), (row | jnp.uint32(1), rows), (col, keys)))
         kept = (row ^ col) * mul >= jnp.uint32(threshold(self.rate))  # combine(), its row multiplier spread
-        return xp.where(kept, p * (1.0 / (1.0 - self.rate)), 0.0)
+        return xp.where(kept, p * (1.0 / (1.0 - self.rate)) if scaled else p, 0.0)
 
     def _index(self, xp, ctx, wire: Array, shape: tuple, dims: tuple, name: str):
         """The global index along the axis ``name`` over the block's dimensions ``dims``: a vector or grid where

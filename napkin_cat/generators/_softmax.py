@@ -132,11 +132,19 @@ class SoftmaxContract(Generator):
         """Whether the scores are in base 2."""
         return self.params.get("base") == 2
 
-    def dropped(self, xp, p, ins: list, ctx):
+    def dropped(self, xp, p, ins: list, ctx, scaled: bool = True):
         """The probabilities ``p`` (a block of the scores' wire) after the box's dropout, where it has one (the
-        seed is its third input); ``p`` itself otherwise."""
+        seed is its third input), divided by ``1 − rate`` unless not ``scaled``; ``p`` itself otherwise."""
         drop = self.params.get("dropout")
-        return p if drop is None else drop.apply(xp, p, ins[2], ctx, self.dom.inside[0], self.dom.inside[2])
+        wires = self.dom.inside
+        return p if drop is None else drop.apply(xp, p, ins[2], ctx, wires[0], wires[2], scaled=scaled)
+
+    @property
+    def kept_share(self) -> float:
+        """``1 − rate`` of the box's dropout (1 without one): what the online form divides its output by once per
+        row, where the dropout's definition divides every kept weight."""
+        drop = self.params.get("dropout")
+        return 1.0 if drop is None else 1.0 - drop.rate
 
     def evaluate(self, ins, ctx):
         if self.params.get("probs") is not None:  # P quantised as the kernels round it: the online form, one chunk
@@ -284,8 +292,9 @@ class OnlineSoftmax(Accumulator):
         m = xp.max(s, i)
         p = self._exp(ctx)(self._c(s, ctx) - xp.expand_dims(self._shift(_safe(xp, m), ctx), i))
         # ℓ sums the undropped weights; the dropout acts on the product with v only (it commutes with the rows'
-        # rescaling by δ, a factor per row, so dropping each chunk's weights drops the normalised probabilities)
-        return m, xp.sum(p, i), self._pv(xp, self.box.dropped(xp, p, ins, ctx), v)
+        # rescaling by δ, a factor per row, so dropping each chunk's weights drops the normalised probabilities), and
+        # its 1/(1 − rate), a constant, is left to finalize: one division per row, not a multiply per weight
+        return m, xp.sum(p, i), self._pv(xp, self.box.dropped(xp, p, ins, ctx, scaled=False), v)
 
     def combine(self, a, b, ctx):
         (ma, la, oa), (mb, lb, ob), xp, exp = a, b, ctx.xp, self._exp(ctx)
@@ -300,13 +309,15 @@ class OnlineSoftmax(Accumulator):
         m_new = xp.maximum(m, xp.max(s, i))
         delta = exp(self._c(m - _safe(xp, m_new), ctx))
         p = exp(self._c(s, ctx) - xp.expand_dims(self._shift(_safe(xp, m_new), ctx), i))
-        pv = self._pv(xp, self.box.dropped(xp, p, ins, ctx), v)
+        pv = self._pv(xp, self.box.dropped(xp, p, ins, ctx, scaled=False), v)
         return m_new, total * delta + xp.sum(p, i), o * self._out(xp, delta) + pv
 
     def finalize(self, state, ctx):
         (m, total, o), xp = state, ctx.xp
         empty = total == 0
-        out = [xp.cast(o / self._out(xp, xp.where(empty, 1, total)), self.box.out.dtype)]
+        share = self.box.kept_share  # the dropout's 1 − rate, divided out here once per row (1 without one)
+        norm = xp.where(empty, 1, total) if share == 1.0 else xp.where(empty, 1, total) * share
+        out = [xp.cast(o / self._out(xp, norm), self.box.out.dtype)]
         if len(self.box.cod) == 2:  # the log-sum-exp residual for the backward pass; +inf on empty rows
             # the sum carries the probability scale σ where there is one: the offset's −log σ takes it back out
             lse = (self._shift(m, ctx) + xp.log2(total)) * ctx.number(sympy.log(2)) if self.box.base2 else None
@@ -323,7 +334,7 @@ class OnlineSoftmax(Accumulator):
         m, sm, o = prog.state("m", rows), prog.state("l", rows), prog.state("o", out.wire)
         mn, dl, p = prog.value("m_new", rows), prog.value("δ", rows), prog.value("P", s.wire)
         scale = self.box.params.get("scale")
-        dropped = ix(p) if len(ins) == 2 else f"dropout({ix(p)}, {ix(ins[2])})"  # ℓ sums the undropped weights
+        dropped = ix(p) if len(ins) == 2 else f"keep({ix(p)}, {ix(ins[2])})"  # ℓ sums the undropped weights
 
         def exp(a, b):  # exp(c·(a − b)) under the box's score scale c
             return f"exp({a} − {b})" if scale is None else f"exp({sympy.sstr(scale)}·({a} − {b}))"
@@ -339,7 +350,9 @@ class OnlineSoftmax(Accumulator):
             (f"{ix(o)} = {ix(dl)}·{ix(o)} + Σ_{x} {dropped}·{ix(v)}", [], [o, v]),
             (f"{ix(m)} = {ix(mn)}", [], [m]),
         ]
-        return init, loop, [(f"{ix(out)} = {ix(o)} / {ix(sm)}", [out], [o, sm], False, True)]
+        share = "" if len(ins) == 2 else f"·{self.box.kept_share:g}"  # the dropout's 1 − rate, once per row
+        return init, loop, [(f"{ix(out)} = {ix(o)} / ({ix(sm)}{share})" if share else f"{ix(out)} = {ix(o)} / {ix(sm)}",
+                             [out], [o, sm], False, True)]  # fmt: skip
 
 
 def softmax_contract(s: Array, v: Array, axis: Axis | str, out: Array, *, dropout=None, seed: Array | None = None
