@@ -111,7 +111,7 @@ class MosaicKernel:
                 idx.append(slice(None))
         return tuple(idx)
 
-    def _paged(self, pool, wire, bid, chunk) -> list:
+    def _paged(self, pool, table, wire, bid, chunk) -> list:
         """The TMA copies of chunk ``chunk`` of a paged input (:class:`lowering._paged.PageMap`): ``(view of the
         pool, rows of the ring slot)`` per page the chunk spans (whole pages), or the one page holding it (a window
         of it), the page ids read from this program's row of the table and clamped into the pool (an entry past a
@@ -121,7 +121,7 @@ class MosaicKernel:
         last = _i32(pool.shape[0] - 1)
 
         def view(entry, offset, n):
-            page = jnp.clip(self.table[(*row, entry)], _i32(0), last)
+            page = jnp.clip(table[(*row, entry)], _i32(0), last)
             idx = []
             for a in pm.pool_axes(wire):
                 idx.append(page if a == "pool" else pl.ds(offset, n) if a == "page" else batch.get(a, slice(None)))
@@ -164,7 +164,7 @@ class MosaicKernel:
         in_refs, out_refs, scratch = refs[:n_in], refs[n_in : n_in + n_out], refs[n_in + n_out :]
         # the summed outputs (dQ) come in as zeroed refs after the inputs: in the outputs' order again
         in_refs, summed = in_refs[: n_in - len(low.summed)], iter(in_refs[n_in - len(low.summed) :])
-        self.table = in_refs[-1] if n_table else None
+        table = in_refs[-1] if n_table else None  # the page table, after the bounds and lists
         in_refs = in_refs[: len(in_refs) - n_table]
         stored = iter(out_refs)
         out_refs = [next(summed) if k in low.summed else next(stored) for k in range(len(full.cod))]
@@ -202,13 +202,14 @@ class MosaicKernel:
                 return
             ring = (scratch.rings, scratch.loaded, scratch.consumed)
             if walk is None:
-                self.produce(in_refs, *ring, bid, tile, first, chunks)
+                self.produce(in_refs, *ring, bid, tile, first, chunks, table=table)
             else:  # the ring takes the listed chunks in turn: step t in slot t mod stages
-                self.produce(in_refs, *ring, bid, tile, _i32(0), walk.steps, walk.chunk)
+                self.produce(in_refs, *ring, bid, tile, _i32(0), walk.steps, walk.chunk, table)
 
-    def produce(self, in_refs, rings, loaded, consumed, bid, tile, first, chunks, chunk_of=None):
+    def produce(self, in_refs, rings, loaded, consumed, bid, tile, first, chunks, chunk_of=None, table=None):
         """The producer: steps ``[first, chunks)`` loaded by TMA into ring slot ``step mod stages``, each slot's
-        previous load released by every consumer first; step ``t`` loads chunk ``chunk_of(t)`` (default ``t``)."""
+        previous load released by every consumer first; step ``t`` loads chunk ``chunk_of(t)`` (default ``t``); a
+        paged input's chunk from the pages ``table`` names (:meth:`_paged`)."""
         low, hbm, stages, s = self.low, self.low.plan.diagram.dom.inside, self.low.config.stages, self.low.s
         chunk_of = chunk_of or (lambda t: t)
         g = low.plan.tiles[low.q]
@@ -217,7 +218,7 @@ class MosaicKernel:
             chunk = chunk_of(step)
             for k, i in enumerate(self.streamed):
                 if self.pages is not None and i in self.pages.inputs:
-                    for view, at in self._paged(in_refs[i], hbm[i], bid, chunk):
+                    for view, at in self._paged(in_refs[i], table, hbm[i], bid, chunk):
                         dst = rings[k].at[slot] if at is None else rings[k].at[slot].at[at]
                         plgpu.copy_gmem_to_smem(view, dst, loaded[k].at[slot])
                     continue
