@@ -2,6 +2,8 @@
 runs ``nc.decode_attention``'s split-KV kernel and merge, and its gradient the attention kernels': both against a
 reference written here with jax.numpy."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,6 +31,14 @@ def reference(q, k, v, lengths, scale=None):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.where(keep, s, -jnp.inf), axis=-1), vv)
 
 
+@functools.partial(jax.jit, static_argnums=5)
+def reference_and_gradients(q, k, v, lengths, ct, scale=None):
+    """:func:`reference` and its gradients of ``sum(reference · ct)`` for q, k, v, compiled as one program (op by op,
+    each drawn size compiled every op of the reference and its gradient apart)."""
+    out, pull = jax.vjp(lambda q, k, v: reference(q, k, v, lengths, scale), q, k, v)
+    return out, pull(ct)
+
+
 def draw(seed: int, b: int, heads: int, kv_heads: int, keys: int, dim: int = 16):
     r = np.random.default_rng(seed)
     q = jnp.asarray(r.standard_normal((b, 1, heads, dim)), jnp.float32)
@@ -44,15 +54,15 @@ def test_a_decode_step_and_its_gradient_match_the_reference(seed, b, group, keys
     lengths = jnp.asarray(r.integers(1, keys + 1, b), jnp.int32).at[0].set(keys if b > 1 else 1)
     steps, decode = [], lowering._decode.decode_attention
     assert nc.attention.splits_keys(q, k, v, key_value_seq_lengths=lengths, scale=scale)
+    # one forward for the output and the gradients: the step's VJP runs the same decode kernel as the plain call
+    # (lowering._attention._split_kv; plain calls: the tests below)
     with pytest.MonkeyPatch.context() as mp:  # the step runs the decode kernel: seen where the entry calls it
         mp.setattr(lowering._decode, "decode_attention", lambda *a, **kw: steps.append(1) or decode(*a, **kw))
-        out = nc.attention(q, k, v, key_value_seq_lengths=lengths, scale=scale)
-    assert steps and rel_err(out, reference(q, k, v, lengths, scale)) <= RTOL, (seed, lengths)
+        out, pull = jax.vjp(lambda q, k, v: nc.attention(q, k, v, key_value_seq_lengths=lengths, scale=scale), q, k, v)
     ct = jnp.asarray(r.standard_normal(out.shape), jnp.float32)
-    loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) * ct)  # noqa: E731
-    got = jax.grad(loss(lambda q, k, v: nc.attention(q, k, v, key_value_seq_lengths=lengths, scale=scale)),
-                   (0, 1, 2))(q, k, v)  # fmt: skip
-    want = jax.grad(loss(lambda q, k, v: reference(q, k, v, lengths, scale)), (0, 1, 2))(q, k, v)
+    want_out, want = reference_and_gradients(q, k, v, lengths, ct, scale)
+    assert steps and rel_err(out, want_out) <= RTOL, (seed, lengths)
+    got = pull(ct)  # the gradients of sum(out · ct)
     for name, g, w in zip("qkv", got, want, strict=True):  # one key: dq is 0, and its error relative to 1
         err = float(jnp.max(jnp.abs(g - w))) / max(float(jnp.max(jnp.abs(w))), 1.0)
         assert err <= RTOL, (name, seed, lengths, err)
