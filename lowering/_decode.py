@@ -396,10 +396,9 @@ def mla_attention(b, h, q, x, c, r, scale, dtype, p=None, values=None) -> Diagra
     out = scores(c) @ identity(Ty(V)) @ scores(r) @ identity(rest)  # S V S_r rest
     out = out >> (identity(Ty(S)) @ swap(Ty(V), Ty(S)) @ identity(rest)) >> (add(S, S) @ identity(Ty(V) @ rest))
     out = out >> (identity(Ty(S)) @ swap(Ty(V), rest))  # S rest V
-    if values is None:  # the latent keys are the values: one input, copied
-        K = Array(*kv, x, h, c, dtype=dtype)
-        Qc, Qr, Kr = Array(b, h, q, c, dtype=dtype), Array(b, h, q, r, dtype=dtype), Array(*kv, x, h, r, dtype=dtype)
-        out = (identity(Ty(Qc)) @ copy(Ty(K)) @ identity(Ty(Qr, Kr) @ rest)) >> out
+    if values is None:  # the latent keys are the values: one input (K_c), copied into V's place
+        Qc, Kc, _, *others = out.dom.inside
+        out = (identity(Ty(Qc)) @ copy(Ty(Kc)) @ identity(Ty(*others))) >> out
     return _attend(out, S, V, rest, Array(*kv, h, q, v, dtype=dtype), x, dtype)
 
 

@@ -64,6 +64,13 @@ class PageMap:
         given |= dict(zip(self.batch, table.shape, strict=False)) | {self.axis: table.shape[-1] * self.page_size}
         return jax.ShapeDtypeStruct(tuple(given[a] for a in wire.names), pool.dtype)
 
+    def contiguous(self, p, wires, arrays, table) -> list:
+        """``arrays`` as the kernel binds its sizes: each pool input the contiguous array it stands for
+        (:meth:`virtual`), after :meth:`check`; the other inputs as they are."""
+        self.check(p, wires, arrays, table)
+        pairs = enumerate(zip(arrays, wires, strict=True))
+        return [self.virtual(w, v, table) if i in self.inputs else v for i, (v, w) in pairs]
+
     def check(self, p, wires, arrays, table) -> None:
         """Refuse a plan or arrays the map cannot read, naming the condition and the fix: the streamed axis must be
         ``axis`` in chunks of whole pages or a divisor of one, each pool input must hold ``axis`` and ``batch``

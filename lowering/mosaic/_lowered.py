@@ -434,12 +434,7 @@ class MosaicLowered:
         full = self.plan.diagram
         arrays = [jnp.asarray(a) for a in arrays]
         pm, table = pages if pages is not None else (None, None)
-        if pm is not None:
-            pm.check(self.plan, full.dom.inside, arrays, table)
-        virtual = [
-            pm.virtual(w, v, table) if pm and i in pm.inputs else v
-            for i, (v, w) in enumerate(zip(arrays, full.dom.inside, strict=True))
-        ]
+        virtual = arrays if pm is None else pm.contiguous(self.plan, full.dom.inside, arrays, table)
         sizes = bind(full.dom, virtual)
         extent = {a.name: int(a.size.subs(sizes)) for w in full.dom.inside for a in w.axes}
         if why := self.ragged(*virtual):

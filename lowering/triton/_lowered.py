@@ -150,16 +150,8 @@ class TritonLowered:
         p, d = self.plan, self.plan.diagram
         arrays = [jnp.asarray(a) for a in arrays]
         pm, table = pages if pages is not None else (None, None)
-        if pm is not None:
-            pm.check(p, d.dom.inside, arrays, table)
         wires = d.dom.inside
-        sizes = bind(
-            d.dom,
-            [
-                pm.virtual(w, v, table) if pm and i in pm.inputs else v
-                for i, (v, w) in enumerate(zip(arrays, wires, strict=True))
-            ],
-        )
+        sizes = bind(d.dom, arrays if pm is None else pm.contiguous(p, wires, arrays, table))
         extent = {a.name: int(a.size.subs(sizes)) for w in d.dom.inside for a in w.axes}
         config = self.config or TritonConfig.get_default(p)
         padded = launch(p, extent, config, self.hardware)  # the guards, before padding allocates anything

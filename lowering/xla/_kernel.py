@@ -186,12 +186,7 @@ class XlaLowered:
         p, d = self.plan, self.plan.diagram
         arrays, wires = [jnp.asarray(a) for a in arrays], d.dom.inside
         pools = () if pm is None else pm.inputs
-        if pm is not None:
-            pm.check(p, wires, arrays, table)
-        sizes = bind(
-            d.dom,
-            [pm.virtual(w, v, table) if i in pools else v for i, (v, w) in enumerate(zip(arrays, wires, strict=True))],
-        )
+        sizes = bind(d.dom, arrays if pm is None else pm.contiguous(p, wires, arrays, table))
         extent = {a.name: int(a.size.subs(sizes)) for w in wires for a in w.axes}
         grid = (*p.tiles, *p.batch)
         count = {a: -(-extent[a] // g) for a, g in p.tiles.items()} | {b: extent[b] for b in p.batch}

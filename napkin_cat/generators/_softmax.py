@@ -315,8 +315,8 @@ class OnlineSoftmax(Accumulator):
     def finalize(self, state, ctx):
         (m, total, o), xp = state, ctx.xp
         empty = total == 0
-        share = self.box.kept_share  # the dropout's 1 − rate, divided out here once per row (1 without one)
-        norm = xp.where(empty, 1, total) if share == 1.0 else xp.where(empty, 1, total) * share
+        norm, share = xp.where(empty, 1, total), self.box.kept_share  # the dropout's 1 − rate: once per row
+        norm = norm if share == 1.0 else norm * share
         out = [xp.cast(o / self._out(xp, norm), self.box.out.dtype)]
         if len(self.box.cod) == 2:  # the log-sum-exp residual for the backward pass; +inf on empty rows
             # the sum carries the probability scale σ where there is one: the offset's −log σ takes it back out
@@ -350,9 +350,8 @@ class OnlineSoftmax(Accumulator):
             (f"{ix(o)} = {ix(dl)}·{ix(o)} + Σ_{x} {dropped}·{ix(v)}", [], [o, v]),
             (f"{ix(m)} = {ix(mn)}", [], [m]),
         ]
-        share = "" if len(ins) == 2 else f"·{self.box.kept_share:g}"  # the dropout's 1 − rate, once per row
-        return init, loop, [(f"{ix(out)} = {ix(o)} / ({ix(sm)}{share})" if share else f"{ix(out)} = {ix(o)} / {ix(sm)}",
-                             [out], [o, sm], False, True)]  # fmt: skip
+        norm = ix(sm) if len(ins) == 2 else f"({ix(sm)}·{self.box.kept_share:g})"  # the dropout's 1 − rate, once a row
+        return init, loop, [(f"{ix(out)} = {ix(o)} / {norm}", [out], [o, sm], False, True)]
 
 
 def softmax_contract(s: Array, v: Array, axis: Axis | str, out: Array, *, dropout=None, seed: Array | None = None
