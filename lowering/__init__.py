@@ -16,6 +16,7 @@ from lowering._attention import AttentionKernel, attention
 from lowering._cross_entropy import linear_cross_entropy
 from lowering._decode import decode_attention, mla_decode_attention
 from lowering._decode_cost import DecodeCost, decode_cost
+from lowering._fp8 import fp8_quantize
 from lowering._kv_cache import KVCache
 from lowering._plan import NotLowerable, Plan, plan
 from lowering._ring import DeviceKernel, lower_devices
@@ -36,4 +37,5 @@ __all__ = [
     "mla_decode_attention",  # MLA decoding (lowering._decode)
     "linear_cross_entropy",  # a classifier head's loss without its logits (lowering._cross_entropy)
     "rms_norm_linear",  # an RMS norm fused into the projection after it (lowering._rms_norm_linear)
+    "fp8_quantize",  # q, k, v to e4m3 with their scales, optionally rotated first (lowering._fp8)
 ]

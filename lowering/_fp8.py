@@ -236,3 +236,58 @@ class scale_probabilities(Rule):  # noqa: N801 - rules are named as verbs, like 
 
     def __repr__(self):
         return f"scale_probabilities({self.axis}, {self.sigma:g})"
+
+
+#: the largest finite float8_e4m3fn
+E4M3_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)
+
+
+def fp8_quantize(query, key, value, *, incoherent: bool = False, scale_s: float = 1.0) -> tuple:
+    """``q, k, v`` (``[B, N, H, D]``, any float dtype) rounded to e4m3 with per-tensor scales, and the
+    ``fp8_scales`` dict ``nc.attention`` takes for them: each array times ``E4M3_MAX / amax`` (its largest magnitude
+    lands on e4m3's largest, 448), its descale the inverse. The scales are concrete numbers (a kernel holds them):
+    call this outside ``jax.jit``.
+
+    ``incoherent=True`` first rotates q and k along the head dim by the normalised Hadamard transform, the boxes
+    :func:`rewrites.incoherent` puts before ``Q·Kᵀ`` (which leave every score unchanged, proved over symbols):
+    FlashAttention-3's incoherent processing (Shah et al. 2024, §3.3). An outlier feature is spread over the head
+    dim before rounding: the scores' rounding error keeps its size, but no longer lands whole on the few large
+    scores an outlier enters, which the softmax weighs most (``papers/flash_attention/incoherent.py`` measures the
+    output's error). v is not rotated (it would rotate the output). The head dim must be a power of two.
+
+    >>> import jax, jax.numpy as jnp
+    >>> import napkin_cat as nc
+    >>> q, k, v = (jax.random.normal(jax.random.key(i), (1, 128, 2, 64)) for i in range(3))
+    >>> q8, k8, v8, scales = nc.fp8_quantize(q, k, v, incoherent=True)
+    >>> q8.dtype, sorted(scales)
+    (dtype(float8_e4m3fn), ['descale_k', 'descale_q', 'descale_v', 'scale_s'])
+    >>> out = nc.attention(q8, k8, v8, fp8_scales=scales)
+    >>> want = jax.nn.dot_product_attention(q, k, v)
+    >>> bool(jnp.max(jnp.abs(out.astype(jnp.float32) - want)) < 0.1)
+    True
+    """
+    from napkin_cat.axes import axes
+    from napkin_cat.diagram import Array
+    from napkin_cat.generators import hadamard
+    from napkin_cat.semantics import to_jax
+
+    arrays = {"q": query, "k": key, "v": value}
+    for name, a in arrays.items():
+        if jnp.ndim(a) != 4 or not jnp.issubdtype(a.dtype, jnp.floating):
+            raise EvaluationError(
+                f"fp8_quantize: {name} has shape {jnp.shape(a)} and dtype {jnp.dtype(a.dtype).name}; expected a "
+                "float array [B, N, H, D]"
+            )
+    if incoherent:
+        for name in "qk":
+            x = arrays[name]
+            b, n, h, d = axes("b n h d", **dict(zip("bnhd", x.shape, strict=True)))
+            turn = hadamard(Array(b, n, h, d, dtype=x.dtype), d)  # refuses a head dim no power of two, naming it
+            arrays[name] = to_jax(turn)(x)
+    out, scales = [], {}
+    for name, a in arrays.items():
+        amax = float(jnp.max(jnp.abs(a.astype(jnp.float32))))
+        scale = E4M3_MAX / amax if amax > 0 else 1.0
+        out.append((a.astype(jnp.float32) * scale).astype(jnp.float8_e4m3fn))
+        scales[f"descale_{name}"] = 1 / scale
+    return (*out, {**scales, "scale_s": float(scale_s)})

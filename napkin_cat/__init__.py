@@ -44,6 +44,7 @@ from napkin_cat.generators import (
     elementwise,
     exp,
     gelu,
+    hadamard,
     log,
     mask,
     merge,
@@ -78,8 +79,8 @@ __all__ = [
     "EvaluationError", "Generator", "HBM", "L2", "Level", "NapkinError", "NoDerivative", "REG", "Rope", "SMEM",
     "TC", "Tape", "Template", "Ty", "add", "architectures", "axes", "bf16", "cast", "causal_mask", "concat", "contract",
     "conv", "copy", "cost", "derivative", "discard", "divide", "draw", "draw_equation", "draw_sequence",
-    "elementwise", "exp", "f16", "f32", "fp8_e4m3", "fp8_e5m2", "gelu", "hardware", "id", "library", "log", "mask",
-    "merge", "move", "multiply", "normalised_contract", "optimize", "pullback", "reduce_max", "reduce_min",
+    "elementwise", "exp", "f16", "f32", "fp8_e4m3", "fp8_e5m2", "gelu", "hadamard", "hardware", "id", "library", "log",
+    "mask", "merge", "move", "multiply", "normalised_contract", "optimize", "pullback", "reduce_max", "reduce_min",
     "reduce_sum", "relu", "rename", "reverse", "rotary", "rsqrt", "scale", "score_mod", "silu", "softmax",
     "softmax_contract", "split", "sqrt", "square", "subtract", "swap", "tanh", "to_jax",
 ]
@@ -87,15 +88,17 @@ __all__ = [
 
 def __getattr__(name: str):
     """``attention``, the drop-in entry, ``decode_attention`` and ``mla_decode_attention`` (split-KV decoding),
-    ``linear_cross_entropy`` (a classifier head's loss) and ``rms_norm_linear`` (a norm fused into its projection),
-    imported from :mod:`lowering` when first asked for.
+    ``linear_cross_entropy`` (a classifier head's loss), ``rms_norm_linear`` (a norm fused into its projection) and
+    ``fp8_quantize`` (q, k, v to e4m3 with their scales), imported from :mod:`lowering` when first asked for.
 
     >>> import napkin_cat as nc
     >>> from lowering import attention
     >>> nc.attention is attention
     True
     """
-    if name in ("attention", "decode_attention", "mla_decode_attention", "linear_cross_entropy", "rms_norm_linear"):
+    names = ("attention", "decode_attention", "mla_decode_attention", "linear_cross_entropy", "rms_norm_linear",
+             "fp8_quantize")
+    if name in names:
         import lowering
 
         return getattr(lowering, name)

@@ -29,6 +29,7 @@ from rewrites._device import (
     zigzag,
 )
 from rewrites._factor import factor_row_scale
+from rewrites._incoherent import incoherent
 from rewrites._io_aware import (
     Residual,
     delta_lemma,
@@ -63,4 +64,5 @@ __all__ = [
     "stream", "streamability", "summed_outputs", "tile", "tolerance", "walk", "widened",
     "choose_parts", "merge_parts", "prove_merge", "split_kv", "with_lse",  # split-KV (rewrites._split_kv)
     "factor_row_scale",  # a row scaling moved after a contraction (rewrites._factor)
+    "incoherent",  # the Hadamard rotation of a contraction's operands (rewrites._incoherent)
 ]

@@ -177,6 +177,11 @@ def sample_sizes(d: Diagram, rng: random.Random, *, small: int = 16, budget: int
             else:
                 sizes[a.size] = rng.randint(2, small)
                 free.add(a.size)
+    for b in d.boxes:  # a box that needs a power of two there (a Hadamard matrix) gets one; halving keeps it so
+        for a in getattr(b, "powers_of_two", ()):
+            size = next((x.axis(a).size for x in b.dom.inside if a in x.names), None)
+            if size in sizes:
+                sizes[size] = 1 << (sizes[size].bit_length() - 1)
     while True:
         widest = max(_wires(d), key=lambda w: _elements(w, sizes))
         shrinkable = [a.size for a in widest.axes if a.size in free and sizes[a.size] > 1]

@@ -61,6 +61,7 @@ from napkin_cat.generators._elementwise import (
     subtract,
     tanh,
 )
+from napkin_cat.generators._hadamard import Hadamard, hadamard
 from napkin_cat.generators._index import (
     FLEX_INDICES,
     Captured,
@@ -108,6 +109,7 @@ __all__ = [
     "ContractionSum",
     "Elementwise",
     "Generator",
+    "Hadamard",
     "IndexMap",
     "Jax",
     "Kept",
@@ -151,6 +153,7 @@ __all__ = [
     "exp",
     "fname",
     "gelu",
+    "hadamard",
     "log",
     "mask",
     "merge",

@@ -197,6 +197,9 @@ class Generator(Box):
         """Axes along which this box combines elements (it needs them whole unless it streams them)."""
         return self.reduced
 
+    #: axes whose size must be a power of two (a Hadamard matrix's); verification draws such sizes there
+    powers_of_two: tuple[str, ...] = ()
+
     def evaluate(self, ins: list, ctx: Context) -> list:
         """The outputs on the values ``ins`` of the input wires, computed with ``ctx.xp``."""
         raise NotImplementedError(type(self).__name__)
