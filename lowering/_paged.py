@@ -215,8 +215,8 @@ def paged_split(width: int, page_size: int, *, parts, chunk: int, n_default: int
     >>> paged_split(8, 16, parts=3, chunk=64, n_default=5)
     Traceback (most recent call last):
     ...
-    napkin_cat.errors.EvaluationError: decode_attention: parts must be an integer in [1, 2] (the parts of whole \
-chunks and pages 8 pages of 16 keys hold), got 3
+    napkin_cat.errors.EvaluationError: decode_attention: parts must be an integer in [1, 2] (a part is whole chunks \
+of 64 keys and whole pages; 8 pages of 16 keys hold 2), got 3: pass fewer parts, or a smaller chunk= for more
     """
     if chunk < 16 or chunk & (chunk - 1) or (chunk % page_size and page_size % chunk):
         raise EvaluationError(
@@ -229,8 +229,9 @@ chunks and pages 8 pages of 16 keys hold), got 3
     n = min(n_default, units) if parts is None else parts
     if not isinstance(n, int) or not 1 <= n <= units:
         raise EvaluationError(
-            f"decode_attention: parts must be an integer in [1, {units}] (the parts of whole chunks and pages "
-            f"{width} pages of {page_size} keys hold), got {n!r}"
+            f"decode_attention: parts must be an integer in [1, {units}] (a part is whole chunks of {chunk} keys and "
+            f"whole pages; {width} pages of {page_size} keys hold {units}), got {n!r}: pass fewer parts, or a smaller "
+            "chunk= for more"
         )
     per_part = -(-units // n)
     return -(-units // per_part), per_part * unit, chunk
