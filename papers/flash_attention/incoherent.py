@@ -5,7 +5,9 @@ variant runs through ``nc.attention`` on the inputs ``nc.fp8_quantize`` rounds (
 same draws; the error is the RMSE of the output against an f32 ``jax.numpy`` reference on the unrounded inputs
 (written here), and the ratio of the plain FP8 RMSE to the rotated one. FlashAttention-3 reports its FP8 error several
 times smaller with block quantisation and incoherent processing together; this measures the rotation alone (the
-quantisation here is per tensor). Writes JSON and a bar chart named after the device::
+quantisation here is per tensor). On a GPU, cuDNN's FP8 attention runs on the same rounded inputs and scales
+(``cudnn fp8``, ``cudnn fp8 incoherent``; its output is e4m3, so it also carries the output's rounding). Writes JSON
+and a bar chart named after the device::
 
     python papers/flash_attention/incoherent.py [results/incoherent_<device>.json]   # CPU: interpreted, N = 256
 """
@@ -39,6 +41,19 @@ def reference(q, k, v, causal):
     return jnp.einsum("bhqx,bxhd->bqhd", jax.nn.softmax(s, -1), v, precision="highest")
 
 
+def cudnn_fp8(q8, k8, v8, scales: dict, causal: bool):
+    """cuDNN's FP8 forward through jax's fused attention on the same e4m3 inputs and descales, output e4m3."""
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+
+    from papers.flash_attention.fp8 import CUDNN_KEYS
+
+    one = lambda x: jnp.full((1, 1, 1, 1), x, jnp.float32)  # noqa: E731
+    params = {k: one(scales.get(k, 1.0)) for k in CUDNN_KEYS} | {"descale_s": one(1 / scales["scale_s"])}
+    out, _, _ = dot_product_attention(q8, k8, v8, fp8_params=params, scale=q8.shape[-1] ** -0.5, qkv_layout="BTNH",
+                                      mask_type=MaskType.CAUSAL if causal else MaskType.NO_MASK, use_fp8=True)
+    return out
+
+
 def rmse(got, want) -> float:
     return float(jnp.sqrt(jnp.mean((got.astype(jnp.float32) - want) ** 2)))
 
@@ -56,6 +71,8 @@ def run(out: str, seeds: int = 4) -> dict:
             for name, turn in (("fp8", False), ("fp8 incoherent", True)):
                 q8, k8, v8, scales = nc.fp8_quantize(q, k, v, incoherent=turn)
                 row[name] = rmse(nc.attention(q8, k8, v8, fp8_scales=scales, is_causal=causal), want)
+                if not cpu:
+                    row[f"cudnn {name}"] = rmse(cudnn_fp8(q8, k8, v8, scales, causal), want)
             row["fp8 / fp8 incoherent"] = row["fp8"] / row["fp8 incoherent"]
             rows.append(row)
             print(" ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
@@ -76,13 +93,14 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = ["bf16", "fp8", "fp8 incoherent"]
-    fig, ax = plt.subplots(figsize=(5, 3.2))
+    every = ("bf16", "fp8", "fp8 incoherent", "cudnn fp8", "cudnn fp8 incoherent")
+    names = [n for n in every if n in result["rows"][0]]
+    fig, ax = plt.subplots(figsize=(1.4 * len(names) + 1, 3.2))
     for i, causal in enumerate((False, True)):
         rows = [r for r in result["rows"] if r["causal"] == causal]
         means = [np.mean([r[n] for r in rows]) for n in names]
-        ax.bar(np.arange(3) + 0.38 * i, means, width=0.36, label="causal" if causal else "non-causal")
-    ax.set_xticks(np.arange(3) + 0.19, names)
+        ax.bar(np.arange(len(names)) + 0.38 * i, means, width=0.36, label="causal" if causal else "non-causal")
+    ax.set_xticks(np.arange(len(names)) + 0.19, [n.replace(" ", "\n", 1) for n in names], fontsize=8)
     ax.set_yscale("log")
     ax.set_ylabel("RMSE vs f32 reference")
     B, N, H, D = result["shape"]
