@@ -64,6 +64,18 @@ def test_incoherent_then_flash_verifies_on_random_inputs(seed):
     assert made.steps[1].verification.sizes["d"] in (2, 4, 8, 16)  # verification draws a Hadamard axis a power of 2
 
 
+def test_the_rotated_diagram_lowers_to_a_kernel_that_rotates_each_block(key):
+    """The Hadamard boxes lower into the Triton kernel (interpreted): q's tile and each key chunk rotated as they
+    load; the output as jax.nn's on the unrotated inputs."""
+    from lowering import lower
+
+    q, x, d = nc.axes("q x d")
+    kernel = lower(derive(nc.library.attention(q, x, d), incoherent(d), tile(q, 16), stream(x, 16), verify=False))
+    Q, K, V = jax.random.normal(key, (3, 40, 16))
+    want = jax.nn.dot_product_attention(Q[None, :, None], K[None, :, None], V[None, :, None])[0, :, 0]
+    assert float(jnp.max(jnp.abs(kernel(Q, K, V) - want))) <= TOL * float(jnp.max(jnp.abs(want)))
+
+
 def test_incoherent_refusals_name_the_rule_box_and_axis():
     q, x, d = nc.axes("q x d")
     with pytest.raises(RewriteError, match=r"incoherent\(q\): axis 'q': no contraction of two operands"):
