@@ -75,7 +75,7 @@ import jax
 import jax.numpy as jnp
 
 from lowering._api import BACKENDS, Kernel, OpenKernel, check_layout, lower
-from lowering._fp8 import Fp8Scales, check_fp8, scale_probabilities
+from lowering._fp8 import Fp8Scales, check_fp8, scale_probabilities, token_scales
 from lowering._plan import NotLowerable, next_pow2
 from lowering._plan import _captured as captured
 from lowering._target import interpreted, target_hardware
@@ -1195,7 +1195,10 @@ class Attention:
         output times ``dv`` and divided by ``scale_s``: bf16 by default (``out_dtype``: bf16, f16, f32, or e4m3,
         then times ``scale_o``). Unlike cuDNN's, no amax is returned. Differentiating an FP8 call raises
         :class:`~lowering.NotLowerable`. q and k in e4m3 with v in bf16 or f16 is FAN's mixed algorithm: Q·Kᵀ in FP8,
-        P·V in v's 16 bits (only ``descale_q`` and ``descale_k`` needed; docs/mosaic.md).
+        P·V in v's 16 bits (only ``descale_q`` and ``descale_k`` needed; docs/mosaic.md). ``descale_q`` and
+        ``descale_k`` may also be arrays, one per token and head (``[..., Nq, H]``, ``[..., Nk, H_kv]``: as
+        :func:`lowering.fp8_quantize` makes with ``per="token"``), read at each call, even traced
+        (:func:`lowering._fp8.token_scales`: a score modifier over them, so the kernel is Triton's).
 
         >>> q8, k8, v8 = (jax.random.normal(jax.random.key(i), (1, 32, 2, 16)).astype(jnp.float8_e4m3fn)
         ...               for i in range(3))
@@ -1249,6 +1252,7 @@ fp8_scales=dict(descale_q=..., descale_k=..., descale_v=..., scale_s=...) (1.0 e
             rope = None
         query, key, value, scale = padded_heads(query, key, value, scale, rope)
         query, scale = _scaled(query, scale, fp8_scales is not None)
+        fp8_scales, score_mod = token_scales(fp8_scales, score_mod, query, key)
         segment_ids = length_ids(query, key, segment_ids, query_seq_lengths, key_value_seq_lengths)
         positions = rope_positions(rope, query, key)
         args = batched(query, key, value, bias, mask, segment_ids)
@@ -1345,6 +1349,9 @@ fp8_scales=dict(descale_q=..., descale_k=..., descale_v=..., scale_s=...) (1.0 e
         if _before_kernel(options.get("rope"), query.shape[-1]):  # q and k come to it rotated
             options["rope"] = None
         query, scale = _scaled(query, scale, options.get("fp8_scales") is not None)
+        options["fp8_scales"], options["score_mod"] = token_scales(
+            options.get("fp8_scales"), options.get("score_mod"), query, key
+        )
         segment_ids = length_ids(query, key, segment_ids, query_seq_lengths, key_value_seq_lengths)
         args = batched(query, key, value, bias, mask, segment_ids)
         for k in ("score_mod", "mask_mod"):

@@ -30,7 +30,7 @@ import numpy as np
 from napkin_cat.diagram import Diagram
 from napkin_cat.dtypes import FP8, bf16, fp8_e4m3
 from napkin_cat.errors import EvaluationError
-from napkin_cat.generators import SoftmaxContract
+from napkin_cat.generators import FLEX_INDICES, SoftmaxContract, fname, index_names, positional
 from rewrites import Rule
 
 #: why an FP8 kernel has no backward (``kernel.why_not``); ``jax.grad`` through it raises ``NotLowerable``
@@ -242,11 +242,13 @@ class scale_probabilities(Rule):  # noqa: N801 - rules are named as verbs, like 
 E4M3_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)
 
 
-def fp8_quantize(query, key, value, *, incoherent: bool = False, scale_s: float = 1.0) -> tuple:
-    """``q, k, v`` (``[B, N, H, D]``, any float dtype) rounded to e4m3 with per-tensor scales, and the
-    ``fp8_scales`` dict ``nc.attention`` takes for them: each array times ``E4M3_MAX / amax`` (its largest magnitude
-    lands on e4m3's largest, 448), its descale the inverse. The scales are concrete numbers (a kernel holds them):
-    call this outside ``jax.jit``.
+def fp8_quantize(query, key, value, *, incoherent: bool = False, per: str = "tensor", scale_s: float = 1.0) -> tuple:
+    """``q, k, v`` (``[B, N, H, D]``, any float dtype) rounded to e4m3 with their scales, and the ``fp8_scales``
+    dict ``nc.attention`` takes for them: each array times ``E4M3_MAX / amax`` (its largest magnitude lands on
+    e4m3's largest, 448), its descale the inverse. ``per="tensor"``: one amax per array, concrete numbers the kernel
+    holds (call this outside ``jax.jit``). ``per="token"``: q and k one amax per token and head (descales
+    ``[B, N, H]``, inputs of the kernel read at each call, so under ``jit`` too; the kernel is then Triton's, see
+    ``nc.attention``), v per tensor (its descale scales the output).
 
     ``incoherent=True`` first rotates q and k along the head dim by the normalised Hadamard transform, the boxes
     :func:`rewrites.incoherent` puts before ``Q·Kᵀ`` (which leave every score unchanged, proved over symbols):
@@ -271,6 +273,8 @@ def fp8_quantize(query, key, value, *, incoherent: bool = False, scale_s: float 
     from napkin_cat.generators import hadamard
     from napkin_cat.semantics import to_jax
 
+    if per not in ("tensor", "token"):
+        raise EvaluationError(f"fp8_quantize: per={per!r}; expected 'tensor' (one scale per array) or 'token'")
     arrays = {"q": query, "k": key, "v": value}
     for name, a in arrays.items():
         if jnp.ndim(a) != 4 or not jnp.issubdtype(a.dtype, jnp.floating):
@@ -286,8 +290,59 @@ def fp8_quantize(query, key, value, *, incoherent: bool = False, scale_s: float 
             arrays[name] = to_jax(turn)(x)
     out, scales = [], {}
     for name, a in arrays.items():
-        amax = float(jnp.max(jnp.abs(a.astype(jnp.float32))))
-        scale = E4M3_MAX / amax if amax > 0 else 1.0
-        out.append((a.astype(jnp.float32) * scale).astype(jnp.float8_e4m3fn))
-        scales[f"descale_{name}"] = 1 / scale
+        x = a.astype(jnp.float32)
+        if per == "token" and name != "v":
+            amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+            scale = jnp.where(amax > 0, E4M3_MAX / amax, 1.0)
+            scales[f"descale_{name}"] = 1 / scale[..., 0]
+        else:
+            amax = float(jnp.max(jnp.abs(x)))
+            scale = E4M3_MAX / amax if amax > 0 else 1.0
+            scales[f"descale_{name}"] = 1 / scale
+        out.append((x * scale).astype(jnp.float8_e4m3fn))
     return (*out, {**scales, "scale_s": float(scale_s)})
+
+
+def token_scales(fp8_scales, score_mod, query, key) -> tuple:
+    """``fp8_scales`` whose ``descale_q`` / ``descale_k`` are arrays, one per token and head (``[..., Nq, H]`` and
+    ``[..., Nk, H_kv]``, as :func:`fp8_quantize` with ``per="token"`` makes), as the kernel takes them: each score
+    times its query's and its key's descale, a score modifier over captured arrays (inputs of the kernel, read at
+    each call, so new scales, traced ones included, reuse the kernel), composed before ``score_mod``; the kernel's
+    own descales 1. Per-tensor scales (numbers) pass through unchanged.
+
+    >>> import jax.numpy as jnp
+    >>> q = jnp.zeros((1, 4, 2, 16), jnp.float8_e4m3fn)
+    >>> scales, mod = token_scales(dict(descale_q=jnp.full((1, 4, 2), 0.5), descale_k=2.0, descale_v=1.0,
+    ...                                 scale_s=1.0), None, q, q)
+    >>> scales["descale_q"], scales["descale_k"], float(mod(3.0, 0, 1, 2, 3))
+    (1.0, 2.0, 1.5)
+    """
+    if not isinstance(fp8_scales, dict):
+        return fp8_scales, score_mod
+    rows = {"descale_q": query.shape[:-1], "descale_k": key.shape[:-1]}
+    given = {n: fp8_scales[n] for n in rows if n in fp8_scales and np.size(fp8_scales[n]) > 1}
+    if not given:
+        return fp8_scales, score_mod
+    for n, a in given.items():
+        if tuple(jnp.shape(a)) != tuple(rows[n]):
+            x = "q" if n == "descale_q" else "k"
+            raise EvaluationError(
+                f"attention: fp8_scales[{n!r}] has shape {tuple(jnp.shape(a))}; a per-token descale of {x} has its "
+                f"shape without the head dim, {tuple(rows[n])} (or pass one number per tensor)"
+            )
+    flat = {n: jnp.reshape(a, (-1, *rows[n][-2:])).astype(jnp.float32) for n, a in given.items()}
+    dq, dk = flat.get("descale_q"), flat.get("descale_k")
+    group = query.shape[-2] // key.shape[-2]
+    user = None if score_mod is None else positional(score_mod, FLEX_INDICES, score=True)
+    names = None if user is None else index_names(user, score=True)
+
+    def scaled(score, b, h, q_idx, kv_idx):
+        s = score if dq is None else score * dq[b, q_idx, h]
+        s = s if dk is None else s * dk[b, kv_idx, h // group]
+        if user is None:
+            return s
+        indices = {"b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx}
+        return user(s, **(indices if names is None else {k: indices[k] for k in names}))
+
+    scaled.__name__ = "per-token descales" + ("" if user is None else f" then {fname(user)}")
+    return {**fp8_scales, **dict.fromkeys(given, 1.0)}, scaled

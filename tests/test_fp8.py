@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import napkin_cat as nc
@@ -313,3 +314,35 @@ def test_docs_mixed_algorithm_example_runs(capsys):
     block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "fp8_scales=dict(descale_q=1.0" in b)
     exec(block, {})  # noqa: S102 - the documentation's own example
     assert capsys.readouterr().out.split() == ["bfloat16", "True"]
+
+
+def test_per_token_descales_are_read_by_the_kernel_at_each_call(key):
+    """``fp8_quantize(per="token")``: q and k one scale per token and head, which the entry passes to the kernel as
+    inputs (a score modifier over captured arrays), under jit too, against the reference on the dequantised inputs;
+    rows of very different sizes keep more of their bits than with one scale per tensor."""
+    from lowering import fp8_quantize
+
+    ks = jax.random.split(key, 4)
+    # per-token magnitudes over six decades: one scale per tensor puts the smallest rows below e4m3's subnormals
+    rows = 10.0 ** jax.random.uniform(ks[3], (2, 1, 64, 1, 1), minval=-6.0, maxval=0.0)
+    q, k, v = jax.random.normal(ks[0], (3, 1, 64, 1, 64)) * jnp.concatenate([rows, jnp.ones((1, 1, 64, 1, 1))])
+    q8, k8, v8, sc = fp8_quantize(q, k, v, per="token")
+    assert sc["descale_q"].shape == (1, 64, 1) and np.ndim(sc["descale_v"]) == 0
+    out = attention(q8, k8, v8, fp8_scales=sc, is_causal=True)
+    made = attention.kernel_for(q8, k8, v8, fp8_scales=sc, is_causal=True)
+    deq = [x.astype(jnp.float32) * sc[f"descale_{n}"][..., None] for x, n in ((q8, "q"), (k8, "k"))]
+    unit = Fp8Scales(descale_q=1.0, descale_k=1.0, descale_v=sc["descale_v"], scale_s=1.0)
+    assert error(out, reference(*deq, v8, unit, 1 / 8, True, made.signature.stream)) < TOL
+    assert made.backend == "triton"
+    traced = jax.jit(lambda dq, dk: attention(q8, k8, v8, fp8_scales={**sc, "descale_q": dq, "descale_k": dk},
+                                              is_causal=True))(sc["descale_q"], sc["descale_k"])  # fmt: skip
+    assert bool(jnp.all(traced == out))
+    errs = []
+    for per in ("tensor", "token"):
+        a8, b8, _, s = fp8_quantize(q, k, v, per=per)
+        back = [x.astype(jnp.float32) * jnp.asarray(s[f"descale_{n}"])[..., None] for x, n in ((a8, "q"), (b8, "k"))]
+        errs.append(max(float(jnp.max(jnp.abs(b - a) / jnp.max(jnp.abs(a), -1, keepdims=True)))
+                        for a, b in zip((q, k), back, strict=True)))  # fmt: skip
+    assert errs[1] <= 2.0**-4 < 0.5 < errs[0], f"largest error relative to its row's amax: per tensor, token {errs}"
+    with pytest.raises(EvaluationError, match=r"fp8_scales\['descale_q'\] has shape \(64, 1\); a per-token"):
+        attention(q8, k8, v8, fp8_scales={**sc, "descale_q": sc["descale_q"][0]})

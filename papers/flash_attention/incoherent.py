@@ -1,13 +1,13 @@
 """FP8 attention's error with and without incoherent processing, FlashAttention-3's experiment (Shah et al. 2024,
 §4.3): q, k, v drawn from N(0, 1) plus N(0, 100)·Bernoulli(0.001), 0.1% outliers as large activations have. Each
-variant runs through ``nc.attention`` on the inputs ``nc.fp8_quantize`` rounds (per-tensor scales; with
-``incoherent=True``, q and k first rotated by the Hadamard boxes of :func:`rewrites.incoherent`), beside bf16 on the
-same draws; the error is the RMSE of the output against an f32 ``jax.numpy`` reference on the unrounded inputs
-(written here), and the ratio of the plain FP8 RMSE to the rotated one. FlashAttention-3 reports its FP8 error several
-times smaller with block quantisation and incoherent processing together; this measures the rotation alone (the
-quantisation here is per tensor). On a GPU, cuDNN's FP8 attention runs on the same rounded inputs and scales
-(``cudnn fp8``, ``cudnn fp8 incoherent``; its output is e4m3, so it also carries the output's rounding). Writes JSON
-and a bar chart named after the device::
+variant (:data:`VARIANTS`) runs through ``nc.attention`` on the inputs ``nc.fp8_quantize`` rounds: one scale per
+tensor, or per token and head for q and k (inputs of the kernel); rotated or not (``incoherent=True``: q and k first
+rotated by the Hadamard boxes of :func:`rewrites.incoherent`); beside bf16 on the same draws. The error is the RMSE
+of the output against an f32 ``jax.numpy`` reference on the unrounded inputs (written here); the ratios are the
+per-tensor FP8 RMSE over the rotated ones. FlashAttention-3 reports its FP8 error several times smaller with block
+quantisation and incoherent processing together. On a GPU, cuDNN's FP8 attention runs on the same per-tensor
+rounded inputs and scales (``cudnn fp8``, ``cudnn fp8 incoherent``; its output is e4m3, so it also carries the
+output's rounding). Writes JSON and a bar chart named after the device::
 
     python papers/flash_attention/incoherent.py [results/incoherent_<device>.json]   # CPU: interpreted, N = 256
 """
@@ -23,6 +23,14 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import napkin_cat as nc  # noqa: E402
+
+#: (name, incoherent, per): FP8 inputs rounded per tensor or per token (q and k), rotated or not
+VARIANTS = (
+    ("fp8", False, "tensor"),
+    ("fp8 incoherent", True, "tensor"),
+    ("fp8 per token", False, "token"),
+    ("fp8 per token incoherent", True, "token"),
+)
 
 
 def outliers(key, shape):
@@ -68,22 +76,25 @@ def run(out: str, seeds: int = 4) -> dict:
             want = reference(q, k, v, causal)
             row = {"seed": seed, "causal": causal, "bf16": rmse(
                 nc.attention(*(x.astype(jnp.bfloat16) for x in (q, k, v)), is_causal=causal), want)}
-            for name, turn in (("fp8", False), ("fp8 incoherent", True)):
-                q8, k8, v8, scales = nc.fp8_quantize(q, k, v, incoherent=turn)
+            for name, turn, per in VARIANTS:
+                q8, k8, v8, scales = nc.fp8_quantize(q, k, v, incoherent=turn, per=per)
                 row[name] = rmse(nc.attention(q8, k8, v8, fp8_scales=scales, is_causal=causal), want)
-                if not cpu:
+                if not cpu and per == "tensor":  # cuDNN's scales are per tensor
                     row[f"cudnn {name}"] = rmse(cudnn_fp8(q8, k8, v8, scales, causal), want)
             row["fp8 / fp8 incoherent"] = row["fp8"] / row["fp8 incoherent"]
+            row["fp8 / fp8 per token incoherent"] = row["fp8"] / row["fp8 per token incoherent"]
             rows.append(row)
             print(" ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
     device = jax.devices()[0].device_kind
-    ratios = [r["fp8 / fp8 incoherent"] for r in rows]
+    spread = lambda xs: {"min": min(xs), "median": float(np.median(xs)), "max": max(xs)}  # noqa: E731
     result = {"device": device, "shape": [B, N, H, D], "rows": rows,
-              "ratio": {"min": min(ratios), "median": float(np.median(ratios)), "max": max(ratios)}}
+              "ratio": spread([r["fp8 / fp8 incoherent"] for r in rows]),
+              "ratio per token incoherent": spread([r["fp8 / fp8 per token incoherent"] for r in rows])}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(result, indent=1))
     plot(result, Path(out).with_suffix(".png"))
-    print(f"fp8 RMSE / fp8 incoherent RMSE: {result['ratio']} -> {out}")
+    print(f"fp8 RMSE / fp8 incoherent RMSE: {result['ratio']}; / per token incoherent: "
+          f"{result['ratio per token incoherent']} -> {out}")
     return result
 
 
@@ -93,14 +104,14 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    every = ("bf16", "fp8", "fp8 incoherent", "cudnn fp8", "cudnn fp8 incoherent")
+    every = ("bf16", *(v[0] for v in VARIANTS), "cudnn fp8", "cudnn fp8 incoherent")
     names = [n for n in every if n in result["rows"][0]]
     fig, ax = plt.subplots(figsize=(1.4 * len(names) + 1, 3.2))
     for i, causal in enumerate((False, True)):
         rows = [r for r in result["rows"] if r["causal"] == causal]
         means = [np.mean([r[n] for r in rows]) for n in names]
         ax.bar(np.arange(len(names)) + 0.38 * i, means, width=0.36, label="causal" if causal else "non-causal")
-    ax.set_xticks(np.arange(len(names)) + 0.19, [n.replace(" ", "\n", 1) for n in names], fontsize=8)
+    ax.set_xticks(np.arange(len(names)) + 0.19, [n.replace(" ", "\n") for n in names], fontsize=7)
     ax.set_yscale("log")
     ax.set_ylabel("RMSE vs f32 reference")
     B, N, H, D = result["shape"]
