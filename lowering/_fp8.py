@@ -245,10 +245,11 @@ E4M3_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)
 def fp8_quantize(query, key, value, *, incoherent: bool = False, per: str = "tensor", scale_s: float = 1.0) -> tuple:
     """``q, k, v`` (``[B, N, H, D]``, any float dtype) rounded to e4m3 with their scales, and the ``fp8_scales``
     dict ``nc.attention`` takes for them: each array times ``E4M3_MAX / amax`` (its largest magnitude lands on
-    e4m3's largest, 448), its descale the inverse. ``per="tensor"``: one amax per array, concrete numbers the kernel
-    holds (call this outside ``jax.jit``). ``per="token"``: q and k one amax per token and head (descales
-    ``[B, N, H]``, inputs of the kernel read at each call, so under ``jit`` too; the kernel is then Triton's, see
-    ``nc.attention``), v per tensor (its descale scales the output).
+    e4m3's largest, 448), its descale the inverse. ``per="tensor"``: one amax per array, a number the kernel holds.
+    ``per="token"``: q and k one amax per token and head (descales ``[B, N, H]``, inputs of the kernel read at each
+    call, so a jitted step may pass new ones without a new kernel; the kernel is then Triton's, see
+    ``nc.attention``), v still per tensor (its descale scales the output). A per-tensor amax is read back as a
+    number: call this outside ``jax.jit``.
 
     ``incoherent=True`` first rotates q and k along the head dim by the normalised Hadamard transform, the boxes
     :func:`rewrites.incoherent` puts before ``Q·Kᵀ`` (which leave every score unchanged, proved over symbols):

@@ -2,7 +2,8 @@
 §4.3): q, k, v drawn from N(0, 1) plus N(0, 100)·Bernoulli(0.001), 0.1% outliers as large activations have. Each
 variant (:data:`VARIANTS`) runs through ``nc.attention`` on the inputs ``nc.fp8_quantize`` rounds: one scale per
 tensor, or per token and head for q and k (inputs of the kernel); rotated or not (``incoherent=True``: q and k first
-rotated by the Hadamard boxes of :func:`rewrites.incoherent`); beside bf16 on the same draws. The error is the RMSE
+rotated by the Hadamard boxes of :func:`rewrites.incoherent`); beside bf16 on the same draws, and the last variant
+with P·V in bf16 (FAN's mixed algorithm: P and V never rounded to e4m3). The error is the RMSE
 of the output against an f32 ``jax.numpy`` reference on the unrounded inputs (written here); the ratios are the
 per-tensor FP8 RMSE over the rotated ones. FlashAttention-3 reports its FP8 error several times smaller with block
 quantisation and incoherent processing together. On a GPU, cuDNN's FP8 attention runs on the same per-tensor
@@ -14,6 +15,7 @@ output's rounding). Writes JSON and a bar chart named after the device::
 
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a file, it still finds `papers`
@@ -79,6 +81,10 @@ def run(out: str, seeds: int = 4) -> dict:
             for name, turn, per in VARIANTS:
                 q8, k8, v8, scales = nc.fp8_quantize(q, k, v, incoherent=turn, per=per)
                 row[name] = rmse(nc.attention(q8, k8, v8, fp8_scales=scales, is_causal=causal), want)
+                if name == VARIANTS[-1][0]:  # FAN's mixed algorithm: P·V in bf16, so P and V are never e4m3
+                    qk = {n: scales[n] for n in ("descale_q", "descale_k")}
+                    mixed = nc.attention(q8, k8, v.astype(jnp.bfloat16), fp8_scales=qk, is_causal=causal)
+                    row[f"{name}, P·V bf16"] = rmse(mixed, want)
                 if not cpu and per == "tensor":  # cuDNN's scales are per tensor
                     row[f"cudnn {name}"] = rmse(cudnn_fp8(q8, k8, v8, scales, causal), want)
             row["fp8 / fp8 incoherent"] = row["fp8"] / row["fp8 incoherent"]
@@ -104,14 +110,14 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    every = ("bf16", *(v[0] for v in VARIANTS), "cudnn fp8", "cudnn fp8 incoherent")
+    every = ("bf16", *(v[0] for v in VARIANTS), f"{VARIANTS[-1][0]}, P·V bf16", "cudnn fp8", "cudnn fp8 incoherent")
     names = [n for n in every if n in result["rows"][0]]
     fig, ax = plt.subplots(figsize=(1.4 * len(names) + 1, 3.2))
     for i, causal in enumerate((False, True)):
         rows = [r for r in result["rows"] if r["causal"] == causal]
         means = [np.mean([r[n] for r in rows]) for n in names]
         ax.bar(np.arange(len(names)) + 0.38 * i, means, width=0.36, label="causal" if causal else "non-causal")
-    ax.set_xticks(np.arange(len(names)) + 0.19, [n.replace(" ", "\n") for n in names], fontsize=7)
+    ax.set_xticks(np.arange(len(names)) + 0.19, [textwrap.fill(n, 14) for n in names], fontsize=7)
     ax.set_yscale("log")
     ax.set_ylabel("RMSE vs f32 reference")
     B, N, H, D = result["shape"]
