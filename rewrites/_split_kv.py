@@ -17,7 +17,8 @@ The scheduled semantics (:func:`rewrites.execute`) runs each part's stream and m
 ``derive`` verifies the rule as any other (the commuting square on random inputs). One kernel does not
 lower it (``lowering.plan`` refuses a tiled axis that a box reduces): the decode entry
 (:func:`lowering.decode_attention`) runs the parts as a batch axis of one kernel, each part's diagram with its
-log-sum-exp as a second output (:func:`with_lse`), and merges them with :func:`merge_parts`.
+log-sum-exp as a second output (:func:`with_lse`), and merges them with :func:`merge_parts`; one part needs no
+merge (its merge is the normalisation its finalize did), so there the kernel writes the finished output.
 
 >>> import napkin_cat as nc
 >>> from rewrites import derive, tile, stream
