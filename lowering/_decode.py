@@ -9,7 +9,10 @@ part's kernel outputs its ``(o, lse)`` (:func:`rewrites.with_lse`, lowered by :f
 parts merge by the log-sum-exp merge (:func:`rewrites.merge_parts`), one pass over ``[B, n, Nq, H, D]`` numbers in
 one kernel writing the caller's layout and dtype (:func:`lowering._merge.merge`). A step is two launches, the kernel
 and the merge (for ``Nq > 1`` new tokens of grouped heads a third, the queries' rows transposed): the kernel reads
-its last row tile's rows masked (no padding copy) and makes its keys' positions itself. The per-part diagram's
+its last row tile's rows masked (no padding copy) and makes its keys' positions itself. In one part
+(:attr:`Plan.split` false: a batch that fills the GPU) the merge is the normalisation the kernel has done: the kernel
+has no part axis and writes the output in the caller's dtype and its log-sum-exp, and the step is that one launch
+(beside it, for ``Nq > 1`` over several KV heads, the rows' transposes, :func:`pack_rows`). The per-part diagram's
 schedule is derived and verified (``derive``); the split itself is the rule ``split_kv`` verified and proved in
 :mod:`rewrites._split_kv`.
 
@@ -85,15 +88,18 @@ DTYPES = {"float32": f32, "bfloat16": bf16, "float16": f16}
 class Decoded:
     """A user's index function read on the kernel's indices: the kernel's batch is the sequence ``b``, the part
     ``p`` and the KV head ``h``, its rows (token, head in group) and its keys a part's; the user's ``b``, ``h``,
-    ``kv_idx`` are the sequence, the query head and the key's position in the cache.
+    ``kv_idx`` are the sequence, the query head and the key's position in the cache. ``chunk``: the keys per part;
+    None where the keys are one part (the kernel has no part axis, and ``p`` is not read).
 
     >>> f = Decoded(lambda s, b, h, kv_idx: s + 100 * b + 10 * h + kv_idx, chunk=8, group=4, score=True)
     >>> f(0, b=1, p=1, h=1, q_idx=6, kv_idx=5)  # sequence 1, part 1; query head 1·4 + 6 % 4; key 8 + 5
     173
+    >>> Decoded(f.fn, chunk=None, group=4, score=True)(0, b=1, h=1, q_idx=6, kv_idx=5)   # one part
+    165
     """
 
     fn: Callable
-    chunk: int
+    chunk: int | None
     group: int
     score: bool
 
@@ -101,16 +107,18 @@ class Decoded:
         names = index_names(self.fn, score=self.score)
         return ("b", "h", "kv_idx") if names is None else names
 
-    def __call__(self, *value, b, p, h, q_idx, kv_idx):
+    def __call__(self, *value, b, p=0, h, q_idx, kv_idx):
         # q_idx: only a function whose value does not depend on it takes it (``reads_query``), so any value does
-        mine = {"b": b, "h": h * self.group + q_idx % self.group, "kv_idx": p * self.chunk + kv_idx, "q_idx": 0}
+        at = kv_idx if self.chunk is None else p * self.chunk + kv_idx
+        mine = {"b": b, "h": h * self.group + q_idx % self.group, "kv_idx": at, "q_idx": 0}
         return self.fn(*value, **{n: mine[n] for n in self._names()})
 
     @property
     def __signature__(self):
         kw, first = inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_ONLY
         value = [inspect.Parameter("score", first)] if self.score else []
-        return inspect.Signature([*value, *(inspect.Parameter(n, kw) for n in ("b", "p", "h", "q_idx", "kv_idx"))])
+        names = ("b", "h", "q_idx", "kv_idx") if self.chunk is None else ("b", "p", "h", "q_idx", "kv_idx")
+        return inspect.Signature([*value, *(inspect.Parameter(n, kw) for n in names)])
 
     @property
     def __name__(self):
@@ -250,6 +258,14 @@ class Plan:
         return self.queries * self.group
 
     @property
+    def split(self) -> bool:
+        """Whether the keys are in parts: the kernel's batch has a part axis ``p`` and its partial ``(o, lse)`` (f32)
+        are merged after it. In one part the kernel has no part axis and writes the finished output in the caller's
+        dtype, and its log-sum-exp: no merge (at ``B`` = 64, ``Nq`` = 64 over 4k keys on an H200 the merge of one
+        part took 33 of a 533 µs step)."""
+        return self.parts > 1
+
+    @property
     def limits(self) -> bool:
         """Whether the kernel reads each row's key limit (:class:`KeyLimit`) instead of the lengths and offsets
         (:class:`KeyLength`): on Mosaic, contiguous or paged (MLA runs on Triton or XLA)."""
@@ -294,16 +310,19 @@ class Plan:
         through a table ``[B, parts, pages per part]`` whose rows follow the kernel's batch axes (sequence, part)."""
         # MLA: the latent keys (also the values: one input, or a second with ``values``) and the rotary keys
         inputs = ((1, 3) if self.latent_once else (1, 2, 4)) if self.rope else (1, 2)
-        return None if self.pages is None else PageMap("kv_idx", self.pages[0], ("b", "p"), inputs)
+        batch = ("b", "p") if self.split else ("b",)
+        return None if self.pages is None else PageMap("kv_idx", self.pages[0], batch, inputs)
 
     def kernel(self):
-        """The per-part kernel: the diagram with its (o, lse) outputs, its schedule derived and verified, lowered."""
+        """The per-part kernel: the diagram with its (o, lse) outputs (a part's partial results in f32 where
+        :attr:`split`, else the finished output in the caller's dtype), its schedule derived and verified, lowered."""
         b, p, h, q, x = axes("b p h q_idx kv_idx")
+        p = p if self.split else None  # one part: no part axis
         d, dv = axes("d dv", d=self.dims[0], dv=self.dims[1])
         mods = {}
         for key, fn, score in (("score_mod", self.score_mod, True), ("mask", self.mask_mod, False)):
             if fn is not None:
-                mods[key] = Decoded(fn, self.chunk, self.group, score)
+                mods[key] = Decoded(fn, self.chunk if self.split else None, self.group, score)
         split = ()
         if self.rope:
             r = axes("r", r=self.rope)[0]
@@ -321,7 +340,8 @@ class Plan:
         tall = rows > TRITON_BLOCKS.tile and self.backend in ("auto", "triton")
         config = TritonConfig(num_warps=8, num_stages=2) if wide else None
         config = TritonConfig(num_warps=rows // 16, num_stages=2) if tall else config
-        return lower(with_lse(derivation.diagram, x.name), self.backend, self.interpret, config, hardware=self.hardware)
+        diagram = with_lse(derivation.diagram, x.name, partial=self.split)
+        return lower(diagram, self.backend, self.interpret, config, hardware=self.hardware)
 
 
 def decode_diagram(b, p, h, q, x, d, e, scale, dtype, score_mod=None, mask=None, limits: bool = False) -> Diagram:
@@ -632,14 +652,16 @@ def _parts(batch: int, programs: int, keys: int, hardware: Hardware, *, exact: b
 def _lengths(lengths, plan: Plan) -> tuple:
     """:class:`KeyLength`'s inputs: the part's key positions (a constant the Triton kernel makes itself), the
     lengths, and each row's offset: row ``i·group + g`` (token ``i``) of part ``p`` sees keys ``< lengths − Nq + i +
-    1 − p·chunk`` of its part (a constant ``[parts, rows]``), so the kernel reads ``lengths`` as given, contiguous
-    or paged."""
+    1 − p·chunk`` of its part (a constant ``[parts, rows]``; ``[rows]`` in one part: no part axis), so the kernel
+    reads ``lengths`` as given, contiguous or paged."""
     n, c = plan.parts, plan.chunk
     tail = np.arange(plan.rows, dtype=np.int32) // plan.group - (plan.queries - 1)
     pos, offsets = np.arange(c, dtype=np.int32), tail - c * np.arange(n, dtype=np.int32)[:, None]
-    if plan.limits:  # KeyLimit: n + t per (sequence, part, row), added here
-        return pos, (lengths.astype(jnp.int32)[:, None, None] + offsets).astype(jnp.float32)
-    return pos, lengths.astype(jnp.int32), offsets
+    offsets = offsets if plan.split else tail
+    lengths = lengths if lengths.dtype == jnp.int32 else lengths.astype(jnp.int32)
+    if plan.limits:  # KeyLimit: n + t per (sequence, [part,] row), added here
+        return pos, (lengths.reshape(-1, *[1] * offsets.ndim) + offsets).astype(jnp.float32)
+    return pos, lengths, offsets
 
 
 def _inference(kernel) -> Callable:
@@ -657,8 +679,10 @@ def _inference(kernel) -> Callable:
 
 
 def _arrange(value, names: tuple[str, ...], want: str):
-    """``value`` (axes ``names``) transposed into the order of ``want`` (space-separated names)."""
-    return jnp.transpose(value, [names.index(n) for n in want.split()])
+    """``value`` (axes ``names``) transposed into the order of ``want`` (space-separated names); as it is where it is
+    in that order already."""
+    order = [names.index(n) for n in want.split()]
+    return value if order == sorted(order) else jnp.transpose(value, order)
 
 
 def decode_attention(
@@ -884,35 +908,42 @@ def _mla_plan(q, latent_cache, rope_cache, lengths, scale, page_table, parts, ch
 @functools.partial(jax.jit, static_argnums=0, static_argnames="residual")
 def _step(plan: Plan, q, k_cache, v_cache, lengths, page_table=None, rope=None, *, residual: bool = False):
     """One decode step for ``plan`` (compiled once per plan and shapes; ``lengths`` and ``page_table`` are values):
-    the queries' rows per KV head (a reshape for one new token), the caches read as parts (a contiguous cache by a
-    reshape, a paged one through its table read as ``[B, parts, pages per part]``), the kernel, the parts merged
-    into the caller's layout and dtype. ``rope``: MLA's rotary queries and keys ``(q_r, k_r)``. The output, and with
-    ``residual`` its log-sum-exp (else not computed: an eager call would launch its pass too)."""
+    the queries' rows per KV head (:func:`pack_rows`), the caches read as parts (a contiguous cache by a reshape, a
+    paged one through its table read as ``[B, parts, pages per part]``), the kernel, then the parts merged into the
+    caller's layout and dtype; in one part (not :attr:`Plan.split`) the kernel's output is the step's, in the
+    caller's dtype, its rows unpacked (:func:`unpack_rows`): no merge. ``rope``: MLA's rotary queries and keys
+    ``(q_r, k_r)``. The output, and with ``residual`` its log-sum-exp (else not computed: an eager call would launch
+    its pass too)."""
     (batch, nq, heads, _), (kv_heads, dv) = q.shape, v_cache.shape[2:]
     n, chunk, group, kernel = plan.parts, plan.chunk, plan.group, _kernel(plan)
 
-    def rows(a):  # [B, H_kv, rows, D], rows (token, head in group) per KV head: a reshape where Nq = 1
-        a = a.reshape(batch, nq, kv_heads, group, -1).transpose(0, 2, 1, 3, 4)
-        return a.reshape(batch, kv_heads, plan.rows, -1)
-
-    def parts(c):  # a contiguous cache read as parts: a reshape, padded only where n does not divide S
-        c = jnp.pad(c, [(0, 0), (0, n * chunk - c.shape[1]), (0, 0), (0, 0)])
-        return c.reshape(batch, n, chunk, *c.shape[2:])
+    def parts(c):  # a contiguous cache read as parts: a reshape, padded only where the parts overrun it (a copy)
+        if n * chunk > c.shape[1]:
+            c = jnp.pad(c, [(0, 0), (0, n * chunk - c.shape[1]), *[(0, 0)] * (c.ndim - 2)])
+        return c.reshape(batch, n, chunk, *c.shape[2:]) if plan.split else c
 
     kv = [k_cache] if plan.latent_once else [k_cache, v_cache]  # MLA's latent: one input, copied
-    ins = [rows(q), *kv, *([] if rope is None else [rows(rope[0]), rope[1]])]
+    ins = [pack_rows(q, kv_heads), *kv, *([] if rope is None else [pack_rows(rope[0], kv_heads), rope[1]])]
     masks = _lengths(lengths, plan)
     if page_table is None:
         ins = [a if i in (0, 1 + len(kv)) else parts(a) for i, a in enumerate(ins)]  # the queries: no parts
         o, lse = _inference(kernel)(*ins, *masks)
     else:  # part p of sequence b reads its pages table[b, p·w : (p+1)·w], through the page map
-        width = chunk // plan.pages[0]
-        table = jnp.pad(page_table, [(0, 0), (0, n * width - page_table.shape[1])]).reshape(batch, n, width)
+        width, table = chunk // plan.pages[0], page_table
+        if n * width > table.shape[1]:
+            table = jnp.pad(table, [(0, 0), (0, n * width - table.shape[1])])
+        table = table.reshape(batch, n, width) if plan.split else table
         paged = lambda *xs: kernel.forward(*xs[:-1], pages=(plan.page_map(), xs[-1]))  # noqa: E731
         o, lse = _inference(paged)(*ins, *masks, table)
-    o_names, l_names = (tuple(w.names) for w in kernel.diagram.cod.inside)
-    o = _arrange(o, o_names, f"b p h q_idx {o_names[-1]}").reshape(batch, n, kv_heads, nq, group, dv)
-    lse = _arrange(lse, l_names, "b p h q_idx").reshape(batch, n, kv_heads, nq, group)
+    (o_names, l_names), p = (tuple(w.names) for w in kernel.diagram.cod.inside), "p " * plan.split
+    o, lse = _arrange(o, o_names, f"b {p}h q_idx {o_names[-1]}"), _arrange(lse, l_names, f"b {p}h q_idx")
+    if not plan.split:  # the kernel's (o, lse) are the step's; a row every key of which an index function hides
+        # has lse = +∞ from the kernel, −∞ as the merge gives it (lengths ≥ Nq leave every row a key)
+        if not residual:
+            return unpack_rows(o, nq)
+        lse = jnp.where(lse == jnp.inf, -jnp.inf, lse) if plan.score_mod or plan.mask_mod else lse
+        return unpack_rows(o, nq), unpack_rows(lse, nq)
+    o, lse = o.reshape(batch, n, kv_heads, nq, group, dv), lse.reshape(batch, n, kv_heads, nq, group)
     if kernel.backend == "xla":  # plain JAX: XLA's reduction, then the layout and the cast
         out, lse = (v.swapaxes(1, 2) for v in merge_parts(o.astype(jnp.float32), lse, 1))
         out = out.astype(q.dtype)
@@ -920,6 +951,39 @@ def _step(plan: Plan, q, k_cache, v_cache, lengths, page_table=None, rope=None, 
         out, lse = _inference(functools.partial(merge, dtype=q.dtype, interpret=interpreted(plan.interpret)))(o, lse)
     out = out.reshape(batch, nq, heads, dv)
     return (out, lse.reshape(batch, nq, heads)) if residual else out
+
+
+def pack_rows(a, kv_heads: int):
+    """The queries ``a`` ``[B, Nq, H, D]`` as a decode kernel's rows per KV head, ``[B, H_kv, Nq · H/H_kv, D]`` (row
+    ``i · group + g``: token ``i``, head ``g`` of the KV head's group; FlashInfer's packing): a reshape where ``Nq``
+    = 1 or ``H_kv`` = 1 (the caller's layout already holds each KV head's rows together), else a transpose (a
+    copy: in ``[B, Nq, H, D]`` a KV head's rows are ``Nq`` blocks of ``group`` heads, strided, and a kernel's row
+    tile is one block of rows).
+
+    >>> a = jnp.arange(2 * 3 * 4).reshape(1, 2, 4, 3)   # Nq = 2 tokens, 4 heads over 2 KV heads
+    >>> pack_rows(a, 2)[0, 1, :, 0].tolist()   # KV head 1: token 0's heads 2, 3, then token 1's
+    [6, 9, 18, 21]
+    >>> bool((unpack_rows(pack_rows(a, 2), 2) == a).all())
+    True
+    """
+    batch, nq, heads, dim = a.shape
+    if nq > 1 and kv_heads > 1:
+        a = a.reshape(batch, nq, kv_heads, heads // kv_heads, dim).transpose(0, 2, 1, 3, 4)
+    return a.reshape(batch, kv_heads, nq * heads // kv_heads, dim)
+
+
+def unpack_rows(a, queries: int):
+    """A decode kernel's rows per KV head ``a`` ``[B, H_kv, Nq · group, ...]`` (:func:`pack_rows`) in the caller's
+    layout ``[B, Nq, H, ...]``: a reshape where ``Nq`` = 1 or ``H_kv`` = 1, else a transpose.
+
+    >>> unpack_rows(jnp.zeros((2, 8, 4)), 1).shape, unpack_rows(jnp.zeros((2, 8, 4, 16)), 2).shape
+    ((2, 1, 32), (2, 2, 16, 16))
+    """
+    batch, kv_heads, rows, *rest = a.shape
+    group = rows // queries
+    if queries > 1 and kv_heads > 1:
+        a = jnp.swapaxes(a.reshape(batch, kv_heads, queries, group, *rest), 1, 2)
+    return a.reshape(batch, queries, kv_heads * group, *rest)
 
 
 def _paged(q, k_pages, v_pages, lengths, page_table, scale, mods, parts, chunk, backend, interpret, hardware, rope=None,

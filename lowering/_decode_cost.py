@@ -15,7 +15,8 @@ the two products outweigh it (the roofline's other side). The kernel moves from 
   second load is served by the L2);
 * the queries, once per part, the page table (int32, paged caches), and each part's ``(o, lse)`` in f32;
 
-and the merge (:func:`lowering._merge.merge`, one kernel) reads the parts' ``(o, lse)`` and writes the output.
+and the merge (:func:`lowering._merge.merge`, one kernel) reads the parts' ``(o, lse)`` and writes the output. In
+one part there is no merge: the kernel writes the output, in the cache's dtype, and its log-sum-exp.
 The bandwidth is the GPU's measured device-copy rate where one was measured (``Hardware.ceiling("dram")``), else
 its datasheet HBM rate. The compute rate is the measured dense matmul ceiling (else the datasheet's) times FAN's
 tensor-core utilisation (:func:`napkin_cat.optimize.utilisation`) for the share of the softmax's exponentials not
@@ -141,12 +142,13 @@ def decode_cost(
     once = keys * kv_heads * ((dim + rope) if rope else (dim + dv)) * dt.bytes  # MLA: the values are the keys
     together = batch * kv_heads * parts * row_tiles <= hw.sms  # every program at once: the L2 serves later tiles
     cache, l2 = (once, once * (row_tiles - 1)) if together else (once * row_tiles, 0)
-    partial = batch * parts * queries * heads * (dv + 1) * 4  # each part's (o, lse), f32
+    output = batch * queries * heads * (dv * dt.bytes + 4)  # the step's output and its log-sum-exp
+    # each part's (o, lse) in f32, which the merge reads; in one part the kernel writes the output itself
+    partial = batch * parts * queries * heads * (dv + 1) * 4 if parts > 1 else output
     kernel = cache + batch * parts * queries * heads * (dim + rope) * dt.bytes + batch * table_width * 4 + partial
-    output = batch * queries * heads * (dv * dt.bytes + 4)
-    merge = partial + output
+    merge = partial + output if parts > 1 else 0
     flops = 2 * queries * heads * (dim + rope + dv) * sum(int(n) for n in lengths)
     bandwidth = hw.ceiling("dram") or hw.bandwidth(L2, outer=HBM)
     tensor = dt.name in dict(hw.flop_per_clk)  # f32 has no tensor-core rate: its products are the bound alone
     compute = (hw.ceiling(dt.name) or hw.flops(dt)) * (utilisation(hw, unhidden, dim + rope, dt) if tensor else 1.0)
-    return DecodeCost(kernel, merge, flops, hw.name, bandwidth, compute, partial + output, l2)
+    return DecodeCost(kernel, merge, flops, hw.name, bandwidth, compute, partial + (merge and output), l2)

@@ -17,7 +17,8 @@ The scheduled semantics (:func:`rewrites.execute`) runs each part's stream and m
 ``derive`` verifies the rule as any other (the commuting square on random inputs). One kernel does not
 lower it (``lowering.plan`` refuses a tiled axis that a box reduces): the decode entry
 (:func:`lowering.decode_attention`) runs the parts as a batch axis of one kernel, each part's diagram with its
-log-sum-exp as a second output (:func:`with_lse`), and merges them with :func:`merge_parts`.
+log-sum-exp as a second output (:func:`with_lse`), and merges them with :func:`merge_parts`; one part needs no
+merge (its merge is the normalisation its finalize did), so there the kernel writes the finished output.
 
 >>> import napkin_cat as nc
 >>> from rewrites import derive, tile, stream
@@ -127,15 +128,21 @@ def choose_parts(programs: int, keys: int, hardware: Hardware, *, chunk: int = 6
     return max(1, min(math.ceil(hardware.sms / max(programs, 1)), math.ceil(keys / chunk)))
 
 
-def with_lse(d: Diagram, axis: str) -> Diagram:
+def with_lse(d: Diagram, axis: str, partial: bool = True) -> Diagram:
     """``d`` whose softmax·contract over ``axis`` also outputs its log-sum-exp: one part's ``(o, lse)``, both f32
-    (the partial results :func:`merge_parts` merges; a row that saw no key has ``o = 0`` and ``lse = +∞``).
+    where ``partial`` (the partial results :func:`merge_parts` merges; a row that saw no key has ``o = 0`` and
+    ``lse = +∞``), else ``o`` in its own dtype: the keys in one part, ``(o, lse)`` is already the finished result.
 
     >>> import napkin_cat as nc
     >>> from rewrites import stream
     >>> q, x, d = nc.axes("q x d")
-    >>> print(with_lse(stream(x, 16)(nc.library.attention(q, x, d)), "x").cod)
+    >>> streamed = stream(x, 16)(nc.library.attention(q, x, d, dtype=nc.bf16))
+    >>> print(with_lse(streamed, "x").cod)
     q×d ⊗ q
+    >>> [str(w.dtype) for w in with_lse(streamed, "x").cod.inside]   # a part's partial results, merged after
+    ['f32', 'f32']
+    >>> [str(w.dtype) for w in with_lse(streamed, "x", partial=False).cod.inside]   # one part: the output
+    ['bf16', 'f32']
     """
     t = Tape()
     xs = [t.input(a, "x") for a in d.dom.inside]
@@ -144,7 +151,7 @@ def with_lse(d: Diagram, axis: str) -> Diagram:
         if isinstance(box, g.SoftmaxContract) and box.params["axis"] == axis and len(box.cod) == 1:
             scores = box.dom.inside[0]
             stat = scores.with_(axes=[a for a in scores.axes if a.name != axis], dtype=f32)
-            both = Ty(box.out.with_(dtype=f32), stat)
+            both = Ty(box.out.with_(dtype=f32) if partial else box.out, stat)
             return list(t.apply(g.SoftmaxContract(box.name, box.dom, both, data=box.data), *ins))
         return list(t.apply(box, *ins))
 

@@ -114,11 +114,54 @@ def test_a_step_launches_the_kernel_and_the_merge_only(abstract_hopper, nq, page
     assert ops.count("custom_call") == 2 and [o for o in ops if o != "custom_call"] == want, ops
 
 
+@pytest.mark.parametrize(
+    ("nq", "kv_heads", "paged", "want"),
+    [(1, 2, False, []), (1, 2, True, []), (5, 1, False, []), (5, 2, False, ["transpose"] * 3)],
+)
+def test_a_step_in_one_part_launches_the_kernel_only(abstract_hopper, nq, kv_heads, paged, want):
+    """In one part the kernel writes the step's output in the caller's dtype and its log-sum-exp: no merge, no cast, no
+    pad. Only where a KV head's rows are strided in the caller's layout (``Nq > 1`` tokens of grouped heads over more
+    than one KV head) are the queries' rows, the output and its log-sum-exp transposed (``pack_rows``)."""
+    keys, page = 4096, 64
+    q = jax.ShapeDtypeStruct((2, nq, 4 * kv_heads, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2 * keys // page, page, kv_heads, 128) if paged else (2, keys, kv_heads, 128), q.dtype)
+    table = jax.ShapeDtypeStruct((2, keys // page), jnp.int32) if paged else None
+    lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+
+    def step(q, k, v, n, t):
+        return nc.decode_attention(q, k, v, n, page_table=t, parts=1, interpret=False, hardware="H100",
+                                   return_residual=True)  # fmt: skip
+
+    text = jax.jit(step).trace(q, kv, kv, lengths, table).lower(lowering_platforms=("cuda",)).as_text()
+    ops = launches(text)
+    assert ops.count("custom_call") == 1 and [o for o in ops if o != "custom_call"] == want, ops
+    assert len(abstract_hopper) == 1  # the kernel's module; no merge's
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_mosaic_in_one_part_lowers_and_launches_the_kernel_only(abstract_hopper, paged):
+    """On Mosaic in one part (``Nq`` = 64 at GQA 2 over one KV head: its rows a reshape) the kernel writes the bf16
+    output and its log-sum-exp and lowers for CUDA; beside it run only the rows' limits and the chunks each tile
+    visits (found from them), no merge."""
+    q = jax.ShapeDtypeStruct((1, 64, 2, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((64, 64, 1, 128) if paged else (1, 4096, 1, 128), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((1, 64), jnp.int32) if paged else None
+    lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
+
+    def step(q, k, v, n, t):
+        return nc.decode_attention(q, k, v, n, page_table=t, parts=1, interpret=False, hardware="H100",
+                                   backend="mosaic", return_residual=True)  # fmt: skip
+
+    text = jax.jit(step).trace(q, kv, kv, lengths, table).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and not abstract_hopper  # the kernel on Mosaic; no Triton merge
+    assert "transpose" not in launches(text) and launches(text).count("custom_call") == 1, launches(text)
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_a_crowded_step_lowers_in_128_key_chunks(abstract_hopper, paged):
     """A crowded grid (3 sequences × 2 KV heads on a GPU of 2 SMs, each cache in one part) streams 128 keys at
     D = 128 in 16 bits: for a paged cache two pages of 64, each key's page gathered (``PageMap.load``); the Triton
-    module passes the MLIR verifier, and the step launches the kernel and the merge only."""
+    module passes the MLIR verifier, and the step, in one part, launches the kernel only."""
     from dataclasses import replace
 
     from napkin_cat.hardware import H100
@@ -134,7 +177,7 @@ def test_a_crowded_step_lowers_in_128_key_chunks(abstract_hopper, paged):
 
     text = jax.jit(step).trace(q, kv, kv, lengths, table).lower(lowering_platforms=("cuda",)).as_text()
     ops = launches(text)
-    assert ops.count("custom_call") == 2 and len(abstract_hopper) == 2, ops
+    assert ops == ["custom_call"] and len(abstract_hopper) == 1, ops
     z, pool = jnp.zeros(q.shape, q.dtype), jnp.zeros(kv.shape, kv.dtype)
     pages = jnp.arange(12, dtype=jnp.int32).reshape(3, 4) % 9 if paged else None
     plan = decode_plan(z, pool, pool, jnp.full((3,), 256), page_table=pages, interpret=False, hardware=small)

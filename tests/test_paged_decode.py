@@ -11,6 +11,7 @@ from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from references import rel_err
+from test_decode import kernels_and_ops
 
 import napkin_cat as nc
 from lowering import KVCache, NotLowerable, decode_cost
@@ -128,6 +129,32 @@ def test_mosaic_copies_each_chunk_from_its_pages(seed, page, chunk):
     assert (plan.summary()["backend"], plan.summary()["chunk"]) == ("mosaic", chunk), plan.summary()
     out = nc.decode_attention(q, k, v, lengths, page_table=table, parts=2, chunk=chunk, backend="mosaic")
     assert rel_err(out, reference(q, k, v, table, lengths)) <= RTOL["bfloat16"], (seed, lengths)
+
+
+@pytest.mark.parametrize("backend", ["triton", "xla"])
+def test_one_part_writes_the_output_and_its_lse_with_no_merge(seed, backend):
+    """In one part the paged kernel's output (in q's dtype) and log-sum-exp are the step's: against references written
+    here (the lse the log Σ exp of each row's scores over its keys), and the trace launches the one kernel (or, on
+    XLA, no merge's reduction), reading the table as given."""
+    # bf16, Nq = 5 of GQA 3 over 2 KV heads; 8 pages a sequence (Triton pads a table row to a power of two)
+    case = ("bfloat16", 3, 5, 6, 2, 16, 8, 27, 16)
+    q, k, v, table = draw(case, seed)
+    keys = case[5] * case[6]
+    lengths = jnp.asarray(np.random.default_rng(seed).integers(case[2], keys + 1, case[1]), jnp.int32)
+    step = lambda q, k, v, n, t: nc.decode_attention(q, k, v, n, page_table=t, parts=1, chunk=case[8],  # noqa: E731
+                                                     backend=backend, return_residual=True)  # fmt: skip
+    out, lse = step(q, k, v, lengths, table)
+    err = rel_err(out, reference(q, k, v, table, lengths))
+    assert out.dtype == q.dtype and err <= RTOL["bfloat16"], (seed, lengths, err)
+    kk = jnp.repeat(k[table].reshape(case[1], keys, 2, 16).astype(jnp.float32), 3, axis=2)
+    s = jnp.einsum("bihd,bjhd->bihj", q.astype(jnp.float32), kk) / 4.0
+    keep = jnp.arange(keys) <= (lengths[:, None] - case[2] + jnp.arange(case[2]))[:, :, None, None]
+    want = jax.nn.logsumexp(jnp.where(keep, s, -jnp.inf), axis=-1)
+    assert float(jnp.max(jnp.abs(lse - want))) <= 1e-5, (seed, lengths)  # as tests/test_decode.py's LSE_ATOL
+    kernels, ops = kernels_and_ops(step, q, k, v, lengths, table)
+    assert kernels == ([] if backend == "xla" else ["napkin_kernel"]) and "reduce" not in ops, (kernels, ops)
+    if backend == "triton":  # the rows packed and unpacked (transposes: Nq = 5 over 2 KV heads); no pad, cast or merge
+        assert set(ops) == {"reshape", "transpose"} and ops.count("transpose") == 3, ops
 
 
 def test_shortest_and_longest_lengths_in_one_part_and_on_the_xla_backend():

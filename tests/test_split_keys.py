@@ -68,6 +68,27 @@ def test_a_decode_step_and_its_gradient_match_the_reference(seed, b, group, keys
         assert err <= RTOL, (name, seed, lengths, err)
 
 
+def test_a_step_in_one_part_and_its_gradient_match_the_reference(seed, monkeypatch):
+    """Where the batch alone fills the GPU (3 sequences × 2 KV heads on one of 2 SMs here; B = 64 at 4k keys on an
+    H200) the step runs in one part: the kernel alone, no merge; its output, and its gradients (the attention
+    kernels' backward), against the reference written here."""
+    from dataclasses import replace
+
+    from napkin_cat.hardware import H100
+
+    monkeypatch.setattr(lowering._decode, "target_hardware", lambda *_: replace(H100, sms=2))
+    q, k, v, r = draw(seed, 3, 8, 2, SPLIT_KEYS)
+    lengths = jnp.asarray(r.integers(1, SPLIT_KEYS + 1, 3), jnp.int32).at[0].set(SPLIT_KEYS)
+    assert lowering._decode.decode_plan(q, k, v, lengths).summary()["parts"] == 1
+    out, pull = jax.vjp(lambda q, k, v: nc.attention(q, k, v, key_value_seq_lengths=lengths), q, k, v)
+    ct = jnp.asarray(r.standard_normal(out.shape), jnp.float32)
+    want_out, want = reference_and_gradients(q, k, v, lengths, ct)
+    assert rel_err(out, want_out) <= RTOL, (seed, lengths)
+    for name, g, w in zip("qkv", pull(ct), want, strict=True):
+        err = float(jnp.max(jnp.abs(g - w))) / max(float(jnp.max(jnp.abs(w))), 1.0)
+        assert err <= RTOL, (name, seed, lengths, err)
+
+
 def test_the_step_serves_every_length_under_jit_and_split_keys_chooses():
     q, k, v, _ = draw(3, 2, 4, 2, SPLIT_KEYS)
     step = jax.jit(lambda q, k, v, n: nc.attention(q, k, v, key_value_seq_lengths=n))

@@ -168,7 +168,7 @@ class TritonLowered:
         if pm is not None:  # the table padded to the streamed axis' padded pages (entries past them never visible),
             # then to a power of two: the program loads its row whole, and Triton's blocks are powers of two
             need = next_pow2(padded[pm.axis] // pm.page_size) - table.shape[-1]
-            table = jnp.pad(table, [(0, 0)] * (table.ndim - 1) + [(0, need)])
+            table = jnp.pad(table, [(0, 0)] * (table.ndim - 1) + [(0, need)]) if need else table
         reads = (made, short[: len(wires)], short[len(wires) :])
         outs = self._call(arrays, sizes, extent, padded, config, bounds, (pm, table), reads)
         outs = [o[tuple(slice(0, extent[a.name]) for a in w.axes)] for o, w in zip(outs, d.cod.inside, strict=True)]

@@ -13,9 +13,11 @@ entry runs it as a decode step) and ``entry_dense`` (``split_keys=False``: the a
 
 bf16, 32 query heads over 8 KV heads (grouped-query), D = 128, every key valid. The rows (:data:`ROWS`, named
 ``<what>-b<B>-s<S>``) run in order of importance, so a budget that runs out leaves the least important: issue 32's
-table first (B = 1 at 32k and 128k with ``Nq`` = 64 beside ``Nq`` = 1, then B = 16 and 64), MLA, the variants that
-explain a row (``sweep-…``: twice the parts, chunks of 128 keys with and without them, paged chunks of two pages,
-at B = 1, 16 and 64 (4k and 32k) for ``Nq`` = 1; rows per program 64 and 256 and chunks of
+table first (B = 1 at 32k and 128k with ``Nq`` = 64 beside ``Nq`` = 1, then B = 16 and 64), the steps run in one
+part (``one-part-…``: B = 64 at 4k, ``Nq`` = 1 and 64, where the batch fills the GPU: the kernel alone, no merge,
+each kernel's time beside the step's; stops 50 and 51 timed them with the merge: 0.249 and 0.533 ms), MLA, the
+variants that explain a row (``sweep-…``: twice the parts, chunks of 128 keys with and without them, paged chunks of
+two pages, at B = 1, 16 and 64 (4k and 32k) for ``Nq`` = 1; rows per program 64 and 256 and chunks of
 64 keys at ``Nq`` = 64 on Triton and Mosaic beside ``auto`` (Mosaic there on a Hopper GPU) and Triton, with
 FlashAttention-3's forward blocks on Mosaic (256 rows, 128 keys),
 MLA at 16 and 32 rows per program),
@@ -116,7 +118,7 @@ def rows(quick: bool) -> list[dict]:
     >>> [r["name"] for r in rows(quick=False)][:4]
     ['nq1-b1-s32k', 'nq64-b1-s32k', 'nq1-b1-s128k', 'nq64-b1-s128k']
     >>> len(rows(quick=False)), len(rows(quick=True))
-    (26, 26)
+    (28, 28)
     """
     k = 1 if quick else 1024
     s4, s32, s128 = (64, 128, 256) if quick else (4 * k, 32 * k, 128 * k)
@@ -134,6 +136,9 @@ def rows(quick: bool) -> list[dict]:
         row("nq64", 1, s32, 64, ("napkin", "napkin_triton", "paged", "paged_triton", "cudnn")),
         row("nq1", 1, s128), row("nq64", 1, s128, 64, ("napkin", "paged")),
         row("nq1", b16, s32), row("nq1", b64, s4), row("nq1", b64, s32),
+        # in one part (the batch fills the GPU): the kernel alone, no merge (H200, stops 50/51: 0.249, 0.533 ms with it)
+        row("one-part-nq1", b64, s4, 1, ("napkin", "paged", "cudnn")),
+        row("one-part-nq64", b64, s4, 64, ("napkin", "napkin_triton", "paged", "paged_triton", "cudnn")),
         {**row("mla", 1, s32, impls=("mla", "mla_chunk64", "mla_paged", "mla_paged_chunk64", "copy")), "mla": True},
         {**row("mla", b64, s4, impls=("mla", "mla_chunk64", "mla_paged", "mla_paged_chunk64", "copy")), "mla": True},
         {**row("sweep-mla", 1, s32, impls=("mla", *MLA_VARIANTS, "copy")), "mla": True},
