@@ -325,10 +325,11 @@ class Signature:
 
     def derivation(self) -> Derivation:
         """The diagram, derived by the schedule and verified (each step and the lowered kernel, on a trial); FP8's
-        probabilities then scaled by ``scale_s`` (:class:`lowering._fp8.scale_probabilities`). Derived once for
-        signatures that differ only in how they are lowered (backend, backward, interpretation, hardware), which
-        neither the diagram nor its schedule reads: the same derivation, verified already."""
-        return _derived(dataclasses.replace(self, backend="auto", backward="lowered", interpret=None, hardware=None))
+        probabilities then scaled by ``scale_s`` (:class:`lowering._fp8.scale_probabilities`)."""
+        steps = [tile(QUERIES, self.tile), stream(KEYS, self.stream)]
+        if self.fp8 is not None and not self.mixed:  # mixed: P stays 16-bit, never rounded to e4m3
+            steps.append(scale_probabilities(KEYS, self.fp8.scale_s))
+        return derive(self.diagram(), *steps, verify="kernel")
 
     def fp8_labels(self) -> dict:
         """The diagram's FP8 labels (:mod:`lowering._fp8`, ``nc.library.dot_product_attention``'s keywords): the
@@ -416,16 +417,6 @@ class Signature:
                 "(b, h, q_idx, kv_idx), so the query head h can be computed from the key/value head"
             )
         return HeadOfGroup(fn, self.group)
-
-
-@functools.lru_cache(maxsize=CACHE_SIZE)
-def _derived(sig: Signature) -> Derivation:
-    """:meth:`Signature.derivation` of a signature with the lowering's fields at their defaults (a frozen
-    :class:`Derivation`, shared by every entry and kernel that asks)."""
-    steps = [tile(QUERIES, sig.tile), stream(KEYS, sig.stream)]
-    if sig.fp8 is not None and not sig.mixed:  # mixed: P stays 16-bit, never rounded to e4m3
-        steps.append(scale_probabilities(KEYS, sig.fp8.scale_s))
-    return derive(sig.diagram(), *steps, verify="kernel")
 
 
 @functools.lru_cache(maxsize=256)
