@@ -148,6 +148,22 @@ class Ty(monoidal.Ty):
 
     ob_factory = Array
 
+    def __init__(self, *inside):
+        # discopy's checks and coercions, which arrays pass as they are, in one pass: types are built by the
+        # hundred thousand (each layer of a diagram makes several), and discopy's checks cost more than the rest
+        if all(isinstance(x, Array) for x in inside):
+            self.inside, self.name = inside, " ⊗ ".join(x.name for x in inside) or "Ty()"
+        else:
+            super().__init__(*inside)
+
+    def tensor(self, *others):
+        if all(isinstance(t, Ty) for t in others):  # one factory: discopy's checks pass
+            return Ty(*self.inside, *(x for t in others for x in t.inside))
+        return super().tensor(*others)
+
+    def __hash__(self):  # discopy hashes the repr, every axis written out; equal types have equal arrays
+        return hash(self.inside)
+
     def __repr__(self):
         return f"Ty({', '.join(map(repr, self.inside))})"
 
