@@ -549,8 +549,8 @@ def _checked_common(q, k_cache, v_cache, lengths, keys: int) -> None:
             f"decode_attention: lengths must be integers of shape [B] = [{batch}], got "
             f"{jnp.dtype(lengths.dtype).name} {tuple(lengths.shape)}"
         )
-    if not isinstance(lengths, jax.core.Tracer):
-        bad = [int(n) for n in jnp.asarray(lengths) if not nq <= int(n) <= keys]
+    if not isinstance(lengths, jax.core.Tracer):  # numpy: a concrete array closed over in a trace stays concrete
+        bad = [int(n) for n in np.asarray(lengths) if not nq <= int(n) <= keys]
         if bad:
             raise EvaluationError(
                 f"decode_attention: lengths {bad} outside [Nq, S] = [{nq}, {keys}]: each length counts the cache's "

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from lowering._plan import NotLowerable
@@ -190,7 +191,8 @@ def check_pages_used(page_table, lengths, pool: int, page_size: int) -> None:
     """
     if isinstance(page_table, jax.core.Tracer) or isinstance(lengths, jax.core.Tracer):
         return
-    table, counts = jax.device_get(page_table), jax.device_get(-(-lengths // page_size))
+    # numpy: a concrete table or lengths closed over in a trace stays concrete (jnp would stage a traced op)
+    table, counts = np.asarray(page_table), -(-np.asarray(lengths) // page_size)
     for b, (row, used) in enumerate(zip(table, counts, strict=True)):
         bad = next((i for i in range(int(used)) if not 0 <= int(row[i]) < pool), None)
         if bad is not None:

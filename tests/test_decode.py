@@ -617,3 +617,21 @@ def test_mosaic_visits_only_the_chunks_below_each_tiles_limits(seed):
     assert id(limits.box) in kernel.hidden  # chunks every row of a tile sees run without the mask
     out = nc.decode_attention(q, k, v, lengths, parts=2, backend="mosaic")
     assert rel_err(out, reference(q, k, v, lengths)) <= RTOL["bfloat16"], (seed, lengths)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_concrete_cache_state_closed_over_in_a_jitted_step_is_checked_not_traced(key, paged):
+    """lengths (and a page table) closed over by a jitted function are concrete: their checks read them as numpy
+    (jnp on them would stage traced ops and raise ConcretizationTypeError), and bad ones are still refused."""
+    keys = jax.random.split(key, 3)
+    q, k, v = (jax.random.normal(kk, (1, n, 2, 16)) for kk, n in zip(keys, (1, 64, 64), strict=True))
+    extra = {}
+    if paged:
+        k, v = k.reshape(4, 16, 2, 16), v.reshape(4, 16, 2, 16)
+        extra["page_table"] = jnp.arange(4, dtype=jnp.int32)[None]
+    lengths, bad = jnp.array([40]), jnp.array([70])
+    got = jax.jit(lambda q: nc.decode_attention(q, k, v, lengths, backend="xla", **extra))(q)
+    want = nc.decode_attention(q, k, v, lengths, backend="xla", **extra)
+    assert bool(jnp.all(got == want))
+    with pytest.raises(EvaluationError, match=r"lengths \[70\] outside"):
+        jax.jit(lambda q: nc.decode_attention(q, k, v, bad, backend="xla", **extra))(q)
