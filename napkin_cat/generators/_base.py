@@ -132,6 +132,23 @@ def align(xp, value, wire: Array, target: Array):
     return xp.expand_dims(value, [i for i, n in enumerate(target.names) if n not in wire.names])
 
 
+def along(xp, value, at: int, matrix):
+    """The product of axis ``at`` of ``value`` with a constant square ``matrix``: ``out[…, e, …] = Σ_d value[…, d,
+    …]·matrix[d, e]``, in ``value``'s dtype, in any namespace (the axis moved last, the rest flattened into rows,
+    one matrix product, moved back). The Hadamard box and RoPE's signed permutation are such products.
+
+    >>> along(JAX, JAX.asarray([[1.0, 2.0], [3.0, 4.0]]), 0, JAX.asarray([[0.0, 1.0], [1.0, 0.0]])).tolist()
+    [[3.0, 4.0], [1.0, 2.0]]
+    """
+    shape = tuple(xp.shape(value))
+    last = len(shape) - 1
+    order = [*(k for k in range(len(shape)) if k != at), at]
+    moved = xp.transpose(value, order) if at != last else value
+    rows = xp.einsum("ad,de->ae", xp.reshape(moved, (-1, shape[at])), xp.like(matrix, value))
+    out = xp.reshape(rows, tuple(xp.shape(moved)))
+    return xp.transpose(out, [order.index(k) for k in range(len(order))]) if at != last else out
+
+
 def contraction_size(*wires: Array) -> sympy.Expr:
     """The product of the sizes of every distinct axis on ``wires``: the multiply-adds of a contraction.
 

@@ -23,7 +23,7 @@ import sympy
 from napkin_cat.axes import Axis
 from napkin_cat.diagram import Array, Ty
 from napkin_cat.errors import AxisError, EvaluationError
-from napkin_cat.generators._base import Generator
+from napkin_cat.generators._base import Generator, along
 
 
 class Hadamard(Generator):
@@ -58,13 +58,7 @@ class Hadamard(Generator):
         for bit in range(n.bit_length() - 1):  # (−1)^popcount(i & j): a factor −1 per bit set in both
             sign = sign * xp.where(((i // 2**bit) % 2) * ((j // 2**bit) % 2) == 1, -1, 1)
         H = sign * xp.number(1 / sympy.sqrt(n))  # exact in the proofs, f32 elsewhere
-        order = [*(k for k in range(len(shape)) if k != at), at]
-        moved = xp.transpose(xp.f32(v), order) if at != len(shape) - 1 else xp.f32(v)
-        rows = xp.einsum("ad,de->ae", xp.reshape(moved, (-1, n)), xp.like(H, moved))
-        out = xp.reshape(rows, tuple(xp.shape(moved)))
-        if at != len(shape) - 1:
-            out = xp.transpose(out, [order.index(k) for k in range(len(order))])
-        return [xp.cast(out, self.out.dtype)]
+        return [xp.cast(along(xp, xp.f32(v), at, H), self.out.dtype)]
 
     def flops(self):
         return self.tensor_flops()  # as the product with the constant matrix it is computed as

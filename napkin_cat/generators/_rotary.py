@@ -26,7 +26,7 @@ import sympy
 from napkin_cat.axes import Axis
 from napkin_cat.diagram import Array, Ty
 from napkin_cat.errors import AxisError, EvaluationError
-from napkin_cat.generators._base import Generator, align
+from napkin_cat.generators._base import Generator, align, along
 
 
 @dataclass(frozen=True)
@@ -231,12 +231,7 @@ def _turned(xp, v, pos, at: int, rd: int, p: dict):
         h = rd // 2
         partner, first = xp.where(j < h, j + h, j - h), j < h
     R = xp.where((i == partner) & (j < rd), xp.where(first, -1.0, 1.0), 0.0)
-    order = [*(k for k in range(len(shape)) if k != at), at]
-    moved = xp.transpose(v, order) if at != len(order) - 1 else v
-    rows = xp.einsum("ad,de->ae", xp.reshape(moved, (-1, D)), xp.like(R, v))
-    turned = xp.reshape(rows, tuple(xp.shape(moved)))
-    turned = xp.transpose(turned, [order.index(k) for k in range(len(order))]) if at != len(order) - 1 else turned
-    return xp.f32(v) * xp.cos(angle) + turned * xp.sin(angle)
+    return xp.f32(v) * xp.cos(angle) + along(xp, v, at, R) * xp.sin(angle)
 
 
 def rotary(
