@@ -247,8 +247,8 @@ def fp8_quantize(query, key, value, *, incoherent: bool = False, per: str = "ten
     dict ``nc.attention`` takes for them: each array times ``E4M3_MAX / amax`` (its largest magnitude lands on
     e4m3's largest, 448), its descale the inverse. ``per="tensor"``: one amax per array, a number the kernel holds.
     ``per="token"``: q and k one amax per token and head (descales ``[B, N, H]``, inputs of the kernel read at each
-    call, so a jitted step may pass new ones without a new kernel; the kernel is then Triton's, see
-    ``nc.attention``), v still per tensor (its descale scales the output). A per-tensor amax is read back as a
+    call, so a jitted step may pass new ones without a new kernel; on an sm_90 GPU the kernel is Mosaic's, elsewhere
+    Triton's: docs/mosaic.md), v still per tensor (its descale scales the output). A per-tensor amax is read back as a
     number: call this outside ``jax.jit``.
 
     ``incoherent=True`` first rotates q and k along the head dim by the normalised Hadamard transform, the boxes
