@@ -1,8 +1,8 @@
 """FP8 attention's forward with one scale per token and head for q and k (``nc.fp8_quantize(..., per="token")``:
 descales ``[B, N, H]``, inputs of the kernel) beside one scale per tensor, on Triton, Mosaic and ``auto``, and
-bf16 ``auto``: what the per-token scales cost, and which kernel (blocks, backend) each call ran. B = 2, H = 16, D = 128, N ∈ {2048, 8192}
-(argv), not causal; every output first checked against an f32 ``jax.numpy`` reference on the unrounded inputs
-(RMSE printed). TFLOP/s count 4·B·H·N²·D (GPU)::
+bf16 ``auto``: what the per-token scales cost, and which kernel (blocks, backend) each call ran. B = 2, H = 16,
+D = 128, N ∈ {2048, 8192} (argv), not causal; every output first checked against an f32 ``jax.numpy`` reference
+on the unrounded inputs (RMSE printed). TFLOP/s count 4·B·H·N²·D (GPU)::
 
     python papers/flash_attention/probes/fp8_per_token.py [N ...]
 """
@@ -70,7 +70,8 @@ def main(ns):
             row = {"n": n, "impl": name, "ms": ms, "tflops": flops / ms / 1e9, "rmse": rmse, "kernel": blocks}
             rows.append(row)
             ratio = f"{base.get('fp8 per tensor triton', ms) / ms:.2f}× fp8 per tensor triton"
-            print(f"N={n} {name:26s} {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s rmse {rmse:.2e}  {ratio}  [{blocks}]", flush=True)
+            line = f"N={n} {name:26s} {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s rmse {rmse:.2e}  {ratio}"
+            print(f"{line}  [{blocks}]", flush=True)
     return rows
 
 
