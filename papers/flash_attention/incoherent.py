@@ -91,16 +91,21 @@ def run(out: str, seeds: int = 4) -> dict:
             row["fp8 / fp8 per token incoherent"] = row["fp8"] / row["fp8 per token incoherent"]
             rows.append(row)
             print(" ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
-    device = jax.devices()[0].device_kind
+            result = write(out, [B, N, H, D], rows)  # after every draw: a run cut short keeps what it measured
+    print(f"fp8 RMSE / fp8 incoherent RMSE: {result['ratio']}; / per token incoherent: "
+          f"{result['ratio per token incoherent']} -> {out}")
+    return result
+
+
+def write(out: str, shape: list, rows: list) -> dict:
+    """The rows so far, with the spread of the two ratios, as JSON at ``out`` and a bar chart beside it."""
     spread = lambda xs: {"min": min(xs), "median": float(np.median(xs)), "max": max(xs)}  # noqa: E731
-    result = {"device": device, "shape": [B, N, H, D], "rows": rows,
+    result = {"device": jax.devices()[0].device_kind, "shape": shape, "rows": rows,
               "ratio": spread([r["fp8 / fp8 incoherent"] for r in rows]),
               "ratio per token incoherent": spread([r["fp8 / fp8 per token incoherent"] for r in rows])}
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(result, indent=1))
     plot(result, Path(out).with_suffix(".png"))
-    print(f"fp8 RMSE / fp8 incoherent RMSE: {result['ratio']}; / per token incoherent: "
-          f"{result['ratio per token incoherent']} -> {out}")
     return result
 
 
@@ -115,6 +120,8 @@ def plot(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(1.4 * len(names) + 1, 3.2))
     for i, causal in enumerate((False, True)):
         rows = [r for r in result["rows"] if r["causal"] == causal]
+        if not rows:  # a run cut short before its causal draws
+            continue
         means = [np.mean([r[n] for r in rows]) for n in names]
         ax.bar(np.arange(len(names)) + 0.38 * i, means, width=0.36, label="causal" if causal else "non-causal")
     ax.set_xticks(np.arange(len(names)) + 0.19, [textwrap.fill(n, 14) for n in names], fontsize=7)
