@@ -157,6 +157,28 @@ def test_mosaic_forward_and_gradients_match_the_reference_on_the_same_hash(key):
         assert float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)) / jnp.max(jnp.abs(b))) <= BF16_GRAD
 
 
+def test_mosaic_applies_the_scale_once_forward_and_in_every_gradient(key):
+    """Mosaic (interpreted) at rate 0.5, as the Triton case above: within the bf16 bounds of the reference that
+    divides each kept weight by 1 − rate once, far outside them from those dividing it never or twice."""
+    data, drop = jax.random.split(key)
+    q, k, v = (a.astype(jnp.bfloat16) for a in arrays(data, 256, kv_heads=1, heads=2))
+    opts = dict(is_causal=True, dropout_rate=0.5, dropout_key=drop, backend="mosaic", interpret=True)
+    out, pull = jax.vjp(lambda *a: attention(*a, **opts), q, k, v)
+    out = out.astype(jnp.float32)
+    ours = [a.astype(jnp.float32) for a in pull(jnp.cos(out).astype(jnp.bfloat16))]  # the cotangent of Σ sin(out)
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    for times in (0, 1, 2):
+        ref = lambda *a, times=times: reference(*a, drop, 0.5, causal=True, times=times)  # noqa: E731
+        want = (ref(*f32), *jax.grad(lambda *a, ref=ref: jnp.sum(jnp.sin(ref(*a))), (0, 1, 2))(*f32))
+        errors = [float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip((out, *ours), want,
+                                                                                      strict=True)]
+        bounds = [BF16_FWD, BF16_GRAD, BF16_GRAD, BF16_GRAD]
+        if times == 1:
+            assert all(e <= b for e, b in zip(errors, bounds, strict=True)), errors
+        else:
+            assert all(e > 10 * b for e, b in zip(errors, bounds, strict=True)), (times, errors)
+
+
 @pytest.fixture
 def abstract_hopper(monkeypatch):
     """An sm_90 device for Pallas' Triton lowering, and the MLIR verifier on every Triton module it builds (as
