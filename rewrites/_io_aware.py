@@ -15,6 +15,9 @@ whose every cotangent streams one axis:
   (``O = w ⊙ softmax_x(S)·V``, an attention sink's ``σ(L − sink)``), ``w·exp(S − L) = exp(S − (L − log w))``:
   the kernels recompute ``exp(S − L′)`` with ``L′ = L − log w`` and read one row value ``R/w``, as plain
   attention's kernels read Δ, instead of rescaling ``dO`` per chunk and adding per score.
+* **constant weight** (:func:`constant_weight_lemma`): the same identity for a positive constant ``k``,
+  ``k·exp(S − L) = exp(S − (L − log k))``: attention dropout's ``1/(1 − rate)``, which its backward puts on the
+  probabilities (the ``dropout`` lemma below proves the whole backward so written), costs a row, not a score.
 * **group sums** (:func:`widened`): a cotangent whose last contraction sums axes besides the one its
   kernel streams (the query heads sharing a key/value head in GQA/MQA, the queries of a per-head
   bias) keeps them; they are summed after the kernel, in O(N) memory.
@@ -526,7 +529,12 @@ def lemmas(q: Axis, x: Axis, d: Axis) -> dict[str, tuple[Diagram, Diagram]]:
     )
     out = g.softmax_contract(S, V, x, Y)
     delta_rhs = out @ identity(C) >> g.contract(f"{q.name} {d.name}, {q.name} {d.name} -> {q.name}", q, d)
-    return {"lse": (P @ discard(V), lse), "delta": (delta_lhs, delta_rhs), "row weight": _row_weight_sides(q, x, d)}
+    return {
+        "lse": (P @ discard(V), lse),
+        "delta": (delta_lhs, delta_rhs),
+        "row weight": _row_weight_sides(q, x, d),
+        "dropout": _dropout_sides(q, x, d),
+    }
 
 
 def _row_weight_sides(q: Axis, x: Axis, d: Axis) -> tuple[Diagram, Diagram]:
@@ -547,11 +555,41 @@ def _row_weight_sides(q: Axis, x: Axis, d: Axis) -> tuple[Diagram, Diagram]:
     return sides[0], sides[1]
 
 
+def _dropout_sides(q: Axis, x: Axis, d: Axis, rate=None) -> tuple[Diagram, Diagram]:
+    """Both sides of dropout's backward as :meth:`SoftmaxContract.backward
+    <napkin_cat.generators.SoftmaxContract.backward>` writes it and :func:`delta_lemma` and
+    :func:`constant_weight_lemma` rewrite it, on ``S[q,x]``, ``L[q]``, ``C[q,d]``, ``V[x,d]`` and a mask ``M[q,x]`` (any
+    values: the identity is linear in it), ``Z = M / (1 − rate)``: ``(dS, dV)`` = ``(P ⊙ (dP − Σ_x P ⊙ dP), (P ⊙
+    Z)ᵀC)`` with ``dP = (C·Vᵀ) ⊙ Z``, ``P = exp(S − L)``, against ``(P′ ⊙ (dP′ − (1 − rate)·Σ_d C ⊙ O), (P′ ⊙ M)ᵀC)``
+    with ``dP′ = (C·Vᵀ) ⊙ M``, ``P′ = exp(S − (L − log(1/(1 − rate))))`` and ``O = (P ⊙ Z)·V`` (``rate`` ½ unless
+    given)."""
+    rate = sympy.Rational(1, 2) if rate is None else rate  # 1/(1 − rate) = 2
+    k, sides = 1 / (1 - rate), []
+    for rewritten in (False, True):
+        t = Tape()
+        S, L, C, V, M = (t.input(a) for a in (Array(q, x), Array(q), Array(q, d), Array(x, d), Array(q, x)))
+        P = t.ew("exp", t.ew("subtract", S, L))
+        dropped = t.ew("multiply", t.ew("multiply", P, M), const=k)
+        CV = t.contract([C, V], Array(q, x))
+        if rewritten:
+            P1 = t.ew("exp", t.ew("subtract", S, t.ew("subtract", L, const=sympy.log(k))))
+            delta = t.contract([C, t.contract([dropped, V], Array(q, d))], Array(q))
+            rows = t.ew("multiply", delta, const=1 - rate)
+            ds = t.ew("multiply", P1, t.ew("subtract", t.ew("multiply", CV, M), rows))
+            dv = t.contract([t.ew("multiply", P1, M), C], Array(x, d))
+        else:
+            dP = t.ew("multiply", t.ew("multiply", CV, M), const=k)
+            ds = t.ew("multiply", P, t.ew("subtract", dP, t.contract([t.ew("multiply", P, dP)], Array(q))))
+            dv = t.contract([dropped, C], Array(x, d))
+        sides.append(t.diagram([ds, dv]))
+    return sides[0], sides[1]
+
+
 def prove_lemmas(sizes: dict | None = None) -> dict[str, Proof]:
     """Prove the lemmas symbolically (at ``q=1, x=3, d=2`` by default), each over every ordering of the scores.
 
     >>> {name: proof.identities for name, proof in prove_lemmas().items()}
-    {'lse': 3, 'delta': 1, 'row weight': 9}
+    {'lse': 3, 'delta': 1, 'row weight': 9, 'dropout': 9}
     """
     sizes = sizes or {"q": 1, "x": 3, "d": 2}
     q, x, d = (Axis(n) for n in ("q", "x", "d"))
@@ -559,5 +597,7 @@ def prove_lemmas(sizes: dict | None = None) -> dict[str, Proof]:
         "lse": "softmax_x(S) = exp(S − logsumexp_x S)",
         "delta": "Σ_x P ⊙ (C·Vᵀ) = Σ_d C ⊙ (P·V)",
         "row weight": "P ⊙ ((A⊙w)·Vᵀ + R), Pᵀ(A⊙w) = P′ ⊙ (A·Vᵀ + R/w), P′ᵀA with P′ = exp(S − (L − log w))",
+        "dropout": "P ⊙ (dP − Σ_x P ⊙ dP), (P ⊙ Z)ᵀC with dP = (C·Vᵀ) ⊙ Z, Z = M/(1 − p) = P′ ⊙ (dP′ − (1 − p)·Σ_d C ⊙ "
+        "((P ⊙ Z)·V)), (P′ ⊙ M)ᵀC with dP′ = (C·Vᵀ) ⊙ M, P′ = exp(S − (L − log(1/(1 − p))))",
     }
     return {k: prove_equivalent(a, b, sizes=sizes, claim=claims[k]) for k, (a, b) in lemmas(q, x, d).items()}

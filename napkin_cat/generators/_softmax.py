@@ -374,9 +374,12 @@ def softmax_contract(s: Array, v: Array, axis: Axis | str, out: Array, *, dropou
     >>> q, x, d = axes("q x d")
     >>> softmax_contract(Array(q, x), Array(x, d), x, Array(q, d)).name
     'softmax·contract x'
-    >>> print(softmax_contract(Array(q, x), Array(x, d), x, Array(q, d), dropout=Drop(0.1, "q", "x"),
-    ...                        seed=Array(dtype="i32")).dom)
+    >>> dropped = softmax_contract(Array(q, x), Array(x, d), x, Array(q, d), dropout=Drop(0.1, "q", "x"),
+    ...                            seed=Array(dtype="i32"))
+    >>> print(dropped.dom)
     q×x ⊗ x×d ⊗ scalar
+    >>> dropped.flops() - softmax_contract(Array(q, x), Array(x, d), x, Array(q, d)).flops()  # mask; scale a row
+    4*q*x + q
     """
     name = getattr(axis, "name", axis)
     for w in (s, v):
