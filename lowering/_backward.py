@@ -6,7 +6,8 @@
    output ``O`` is kept (FlashAttention-2, Dao 2023 §3.2);
 2. the pullback of ``d`` (``napkin_cat._reverse``: each box differentiated by its own rule, forward
    values recomputed), rewritten by :mod:`rewrites._io_aware`: ``P = exp(S − L)``, ``Σ_x P ⊙ dP =
-   Σ_d dO ⊙ O``, a positive row weight on the output folded into ``L`` (attention sinks), contractions
+   Σ_d dO ⊙ O``, a positive row weight on the output folded into ``L`` (attention sinks; dropout's constant
+   ``1/(1 − rate)`` alike), contractions
    reading ``dO`` in its own 16-bit dtype, group sums kept until after the kernel;
 3. one kernel per schedule: every input's cotangent is computed by the kernel that tiles the forward's
    tiled and streamed axes it has and streams the one it lacks (``dQ``: tile queries, stream keys;
@@ -51,6 +52,7 @@ from napkin_cat.diagram import Diagram
 from napkin_cat.hardware import H100, Hardware
 from napkin_cat.levels import HBM
 from rewrites import (
+    constant_weight_lemma,
     delta_lemma,
     lse_residual,
     narrow_operands,
@@ -332,6 +334,7 @@ def backward_of(
     t, grads = pullback(plain(d))
     residuals = lse_residual(t)
     delta_lemma(t, residuals)
+    constant_weight_lemma(t, residuals, grads)  # dropout's 1/(1 − rate) folded into L: none per score
     row_weight_lemma(t, residuals, grads)  # a sink's weight folded into L: plain attention's kernels
     narrow_operands(t)  # dO read in its own dtype by the contractions: 16-bit tensor-core products
     pieces = []

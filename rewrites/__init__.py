@@ -32,6 +32,7 @@ from rewrites._factor import factor_row_scale
 from rewrites._incoherent import incoherent
 from rewrites._io_aware import (
     Residual,
+    constant_weight_lemma,
     delta_lemma,
     lse_residual,
     narrow_operands,
@@ -58,10 +59,10 @@ __all__ = [
     "shard", "summed", "ulysses", "zigzag",
     "LOG2E", "Neutral", "base2", "fuse_softmax", "neutral_padding", "pad_neutral", "tiled_first",  # (lowering rules)
     "AUTO", "Derivation", "OpenSize", "Proof", "Residual", "RewriteError", "Rule", "Step", "Trial", "Verification",
-    "bind_sizes", "delta_lemma", "derive", "execute", "fuse_softmax_contract", "level", "lse_residual",
-    "narrow_operands", "open_sizes", "partitions", "prove_accumulator", "prove_equivalent", "prove_lemmas",
-    "prove_monoid", "pseudocode", "random_inputs", "reduced", "relative_error", "resolve", "row_weight_lemma", "split",
-    "stream", "streamability", "summed_outputs", "tile", "tolerance", "walk", "widened",
+    "bind_sizes", "constant_weight_lemma", "delta_lemma", "derive", "execute", "fuse_softmax_contract", "level",
+    "lse_residual", "narrow_operands", "open_sizes", "partitions", "prove_accumulator", "prove_equivalent",
+    "prove_lemmas", "prove_monoid", "pseudocode", "random_inputs", "reduced", "relative_error", "resolve",
+    "row_weight_lemma", "split", "stream", "streamability", "summed_outputs", "tile", "tolerance", "walk", "widened",
     "choose_parts", "merge_parts", "prove_merge", "split_kv", "with_lse",  # split-KV (rewrites._split_kv)
     "factor_row_scale",  # a row scaling moved after a contraction (rewrites._factor)
     "incoherent",  # the Hadamard rotation of a contraction's operands (rewrites._incoherent)

@@ -15,6 +15,9 @@ whose every cotangent streams one axis:
   (``O = w ⊙ softmax_x(S)·V``, an attention sink's ``σ(L − sink)``), ``w·exp(S − L) = exp(S − (L − log w))``:
   the kernels recompute ``exp(S − L′)`` with ``L′ = L − log w`` and read one row value ``R/w``, as plain
   attention's kernels read Δ, instead of rescaling ``dO`` per chunk and adding per score.
+* **constant weight** (:func:`constant_weight_lemma`): the same identity for a positive constant ``k``,
+  ``k·exp(S − L) = exp(S − (L − log k))``: attention dropout's ``1/(1 − rate)``, which its backward puts on the
+  probabilities (the ``dropout`` lemma below proves the whole backward so written), costs a row, not a score.
 * **group sums** (:func:`widened`): a cotangent whose last contraction sums axes besides the one its
   kernel streams (the query heads sharing a key/value head in GQA/MQA, the queries of a per-head
   bias) keeps them; they are summed after the kernel, in O(N) memory.
@@ -39,6 +42,8 @@ q×d
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import sympy
 
 from napkin_cat import Tape
 from napkin_cat import generators as g
@@ -126,8 +131,11 @@ def delta_lemma(t: Tape, residuals: list[Residual]) -> list[str]:
     backward can compute each once per query row (``lowering._backward``) instead of per key block.
 
     rewrite: Σ_x (P ⊙ c·Vᵀ)  →  Σ_d (c ⊙ O).   Sound because Σ_x P_x (Σ_d c_d V_xd) = Σ_d c_d (Σ_x P_x V_xd)
-    and O = P·V. Under dropout (``O = (P ⊙ Z)·V``, ``Z`` the mask over ``1 − rate``) ``dP = (c·Vᵀ) ⊙ Z``, and the
-    same sum is ``Σ_d c ⊙ O``: the rewrite looks through the dropout.
+    and O = P·V. Under dropout (``O = (P ⊙ M)·V / (1 − rate)``, ``M`` the mask) the sum is ``Σ_x (P ⊙ Z) ⊙ (c·Vᵀ)``
+    with ``Z = M / (1 − rate)`` (a scaled :class:`~napkin_cat.generators.Dropout` on ``c·Vᵀ``), or, as
+    :meth:`SoftmaxContract.backward <napkin_cat.generators.SoftmaxContract.backward>` writes it, ``Σ_x P′ ⊙ ((c·Vᵀ) ⊙
+    M)`` with ``P′ = P / (1 − rate)`` (the mask alone): either is ``Σ_d c ⊙ O``, so the rewrite looks through the
+    dropout, and through the constant on ``P`` exactly where it is the dropout's.
 
     >>> import napkin_cat as nc
     >>> from rewrites import fuse_softmax_contract
@@ -148,12 +156,20 @@ def delta_lemma(t: Tape, residuals: list[Residual]) -> list[str]:
         if not (isinstance(box, g.Reduce) and box.params["op"] == "sum") or ins[0] not in made:
             continue
         product, (P, dP) = made[ins[0]][0], (*made[ins[0]][1], None, None)[:2]
-        r = probabilities.get(P)
+        weight = made.get(P, (None,))[0]  # P′ = P / (1 − rate), where the backward put the dropout's constant
+        weight = weight.params["const"] if _constant(weight) else None
+        r = probabilities.get(P if weight is None else made[P][1][0])
         transpose = made.get(dP, (None, ()))
         if isinstance(transpose[0], g.Dropout):
             # dP = (c·Vᵀ) ⊙ Z, the forward's dropout: Σ_x P ⊙ Z ⊙ (c·Vᵀ) = Σ_d c ⊙ ((P ⊙ Z)·V) = Σ_d c ⊙ O, O
-            # being the dropped output, so Δ is the same row sum of dO ⊙ O
+            # being the dropped output, so Δ is the same row sum of dO ⊙ O; as well Σ_x P′ ⊙ M ⊙ (c·Vᵀ), the
+            # mask alone and P′ = P / (1 − rate): the constant is the dropout's once, on either side
+            drop = transpose[0]
+            if (weight is None) != drop.scaled or (weight is not None and weight != sympy.sympify(drop.drop.scale)):
+                continue
             transpose = made.get(transpose[1][0], (None, ()))
+        elif weight is not None:
+            continue
         if (
             r is None
             or box.params["axis"] != r.axis
@@ -169,6 +185,67 @@ def delta_lemma(t: Tape, residuals: list[Residual]) -> list[str]:
         t.steps[j] = (_contract(t, [c, r.out], t.ty(outs[0])), (c, r.out), outs)
         rewritten.append(outs[0])
     return rewritten
+
+
+def _constant(box) -> bool:
+    """Whether ``box`` multiplies one wire by a positive constant."""
+    return (
+        isinstance(box, g.Elementwise)
+        and box.params["fn"] == "multiply"
+        and len(box.dom) == 1
+        and "const" in box.params
+        and bool(sympy.sympify(box.params["const"]).is_positive)
+    )
+
+
+def constant_weight_lemma(t: Tape, residuals: list[Residual], grads: list) -> int:
+    """Fold a positive constant ``k`` multiplying a residual's recomputed probabilities into its log-sum-exp; the
+    number of folds. The backward of attention dropout carries its ``1/(1 − rate)`` so
+    (:meth:`SoftmaxContract.backward <napkin_cat.generators.SoftmaxContract.backward>`): on the probabilities,
+    not on the mask, whose every kept weight it would otherwise multiply.
+
+    rewrite: k·exp(S − L)  →  exp(S − L′), L′ = L − log k.   Sound because k = exp(log k) for k > 0 (the row
+    weight lemma's identity, :func:`row_weight_lemma`, for a constant): the kernels recompute ``exp(S − L′)`` as
+    plain attention's recompute ``exp(S − L)``, ``L′`` one subtraction a row; a fully masked row keeps ``L′ = +∞``
+    and ``P′ = 0``. Run after :func:`delta_lemma`, which reads ``k·P`` as it is written.
+
+    >>> import napkin_cat as nc
+    >>> from napkin_cat.generators import Drop
+    >>> from rewrites import fuse_softmax_contract
+    >>> b, q, x, d = nc.axes("b q x d")
+    >>> att = nc.library.dot_product_attention(q, x, d, batch=(b,), dropout=(Drop(0.5, "q", "x", "b"), (b,)))
+    >>> t, grads = nc.pullback(fuse_softmax_contract(att, "x"))
+    >>> residuals = lse_residual(t)
+    >>> _ = delta_lemma(t, residuals)
+    >>> constant_weight_lemma(t, residuals, grads)
+    1
+    >>> per_score = [b.name for b in t.diagram(grads[:3]).boxes if b.name[:4] not in ("Copy", "Swap")
+    ...              and {"q", "x"} <= set(b.cod.inside[0].names)]  # plain attention's and two masks, no scale
+    >>> sorted(per_score)
+    ['b q d, b x d → b q x', 'b q d, b x d → b q x', 'dropout 0.5 mask', 'dropout 0.5 mask', 'exp', 'multiply', \
+'subtract', 'subtract']
+    """
+    made = {outs[0]: (box, ins) for box, ins, outs in t.steps if len(outs) == 1}
+    lses = {(r.scores, r.lse) for r in residuals}
+    folds = 0
+
+    def fn(name):  # the named map making ``name`` (no constant), else None
+        box = made.get(name, (None,))[0]
+        return box.params["fn"] if isinstance(box, g.Elementwise) and "const" not in box.params else None
+
+    for j, (box, ins, outs) in enumerate(list(t.steps)):
+        if not _constant(box) or fn(ins[0]) != "exp" or fn(e := made[ins[0]][1][0]) != "subtract":
+            continue
+        if tuple(made[e][1]) not in lses:  # P = exp(S − L), L a residual's log-sum-exp of the scores S
+            continue
+        S, L = made[e][1]
+        shifted = t.ew("subtract", L, const=sympy.log(box.params["const"]), out=t.ty(L))
+        lower = t.ew("subtract", S, shifted, out=t.ty(e))
+        t.steps[j] = (g.elementwise("exp", t.ty(lower), out=t.ty(outs[0])), (lower,), outs)
+        folds += 1
+    if folds:
+        _tidy(t, grads)
+    return folds
 
 
 #: named maps whose values are positive: a row weight they make has a logarithm
@@ -452,7 +529,12 @@ def lemmas(q: Axis, x: Axis, d: Axis) -> dict[str, tuple[Diagram, Diagram]]:
     )
     out = g.softmax_contract(S, V, x, Y)
     delta_rhs = out @ identity(C) >> g.contract(f"{q.name} {d.name}, {q.name} {d.name} -> {q.name}", q, d)
-    return {"lse": (P @ discard(V), lse), "delta": (delta_lhs, delta_rhs), "row weight": _row_weight_sides(q, x, d)}
+    return {
+        "lse": (P @ discard(V), lse),
+        "delta": (delta_lhs, delta_rhs),
+        "row weight": _row_weight_sides(q, x, d),
+        "dropout": _dropout_sides(q, x, d),
+    }
 
 
 def _row_weight_sides(q: Axis, x: Axis, d: Axis) -> tuple[Diagram, Diagram]:
@@ -473,11 +555,41 @@ def _row_weight_sides(q: Axis, x: Axis, d: Axis) -> tuple[Diagram, Diagram]:
     return sides[0], sides[1]
 
 
+def _dropout_sides(q: Axis, x: Axis, d: Axis, rate=None) -> tuple[Diagram, Diagram]:
+    """Both sides of dropout's backward as :meth:`SoftmaxContract.backward
+    <napkin_cat.generators.SoftmaxContract.backward>` writes it and :func:`delta_lemma` and
+    :func:`constant_weight_lemma` rewrite it, on ``S[q,x]``, ``L[q]``, ``C[q,d]``, ``V[x,d]`` and a mask ``M[q,x]`` (any
+    values: the identity is linear in it), ``Z = M / (1 − rate)``: ``(dS, dV)`` = ``(P ⊙ (dP − Σ_x P ⊙ dP), (P ⊙
+    Z)ᵀC)`` with ``dP = (C·Vᵀ) ⊙ Z``, ``P = exp(S − L)``, against ``(P′ ⊙ (dP′ − (1 − rate)·Σ_d C ⊙ O), (P′ ⊙ M)ᵀC)``
+    with ``dP′ = (C·Vᵀ) ⊙ M``, ``P′ = exp(S − (L − log(1/(1 − rate))))`` and ``O = (P ⊙ Z)·V`` (``rate`` ½ unless
+    given)."""
+    rate = sympy.Rational(1, 2) if rate is None else rate  # 1/(1 − rate) = 2
+    k, sides = 1 / (1 - rate), []
+    for rewritten in (False, True):
+        t = Tape()
+        S, L, C, V, M = (t.input(a) for a in (Array(q, x), Array(q), Array(q, d), Array(x, d), Array(q, x)))
+        P = t.ew("exp", t.ew("subtract", S, L))
+        dropped = t.ew("multiply", t.ew("multiply", P, M), const=k)
+        CV = t.contract([C, V], Array(q, x))
+        if rewritten:
+            P1 = t.ew("exp", t.ew("subtract", S, t.ew("subtract", L, const=sympy.log(k))))
+            delta = t.contract([C, t.contract([dropped, V], Array(q, d))], Array(q))
+            rows = t.ew("multiply", delta, const=1 - rate)
+            ds = t.ew("multiply", P1, t.ew("subtract", t.ew("multiply", CV, M), rows))
+            dv = t.contract([t.ew("multiply", P1, M), C], Array(x, d))
+        else:
+            dP = t.ew("multiply", t.ew("multiply", CV, M), const=k)
+            ds = t.ew("multiply", P, t.ew("subtract", dP, t.contract([t.ew("multiply", P, dP)], Array(q))))
+            dv = t.contract([dropped, C], Array(x, d))
+        sides.append(t.diagram([ds, dv]))
+    return sides[0], sides[1]
+
+
 def prove_lemmas(sizes: dict | None = None) -> dict[str, Proof]:
     """Prove the lemmas symbolically (at ``q=1, x=3, d=2`` by default), each over every ordering of the scores.
 
     >>> {name: proof.identities for name, proof in prove_lemmas().items()}
-    {'lse': 3, 'delta': 1, 'row weight': 9}
+    {'lse': 3, 'delta': 1, 'row weight': 9, 'dropout': 9}
     """
     sizes = sizes or {"q": 1, "x": 3, "d": 2}
     q, x, d = (Axis(n) for n in ("q", "x", "d"))
@@ -485,5 +597,7 @@ def prove_lemmas(sizes: dict | None = None) -> dict[str, Proof]:
         "lse": "softmax_x(S) = exp(S − logsumexp_x S)",
         "delta": "Σ_x P ⊙ (C·Vᵀ) = Σ_d C ⊙ (P·V)",
         "row weight": "P ⊙ ((A⊙w)·Vᵀ + R), Pᵀ(A⊙w) = P′ ⊙ (A·Vᵀ + R/w), P′ᵀA with P′ = exp(S − (L − log w))",
+        "dropout": "P ⊙ (dP − Σ_x P ⊙ dP), (P ⊙ Z)ᵀC with dP = (C·Vᵀ) ⊙ Z, Z = M/(1 − p) = P′ ⊙ (dP′ − (1 − p)·Σ_d C ⊙ "
+        "((P ⊙ Z)·V)), (P′ ⊙ M)ᵀC with dP′ = (C·Vᵀ) ⊙ M, P′ = exp(S − (L − log(1/(1 − p))))",
     }
     return {k: prove_equivalent(a, b, sizes=sizes, claim=claims[k]) for k, (a, b) in lemmas(q, x, d).items()}

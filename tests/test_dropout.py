@@ -36,8 +36,9 @@ def seed_of(key) -> jnp.ndarray:
     return jax.lax.bitcast_convert_type(jax.random.bits(key, (), jnp.uint32), jnp.int32)
 
 
-def reference(q, k, v, key, rate, *, causal=False, broadcast=False):
-    """jax.nn's layout [B, N, H, D]; grouped-query heads as jax.nn groups them (head h reads kv head h // G)."""
+def reference(q, k, v, key, rate, *, causal=False, broadcast=False, times=1):
+    """jax.nn's layout [B, N, H, D]; grouped-query heads as jax.nn groups them (head h reads kv head h // G). Each
+    kept weight is divided by ``1 − rate`` ``times`` times (dropout's definition: once)."""
     b, n, h, d = q.shape
     group = h // k.shape[2]
     k, v = (jnp.repeat(a, group, axis=2) for a in (k, v))
@@ -49,7 +50,7 @@ def reference(q, k, v, key, rate, *, causal=False, broadcast=False):
     if broadcast:
         bi, hi = 0 * bi, 0 * hi
     kept = keep_bits(seed_of(key), bi, hi, qi, ki) >= jnp.uint32(round(rate * 2**32))
-    return jnp.einsum("bhqk,bkhd->bqhd", jnp.where(kept, p / (1 - rate), 0.0), v)
+    return jnp.einsum("bhqk,bkhd->bqhd", jnp.where(kept, p / (1 - rate) ** times, 0.0), v)
 
 
 def arrays(key, n=LONG, kv_heads=2, heads=4):
@@ -86,6 +87,52 @@ def test_forward_and_gradients_match_a_reference_on_the_same_hash(key, backend, 
         assert float(jnp.max(jnp.abs(a - b))) <= GRAD
 
 
+def test_the_scale_is_applied_once_forward_and_in_every_gradient(key):
+    """At rate 0.5 the factor 1/(1 − rate) is 2: the kernels carry it once a row (the forward's normaliser, the
+    backward's log-sum-exp and Δ), never per weight, and the output and the gradients of q, k and v match the
+    reference that divides each kept weight once, within the bounds above, while those dividing it never or twice
+    lie far outside them (the check tells the three apart)."""
+    data, drop = jax.random.split(key)
+    q, k, v = arrays(data)
+    opts = dict(dropout_rate=0.5, dropout_key=drop, **TRITON)
+
+    def grads(f):
+        return jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), (0, 1, 2))(q, k, v)
+
+    out, ours = attention(q, k, v, **opts), grads(lambda *a: attention(*a, **opts))
+    for times in (0, 1, 2):
+        want = reference(q, k, v, drop, 0.5, causal=True, times=times)
+        theirs = grads(lambda *a, times=times: reference(*a, drop, 0.5, causal=True, times=times))
+        errors = [float(jnp.max(jnp.abs(a - b))) for a, b in zip((out, *ours), (want, *theirs), strict=True)]
+        bounds = [FWD, GRAD, GRAD, GRAD]
+        if times == 1:
+            assert all(e <= b for e, b in zip(errors, bounds, strict=True)), errors
+        else:
+            assert all(e > 100 * b for e, b in zip(errors, bounds, strict=True)), (times, errors)
+
+
+def test_the_backward_scales_no_score():
+    """The backward's kernels mask the recomputed probabilities and dP, and multiply no score by a constant:
+    dropout's 1/(1 − rate) is in L′ = L − log(1/(1 − rate)) (a row) and in Δ's (1 − rate) (a row, computed before)."""
+    from lowering._attention import Signature
+    from lowering._backward import backward_of
+    from napkin_cat.generators import Dropout, Elementwise
+
+    q, k = jnp.zeros((2, SHORT, 4, 16)), jnp.zeros((2, SHORT, 2, 16))
+    sig = Signature.of(q, k, k, is_causal=True, dropout_rate=0.1, backend="triton", interpret=True)
+    pieces = backward_of(sig.derivation().diagram).pieces
+    per_score = [
+        box for p in pieces for box in p.diagram.boxes
+        if isinstance(box, Dropout | Elementwise) and {"q_idx", "kv_idx"} <= set(box.cod.inside[0].names)
+    ]
+    masks = [box for box in per_score if isinstance(box, Dropout)]
+    assert len(masks) == 3 and not any(box.scaled for box in masks)  # dK·dV: P′ and dP′; dQ: dP′
+    assert not any("const" in box.params for box in per_score if isinstance(box, Elementwise))
+    rows = [box.params["const"] for p in pieces for box in p.diagram.boxes
+            if isinstance(box, Elementwise) and "const" in box.params]
+    assert sorted(float(c) for c in rows) == pytest.approx(sorted([0.9, math.log(1 / 0.9), math.log(1 / 0.9)]))
+
+
 # bf16 operands (Mosaic's wgmma takes 16-bit ones) against the f32 reference: measured ≤ 4.5e-3 (output) and
 # ≤ 5.7e-3 (gradients) relative to each array's largest entry over 6 seeds
 BF16_FWD, BF16_GRAD = 1e-2, 1.2e-2
@@ -108,6 +155,28 @@ def test_mosaic_forward_and_gradients_match_the_reference_on_the_same_hash(key):
     theirs = jax.grad(loss(lambda *a: reference(*a, drop, 0.25, causal=True)), (0, 1, 2))(*f32)
     for a, b in zip(ours, theirs, strict=True):
         assert float(jnp.max(jnp.abs(a.astype(jnp.float32) - b)) / jnp.max(jnp.abs(b))) <= BF16_GRAD
+
+
+def test_mosaic_applies_the_scale_once_forward_and_in_every_gradient(key):
+    """Mosaic (interpreted) at rate 0.5, as the Triton case above: within the bf16 bounds of the reference that
+    divides each kept weight by 1 − rate once, far outside them from those dividing it never or twice."""
+    data, drop = jax.random.split(key)
+    q, k, v = (a.astype(jnp.bfloat16) for a in arrays(data, 256, kv_heads=1, heads=2))
+    opts = dict(is_causal=True, dropout_rate=0.5, dropout_key=drop, backend="mosaic", interpret=True)
+    out, pull = jax.vjp(lambda *a: attention(*a, **opts), q, k, v)
+    out = out.astype(jnp.float32)
+    ours = [a.astype(jnp.float32) for a in pull(jnp.cos(out).astype(jnp.bfloat16))]  # the cotangent of Σ sin(out)
+    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
+    for times in (0, 1, 2):
+        ref = lambda *a, times=times: reference(*a, drop, 0.5, causal=True, times=times)  # noqa: E731
+        want = (ref(*f32), *jax.grad(lambda *a, ref=ref: jnp.sum(jnp.sin(ref(*a))), (0, 1, 2))(*f32))
+        errors = [float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip((out, *ours), want,
+                                                                                      strict=True)]
+        bounds = [BF16_FWD, BF16_GRAD, BF16_GRAD, BF16_GRAD]
+        if times == 1:
+            assert all(e <= b for e, b in zip(errors, bounds, strict=True)), errors
+        else:
+            assert all(e > 10 * b for e, b in zip(errors, bounds, strict=True)), (times, errors)
 
 
 @pytest.fixture
@@ -137,7 +206,8 @@ def block_ops(module: str, op: str) -> int:
 @pytest.mark.parametrize("backend", ["triton", "mosaic"])
 def test_dropout_kernels_lower_for_cuda(abstract_hopper, backend):
     """Forward and backward with dropout lower for an abstract sm_90 device; Triton's verify, and per score they
-    add one xor and one integer multiply to the kernel without dropout (the hash's other work is on vectors)."""
+    add one xor and one integer multiply to the kernel without dropout (the hash's other work is on vectors), and
+    no float multiply: 1/(1 − rate) is carried by rows (the forward's normaliser, the backward's L′ and Δ)."""
     args = [jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)] * 3
     counts = {}
     # the counts compare with the kernel without dropout (rate 0: the same kernel, test_rate_zero_is_...) on Triton
@@ -153,12 +223,15 @@ def test_dropout_kernels_lower_for_cuda(abstract_hopper, backend):
         text += jax.jit(grad).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         if backend == "mosaic":
             assert "mosaic_gpu" in text
-        counts[rate] = [(block_ops(m, "arith.xori"), block_ops(m, "arith.shrui")) for m in abstract_hopper]
+        counts[rate] = [tuple(block_ops(m, op) for op in ("arith.xori", "arith.shrui", "arith.mulf"))
+                        for m in abstract_hopper]
     if backend == "triton":
         # the forward and both backward kernels gain xors on blocks (one per chunk loop: unmasked and masked
-        # copies), never a 2-D shift: no lowbias32 round runs per score
-        gained = [(x1 - x0, s1 - s0) for (x0, s0), (x1, s1) in zip(counts[0.0], counts[0.1], strict=True)]
-        assert sum(x > 0 for x, _ in gained) >= 3 and all(s == 0 for _, s in gained), gained
+        # copies), never a 2-D shift: no lowbias32 round runs per score; nor a 2-D float multiply (before the scale
+        # left the backward's scores, dQ's kernel had one more per score and dK·dV's two)
+        gained = [tuple(b - a for a, b in zip(c0, c1, strict=True)) for c0, c1 in zip(counts[0.0], counts[0.1],
+                                                                                   strict=True)]
+        assert sum(x > 0 for x, _, _ in gained) >= 3 and all(s == 0 == f for _, s, f in gained), gained
 
 
 def test_a_new_key_reuses_the_kernel_and_changes_the_mask(key):

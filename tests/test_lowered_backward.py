@@ -78,7 +78,7 @@ def softmax_rows(s, keep):
 
 def test_lemmas_are_proved():
     proofs = prove_lemmas()
-    assert {k: p.identities for k, p in proofs.items()} == {"lse": 3, "delta": 1, "row weight": 9}
+    assert {k: p.identities for k, p in proofs.items()} == {"lse": 3, "delta": 1, "row weight": 9, "dropout": 9}
 
 
 def test_gqa_sums_the_group_after_the_kernel(seed, key):

@@ -6,7 +6,8 @@ XLA backend compute the same bits for any tiling, and a backward kernel regenera
 seed instead of reading it. The hash is split so that almost all of it runs on vectors, not on the block
 (:func:`keep_bits`): a strong hash of each row (seed, batch, head, query), a lighter one of each key, and per
 element one xor and one multiply. A probability is kept, and divided by ``1 − rate``, where its bits are at least
-``rate · 2³²``.
+``rate · 2³²``. The division is a constant factor: inside attention's kernels it is carried once per row (the
+forward's normaliser, the backward's recomputed probabilities and Δ), never per weight.
 
 >>> import jax.numpy as jnp
 >>> from napkin_cat import axes, Array
@@ -32,9 +33,11 @@ from napkin_cat.diagram import Array, Ty
 from napkin_cat.errors import AxisError, EvaluationError
 from napkin_cat.generators._base import Generator, align
 
-#: operations per element of the mask: the hash's xor and multiply, the compare with the threshold, the select
-#: and the scale by ``1 / (1 − rate)`` (the rows' and keys' hashes run on vectors, :func:`keep_bits`)
-FLOPS = 5
+#: operations per element of the mask: the hash's xor and multiply, the compare with the threshold and the select
+#: (the rows' and keys' hashes run on vectors, :func:`keep_bits`); the scale by ``1 / (1 − rate)`` is one more where a
+#: box applies it per element (:class:`Dropout` alone), none in the fused attention's forward and backward (once per
+#: row: :class:`~napkin_cat.generators.SoftmaxContract`)
+FLOPS = 4
 
 _GOLDEN = 0x9E3779B9  # 2³²/φ, odd: multiplying by it is a bijection that spreads consecutive indices apart
 _KEYS = 0x85EBCA6B  # offsets the head's key before it keys the keys' hash, so rows and keys hash apart
@@ -200,7 +203,16 @@ class Drop:
         row, mul, col = (xp.broadcast_in_dim(v, shape, dims) for v, dims in
                          ((row, rows), (row | jnp.uint32(1), rows), (col, keys)))
         kept = (row ^ col) * mul >= jnp.uint32(threshold(self.rate))  # combine(), its row multiplier spread
-        return xp.where(kept, p * (1.0 / (1.0 - self.rate)) if scaled else p, 0.0)
+        return xp.where(kept, p * self.scale if scaled else p, 0.0)
+
+    @property
+    def scale(self) -> float:
+        """``1 / (1 − rate)``: what each kept weight is multiplied by (the one place it is computed).
+
+        >>> Drop(0.5, "q", "x").scale
+        2.0
+        """
+        return 1.0 / (1.0 - self.rate)
 
     def _index(self, xp, ctx, wire: Array, shape: tuple, dims: tuple, name: str):
         """The global index along the axis ``name`` over the block's dimensions ``dims``: a vector or grid where
@@ -234,13 +246,20 @@ class Dropout(Generator):
     P ⊙ M / (1 − rate)``, ``M`` the hashed keep mask. Linear in ``P``: its derivative is itself (the same mask on
     the cotangent), and it commutes with scaling ``P`` by any row factor, which is why it passes through the online
     softmax's rescaling into :class:`~napkin_cat.generators.SoftmaxContract` (``("dropout", drop)`` in its data).
+    With ``("scaled", False)`` in its data it is the mask alone, ``P ⊙ M`` (a backward that carries the constant
+    ``1 / (1 − rate)`` once per row instead: :meth:`SoftmaxContract.backward
+    <napkin_cat.generators.SoftmaxContract.backward>`).
 
     >>> import jax.numpy as jnp
     >>> from napkin_cat import axes, Array, to_jax
     >>> q, x = axes("q x")
-    >>> out = to_jax(dropout(Array(q, x), Array(dtype="i32"), Drop(0.5, "q", "x")))(jnp.ones((4, 4)), jnp.int32(3))
+    >>> box = dropout(Array(q, x), Array(dtype="i32"), Drop(0.5, "q", "x"))
+    >>> out = to_jax(box)(jnp.ones((4, 4)), jnp.int32(3))
     >>> sorted(set(out.ravel().tolist()))
     [0.0, 2.0]
+    >>> mask = dropout(Array(q, x), Array(dtype="i32"), Drop(0.5, "q", "x"), scaled=False)
+    >>> bool(jnp.all(to_jax(mask)(jnp.ones((4, 4)), jnp.int32(3)) * 2 == out)), mask.name, mask.flops()
+    (True, 'dropout 0.5 mask', 4*q*x)
     """
 
     family, symbol = "mask", "P"
@@ -250,25 +269,31 @@ class Dropout(Generator):
         """The dropout's rate and the axes it hashes."""
         return self.params["drop"]
 
+    @property
+    def scaled(self) -> bool:
+        """Whether each kept weight is divided by ``1 − rate`` here (dropout's definition), not only masked."""
+        return self.params.get("scaled", True)
+
     def evaluate(self, ins, ctx):
         (p, seed), xp = ins, ctx.xp
-        dropped = self.drop.apply(xp, xp.f32(p), seed, ctx, *self.dom.inside)
+        dropped = self.drop.apply(xp, xp.f32(p), seed, ctx, *self.dom.inside, scaled=self.scaled)
         return [xp.cast(dropped, self.out.dtype)]
 
     def flops(self):
-        return FLOPS * self.out.size
+        return (FLOPS + self.scaled) * self.out.size
 
     def lines(self, prog, ins, outs):
         (p, seed), rate = ins, self.drop.rate
-        text = f"{prog.ix(outs[0])} = {prog.ix(p)} ⊙ (hash({prog.ix(seed)}, indices) ≥ {rate:g}·2³²) / {1 - rate:g}"
-        return [(text, outs, ins, False, True)]
+        text = f"{prog.ix(outs[0])} = {prog.ix(p)} ⊙ (hash({prog.ix(seed)}, indices) ≥ {rate:g}·2³²)"
+        return [(text + (f" / {1 - rate:g}" if self.scaled else ""), outs, ins, False, True)]
 
     def backward(self, t, ins, outs, cts):
         return [t(self, cts[0], ins[1]), None]
 
 
-def dropout(p: Array, seed: Array, drop: Drop) -> Dropout:
-    """The dropout box on ``p``, reading the int32 ``seed`` (an array over some of ``p``'s batch axes).
+def dropout(p: Array, seed: Array, drop: Drop, *, scaled: bool = True) -> Dropout:
+    """The dropout box on ``p``, reading the int32 ``seed`` (an array over some of ``p``'s batch axes); without
+    ``scaled``, its mask alone (``p ⊙ M``: the kept weights not divided by ``1 − rate``).
 
     >>> from napkin_cat import axes, Array
     >>> q, x = axes("q x")
@@ -285,4 +310,6 @@ def dropout(p: Array, seed: Array, drop: Drop) -> Dropout:
             f"{drop.__name__}: the seed must be i32 over batch axes of {p.describe()}, got {seed.describe()}"
         )
     check_rate(drop.rate, drop.__name__)
-    return Dropout(drop.__name__, Ty(p, seed), Ty(p), data=(("drop", drop),))
+    if scaled:
+        return Dropout(drop.__name__, Ty(p, seed), Ty(p), data=(("drop", drop),))
+    return Dropout(f"{drop.__name__} mask", Ty(p, seed), Ty(p), data=(("drop", drop), ("scaled", False)))

@@ -17,7 +17,6 @@ from napkin_cat.dtypes import f32
 from napkin_cat.errors import AxisError
 from napkin_cat.generators._base import Accumulator, Generator, align, contraction_size, einsum_spec
 from napkin_cat.generators._dropout import FLOPS as DROPOUT_FLOPS
-from napkin_cat.generators._dropout import Dropout
 from napkin_cat.generators._dropout import dropout as dropout_box
 from napkin_cat.generators._elementwise import Partial
 from napkin_cat.generators._reduce import reduce_sum
@@ -44,14 +43,21 @@ def _name(f) -> str:
     return getattr(f, "__name__", "f")
 
 
-def softmax_backward(t, P: str, dP: str | None, axis: str, dlse: str | None = None) -> str:
-    """``dS = P ⊙ (dP − Σ_axis P ⊙ dP)`` (plus ``P ⊙ dlse`` for a log-sum-exp output), on the tape ``t``."""
+def softmax_backward(t, P: str, dP: str | None, axis: str, dlse: str | None = None, share=1) -> str:
+    """``dS = P ⊙ (dP − Σ_axis P ⊙ dP)`` (plus ``P ⊙ dlse`` for a log-sum-exp output), on the tape ``t``. With a
+    ``share`` other than 1, ``P`` is the probabilities divided by it and ``dP`` the cotangent of ``P`` multiplied
+    by it (dropout's ``P/(1 − rate)`` and its mask alone, ``share = 1 − rate``): ``dS = P ⊙ (dP − share·Σ_axis P ⊙ dP
+    + share·dlse)``, the share on row values only, none per score."""
     S = t.ty(P)
+
+    def shared(rows):
+        return rows if share == 1 else t.ew("multiply", rows, const=share)
+
     u = None
     if dP is not None:
-        u = t.ew("subtract", dP, t(reduce_sum(S, axis), t.ew("multiply", P, dP)), out=S)
+        u = t.ew("subtract", dP, shared(t(reduce_sum(S, axis), t.ew("multiply", P, dP))), out=S)
     if dlse is not None:
-        u = dlse if u is None else t.ew("add", u, dlse, out=S)
+        u = shared(dlse) if u is None else t.ew("add", u, shared(dlse), out=S)
     return t.ew("multiply", P, u, out=S)
 
 
@@ -166,7 +172,8 @@ class SoftmaxContract(Generator):
 
     def flops(self):
         s, v = self.dom.inside[:2]
-        dropout = DROPOUT_FLOPS * s.size if "dropout" in self.params else 0
+        # dropout: its mask per score, its 1/(1 − rate) once per row (with the normaliser, OnlineSoftmax.finalize)
+        dropout = DROPOUT_FLOPS * s.size + _row_stat(self).size if "dropout" in self.params else 0
         return 4 * s.size + 2 * contraction_size(s, v, self.out) + dropout
 
     def transcendentals(self):
@@ -226,19 +233,22 @@ class SoftmaxContract(Generator):
         P = t(softmax(t.ty(s), axis), s)
         drop = self.params.get("dropout")
 
-        def dropped(w):  # the forward's mask on a [scores]-shaped wire (the dropout's derivative is itself)
-            W = t.ty(w)
-            return t(Dropout(drop.__name__, Ty(W, t.ty(seed[0])), Ty(W), data=(("drop", drop),)), w, seed[0])
+        def masked(w):  # the forward's mask on a [scores]-shaped wire, not scaled (the dropout is linear)
+            return t(dropout_box(t.ty(w), t.ty(seed[0]), drop, scaled=False), w, seed[0])
 
+        if drop is not None:
+            # O = (P ⊙ M)·V / (1 − rate). The constant goes on the probabilities, P′ = P / (1 − rate), which the
+            # backward recomputes once a row (exp(S − L′), L′ = L + log(1 − rate): rewrites.constant_weight_lemma):
+            # dV = (P′ ⊙ M)ᵀ·dO, and with dP′ = (dO·Vᵀ) ⊙ M the mask alone (dP = dP′ / (1 − rate)),
+            # dS = P ⊙ (dP − Σ_x P ⊙ dP) = P′ ⊙ (dP′ − (1 − rate)·Σ_x P′ ⊙ dP′), where Σ_x P′ ⊙ dP′ = Σ_d dO ⊙ O (O
+            # the dropped output: rewrites.delta_lemma). Per score the mask's select on P′ and on dP′, no scale.
+            P = t.ew("multiply", P, const=drop.scale)
         dP = dv = None
         if ct is not None:
-            # O = (P ⊙ Z)·V with Z = M/(1 − rate): dV = (P ⊙ Z)ᵀ·dO, dP = (dO·Vᵀ) ⊙ Z. The softmax's backward is
-            # unchanged, dS = P ⊙ (dP − Σ_x P ⊙ dP), and Σ_x P ⊙ dP = Σ_x (P ⊙ Z) ⊙ (dO·Vᵀ) = Σ_d dO ⊙ O still,
-            # O being the dropped output: the Δ identity holds (rewrites.delta_lemma looks through the dropout).
-            Pd = P if drop is None else dropped(P)
+            Pd = P if drop is None else masked(P)
             dP, dv = t.transpose([Pd, v], 0, ct), t.transpose([Pd, v], 1, ct)
-            dP = dP if drop is None else dropped(dP)
-        ds = softmax_backward(t, P, dP, axis, dlse)
+            dP = dP if drop is None else masked(dP)
+        ds = softmax_backward(t, P, dP, axis, dlse, share=1 if drop is None else 1 - drop.rate)
         return [t.ew("multiply", ds, const=c) if self.base2 else ds, dv, *([None] * len(seed))]
 
 
@@ -364,9 +374,12 @@ def softmax_contract(s: Array, v: Array, axis: Axis | str, out: Array, *, dropou
     >>> q, x, d = axes("q x d")
     >>> softmax_contract(Array(q, x), Array(x, d), x, Array(q, d)).name
     'softmax·contract x'
-    >>> print(softmax_contract(Array(q, x), Array(x, d), x, Array(q, d), dropout=Drop(0.1, "q", "x"),
-    ...                        seed=Array(dtype="i32")).dom)
+    >>> dropped = softmax_contract(Array(q, x), Array(x, d), x, Array(q, d), dropout=Drop(0.1, "q", "x"),
+    ...                            seed=Array(dtype="i32"))
+    >>> print(dropped.dom)
     q×x ⊗ x×d ⊗ scalar
+    >>> dropped.flops() - softmax_contract(Array(q, x), Array(x, d), x, Array(q, d)).flops()  # mask; scale a row
+    4*q*x + q
     """
     name = getattr(axis, "name", axis)
     for w in (s, v):
