@@ -80,15 +80,13 @@ def test_every_kernel_lowers_for_sm90(dim, value_dim, causal):
         assert k.lowering_error() is None, k.source
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["plain", "causal"])
-@pytest.mark.parametrize(("dim", "value_dim"), WIDE, ids=["256", "192-128"])
-def test_interpret_matches_reference(key, dim, value_dim, causal):
-    """Output and gradients against the f32 reference, every kernel on Mosaic."""
+def check_against_reference(key, dim, value_dim, causal, shape, tolerance, interpret):
+    """Output and gradients of ``lower(backend="mosaic")`` at [b, h, n] = ``shape`` against the f32 reference,
+    every kernel on Mosaic."""
     kq, kk, kv, ko = jax.random.split(key, 4)
-    n = 256 if causal else 128  # the causal mask needs two tiles each way (a diagonal and one below it)
-    Q, K = (jax.random.normal(k, (1, 1, n, dim), jnp.bfloat16) for k in (kq, kk))
-    V, dO = (jax.random.normal(k, (1, 1, n, value_dim), jnp.bfloat16) for k in (kv, ko))
-    kernel = lower(scheduled(dim, value_dim, causal), backend="mosaic", interpret=True)
+    Q, K = (jax.random.normal(k, (*shape, dim), jnp.bfloat16) for k in (kq, kk))
+    V, dO = (jax.random.normal(k, (*shape, value_dim), jnp.bfloat16) for k in (kv, ko))
+    kernel = lower(scheduled(dim, value_dim, causal), backend="mosaic", interpret=interpret)
     assert kernel.differentiation == "lowered"
     out, pull = jax.vjp(kernel, Q, K, V)
     got = (out, *pull(dO))
@@ -96,7 +94,27 @@ def test_interpret_matches_reference(key, dim, value_dim, causal):
     want_out, want_pull = jax.vjp(lambda *a: reference(*a, causal), Q, K, V)
     want = (want_out, *want_pull(dO.astype(jnp.float32)))
     for name, g, w in zip(("O", "dQ", "dK", "dV"), got, want, strict=True):
-        assert relative_error(g, w) <= TOLERANCE[name], name
+        assert relative_error(g, w) <= tolerance[name], name
+
+
+@pytest.mark.parametrize(("dim", "value_dim"), WIDE, ids=["256", "192-128"])
+def test_interpret_matches_reference(key, dim, value_dim):
+    """Interpreted, causal: the mask needs two tiles each way (a diagonal and one below it), so each kernel runs
+    chunks unmasked and masked at the wide blocks. The kernels without a mask (plain) run compiled below
+    (``gpu``), and interpreted at D = 64 (tests/test_mosaic.py)."""
+    check_against_reference(key, dim, value_dim, True, (1, 1, 256), TOLERANCE, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["plain", "causal"])
+@pytest.mark.parametrize(("dim", "value_dim"), WIDE, ids=["256", "192-128"])
+def test_compiled_matches_reference(key, dim, value_dim, causal):
+    """Compiled on an sm_90 GPU, plain and causal, 1024 tokens over 2 × 2 (batch, heads), within
+    tests/test_mosaic.py's compiled bounds (bf16, 1e-2 for the gradients until measured on a GPU)."""
+    if getattr(jax.devices()[0], "compute_capability", None) != "9.0":
+        pytest.skip("needs an sm_90 (Hopper) GPU")
+    compiled = {"O": 5e-3, "dQ": 1e-2, "dK": 1e-2, "dV": 1e-2}
+    check_against_reference(key, dim, value_dim, causal, (2, 2, 1024), compiled, interpret=False)
 
 
 @pytest.mark.parametrize("registers", [120, 160])
