@@ -917,22 +917,19 @@ def _step(plan: Plan, q, k_cache, v_cache, lengths, page_table=None, rope=None, 
     (batch, nq, heads, _), (kv_heads, dv) = q.shape, v_cache.shape[2:]
     n, chunk, group, kernel = plan.parts, plan.chunk, plan.group, _kernel(plan)
 
-    def parts(c):  # a contiguous cache read as parts: a reshape, padded only where the parts overrun it (a copy)
-        if n * chunk > c.shape[1]:
-            c = jnp.pad(c, [(0, 0), (0, n * chunk - c.shape[1]), *[(0, 0)] * (c.ndim - 2)])
-        return c.reshape(batch, n, chunk, *c.shape[2:]) if plan.split else c
+    def parts(a, width):  # axis 1 read as n parts of width: a reshape, padded only where they overrun it (a copy)
+        if n * width > a.shape[1]:
+            a = jnp.pad(a, [(0, 0), (0, n * width - a.shape[1]), *[(0, 0)] * (a.ndim - 2)])
+        return a.reshape(batch, n, width, *a.shape[2:]) if plan.split else a
 
     kv = [k_cache] if plan.latent_once else [k_cache, v_cache]  # MLA's latent: one input, copied
     ins = [pack_rows(q, kv_heads), *kv, *([] if rope is None else [pack_rows(rope[0], kv_heads), rope[1]])]
     masks = _lengths(lengths, plan)
     if page_table is None:
-        ins = [a if i in (0, 1 + len(kv)) else parts(a) for i, a in enumerate(ins)]  # the queries: no parts
+        ins = [a if i in (0, 1 + len(kv)) else parts(a, chunk) for i, a in enumerate(ins)]  # the queries: no parts
         o, lse = _inference(kernel)(*ins, *masks)
     else:  # part p of sequence b reads its pages table[b, p·w : (p+1)·w], through the page map
-        width, table = chunk // plan.pages[0], page_table
-        if n * width > table.shape[1]:
-            table = jnp.pad(table, [(0, 0), (0, n * width - table.shape[1])])
-        table = table.reshape(batch, n, width) if plan.split else table
+        table = parts(page_table, chunk // plan.pages[0])  # [B, parts, pages per part]
         paged = lambda *xs: kernel.forward(*xs[:-1], pages=(plan.page_map(), xs[-1]))  # noqa: E731
         o, lse = _inference(paged)(*ins, *masks, table)
     (o_names, l_names), p = (tuple(w.names) for w in kernel.diagram.cod.inside), "p " * plan.split
