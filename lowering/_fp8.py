@@ -269,9 +269,8 @@ def fp8_quantize(query, key, value, *, incoherent: bool = False, per: str = "ten
     >>> bool(jnp.max(jnp.abs(out.astype(jnp.float32) - want)) < 0.1)
     True
     """
-    from napkin_cat.axes import axes
-    from napkin_cat.diagram import Array
     from napkin_cat.generators import hadamard
+    from napkin_cat.generators._base import heads
     from napkin_cat.semantics import to_jax
 
     if per not in ("tensor", "token"):
@@ -285,10 +284,9 @@ def fp8_quantize(query, key, value, *, incoherent: bool = False, per: str = "ten
             )
     if incoherent:
         for name in "qk":
-            x = arrays[name]
-            b, n, h, d = axes("b n h d", **dict(zip("bnhd", x.shape, strict=True)))
-            turn = hadamard(Array(b, n, h, d, dtype=x.dtype), d)  # refuses a head dim no power of two, naming it
-            arrays[name] = to_jax(turn)(x)
+            wire, (*_, d) = heads(arrays[name])
+            turn = hadamard(wire, d)  # refuses a head dim no power of two, naming it
+            arrays[name] = to_jax(turn)(arrays[name])
     out, scales = [], {}
     for name, a in arrays.items():
         x = a.astype(jnp.float32)

@@ -45,7 +45,7 @@ from rewrites._level import level
 from rewrites._lowering_rules import LOG2E, Neutral, base2, neutral_padding, pad_neutral, tiled_first
 from rewrites._proofs import Proof, prove_accumulator, prove_equivalent, prove_monoid
 from rewrites._pseudocode import pseudocode
-from rewrites._rule import AUTO, OpenSize, RewriteError, Rule, bind_sizes, open_sizes, resolve
+from rewrites._rule import AUTO, AxisRule, OpenSize, RewriteError, Rule, bind_sizes, open_sizes, resolve
 from rewrites._schedule import execute, partitions, summed_outputs, walk
 from rewrites._split import split
 from rewrites._split_kv import choose_parts, merge_parts, prove_merge, split_kv, with_lse
@@ -58,7 +58,8 @@ __all__ = [
     "execute_devices", "has_causal_mask", "heads_refusal", "merge_lse", "pair_diagrams", "ring",  # (rewrites._device)
     "shard", "summed", "ulysses", "zigzag",
     "LOG2E", "Neutral", "base2", "fuse_softmax", "neutral_padding", "pad_neutral", "tiled_first",  # (lowering rules)
-    "AUTO", "Derivation", "OpenSize", "Proof", "Residual", "RewriteError", "Rule", "Step", "Trial", "Verification",
+    "AUTO", "AxisRule", "Derivation", "OpenSize", "Proof", "Residual", "RewriteError", "Rule", "Step", "Trial",
+    "Verification",
     "bind_sizes", "constant_weight_lemma", "delta_lemma", "derive", "execute", "fuse_softmax_contract", "level",
     "lse_residual", "narrow_operands", "open_sizes", "partitions", "prove_accumulator", "prove_equivalent",
     "prove_lemmas", "prove_monoid", "pseudocode", "random_inputs", "reduced", "relative_error", "resolve",

@@ -30,29 +30,18 @@ from dataclasses import dataclass
 
 from napkin_cat import Tape
 from napkin_cat import generators as g
-from napkin_cat.axes import Axis
 from napkin_cat.diagram import Diagram
-from rewrites._rule import Rule
+from rewrites._rule import AxisRule
 
 
-@dataclass(frozen=True)
-class factor_row_scale(Rule):  # noqa: N801 - rules are named as verbs, like functions
+@dataclass(frozen=True, repr=False)
+class factor_row_scale(AxisRule):  # noqa: N801 - rules are named as verbs, like functions
     """Move every product with an array lacking ``axis`` that reaches a contraction over ``axis`` after it
     (see the module).
 
     >>> factor_row_scale("d")
     factor_row_scale(d)
     """
-
-    axis: Axis | str
-
-    @property
-    def name(self) -> str:
-        """The contracted axis's name."""
-        return self.axis.name if isinstance(self.axis, Axis) else self.axis
-
-    def __repr__(self):
-        return f"factor_row_scale({self.name})"
 
     def apply(self, d: Diagram) -> Diagram:
         t, k, moved = Tape(), self.name, []

@@ -29,30 +29,19 @@ from dataclasses import dataclass
 
 from napkin_cat import Tape
 from napkin_cat import generators as g
-from napkin_cat.axes import Axis
 from napkin_cat.diagram import Diagram
 from napkin_cat.errors import EvaluationError
-from rewrites._rule import Rule
+from rewrites._rule import AxisRule
 
 
-@dataclass(frozen=True)
-class incoherent(Rule):  # noqa: N801 - rules are named as verbs, like functions
+@dataclass(frozen=True, repr=False)
+class incoherent(AxisRule):  # noqa: N801 - rules are named as verbs, like functions
     """Put the normalised Hadamard transform of ``axis`` on both operands of every contraction reducing it
     (see the module).
 
     >>> incoherent("d")
     incoherent(d)
     """
-
-    axis: Axis | str
-
-    @property
-    def name(self) -> str:
-        """The contracted axis's name."""
-        return self.axis.name if isinstance(self.axis, Axis) else self.axis
-
-    def __repr__(self):
-        return f"incoherent({self.name})"
 
     def apply(self, d: Diagram) -> Diagram:
         t, k, rotated = Tape(), self.name, []

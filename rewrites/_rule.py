@@ -8,6 +8,7 @@ box, the axis and the condition that failed.
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 import sympy
@@ -59,6 +60,32 @@ class Rule:
     def fail(self, condition: str, **where) -> RewriteError:
         """The :class:`RewriteError` of this rule for a failed ``condition`` at ``box=``/``axis=``."""
         return RewriteError(repr(self), condition, **where)
+
+
+@dataclass(frozen=True, repr=False)
+class AxisRule(Rule):
+    """A relabelling of one axis, given as an :class:`~napkin_cat.Axis` or its name; printed as its name
+    applied to the axis's name and its other fields in order.
+
+    >>> @dataclass(frozen=True, repr=False)
+    ... class halve(AxisRule):
+    ...     by: int = 2
+    ...     def apply(self, d): return d
+    >>> import napkin_cat as nc
+    >>> halve(nc.Axis("q")), halve("q", 4).name
+    (halve(q, 2), 'q')
+    """
+
+    axis: Axis | str
+
+    @property
+    def name(self) -> str:
+        """The axis's name."""
+        return getattr(self.axis, "name", self.axis)
+
+    def __repr__(self):
+        rest = (str(getattr(self, f.name)) for f in fields(self)[1:])
+        return f"{type(self).__name__}({', '.join([self.name, *rest])})"
 
 
 def positive_size(rule: str, what: str, value, axis: str) -> int:

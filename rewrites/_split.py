@@ -26,13 +26,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from napkin_cat.axes import Axis
 from napkin_cat.diagram import Diagram
-from rewrites._rule import Rule, axis_names, positive_size, relabel_axis
+from rewrites._rule import AxisRule, axis_names, positive_size, relabel_axis
 
 
-@dataclass(frozen=True)
-class split(Rule):  # noqa: N801 - rules are named as verbs, like functions
+@dataclass(frozen=True, repr=False)
+class split(AxisRule):  # noqa: N801 - rules are named as verbs, like functions
     """Split each tile of ``axis`` over ``w`` warpgroups (``w`` a positive integer).
 
     >>> split("q", 2)
@@ -43,19 +42,10 @@ class split(Rule):  # noqa: N801 - rules are named as verbs, like functions
     rewrites._rule.RewriteError: split(q, 0): axis 'q': number of warpgroups must be a positive integer, got 0
     """
 
-    axis: Axis | str
     w: int = 2
 
     def __post_init__(self):
         object.__setattr__(self, "w", positive_size(repr(self), "number of warpgroups", self.w, self.name))
-
-    @property
-    def name(self) -> str:
-        """The split axis's name."""
-        return getattr(self.axis, "name", self.axis)
-
-    def __repr__(self):
-        return f"split({self.name}, {self.w})"
 
     def apply(self, d: Diagram) -> Diagram:
         """Relabel every wire holding ``axis``; refused unless it is tiled by a group that ``w`` divides.

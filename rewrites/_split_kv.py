@@ -44,17 +44,16 @@ from jax import lax
 
 from napkin_cat import Tape
 from napkin_cat import generators as g
-from napkin_cat.axes import Axis
 from napkin_cat.diagram import Diagram, Ty
 from napkin_cat.dtypes import f32
 from napkin_cat.hardware import Hardware
 from rewrites._proofs import Proof
-from rewrites._rule import RewriteError, Rule, axis_names, positive_size, relabel_axis
+from rewrites._rule import AxisRule, RewriteError, axis_names, positive_size, relabel_axis
 from rewrites._stream import fuse_softmax, streamability
 
 
-@dataclass(frozen=True)
-class split_kv(Rule):  # noqa: N801 - rules are named as verbs, like functions
+@dataclass(frozen=True, repr=False)
+class split_kv(AxisRule):  # noqa: N801 - rules are named as verbs, like functions
     """Split the reduced axis ``axis`` into ``n`` parts across the grid, merged by the accumulators' ``combine``.
 
     >>> split_kv("x", 4)
@@ -65,19 +64,10 @@ class split_kv(Rule):  # noqa: N801 - rules are named as verbs, like functions
     rewrites._rule.RewriteError: split_kv(x, 0): axis 'x': number of parts must be a positive integer, got 0
     """
 
-    axis: Axis | str
     n: int = 2
 
     def __post_init__(self):
         object.__setattr__(self, "n", positive_size(repr(self), "number of parts", self.n, self.name))
-
-    @property
-    def name(self) -> str:
-        """The split axis's name (the rule accepts an :class:`~napkin_cat.Axis` or its name)."""
-        return getattr(self.axis, "name", self.axis)
-
-    def __repr__(self):
-        return f"split_kv({self.name}, {self.n})"
 
     def apply(self, d: Diagram) -> Diagram:
         """The diagram with ``axis`` in parts of ``⌈axis/n⌉``; refused where a side condition fails.

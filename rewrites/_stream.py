@@ -35,7 +35,6 @@ from dataclasses import dataclass
 
 import sympy
 
-from napkin_cat.axes import Axis
 from napkin_cat.diagram import Copy, Diagram, Swap, Ty
 from napkin_cat.diagram import id as identity
 from napkin_cat.diagram import swap as swap_wires
@@ -50,7 +49,7 @@ from napkin_cat.generators import (
     cast,
     elementwise,
 )
-from rewrites._rule import RewriteError, Rule, axis_names, is_open, partition_size, relabel_axis
+from rewrites._rule import AxisRule, RewriteError, axis_names, is_open, partition_size, relabel_axis
 
 
 def _linear_factor(box) -> sympy.Expr | None:
@@ -202,8 +201,8 @@ def fuse_softmax_contract(d: Diagram, axis: str) -> Diagram:
             return d
 
 
-@dataclass(frozen=True)
-class fuse_softmax(Rule):  # noqa: N801 - rules are named as verbs, like functions
+@dataclass(frozen=True, repr=False)
+class fuse_softmax(AxisRule):  # noqa: N801 - rules are named as verbs, like functions
     """FAN's softmax-contraction lemma along ``axis`` (:func:`rewrites.fuse_softmax_contract`).
 
     rewrite: softmax_x ; [swaps, c·] ; contract_x  →  softmax·contract_x ; c·
@@ -221,13 +220,8 @@ class fuse_softmax(Rule):  # noqa: N801 - rules are named as verbs, like functio
     (['original', 'fuse_softmax(x)', 'stream(x, 8)'], ['q d, x d → q x', 'softmax·contract x'])
     """
 
-    axis: str
-
-    def __repr__(self):
-        return f"fuse_softmax({getattr(self.axis, 'name', self.axis)})"
-
     def apply(self, d: Diagram) -> Diagram:
-        x = getattr(self.axis, "name", self.axis)
+        x = self.name
         if x not in axis_names(d):
             raise self.fail(f"no wire has axis {x}; axes here: {', '.join(sorted(axis_names(d)))}", axis=x)
         return fuse_softmax_contract(d, x)
@@ -321,7 +315,7 @@ def _producer(d: Diagram, pos: int) -> str:
 
 
 @dataclass(frozen=True)
-class stream(Rule):  # noqa: N801
+class stream(AxisRule):  # noqa: N801
     """Stream-partition axis ``axis`` into chunks of ``s`` through the accumulators of the boxes removing it.
 
     ``s`` is any integral number > 0 (``int``, ``numpy.int64``, ``sympy.Integer``), or None / ``"auto"`` to leave
@@ -337,21 +331,10 @@ class stream(Rule):  # noqa: N801
     rewrites._rule.RewriteError: stream(x, 0): axis 'x': stream size must be a positive integer, got 0
     """
 
-    axis: Axis | str
     s: int | str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "s", partition_size(repr(self), "stream size", self.s, self.name, f"s_{self.name}"))
-
-    @property
-    def name(self) -> str:
-        """The streamed axis's name (the rule accepts an :class:`~napkin_cat.Axis` or its name).
-
-        >>> import napkin_cat as nc
-        >>> stream(nc.Axis("x"), 64).name, stream("x", 64).name
-        ('x', 'x')
-        """
-        return getattr(self.axis, "name", self.axis)
 
     def __repr__(self):
         return f"stream({self.name})" if is_open(self.s) else f"stream({self.name}, {self.s})"

@@ -32,15 +32,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from napkin_cat.axes import Axis
 from napkin_cat.diagram import Diagram
 from napkin_cat.generators import Generator, Reshape
-from rewrites._rule import Rule, axis_names, is_open, partition_size, relabel_axis
+from rewrites._rule import AxisRule, axis_names, is_open, partition_size, relabel_axis
 from rewrites._schedule import summed_outputs
 
 
 @dataclass(frozen=True)
-class tile(Rule):  # noqa: N801 - rules are named as verbs, like functions
+class tile(AxisRule):  # noqa: N801 - rules are named as verbs, like functions
     """Group-partition axis ``axis`` into tiles of ``g``.
 
     ``g`` is any integral number > 0 (``int``, ``numpy.int64``, ``sympy.Integer``), or None / ``"auto"`` to leave
@@ -55,23 +54,12 @@ class tile(Rule):  # noqa: N801 - rules are named as verbs, like functions
     rewrites._rule.RewriteError: tile(q, 2.5): axis 'q': group size must be a positive integer, got 2.5
     """
 
-    axis: Axis | str
     g: int | str | None = None
     summed: bool = False
 
     def __post_init__(self):
         g = partition_size(repr(self), "group size", self.g, self.name, f"g_{self.name}")
         object.__setattr__(self, "g", g)
-
-    @property
-    def name(self) -> str:
-        """The tiled axis's name (the rule accepts an :class:`~napkin_cat.Axis` or its name).
-
-        >>> import napkin_cat as nc
-        >>> tile(nc.Axis("q"), 16).name, tile("q", 16).name
-        ('q', 'q')
-        """
-        return getattr(self.axis, "name", self.axis)
 
     def __repr__(self):
         size = "" if is_open(self.g) else f", {self.g}"

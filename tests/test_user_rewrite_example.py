@@ -4,7 +4,7 @@ Nothing here touches the library: the generator is one class subclassing ``napki
 semantics written once against the array namespace ``ctx.xp``, its cost, its accumulator, its
 derivative, its drawing family and its pseudocode line — and from it alone the library derives the
 cost, the picture, the pseudocode, the symbolic proof, the backward diagram and a lowered kernel.
-The rule subclasses ``rewrites.Rule``, and ``rewrites.testing`` proves it.
+The rule subclasses ``rewrites.AxisRule``, and ``rewrites.testing`` proves it.
 """
 
 from dataclasses import dataclass
@@ -19,7 +19,7 @@ import sympy
 import napkin_cat as nc
 from lowering import lower
 from napkin_cat.diagram import Diagram, Ty
-from rewrites import RewriteError, Rule, derive, pseudocode, stream, tile
+from rewrites import AxisRule, RewriteError, derive, pseudocode, stream, tile
 from rewrites.testing import assert_equivalent, prove_equivalent
 
 
@@ -63,25 +63,20 @@ def sum_of_squares(a: nc.Array, axis: str) -> SumOfSquares:
 
 
 # --- 2. a new rule: fuse a square followed by a sum into one sum of squares --------------------
-@dataclass(frozen=True)
-class fuse_sum_of_squares(Rule):  # noqa: N801 - rules are named as verbs
+@dataclass(frozen=True, repr=False)
+class fuse_sum_of_squares(AxisRule):  # noqa: N801 - rules are named as verbs
     """rewrite: square ; sum over axis  →  Σ² axis (one pass, no squared array in memory)."""
-
-    axis: str
-
-    def __repr__(self):
-        return f"fuse_sum_of_squares({self.axis})"
 
     def apply(self, d: Diagram) -> Diagram:
         layers, fused = list(d.inside), 0
         for i in range(len(layers) - 1):
             (left, sq, _), (left2, red, right2) = layers[i], layers[i + 1]
             if (getattr(sq, "params", {}).get("fn") == "square" and getattr(red, "params", {}).get("op") == "sum"
-                    and red.params["axis"] == self.axis and len(left) == len(left2)):
-                layers[i], layers[i + 1] = None, (left, sum_of_squares(sq.dom.inside[0], self.axis), right2)
+                    and red.params["axis"] == self.name and len(left) == len(left2)):
+                layers[i], layers[i + 1] = None, (left, sum_of_squares(sq.dom.inside[0], self.name), right2)
                 fused += 1
         if not fused:
-            raise self.fail(f"no square followed by a sum over {self.axis}", axis=self.axis)
+            raise self.fail(f"no square followed by a sum over {self.name}", axis=self.name)
         return d.with_layers(x for x in layers if x is not None)
 
 

@@ -149,6 +149,22 @@ def along(xp, value, at: int, matrix):
     return xp.transpose(out, [order.index(k) for k in range(len(order))]) if at != last else out
 
 
+def heads(x) -> tuple:
+    """``x``, laid out ``[B, N, H, D]``, as an :class:`Array` of its dtype over axes ``b n h d`` of its sizes, and
+    those axes: what a box run on every head of a batch is built over (RoPE's rotation before the kernel, the
+    Hadamard rotation before FP8 quantisation); ``to_jax`` of the box then runs it on ``x``.
+
+    >>> import jax.numpy as jnp
+    >>> wire, (b, n, h, d) = heads(jnp.zeros((2, 5, 3, 8), jnp.bfloat16))
+    >>> wire.names, d.size, wire.dtype.name
+    (('b', 'n', 'h', 'd'), 8, 'bf16')
+    """
+    from napkin_cat.axes import axes
+
+    named = axes("b n h d", **dict(zip("bnhd", x.shape, strict=True)))
+    return Array(*named, dtype=x.dtype), named
+
+
 def contraction_size(*wires: Array) -> sympy.Expr:
     """The product of the sizes of every distinct axis on ``wires``: the multiply-adds of a contraction.
 

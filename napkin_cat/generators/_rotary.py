@@ -26,7 +26,7 @@ import sympy
 from napkin_cat.axes import Axis
 from napkin_cat.diagram import Array, Ty
 from napkin_cat.errors import AxisError, EvaluationError
-from napkin_cat.generators._base import Generator, align, along
+from napkin_cat.generators._base import Generator, align, along, heads
 
 
 @dataclass(frozen=True)
@@ -85,13 +85,12 @@ class Rope:
         >>> [round(float(v), 3) for v in Rope(base=100.0).rotate(x)[0, 1, 0]]  # position 1, as :func:`rotary`'s
         [-0.301, 0.895, 1.382, 1.095]
         """
-        from napkin_cat.axes import axes
         from napkin_cat.semantics import to_jax
 
-        b, n, h, d = axes("b n h d", **dict(zip("bnhd", x.shape, strict=True)))
+        wire, (b, n, _, d) = heads(x)
         pos = None if positions is None else Array(b, n, dtype="i32")
         box = rotary(
-            Array(b, n, h, d, dtype=x.dtype),
+            wire,
             n,
             d,
             base=self.base,
