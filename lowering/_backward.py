@@ -383,8 +383,11 @@ def _schedules(t, grads, keyed: list, streams: dict, narrow: Diagram | None) -> 
         extra = tuple(a for a in reduced(t, ct) if a.name != along)
         if along is None and extra and _summed_alone(t, ct):
             # every keyed axis kept, batch axes summed (a bias shared by the batch): the kernel streams one of
-            # them an element at a time and sums it in registers, rather than writing it out to sum after
-            along, extra = extra[0].name, extra[1:]
+            # them an element at a time and sums it in registers, rather than writing it out to sum after. The
+            # innermost: the entry's batch axes are (b, h), and where a table is learned at a length that makes an
+            # [·, N, N] buffer matter, heads outnumber sequences (B = 2, H = 16 leaves [2, N, N] to sum, not
+            # [16, N, N]; sizes are symbolic here)
+            along, extra = extra[-1].name, extra[:-1]
         wide = widened(t, ct, extra, frozenset(keyed))
         if wide is None:
             wide, extra = ct, ()

@@ -189,6 +189,21 @@ def test_bias_gradient_streams_the_batch():
     assert piece.scheduled.cod.inside[0].names == ("h", "q", "x")
 
 
+def test_bias_shared_by_batch_and_heads_streams_the_heads():
+    """A bias shared by the batch and the heads (a relative-position table read at q − x): the cotangent kernel
+    streams the heads, the innermost batch axis, and leaves only [b, q, x] to sum after it, not [h, q, x]."""
+    from lowering._backward import backward_of
+
+    diagram = L.biased_attention(q, x, d, batch=(b, h), bias_batch=(), causal=True)
+    (piece,) = [
+        p
+        for p in backward_of(derive(diagram, tile(q, 16), stream(x, 16), verify=False).diagram).pieces
+        if p.outputs == (3,)
+    ]
+    assert [str(r) for r in piece.rules] == ["tile(q, 16)", "tile(x, 16)", "stream(h, 1)"]
+    assert piece.scheduled.cod.inside[0].names == ("b", "q", "x") and piece.sums == ((0,),)
+
+
 def test_attention_sinks(key, seed):
     nq, nx = 24, 40
     Q, K, V, sink = normal(key, (H, nq, 16), (H, nx, 16), (H, nx, 16), (H,))
