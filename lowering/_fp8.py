@@ -269,8 +269,7 @@ def fp8_quantize(query, key, value, *, incoherent: bool = False, per: str = "ten
     >>> bool(jnp.max(jnp.abs(out.astype(jnp.float32) - want)) < 0.1)
     True
     """
-    from napkin_cat.generators import hadamard
-    from napkin_cat.generators._base import heads
+    from napkin_cat.generators import hadamard, heads
     from napkin_cat.semantics import to_jax
 
     if per not in ("tensor", "token"):

@@ -32,6 +32,9 @@ TOL = 1e-5
 #: its top decile 1.7e-5 to 6.7e-5: 3 times the worst. (The loss was a plain sum, which cancelled to ~1e-3 of its
 #: terms for seed 3422678233, so its rounding, ~1e-3, was measured against a total of 3.9: the CI failure of stop 51.)
 CHAIN_TOL = 2e-4
+#: sums of 64 products of N(0, 1) entries, in chunks and partial sums against einsum's order: measured up to 4.9e-7
+#: of max |reference| over 150 seeds (up to 1.1e-5 absolute, over TOL; stop 54's suite failed at 1.3e-5); 4 times that
+SUM_TOL = 2e-6
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 on_four = pytest.mark.skipif(jax.device_count() < 4, reason="runs in test_spmd_on_four_cpu_devices' subprocess")
 BHD = Spec("data", None, "model", None)  # [batch, seq, heads, dim]: data parallel over batch, tensor over heads
@@ -160,7 +163,8 @@ def _weight_gradient(kind_or_mesh, seed, backend="xla"):
     x, y = jax.random.normal(jax.random.key(seed), (2, 64, 16))
     sharding = NamedSharding(kind_or_mesh, Spec("data", None))
     got = jax.jit(kernel)(jax.device_put(x, sharding), jax.device_put(y, sharding))
-    close(got, jnp.einsum("nk,nm->km", x, y))
+    want = jnp.einsum("nk,nm->km", x, y)
+    assert float(jnp.max(jnp.abs(got - want))) <= SUM_TOL * float(jnp.max(jnp.abs(want)))
     return got
 
 

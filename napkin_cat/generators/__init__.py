@@ -36,6 +36,7 @@ from napkin_cat.generators._base import (
     contraction_size,
     einsum_spec,
     fname,
+    heads,
 )
 from napkin_cat.generators._contraction import Contract, ContractionSum, contract
 from napkin_cat.generators._dropout import Drop, Dropout, check_rate, dropout, keep_bits
@@ -154,6 +155,7 @@ __all__ = [
     "fname",
     "gelu",
     "hadamard",
+    "heads",
     "log",
     "mask",
     "merge",
