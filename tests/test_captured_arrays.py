@@ -21,8 +21,8 @@ from lowering import NotLowerable
 from napkin_cat.generators import Captured
 
 #: relative error (max |a − b| / max |b|) against the f32 reference, as measured (relative-bias case, N = 32, two
-#: seeds): f32 at most 5e-7, forward and every gradient, the table's included; bf16 inputs at most 5e-3 (their
-#: rounding, 2^-8, through the softmax)
+#: seeds, B = 1; again at B = 2, N = 17–32, four seeds, stop 54): f32 at most 5.3e-7, forward and every gradient, the
+#: table's included; bf16 inputs at most 6.0e-3 (their rounding, 2^-8, through the softmax)
 TOL = {"float32": 1e-5, "bfloat16": 1.5e-2}
 
 
@@ -122,7 +122,8 @@ def test_learnable_relative_position_bias(dtype, n):
         i = jnp.arange(n)
         return dense(q, k, v, bias=rel_bias[i[:, None] - i[None, :] + n - 1])
 
-    check(run, ref, qkv(key, 1, n, 2, 16, dtype), (table,), dtype, seed, jax.random.fold_in(key, 2))
+    # two sequences and two heads: the table's gradient kernel sums the heads and leaves the batch summed after it
+    check(run, ref, qkv(key, 2, n, 2, 16, dtype), (table,), dtype, seed, jax.random.fold_in(key, 2))
 
 
 def test_alibi_with_a_slope_table_under_grouped_queries(seed, key):
