@@ -98,11 +98,12 @@ def test_fp8_quantize_scales_each_tensor_to_e4m3s_range(key):
 
 def test_the_rotation_leaves_every_score_and_spreads_the_outliers_rounding(key):
     """Rotated q and k give the same f32 scores. On FlashAttention-3's outlier draw the scores' rounding error has the
-    same RMSE rotated or not, but the attention output on the rounded inputs is closer to the exact one rotated
-    (measured 1.16–1.55× smaller over 12 draws at D = 64 and 128; the softmax weighs most the large scores an
-    outlier enters, whose error the rotation spreads over all)."""
+    same RMSE rotated or not, but the attention output on the rounded inputs is closer to the exact one rotated (the
+    softmax weighs most the large scores an outlier enters, whose error the rotation spreads over all). One draw at
+    B = 1 holds about one outlier per array and its ratio plain / rotated fell to 0.94 over 200 seeds (2 below 1, median
+    1.36); eight sequences pool eight draws: smallest ratio 1.17, median 1.43, over the same 200 seeds."""
     a, b, c, s = jax.random.split(key, 4)
-    shape = (1, 256, 2, 64)
+    shape = (8, 256, 2, 64)
     spikes = jax.random.bernoulli(c, 0.001, (3, *shape))
     q, k, v = jax.random.normal(a, (3, *shape)) + 10.0 * jax.random.normal(b, (3, *shape)) * spikes
 
@@ -110,7 +111,7 @@ def test_the_rotation_leaves_every_score_and_spreads_the_outliers_rounding(key):
         s = jnp.einsum("bqhd,bxhd->bhqx", q, k, precision="highest") / 8.0
         return jnp.einsum("bhqx,bxhd->bqhd", jax.nn.softmax(s, -1), v, precision="highest")
 
-    turn = nc.to_jax(nc.hadamard(nc.Array(*nc.axes("b n h d", b=1, n=256, h=2, d=64)), "d"))
+    turn = nc.to_jax(nc.hadamard(nc.Array(*nc.axes("b n h d", b=8, n=256, h=2, d=64)), "d"))
     want = attention(q, k, v)
     assert float(jnp.max(jnp.abs(attention(turn(q), turn(k), v) - want))) <= 1e-4 * float(jnp.max(jnp.abs(want)))
     errs = []
