@@ -99,8 +99,8 @@ def test_fp8_quantize_scales_each_tensor_to_e4m3s_range(key):
 def test_the_rotation_leaves_every_score_and_spreads_the_outliers_rounding(key):
     """Rotated q and k give the same f32 scores. On FlashAttention-3's outlier draw the scores' rounding error has the
     same RMSE rotated or not, but the attention output on the rounded inputs is closer to the exact one rotated (the
-    softmax weighs most the large scores an outlier enters, whose error the rotation spreads over all). One draw at
-    B = 1 (about 33 outlier entries per array) its ratio plain / rotated fell to 0.94 over 200 seeds (2 below 1, median
+    softmax weighs most the large scores an outlier enters, whose error the rotation spreads over all). At B = 1 (one
+    draw, about 33 outlier entries per array) the ratio plain / rotated fell to 0.94 over 200 seeds (2 below 1, median
     1.36); eight sequences pool eight draws: smallest ratio 1.17, median 1.43, over the same 200 seeds."""
     a, b, c, s = jax.random.split(key, 4)
     shape = (8, 256, 2, 64)
