@@ -134,11 +134,14 @@ def _known_bounds(blocks: CallBlocks | None) -> list:
 
 def zeroing_mask(d: Diagram, x: str):
     """The affine mask that zeroes every accumulator's input in a kernel streaming ``x``: one ``Kept`` box
-    (a score's cotangent where the mask keeps the score, else 0) on axes other than ``x``, read directly by
-    every box that reduces ``x``, each a contraction (multilinear: a zero operand gives its identity, 0). A
-    tile it hides then adds nothing in any chunk, so the kernel runs none: a bias's gradient streamed over
-    the batch skips the causal mask's empty tiles. None where there is no such mask.
+    (a score's cotangent where the mask keeps the score, else 0) on axes other than ``x``, read by every box
+    that reduces ``x``, each a contraction (multilinear: a zero operand gives its identity, 0), directly or
+    through derivatives of index functions (``∂ᵢ f``, the cotangent times a partial derivative: linear in the
+    cotangent, so 0 stays 0). A tile it hides then adds nothing in any chunk, so the kernel runs none: a bias's
+    gradient streamed over the batch skips the causal mask's empty tiles, and so does a learned table's (read by
+    a score modifier, its gradient the modifier's derivative). None where there is no such mask.
 
+    >>> import jax.numpy as jnp
     >>> import napkin_cat as nc
     >>> from rewrites import derive, tile, stream
     >>> from lowering._backward import backward_of
@@ -146,6 +149,13 @@ def zeroing_mask(d: Diagram, x: str):
     >>> att = nc.library.biased_attention(q, x, d, batch=(b, h), bias_batch=(h,), causal=True)
     >>> db = backward_of(derive(att, tile(q, 16), stream(x, 16), verify=False).diagram).pieces[-1].scheduled
     >>> zeroing_mask(db, "b").axes
+    ('q', 'x')
+    >>> from napkin_cat.generators import Captured
+    >>> rel = jnp.arange(7.0)  # a table read at q - x: its reads an input [q, x], their gradient ∂1 f of dS
+    >>> f = Captured.of(lambda s, q, x: s + rel[q - x], ("q", "x"), score=True)
+    >>> modded = nc.library.dot_product_attention(q, x, d, batch=(b, h), causal=True, captured=((f, [nc.Array(q, x)]),))
+    >>> db = backward_of(derive(modded, tile(q, 16), stream(x, 16), verify=False).diagram).pieces[-1].scheduled
+    >>> zeroing_mask(db, "h").axes
     ('q', 'x')
     """
     masks: dict = {}  # layer → the affine form of a Kept mask there; its outputs carry the layer as a token
@@ -156,6 +166,8 @@ def zeroing_mask(d: Diagram, x: str):
         if isinstance(box, IndexMap) and m is not None and x not in m.axes:
             masks[i] = m
             return [("mask", i)] * len(box.cod)
+        if isinstance(box, Elementwise) and isinstance(box.params["fn"], Partial) and ins and isinstance(ins[0], tuple):
+            return [ins[0]] * len(box.cod)  # g · ∂f: zero where the cotangent g is
         if x in getattr(box, "reduced", ()):
             readers.append((box, {v[1] for v in ins if isinstance(v, tuple) and v[0] == "mask"}))
         return [None] * len(box.cod)

@@ -126,6 +126,37 @@ def test_learnable_relative_position_bias(dtype, n):
     check(run, ref, qkv(key, 2, n, 2, 16, dtype), (table,), dtype, seed, jax.random.fold_in(key, 2))
 
 
+@settings(max_examples=1, deadline=None)
+@given(n=st.integers(65, 128))
+def test_learnable_table_under_a_causal_mask_skips_the_hidden_blocks(n):
+    """Causal, over two query and two key blocks: the table's gradient kernel (heads streamed) runs no block the
+    mask hides, found symbolically (its accumulator reads the masked dS through the modifier's derivative), and the
+    table's gradient, summed along the diagonals the mask keeps, matches jnp's."""
+    from lowering._sparsity import sparsity
+
+    seed = int(np.random.default_rng().integers(2**31))
+    key = jax.random.key(seed)
+    table = jax.random.normal(jax.random.fold_in(key, 1), (2 * n - 1,))
+    mod = lambda s, b, h, q_idx, kv_idx: s + table[q_idx - kv_idx + n - 1]  # noqa: E731
+
+    def run(q, k, v, rel_bias):
+        return nc.attention(q, k, v, is_causal=True,
+                            score_mod=lambda s, b, h, q_idx, kv_idx: s + rel_bias[q_idx - kv_idx + n - 1])
+
+    def ref(q, k, v, rel_bias):
+        i = jnp.arange(n)
+        return dense(q, k, v, bias=rel_bias[i[:, None] - i[None, :] + n - 1], keep=i[:, None] >= i[None, :])
+
+    arrays = qkv(key, 2, n, 2, 16, "float32")
+    check(run, ref, arrays, (table,), "float32", seed, jax.random.fold_in(key, 2))
+    plans = [t.plan for t in nc.attention.kernel_for(*arrays, is_causal=True, score_mod=mod).kernel.kernels]
+    (db,) = [p for p in plans if p.stream == ("h", 1)]
+    sizes = {"b": 2, "h": 2, "q_idx": n, "kv_idx": n, "d": 16}
+    tiles = [-(-n // g) for g in db.tiles.values()]
+    found = sparsity(db, [], {a.name: sizes[a.name] for w in db.diagram.dom.inside for a in w.axes})
+    assert found.found == ("symbolic",) and found.skipped > 0, (found, tiles)
+
+
 def test_alibi_with_a_slope_table_under_grouped_queries(seed, key):
     """ALiBi with a learnable per-head slope table, ``s − slopes[h]·|q − kv|``, 4 query heads over 2 key/value
     heads (``h`` is the query head), causal."""
