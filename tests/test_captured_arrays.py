@@ -140,8 +140,9 @@ def test_learnable_table_under_a_causal_mask_skips_the_hidden_blocks(n):
     mod = lambda s, b, h, q_idx, kv_idx: s + table[q_idx - kv_idx + n - 1]  # noqa: E731
 
     def run(q, k, v, rel_bias):
-        return nc.attention(q, k, v, is_causal=True,
-                            score_mod=lambda s, b, h, q_idx, kv_idx: s + rel_bias[q_idx - kv_idx + n - 1])
+        return nc.attention(
+            q, k, v, is_causal=True, score_mod=lambda s, b, h, q_idx, kv_idx: s + rel_bias[q_idx - kv_idx + n - 1]
+        )
 
     def ref(q, k, v, rel_bias):
         i = jnp.arange(n)
