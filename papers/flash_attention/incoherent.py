@@ -69,6 +69,8 @@ def rmse(got, want) -> float:
 
 
 def run(out: str, seeds: int = 4) -> dict:
+    if seeds < 1:
+        raise ValueError(f"incoherent.run: seeds={seeds}; draw at least one set of inputs")
     cpu = jax.devices()[0].platform == "cpu"
     B, N, H, D = (1, 256, 2, 128) if cpu else (2, 4096, 16, 128)
     rows = []
