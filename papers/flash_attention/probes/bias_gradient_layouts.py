@@ -1,10 +1,10 @@
 """Why the gradient kernel of a bias shared by the heads (dB) runs at a third of dQ's rate (GPU): the lowered kernel
 streams the heads one at a time as chunks of one, so its blocks are ``[q, x, 1]`` (the head a unit axis) and each
 product is widened back to three axes after its 2-D ``jnp.dot``. This probe times, at the same blocks, warps and
-stages, two hand-written Pallas Triton versions of the same kernel: scores on 2-D blocks, and the same with every
-score block widened to ``[q, x, 1]`` and summed over the unit axis as the lowered kernel does, beside the lowered
-kernel itself (the learnable table's step, ``front_door.with_table``, its dB kernel read from CUPTI). Each
-hand-written kernel is checked against jnp first.
+stages, hand-written Pallas Triton versions of the same kernel: scores on 2-D blocks, and the same with every score
+block widened to ``[q, x, 1]`` (or ``[1, q, x]``) and summed over the unit axis as the lowered kernel does, beside
+the lowered kernel itself (the learnable table's step, ``front_door.with_table``, its dB kernel read from CUPTI).
+Each hand-written kernel is checked against jnp first.
 
     python papers/flash_attention/probes/bias_gradient_layouts.py [N]
 """
@@ -38,12 +38,18 @@ def db_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bias_ref, out_ref
         lse, delta = lse_ref[h, :], delta_ref[h, :]
         s = jnp.dot(qh, kh.T, preferred_element_type=jnp.float32)
         dp = jnp.dot(doh, vh.T, preferred_element_type=jnp.float32)
-        if unit:  # the lowered kernel's blocks: [q, x, 1], summed over the unit axis into the accumulator
+        if unit == "last":  # the lowered kernel's blocks: [q, x, 1], summed over the unit axis into the accumulator
             s3 = s[:, :, None] * scale + bias[:, :, None]
             s3 = jnp.where(keep[:, :, None], s3, -jnp.inf)
             p3 = jnp.exp2((s3 - lse[:, None, None]) * LOG2E)
             ds3 = p3 * (dp[:, :, None] - delta[:, None, None])
             return acc + jnp.sum(jnp.where(keep[:, :, None], ds3, 0.0), axis=2)
+        if unit == "first":  # the unit axis in front: [1, q, x]
+            s3 = s[None] * scale + bias[None]
+            s3 = jnp.where(keep[None], s3, -jnp.inf)
+            p3 = jnp.exp2((s3 - lse[None, :, None]) * LOG2E)
+            ds3 = p3 * (dp[None] - delta[None, :, None])
+            return acc + jnp.sum(jnp.where(keep[None], ds3, 0.0), axis=0)
         s = jnp.where(keep, s * scale + bias, -jnp.inf)
         p = jnp.exp2((s - lse[:, None]) * LOG2E)
         return acc + jnp.where(keep, p * (dp - delta[:, None]), 0.0)
@@ -52,7 +58,7 @@ def db_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, bias_ref, out_ref
     out_ref[...] = jax.lax.fori_loop(jnp.int32(0), steps, head, jnp.zeros((t, t), jnp.float32))
 
 
-def hand_db(q, k, v, do, lse, delta, bias, *, t=64, warps=4, stages=1, unit=False):
+def hand_db(q, k, v, do, lse, delta, bias, *, t=64, warps=4, stages=1, unit=None):
     b, n, h, d = q.shape
     seq = pl.BlockSpec((None, t, h, d), lambda bi, i, j: (bi, i, 0, 0))
     key = pl.BlockSpec((None, t, h, d), lambda bi, i, j: (bi, j, 0, 0))
@@ -96,7 +102,8 @@ def main(n: int) -> None:
         ("hand, 2-D blocks, 4 warps, 1 stage", {}),
         ("hand, 2-D blocks, 4 warps, 2 stages", {"stages": 2}),
         ("hand, 2-D blocks, 8 warps, 128 rows, 1 stage", {"t": 128, "warps": 8}),
-        ("hand, [q, x, 1] blocks (the lowered kernel's), 4 warps, 1 stage", {"unit": True}),
+        ("hand, [q, x, 1] blocks (the lowered kernel's), 4 warps, 1 stage", {"unit": "last"}),
+        ("hand, [1, q, x] blocks, 4 warps, 1 stage", {"unit": "first"}),
     ):
         f = jax.jit(partial(hand_db, **kw))
         try:
