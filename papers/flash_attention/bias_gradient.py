@@ -52,7 +52,7 @@ GRIDS = {
     # a bias shared by the batch and the heads: sixteen heads streamed, so a deeper pipeline has steps to fill
     "dB shared": [
         (64, 64, 4, 1), (64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2), (128, 64, 8, 1), (128, 64, 8, 2),
-        (128, 64, 8, 3), (64, 128, 8, 2), (128, 128, 8, 2), (32, 64, 4, 2),
+        (128, 64, 8, 3), (64, 128, 8, 2), (128, 128, 8, 2), (32, 64, 4, 2), (128, 128, 8, 1), (128, 64, 4, 1),
     ],
 }  # fmt: skip
 #: the kernel by the inputs it differentiates (the bias is input 3)
