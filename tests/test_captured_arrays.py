@@ -158,6 +158,26 @@ def test_learnable_table_under_a_causal_mask_skips_the_hidden_blocks(n):
     assert found.found == ("symbolic",) and found.skipped > 0, (found, tiles)
 
 
+def test_a_table_scaled_by_the_head_index(seed, key):
+    """``s + rel[q − kv]·(h + 1)``: the table's gradient kernel streams the heads one at a time on blocks without
+    them (``lowering.triton._kernel.summed_singly``), so the head the modifier's derivative reads is the loop's step,
+    read as a grid index; a wrong head would scale each head's share of the gradient wrongly."""
+    n = 80
+    table = jax.random.normal(jax.random.fold_in(key, 1), (2 * n - 1,))
+
+    def run(q, k, v, rel):
+        return nc.attention(
+            q, k, v, is_causal=True, score_mod=lambda s, b, h, q_idx, kv_idx: s + rel[q_idx - kv_idx + n - 1] * (h + 1)
+        )
+
+    def ref(q, k, v, rel):
+        i = jnp.arange(n)
+        bias = rel[i[:, None] - i[None, :] + n - 1] * jnp.arange(1, 4)[:, None, None]
+        return dense(q, k, v, bias=bias, keep=i[:, None] >= i[None, :])
+
+    check(run, ref, qkv(key, 2, n, 3, 16, "float32"), (table,), "float32", seed, jax.random.fold_in(key, 2))
+
+
 def test_alibi_with_a_slope_table_under_grouped_queries(seed, key):
     """ALiBi with a learnable per-head slope table, ``s − slopes[h]·|q − kv|``, 4 query heads over 2 key/value
     heads (``h`` is the query head), causal."""

@@ -204,6 +204,25 @@ def test_bias_shared_by_batch_and_heads_streams_the_heads():
     assert piece.scheduled.cod.inside[0].names == ("b", "q", "x") and piece.sums == ((0,),)
 
 
+def test_a_shared_bias_under_a_modifier_reading_the_head(key, seed):
+    """A bias shared by the batch and the heads under ``score_mod(s, h) = s·(1 + h/4)``, causal, over three tiles a
+    side: dB streams the heads one at a time on blocks without them (``lowering.triton._kernel.summed_singly``), and
+    the modifier's derivative reads the head from the loop's step as from a grid index."""
+    n = 40
+    Q, K, V = normal(key, (B, H, n, 16), (B, H, n, 16), (B, H, n, 16))
+    (bias,) = normal(jax.random.fold_in(key, 1), (n, n))
+    i, j = grid(n, n)
+    scale = 1 + jnp.arange(H)[:, None, None] / 4
+
+    def ref(Q, K, V, bias):
+        return softmax_rows(jnp.where(j <= i, (scores(Q, K) + bias) * scale, -jnp.inf), V)
+
+    diagram = L.dot_product_attention(
+        q, x, d, batch=(b, h), bias_batch=(), causal=True, score_mod=lambda s, h: s * (1 + h / 4)
+    )
+    check(diagram, (tile(q, 16), stream(x, 16)), ref, [Q, K, V, bias], seed)
+
+
 def test_attention_sinks(key, seed):
     nq, nx = 24, 40
     Q, K, V, sink = normal(key, (H, nq, 16), (H, nx, 16), (H, nx, 16), (H,))

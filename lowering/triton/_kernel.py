@@ -121,7 +121,7 @@ def _kernel(p: Plan, sizes, extent, padded, xp: Blocks, n_bounds, flip, pages, r
 
     if p.stream is None:
         outs = walk(d, [read(i) for i in range(len(d.dom))], ctx, "", "final", {})
-    elif summed_singly(p, d) and not (n_bounds or pages or made):
+    elif summed_singly(p, block) and not (n_bounds or pages or made):
         outs = _single_steps(p, block, ctx, extent, padded, in_refs, read, [r.shape for r in out_refs])
     else:
         inputs = (in_refs, read, made, short_in)
