@@ -65,7 +65,13 @@ def run(out: Path, quick: bool, shared: bool = False, kernels: tuple = ("dQ", "d
     g, s = (16, 16) if quick else (128, 64)
     b, h, q, x, d = nc.axes("b h q x d", d=D)
     att = nc.library.dot_product_attention(
-        q, x, d, causal=True, batch=(b, h), bias_batch=() if shared else (h,), bias_dtype="f32" if shared else "bf16",
+        q,
+        x,
+        d,
+        causal=True,
+        batch=(b, h),
+        bias_batch=() if shared else (h,),
+        bias_dtype="f32" if shared else "bf16",
         dtype="bf16",
     )
     sched = derive(att, tile(q, g), stream(x, s), verify=False).diagram
