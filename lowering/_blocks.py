@@ -132,14 +132,15 @@ def _known_bounds(blocks: CallBlocks | None) -> list:
     return [] if any(isinstance(b, jax.core.Tracer) for b in known) else [np.asarray(b) for b in known]
 
 
-def zeroing_mask(d: Diagram, x: str):
+def zeroing_mask(d: Diagram, x: str, tiles=None):
     """The affine mask that zeroes every accumulator's input in a kernel streaming ``x``: one ``Kept`` box
     (a score's cotangent where the mask keeps the score, else 0) on axes other than ``x``, read by every box
     that reduces ``x``, each a contraction (multilinear: a zero operand gives its identity, 0), directly or
     through derivatives of index functions (``∂ᵢ f``, the cotangent times a partial derivative: linear in the
     cotangent, so 0 stays 0). A tile it hides then adds nothing in any chunk, so the kernel runs none: a bias's
     gradient streamed over the batch skips the causal mask's empty tiles, and so does a learned table's (read by
-    a score modifier, its gradient the modifier's derivative). None where there is no such mask.
+    a score modifier, its gradient the modifier's derivative). None where there is no such mask, or, given the
+    kernel's ``tiles`` (axis names), where the mask reads an axis that is not one of them.
 
     >>> import jax.numpy as jnp
     >>> import napkin_cat as nc
@@ -176,7 +177,8 @@ def zeroing_mask(d: Diagram, x: str):
     common = set(masks)
     for box, fed in readers:
         common &= fed if isinstance(box, Contract) else set()
-    return masks[min(common)] if readers and common else None
+    m = masks[min(common)] if readers and common else None
+    return m if m is not None and (tiles is None or set(m.axes) <= set(tiles)) else None
 
 
 def tile_kept(m, p: Plan, offsets: dict, extent: dict):

@@ -78,8 +78,7 @@ def sparsity(p: Plan, arrays: list, extent: dict, masks: tuple | None = None, *,
     n_chunks = -(-extent[x] // s)
     affine = [m for b in d.boxes if (m := affine_mask(b)) is not None and x in m.axes]
     later = segments(d, p) if masks is None else tuple(masks)
-    zero = zeroing_mask(d, x)
-    zero = zero if zero is not None and set(zero.axes) <= set(p.tiles) else None
+    zero = zeroing_mask(d, x, p.tiles)
     with jax.ensure_compile_time_eval():
         visits, unmasked = _program_chunks(p, arrays, extent, affine, later, zero, n_chunks, lists)
         programs = visits.size

@@ -137,12 +137,12 @@ def test_learnable_table_under_a_causal_mask_skips_the_hidden_blocks(n):
     seed = int(np.random.default_rng().integers(2**31))
     key = jax.random.key(seed)
     table = jax.random.normal(jax.random.fold_in(key, 1), (2 * n - 1,))
-    mod = lambda s, b, h, q_idx, kv_idx: s + table[q_idx - kv_idx + n - 1]  # noqa: E731
+
+    def reading(rel_bias):  # the score modifier reading a table
+        return lambda s, b, h, q_idx, kv_idx: s + rel_bias[q_idx - kv_idx + n - 1]
 
     def run(q, k, v, rel_bias):
-        return nc.attention(
-            q, k, v, is_causal=True, score_mod=lambda s, b, h, q_idx, kv_idx: s + rel_bias[q_idx - kv_idx + n - 1]
-        )
+        return nc.attention(q, k, v, is_causal=True, score_mod=reading(rel_bias))
 
     def ref(q, k, v, rel_bias):
         i = jnp.arange(n)
@@ -150,7 +150,7 @@ def test_learnable_table_under_a_causal_mask_skips_the_hidden_blocks(n):
 
     arrays = qkv(key, 2, n, 2, 16, "float32")
     check(run, ref, arrays, (table,), "float32", seed, jax.random.fold_in(key, 2))
-    plans = [t.plan for t in nc.attention.kernel_for(*arrays, is_causal=True, score_mod=mod).kernel.kernels]
+    plans = [t.plan for t in nc.attention.kernel_for(*arrays, is_causal=True, score_mod=reading(table)).kernel.kernels]
     (db,) = [p for p in plans if p.stream == ("h", 1)]
     sizes = {"b": 2, "h": 2, "q_idx": n, "kv_idx": n, "d": 16}
     tiles = [-(-n // g) for g in db.tiles.values()]

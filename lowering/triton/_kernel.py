@@ -33,9 +33,12 @@ from napkin_cat.generators import Contract
 from rewrites import Rule, walk
 
 
-def kernel_rules(p: Plan, extent: dict | None = None, padded: dict | None = None) -> tuple[Rule, ...]:
+def kernel_rules(
+    p: Plan, extent: dict | None = None, padded: dict | None = None, *, flat: bool = False
+) -> tuple[Rule, ...]:
     """The rules a Triton kernel applies to its block diagram (``unweave(p.diagram, p.batch)``), in order: the
-    base-2 exponent, the tiled-first layout where it streams, and, at sizes (``extent``, ``padded``) where an axis
+    base-2 exponent, the tiled-first layout where it streams (not ``flat``: a loop over single elements walks
+    blocks without the streamed axis, :func:`_single_steps`), and, at sizes (``extent``, ``padded``) where an axis
     kept whole is padded to a power of two, the neutral padding of that axis. A ragged streamed axis is padded
     chunk by chunk with the values the same rule's side condition checks (:func:`rewrites.neutral_padding`).
 
@@ -48,7 +51,7 @@ def kernel_rules(p: Plan, extent: dict | None = None, padded: dict | None = None
     (base2(), tiled_first(x, ('q',), inputs=True), pad_neutral(d, 40))
     """
     rules: list[Rule] = [rewrites.base2()]
-    if p.stream is not None:
+    if p.stream is not None and not flat:
         rules.append(rewrites.tiled_first(p.stream[0], tuple(p.tiles), inputs=True))
     if extent is not None:
         rules += [rewrites.pad_neutral(a, extent[a]) for a in p.whole if padded[a] != extent[a]]
@@ -167,8 +170,7 @@ def _single_steps(p: Plan, block, ctx: BlockContext, extent: dict, padded: dict,
     learned table's gradient kernel (B = 2, H = 16, N = 8192, D = 128, causal, H200) ran 5.90 ms on ``[q, x, 1]``
     blocks and runs 3.85 on 2-D ones (``papers/flash_attention/front_door.py --only relbias``, ``docs/lowering.md``)."""
     x = p.stream[0]
-    rules = [rewrites.base2()] + [rewrites.pad_neutral(a, extent[a]) for a in p.whole if padded[a] != extent[a]]
-    flat = functools.reduce(lambda d, rule: rule(d), rules, unweave(block, (x,)))
+    flat = functools.reduce(lambda d, rule: rule(d), kernel_rules(p, extent, padded, flat=True), unweave(block, (x,)))
     laid = block.dom.inside
     resident = [None if w.has(x) else read(i) for i, w in enumerate(laid)]
 
@@ -181,8 +183,7 @@ def _single_steps(p: Plan, block, ctx: BlockContext, extent: dict, padded: dict,
         return tuple(t + o.astype(jnp.float32) for t, o in zip(sums, outs, strict=True))
 
     n = jnp.int32(padded[x])
-    zero = zeroing_mask(block, x)
-    if zero is not None and set(zero.axes) <= set(p.tiles):
+    if (zero := zeroing_mask(block, x, p.tiles)) is not None:
         n = n * tile_kept(zero, p, ctx.offsets, extent)
     return list(lax.fori_loop(jnp.int32(0), n, step, tuple(jnp.zeros(s, jnp.float32) for s in shapes)))
 
@@ -219,8 +220,8 @@ class _Chunks(ChunkLoop):
         bound_refs = bound_refs[: len(bound_refs) // 4 * 4]
         hidden = set(self.masks) | {id(m.box) for m in (*segs, *self.lengths)}
         super().__init__(d, x, s, ctx, kept=resident, hidden=hidden)
-        zero = zeroing_mask(d, x)  # a mask on the tiles that zeroes every accumulator's input: hidden tiles run none
-        self.zero = zero if zero is not None and set(zero.axes) <= set(p.tiles) else None
+        # a mask on the tiles that zeroes every accumulator's input: hidden tiles run none
+        self.zero = zeroing_mask(d, x, p.tiles)
         self.p, self.laid, self.extent, self.padded = p, laid, extent, padded
         self.bound_refs = bound_refs
         self.pages, self.table_ref = pages

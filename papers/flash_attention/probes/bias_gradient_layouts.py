@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from lowering._timing import time_calls
-from papers.flash_attention.front_door import with_table
+from papers.flash_attention.probes.table_gradient_kernels import print_step
 
 LOG2E = 1.4426950408889634
 
@@ -115,11 +115,7 @@ def main(n: int) -> None:
             print(f"  failed: {type(e).__name__}: {str(e)[:200]}  {name}", flush=True)
     ct = jax.random.normal(jax.random.key(9), q.shape, jnp.bfloat16)
     table = 0.1 * jax.random.normal(jax.random.key(11), (2 * n - 1,), jnp.float32)
-    loss = lambda q, k, v, t: jnp.sum(with_table(q, k, v, t).astype(jnp.float32) * ct)  # noqa: E731
-    t = time_calls(jax.jit(jax.grad(loss, (0, 1, 2, 3))), q, k, v, table, reps=5, batches=5, warmup=1)
-    print(f"lowered learnable-table step {t.ms:.3f} ms; its kernels:")
-    for kname, s in t.kernels:
-        print(f"  {s * 1e3:8.3f} ms  {kname[:90]}", flush=True)
+    print_step("learnable table", q, k, v, table, ct)  # the lowered kernels, dB among them
 
 
 if __name__ == "__main__":
