@@ -404,6 +404,26 @@ def test_compiled_bias_mask_and_segments_on_gpu(seed):
         assert rel(g.astype(jnp.float32), w) <= 4e-2, f"{name}: NAPKIN_SEED={seed}"
 
 
+@pytest.mark.gpu
+def test_compiled_ragged_shape_runs_the_triton_stand_in_at_mosaics_chunks(seed):
+    """Compiled, bf16, causal, 1000 tokens (not whole blocks of 128: Mosaic refuses the shape), D = 128: the
+    Triton kernel of the same diagram stands in for every kernel, dQ at Mosaic's 128-key chunks in the two stages
+    that fit (under auto dQ used to halve to 64 on Mosaic too, for this stand-in's three stages); output and
+    gradients against the einsum reference in f32, tests/test_backward.py's GPU tolerance (bf16: 4e-2)."""
+    n = 1000
+    q, k, v, ct = (jax.random.normal(jax.random.key(seed + i), (2, n, 4, 128), jnp.bfloat16) for i in range(4))
+    made = attention.kernel_for(q, k, v, is_causal=True)
+    out, pull = jax.vjp(jax.jit(lambda *a: attention(*a, is_causal=True)), q, k, v)
+    grads = pull(ct)  # the backward's kernels at these shapes are built here
+    backends = made.kernel.backends
+    dq = [r for r in backends if "d(input 0)" in r]
+    assert any("stream(kv_idx, 128)" in r for r in dq) and "triton" in {backends[r] for r in dq}, backends
+    want, pull_ref = jax.vjp(lambda *a: mla_reference(*a, causal=True), *(a.astype(jnp.float32) for a in (q, k, v)))
+    assert rel(out.astype(jnp.float32), want) <= 4e-2, f"NAPKIN_SEED={seed}"
+    for name, g, w in zip(("dq", "dk", "dv"), grads, pull_ref(ct.astype(jnp.float32)), strict=True):
+        assert rel(g.astype(jnp.float32), w) <= 4e-2, f"{name}: NAPKIN_SEED={seed}"
+
+
 def test_a_value_head_dim_of_its_own_stays_in_the_block_not_on_the_grid():
     """MLA's value head dim (``dv``: q and k 192, v 128) is an axis no box combines elements along, but the product
     QKᵀ lacks it: on the grid, each of its 128 programs would recompute QKᵀ for one output column (measured on an

@@ -180,9 +180,10 @@ def test_auto_takes_mosaic_per_kernel_where_measured_faster(hopper):
     assert backends["forward"] == backends["forward with residuals"] == "mosaic"
     pieces = [r for r in backends if r.startswith("backward kernel")]
     assert len(pieces) == 3 and all(backends[r] == "mosaic" for r in pieces) and not auto.refused
-    # D = 128: dQ streams 64 keys, since a shape Mosaic cannot take runs on the Triton kernel of the same diagram,
-    # whose three stages of 128-key chunks would not fit; no ping-pong in the backward at D = 128 (measured)
-    assert "backward kernel d(input 0) (tile(q, 128), stream(x, 64))" in pieces
+    # D = 128: dQ streams Mosaic's 128 keys; a shape Mosaic cannot take runs on the Triton kernel of the same
+    # diagram, whose 128-key chunks fit two stages (its policy's depth there); no ping-pong in the backward at
+    # D = 128 (measured)
+    assert "backward kernel d(input 0) (tile(q, 128), stream(x, 128))" in pieces
     assert all(k.pingpong is False for k in auto.kernels[2:])
     narrow = lower(attention(64, 256, 128, causal=True), backend="auto", interpret=False)
     dq = narrow.kernels[2]

@@ -61,9 +61,11 @@ def check(
     """The kernel's output against ``reference``; the gradients of a random projection w.r.t. ``wrt``
     (default: every float input) against jax.grad of the reference."""
     kernel = lower(derive(diagram, *schedule, verify=False), backward=backward, config=config)
-    assert kernel.differentiation == backward, kernel.why_not
     want = jax.jit(reference)(*args)  # the reference compiled once, not op by op
     close(jax.jit(kernel)(*args), want, fwd_tol, seed, "forward")
+    # after the first call: on a GPU under auto a kernel whose head dim decides its backend is built when called
+    # (an OpenKernel, which says nothing of itself before)
+    assert kernel.differentiation == backward, kernel.why_not
     wrt = tuple(i for i, a in enumerate(args) if a.dtype == jnp.float32) if wrt is None else wrt
     (ct,) = normal(jax.random.key(seed + 1), want.shape)
 
