@@ -40,8 +40,12 @@ if __name__ == "__main__":
     for (g, s), (stages, pp) in itertools.product(blocks, configs):
         label = f"tile {g} chunk {s} stages {stages} ping-pong {pp}"
         try:
-            kernel = lower(derive(naive, tile(qa, g), stream(xa, s), verify=False), backend="mosaic",
-                           config=MosaicConfig(stages=stages, pingpong=pp), interpret=None if gpu else True)
+            kernel = lower(
+                derive(naive, tile(qa, g), stream(xa, s), verify=False),
+                backend="mosaic",
+                config=MosaicConfig(stages=stages, pingpong=pp),
+                interpret=None if gpu else True,
+            )
             fn = jax.jit(kernel)
             err = rel(fn(q, k, v)[:1], want)
             t = time_calls(fn, q, k, v, reps=10, batches=5, warmup=2)
