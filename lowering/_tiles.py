@@ -424,8 +424,8 @@ def fit_blocks(
     axes kept whole, where the diagram knows them, with ``config``'s stages or Triton's default) exceeds
     ``hardware.smem_per_block``; :class:`NotLowerable` where even 16 × 16 blocks exceed it. A backend with blocks
     and checks of its own passes them as ``own`` (:class:`Chunks`) instead: the stream halves while
-    ``own.admits`` refuses (or, with ``own.triton``, Triton's shared memory does at the fewest stages its policy
-    runs, :meth:`~lowering.triton.TritonBlocks.deepest`), down to ``own.smallest``; then,
+    ``own.admits`` refuses (or, with ``own.triton``, Triton's shared memory does at the stages its policy would run
+    the stand-in, :meth:`~lowering.triton.TritonBlocks.config`), down to ``own.smallest``; then,
     where the backend refuses even that, the largest halved tile (down to ``own.smallest``) it admits, if any.
     ``summed``: the tiled axes admit contractions summing into outputs (``tile(a, g, summed=True)``).
 
@@ -454,10 +454,10 @@ def fit_blocks(
         fits = smem <= hardware.smem_per_block
         if own is not None:  # the backend's own checks (shared memory among them), and Triton's where it stands in
             admitted = own.admits(scheduled)
-            # a Triton kernel standing in (a shape the backend cannot take) runs at the depth its policy fits
-            # (``deepest``, down to 2 stages), so it need only fit there: dQ at D = 128 keeps Mosaic's 128-key chunks
-            stands_in = fits or smem_bytes(p, padded, TRITON_BLOCKS.deepest(p, hardware)) <= hardware.smem_per_block
-            if admitted and (stands_in or not own.triton):
+            # a Triton kernel standing in (a shape the backend cannot take) runs at its policy's config, the deepest
+            # stages that fit (down to 2), so it need only fit there: dQ at D = 128 keeps Mosaic's 128-key chunks
+            stand_in = (config or TRITON_BLOCKS.config(p)).num_stages
+            if admitted and (smem_bytes(p, padded, stand_in) <= hardware.smem_per_block or not own.triton):
                 return rules, scheduled
             if streamed and stream_size // 2 >= own.smallest:
                 stream_size //= 2
