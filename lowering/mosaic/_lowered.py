@@ -218,11 +218,12 @@ class MosaicLowered:
     def unmeasured(self) -> str | None:
         """An input unlike those Mosaic was compiled, checked and timed on (attention's Q, K, V, dO and O: blocks
         holding an axis kept whole; the backward's L and Δ: f32 vectors along the tiled or streamed axis; segment
-        ids: integer vectors along them; a sink's logit: an f32 scalar per program), named, else None: bias and mask
-        arrays. ``backend="auto"`` keeps such a kernel on Triton. Measured in v7 (H100, bf16, B = 2, H = 16,
-        N = 8192, D = 128): segment ids (8 packed documents, ``document_skipping.py``) forward 1.35× Triton's, 1.32×
-        with causal, forward + backward 1.27× and 1.24×; sinks (causal, ``variants.py``) forward 1.31×, forward +
-        backward 1.13×.
+        ids: integer vectors along them; a sink's logit: an f32 scalar per program; since stop 57 any vector of
+        numbers, a bf16 bias per key among them), named, else None: 2-D bias and mask arrays. ``backend="auto"`` keeps
+        such a kernel on Triton. Measured in v7 (H100, bf16, B = 2, H = 16, N = 8192, D = 128): segment ids (8 packed
+        documents, ``document_skipping.py``) forward 1.35× Triton's, 1.32× with causal, forward + backward 1.27× and
+        1.24×; sinks (causal, ``variants.py``) forward 1.31×, forward + backward 1.13×. A bf16 bias ``[B, 1, 1, N]`` or
+        ``[1, H, 1, N]`` (H200, stop 57, ``probes/vector_bias.py``): forward 1.30–1.42×, forward + backward 1.21–1.30×.
 
         >>> import napkin_cat as nc
         >>> from rewrites import derive, tile, stream
@@ -235,8 +236,9 @@ class MosaicLowered:
         """
         for i, w in enumerate(self.plan.diagram.dom.inside):
             names = set(w.names)
-            numbers = w.dtype.jnp == jnp.float32 or jnp.issubdtype(w.dtype.jnp, jnp.integer)
-            vector = numbers and len(names - set(self.plan.batch)) == 1
+            # a vector of numbers (16-bit floats held in f32: :meth:`held`); a bool one (a key-padding mask) is not
+            # lowered by Mosaic GPU (i1), and an i1 vector cast anyhow meets no layout
+            vector = w.dtype.jnp != jnp.bool_ and len(names - set(self.plan.batch)) == 1
             scalar = w.dtype.jnp == jnp.float32 and names <= set(self.plan.batch)
             if not (names & set(self.plan.whole) or (vector and names & {self.q, self.x}) or scalar):
                 return f"input {i} ({w.describe()})"
@@ -523,7 +525,7 @@ class MosaicLowered:
             role = self._role(w)
             if role == "scalar" or i in self.made:  # read from HBM into registers; made in registers
                 continue
-            n = math.prod(self.block(w, extent, ring=role == "stream")) * w.dtype.bytes
+            n = math.prod(self.block(w, extent, ring=role == "stream")) * self.held(w).itemsize
             total += _aligned(n * (c.stages if role == "stream" else c.consumers))
             barriers += 2 * c.stages if role == "stream" else c.consumers  # loaded and consumed; arrived
         for w in self.own:
@@ -568,6 +570,27 @@ class MosaicLowered:
             return next(w.dtype for w in streamed if w.dtype not in FP8)
         return streamed[0].dtype if streamed else self.d.dom.inside[0].dtype
 
+    def held(self, w):
+        """The dtype an input is held in on the GPU: f32 for a vector of 16-bit floats (a bias per key, ``[B, 1, 1, N]``
+        or ``[1, H, 1, N]`` in bf16), which jax 0.11.2's Mosaic GPU lays out as no block's rows or columns (its layout
+        inference finds no solution); the wrapper casts such an input, O(N) values, before the call, exactly (the
+        generators compute in f32); else its own dtype.
+
+        >>> import napkin_cat as nc
+        >>> from rewrites import derive, tile, stream
+        >>> from lowering import plan
+        >>> b, q, x, d = nc.axes("b q x d", d=64)
+        >>> kw = dict(dtype="bf16", batch=(b,), bias_batch=(b,), bias_seq="x", bias_dtype="bf16")
+        >>> k = MosaicLowered(plan(derive(nc.library.dot_product_attention(q, x, d, **kw), tile(q, 128), stream(x, 128),
+        ...                               verify=False).diagram))
+        >>> [str(k.held(w)) for w in k.d.dom.inside]
+        ['bfloat16', 'bfloat16', 'bfloat16', 'float32']
+        """
+        dtype = jnp.dtype(w.dtype.jnp)
+        vector = len(set(w.names) - set(self.plan.batch)) == 1
+        half = jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2
+        return jnp.dtype(jnp.float32) if vector and half else dtype
+
     def _call(self, arrays, sizes, extent, every: bool = False, pages=(None, None)):
         p, full, c = self.plan, self.plan.diagram, self.config
         pm, table = pages
@@ -585,8 +608,8 @@ class MosaicLowered:
             return plgpu.SMEM(shape, dtype, transforms=swizzle)
 
         scratch = [
-            [smem((c.stages, *self.block(wires[i], extent, ring=True)), wires[i].dtype.jnp) for i in streamed],
-            [smem((c.consumers, *self.block(wires[i], extent)), wires[i].dtype.jnp) for i in resident],
+            [smem((c.stages, *self.block(wires[i], extent, ring=True)), self.held(wires[i])) for i in streamed],
+            [smem((c.consumers, *self.block(wires[i], extent)), self.held(wires[i])) for i in resident],
             [smem((c.consumers, *self.block(w, extent)), w.dtype.jnp) for w in self.own],
             # a paged chunk of several pages arrives by one TMA copy per page, each arriving on the slot's barrier
             [plgpu.Barrier(num_arrivals=self._copies(pm, i), num_barriers=c.stages) for i in streamed],
@@ -620,7 +643,8 @@ class MosaicLowered:
             interpret=plgpu.InterpretGPUParams() if self.interpret else None,
         )
         lists = [blocks.lists] if blocks.listed else []
-        passed = [a for i, a in enumerate(arrays) if i not in self.made]  # made in the kernel: never passed
+        # made in the kernel: never passed; vectors of 16-bit floats as f32 (:meth:`held`)
+        passed = [a.astype(self.held(wires[i])) for i, a in enumerate(arrays) if i not in self.made]
         tables = [] if pm is None else [table]
         outs = iter(call(*passed, *(b for _, b in blocks.bounds), *lists, *tables, *summed))
         added = iter(r[...].sum(0) if self.interpret else r[...] for r in summed)
