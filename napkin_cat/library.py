@@ -543,7 +543,9 @@ def keep_where(s, m):
     >>> keep_where(jnp.ones(2), jnp.array([True, False])).tolist()
     [1.0, -inf]
     """
-    return jnp.where(m, s, -jnp.inf)
+    # m spread over the scores before it is read as a condition: a kernel holding a mask vector as numbers (Mosaic
+    # GPU, lowering.mosaic.MosaicLowered.held) then compares whole blocks, whose layout it has
+    return jnp.where(jnp.broadcast_to(m, jnp.shape(s)), s, -jnp.inf)
 
 
 keep_where.passes_base = True  # a mask of the scores: it commutes with scaling them

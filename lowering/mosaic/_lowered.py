@@ -219,11 +219,12 @@ class MosaicLowered:
         """An input unlike those Mosaic was compiled, checked and timed on (attention's Q, K, V, dO and O: blocks
         holding an axis kept whole; the backward's L and Δ: f32 vectors along the tiled or streamed axis; segment
         ids: integer vectors along them; a sink's logit: an f32 scalar per program; since stop 57 any vector of
-        numbers, a bf16 bias per key among them), named, else None: 2-D bias and mask arrays. ``backend="auto"`` keeps
-        such a kernel on Triton. Measured in v7 (H100, bf16, B = 2, H = 16, N = 8192, D = 128): segment ids (8 packed
-        documents, ``document_skipping.py``) forward 1.35× Triton's, 1.32× with causal, forward + backward 1.27× and
-        1.24×; sinks (causal, ``variants.py``) forward 1.31×, forward + backward 1.13×. A bf16 bias ``[B, 1, 1, N]`` or
-        ``[1, H, 1, N]`` (H200, stop 57, ``probes/vector_bias.py``): forward 1.30–1.42×, forward + backward 1.21–1.30×.
+        any kind, a bf16 bias or a bool padding mask among them), named, else None: 2-D bias and mask arrays.
+        ``backend="auto"`` keeps such a kernel on Triton. Measured in v7 (H100, bf16, B = 2, H = 16, N = 8192, D = 128):
+        segment ids (8 packed documents, ``document_skipping.py``) forward 1.35× Triton's, 1.32× with causal, forward +
+        backward 1.27× and 1.24×; sinks (causal, ``variants.py``) forward 1.31×, forward + backward 1.13×. A bf16 bias
+        ``[B, 1, 1, N]`` or ``[1, H, 1, N]`` and a bool mask ``[B, 1, 1, N]`` (H200, stop 57,
+        ``probes/vector_bias.py``): forward 1.29–1.44×, forward + backward 1.20–1.52×.
 
         >>> import napkin_cat as nc
         >>> from rewrites import derive, tile, stream
@@ -236,9 +237,8 @@ class MosaicLowered:
         """
         for i, w in enumerate(self.plan.diagram.dom.inside):
             names = set(w.names)
-            # a vector of numbers (16-bit floats held in f32: :meth:`held`); a bool one (a key-padding mask) is not
-            # lowered by Mosaic GPU (i1), and an i1 vector cast anyhow meets no layout
-            vector = w.dtype.jnp != jnp.bool_ and len(names - set(self.plan.batch)) == 1
+            # a vector of any dtype (16-bit floats and bools held in f32: :meth:`held`)
+            vector = len(names - set(self.plan.batch)) == 1
             scalar = w.dtype.jnp == jnp.float32 and names <= set(self.plan.batch)
             if not (names & set(self.plan.whole) or (vector and names & {self.q, self.x}) or scalar):
                 return f"input {i} ({w.describe()})"
@@ -571,10 +571,11 @@ class MosaicLowered:
         return streamed[0].dtype if streamed else self.d.dom.inside[0].dtype
 
     def held(self, w):
-        """The dtype an input is held in on the GPU: f32 for a vector of 16-bit floats (a bias per key, ``[B, 1, 1, N]``
-        or ``[1, H, 1, N]`` in bf16), which jax 0.11.2's Mosaic GPU lays out as no block's rows or columns (its layout
-        inference finds no solution); the wrapper casts such an input, O(N) values, before the call, exactly (the
-        generators compute in f32); else its own dtype.
+        """The dtype an input is held in on the GPU: f32 for a vector of 16-bit floats or bools (a bias per key,
+        ``[B, 1, 1, N]`` or ``[1, H, 1, N]`` in bf16; a padding mask ``[B, 1, 1, N]``), which jax 0.11.2's Mosaic GPU
+        lays out as no block's rows or columns (bf16: its layout inference finds no solution) or does not copy at all
+        (``i1``); the wrapper casts such an input, O(N) values, before the call, exactly (the generators compute in
+        f32; a mask is read as ``m != 0`` once spread over the scores, ``library.keep_where``); else its own dtype.
 
         >>> import napkin_cat as nc
         >>> from rewrites import derive, tile, stream
@@ -589,7 +590,7 @@ class MosaicLowered:
         dtype = jnp.dtype(w.dtype.jnp)
         vector = len(set(w.names) - set(self.plan.batch)) == 1
         half = jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2
-        return jnp.dtype(jnp.float32) if vector and half else dtype
+        return jnp.dtype(jnp.float32) if vector and (half or dtype == jnp.bool_) else dtype
 
     def _call(self, arrays, sizes, extent, every: bool = False, pages=(None, None)):
         p, full, c = self.plan, self.plan.diagram, self.config
@@ -643,7 +644,7 @@ class MosaicLowered:
             interpret=plgpu.InterpretGPUParams() if self.interpret else None,
         )
         lists = [blocks.lists] if blocks.listed else []
-        # made in the kernel: never passed; vectors of 16-bit floats as f32 (:meth:`held`)
+        # made in the kernel: never passed; vectors of 16-bit floats or bools as f32 (:meth:`held`)
         passed = [a.astype(self.held(wires[i])) for i, a in enumerate(arrays) if i not in self.made]
         tables = [] if pm is None else [table]
         outs = iter(call(*passed, *(b for _, b in blocks.bounds), *lists, *tables, *summed))
