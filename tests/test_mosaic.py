@@ -283,102 +283,72 @@ def test_auto_keeps_inputs_mosaic_was_not_measured_on_on_triton(hopper):
     assert set(auto.backends.values()) == {"mosaic"}, auto.refused
 
 
-def _bias_per_key(key, shape, dim=128):
-    """Inputs ``[B, N, H, D]`` in bf16, a cotangent, and a bf16 bias of ``shape`` (a vector of the keys per batch row
-    or per head), the bias well away from zero so that a dropped or misplaced bias shows."""
+def _vector_input(key, kind: str, shape, dim=128):
+    """Inputs ``[B, N, H, D]`` in bf16, a cotangent, and a vector of ``shape`` passed as ``kind``: a bf16 ``bias`` well
+    away from zero (per batch row or per head, along the keys), so that a dropped or misplaced bias shows, or a bool
+    padding ``mask`` of the keys or the queries (about a fifth padded; the first key or query always kept, so that no
+    causal row is empty: ``jax.nn`` gives an empty row V's mean, napkin-cat 0)."""
     ks = jax.random.split(key, 5)
     q, k, v, ct = (jax.random.normal(kk, (2, 256, 2, dim), jnp.bfloat16) for kk in ks[:4])
-    return q, k, v, ct, (2 * jax.random.normal(ks[4], shape)).astype(jnp.bfloat16)
-
-
-def _bias_per_key_errors(q, k, v, ct, bias, **kw):
-    """Relative errors of ``nc.attention``'s output and its four gradients (q, k, v, the bias) against ``jax.nn``'s
-    in f32 on the same rounded inputs."""
-    f32 = [a.astype(jnp.float32) for a in (q, k, v, bias)]
-    want, pull = jax.vjp(lambda *a: jax.nn.dot_product_attention(*a[:3], bias=a[3], is_causal=True), *f32)
-    got, mine = jax.vjp(lambda *a: nc.attention(*a[:3], bias=a[3], is_causal=True, **kw), q, k, v, bias)
-    return [relative_error(a, b) for a, b in zip((got, *mine(ct)), (want, *pull(ct.astype(jnp.float32))), strict=True)]
-
-
-@pytest.mark.parametrize("shape", [(2, 1, 1, 256), (1, 2, 1, 256)], ids=["per-batch-key", "per-head-key"])
-def test_a_bias_per_key_in_16_bits_runs_on_mosaic(hopper, key, shape):
-    """A bf16 bias per key (``[B, 1, 1, N]``, additive key padding; ``[1, H, 1, N]``) is a vector along the keys:
-    Mosaic GPU holds it in f32 (``MosaicLowered.held``; as bf16 its layout inference found no solution), and 'auto'
-    on sm_90 takes Mosaic for every kernel (before: Triton for all but Δ, the vector 'not measured'). Each kernel
-    lowers for CUDA; interpreted on Mosaic, output and every gradient (the bias's summed over the queries) match
-    ``jax.nn`` in f32."""
-    q, k, v, ct, bias = _bias_per_key(key, shape)
-    hopper()
-    kernel = nc.attention.kernel_for(q, k, v, bias=bias, is_causal=True, interpret=False).kernel
-    assert set(kernel.backends.values()) == {"mosaic"}, kernel.refused
-    assert all(m.lowering_error() is None for m in [kernel.forward.mosaic, *kernel.kernels[1:]]), kernel.backends
-    # interpreted at D = 64: at 128 the interpreter's staged P (32 KiB) leaves dQ's 128-key chunks no room
-    errors = _bias_per_key_errors(*_bias_per_key(key, shape, 64), backend="mosaic", interpret=True)
-    # measured 1.7e-3 … 3.3e-3 over seeds 0-2 (bf16 rounding of the output and gradients); a bias dropped or read at
-    # the wrong key gives errors of order 1
-    assert max(errors) <= BF16, errors
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(2, 1, 1, 256), (1, 2, 1, 256)], ids=["per-batch-key", "per-head-key"])
-def test_compiled_bias_per_key_on_mosaic(key, shape):
-    """The bf16 bias per key compiled on the GPU under 'auto' (every kernel on Mosaic on sm_90), output and every
-    gradient against ``jax.nn`` in f32."""
-    q, k, v, ct, bias = _bias_per_key(key, shape)
-    kernel = nc.attention.kernel_for(q, k, v, bias=bias, is_causal=True).kernel
-    errors = _bias_per_key_errors(q, k, v, ct, bias)
-    assert max(errors) <= COMPILED_GRAD, (errors, kernel.backends)
-
-
-def _key_padding(key, dim=128, shape=(2, 1, 1, 256)):
-    """Inputs ``[B, N, H, D]`` in bf16, a cotangent, and a bool mask of ``shape`` (keys or queries padded at random,
-    about a fifth; the first key always kept, so that no causal row is empty: ``jax.nn`` gives an empty row V's
-    mean, napkin-cat 0)."""
-    ks = jax.random.split(key, 5)
-    q, k, v, ct = (jax.random.normal(kk, (2, 256, 2, dim), jnp.bfloat16) for kk in ks[:4])
+    if kind == "bias":
+        return q, k, v, ct, (2 * jax.random.normal(ks[4], shape)).astype(jnp.bfloat16)
     mask = jax.random.bernoulli(ks[4], 0.8, shape)
     return q, k, v, ct, mask.at[..., 0].set(True) if shape[-1] > 1 else mask.at[..., 0, :].set(True)
 
 
-def _key_padding_errors(q, k, v, ct, mask, **kw):
-    """Relative errors of ``nc.attention``'s output and its gradients (q, k, v) against ``jax.nn``'s in f32, whose
-    rows a query mask empties are 0 (napkin-cat's convention; ``jax.nn`` gives V's mean there)."""
-    f32 = [a.astype(jnp.float32) for a in (q, k, v)]
-    seen = jnp.any(mask, axis=-1)[:, 0, :, None, None]  # [B, Nq, 1, 1]: the query rows some key is kept for
+def _vector_input_errors(q, k, v, ct, a, kind: str, **kw):
+    """Relative errors of ``nc.attention``'s output and its gradients (q, k, v, and a bias's, summed over the
+    queries) against ``jax.nn``'s in f32 on the same rounded inputs, whose rows a query mask empties are 0
+    (napkin-cat's convention; ``jax.nn`` gives V's mean there)."""
+    n = 4 if kind == "bias" else 3  # a mask has no gradient
+    seen = True if kind == "bias" else jnp.any(a, axis=-1)[:, 0, :, None, None]  # [B, Nq, 1, 1]: rows some key sees
 
-    def ref(*a):
-        return jnp.where(seen, jax.nn.dot_product_attention(*a, mask=mask, is_causal=True), 0.0)
+    def ref(*x):
+        out = jax.nn.dot_product_attention(*x[:3], **{kind: x[3] if n == 4 else a}, is_causal=True)
+        return jnp.where(seen, out, 0.0)
 
-    want, pull = jax.vjp(ref, *f32)
-    got, mine = jax.vjp(lambda *a: nc.attention(*a, mask=mask, is_causal=True, **kw), q, k, v)
-    return [relative_error(a, b) for a, b in zip((got, *mine(ct)), (want, *pull(ct.astype(jnp.float32))), strict=True)]
+    want, pull = jax.vjp(ref, *(x.astype(jnp.float32) for x in (q, k, v, a)[:n]))
+    def attention(*x):
+        return nc.attention(*x[:3], **{kind: x[3] if n == 4 else a}, is_causal=True, **kw)
+
+    got, mine = jax.vjp(attention, *(q, k, v, a)[:n])
+    return [relative_error(g, w) for g, w in zip((got, *mine(ct)), (want, *pull(ct.astype(jnp.float32))), strict=True)]
 
 
-@pytest.mark.parametrize("shape", [(2, 1, 1, 256), (2, 1, 256, 1)], ids=["keys", "queries"])
-def test_a_padding_mask_runs_on_mosaic(hopper, key, shape):
-    """A bool padding mask of the keys (``[B, 1, 1, N]``, the commonest mask ``jax.nn`` users pass) or of the queries
-    is a vector: Mosaic GPU copies no ``i1`` array, so the kernel holds it in f32 (``MosaicLowered.held``), and
-    ``library.keep_where`` spreads it over the scores before reading it as a condition (compared as a vector, the
-    ``i1`` result met no layout). 'auto' on sm_90 takes Mosaic for every kernel, each lowering for CUDA (before: Triton
-    for all but Δ); interpreted on Mosaic, output and gradients match ``jax.nn`` in f32."""
-    q, k, v, ct, mask = _key_padding(key, shape=shape)
+#: the vectors along one sequence axis Mosaic holds in f32 (``MosaicLowered.held``): (keyword, shape)
+VECTOR_INPUTS = [("bias", (2, 1, 1, 256)), ("bias", (1, 2, 1, 256)), ("mask", (2, 1, 1, 256)), ("mask", (2, 1, 256, 1))]
+VECTOR_IDS = ["bias-per-batch-key", "bias-per-head-key", "mask-keys", "mask-queries"]
+
+
+@pytest.mark.parametrize(("kind", "shape"), VECTOR_INPUTS, ids=VECTOR_IDS)
+def test_a_bias_or_padding_mask_per_key_runs_on_mosaic(hopper, key, kind, shape):
+    """A bf16 bias per key (``[B, 1, 1, N]``, additive key padding; ``[1, H, 1, N]``) or a bool padding mask of the
+    keys (``[B, 1, 1, N]``, the commonest mask ``jax.nn`` users pass) or of the queries is a vector along one sequence
+    axis. Mosaic GPU lays out no bf16 vector against a block and copies no ``i1`` array, so the kernel holds it in f32
+    (``MosaicLowered.held``), and ``library.keep_where`` spreads a mask over the scores before reading it as a
+    condition (compared as a vector, the ``i1`` result met no layout). 'auto' on sm_90 takes Mosaic for every kernel,
+    each lowering for CUDA (before: Triton for all but Δ, the vector 'not measured'); interpreted on Mosaic, output
+    and every gradient match ``jax.nn`` in f32."""
+    q, k, v, ct, a = _vector_input(key, kind, shape)
     hopper()
-    kernel = nc.attention.kernel_for(q, k, v, mask=mask, is_causal=True, interpret=False).kernel
+    kernel = nc.attention.kernel_for(q, k, v, **{kind: a}, is_causal=True, interpret=False).kernel
     assert set(kernel.backends.values()) == {"mosaic"}, kernel.refused
     assert all(m.lowering_error() is None for m in [kernel.forward.mosaic, *kernel.kernels[1:]]), kernel.backends
-    errors = _key_padding_errors(*_key_padding(key, 64, shape), backend="mosaic", interpret=True)
-    # measured 1.9e-3 … 2.6e-3 over seeds 0-2 (bf16 rounding); a mask dropped or misread gives errors of order 0.1-1
+    # interpreted at D = 64: at 128 the interpreter's staged P (32 KiB) leaves dQ's 128-key chunks no room
+    errors = _vector_input_errors(*_vector_input(key, kind, shape, 64), kind, backend="mosaic", interpret=True)
+    # measured over seeds 0-2 (bf16 rounding of the output and gradients): bias 1.7e-3 … 3.3e-3, mask 1.9e-3 … 2.6e-3;
+    # a bias or mask dropped or read at the wrong key gives errors of order 0.1-1
     assert max(errors) <= BF16, errors
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(2, 1, 1, 256), (2, 1, 256, 1)], ids=["keys", "queries"])
-def test_compiled_padding_mask_on_mosaic(key, shape):
-    """The bool padding mask compiled on the GPU under 'auto' (every kernel on Mosaic on sm_90), output and
-    gradients against ``jax.nn`` in f32."""
-    q, k, v, ct, mask = _key_padding(key, shape=shape)
-    kernel = nc.attention.kernel_for(q, k, v, mask=mask, is_causal=True).kernel
-    errors = _key_padding_errors(q, k, v, ct, mask)
+@pytest.mark.parametrize(("kind", "shape"), VECTOR_INPUTS, ids=VECTOR_IDS)
+def test_compiled_bias_or_padding_mask_per_key_on_mosaic(key, kind, shape):
+    """The bf16 bias per key and the bool padding mask compiled on the GPU under 'auto' (every kernel on Mosaic on
+    sm_90), output and every gradient against ``jax.nn`` in f32."""
+    q, k, v, ct, a = _vector_input(key, kind, shape)
+    kernel = nc.attention.kernel_for(q, k, v, **{kind: a}, is_causal=True).kernel
+    errors = _vector_input_errors(q, k, v, ct, a, kind)
     assert max(errors) <= COMPILED_GRAD, (errors, kernel.backends)
 
 
