@@ -113,20 +113,53 @@ def test_mosaic_interprets_fp8_wgmma(key, causal):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_fp8_mosaic_lowers_for_cuda(causal):
-    """The compiled path at D = 128, tile 128, chunk 128 lowers to Mosaic GPU for CUDA on the CPU: e4m3 wgmma, P
-    staged through shared memory (jax 0.11.2's layout inference has no relayout to wgmma's 8-bit register operand),
-    accumulation in place, ping-pong on."""
+    """The compiled path at D = 128, tile 128, chunk 128 lowers to Mosaic GPU for CUDA on the CPU: e4m3 wgmma, P in
+    registers read as wgmma's 8-bit operand (no staging buffer), V's keys interleaved to match, ping-pong on."""
     b, h, q, x, d = nc.axes("b h q x d", d=128)
     att = nc.library.dot_product_attention(
         q, x, d, batch=(b, h), seq_at=1, causal=causal, dtype=nc.fp8_e4m3, out_dtype=nc.bf16, values_keys_last=True
     )
     sched = derive(att, tile(q, 128), stream(x, 128), scale_probabilities("x", 256.0), verify=False)
     k = MosaicLowered(plan(sched.diagram), interpret=False)
-    assert k.staged and not k.config.interpretable and k.pingpong
-    assert "staged through shared memory in fp8_e4m3" in k.source
+    assert not k.staged and not k.staging and k.interleaved == (2,) and k.pingpong
+    assert "in FP8 from registers" in k.source
     args = [jax.ShapeDtypeStruct((1, 256, 1, 128), E4M3)] * 2 + [jax.ShapeDtypeStruct((1, 1, 128, 256), E4M3)]
     text = jax.jit(k).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "f8E4M3FN" in text and "wgmma" in text
+
+
+def test_p_in_registers_meets_v_with_its_keys_in_the_same_order():
+    """P·V in FP8 with P in registers: read as it lies in wgmma's f32 accumulator layout, P is the 8-bit operand of
+    P with each 16 columns in ``KEY_ORDER`` (so V's keys are laid out alike, ``interleave_keys``). Checked on jax's
+    own definitions of the two register layouts: for every thread, register and lane of the 8-bit operand, the
+    element it holds (``pairs_of``'s two accumulator registers, side by side) is the accumulator's element at the row
+    it stands for and the column ``KEY_ORDER`` names."""
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+
+    from lowering.mosaic._arrays import KEY_ORDER, interleave_keys, pairs_of
+
+    shape = (128, 128)
+
+    def held(layout):  # (warp, lane, register, position in it) -> the logical (row, column) a thread holds there
+        t, where = layout.tiling, {}
+        for rc in np.ndindex(shape):
+            i = list(t.tile_indices(rc))
+            warp = i[layout.warp_dims[0]]
+            (a, b), sizes = layout.lane_dims, t.tile_shape(shape)
+            lane, pos = i[a] * sizes[b] + i[b], i[layout.vector_dim]
+            for d in (*layout.warp_dims, *layout.lane_dims, layout.vector_dim):
+                i[d] = 0
+            where[warp, lane, tuple(i), pos] = rc
+        return where
+
+    acc, eight = held(fa.WGMMA_LAYOUT), held(fa.WGMMA_LAYOUT_8BIT)
+    assert len(acc) == len(eight) == shape[0] * shape[1]
+    for (warp, lane, reg, pos), (row, col) in eight.items():
+        src = acc[warp, lane, pairs_of(reg)[pos // 2], pos % 2]
+        assert src == (row, col - col % 16 + KEY_ORDER[col % 16])
+    keys = np.asarray(interleave_keys(jnp.arange(64)))  # position 16c + p holds key 16c + KEY_ORDER[p]
+    np.testing.assert_array_equal(keys, [c + KEY_ORDER[p] for c in range(0, 64, 16) for p in range(16)])
+    assert sorted(KEY_ORDER) == list(range(16))
 
 
 def test_fp8_wgmma_needs_v_keys_innermost():

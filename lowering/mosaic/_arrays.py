@@ -4,6 +4,7 @@ resident in shared memory (:class:`Smem`), and contractions issued as ``wgmma`` 
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -198,8 +199,10 @@ class MosaicArrays:
         if isinstance(a, Smem):
             return a.ready()
         transposed = isinstance(a, Transposed)
-        a = value_of(a.value if transposed else a).astype(dtype)  # the operands meet in B's type (FA2 casts P to
-        # V's; FP8 rounds P to e4m3 here)
+        a = value_of(a.value if transposed else a)
+        if jnp.dtype(dtype).itemsize == 1 and not (self.staging is not None and (self.every or transposed)):
+            return fp8_operand(a, dtype)  # the keys interleaved: the wrapper lays V's out alike (interleave_keys)
+        a = a.astype(dtype)  # the operands meet in B's type (FA2 casts P to V's; FP8 rounds P to e4m3 here)
         if self.staging is None or not (self.every or transposed):
             return a
         if tuple(a.shape) != tuple(self.staging.shape):
@@ -256,6 +259,64 @@ class MosaicArrays:
         """A constant in the accumulator's layout (loop-carried states must keep one layout)."""
         layout = plgpu.Layout.WGMMA if len(shape) == 2 else plgpu.Layout.WGMMA.reduce(1)
         return plgpu.layout_cast(jnp.full(shape, value, jnp.float32), layout)
+
+
+#: FP8 P·V with P in registers (FlashAttention-3's trick). In wgmma's f32 accumulator layout a thread holds, of
+#: each 16 columns of a row, columns 2t, 2t+1, 8+2t, 9+2t (t = lane mod 4); in its 8-bit A operand layout, columns
+#: 4t … 4t+3. Read as an A operand as they lie, P's columns come in this order: position 4t + j of each 16 holds
+#: key ``KEY_ORDER[4t + j]``. A contraction is unchanged by one permutation of its axis on both sides, so the
+#: wrapper lays the FP8 V's keys out in the same order (``interleave_keys``) and no byte moves between threads.
+KEY_ORDER = np.array([k for t in range(4) for k in (2 * t, 2 * t + 1, 8 + 2 * t, 9 + 2 * t)])
+
+
+def interleave_keys(v, axis: int = -1):
+    """``v`` with each 16 consecutive keys along ``axis`` in :data:`KEY_ORDER`: an FP8 V whose keys meet P in
+    registers (its extent a multiple of 16; the kernel's chunks are of 64).
+
+    >>> import jax.numpy as jnp
+    >>> interleave_keys(jnp.arange(16)).tolist()
+    [0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15]
+    """
+    # key 8a + 2t + j of each 16 goes to position 4t + 2a + j: a swap of two axes, a transpose XLA fuses with the
+    # entry's own of V (a gather there read V strided: 0.15 ms at 32 MiB on an H200)
+    axis, shape = axis % v.ndim, v.shape
+    split = v.reshape(*shape[:axis], shape[axis] // 16, 2, 4, 2, *shape[axis + 1 :])
+    return jnp.swapaxes(split, axis + 1, axis + 2).reshape(shape)
+
+
+def pairs_of(i: tuple) -> tuple:
+    """The two registers of wgmma's accumulator layout (8-column tiles, two values each) that make register ``i`` of
+    its 8-bit layout (16-column tiles, four each), in order: the same rows, column tiles ``2c`` and ``2c + 1``.
+
+    >>> pairs_of((0, 3, 0, 0, 1, 0, 0, 0, 0))
+    ((0, 6, 0, 0, 1, 0, 0, 0, 0), (0, 7, 0, 0, 1, 0, 0, 0, 0))
+    """
+    return (i[0], 2 * i[1], *i[2:]), (i[0], 2 * i[1] + 1, *i[2:])
+
+
+def fp8_operand(p, dtype):
+    """``p`` (f32, wgmma's accumulator layout) rounded to ``dtype`` (8-bit) and read, without moving, as wgmma's 8-bit
+    A operand: each thread's two pairs of each 16 columns become its four (:data:`KEY_ORDER`). jax 0.11.2's Mosaic
+    GPU has no relayout between the two layouts; written at the level of its registers (``plgpu.inline_mgpu``), which
+    interpret mode does not run (it stages P through shared memory instead)."""
+    import jax.experimental.mosaic.gpu as mgpu
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils
+
+    shape = tuple(p.shape)
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA,),
+        return_type=plgpu.ShapeDtypeStruct(shape, dtype, layout=plgpu.Layout.WGMMA_8BIT),
+    )
+    def reread(_, acc):
+        pairs = acc.astype(utils.dtype_to_ir_type(jnp.dtype(dtype))).registers  # [row tiles, 8-column tiles, …]
+        quads = np.empty(fa.WGMMA_LAYOUT_8BIT.registers_shape(shape), dtype=object)  # [row tiles, 16-col tiles, …]
+        for i in np.ndindex(quads.shape):
+            quads[i] = utils.vector_concat([pairs[j] for j in pairs_of(i)])
+        return mgpu.FragmentedArray(_registers=quads, _layout=fa.WGMMA_LAYOUT_8BIT, _is_signed=None)
+
+    return reread(p)
 
 
 def _fp8(v) -> bool:

@@ -27,7 +27,8 @@ class _Scratch(NamedTuple):
     """A kernel's shared memory and barriers (``MosaicLowered._call``'s ``scratch_types``, in order): the rings of the
     streamed inputs, the resident tiles, the outputs' own buffers, each ring's ``loaded`` and ``consumed`` barriers,
     each tile's ``arrived``, the interpret-mode ping-pong ``turn`` (compiled kernels pass a named barrier, which takes
-    no shared memory) and the ``staging`` buffer of a register A operand (interpret mode, FP8; None without them)."""
+    no shared memory) and the ``staging`` buffer of a register A operand (interpret mode; the fused backward's dS;
+    None without them)."""
 
     rings: Any
     tiles: Any

@@ -44,7 +44,7 @@ from lowering._plan import NotLowerable, Plan, base2, unweave
 from lowering._sparsity import Sparsity, described, sparsity
 from lowering._spmd import out_structs, varying_like
 from lowering._target import check_interpreter_pool, interpreted
-from lowering.mosaic._arrays import Counting
+from lowering.mosaic._arrays import Counting, interleave_keys
 from lowering.mosaic._config import REGISTERS, SMEM_ALIGNMENT, SMEM_LIMIT, WGMMA_M, MosaicConfig, wgmma_takes
 from lowering.mosaic._kernel import MosaicKernel
 from napkin_cat.diagram import Diagram, is_structural
@@ -129,12 +129,14 @@ class MosaicLowered:
         #: [streamed axis, whole] block in f32, added into the zeroed output by a TMA reduce-add
         self.summed = tuple(sorted(p.summed))
         self._check_wires()
-        #: whether a register A operand (P) goes through shared memory: in interpret mode, and where it meets an FP8
-        #: operand (jax 0.11.2's Mosaic GPU layout inference has no relayout from wgmma's f32 accumulator layout to
-        #: its 8-bit A operand layout, so P in e4m3 is stored, swizzled, and read as an A operand from there). P
-        #: meets the streamed input contracted over the streamed axis, laid out with it innermost (FP8's V,
-        #: ``[e, x]``); an FP8 K (``[x, d]``) with a 16-bit V (FAN's mixed algorithm) keeps P in registers
-        self.staged = self.config.interpretable or self._fp8_values()
+        #: whether a register A operand (P) goes through shared memory: in interpret mode (which runs no wgmma
+        #: from registers)
+        self.staged = self.config.interpretable
+        #: the streamed FP8 inputs P meets in registers, by position: laid out with the streamed axis innermost
+        #: (FP8's V, ``[e, x]``, contracted over it), their keys interleaved by the wrapper as P's are in registers
+        #: (``_arrays.interleave_keys``); compiled only. An FP8 K (``[x, d]``) with a 16-bit V (FAN's mixed
+        #: algorithm) meets P in 16 bits
+        self.interleaved = () if self.staged else self._fp8_values()
         #: whether the kernel holds a staging buffer: where P is staged, and where a summed output's product reads a
         #: register operand transposed (dQ = dSᵀ·K, dS held as [keys, queries]: written to shared memory, read back
         #: transposed, FlashAttention-3's dS in shared memory)
@@ -301,8 +303,9 @@ class MosaicLowered:
                 else "no loop: every input a resident tile",
                 f"consumers walk: {' ; '.join(b.name for b in self.d.boxes)}",
                 *(
-                    f"register A operands staged through shared memory in {self._staged_dtype()} (FP8 wgmma)"
-                    for _ in range(self.staged and not c.interpretable and bool(self.x))
+                    f"P meets {self.d.dom.inside[i].describe()} in FP8 from registers, read as wgmma's 8-bit operand "
+                    "as it lies; that input's keys interleaved to match by the wrapper (KEY_ORDER)"
+                    for i in self.interleaved
                 ),
                 *(
                     f"output {self.d.cod.inside[k].describe()} summed over {self.q}: each chunk's partial stored "
@@ -506,7 +509,7 @@ class MosaicLowered:
     def smem_bytes(self, extent: dict) -> int:
         """Shared memory held: per streamed input ``stages`` chunks, per resident input and output one tile per
         consumer (an output written into a resident input's tile takes none), the staging buffer of a register operand
-        (interpret mode, FP8; the fused backward's dS, read transposed), and the barriers; each allocation starts on a
+        (interpret mode; the fused backward's dS, read transposed), and the barriers; each allocation starts on a
         1,024 B boundary, as Mosaic GPU places them (``SMEM_ALIGNMENT``; a vector of 64 f32 rows per consumer takes
         1,024 B, not 512: attention sinks' dQ at D = 128 needed 234,656 B where the unaligned count said 230,912).
 
@@ -557,10 +560,12 @@ class MosaicLowered:
         """The streamed 2-D input blocks (K and V, one chunk of each)."""
         return [w for w in self.d.dom.inside if self._role(w) == "stream" and len(w.axes) == 2]
 
-    def _fp8_values(self) -> bool:
-        """Whether P meets an FP8 V: a streamed FP8 block laid out with the streamed axis innermost (``[e, x]``,
-        contracted over it); an FP8 K (``[x, d]``) with a 16-bit V is FAN's mixed algorithm."""
-        return any(w.dtype in FP8 and w.names[-1] == self.x for w in self._streamed_blocks())
+    def _fp8_values(self) -> tuple:
+        """The inputs P meets in FP8, by position: streamed FP8 blocks laid out with the streamed axis innermost
+        (``[e, x]``, contracted over it); an FP8 K (``[x, d]``) with a 16-bit V is FAN's mixed algorithm."""
+        blocks = {id(w) for w in self._streamed_blocks()}
+        wires = self.d.dom.inside
+        return tuple(i for i, w in enumerate(wires) if id(w) in blocks and w.dtype in FP8 and w.names[-1] == self.x)
 
     def _staged_dtype(self):
         """The dtype a staged A operand takes: V's, which it meets in a wgmma: the streamed blocks' (one dtype), or with
@@ -644,8 +649,13 @@ class MosaicLowered:
             interpret=plgpu.InterpretGPUParams() if self.interpret else None,
         )
         lists = [blocks.lists] if blocks.listed else []
-        # made in the kernel: never passed; vectors of 16-bit floats or bools as f32 (:meth:`held`)
-        passed = [a.astype(self.held(wires[i])) for i, a in enumerate(arrays) if i not in self.made]
+        # made in the kernel: never passed; vectors of 16-bit floats or bools as f32 (:meth:`held`); an FP8 V's
+        # keys in the order P's are in registers
+        passed = [
+            interleave_keys(a) if i in self.interleaved else a.astype(self.held(wires[i]))
+            for i, a in enumerate(arrays)
+            if i not in self.made
+        ]
         tables = [] if pm is None else [table]
         outs = iter(call(*passed, *(b for _, b in blocks.bounds), *lists, *tables, *summed))
         added = iter(r[...].sum(0) if self.interpret else r[...] for r in summed)

@@ -6,8 +6,10 @@ already in its own layout:
 
 * ``napkin fp8``: ``nc.attention(q8, k8, v8, fp8_scales=...)`` as a user calls it (``backend="auto"``; it transposes
   V to keys innermost in XLA, timed with it);
-* ``napkin fp8 kernel``: the same kernel called on V already laid out ``[B, H, D, N]`` (its own layout);
-* ``napkin fp8 g<tile> s<chunk>``: the Mosaic kernel at other blocks (``--blocks``), V ``[B, H, D, N]``;
+* ``napkin fp8 kernel``: the same kernel called on V already laid out ``[B, H, D, N]`` (its own layout; its wrapper
+  still interleaves V's keys, one pass over V, which the entry's transpose absorbs: ``docs/mosaic.md``);
+* ``napkin fp8 g<tile> s<chunk>[ <n> stages]``: the Mosaic kernel at other blocks and ring depths (``--blocks``),
+  V ``[B, H, D, N]``;
 * ``napkin fp8 triton``: ``backend="triton"`` (``tl.dot`` on e4m3);
 * ``napkin fp8·bf16 mixed``: FAN's mixed algorithm (its table's row 16), ``nc.attention(q8, k8, v16, fp8_scales=...)``:
   Q·Kᵀ in FP8, P·V in bf16 with P kept in registers, V bf16 as the caller lays it out;
@@ -28,7 +30,8 @@ functor's prediction for their kernel (``lowering.predicted_time``: tensor-core,
 in waves) and the measured / predicted ratio. Writes ``fp8_<GPU>.json`` and ``.png``
 under ``--out`` (after every configuration) and prints each row with its ratios.
 
-    python papers/flash_attention/fp8.py [--out DIR] [--n 2048,8192] [--causal 0,1] [--blocks 128x256,256x64] [--d 128]
+    python papers/flash_attention/fp8.py [--out DIR] [--n 2048,8192] [--causal 0,1] [--blocks 128x256,128x128x3]
+                                         [--d 128]
     python papers/flash_attention/fp8.py --smoke   # CPU, tiny sizes, interpret mode, cuDNN skipped
 """
 
@@ -150,8 +153,8 @@ def implementations(causal: bool, gpu: bool, scale_s: float, blocks: list, inter
     fp8 = dict(fp8_scales=scales(scale_s), is_causal=causal, interpret=interpret or None)
     impls = {"napkin fp8": ("bnhd", lambda q, k, v: nc.attention(q, k, v, **fp8))}
     impls["napkin fp8 kernel"] = ("vt", lambda q, k, v: nc.attention.kernel_for(q, k, v, **fp8))  # built per shape
-    for g, s in blocks:
-        impls[f"napkin fp8 g{g} s{s}"] = ("vt", (g, s))
+    for g, s, *stages in blocks:
+        impls[f"napkin fp8 g{g} s{s}" + "".join(f" {n} stages" for n in stages)] = ("vt", (g, s, *stages))
     impls["napkin fp8 triton"] = ("bnhd", lambda q, k, v: nc.attention(q, k, v, backend="triton", **fp8))
     mixed = dict(fp8, fp8_scales=MIXED_SCALES)
     impls["napkin fp8·bf16 mixed"] = ("mixed", lambda q, k, v: nc.attention(q, k, v, **mixed))
@@ -167,16 +170,18 @@ def implementations(causal: bool, gpu: bool, scale_s: float, blocks: list, inter
     return impls
 
 
-def blocked(sig: Signature, g: int, s: int, interpret: bool):
-    """The FP8 kernel of ``sig`` at tile ``g`` and chunk ``s`` on Mosaic, called on (q, k, V [B, H, D, N])."""
+def blocked(sig: Signature, g: int, s: int, *stages: int, interpret: bool):
+    """The FP8 kernel of ``sig`` at tile ``g`` and chunk ``s`` (and ring ``stages``) on Mosaic, called on (q, k,
+    V [B, H, D, N])."""
     steps = (tile(QUERIES, g), stream(KEYS, s), scale_probabilities(KEYS, sig.fp8.scale_s))
-    return lower(derive(sig.diagram(), *steps, verify=False), "mosaic", interpret=interpret)
+    config = {"config": MosaicConfig(stages=stages[0])} if stages else {}
+    return lower(derive(sig.diagram(), *steps, verify=False), "mosaic", interpret=interpret, **config)
 
 
 def measure(name, layout, f, arrays, causal, flops, sig, interpret) -> dict:
     q8, k8, v8, vt8, bf = arrays
     if layout == "vt" and isinstance(f, tuple):
-        f = blocked(sig, *f, interpret)
+        f = blocked(sig, *f, interpret=interpret)
     elif f == "row 16":
         d = q8.shape[-1]
         f = lower(row_16(d, causal, scale=d**-0.5), "mosaic", interpret=interpret, config=ROW_16)
@@ -295,7 +300,7 @@ def main(argv=None) -> dict:
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--n", default="2048,8192")
     p.add_argument("--causal", default="0,1")
-    p.add_argument("--blocks", default="128x256,256x64", help="Mosaic FP8 (tile x chunk) beside the entry's")
+    p.add_argument("--blocks", default="128x256,256x64", help="Mosaic FP8 (tile x chunk[x stages]) beside the entry's")
     p.add_argument("--scale-s", type=float, default=256.0, help="the probabilities' scale (cuDNN's scale_s)")
     p.add_argument("--d", type=int, default=128, help="head dim (row 16 fits the registers at 64)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny sizes, interpret mode, cuDNN skipped")
