@@ -25,6 +25,7 @@ from napkin_cat.dtypes import dtype as as_dtype
 from napkin_cat.errors import AxisError, NapkinError
 from napkin_cat.generators._arrays import JAX
 from napkin_cat.generators._base import Generator, align, fname
+from napkin_cat.generators._vectors import plain
 
 #: name: (flops per element, transcendentals per element); the function is ``ctx.xp.<name>``
 ELEMENTWISE: dict[str, tuple[int, int]] = {
@@ -71,7 +72,7 @@ class Partial:
         shape = jnp.broadcast_shapes(jnp.shape(ct), *map(jnp.shape, args))
         i, ct = self.arg, jnp.broadcast_to(ct, shape)
         _, pull = jax.vjp(lambda a: f(*args[:i], a, *args[i + 1 :]), jnp.broadcast_to(args[i], shape))
-        return pull(ct)[0]
+        return plain(lambda c: pull(c)[0])(ct)  # add_any as add: a kernel lowers it
 
     @property
     def __name__(self):

@@ -725,7 +725,7 @@ class Captured:
     def _traced(self, shape: tuple, values: list):
         """The function's trace run on ``values`` broadcast to ``shape`` (each cast to its seed's dtype)."""
         jaxpr, split, seeds = self.jaxpr, self._split, self._seeds
-        values = [jnp.broadcast_to(x, shape).astype(v.aval.dtype) for x, v in zip(values, seeds, strict=True)]
+        values = [_cast(jnp.broadcast_to(x, shape), v.aval.dtype) for x, v in zip(values, seeds, strict=True)]
 
         def one(*xs):
             return _run(split.kernel, dict(zip(seeds, xs, strict=True)), jaxpr.outvars)[0]
@@ -733,6 +733,18 @@ class Captured:
         for _ in shape:
             one = jax.vmap(one)
         return one(*values)
+
+
+def _cast(x, dtype):
+    """``x`` in ``dtype``; a Boolean as ``x != 0`` (what a cast to bool computes), a comparison every backend lowers:
+    Mosaic GPU (jax 0.11.2) converts no block to ``i1`` (a read held in f32, ``MosaicLowered.held``, arrives so).
+
+    >>> _cast(jnp.array([0.0, 2.0, jnp.nan]), jnp.bool_).tolist()
+    [False, True, True]
+    """
+    if jnp.dtype(dtype) == jnp.bool_ and jnp.result_type(x) != jnp.bool_:
+        return x != 0
+    return x.astype(dtype)
 
 
 @dataclass(frozen=True)

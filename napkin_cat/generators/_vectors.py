@@ -22,15 +22,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax._src.interpreters.partial_eval import dce_jaxpr  # no public API prunes a jaxpr (jax 0.11.2)
-from jax.extend.core import ClosedJaxpr, Literal, jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr, Literal
 
 from napkin_cat.errors import NapkinError
 
 #: the primitives computed element by element (with numpy broadcasting of unit axes and scalars): an operation on
 #: vectors along one axis stays a vector
 PRIMITIVES = frozenset(
-    """abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type cos cosh div eq erf
-    erf_inv erfc exp exp2 expm1 floor ge gt integer_pow is_finite le log log1p logistic lt max min mul ne neg
+    """abs acos acosh add add_any and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type cos cosh div eq
+    erf erf_inv erfc exp exp2 expm1 floor ge gt integer_pow is_finite le log log1p logistic lt max min mul ne neg
     nextafter not or population_count pow reduce_precision rem round rsqrt select_n shift_left shift_right_arithmetic
     shift_right_logical sign sin sinh sqrt square sub tan tanh xor""".split()
 )
@@ -163,7 +163,7 @@ def on_blocks(fn: Callable, args: list, spread: Callable, shape: tuple):
         for a, r in zip(args, read, strict=True)
         if r
     ]
-    return jaxpr_as_fun(closed)(*grids)[0]
+    return evaluated(closed.jaxpr, closed.consts, grids)[0]
 
 
 def pruned_trace(fn: Callable, avals: list) -> tuple[ClosedJaxpr, list]:
@@ -230,8 +230,7 @@ def _elementwise(e, ins: list, spread: Callable) -> list:
         v.value if v.dims == dims or (not v.dims and not (cases and i)) else v.over(dims, shape, spread)
         for i, v in enumerate(ins)
     ]
-    outs = e.primitive.bind(*values, **e.params)
-    return [Vector(o, dims, shape) for o in (outs if e.primitive.multiple_results else [outs])]
+    return [Vector(o, dims, shape) for o in _bound(e, values)]
 
 
 def _moved(v: Vector, shape: tuple, broadcast: tuple | None) -> Vector:
@@ -241,3 +240,53 @@ def _moved(v: Vector, shape: tuple, broadcast: tuple | None) -> Vector:
     before = [d for d, n in enumerate(v.shape) if n > 1]
     after = [d for d, n in enumerate(shape) if n > 1]  # the same sizes in the same order (checked)
     return Vector(v.value, tuple(after[before.index(d)] for d in v.dims), shape)
+
+
+def _bound(e, values: list) -> list:
+    """Equation ``e`` on ``values``; autodiff's ``add_any`` (the sum of two cotangents or tangents, as the derivative
+    of a function reading its argument twice makes) as ``add``, which every kernel backend lowers (Pallas's Mosaic GPU
+    lowering has no rule for ``add_any``, jax 0.11.2)."""
+    if e.primitive.name == "add_any":
+        return [jax.lax.add(*values)]
+    outs = e.primitive.bind(*values, **e.params)
+    return outs if e.primitive.multiple_results else [outs]
+
+
+def evaluated(jaxpr, consts: list, args: list) -> list:
+    """A jaxpr's outputs on ``args``, each equation bound as it is but ``add_any``, bound as ``add``; the calls of
+    ``jit`` run inside (as :func:`jax.extend.core.jaxpr_as_fun` would, less that one primitive).
+
+    >>> f = jax.make_jaxpr(lambda x: jax.grad(lambda v: v * v)(x))(3.0)
+    >>> "add_any" in str(f), float(evaluated(f.jaxpr, f.consts, [3.0])[0])
+    (True, 6.0)
+    """
+    env = {}
+
+    def read(v):
+        return v.val if isinstance(v, Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    for e in jaxpr.eqns:
+        ins, inner = [read(v) for v in e.invars], e.params.get("jaxpr")
+        if e.primitive.name in ("jit", "pjit") and hasattr(inner, "consts"):
+            outs = evaluated(inner.jaxpr, inner.consts, ins)
+        else:
+            outs = _bound(e, ins)
+        env.update(zip(e.outvars, outs, strict=True))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def plain(fn: Callable) -> Callable:
+    """``fn`` (of arrays, to one array) traced and run by :func:`evaluated`: a derivative taken inside a kernel, with
+    ``add_any`` bound as ``add``.
+
+    >>> float(plain(jax.grad(lambda v: v * v))(jnp.float32(3.0)))
+    6.0
+    """
+
+    def run(*args):
+        closed = jax.make_jaxpr(fn)(*args)
+        return evaluated(closed.jaxpr, closed.consts, list(args))[0]
+
+    return run
