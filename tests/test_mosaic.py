@@ -398,6 +398,27 @@ def test_flexattention_functions_over_captured_vectors_run_on_mosaic(hopper, key
     assert max(errors) <= BF16, errors
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["padding mask_mod", "where over a read mask", "score read twice"])
+def test_compiled_flexattention_functions_over_captured_vectors_on_mosaic(key, kind):
+    """The three functions above compiled on the GPU under 'auto' (Mosaic for every kernel on sm_90), output and
+    gradients against ``jax.nn`` in f32 with the bias each means."""
+    ks = jax.random.split(key, 5)
+    q, k, v, ct = (jax.random.normal(kk, (2, 1024, 4, 128), jnp.bfloat16) for kk in ks[:4])
+    if kind == "score read twice":
+        a = jax.random.normal(ks[4], (2, 1024))
+    else:
+        a = jax.random.bernoulli(ks[4], 0.8, (2, 1024)).at[:, 0].set(True)
+    kw, bias = _flex_function(kind, a)
+    kernel = nc.attention.kernel_for(q, k, v, **kw, is_causal=True).kernel
+    f32 = (x.astype(jnp.float32) for x in (q, k, v))
+    want, pull = jax.vjp(lambda *x: jax.nn.dot_product_attention(*x, bias=bias, is_causal=True), *f32)
+    got, mine = jax.vjp(lambda *x: nc.attention(*x, **kw, is_causal=True), q, k, v)
+    pairs = zip((got, *mine(ct)), (want, *pull(ct.astype(jnp.float32))), strict=True)
+    errors = [relative_error(g, w) for g, w in pairs]
+    assert max(errors) <= COMPILED_GRAD, (errors, kernel.backends)
+
+
 @contextlib.contextmanager
 def within(seconds: int):
     """Fail (rather than hang the suite) where the block runs longer than ``seconds``."""
