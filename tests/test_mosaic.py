@@ -352,6 +352,16 @@ def test_compiled_bias_or_padding_mask_per_key_on_mosaic(key, kind, shape):
     assert max(errors) <= COMPILED_GRAD, (errors, kernel.backends)
 
 
+def _flex_inputs(key, kind: str, n: int, heads: int):
+    """q, k, v and a cotangent ``[2, n, heads, 128]`` in bf16, and the captured ``[2, n]`` array of ``kind``: a
+    normal table (the score read twice) or a bool padding mask, about a fifth padded, the first key always kept."""
+    ks = jax.random.split(key, 5)
+    q, k, v, ct = (jax.random.normal(kk, (2, n, heads, 128), jnp.bfloat16) for kk in ks[:4])
+    if kind == "score read twice":
+        return q, k, v, ct, jax.random.normal(ks[4], (2, n))
+    return q, k, v, ct, jax.random.bernoulli(ks[4], 0.8, (2, n)).at[:, 0].set(True)
+
+
 def _flex_function(kind: str, a):
     """A FlexAttention user's function over a captured ``[B, N]`` array ``a`` (a bool padding mask, or a float
     table), and the ``jax.nn`` bias ``[B, 1, 1, N]`` it means."""
@@ -374,12 +384,7 @@ def test_flexattention_functions_over_captured_vectors_run_on_mosaic(hopper, key
     (``generators._vectors.plain``). 'auto' on sm_90 takes Mosaic for every kernel, each lowering for CUDA (before:
     Triton, 'Register bitwidth … got 2' or 'Unimplemented primitive … add_any'); the padding mask, interpreted on
     Mosaic, matches ``jax.nn`` in f32, output and gradients."""
-    ks = jax.random.split(key, 5)
-    q, k, v, ct = (jax.random.normal(kk, (2, 256, 2, 128), jnp.bfloat16) for kk in ks[:4])
-    if kind == "score read twice":
-        a = jax.random.normal(ks[4], (2, 256))
-    else:
-        a = jax.random.bernoulli(ks[4], 0.8, (2, 256)).at[:, 0].set(True)
+    q, k, v, ct, a = _flex_inputs(key, kind, n=256, heads=2)
     kw, _ = _flex_function(kind, a)
     hopper()
     kernel = nc.attention.kernel_for(q, k, v, **kw, is_causal=True, interpret=False).kernel
@@ -403,12 +408,7 @@ def test_flexattention_functions_over_captured_vectors_run_on_mosaic(hopper, key
 def test_compiled_flexattention_functions_over_captured_vectors_on_mosaic(key, kind):
     """The three functions above compiled on the GPU under 'auto' (Mosaic for every kernel on sm_90), output and
     gradients against ``jax.nn`` in f32 with the bias each means."""
-    ks = jax.random.split(key, 5)
-    q, k, v, ct = (jax.random.normal(kk, (2, 1024, 4, 128), jnp.bfloat16) for kk in ks[:4])
-    if kind == "score read twice":
-        a = jax.random.normal(ks[4], (2, 1024))
-    else:
-        a = jax.random.bernoulli(ks[4], 0.8, (2, 1024)).at[:, 0].set(True)
+    q, k, v, ct, a = _flex_inputs(key, kind, n=1024, heads=4)
     kw, bias = _flex_function(kind, a)
     kernel = nc.attention.kernel_for(q, k, v, **kw, is_causal=True).kernel
     f32 = (x.astype(jnp.float32) for x in (q, k, v))

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental.pallas import triton as pltriton
-from jax.extend.core import Literal
 
 from lowering._plan import LOG2E
 from napkin_cat.diagram import Diagram
 from napkin_cat.generators import Jax
+from napkin_cat.generators._vectors import plain
 
 TWO_PI = 6.283185307179586
 
@@ -159,41 +158,13 @@ def native_trig(name: str):
 
 def swap_tanh(fn, tanh):
     """``fn`` with every ``tanh`` primitive it computes (inside ``jit`` calls too) replaced by ``tanh``: traced
-    to a jaxpr at each call, then evaluated equation by equation.
+    to a jaxpr at each call, then evaluated equation by equation (:func:`napkin_cat.generators._vectors.plain`).
 
     >>> f = swap_tanh(lambda s: 2 * jnp.tanh(s), jnp.sin)
     >>> bool(jnp.allclose(f(jnp.float32(0.5)), 2 * jnp.sin(0.5)))
     True
     """
-
-    def run(*args):
-        closed = jax.make_jaxpr(fn)(*args)
-        outs = _eval_swapped(closed.jaxpr, closed.consts, args, tanh)
-        return outs[0] if len(outs) == 1 else tuple(outs)
-
-    return run
-
-
-def _eval_swapped(jaxpr, consts, args, tanh):
-    env = {}
-
-    def read(v):
-        return v.val if isinstance(v, Literal) else env[v]
-
-    env.update(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
-    for e in jaxpr.eqns:
-        ins = [read(v) for v in e.invars]
-        inner = e.params.get("jaxpr")
-        if e.primitive is lax.tanh_p:
-            outs = [tanh(*ins)]
-        elif e.primitive.name in ("jit", "pjit", "closed_call") and hasattr(inner, "consts"):
-            outs = _eval_swapped(inner.jaxpr, inner.consts, ins, tanh)
-        else:
-            outs = e.primitive.bind(*ins, **e.params)
-            outs = outs if e.primitive.multiple_results else [outs]
-        env.update(zip(e.outvars, outs, strict=True))
-    return [read(v) for v in jaxpr.outvars]
+    return plain(fn, {"tanh": tanh})
 
 
 def operand_dtype(d: Diagram):

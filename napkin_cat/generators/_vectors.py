@@ -242,19 +242,22 @@ def _moved(v: Vector, shape: tuple, broadcast: tuple | None) -> Vector:
     return Vector(v.value, tuple(after[before.index(d)] for d in v.dims), shape)
 
 
-def _bound(e, values: list) -> list:
-    """Equation ``e`` on ``values``; autodiff's ``add_any`` (the sum of two cotangents or tangents, as the derivative
-    of a function reading its argument twice makes) as ``add``, which every kernel backend lowers (Pallas's Mosaic GPU
-    lowering has no rule for ``add_any``, jax 0.11.2)."""
-    if e.primitive.name == "add_any":
-        return [jax.lax.add(*values)]
+def _bound(e, values: list, swaps: dict | None = None) -> list:
+    """Equation ``e`` on ``values``; a primitive named in ``swaps`` computed by its function there, and autodiff's
+    ``add_any`` (the sum of two cotangents or tangents, as the derivative of a function reading its argument twice
+    makes) as ``add``, which every kernel backend lowers (Pallas's Mosaic GPU lowering has no rule for ``add_any``,
+    jax 0.11.2)."""
+    swap = (swaps or {}).get(e.primitive.name, jax.lax.add if e.primitive.name == "add_any" else None)
+    if swap is not None:
+        return [swap(*values)]
     outs = e.primitive.bind(*values, **e.params)
     return outs if e.primitive.multiple_results else [outs]
 
 
-def evaluated(jaxpr, consts: list, args: list) -> list:
-    """A jaxpr's outputs on ``args``, each equation bound as it is but ``add_any``, bound as ``add``; the calls of
-    ``jit`` run inside (as :func:`jax.extend.core.jaxpr_as_fun` would, less that one primitive).
+def evaluated(jaxpr, consts: list, args: list, swaps: dict | None = None) -> list:
+    """A jaxpr's outputs on ``args``, each equation bound as it is but those :func:`_bound` computes otherwise
+    (``add_any`` as ``add``; the primitives named in ``swaps``); calls run inside (as
+    :func:`jax.extend.core.jaxpr_as_fun` would, less those).
 
     >>> f = jax.make_jaxpr(lambda x: jax.grad(lambda v: v * v)(x))(3.0)
     >>> "add_any" in str(f), float(evaluated(f.jaxpr, f.consts, [3.0])[0])
@@ -269,24 +272,28 @@ def evaluated(jaxpr, consts: list, args: list) -> list:
     env.update(zip(jaxpr.invars, args, strict=True))
     for e in jaxpr.eqns:
         ins, inner = [read(v) for v in e.invars], e.params.get("jaxpr")
-        if e.primitive.name in ("jit", "pjit") and hasattr(inner, "consts"):
-            outs = evaluated(inner.jaxpr, inner.consts, ins)
+        if e.primitive.name in ("jit", "pjit", "closed_call") and hasattr(inner, "consts"):
+            outs = evaluated(inner.jaxpr, inner.consts, ins, swaps)
         else:
-            outs = _bound(e, ins)
+            outs = _bound(e, ins, swaps)
         env.update(zip(e.outvars, outs, strict=True))
     return [read(v) for v in jaxpr.outvars]
 
 
-def plain(fn: Callable) -> Callable:
-    """``fn`` (of arrays, to one array) traced and run by :func:`evaluated`: a derivative taken inside a kernel, with
-    ``add_any`` bound as ``add``.
+def plain(fn: Callable, swaps: dict | None = None) -> Callable:
+    """``fn`` traced at each call and run by :func:`evaluated`: inside a kernel, a derivative with ``add_any`` bound
+    as ``add``; the primitives named in ``swaps`` (``{"tanh": native_tanh}``, inside ``jit`` calls too) computed by
+    their functions there.
 
     >>> float(plain(jax.grad(lambda v: v * v))(jnp.float32(3.0)))
     6.0
+    >>> float(plain(lambda s: 2 * jnp.tanh(s), {"tanh": jnp.sin})(jnp.float32(0.5))) == float(2 * jnp.sin(0.5))
+    True
     """
 
     def run(*args):
         closed = jax.make_jaxpr(fn)(*args)
-        return evaluated(closed.jaxpr, closed.consts, list(args))[0]
+        outs = evaluated(closed.jaxpr, closed.consts, list(args), swaps)
+        return outs[0] if len(outs) == 1 else tuple(outs)
 
     return run
