@@ -9,8 +9,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from lowering._plan import LOG2E
 from napkin_cat.diagram import Diagram
-from napkin_cat.generators import Jax
-from napkin_cat.generators._vectors import plain
+from napkin_cat.generators import Jax, plain
 
 TWO_PI = 6.283185307179586
 

@@ -92,7 +92,7 @@ from napkin_cat.generators._softmax import (
     softmax_contract,
 )
 from napkin_cat.generators._structure import Move, Reshape, merge, move, split
-from napkin_cat.generators._vectors import Later, Unvectorised, Vector, on_blocks, on_vectors
+from napkin_cat.generators._vectors import Later, Unvectorised, Vector, evaluated, on_blocks, on_vectors, plain
 
 __all__ = [
     "FLEX_INDICES",
@@ -164,6 +164,8 @@ __all__ = [
     "normalised_contract",
     "on_blocks",
     "on_vectors",
+    "evaluated",
+    "plain",
     "positional",
     "reduce_max",
     "reduce_min",
