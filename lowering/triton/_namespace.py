@@ -157,7 +157,7 @@ def native_trig(name: str):
 
 def swap_tanh(fn, tanh):
     """``fn`` with every ``tanh`` primitive it computes (inside ``jit`` calls too) replaced by ``tanh``: traced
-    to a jaxpr at each call, then evaluated equation by equation (:func:`napkin_cat.generators._vectors.plain`).
+    to a jaxpr at each call, then evaluated equation by equation (:func:`napkin_cat.generators.plain`).
 
     >>> f = swap_tanh(lambda s: 2 * jnp.tanh(s), jnp.sin)
     >>> bool(jnp.allclose(f(jnp.float32(0.5)), 2 * jnp.sin(0.5)))

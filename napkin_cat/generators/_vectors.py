@@ -250,7 +250,7 @@ def _bound(e, values: list, swaps: dict | None = None) -> list:
     swap = (swaps or {}).get(e.primitive.name, jax.lax.add if e.primitive.name == "add_any" else None)
     if swap is not None:
         return [swap(*values)]
-    outs = e.primitive.bind(*values, **e.params)
+    outs = e.primitive.bind(*values, **e.primitive.get_bind_params(e.params))  # as eval_jaxpr (custom_jvp_call)
     return outs if e.primitive.multiple_results else [outs]
 
 
@@ -289,6 +289,8 @@ def plain(fn: Callable, swaps: dict | None = None) -> Callable:
     6.0
     >>> float(plain(lambda s: 2 * jnp.tanh(s), {"tanh": jnp.sin})(jnp.float32(0.5))) == float(2 * jnp.sin(0.5))
     True
+    >>> plain(lambda s: jax.nn.relu(s) * 2)(jnp.array([-1.0, 2.0])).tolist()  # a custom_jvp function inside
+    [0.0, 4.0]
     """
 
     def run(*args):
